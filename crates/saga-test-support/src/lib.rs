@@ -1,0 +1,21 @@
+//! Test support for the workspace's integration tests, against a real PostgreSQL and a real Kafka-protocol
+//! broker reached over TCP.
+//!
+//! - [`TestDb`]: a schema of its own per test (in the `saga_test` database), with the framework's
+//!   migrations applied; dropped when the test passes, kept (and named) when it fails.
+//! - [`TestKafka`]: uniquely named topics, created explicitly and deleted afterwards, plus helpers to
+//!   produce and to read a topic back.
+//! - [`PrivateBroker`]: a broker process of the test's own, for tests that stop and restart the broker.
+//!
+//! Where a service is unreachable the test fails with a message saying how to start it; it never passes
+//! silently.
+
+mod broker;
+mod db;
+mod env;
+mod kafka;
+
+pub use broker::PrivateBroker;
+pub use db::TestDb;
+pub use env::{database_url, kafka_brokers, unique_name, wait_until};
+pub use kafka::{ReadMessage, TestKafka};
