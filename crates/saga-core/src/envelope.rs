@@ -1,0 +1,469 @@
+//! The envelope around a saga event: what is read from the headers of a consumed message, the decoded
+//! message a step receives, and the follow-up events a step emits (which inherit the saga's key, tenant and
+//! correlation id).
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::headers::{CLOUDEVENTS_SPEC_VERSION, HeaderError, Headers, TraceParent, names};
+use crate::key::{IdempotencyKey, KeyError, StepKey, StepName, TenantId};
+
+/// Longest accepted event type, in bytes.
+pub const MAX_EVENT_TYPE_LEN: usize = 200;
+
+/// Why a consumed message cannot be handled. Every variant is permanent: retrying the same bytes cannot
+/// succeed, so the consumer dead-letters the message at once.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvelopeError {
+    /// A required header is absent.
+    #[error("missing header {0:?}")]
+    MissingHeader(&'static str),
+    /// A header could not be read.
+    #[error(transparent)]
+    Header(#[from] HeaderError),
+    /// A header holds an invalid key, tenant or step name.
+    #[error("invalid header {header:?}: {source}")]
+    InvalidKey {
+        /// The header's name.
+        header: &'static str,
+        /// What is wrong with its value.
+        source: KeyError,
+    },
+    /// The event type header is empty, too long or holds control characters.
+    #[error("invalid event type {0:?}")]
+    InvalidEventType(String),
+    /// The payload is not the JSON the step expects.
+    #[error("payload does not decode: {0}")]
+    Payload(#[from] serde_json::Error),
+}
+
+/// What the framework reads from a message's headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventMetadata {
+    /// The saga's original idempotency key (`idempotency-key`).
+    pub idempotency_key: IdempotencyKey,
+    /// The tenant (`tenant-id`); [`TenantId::default`] when absent.
+    pub tenant: TenantId,
+    /// The event type (`ce_type`).
+    pub event_type: String,
+    /// The message's id (`ce_id`), if the producer set one.
+    pub message_id: Option<String>,
+    /// Who produced the message (`ce_source`).
+    pub source: Option<String>,
+    /// The id shared by the saga's messages (`correlation-id`).
+    pub correlation_id: Option<String>,
+    /// The id of the message that caused this one (`causation-id`).
+    pub causation_id: Option<String>,
+    /// The W3C trace context (`traceparent`); malformed values are ignored.
+    pub traceparent: Option<TraceParent>,
+}
+
+impl EventMetadata {
+    /// Reads the metadata from `headers`. Fails, never panics, on any bytes.
+    pub fn from_headers(headers: &Headers) -> Result<Self, EnvelopeError> {
+        let key = headers
+            .get_str(names::IDEMPOTENCY_KEY)?
+            .ok_or(EnvelopeError::MissingHeader(names::IDEMPOTENCY_KEY))?;
+        let idempotency_key =
+            IdempotencyKey::new(key).map_err(|source| EnvelopeError::InvalidKey {
+                header: names::IDEMPOTENCY_KEY,
+                source,
+            })?;
+        let tenant = match headers.get_str(names::TENANT_ID)? {
+            Some(t) => TenantId::new(t).map_err(|source| EnvelopeError::InvalidKey {
+                header: names::TENANT_ID,
+                source,
+            })?,
+            None => TenantId::default(),
+        };
+        let event_type = headers
+            .get_str(names::CE_TYPE)?
+            .ok_or(EnvelopeError::MissingHeader(names::CE_TYPE))?;
+        validate_event_type(event_type)?;
+        let optional = |name| -> Result<Option<String>, EnvelopeError> {
+            Ok(headers.get_str(name)?.map(str::to_owned))
+        };
+        Ok(Self {
+            idempotency_key,
+            tenant,
+            event_type: event_type.to_owned(),
+            message_id: optional(names::CE_ID)?,
+            source: optional(names::CE_SOURCE)?,
+            correlation_id: optional(names::CORRELATION_ID)?,
+            causation_id: optional(names::CAUSATION_ID)?,
+            traceparent: headers
+                .get_str(names::TRACEPARENT)
+                .ok()
+                .flatten()
+                .and_then(TraceParent::parse),
+        })
+    }
+
+    /// The step key of step `step` for this message.
+    pub fn step_key(&self, step: &StepName) -> StepKey {
+        self.idempotency_key.step_key(step)
+    }
+}
+
+fn validate_event_type(event_type: &str) -> Result<(), EnvelopeError> {
+    if event_type.is_empty()
+        || event_type.len() > MAX_EVENT_TYPE_LEN
+        || event_type.chars().any(char::is_control)
+    {
+        return Err(EnvelopeError::InvalidEventType(event_type.to_owned()));
+    }
+    Ok(())
+}
+
+/// Where a consumed message came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Origin {
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// The message's offset in its partition.
+    pub offset: i64,
+}
+
+/// A consumed message as the broker delivered it, before decoding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawMessage {
+    /// Where it came from.
+    pub origin: Origin,
+    /// The message key.
+    pub key: Option<Vec<u8>>,
+    /// The payload.
+    pub payload: Option<Vec<u8>>,
+    /// The headers.
+    pub headers: Headers,
+    /// The broker or producer timestamp, in milliseconds since the epoch.
+    pub timestamp_ms: Option<i64>,
+}
+
+/// A decoded message, as a step's handler receives it.
+#[derive(Debug, Clone)]
+pub struct Message<P> {
+    /// The typed payload.
+    pub payload: P,
+    /// What the headers say.
+    pub metadata: EventMetadata,
+    /// This step's key: `{original-key}:{step-name}`.
+    pub step_key: StepKey,
+    /// Where the message came from.
+    pub origin: Origin,
+    /// All headers, as received.
+    pub headers: Headers,
+}
+
+impl<P> Message<P> {
+    /// The tenant the message belongs to.
+    pub fn tenant(&self) -> &TenantId {
+        &self.metadata.tenant
+    }
+
+    /// The saga lineage that events emitted while handling this message inherit.
+    pub fn lineage(&self) -> Lineage {
+        Lineage::caused_by(&self.metadata)
+    }
+}
+
+impl<P: DeserializeOwned> Message<P> {
+    /// Decodes `raw` for step `step`: reads the headers, derives the step key and parses the JSON payload.
+    pub fn decode(raw: &RawMessage, step: &StepName) -> Result<Self, EnvelopeError> {
+        let metadata = EventMetadata::from_headers(&raw.headers)?;
+        Self::decode_with(raw, metadata, step)
+    }
+
+    /// Like [`Message::decode`], with headers already read.
+    pub fn decode_with(
+        raw: &RawMessage,
+        metadata: EventMetadata,
+        step: &StepName,
+    ) -> Result<Self, EnvelopeError> {
+        let payload = serde_json::from_slice(raw.payload.as_deref().unwrap_or(b"null"))?;
+        Ok(Self {
+            payload,
+            step_key: metadata.step_key(step),
+            metadata,
+            origin: raw.origin.clone(),
+            headers: raw.headers.clone(),
+        })
+    }
+}
+
+/// What an emitted event inherits from the saga: the original key, the tenant, the correlation id, its cause
+/// and the trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lineage {
+    /// The saga's original idempotency key.
+    pub idempotency_key: IdempotencyKey,
+    /// The saga's tenant.
+    pub tenant: TenantId,
+    /// The saga's correlation id.
+    pub correlation_id: String,
+    /// The id of the message whose handling emits the event, if any.
+    pub causation_id: Option<String>,
+    /// The trace the event continues.
+    pub traceparent: TraceParent,
+}
+
+impl Lineage {
+    /// The lineage of a saga that starts here (an HTTP request, a scheduled job): the correlation id is the
+    /// idempotency key and a new trace begins unless `traceparent` continues one.
+    pub fn root(
+        idempotency_key: IdempotencyKey,
+        tenant: TenantId,
+        traceparent: Option<TraceParent>,
+    ) -> Self {
+        Self {
+            correlation_id: idempotency_key.to_string(),
+            idempotency_key,
+            tenant,
+            causation_id: None,
+            traceparent: traceparent.map_or_else(TraceParent::new_root, |tp| tp.child()),
+        }
+    }
+
+    /// The lineage of events caused by the message described by `cause`.
+    pub fn caused_by(cause: &EventMetadata) -> Self {
+        Self {
+            idempotency_key: cause.idempotency_key.clone(),
+            tenant: cause.tenant.clone(),
+            correlation_id: cause
+                .correlation_id
+                .clone()
+                .unwrap_or_else(|| cause.idempotency_key.to_string()),
+            causation_id: cause.message_id.clone(),
+            traceparent: cause
+                .traceparent
+                .map_or_else(TraceParent::new_root, |tp| tp.child()),
+        }
+    }
+}
+
+/// A follow-up event a step emits. It becomes an outbox row carrying the saga's lineage in its headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// The event type (`ce_type`).
+    pub event_type: String,
+    /// The topic it is published to.
+    pub topic: String,
+    /// The Kafka key (the aggregate id), which decides the partition and the order.
+    pub partition_key: Option<String>,
+    /// The JSON payload.
+    pub payload: Vec<u8>,
+    /// Extra headers, after the framework's own.
+    pub extra_headers: Vec<(String, String)>,
+}
+
+impl Event {
+    /// An event of type `event_type` for `topic`, keyed by `partition_key`, with `payload` as JSON.
+    pub fn new(
+        event_type: impl Into<String>,
+        topic: impl Into<String>,
+        partition_key: impl Into<String>,
+        payload: &impl Serialize,
+    ) -> Result<Self, serde_json::Error> {
+        Ok(Self {
+            event_type: event_type.into(),
+            topic: topic.into(),
+            partition_key: Some(partition_key.into()),
+            payload: serde_json::to_vec(payload)?,
+            extra_headers: Vec::new(),
+        })
+    }
+
+    /// Adds a header of the caller's own.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.extra_headers.push((name.into(), value.into()));
+        self
+    }
+}
+
+/// A row of the transactional outbox: a message to publish as is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    /// The tenant it belongs to.
+    pub tenant: TenantId,
+    /// The topic.
+    pub topic: String,
+    /// The Kafka key.
+    pub partition_key: Option<String>,
+    /// The headers, in order (text values only).
+    pub headers: Vec<(String, String)>,
+    /// The payload.
+    pub payload: Vec<u8>,
+}
+
+impl OutboxMessage {
+    /// The outbox row for `event`, emitted by `source` within `lineage`. Gives the event a new message id.
+    pub fn from_event(event: Event, lineage: &Lineage, source: &str) -> Self {
+        let message_id = uuid::Uuid::now_v7().to_string();
+        let mut headers = vec![
+            (
+                names::CE_SPECVERSION.to_owned(),
+                CLOUDEVENTS_SPEC_VERSION.to_owned(),
+            ),
+            (names::CE_ID.to_owned(), message_id),
+            (names::CE_TYPE.to_owned(), event.event_type),
+            (names::CE_SOURCE.to_owned(), source.to_owned()),
+            (
+                names::CE_TIME.to_owned(),
+                chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            ),
+            (
+                names::CONTENT_TYPE.to_owned(),
+                "application/json".to_owned(),
+            ),
+            (
+                names::IDEMPOTENCY_KEY.to_owned(),
+                lineage.idempotency_key.to_string(),
+            ),
+            (names::TENANT_ID.to_owned(), lineage.tenant.to_string()),
+            (
+                names::CORRELATION_ID.to_owned(),
+                lineage.correlation_id.clone(),
+            ),
+        ];
+        if let Some(causation) = &lineage.causation_id {
+            headers.push((names::CAUSATION_ID.to_owned(), causation.clone()));
+        }
+        headers.push((
+            names::TRACEPARENT.to_owned(),
+            lineage.traceparent.child().to_string(),
+        ));
+        headers.extend(event.extra_headers);
+        Self {
+            tenant: lineage.tenant.clone(),
+            topic: event.topic,
+            partition_key: event.partition_key,
+            headers,
+            payload: event.payload,
+        }
+    }
+
+    /// The headers as a [`Headers`] list.
+    pub fn header_list(&self) -> Headers {
+        self.headers
+            .iter()
+            .fold(Headers::new(), |h, (n, v)| h.with(n.clone(), v.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers() -> Headers {
+        Headers::new()
+            .with(names::IDEMPOTENCY_KEY, "k-1")
+            .with(names::TENANT_ID, "acme")
+            .with(names::CE_TYPE, "OrderCreated")
+            .with(names::CE_ID, "m-1")
+            .with(
+                names::TRACEPARENT,
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )
+    }
+
+    #[test]
+    fn metadata_reads_framework_headers() {
+        let meta = EventMetadata::from_headers(&headers()).unwrap();
+        assert_eq!(meta.idempotency_key.as_str(), "k-1");
+        assert_eq!(meta.tenant.as_str(), "acme");
+        assert_eq!(meta.event_type, "OrderCreated");
+        assert_eq!(meta.message_id.as_deref(), Some("m-1"));
+        assert_eq!(meta.correlation_id, None);
+        assert!(meta.traceparent.is_some());
+    }
+
+    #[test]
+    fn missing_key_and_type_are_reported_by_name() {
+        let mut h = headers();
+        h.remove(names::IDEMPOTENCY_KEY);
+        let err = EventMetadata::from_headers(&h).unwrap_err();
+        assert!(matches!(
+            err,
+            EnvelopeError::MissingHeader("idempotency-key")
+        ));
+        let mut h = headers();
+        h.remove(names::CE_TYPE);
+        let err = EventMetadata::from_headers(&h).unwrap_err();
+        assert_eq!(err.to_string(), "missing header \"ce_type\"");
+        let h = headers().with(names::TENANT_ID, "other");
+        assert!(matches!(
+            EventMetadata::from_headers(&h),
+            Err(EnvelopeError::Header(HeaderError::Conflicting { .. }))
+        ));
+    }
+
+    #[test]
+    fn tenant_defaults_when_absent() {
+        let mut h = headers();
+        h.remove(names::TENANT_ID);
+        assert_eq!(
+            EventMetadata::from_headers(&h).unwrap().tenant.as_str(),
+            "default"
+        );
+    }
+
+    #[test]
+    fn emitted_events_inherit_key_tenant_correlation_and_trace() {
+        let cause = EventMetadata::from_headers(&headers()).unwrap();
+        let lineage = Lineage::caused_by(&cause);
+        let event = Event::new(
+            "PaymentProcessed",
+            "payments",
+            "order-7",
+            &serde_json::json!({"ok": true}),
+        )
+        .unwrap()
+        .with_header("x-extra", "1");
+        let row = OutboxMessage::from_event(event, &lineage, "process-payment");
+        let out = row.header_list();
+        let meta = EventMetadata::from_headers(&out).unwrap();
+        assert_eq!(meta.idempotency_key, cause.idempotency_key);
+        assert_eq!(meta.tenant, cause.tenant);
+        assert_eq!(meta.correlation_id.as_deref(), Some("k-1"));
+        assert_eq!(meta.causation_id.as_deref(), Some("m-1"));
+        assert_eq!(meta.event_type, "PaymentProcessed");
+        assert_eq!(meta.source.as_deref(), Some("process-payment"));
+        assert_ne!(meta.message_id, cause.message_id);
+        let (in_tp, out_tp) = (cause.traceparent.unwrap(), meta.traceparent.unwrap());
+        assert_eq!(in_tp.trace_id, out_tp.trace_id);
+        assert_ne!(in_tp.parent_id, out_tp.parent_id);
+        assert_eq!(out.get_str("x-extra"), Ok(Some("1")));
+        assert_eq!(row.partition_key.as_deref(), Some("order-7"));
+        assert_eq!(row.tenant.as_str(), "acme");
+    }
+
+    #[test]
+    fn decode_reports_bad_json() {
+        let raw = RawMessage {
+            origin: Origin {
+                topic: "t".into(),
+                partition: 0,
+                offset: 3,
+            },
+            key: None,
+            payload: Some(b"{not json".to_vec()),
+            headers: headers(),
+            timestamp_ms: None,
+        };
+        #[derive(Debug, serde::Deserialize)]
+        struct P {
+            #[allow(dead_code)]
+            x: u32,
+        }
+        let err = Message::<P>::decode(&raw, &StepName::from_static("s")).unwrap_err();
+        assert!(matches!(err, EnvelopeError::Payload(_)));
+        let ok = RawMessage {
+            payload: Some(br#"{"x": 5}"#.to_vec()),
+            ..raw
+        };
+        let msg = Message::<P>::decode(&ok, &StepName::from_static("s")).unwrap();
+        assert_eq!(msg.step_key.as_str(), "k-1:s");
+        assert_eq!(msg.payload.x, 5);
+    }
+}

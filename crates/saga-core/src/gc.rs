@@ -1,0 +1,102 @@
+//! Garbage collection of the idempotency store, in bounded batches so that it never holds many row locks or
+//! one long transaction.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+/// What to delete, and how much per statement.
+#[derive(Debug, Clone)]
+pub struct GcPolicy {
+    /// Completed and failed keys older than this (by last update) are deleted. Default: 7 days. Must exceed
+    /// the longest time a message can be redelivered (the topic's retention), or a very late duplicate runs
+    /// again.
+    pub retention: Duration,
+    /// `started` keys whose lease expired longer ago than this are deleted (their worker died and no retry
+    /// came back for them). Default: 1 day.
+    pub abandoned_after: Duration,
+    /// Rows per DELETE statement. Default: 5,000.
+    pub batch_size: u32,
+}
+
+impl Default for GcPolicy {
+    fn default() -> Self {
+        Self {
+            retention: Duration::from_secs(7 * 24 * 3600),
+            abandoned_after: Duration::from_secs(24 * 3600),
+            batch_size: 5_000,
+        }
+    }
+}
+
+/// What a garbage collection run deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Completed and failed keys deleted.
+    pub finished_deleted: u64,
+    /// Abandoned `started` keys deleted.
+    pub abandoned_deleted: u64,
+    /// DELETE statements run (each its own transaction).
+    pub batches: u64,
+}
+
+/// Deletes old finished keys and long-abandoned leases from `saga_idempotency_keys`, `policy.batch_size` rows
+/// per statement, until none is left. Rows locked by running transactions are skipped, not waited for.
+pub async fn collect_idempotency_keys(
+    pool: &PgPool,
+    policy: &GcPolicy,
+) -> Result<GcReport, sqlx::Error> {
+    let mut report = GcReport::default();
+    let finished = "DELETE FROM saga_idempotency_keys WHERE ctid = ANY(ARRAY( \
+            SELECT ctid FROM saga_idempotency_keys \
+            WHERE status <> 'started' AND updated_at < now() - $1 * interval '1 millisecond' \
+            ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
+    let abandoned = "DELETE FROM saga_idempotency_keys WHERE ctid = ANY(ARRAY( \
+            SELECT ctid FROM saga_idempotency_keys \
+            WHERE status = 'started' AND lease_expires_at < now() - $1 * interval '1 millisecond' \
+            ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
+    report.finished_deleted = delete_in_batches(
+        pool,
+        finished,
+        policy.retention,
+        policy.batch_size,
+        &mut report.batches,
+    )
+    .await?;
+    report.abandoned_deleted = delete_in_batches(
+        pool,
+        abandoned,
+        policy.abandoned_after,
+        policy.batch_size,
+        &mut report.batches,
+    )
+    .await?;
+    Ok(report)
+}
+
+/// Runs `statement` (with `$1` an age in milliseconds and `$2` a row limit) until it deletes fewer rows than
+/// the limit. Returns the rows deleted and counts the statements in `batches`.
+pub async fn delete_in_batches(
+    pool: &PgPool,
+    statement: &'static str,
+    older_than: Duration,
+    batch_size: u32,
+    batches: &mut u64,
+) -> Result<u64, sqlx::Error> {
+    let age_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    let limit = i64::from(batch_size.max(1));
+    let mut total = 0;
+    loop {
+        let deleted = sqlx::query(statement)
+            .bind(age_ms)
+            .bind(limit)
+            .execute(pool)
+            .await?
+            .rows_affected();
+        *batches += 1;
+        total += deleted;
+        if deleted < limit.unsigned_abs() {
+            return Ok(total);
+        }
+    }
+}

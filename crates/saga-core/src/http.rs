@@ -1,0 +1,427 @@
+//! An `Idempotency-Key` layer for HTTP entry points: a `tower` layer, usable with axum.
+//!
+//! - A new key runs the handler inside a transaction that also claims the key and stores the response; the
+//!   handler takes that transaction from the [`IdempotentRequest`] extension (an axum extractor), so its
+//!   writes, its outbox rows, the key and the stored response commit together.
+//! - A retry with the same key gets the stored status and body back, marked `Idempotent-Replayed: true`,
+//!   without running the handler.
+//! - The same key with a different request (method, path or body) gets 422; a key whose first request is
+//!   still running gets 409 with `Retry-After`.
+//! - Keys are scoped per tenant (`Tenant-Id` header).
+//! - A 5xx response, or a crash, rolls the transaction back: the key is free for the retry.
+//!
+//! Any non-5xx response is stored and replayed, 4xx included: a request that was invalid stays invalid.
+//! The key is stored in the same idempotency store as saga steps, as step key `{key}:{operation}`.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum_core::extract::FromRequestParts;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::envelope::Lineage;
+use crate::headers::TraceParent;
+use crate::idempotency::{self, KeyStatus, TryClaim};
+use crate::key::{IdempotencyKey, StepName, TenantId};
+use crate::step::StepOutcome;
+
+/// The request header carrying the client's key (HTTP header names are case-insensitive).
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+/// The request header naming the tenant.
+pub const TENANT_HEADER: &str = "tenant-id";
+/// The response header marking a replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Settings of the layer.
+#[derive(Debug, Clone)]
+pub struct IdempotencyConfig {
+    /// What the route does; keys are stored as `{key}:{operation}`.
+    pub operation: StepName,
+    /// The largest request body accepted (bodies are buffered to fingerprint them).
+    pub max_body_bytes: usize,
+}
+
+/// The `tower` layer. See the module documentation.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    pool: PgPool,
+    config: Arc<IdempotencyConfig>,
+}
+
+impl IdempotencyLayer {
+    /// A layer for routes doing `operation`, with its keys in `pool`'s idempotency store.
+    pub fn new(pool: PgPool, operation: StepName) -> Self {
+        Self {
+            pool,
+            config: Arc::new(IdempotencyConfig {
+                operation,
+                max_body_bytes: 1 << 20,
+            }),
+        }
+    }
+
+    /// Replaces the settings.
+    pub fn with_config(mut self, config: IdempotencyConfig) -> Self {
+        self.config = Arc::new(config);
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency {
+            inner,
+            pool: self.pool.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+/// The service the layer produces.
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    pool: PgPool,
+    config: Arc<IdempotencyConfig>,
+}
+
+struct Shared {
+    key: IdempotencyKey,
+    tenant: TenantId,
+    traceparent: Option<TraceParent>,
+    tx: Mutex<Option<Transaction<'static, Postgres>>>,
+}
+
+/// The claimed request, as the handler sees it: the client's key, the tenant, and the transaction the
+/// handler must write in. An axum extractor; rejects with 500 where the layer is not installed.
+#[derive(Clone)]
+pub struct IdempotentRequest(Arc<Shared>);
+
+impl IdempotentRequest {
+    /// The client's idempotency key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.0.key
+    }
+
+    /// The tenant.
+    pub fn tenant(&self) -> &TenantId {
+        &self.0.tenant
+    }
+
+    /// The lineage of the saga this request starts: events it emits carry the client's key as their
+    /// `idempotency-key`, and continue the request's trace.
+    pub fn lineage(&self) -> Lineage {
+        Lineage::root(
+            self.0.key.clone(),
+            self.0.tenant.clone(),
+            self.0.traceparent,
+        )
+    }
+
+    /// The open transaction. Hold the guard only while writing; do not keep it past the handler.
+    pub async fn transaction(&self) -> MappedMutexGuard<'_, PgConnection> {
+        MutexGuard::map(self.0.tx.lock().await, |tx| {
+            &mut **tx
+                .as_mut()
+                .expect("the transaction is open until the handler returns")
+        })
+    }
+
+    async fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        self.0.tx.lock().await.take()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotentRequest {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Self>().cloned().ok_or((
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "IdempotencyLayer is not installed on this route",
+        ))
+    }
+}
+
+/// A response as stored with its key.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct StoredResponse {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl StoredResponse {
+    fn capture(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Option<Self> {
+        let body = String::from_utf8(body.to_vec()).ok()?;
+        let skip = [
+            header::CONTENT_LENGTH,
+            header::TRANSFER_ENCODING,
+            header::CONNECTION,
+            header::DATE,
+        ];
+        let headers = headers
+            .iter()
+            .filter(|(name, _)| !skip.contains(name))
+            .filter_map(|(name, value)| Some((name.to_string(), value.to_str().ok()?.to_owned())))
+            .collect();
+        Some(Self {
+            status: status.as_u16(),
+            headers,
+            body,
+        })
+    }
+
+    fn replay(self) -> Response<Full<Bytes>> {
+        let mut response = Response::new(Full::new(Bytes::from(self.body)));
+        *response.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        for (name, value) in self.headers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::try_from(name.as_str()),
+                HeaderValue::try_from(value.as_str()),
+            ) {
+                response.headers_mut().append(name, value);
+            }
+        }
+        response
+            .headers_mut()
+            .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+        response
+    }
+}
+
+fn problem(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({ "error": message }).to_string();
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// The fingerprint of a request: its method, path and query, and body.
+fn fingerprint(method: &http::Method, uri: &http::Uri, body: &[u8]) -> Vec<u8> {
+    let mut hash = Sha256::new();
+    hash.update(method.as_str().as_bytes());
+    hash.update([0]);
+    hash.update(uri.path_and_query().map_or("", |p| p.as_str()).as_bytes());
+    hash.update([0]);
+    hash.update(body);
+    hash.finalize().to_vec()
+}
+
+impl<S, B, RB> Service<Request<B>> for Idempotency<S>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    B: http_body::Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    type Response = Response<Full<Bytes>>;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // The clone that was polled ready serves this request; a fresh clone waits for the next one.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let pool = self.pool.clone();
+        let config = self.config.clone();
+        Box::pin(handle(inner, pool, config, request))
+    }
+}
+
+async fn handle<S, B, RB>(
+    mut inner: S,
+    pool: PgPool,
+    config: Arc<IdempotencyConfig>,
+    request: Request<B>,
+) -> Result<Response<Full<Bytes>>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    B: http_body::Body + From<Bytes>,
+    B::Error: Into<BoxError>,
+    RB: http_body::Body<Data = Bytes>,
+    RB::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    let key = match parts
+        .headers
+        .get(IDEMPOTENCY_KEY_HEADER)
+        .map(HeaderValue::to_str)
+    {
+        None => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "missing Idempotency-Key header",
+            ));
+        }
+        Some(Err(_)) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Idempotency-Key is not visible ASCII",
+            ));
+        }
+        Some(Ok(value)) => match IdempotencyKey::new(value) {
+            Ok(key) => key,
+            Err(e) => {
+                return Ok(problem(
+                    StatusCode::BAD_REQUEST,
+                    &format!("invalid Idempotency-Key: {e}"),
+                ));
+            }
+        },
+    };
+    let tenant = match parts.headers.get(TENANT_HEADER).map(HeaderValue::to_str) {
+        None => TenantId::default(),
+        Some(Ok(value)) => match TenantId::new(value) {
+            Ok(t) => t,
+            Err(e) => {
+                return Ok(problem(
+                    StatusCode::BAD_REQUEST,
+                    &format!("invalid Tenant-Id: {e}"),
+                ));
+            }
+        },
+        Some(Err(_)) => return Ok(problem(StatusCode::BAD_REQUEST, "invalid Tenant-Id")),
+    };
+    let traceparent = parts
+        .headers
+        .get(crate::headers::names::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
+    let bytes = match Limited::new(body, config.max_body_bytes).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => {
+            return Ok(problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large or unreadable",
+            ));
+        }
+    };
+    let hash = fingerprint(&parts.method, &parts.uri, &bytes);
+    let step_key = key.step_key(&config.operation);
+
+    let unavailable = |what: &str, e: &dyn std::fmt::Display| {
+        tracing::error!(error = %e, "{what}");
+        problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "idempotency store unavailable",
+        )
+    };
+    let mut tx = match pool.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return Ok(unavailable("beginning a transaction", &e)),
+    };
+    let claim = match idempotency::try_claim(&mut tx, &tenant, &step_key, &hash).await {
+        Ok(claim) => claim,
+        Err(e) => return Ok(unavailable("claiming an idempotency key", &e)),
+    };
+    match claim {
+        TryClaim::Busy => {
+            let mut response = problem(
+                StatusCode::CONFLICT,
+                "a request with this Idempotency-Key is in progress",
+            );
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return Ok(response);
+        }
+        TryClaim::Existing {
+            stored,
+            request_hash,
+        } => {
+            if request_hash.as_deref() != Some(hash.as_slice()) {
+                return Ok(problem(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "Idempotency-Key was used for a different request",
+                ));
+            }
+            let response = (stored.status == KeyStatus::Completed)
+                .then_some(stored.outcome)
+                .flatten()
+                .and_then(|value| serde_json::from_value::<StoredResponse>(value).ok());
+            return Ok(match response {
+                Some(response) => response.replay(),
+                None => problem(
+                    StatusCode::CONFLICT,
+                    "the key's stored response cannot be replayed",
+                ),
+            });
+        }
+        TryClaim::Claimed => {}
+    }
+
+    let handle = IdempotentRequest(Arc::new(Shared {
+        key,
+        tenant: tenant.clone(),
+        traceparent,
+        tx: Mutex::new(Some(tx)),
+    }));
+    let mut request = Request::from_parts(parts, B::from(bytes));
+    request.extensions_mut().insert(handle.clone());
+    let response = inner.call(request).await?;
+    let (parts, body) = response.into_parts();
+    let body = match body.collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => {
+            return Ok(problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the handler's response body failed",
+            ));
+        }
+    };
+    let Some(mut tx) = handle.take().await else {
+        return Ok(problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the handler kept the transaction",
+        ));
+    };
+    if parts.status.is_server_error() {
+        // Rolled back: the key is free for the retry.
+        drop(tx);
+        return Ok(Response::from_parts(parts, Full::new(body)));
+    }
+    let Some(stored) = StoredResponse::capture(parts.status, &parts.headers, &body) else {
+        return Ok(problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the handler's response is not UTF-8 and cannot be stored",
+        ));
+    };
+    let outcome = StepOutcome::Completed {
+        result: serde_json::to_value(&stored).ok(),
+    };
+    if let Err(e) = idempotency::record_outcomes(&mut tx, &[(&tenant, &step_key, &outcome)]).await {
+        return Ok(unavailable("storing the response", &e));
+    }
+    if let Err(e) = tx.commit().await {
+        return Ok(unavailable("committing", &e));
+    }
+    Ok(Response::from_parts(parts, Full::new(body)))
+}

@@ -1,0 +1,379 @@
+//! The idempotency store against a real PostgreSQL.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use saga_core::idempotency::{
+    self, Claim, KeyStatus, LeaseClaim, StoreError, claim_in_transaction, claim_lease,
+    complete_lease, record_outcomes, release_lease,
+};
+use saga_core::{IdempotencyKey, StepKey, StepName, StepOutcome, TenantId};
+use saga_test_support::TestDb;
+use sqlx::Connection;
+
+fn key(original: &str, step: &str) -> StepKey {
+    IdempotencyKey::new(original)
+        .unwrap()
+        .step_key(&StepName::new(step).unwrap())
+}
+
+fn tenant(name: &str) -> TenantId {
+    TenantId::new(name).unwrap()
+}
+
+async fn effects_table(db: &TestDb) {
+    sqlx::query("CREATE TABLE effects (step_key TEXT NOT NULL, worker INT NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twenty_concurrent_claims_of_one_key_produce_one_effect() {
+    let db = TestDb::new("store-concurrent").await;
+    effects_table(&db).await;
+    let step_key = key("order-1", "process-payment");
+    let t = tenant("acme");
+    // Every claimant holds a transaction (a connection) while it waits at the barrier.
+    let pool = db.pool_of(24).await;
+    let barrier = Arc::new(tokio::sync::Barrier::new(20));
+    let mut workers = Vec::new();
+    for worker in 0..20 {
+        let (pool, step_key, t, barrier) =
+            (pool.clone(), step_key.clone(), t.clone(), barrier.clone());
+        workers.push(tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap();
+            barrier.wait().await;
+            let claim = claim_in_transaction(&mut tx, &[(t, step_key.clone())])
+                .await
+                .unwrap()
+                .remove(0);
+            if claim == Claim::New {
+                sqlx::query("INSERT INTO effects VALUES ($1, $2)")
+                    .bind(step_key.as_str())
+                    .bind(worker)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                // Hold the claim a while so that the others queue up behind it.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            tx.commit().await.unwrap();
+            claim
+        }));
+    }
+    let mut new = 0;
+    let mut duplicates = 0;
+    for w in workers {
+        match w.await.unwrap() {
+            Claim::New => new += 1,
+            Claim::Duplicate(stored) => {
+                assert_eq!(stored.status, KeyStatus::Completed);
+                duplicates += 1;
+            }
+            other => panic!("unexpected claim {other:?}"),
+        }
+    }
+    assert_eq!((new, duplicates), (1, 19));
+    assert_eq!(db.count("effects").await, 1);
+    assert_eq!(db.count("saga_idempotency_keys").await, 1);
+}
+
+#[tokio::test]
+async fn a_rollback_releases_the_key() {
+    let db = TestDb::new("store-rollback").await;
+    let k = key("order-2", "arrange-shipment");
+    let t = tenant("acme");
+    let mut tx = db.pool.begin().await.unwrap();
+    let claims = claim_in_transaction(&mut tx, &[(t.clone(), k.clone())])
+        .await
+        .unwrap();
+    assert_eq!(claims, vec![Claim::New]);
+    tx.rollback().await.unwrap();
+    assert_eq!(db.count("saga_idempotency_keys").await, 0);
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let claims = claim_in_transaction(&mut tx, &[(t.clone(), k.clone())])
+        .await
+        .unwrap();
+    assert_eq!(
+        claims,
+        vec![Claim::New],
+        "the key is free again after the rollback"
+    );
+    tx.commit().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let claims = claim_in_transaction(&mut tx, &[(t, k)]).await.unwrap();
+    assert!(matches!(claims[0], Claim::Duplicate(_)));
+}
+
+#[tokio::test]
+async fn outcomes_are_stored_and_replayed_to_duplicates() {
+    let db = TestDb::new("store-outcomes").await;
+    let t = tenant("acme");
+    let (done, rejected, plain) = (key("o", "a"), key("o", "b"), key("o", "c"));
+    let keys = vec![
+        (t.clone(), done.clone()),
+        (t.clone(), rejected.clone()),
+        (t.clone(), plain.clone()),
+    ];
+    let mut tx = db.pool.begin().await.unwrap();
+    assert_eq!(
+        claim_in_transaction(&mut tx, &keys).await.unwrap(),
+        vec![Claim::New; 3]
+    );
+    let completed = StepOutcome::Completed {
+        result: Some(serde_json::json!({"payment_id": 7})),
+    };
+    let declined = StepOutcome::rejected("card declined");
+    let plain_outcome = StepOutcome::completed();
+    record_outcomes(
+        &mut tx,
+        &[
+            (&t, &done, &completed),
+            (&t, &rejected, &declined),
+            (&t, &plain, &plain_outcome),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let claims = claim_in_transaction(&mut tx, &keys).await.unwrap();
+    let Claim::Duplicate(a) = &claims[0] else {
+        panic!("{claims:?}")
+    };
+    assert_eq!(a.status, KeyStatus::Completed);
+    assert_eq!(a.outcome, Some(serde_json::json!({"payment_id": 7})));
+    let Claim::Duplicate(b) = &claims[1] else {
+        panic!("{claims:?}")
+    };
+    assert_eq!(b.status, KeyStatus::Failed);
+    assert_eq!(b.error.as_deref(), Some("card declined"));
+    let Claim::Duplicate(c) = &claims[2] else {
+        panic!("{claims:?}")
+    };
+    assert_eq!((c.status, c.outcome.clone()), (KeyStatus::Completed, None));
+}
+
+#[tokio::test]
+async fn keys_of_two_tenants_are_isolated() {
+    let db = TestDb::new("store-tenants").await;
+    let k = key("same-client-key", "process-payment");
+    let (acme, globex) = (tenant("acme"), tenant("globex"));
+
+    let mut tx = db.pool.begin().await.unwrap();
+    claim_in_transaction(&mut tx, &[(acme.clone(), k.clone())])
+        .await
+        .unwrap();
+    record_outcomes(
+        &mut tx,
+        &[(
+            &acme,
+            &k,
+            &StepOutcome::Completed {
+                result: Some(serde_json::json!("acme's secret")),
+            },
+        )],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let claims = claim_in_transaction(&mut tx, &[(globex.clone(), k.clone())])
+        .await
+        .unwrap();
+    assert_eq!(
+        claims,
+        vec![Claim::New],
+        "another tenant's key does not collide"
+    );
+    tx.commit().await.unwrap();
+
+    let mut conn = db.pool.acquire().await.unwrap();
+    let globex_record = idempotency::lookup(&mut conn, &globex, &k)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(globex_record.outcome, None, "and never sees its outcome");
+    let acme_record = idempotency::lookup(&mut conn, &acme, &k)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        acme_record.outcome,
+        Some(serde_json::json!("acme's secret"))
+    );
+}
+
+#[tokio::test]
+async fn an_expired_lease_is_taken_over_and_the_old_owner_is_fenced() {
+    let db = TestDb::new("store-lease").await;
+    let (t, k) = (tenant("acme"), key("order-3", "process-payment"));
+    let mut conn = db.pool.acquire().await.unwrap();
+
+    let LeaseClaim::Acquired(first) = claim_lease(&mut conn, &t, &k, Duration::from_millis(300))
+        .await
+        .unwrap()
+    else {
+        panic!("the first claim gets the lease")
+    };
+    assert_eq!(first.attempt, 1);
+
+    // A live lease makes a second worker wait, not fail.
+    let busy = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(matches!(busy, LeaseClaim::Busy { until } if until == first.expires_at));
+
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let LeaseClaim::Acquired(second) = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("an expired lease is taken over")
+    };
+    assert_eq!(second.attempt, 2);
+
+    // The first worker comes back and tries to complete: fenced, and its writes roll back.
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = complete_lease(&mut tx, &first, &StepOutcome::completed())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::Fenced { attempt: 1, .. }),
+        "{err}"
+    );
+    tx.rollback().await.unwrap();
+    assert!(
+        !release_lease(&mut conn, &first, "late").await.unwrap(),
+        "a fenced worker cannot release the new owner's lease either"
+    );
+
+    let mut tx = db.pool.begin().await.unwrap();
+    complete_lease(
+        &mut tx,
+        &second,
+        &StepOutcome::Completed {
+            result: Some(serde_json::json!({"charge": "ch_1"})),
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    let record = idempotency::lookup(&mut conn, &t, &k)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.status, KeyStatus::Completed);
+    assert_eq!(record.attempts, 2);
+    assert_eq!(record.lease_expires_at, None);
+    let again = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&again, LeaseClaim::Duplicate(s) if s.outcome == Some(serde_json::json!({"charge": "ch_1"}))),
+        "{again:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_released_lease_is_retaken_at_once() {
+    let db = TestDb::new("store-release").await;
+    let (t, k) = (tenant("acme"), key("order-4", "process-payment"));
+    let mut conn = db.pool.acquire().await.unwrap();
+    let LeaseClaim::Acquired(first) = claim_lease(&mut conn, &t, &k, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert!(
+        release_lease(&mut conn, &first, "gateway timeout")
+            .await
+            .unwrap()
+    );
+    let LeaseClaim::Acquired(second) = claim_lease(&mut conn, &t, &k, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("a released lease is free")
+    };
+    assert_eq!(second.attempt, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrent_transactional_claim_waits_for_the_first_and_wins_if_it_rolls_back() {
+    let db = TestDb::new("store-wait").await;
+    let (t, k) = (tenant("acme"), key("order-5", "arrange-shipment"));
+    let mut first = db.pool.begin().await.unwrap();
+    assert_eq!(
+        claim_in_transaction(&mut first, &[(t.clone(), k.clone())])
+            .await
+            .unwrap(),
+        vec![Claim::New]
+    );
+    let pool = db.pool.clone();
+    let (t2, k2) = (t.clone(), k.clone());
+    let second = tokio::spawn(async move {
+        let mut conn = pool.acquire().await.unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        let started = Instant::now();
+        let claim = claim_in_transaction(&mut tx, &[(t2, k2)]).await.unwrap();
+        tx.commit().await.unwrap();
+        (claim, started.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    first.rollback().await.unwrap();
+    let (claim, waited) = second.await.unwrap();
+    assert_eq!(claim, vec![Claim::New]);
+    assert!(
+        waited >= Duration::from_millis(250),
+        "waited only {waited:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_claim_answers_busy_at_once_instead_of_waiting() {
+    let db = TestDb::new("store-try").await;
+    let (t, k) = (tenant("acme"), key("http-1", "create-order"));
+    let mut first = db.pool.begin().await.unwrap();
+    let claim = idempotency::try_claim(&mut first, &t, &k, b"hash-a")
+        .await
+        .unwrap();
+    assert_eq!(claim, idempotency::TryClaim::Claimed);
+
+    let mut second = db.pool.begin().await.unwrap();
+    let started = Instant::now();
+    let claim = idempotency::try_claim(&mut second, &t, &k, b"hash-a")
+        .await
+        .unwrap();
+    assert_eq!(claim, idempotency::TryClaim::Busy);
+    assert!(started.elapsed() < Duration::from_millis(500));
+    // The transaction is still usable after the busy answer.
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *second)
+        .await
+        .unwrap();
+    assert_eq!(one, 1);
+    second.rollback().await.unwrap();
+
+    first.commit().await.unwrap();
+    let mut third = db.pool.begin().await.unwrap();
+    let claim = idempotency::try_claim(&mut third, &t, &k, b"hash-b")
+        .await
+        .unwrap();
+    let idempotency::TryClaim::Existing {
+        stored,
+        request_hash,
+    } = claim
+    else {
+        panic!("{claim:?}")
+    };
+    assert_eq!(stored.status, KeyStatus::Completed);
+    assert_eq!(request_hash.as_deref(), Some(&b"hash-a"[..]));
+}
