@@ -1,0 +1,304 @@
+//! The consumer's settings: defaults, environment variables, validation.
+
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+use saga_runtime::kafka::KafkaConfig;
+
+use crate::error::ConfigError;
+use crate::retry::RetryPolicy;
+
+/// How partitions are spread over a group's members. Only the eager protocols are safe with manual offset
+/// commits today; cooperative-sticky is offered for brokers and versions where it works.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AssignmentStrategy {
+    /// Contiguous ranges of partitions per member (eager).
+    Range,
+    /// Partitions dealt out in turn (eager). The default.
+    #[default]
+    RoundRobin,
+    /// Incremental rebalancing. Known upstream problems with manual commits during rebalances.
+    CooperativeSticky,
+}
+
+impl AssignmentStrategy {
+    /// The `partition.assignment.strategy` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Range => "range",
+            Self::RoundRobin => "roundrobin",
+            Self::CooperativeSticky => "cooperative-sticky",
+        }
+    }
+}
+
+impl FromStr for AssignmentStrategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "range" => Ok(Self::Range),
+            "roundrobin" => Ok(Self::RoundRobin),
+            "cooperative-sticky" => Ok(Self::CooperativeSticky),
+            other => Err(format!(
+                "{other:?} is not one of range, roundrobin, cooperative-sticky"
+            )),
+        }
+    }
+}
+
+/// Every setting of the consumer. Build it with [`crate::SagaConsumer::builder`].
+#[derive(Debug, Clone)]
+pub struct ConsumerSettings {
+    /// The broker.
+    pub kafka: KafkaConfig,
+    /// The consumer group (`SAGA_GROUP_ID`).
+    pub group_id: Option<String>,
+    /// Partitions processed at once (`SAGA_CONCURRENCY`, default 4).
+    pub concurrency: usize,
+    /// Most messages of one partition per transaction (`SAGA_BATCH_SIZE`, default 100).
+    pub batch_size: usize,
+    /// Retries of transient failures (`SAGA_MAX_ATTEMPTS`, `SAGA_RETRY_INITIAL_MS`, `SAGA_RETRY_MAX_MS`).
+    pub retry: RetryPolicy,
+    /// The dead-letter topic (`SAGA_DLQ_TOPIC`, default `{group}.dlq`).
+    pub dlq_topic: Option<String>,
+    /// How often finished offsets are committed (`SAGA_COMMIT_INTERVAL_MS`, default 1 s).
+    pub commit_interval: Duration,
+    /// Longest a handler may run before it is failed transiently (`SAGA_HANDLER_TIMEOUT_MS`, default 30 s).
+    pub handler_timeout: Duration,
+    /// Longest a revoke waits for the revoked partitions' in-flight batches (default 10 s).
+    pub revoke_timeout: Duration,
+    /// Longest a graceful stop waits for in-flight batches (`SAGA_SHUTDOWN_TIMEOUT_MS`, default 30 s).
+    pub shutdown_timeout: Duration,
+    /// `partition.assignment.strategy` (`SAGA_ASSIGNMENT_STRATEGY`, default roundrobin).
+    pub assignment: AssignmentStrategy,
+    /// `session.timeout.ms` (default 10 s): how soon the group notices a dead member.
+    pub session_timeout: Duration,
+    /// Deaths tolerated per message before it is dead-lettered as a crash loop (`SAGA_CRASH_LOOP_LIMIT`,
+    /// default 3; 0 turns detection off).
+    pub crash_loop_limit: u32,
+    /// Where to serve `/metrics`, `/healthz` and `/readyz` (`SAGA_OPS_ADDR`; off by default).
+    pub ops_addr: Option<SocketAddr>,
+}
+
+impl Default for ConsumerSettings {
+    fn default() -> Self {
+        Self {
+            kafka: KafkaConfig::new("127.0.0.1:9092"),
+            group_id: None,
+            concurrency: 4,
+            batch_size: 100,
+            retry: RetryPolicy::default(),
+            dlq_topic: None,
+            commit_interval: Duration::from_secs(1),
+            handler_timeout: Duration::from_secs(30),
+            revoke_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(30),
+            assignment: AssignmentStrategy::default(),
+            session_timeout: Duration::from_secs(10),
+            crash_loop_limit: 3,
+            ops_addr: None,
+        }
+    }
+}
+
+impl ConsumerSettings {
+    /// Applies the environment variables named in the field docs (and `KAFKA_BROKERS`,
+    /// `KAFKA_PROPERTY_*`). Returns the first variable that does not parse.
+    pub fn apply_env(&mut self) -> Result<(), ConfigError> {
+        self.apply_vars(|name| std::env::var(name).ok())
+    }
+
+    /// Like [`ConsumerSettings::apply_env`], reading variables through `get`.
+    pub fn apply_vars(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        fn parse<T: FromStr>(
+            get: &impl Fn(&str) -> Option<String>,
+            var: &'static str,
+        ) -> Result<Option<T>, ConfigError>
+        where
+            T::Err: std::fmt::Display,
+        {
+            get(var)
+                .map(|value| {
+                    value.parse::<T>().map_err(|e| ConfigError::InvalidEnv {
+                        var,
+                        reason: e.to_string(),
+                        value,
+                    })
+                })
+                .transpose()
+        }
+        let millis = |var| parse::<u64>(&get, var).map(|v| v.map(Duration::from_millis));
+        if let Some(brokers) = get("KAFKA_BROKERS") {
+            self.kafka.brokers = brokers;
+        }
+        if let Some(group) = get("SAGA_GROUP_ID") {
+            self.group_id = Some(group);
+        }
+        if let Some(v) = parse(&get, "SAGA_CONCURRENCY")? {
+            self.concurrency = v;
+        }
+        if let Some(v) = parse(&get, "SAGA_BATCH_SIZE")? {
+            self.batch_size = v;
+        }
+        if let Some(v) = parse(&get, "SAGA_MAX_ATTEMPTS")? {
+            self.retry.max_attempts = v;
+        }
+        if let Some(v) = millis("SAGA_RETRY_INITIAL_MS")? {
+            self.retry.initial_backoff = v;
+        }
+        if let Some(v) = millis("SAGA_RETRY_MAX_MS")? {
+            self.retry.max_backoff = v;
+        }
+        if let Some(topic) = get("SAGA_DLQ_TOPIC") {
+            self.dlq_topic = Some(topic);
+        }
+        if let Some(v) = millis("SAGA_COMMIT_INTERVAL_MS")? {
+            self.commit_interval = v;
+        }
+        if let Some(v) = millis("SAGA_HANDLER_TIMEOUT_MS")? {
+            self.handler_timeout = v;
+        }
+        if let Some(v) = millis("SAGA_SHUTDOWN_TIMEOUT_MS")? {
+            self.shutdown_timeout = v;
+        }
+        if let Some(v) = parse(&get, "SAGA_ASSIGNMENT_STRATEGY")? {
+            self.assignment = v;
+        }
+        if let Some(v) = parse(&get, "SAGA_CRASH_LOOP_LIMIT")? {
+            self.crash_loop_limit = v;
+        }
+        if let Some(v) = parse(&get, "SAGA_OPS_ADDR")? {
+            self.ops_addr = Some(v);
+        }
+        Ok(())
+    }
+
+    /// Checks every setting; the first problem is returned.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |setting, reason: &str| {
+            Err(ConfigError::Invalid {
+                setting,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.kafka.brokers.trim().is_empty() {
+            return Err(ConfigError::Missing("brokers (KAFKA_BROKERS)"));
+        }
+        match &self.group_id {
+            None => return Err(ConfigError::Missing("group id (SAGA_GROUP_ID)")),
+            Some(g) if g.trim().is_empty() => return invalid("group id", "is empty"),
+            Some(_) => {}
+        }
+        if self.concurrency == 0 {
+            return invalid("concurrency", "must be at least 1");
+        }
+        if !(1..=10_000).contains(&self.batch_size) {
+            return invalid("batch size", "must be between 1 and 10000");
+        }
+        if self.retry.max_attempts == 0 {
+            return invalid("max attempts", "must be at least 1 (the first attempt)");
+        }
+        if self.retry.initial_backoff > self.retry.max_backoff {
+            return invalid("retry backoff", "the initial backoff exceeds the maximum");
+        }
+        if !(0.0..=1.0).contains(&self.retry.jitter) || self.retry.multiplier < 1.0 {
+            return invalid(
+                "retry backoff",
+                "jitter must be within 0..=1 and the multiplier at least 1",
+            );
+        }
+        if self.commit_interval.is_zero() {
+            return invalid("commit interval", "must be positive");
+        }
+        if self.handler_timeout.is_zero() {
+            return invalid("handler timeout", "must be positive");
+        }
+        if matches!(&self.dlq_topic, Some(t) if t.trim().is_empty()) {
+            return invalid("dead-letter topic", "is empty");
+        }
+        Ok(())
+    }
+
+    /// The dead-letter topic: the configured one, or `{group}.dlq`.
+    pub fn dlq_topic(&self) -> String {
+        self.dlq_topic
+            .clone()
+            .unwrap_or_else(|| format!("{}.dlq", self.group_id.as_deref().unwrap_or("saga")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid() -> ConsumerSettings {
+        ConsumerSettings {
+            group_id: Some("payments".into()),
+            ..ConsumerSettings::default()
+        }
+    }
+
+    #[test]
+    fn environment_overrides_defaults() {
+        let mut settings = ConsumerSettings::default();
+        let env = [
+            ("KAFKA_BROKERS", "10.0.0.1:9092"),
+            ("SAGA_GROUP_ID", "shipping"),
+            ("SAGA_BATCH_SIZE", "250"),
+            ("SAGA_RETRY_INITIAL_MS", "50"),
+            ("SAGA_ASSIGNMENT_STRATEGY", "range"),
+        ];
+        settings
+            .apply_vars(|name| {
+                env.iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| (*v).to_owned())
+            })
+            .unwrap();
+        assert_eq!(settings.kafka.brokers, "10.0.0.1:9092");
+        assert_eq!(settings.group_id.as_deref(), Some("shipping"));
+        assert_eq!(settings.batch_size, 250);
+        assert_eq!(settings.retry.initial_backoff, Duration::from_millis(50));
+        assert_eq!(settings.assignment, AssignmentStrategy::Range);
+        assert_eq!(settings.dlq_topic(), "shipping.dlq");
+        settings.validate().unwrap();
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let mut settings = ConsumerSettings::default();
+        let err = settings
+            .apply_vars(|name| (name == "SAGA_BATCH_SIZE").then(|| "lots".to_owned()))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("SAGA_BATCH_SIZE=\"lots\""),
+            "{err}"
+        );
+
+        assert!(matches!(
+            ConsumerSettings::default().validate(),
+            Err(ConfigError::Missing(_))
+        ));
+        let zero_batch = ConsumerSettings {
+            batch_size: 0,
+            ..valid()
+        };
+        assert!(
+            zero_batch
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("batch size")
+        );
+        let inverted = ConsumerSettings {
+            retry: RetryPolicy {
+                initial_backoff: Duration::from_secs(10),
+                max_backoff: Duration::from_secs(1),
+                ..RetryPolicy::default()
+            },
+            ..valid()
+        };
+        assert!(inverted.validate().is_err());
+    }
+}

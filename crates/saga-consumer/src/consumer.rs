@@ -1,0 +1,458 @@
+//! The public entry point: build a consumer from steps and settings, then run it until shutdown.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use saga_core::{SagaStep, TwoPhaseStep};
+use saga_runtime::kafka::KafkaConfig;
+use saga_runtime::ops::Ops;
+use sqlx::PgPool;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tower_layer::Layer;
+
+use crate::config::{AssignmentStrategy, ConsumerSettings};
+use crate::delivery::Router;
+use crate::dlq::DeadLetters;
+use crate::error::{ConfigError, ConsumerError};
+use crate::executor::Executor;
+use crate::guard::CrashGuard;
+use crate::handler::RegisteredStep;
+use crate::hooks::Hooks;
+use crate::metrics::ConsumerMetrics;
+use crate::offsets::OffsetTracker;
+use crate::partition::WorkerShared;
+use crate::poll::{Dispatcher, PollContext, poll_loop};
+use crate::retry::RetryPolicy;
+use crate::service::{
+    self, BoxStepService, CatchPanicLayer, HandlerService, InstrumentLayer, StepService,
+    TimeoutLayer,
+};
+
+type LayerFn = Box<dyn Fn(BoxStepService) -> BoxStepService + Send + Sync>;
+
+/// Builds a [`SagaConsumer`].
+///
+/// ```ignore
+/// SagaConsumer::builder()
+///     .from_env()
+///     .group_id("payment-service")
+///     .pool(pool)
+///     .step(ProcessPayment::new(gateway))
+///     .build()?
+///     .run(saga_runtime::shutdown::on_signal())
+///     .await?;
+/// ```
+pub struct SagaConsumerBuilder {
+    settings: ConsumerSettings,
+    env_error: Option<ConfigError>,
+    pool: Option<PgPool>,
+    steps: Vec<RegisteredStep>,
+    ignored: Vec<(String, String)>,
+    layers: Vec<LayerFn>,
+    hooks: Hooks,
+    ops: Option<Ops>,
+}
+
+impl SagaConsumerBuilder {
+    fn new() -> Self {
+        Self {
+            settings: ConsumerSettings::default(),
+            env_error: None,
+            pool: None,
+            steps: Vec::new(),
+            ignored: Vec::new(),
+            layers: Vec::new(),
+            hooks: Hooks::default(),
+            ops: None,
+        }
+    }
+
+    /// Reads settings from the environment (see [`ConsumerSettings`]); later builder calls override them.
+    /// A variable that does not parse is reported by [`SagaConsumerBuilder::build`].
+    pub fn from_env(mut self) -> Self {
+        if let Err(e) = self.settings.apply_env() {
+            self.env_error.get_or_insert(e);
+        }
+        self.settings.kafka.properties = KafkaConfig::from_env().properties;
+        self
+    }
+
+    /// The broker list (`bootstrap.servers`).
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.settings.kafka.brokers = brokers.into();
+        self
+    }
+
+    /// The whole Kafka configuration.
+    pub fn kafka(mut self, kafka: KafkaConfig) -> Self {
+        self.settings.kafka = kafka;
+        self
+    }
+
+    /// The consumer group.
+    pub fn group_id(mut self, group: impl Into<String>) -> Self {
+        self.settings.group_id = Some(group.into());
+        self
+    }
+
+    /// The database (with the framework's migrations applied).
+    pub fn pool(mut self, pool: PgPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// Registers a transactional step.
+    pub fn step<S: SagaStep>(mut self, step: S) -> Self {
+        self.steps.push(RegisteredStep::transactional(step));
+        self
+    }
+
+    /// Registers a two-phase step.
+    pub fn two_phase_step<S: TwoPhaseStep>(mut self, step: S) -> Self {
+        self.steps.push(RegisteredStep::two_phase(step));
+        self
+    }
+
+    /// Declares that events of `event_type` on `topic` are none of this service's business: they are
+    /// skipped. Any other event type no step handles is dead-lettered.
+    pub fn ignore(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
+        self.ignored.push((topic.into(), event_type.into()));
+        self
+    }
+
+    /// Partitions processed at once.
+    pub fn concurrency(mut self, partitions: usize) -> Self {
+        self.settings.concurrency = partitions;
+        self
+    }
+
+    /// Most messages of one partition per transaction.
+    pub fn batch_size(mut self, messages: usize) -> Self {
+        self.settings.batch_size = messages;
+        self
+    }
+
+    /// The retry policy for transient failures.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.settings.retry = policy;
+        self
+    }
+
+    /// The dead-letter topic (default `{group}.dlq`).
+    pub fn dlq_topic(mut self, topic: impl Into<String>) -> Self {
+        self.settings.dlq_topic = Some(topic.into());
+        self
+    }
+
+    /// How often finished offsets are committed.
+    pub fn commit_interval(mut self, interval: Duration) -> Self {
+        self.settings.commit_interval = interval;
+        self
+    }
+
+    /// Longest a handler may run.
+    pub fn handler_timeout(mut self, limit: Duration) -> Self {
+        self.settings.handler_timeout = limit;
+        self
+    }
+
+    /// Longest a graceful stop waits for in-flight batches.
+    pub fn shutdown_timeout(mut self, limit: Duration) -> Self {
+        self.settings.shutdown_timeout = limit;
+        self
+    }
+
+    /// The partition assignment strategy.
+    pub fn assignment(mut self, strategy: AssignmentStrategy) -> Self {
+        self.settings.assignment = strategy;
+        self
+    }
+
+    /// `session.timeout.ms`.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.session_timeout = timeout;
+        self
+    }
+
+    /// Deaths tolerated per message before it is dead-lettered as a crash loop (0: off).
+    pub fn crash_loop_limit(mut self, deaths: u32) -> Self {
+        self.settings.crash_loop_limit = deaths;
+        self
+    }
+
+    /// Serves `/metrics`, `/healthz` and `/readyz` on `addr`.
+    pub fn ops_addr(mut self, addr: std::net::SocketAddr) -> Self {
+        self.settings.ops_addr = Some(addr);
+        self
+    }
+
+    /// Registers the metrics in `ops` (to serve them with the application's own endpoint) and reports
+    /// readiness there.
+    pub fn ops(mut self, ops: Ops) -> Self {
+        self.ops = Some(ops);
+        self
+    }
+
+    /// Replaces every setting at once.
+    pub fn settings(mut self, settings: ConsumerSettings) -> Self {
+        self.settings = settings;
+        self
+    }
+
+    /// Wraps every handler invocation in `layer`, outside the runtime's own layers (tracing span, panic
+    /// catching, timeout).
+    pub fn layer<L>(mut self, layer: L) -> Self
+    where
+        L: Layer<BoxStepService> + Send + Sync + 'static,
+        L::Service: StepService,
+    {
+        self.layers
+            .push(Box::new(move |inner| service::apply(&layer, inner)));
+        self
+    }
+
+    /// Fault-injection and observation hooks.
+    pub fn hooks(mut self, hooks: Hooks) -> Self {
+        self.hooks = hooks;
+        self
+    }
+
+    /// Validates everything and builds the consumer.
+    pub fn build(self) -> Result<SagaConsumer, ConfigError> {
+        if let Some(e) = self.env_error {
+            return Err(e);
+        }
+        self.settings.validate()?;
+        let pool = self.pool.ok_or(ConfigError::Missing("database pool"))?;
+        if self.steps.is_empty() {
+            return Err(ConfigError::Missing("at least one step"));
+        }
+        let mut by_event: HashMap<(&str, &str), &str> = HashMap::new();
+        let mut names = HashSet::new();
+        for step in &self.steps {
+            if !names.insert(step.name.as_str()) {
+                return Err(ConfigError::DuplicateStepName(step.name.to_string()));
+            }
+            if step.subscriptions.is_empty() {
+                return Err(ConfigError::Invalid {
+                    setting: "steps",
+                    reason: format!("step {} consumes nothing", step.name),
+                });
+            }
+            for sub in &step.subscriptions {
+                let id = (sub.topic.as_str(), sub.event_type.as_str());
+                if let Some(first) = by_event.insert(id, step.name.as_str()) {
+                    return Err(ConfigError::DuplicateSubscription {
+                        topic: id.0.to_owned(),
+                        event_type: id.1.to_owned(),
+                        first: first.to_owned(),
+                        second: step.name.to_string(),
+                    });
+                }
+            }
+        }
+        let dlq = self.settings.dlq_topic();
+        if self
+            .steps
+            .iter()
+            .flat_map(|s| &s.subscriptions)
+            .any(|sub| sub.topic == dlq)
+        {
+            return Err(ConfigError::DeadLetterTopicConsumed(dlq));
+        }
+        // Innermost first: the handler, its timeout, panic catching, the span, then the user's layers.
+        let mut service: BoxStepService = Arc::new(HandlerService);
+        service = service::apply(&TimeoutLayer(self.settings.handler_timeout), service);
+        service = service::apply(&CatchPanicLayer, service);
+        service = service::apply(&InstrumentLayer, service);
+        for layer in &self.layers {
+            service = layer(service);
+        }
+        Ok(SagaConsumer {
+            settings: self.settings,
+            pool,
+            steps: self.steps,
+            ignored: self.ignored,
+            service,
+            hooks: self.hooks,
+            ops: self.ops.unwrap_or_default(),
+        })
+    }
+}
+
+/// A saga consumer: it consumes the steps' topics and runs each message's step exactly once in effect,
+/// committing a message's offset only after the transaction that recorded its step key committed (or
+/// after it was skipped as a duplicate, or dead-lettered).
+pub struct SagaConsumer {
+    settings: ConsumerSettings,
+    pool: PgPool,
+    steps: Vec<RegisteredStep>,
+    ignored: Vec<(String, String)>,
+    service: BoxStepService,
+    hooks: Hooks,
+    ops: Ops,
+}
+
+impl SagaConsumer {
+    /// Starts building a consumer.
+    pub fn builder() -> SagaConsumerBuilder {
+        SagaConsumerBuilder::new()
+    }
+
+    /// The topics the consumer subscribes to.
+    pub fn topics(&self) -> Vec<String> {
+        let mut topics: Vec<String> = self
+            .steps
+            .iter()
+            .flat_map(|s| s.subscriptions.iter().map(|sub| sub.topic.clone()))
+            .chain(self.ignored.iter().map(|(t, _)| t.clone()))
+            .collect();
+        topics.sort();
+        topics.dedup();
+        topics
+    }
+
+    /// The ops state (metrics registry and readiness).
+    pub fn ops(&self) -> &Ops {
+        &self.ops
+    }
+
+    /// Runs until `shutdown` is cancelled, then stops gracefully: stops fetching, lets in-flight batches
+    /// finish within the shutdown timeout, commits, and leaves the group. Must run on a multi-threaded
+    /// tokio runtime.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
+        let topics = self.topics();
+        let settings = self.settings;
+        let group = settings
+            .group_id
+            .clone()
+            .ok_or(ConfigError::Missing("group id"))?;
+        let dlq_topic = settings.dlq_topic();
+        let metrics = ConsumerMetrics::default();
+        self.ops.register(|registry| metrics.register(registry));
+        if let Some(addr) = settings.ops_addr {
+            let bound = self.ops.serve(addr, shutdown.clone()).await?;
+            tracing::info!(%bound, "ops endpoint listening");
+        }
+
+        let producer = settings
+            .kafka
+            .idempotent_producer(Duration::from_millis(5), Duration::from_secs(30))?;
+        let executor = Executor {
+            pool: self.pool.clone(),
+            service: self.service,
+            dead_letters: DeadLetters::new(producer, dlq_topic.clone(), group.clone()),
+            retry: settings.retry.clone(),
+            metrics: metrics.clone(),
+            hooks: self.hooks,
+        };
+        let shared = Arc::new(WorkerShared {
+            executor,
+            router: Router::new(&self.steps, &self.ignored),
+            guard: CrashGuard::new(self.pool.clone(), group.clone(), settings.crash_loop_limit),
+            tracker: Arc::new(OffsetTracker::default()),
+            permits: Arc::new(Semaphore::new(settings.concurrency)),
+            batch_size: settings.batch_size,
+        });
+        let dispatcher = Arc::new(Dispatcher::new(
+            shared,
+            tokio::runtime::Handle::current(),
+            settings.batch_size.saturating_mul(4).max(64),
+            settings.revoke_timeout,
+            metrics,
+            self.ops.clone(),
+        ));
+
+        let mut config = settings.kafka.client_config();
+        config
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("enable.partition.eof", "false")
+            .set(
+                "partition.assignment.strategy",
+                settings.assignment.as_str(),
+            )
+            .set(
+                "session.timeout.ms",
+                settings.session_timeout.as_millis().to_string(),
+            )
+            .set(
+                "heartbeat.interval.ms",
+                (settings.session_timeout.as_millis() / 4)
+                    .max(100)
+                    .to_string(),
+            )
+            .set("fetch.wait.max.ms", "100")
+            // Prefetch at most 16 MB in all, not librdkafka's 64 MB; and when that is reached, fetch again
+            // 50 ms later rather than after librdkafka's default of 1 s, which starves fast workers.
+            .set("queued.max.messages.kbytes", "16384")
+            .set("fetch.queue.backoff.ms", "50")
+            .set("statistics.interval.ms", "5000");
+        for (name, value) in &settings.kafka.properties {
+            config.set(name, value);
+        }
+        let consumer: BaseConsumer<PollContext> = config.create_with_context(PollContext {
+            dispatcher: dispatcher.clone(),
+        })?;
+
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let thread_shutdown = shutdown.clone();
+        let commit_interval = settings.commit_interval;
+        let shutdown_timeout = settings.shutdown_timeout;
+        std::thread::Builder::new()
+            .name(format!("saga-poll-{group}"))
+            .spawn(move || {
+                let result = (|| {
+                    check_topics(&consumer, &topics, &dlq_topic)?;
+                    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+                    consumer.subscribe(&names)?;
+                    tracing::info!(?topics, group = %group, dlq = %dlq_topic, "consumer started");
+                    poll_loop(
+                        consumer,
+                        &dispatcher,
+                        &thread_shutdown,
+                        commit_interval,
+                        shutdown_timeout,
+                    )
+                })();
+                let _ = done_tx.send(result);
+            })
+            .map_err(|e| ConsumerError::PollThread(e.to_string()))?;
+        done_rx
+            .await
+            .map_err(|_| ConsumerError::PollThread("the poll thread panicked".into()))?
+    }
+}
+
+/// Fails with the list of topics that do not exist: the framework creates topics explicitly, never by
+/// relying on auto-creation.
+fn check_topics(
+    consumer: &BaseConsumer<PollContext>,
+    topics: &[String],
+    dlq: &str,
+) -> Result<(), ConsumerError> {
+    let metadata = consumer.fetch_metadata(None, Duration::from_secs(30))?;
+    let existing: HashSet<&str> = metadata
+        .topics()
+        .iter()
+        .filter(|t| t.error().is_none())
+        .map(|t| t.name())
+        .collect();
+    let missing: Vec<String> = topics
+        .iter()
+        .map(String::as_str)
+        .chain([dlq])
+        .filter(|t| !existing.contains(t))
+        .map(str::to_owned)
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(ConsumerError::MissingTopics(missing))
+    }
+}

@@ -1,0 +1,285 @@
+//! Deduplication around the handler, for a batch of one partition's messages inside one transaction.
+//!
+//! All step keys of the batch are claimed with one statement ([`claim_in_transaction`]); handlers run only
+//! for new keys; the outcomes and the emitted outbox rows are written with one statement each. The caller
+//! commits. If any handler fails, the caller rolls everything back: the batch then behaves as if it had
+//! never run, which is what keeps per-message semantics (see `executor`).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use chrono::{DateTime, Utc};
+use saga_core::idempotency::{Claim, StoreError, claim_in_transaction, record_outcomes};
+use saga_core::{OutboxMessage, StepError, StepKey, StepOutcome, TenantId, outbox};
+
+use crate::delivery::{Delivery, Route};
+use crate::metrics::{ConsumerMetrics, StepOnly};
+use crate::service::{StepItem, StepRequest, StepService};
+
+/// How one message of a committed batch ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ItemOutcome {
+    Completed,
+    Rejected,
+    Duplicate,
+    Ignored,
+    /// A two-phase worker lost its lease to another, which finishes the step.
+    Superseded,
+    DeadLettered,
+}
+
+impl ItemOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::Rejected => "rejected",
+            Self::Duplicate => "duplicate",
+            Self::Ignored => "ignored",
+            Self::Superseded => "superseded",
+            Self::DeadLettered => "dead_lettered",
+        }
+    }
+
+    pub fn of(outcome: &StepOutcome) -> Self {
+        match outcome {
+            StepOutcome::Completed { .. } => Self::Completed,
+            StepOutcome::Rejected { .. } => Self::Rejected,
+        }
+    }
+}
+
+/// Why a message could not be processed this time.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// Its handler failed.
+    Handler(StepError),
+    /// A two-phase worker holds the key's lease until then.
+    Busy(DateTime<Utc>),
+    /// The framework's own statements failed.
+    Store(StoreError),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Handler(e) => write!(f, "{e}"),
+            Self::Busy(until) => write!(f, "step key leased by another worker until {until}"),
+            Self::Store(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// A batch that must be rolled back.
+#[derive(Debug)]
+pub(crate) enum BatchError {
+    /// The message at `index` of the batch failed.
+    Item { index: usize, failure: Failure },
+    /// A handler call for several messages, starting at `index`, failed; which message is to blame is not
+    /// known.
+    Group { index: usize },
+    /// A statement of the framework (claim, outcomes, outbox) failed.
+    Store(StoreError),
+}
+
+impl From<sqlx::Error> for BatchError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Store(StoreError::Database(e))
+    }
+}
+
+enum Slot {
+    Ignored,
+    /// The first message with this key: index into the claimed keys.
+    Key(usize),
+    /// A later message of the batch with a key claimed earlier in it.
+    Repeat,
+}
+
+/// Claims the batch's keys, runs the handlers of new ones through `service`, records outcomes and appends
+/// the emitted events, all on `conn` (inside the caller's transaction). Every delivery must be routed to a
+/// transactional step or ignored.
+pub(crate) async fn run_batch(
+    service: &dyn StepService,
+    conn: &mut sqlx::PgConnection,
+    deliveries: &[Delivery],
+    metrics: &ConsumerMetrics,
+) -> Result<Vec<ItemOutcome>, BatchError> {
+    let mut keys: Vec<(TenantId, StepKey)> = Vec::with_capacity(deliveries.len());
+    let mut seen: HashMap<(&TenantId, &StepKey), usize> = HashMap::with_capacity(deliveries.len());
+    let slots: Vec<Slot> = deliveries
+        .iter()
+        .map(|d| match &d.route {
+            Route::Step {
+                step_key, tenant, ..
+            } => match seen.entry((tenant, step_key)) {
+                std::collections::hash_map::Entry::Occupied(_) => Slot::Repeat,
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(keys.len());
+                    keys.push((tenant.clone(), step_key.clone()));
+                    Slot::Key(keys.len() - 1)
+                }
+            },
+            Route::Ignored => Slot::Ignored,
+            Route::Poison(_) => unreachable!("poison messages are dead-lettered, not batched"),
+        })
+        .collect();
+    let claims = claim_in_transaction(conn, &keys)
+        .await
+        .map_err(BatchError::Store)?;
+
+    let mut results: Vec<Option<ItemOutcome>> = vec![None; deliveries.len()];
+    let mut outcomes: Vec<(usize, StepOutcome)> = Vec::new();
+    let mut emitted: Vec<OutboxMessage> = Vec::new();
+    // Consecutive new messages of one step, handled with one call: (index in the batch, key index).
+    let mut group: Vec<(usize, usize)> = Vec::new();
+    for (index, (delivery, slot)) in deliveries.iter().zip(&slots).enumerate() {
+        let new_key = match slot {
+            Slot::Ignored => {
+                results[index] = Some(ItemOutcome::Ignored);
+                None
+            }
+            Slot::Repeat => {
+                results[index] = Some(ItemOutcome::Duplicate);
+                None
+            }
+            Slot::Key(k) => match &claims[*k] {
+                Claim::Duplicate(_) => {
+                    results[index] = Some(ItemOutcome::Duplicate);
+                    None
+                }
+                Claim::Busy { until } => {
+                    return Err(BatchError::Item {
+                        index,
+                        failure: Failure::Busy(*until),
+                    });
+                }
+                Claim::New => Some(*k),
+            },
+        };
+        let Some(key_index) = new_key else { continue };
+        let same_step = group
+            .first()
+            .is_some_and(|(first, _)| step_of(&deliveries[*first]) == step_of(delivery));
+        if !same_step && !group.is_empty() {
+            handle_group(
+                service,
+                conn,
+                deliveries,
+                &group,
+                metrics,
+                &mut results,
+                &mut outcomes,
+                &mut emitted,
+            )
+            .await?;
+            group.clear();
+        }
+        group.push((index, key_index));
+    }
+    if !group.is_empty() {
+        handle_group(
+            service,
+            conn,
+            deliveries,
+            &group,
+            metrics,
+            &mut results,
+            &mut outcomes,
+            &mut emitted,
+        )
+        .await?;
+    }
+    let records: Vec<_> = outcomes
+        .iter()
+        .map(|(k, outcome)| (&keys[*k].0, &keys[*k].1, outcome))
+        .collect();
+    record_outcomes(conn, &records)
+        .await
+        .map_err(BatchError::Store)?;
+    outbox::append(conn, &emitted).await?;
+    Ok(results
+        .into_iter()
+        .map(|r| r.expect("every message of the batch has an outcome"))
+        .collect())
+}
+
+fn step_of(delivery: &Delivery) -> Option<&str> {
+    delivery.step_name()
+}
+
+/// Runs one handler call for `group` (indices into `deliveries`, with their key indices).
+#[allow(clippy::too_many_arguments)]
+async fn handle_group(
+    service: &dyn StepService,
+    conn: &mut sqlx::PgConnection,
+    deliveries: &[Delivery],
+    group: &[(usize, usize)],
+    metrics: &ConsumerMetrics,
+    results: &mut [Option<ItemOutcome>],
+    outcomes: &mut Vec<(usize, StepOutcome)>,
+    emitted: &mut Vec<OutboxMessage>,
+) -> Result<(), BatchError> {
+    let mut items = Vec::with_capacity(group.len());
+    let mut step = None;
+    for (index, _) in group {
+        let Route::Step {
+            step: s,
+            decoded,
+            step_key,
+            tenant,
+        } = &deliveries[*index].route
+        else {
+            unreachable!("a claimed key belongs to a step")
+        };
+        step = Some(s);
+        items.push(StepItem {
+            decoded,
+            step_key,
+            tenant,
+            origin: &deliveries[*index].raw.origin,
+            span: &deliveries[*index].span,
+        });
+    }
+    let step = step.expect("a group is never empty");
+    let started = Instant::now();
+    let handled = service
+        .call(StepRequest {
+            step,
+            items,
+            response: None,
+            conn,
+        })
+        .await;
+    let per_message = started.elapsed().as_secs_f64() / group.len() as f64;
+    let histogram = metrics.handler_seconds.get_or_create(&StepOnly {
+        step: step.name.to_string(),
+    });
+    for _ in group {
+        histogram.observe(per_message);
+    }
+    match handled {
+        Ok(handled) => {
+            for ((index, key_index), outcome) in group.iter().zip(handled.outcomes) {
+                results[*index] = Some(ItemOutcome::of(&outcome));
+                outcomes.push((*key_index, outcome));
+            }
+            emitted.extend(handled.emitted);
+            Ok(())
+        }
+        Err(error) if group.len() == 1 => Err(BatchError::Item {
+            index: group[0].0,
+            failure: Failure::Handler(error),
+        }),
+        Err(error) if error.message_index().is_some_and(|i| i < group.len()) => {
+            let at = error.message_index().unwrap_or(0);
+            Err(BatchError::Item {
+                index: group[at].0,
+                failure: Failure::Handler(error),
+            })
+        }
+        Err(error) => {
+            tracing::debug!(%error, messages = group.len(), "a batch handler call failed; narrowing down");
+            Err(BatchError::Group { index: group[0].0 })
+        }
+    }
+}

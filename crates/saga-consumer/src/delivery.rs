@@ -1,0 +1,149 @@
+//! A consumed message on its way through the runtime: where it is routed (a step, ignored, or poison) and
+//! its tracing span.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use saga_core::{EnvelopeError, EventMetadata, RawMessage, StepKey, TenantId};
+
+use crate::handler::{Decoded, RegisteredStep};
+
+/// Why a message can never be handled.
+#[derive(Debug, thiserror::Error)]
+pub enum PoisonReason {
+    /// Its headers or payload do not decode (missing or invalid key header, bad JSON, ...).
+    #[error(transparent)]
+    Envelope(#[from] EnvelopeError),
+    /// No step handles its event type on its topic, and the type is not declared ignored.
+    #[error("no step handles event type {event_type:?} on topic {topic:?}")]
+    UnknownEventType {
+        /// The topic.
+        topic: String,
+        /// The event type.
+        event_type: String,
+    },
+}
+
+/// Where a message goes.
+pub(crate) enum Route {
+    /// To a step.
+    Step {
+        step: Arc<RegisteredStep>,
+        decoded: Decoded,
+        step_key: StepKey,
+        tenant: TenantId,
+    },
+    /// Nowhere: its event type is declared ignored on this topic.
+    Ignored,
+    /// To the dead-letter topic.
+    Poison(PoisonReason),
+}
+
+/// A consumed message and where it goes.
+pub(crate) struct Delivery {
+    pub raw: RawMessage,
+    pub route: Route,
+    pub span: tracing::Span,
+    /// Attempts so far (the current one included once it has started).
+    pub attempts: u32,
+}
+
+impl Delivery {
+    pub fn step_name(&self) -> Option<&str> {
+        match &self.route {
+            Route::Step { step, .. } => Some(step.name.as_str()),
+            _ => None,
+        }
+    }
+
+    pub fn is_transactional_or_ignored(&self) -> bool {
+        match &self.route {
+            Route::Ignored => true,
+            Route::Step { step, .. } => {
+                matches!(step.mode, crate::handler::StepMode::Transactional(_))
+            }
+            Route::Poison(_) => false,
+        }
+    }
+}
+
+/// Routes messages by topic and event type.
+pub(crate) struct Router {
+    steps: HashMap<(String, String), Arc<RegisteredStep>>,
+    ignored: HashSet<(String, String)>,
+}
+
+impl Router {
+    pub fn new(steps: &[RegisteredStep], ignored: &[(String, String)]) -> Self {
+        Self {
+            steps: steps
+                .iter()
+                .flat_map(|s| {
+                    let step = Arc::new(s.clone());
+                    s.subscriptions
+                        .iter()
+                        .map(move |sub| ((sub.topic.clone(), sub.event_type.clone()), step.clone()))
+                })
+                .collect(),
+            ignored: ignored.iter().cloned().collect(),
+        }
+    }
+
+    /// Reads the headers, finds the step and decodes the payload.
+    pub fn route(&self, raw: RawMessage) -> Delivery {
+        let meta = EventMetadata::from_headers(&raw.headers);
+        let span = tracing::info_span!(
+            "saga.message",
+            topic = %raw.origin.topic,
+            partition = raw.origin.partition,
+            offset = raw.origin.offset,
+            step = tracing::field::Empty,
+            step_key = tracing::field::Empty,
+            tenant = tracing::field::Empty,
+            event_type = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            parent_span_id = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let route = match meta {
+            Err(e) => Route::Poison(e.into()),
+            Ok(meta) => {
+                span.record("tenant", meta.tenant.as_str());
+                span.record("event_type", meta.event_type.as_str());
+                if let Some(tp) = meta.traceparent {
+                    span.record("trace_id", tp.trace_id_hex());
+                    span.record("parent_span_id", format!("{:016x}", tp.parent_id));
+                }
+                let id = (raw.origin.topic.clone(), meta.event_type.clone());
+                if let Some(step) = self.steps.get(&id) {
+                    let step_key = meta.step_key(&step.name);
+                    let tenant = meta.tenant.clone();
+                    span.record("step", step.name.as_str());
+                    span.record("step_key", step_key.as_str());
+                    match step.decode(&raw, meta) {
+                        Ok(decoded) => Route::Step {
+                            step: step.clone(),
+                            decoded,
+                            step_key,
+                            tenant,
+                        },
+                        Err(e) => Route::Poison(e.into()),
+                    }
+                } else if self.ignored.contains(&id) {
+                    Route::Ignored
+                } else {
+                    Route::Poison(PoisonReason::UnknownEventType {
+                        topic: id.0,
+                        event_type: id.1,
+                    })
+                }
+            }
+        };
+        Delivery {
+            raw,
+            route,
+            span,
+            attempts: 0,
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! The consumer's errors.
+
+use rdkafka::error::KafkaError;
+
+/// A configuration the consumer refuses to start with.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A required setting is missing.
+    #[error("missing setting: {0}")]
+    Missing(&'static str),
+    /// A setting has a value that cannot work.
+    #[error("invalid setting {setting}: {reason}")]
+    Invalid {
+        /// The setting.
+        setting: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// An environment variable does not parse.
+    #[error("environment variable {var}={value:?} is invalid: {reason}")]
+    InvalidEnv {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// Why.
+        reason: String,
+    },
+    /// Two steps consume the same event type on the same topic.
+    #[error("steps {first} and {second} both consume {event_type:?} on topic {topic:?}")]
+    DuplicateSubscription {
+        /// The topic.
+        topic: String,
+        /// The event type.
+        event_type: String,
+        /// One step.
+        first: String,
+        /// The other.
+        second: String,
+    },
+    /// Two steps share a name, so their step keys would collide.
+    #[error(
+        "two steps are named {0:?}; step names must be unique, they are part of every step key"
+    )]
+    DuplicateStepName(String),
+    /// The dead-letter topic is one the consumer reads.
+    #[error("the dead-letter topic {0:?} is also consumed; dead letters would come back")]
+    DeadLetterTopicConsumed(String),
+}
+
+/// Why the consumer stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsumerError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The Kafka client failed to start or to subscribe.
+    #[error("kafka: {0}")]
+    Kafka(#[from] KafkaError),
+    /// Topics the consumer needs do not exist (create them first: the framework never relies on
+    /// auto-creation).
+    #[error("topics do not exist: {0:?}")]
+    MissingTopics(Vec<String>),
+    /// A partition worker died (a bug); the consumer stopped without committing its unfinished messages.
+    #[error("the worker of {topic}/{partition} stopped unexpectedly")]
+    WorkerDied {
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+    },
+    /// The ops endpoint could not listen.
+    #[error("ops endpoint: {0}")]
+    Ops(#[from] std::io::Error),
+    /// The poll thread could not be started or ended abnormally.
+    #[error("poll thread: {0}")]
+    PollThread(String),
+}

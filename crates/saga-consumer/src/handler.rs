@@ -1,0 +1,183 @@
+//! Registered steps behind one object-safe interface, so that a consumer can run steps of different payload
+//! types. Each registered step decodes its own payload; the runtime holds decoded messages as `dyn Any`.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use saga_core::{
+    BatchContext, EnvelopeError, EventMetadata, Message, RawMessage, SagaStep, StepContext,
+    StepError, StepName, StepOutcome, Subscription, TwoPhaseStep,
+};
+
+/// A message decoded for one step, type-erased.
+pub(crate) type Decoded = Box<dyn Any + Send + Sync>;
+
+/// What a step's handler produced for a batch: one outcome per message, and the emitted events.
+#[derive(Debug)]
+pub(crate) struct Handled {
+    pub outcomes: Vec<StepOutcome>,
+    pub emitted: Vec<saga_core::OutboxMessage>,
+}
+
+/// A transactional step, type-erased.
+pub(crate) trait ErasedStep: Send + Sync {
+    fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError>;
+    /// Handles consecutive messages of one partition, in order.
+    fn handle<'a>(
+        &'a self,
+        decoded: &'a [&'a Decoded],
+        conn: &'a mut sqlx::PgConnection,
+        source: &'a str,
+    ) -> BoxFuture<'a, Result<Handled, StepError>>;
+}
+
+struct TxAdapter<S>(S);
+
+fn message<P: 'static>(decoded: &Decoded) -> &Message<P> {
+    decoded
+        .downcast_ref::<Message<P>>()
+        .expect("a message is handled by the step that decoded it")
+}
+
+impl<S: SagaStep> ErasedStep for TxAdapter<S> {
+    fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError> {
+        Ok(Box::new(Message::<S::Payload>::decode_with(
+            raw,
+            meta,
+            &self.0.name(),
+        )?))
+    }
+
+    fn handle<'a>(
+        &'a self,
+        decoded: &'a [&'a Decoded],
+        conn: &'a mut sqlx::PgConnection,
+        source: &'a str,
+    ) -> BoxFuture<'a, Result<Handled, StepError>> {
+        Box::pin(async move {
+            let msgs: Vec<&Message<S::Payload>> =
+                decoded.iter().map(|d| message::<S::Payload>(d)).collect();
+            let mut ctx = BatchContext::new(conn, source);
+            let outcomes = self.0.handle_batch(&msgs, &mut ctx).await?;
+            if outcomes.len() != msgs.len() {
+                return Err(StepError::permanent(format!(
+                    "handle_batch returned {} outcomes for {} messages",
+                    outcomes.len(),
+                    msgs.len()
+                )));
+            }
+            Ok(Handled {
+                outcomes,
+                emitted: ctx.into_emitted(),
+            })
+        })
+    }
+}
+
+/// A two-phase step, type-erased: the external call's response travels as `dyn Any`.
+pub(crate) trait ErasedTwoPhaseStep: Send + Sync {
+    fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError>;
+    fn lease(&self) -> Duration;
+    fn call<'a>(
+        &'a self,
+        decoded: &'a Decoded,
+    ) -> BoxFuture<'a, Result<Box<dyn Any + Send>, StepError>>;
+    fn complete<'a>(
+        &'a self,
+        decoded: &'a Decoded,
+        response: Box<dyn Any + Send>,
+        conn: &'a mut sqlx::PgConnection,
+        source: &'a str,
+    ) -> BoxFuture<'a, Result<Handled, StepError>>;
+}
+
+struct TwoPhaseAdapter<S>(S);
+
+impl<S: TwoPhaseStep> ErasedTwoPhaseStep for TwoPhaseAdapter<S> {
+    fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError> {
+        Ok(Box::new(Message::<S::Payload>::decode_with(
+            raw,
+            meta,
+            &self.0.name(),
+        )?))
+    }
+
+    fn lease(&self) -> Duration {
+        self.0.lease()
+    }
+
+    fn call<'a>(
+        &'a self,
+        decoded: &'a Decoded,
+    ) -> BoxFuture<'a, Result<Box<dyn Any + Send>, StepError>> {
+        Box::pin(async move {
+            let response = self.0.call(message::<S::Payload>(decoded)).await?;
+            Ok(Box::new(response) as Box<dyn Any + Send>)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        decoded: &'a Decoded,
+        response: Box<dyn Any + Send>,
+        conn: &'a mut sqlx::PgConnection,
+        source: &'a str,
+    ) -> BoxFuture<'a, Result<Handled, StepError>> {
+        Box::pin(async move {
+            let msg = message::<S::Payload>(decoded);
+            let response = *response
+                .downcast::<S::Response>()
+                .expect("the response comes from the same step's call");
+            let mut ctx = StepContext::new(conn, msg.lineage(), source);
+            let outcome = self.0.complete(msg, response, &mut ctx).await?;
+            Ok(Handled {
+                outcomes: vec![outcome],
+                emitted: ctx.into_emitted(),
+            })
+        })
+    }
+}
+
+/// How a registered step runs.
+#[derive(Clone)]
+pub(crate) enum StepMode {
+    /// Claim, handle and outbox in one transaction; batched.
+    Transactional(Arc<dyn ErasedStep>),
+    /// Lease, external call, completing transaction; one message at a time.
+    TwoPhase(Arc<dyn ErasedTwoPhaseStep>),
+}
+
+/// A step as the consumer knows it.
+#[derive(Clone)]
+pub(crate) struct RegisteredStep {
+    pub name: StepName,
+    pub subscriptions: Vec<Subscription>,
+    pub mode: StepMode,
+}
+
+impl RegisteredStep {
+    pub fn transactional<S: SagaStep>(step: S) -> Self {
+        Self {
+            name: step.name(),
+            subscriptions: step.subscriptions(),
+            mode: StepMode::Transactional(Arc::new(TxAdapter(step))),
+        }
+    }
+
+    pub fn two_phase<S: TwoPhaseStep>(step: S) -> Self {
+        Self {
+            name: step.name(),
+            subscriptions: step.subscriptions(),
+            mode: StepMode::TwoPhase(Arc::new(TwoPhaseAdapter(step))),
+        }
+    }
+
+    pub fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError> {
+        match &self.mode {
+            StepMode::Transactional(s) => s.decode(raw, meta),
+            StepMode::TwoPhase(s) => s.decode(raw, meta),
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! The retry policy: how often a transiently failing message is retried, and how long to wait in between.
+
+use std::time::Duration;
+
+/// Exponential backoff with jitter, and a retry budget after which a message is dead-lettered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    /// Attempts in all (the first one included) before a transiently failing message is dead-lettered.
+    pub max_attempts: u32,
+    /// The wait before the second attempt.
+    pub initial_backoff: Duration,
+    /// The longest wait between attempts.
+    pub max_backoff: Duration,
+    /// Each wait is `multiplier` times the previous one, before jitter.
+    pub multiplier: f64,
+    /// Each wait is shortened by a random fraction of up to `jitter` (0 to 1), so that many failing
+    /// consumers do not retry in lockstep.
+    pub jitter: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(30),
+            multiplier: 2.0,
+            jitter: 0.2,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait after failed attempt number `attempt` (1-based), with jitter.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exponent = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
+        let base = self.initial_backoff.as_secs_f64() * self.multiplier.powi(exponent);
+        let capped = base.min(self.max_backoff.as_secs_f64());
+        let jitter = self.jitter.clamp(0.0, 1.0) * rand::random::<f64>();
+        Duration::from_secs_f64(capped * (1.0 - jitter))
+    }
+
+    /// Whether a message that failed `attempts` times may be tried again.
+    pub fn may_retry(&self, attempts: u32) -> bool {
+        attempts < self.max_attempts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_exponentially_up_to_the_cap_and_jitter_only_shortens() {
+        let policy = RetryPolicy {
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(1000),
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        };
+        let waits: Vec<_> = (1..=6).map(|a| policy.backoff(a).as_millis()).collect();
+        assert_eq!(waits, vec![100, 200, 400, 800, 1000, 1000]);
+
+        let jittered = RetryPolicy {
+            jitter: 0.5,
+            ..policy
+        };
+        for _ in 0..100 {
+            let wait = jittered.backoff(3);
+            assert!(wait <= Duration::from_millis(400) && wait >= Duration::from_millis(200));
+        }
+    }
+
+    #[test]
+    fn the_budget_counts_the_first_attempt() {
+        let policy = RetryPolicy {
+            max_attempts: 3,
+            ..RetryPolicy::default()
+        };
+        assert!(policy.may_retry(1));
+        assert!(policy.may_retry(2));
+        assert!(!policy.may_retry(3));
+    }
+}

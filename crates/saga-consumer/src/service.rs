@@ -1,0 +1,258 @@
+//! The handler invocation as a composable service, in the manner of `tower`: the runtime wraps the step's
+//! handler in layers (a per-message tracing span, a timeout, panic catching) and users may add their own
+//! with [`crate::SagaConsumerBuilder::layer`].
+//!
+//! A [`StepService`] runs inside the batch transaction; it sees the step, the decoded messages (consecutive
+//! messages of one partition, new to the step) and the connection. Deduplication and the transaction
+//! itself wrap it at the batch level (see `dedup` and `executor`), because a batch's keys are claimed
+//! with one statement.
+
+use std::any::Any;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use saga_core::{Origin, OutboxMessage, StepError, StepKey, StepName, StepOutcome, TenantId};
+use tower_layer::Layer;
+use tracing::Instrument;
+
+use crate::handler::{Decoded, RegisteredStep, StepMode};
+
+/// What a handler produced: one outcome per message, and the events it emitted.
+#[derive(Debug)]
+pub struct Handled {
+    /// How each message's step ended, in the request's order.
+    pub outcomes: Vec<StepOutcome>,
+    /// The outbox rows emitted.
+    pub emitted: Vec<OutboxMessage>,
+}
+
+impl From<crate::handler::Handled> for Handled {
+    fn from(h: crate::handler::Handled) -> Self {
+        Self {
+            outcomes: h.outcomes,
+            emitted: h.emitted,
+        }
+    }
+}
+
+/// One message of a request.
+pub struct StepItem<'a> {
+    pub(crate) decoded: &'a Decoded,
+    pub(crate) step_key: &'a StepKey,
+    pub(crate) tenant: &'a TenantId,
+    pub(crate) origin: &'a Origin,
+    pub(crate) span: &'a tracing::Span,
+}
+
+impl StepItem<'_> {
+    /// The message's step key.
+    pub fn step_key(&self) -> &StepKey {
+        self.step_key
+    }
+
+    /// The message's tenant.
+    pub fn tenant(&self) -> &TenantId {
+        self.tenant
+    }
+
+    /// Where the message came from.
+    pub fn origin(&self) -> &Origin {
+        self.origin
+    }
+
+    /// The message's tracing span.
+    pub fn span(&self) -> &tracing::Span {
+        self.span
+    }
+}
+
+/// One handler invocation: consecutive messages of one partition for one step, new to it, inside the
+/// batch's transaction. A two-phase step's completion is a request of one message with its external
+/// response.
+pub struct StepRequest<'a> {
+    pub(crate) step: &'a RegisteredStep,
+    pub(crate) items: Vec<StepItem<'a>>,
+    pub(crate) response: Option<Box<dyn Any + Send>>,
+    /// The open transaction.
+    pub conn: &'a mut sqlx::PgConnection,
+}
+
+impl StepRequest<'_> {
+    /// The step being run.
+    pub fn step_name(&self) -> &StepName {
+        &self.step.name
+    }
+
+    /// The messages, in order.
+    pub fn items(&self) -> &[StepItem<'_>] {
+        &self.items
+    }
+}
+
+/// A handler invocation service.
+pub trait StepService: Send + Sync + 'static {
+    /// Runs the handler for `request` inside the open transaction.
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>>;
+}
+
+/// A shared, type-erased [`StepService`], what layers wrap.
+pub type BoxStepService = Arc<dyn StepService>;
+
+impl StepService for BoxStepService {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+        (**self).call(request)
+    }
+}
+
+/// The innermost service: the step's own handler (or a two-phase step's completing handler).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HandlerService;
+
+impl StepService for HandlerService {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+        let StepRequest {
+            step,
+            items,
+            conn,
+            response,
+        } = request;
+        let source = step.name.as_str();
+        Box::pin(async move {
+            let decoded: Vec<&Decoded> = items.iter().map(|i| i.decoded).collect();
+            let handled = match (&step.mode, response, decoded.as_slice()) {
+                (StepMode::Transactional(s), _, _) => s.handle(&decoded, conn, source).await?,
+                (StepMode::TwoPhase(s), Some(response), [one]) => {
+                    s.complete(one, response, conn, source).await?
+                }
+                (StepMode::TwoPhase(_), _, _) => {
+                    return Err(StepError::permanent(
+                        "a two-phase step completes one message, with its external response",
+                    ));
+                }
+            };
+            Ok(handled.into())
+        })
+    }
+}
+
+/// Runs the inner service inside the message's tracing span (for a batch: a `saga.batch` span that follows
+/// from each message's span).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InstrumentLayer;
+
+/// See [`InstrumentLayer`].
+pub struct Instrumented<S>(S);
+
+impl<S: StepService> Layer<S> for InstrumentLayer {
+    type Service = Instrumented<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Instrumented(inner)
+    }
+}
+
+impl<S: StepService> StepService for Instrumented<S> {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+        let span = match request.items.as_slice() {
+            [one] => one.span.clone(),
+            items => {
+                let batch = tracing::info_span!(
+                    "saga.batch",
+                    step = %request.step.name,
+                    messages = items.len()
+                );
+                for item in items {
+                    batch.follows_from(item.span);
+                }
+                batch
+            }
+        };
+        Box::pin(self.0.call(request).instrument(span))
+    }
+}
+
+/// The handler took longer than its time limit.
+#[derive(Debug, thiserror::Error)]
+#[error("handler timed out after {0:?}")]
+pub struct HandlerTimedOut(pub Duration);
+
+/// Fails a handler that runs longer than a limit, transiently: the transaction rolls back and the message is
+/// retried.
+#[derive(Debug, Clone, Copy)]
+pub struct TimeoutLayer(pub Duration);
+
+/// See [`TimeoutLayer`].
+pub struct Timeout<S> {
+    inner: S,
+    limit: Duration,
+}
+
+impl<S: StepService> Layer<S> for TimeoutLayer {
+    type Service = Timeout<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Timeout {
+            inner,
+            limit: self.0,
+        }
+    }
+}
+
+impl<S: StepService> StepService for Timeout<S> {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+        Box::pin(async move {
+            match tokio::time::timeout(self.limit, self.inner.call(request)).await {
+                Ok(result) => result,
+                Err(_) => Err(StepError::transient(HandlerTimedOut(self.limit))),
+            }
+        })
+    }
+}
+
+/// The handler panicked.
+#[derive(Debug, thiserror::Error)]
+#[error("handler panicked: {0}")]
+pub struct HandlerPanicked(pub String);
+
+/// Turns a panicking handler into a permanent error, so that the message is dead-lettered instead of
+/// taking the consumer down (and, after a restart, down again).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CatchPanicLayer;
+
+/// See [`CatchPanicLayer`].
+pub struct CatchPanic<S>(S);
+
+impl<S: StepService> Layer<S> for CatchPanicLayer {
+    type Service = CatchPanic<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        CatchPanic(inner)
+    }
+}
+
+impl<S: StepService> StepService for CatchPanic<S> {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+        Box::pin(async move {
+            match AssertUnwindSafe(self.0.call(request)).catch_unwind().await {
+                Ok(result) => result,
+                Err(panic) => {
+                    let text = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "non-string panic payload".to_owned());
+                    Err(StepError::permanent(HandlerPanicked(text)))
+                }
+            }
+        })
+    }
+}
+
+/// Wraps `inner` in `layer` and erases the result.
+pub(crate) fn apply<L>(layer: &L, inner: BoxStepService) -> BoxStepService
+where
+    L: Layer<BoxStepService>,
+    L::Service: StepService,
+{
+    Arc::new(layer.layer(inner))
+}
