@@ -1,0 +1,70 @@
+//! The relay's Prometheus metrics.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// The relay's metrics, cheap to clone.
+#[derive(Clone)]
+pub struct RelayMetrics {
+    /// Rows the broker acknowledged.
+    pub published: Counter,
+    /// Rows whose publication failed (they are retried).
+    pub failures: Counter,
+    /// Unpublished rows (sampled).
+    pub backlog: Gauge,
+    /// Age in seconds of the oldest unpublished row (sampled).
+    pub oldest_age_seconds: Gauge,
+    /// Shards this instance owns.
+    pub owned_shards: Gauge,
+    /// Seconds from a row's write (its transaction's commit, for short transactions) to the broker's
+    /// acknowledgement.
+    pub commit_to_ack_seconds: Histogram,
+}
+
+impl Default for RelayMetrics {
+    fn default() -> Self {
+        Self {
+            published: Counter::default(),
+            failures: Counter::default(),
+            backlog: Gauge::default(),
+            oldest_age_seconds: Gauge::default(),
+            owned_shards: Gauge::default(),
+            commit_to_ack_seconds: Histogram::new(exponential_buckets(0.000_5, 2.0, 18)),
+        }
+    }
+}
+
+impl RelayMetrics {
+    /// Registers the metrics under the `saga_relay` prefix.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("saga_relay");
+        r.register(
+            "published",
+            "Rows the broker acknowledged",
+            self.published.clone(),
+        );
+        r.register(
+            "failures",
+            "Failed publications (retried)",
+            self.failures.clone(),
+        );
+        r.register("backlog", "Unpublished rows", self.backlog.clone());
+        r.register(
+            "oldest_age_seconds",
+            "Age of the oldest unpublished row",
+            self.oldest_age_seconds.clone(),
+        );
+        r.register(
+            "owned_shards",
+            "Shards this instance owns",
+            self.owned_shards.clone(),
+        );
+        r.register(
+            "commit_to_ack_seconds",
+            "From a row's write to the broker's acknowledgement",
+            self.commit_to_ack_seconds.clone(),
+        );
+    }
+}

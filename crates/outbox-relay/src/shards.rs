@@ -1,0 +1,159 @@
+//! Sharing the outbox between relay instances. The key space is cut into [`SHARDS`] shards (a row's shard
+//! is computed from its partition key, so one key is always in one shard). An instance owns a shard while
+//! it holds a session-level advisory lock on it; each instance also holds a membership lock, so every
+//! instance can count the members and take its fair share. An instance that dies loses its session, its
+//! locks with it, and the others take its shards over at their next rebalance.
+//!
+//! Ownership of a shard is exclusive, and an instance gives a shard up only between batches, after its
+//! published rows are marked: so each key has one publisher at a time, which publishes in id order.
+
+use std::collections::BTreeSet;
+
+use sqlx::{PgConnection, Row};
+
+/// The number of shards; fixed by the `shard` column of `saga_outbox`.
+pub const SHARDS: i16 = 64;
+
+/// This instance's shards.
+#[derive(Debug)]
+pub struct ShardOwner {
+    instance: i32,
+    classes: Option<(i32, i32)>,
+    owned: BTreeSet<i16>,
+}
+
+/// What a rebalance changed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// Members counted, this instance included.
+    pub members: i64,
+    /// Shards taken.
+    pub acquired: Vec<i16>,
+    /// Shards given up.
+    pub released: Vec<i16>,
+}
+
+impl Default for ShardOwner {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ShardOwner {
+    /// An instance with a random id, owning nothing yet.
+    pub fn new() -> Self {
+        Self {
+            instance: rand::random::<i32>() & i32::MAX,
+            classes: None,
+            owned: BTreeSet::new(),
+        }
+    }
+
+    /// The shards owned, in order.
+    pub fn owned(&self) -> Vec<i16> {
+        self.owned.iter().copied().collect()
+    }
+
+    /// Joins the members of the outbox in `conn`'s schema (takes the membership lock). `conn` must stay
+    /// this instance's dedicated session: the locks live and die with it.
+    pub async fn join(&mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let row = sqlx::query(
+            "SELECT hashtext('saga-outbox-members/' || current_schema()) & 2147483647, \
+                    hashtext('saga-outbox-shards/' || current_schema()) & 2147483647",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        let classes: (i32, i32) = (row.try_get(0)?, row.try_get(1)?);
+        loop {
+            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+                .bind(classes.0)
+                .bind(self.instance)
+                .fetch_one(&mut *conn)
+                .await?;
+            if got {
+                break;
+            }
+            // Another instance drew the same id.
+            self.instance = rand::random::<i32>() & i32::MAX;
+        }
+        self.classes = Some(classes);
+        self.owned.clear();
+        Ok(())
+    }
+
+    /// Takes or gives up shards until this instance owns its fair share: the number of shards divided by the
+    /// number of members, rounded up. Free shards are taken starting from a place that depends on the
+    /// instance, so that instances starting together spread out.
+    pub async fn rebalance(&mut self, conn: &mut PgConnection) -> Result<Change, sqlx::Error> {
+        let (members_class, shards_class) = self.classes.expect("join() before rebalance()");
+        let members: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks \
+             WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = $1::int4::oid \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .bind(members_class)
+        .fetch_one(&mut *conn)
+        .await?;
+        let members_u = usize::try_from(members.max(1)).unwrap_or(1);
+        let share = usize::from(SHARDS.unsigned_abs()).div_ceil(members_u);
+        let mut change = Change {
+            members,
+            ..Change::default()
+        };
+        if self.owned.len() > share {
+            let extra: Vec<i16> = self
+                .owned
+                .iter()
+                .rev()
+                .take(self.owned.len() - share)
+                .copied()
+                .collect();
+            sqlx::query("SELECT pg_advisory_unlock($1, s) FROM unnest($2::int2[]) AS s")
+                .bind(shards_class)
+                .bind(&extra)
+                .execute(&mut *conn)
+                .await?;
+            for s in &extra {
+                self.owned.remove(s);
+            }
+            change.released = extra;
+        } else if self.owned.len() < share {
+            let owned: Vec<i16> = self.owned();
+            // Lazy evaluation: the lock function runs only until LIMIT rows matched (no sort in between).
+            let acquired: Vec<i16> = sqlx::query_scalar(
+                "SELECT shard FROM ( \
+                     SELECT ((s + $2) % $3)::int2 AS shard FROM generate_series(0, $3 - 1) AS s \
+                 ) AS candidates \
+                 WHERE NOT shard = ANY($4) AND pg_try_advisory_lock($1, shard) \
+                 LIMIT $5",
+            )
+            .bind(shards_class)
+            .bind(self.instance % i32::from(SHARDS))
+            .bind(i32::from(SHARDS))
+            .bind(&owned)
+            .bind(i64::try_from(share - self.owned.len()).unwrap_or(0))
+            .fetch_all(&mut *conn)
+            .await?;
+            self.owned.extend(acquired.iter().copied());
+            change.acquired = acquired;
+        }
+        Ok(change)
+    }
+
+    /// Gives up every shard and leaves the members (for a graceful stop).
+    pub async fn leave(&mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        if self.classes.is_some() {
+            sqlx::query("SELECT pg_advisory_unlock_all()")
+                .execute(conn)
+                .await?;
+        }
+        self.forget();
+        Ok(())
+    }
+
+    /// Forgets all ownership (the session is gone, and its locks with it).
+    pub fn forget(&mut self) {
+        self.owned.clear();
+        self.classes = None;
+    }
+}

@@ -1,0 +1,419 @@
+//! The relay against the real broker and the real PostgreSQL. Each test's name says which behaviour it
+//! covers: order, late, instance, kill, outage.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use outbox_relay::{Relay, RelaySettings};
+use saga_core::envelope::Lineage;
+use saga_core::{Event, IdempotencyKey, OutboxMessage, TenantId, outbox};
+use saga_runtime::kafka::KafkaConfig;
+use saga_test_support::{PrivateBroker, ReadMessage, TestDb, TestKafka, wait_until};
+use sqlx::PgPool;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// An outbox row for `key` carrying its per-key sequence number.
+fn row(topic: &str, key: &str, seq: i64) -> OutboxMessage {
+    let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default(), None);
+    let event = Event::new(
+        "Numbered",
+        topic,
+        key,
+        &serde_json::json!({ "key": key, "seq": seq }),
+    )
+    .unwrap();
+    OutboxMessage::from_event(event, &lineage, "relay-test")
+}
+
+fn settings(brokers: &str) -> RelaySettings {
+    RelaySettings {
+        kafka: KafkaConfig::new(brokers),
+        batch_size: 500,
+        poll_interval: Duration::from_millis(200),
+        rebalance_interval: Duration::from_millis(200),
+        ..RelaySettings::default()
+    }
+}
+
+struct RunningRelay {
+    stop: CancellationToken,
+    handle: JoinHandle<Result<(), outbox_relay::RelayError>>,
+    published: prometheus_client::metrics::counter::Counter,
+    owned: prometheus_client::metrics::gauge::Gauge,
+}
+
+fn start(settings: RelaySettings, pool: PgPool) -> RunningRelay {
+    let relay = Relay::new(settings, pool);
+    let published = relay.metrics().published.clone();
+    let owned = relay.metrics().owned_shards.clone();
+    let stop = CancellationToken::new();
+    let token = stop.clone();
+    let handle = tokio::spawn(async move { relay.run(token).await });
+    RunningRelay {
+        stop,
+        handle,
+        published,
+        owned,
+    }
+}
+
+impl RunningRelay {
+    async fn stop(self) {
+        self.stop.cancel();
+        tokio::time::timeout(WAIT, self.handle)
+            .await
+            .expect("the relay stops")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+async fn unpublished(db: &TestDb) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM saga_outbox WHERE published_at IS NULL")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+async fn wait_all_published(db: &TestDb) {
+    wait_until("every outbox row published", WAIT, || async {
+        (unpublished(db).await == 0).then_some(())
+    })
+    .await;
+}
+
+/// Checks that, per key, the first occurrence of each sequence number comes in increasing order and that
+/// every number from 1 to `expected[key]` is there. Returns the number of duplicates.
+fn check_per_key_order(messages: &[ReadMessage], expected: &BTreeMap<String, i64>) -> usize {
+    let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    let mut duplicates = 0;
+    // Same key, same partition: offset order within a partition is publication order.
+    for m in messages {
+        let payload = m.json();
+        let key = payload["key"].as_str().unwrap().to_owned();
+        assert_eq!(
+            m.key.as_deref(),
+            Some(key.as_str()),
+            "the Kafka key is the row's key"
+        );
+        let seq = payload["seq"].as_i64().unwrap();
+        let list = seen.entry(key).or_default();
+        if list.contains(&seq) {
+            duplicates += 1;
+        } else {
+            list.push(seq);
+        }
+    }
+    for (key, count) in expected {
+        let got = seen.get(key).cloned().unwrap_or_default();
+        let want: Vec<i64> = (1..=*count).collect();
+        assert_eq!(got, want, "key {key}: rows in commit order, none missing");
+    }
+    assert_eq!(seen.len(), expected.len(), "no unexpected keys");
+    duplicates
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn order_rows_of_many_concurrent_transactions_are_all_published_in_per_key_commit_order() {
+    let db = TestDb::new("relay-order").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("relay-order", 3).await;
+    sqlx::query("CREATE TABLE commit_order (key TEXT PRIMARY KEY, n BIGINT NOT NULL DEFAULT 0)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let keys: Vec<String> = (0..8).map(|k| format!("key-{k}")).collect();
+    for key in &keys {
+        sqlx::query("INSERT INTO commit_order (key) VALUES ($1)")
+            .bind(key)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let relay = start(settings(&kafka.brokers), db.pool.clone());
+
+    // Each writer appends a row, waits a random moment, and only then learns its place in the key's commit
+    // order (the counter row lock serialises commits per key) and writes it into the row. Without the
+    // per-key lock taken by the append, a later id could commit first and be published out of order.
+    let pool = db.pool_of(20).await;
+    let mut writers = Vec::new();
+    for w in 0..16 {
+        let (pool, topic, keys) = (pool.clone(), topic.clone(), keys.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0..25 {
+                let key = &keys[(w * 7 + i * 3) % keys.len()];
+                let mut tx = pool.begin().await.unwrap();
+                let ids = outbox::append(&mut tx, &[row(&topic, key, 0)])
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_micros(rand_micros(w, i))).await;
+                let n: i64 = sqlx::query_scalar(
+                    "UPDATE commit_order SET n = n + 1 WHERE key = $1 RETURNING n",
+                )
+                .bind(key)
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+                sqlx::query("UPDATE saga_outbox SET payload = $2 WHERE id = $1")
+                    .bind(ids[0])
+                    .bind(serde_json::to_vec(&serde_json::json!({"key": key, "seq": n})).unwrap())
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    wait_all_published(&db).await;
+    let expected: BTreeMap<String, i64> = sqlx::query_as("SELECT key, n FROM commit_order")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(expected.values().sum::<i64>(), 400);
+    let messages = kafka
+        .read_all(&topic, 400, Duration::from_millis(500), WAIT)
+        .await;
+    let duplicates = check_per_key_order(&messages, &expected);
+    assert_eq!(
+        duplicates, 0,
+        "a relay that was not interrupted publishes each row once"
+    );
+    assert_eq!(relay.published.get(), 400);
+    relay.stop().await;
+}
+
+fn rand_micros(w: usize, i: usize) -> u64 {
+    // Deterministic jitter, 0 to 3 ms.
+    ((w * 7919 + i * 104_729) % 3000) as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn late_a_row_committing_after_later_ids_were_published_is_still_published() {
+    let db = TestDb::new("relay-late").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("relay-late", 1).await;
+    let relay = start(settings(&kafka.brokers), db.pool.clone());
+
+    // The early transaction takes the smaller id and stays open.
+    let mut early = db.pool.begin().await.unwrap();
+    let early_ids = outbox::append(&mut early, &[row(&topic, "a", 1)])
+        .await
+        .unwrap();
+    let mut later = db.pool.begin().await.unwrap();
+    let later_ids = outbox::append(&mut later, &[row(&topic, "b", 1)])
+        .await
+        .unwrap();
+    later.commit().await.unwrap();
+    assert!(early_ids[0] < later_ids[0]);
+
+    let first = kafka
+        .read_all(&topic, 1, Duration::from_millis(300), WAIT)
+        .await;
+    assert_eq!(
+        first.len(),
+        1,
+        "the committed later row is published without waiting"
+    );
+    assert_eq!(first[0].key.as_deref(), Some("b"));
+
+    early.commit().await.unwrap();
+    wait_all_published(&db).await;
+    let all = kafka
+        .read_all(&topic, 2, Duration::from_millis(300), WAIT)
+        .await;
+    let keys: Vec<_> = all.iter().map(|m| m.key.clone().unwrap()).collect();
+    assert_eq!(keys, vec!["b", "a"], "the late row was not skipped");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn instance_two_relays_share_the_outbox_keep_order_and_hand_over_when_one_stops() {
+    let db = TestDb::new("relay-instance").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("relay-instance", 4).await;
+    let first = start(settings(&kafka.brokers), db.pool_of(3).await);
+    let second = start(settings(&kafka.brokers), db.pool_of(3).await);
+    wait_until("both instances own half the shards", WAIT, || async {
+        (first.owned.get() == 32 && second.owned.get() == 32).then_some(())
+    })
+    .await;
+
+    // One writer per key, so each key's sequence is its commit order.
+    let keys = 40;
+    let per_key = 30;
+    let mut writers = Vec::new();
+    for k in 0..keys {
+        let (pool, topic) = (db.pool.clone(), topic.clone());
+        writers.push(tokio::spawn(async move {
+            let key = format!("key-{k}");
+            for seq in 1..=per_key {
+                let mut tx = pool.begin().await.unwrap();
+                outbox::append(&mut tx, &[row(&topic, &key, seq)])
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }));
+    }
+    wait_until("both instances published", WAIT, || async {
+        (first.published.get() > 50 && second.published.get() > 50).then_some(())
+    })
+    .await;
+    let first_published = first.published.clone();
+    first.stop().await;
+    wait_until("the remaining instance owns every shard", WAIT, || async {
+        (second.owned.get() == 64).then_some(())
+    })
+    .await;
+    for w in writers {
+        w.await.unwrap();
+    }
+    wait_all_published(&db).await;
+    let total = usize::try_from(keys * per_key).unwrap();
+    let messages = kafka
+        .read_all(&topic, total, Duration::from_millis(500), WAIT)
+        .await;
+    let expected: BTreeMap<String, i64> =
+        (0..keys).map(|k| (format!("key-{k}"), per_key)).collect();
+    check_per_key_order(&messages, &expected);
+    assert!(first_published.get() > 0 && second.published.get() > 0);
+    second.stop().await;
+}
+
+/// Inserts `keys` × `per_key` rows in transactions of 500 rows, in per-key sequence order.
+async fn fill(db: &TestDb, topic: &str, keys: i64, per_key: i64) -> BTreeMap<String, i64> {
+    let mut rows = Vec::new();
+    for seq in 1..=per_key {
+        for k in 0..keys {
+            rows.push(row(topic, &format!("key-{k}"), seq));
+        }
+    }
+    for chunk in rows.chunks(500) {
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox::append(&mut tx, chunk).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    (0..keys).map(|k| (format!("key-{k}"), per_key)).collect()
+}
+
+fn relay_command(db: &TestDb, brokers: &str) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    command
+        .args(["--database-url", &db.url(), "run", "--brokers", brokers])
+        .args([
+            "--batch-size",
+            "200",
+            "--poll-interval-ms",
+            "200",
+            "--gc-interval-secs",
+            "0",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    command
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_the_relay_process_mid_batch_loses_nothing() {
+    let db = TestDb::new("relay-kill").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("relay-kill", 2).await;
+    let expected = fill(&db, &topic, 50, 200).await;
+    let total = 50 * 200;
+
+    let mut child = relay_command(&db, &kafka.brokers).spawn().unwrap();
+    wait_until("part of the outbox published", WAIT, || async {
+        let left = unpublished(&db).await;
+        (left < total - 1_500).then_some(())
+    })
+    .await;
+    child.start_kill().unwrap(); // SIGKILL, wherever it is
+    child.wait().await.unwrap();
+    let left_after_kill = unpublished(&db).await;
+    assert!(left_after_kill > 0, "killed before the end");
+
+    let mut restarted = relay_command(&db, &kafka.brokers).spawn().unwrap();
+    wait_all_published(&db).await;
+    restarted.start_kill().unwrap();
+    restarted.wait().await.unwrap();
+
+    let messages = kafka
+        .read_all(
+            &topic,
+            usize::try_from(total).unwrap(),
+            Duration::from_millis(800),
+            WAIT,
+        )
+        .await;
+    let duplicates = check_per_key_order(&messages, &expected);
+    assert!(
+        messages.len() >= usize::try_from(total).unwrap(),
+        "every row at least once"
+    );
+    eprintln!("duplicates after the kill: {duplicates}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn outage_of_the_broker_loses_nothing_and_marks_nothing_it_did_not_acknowledge() {
+    let db = TestDb::new("relay-outage").await;
+    let mut broker = PrivateBroker::launch("relay-outage").await;
+    let kafka = TestKafka::with_brokers(&broker.brokers).await;
+    let topic = kafka.topic("relay-outage", 2).await;
+    let relay = start(settings(&broker.brokers), db.pool.clone());
+
+    let before = fill(&db, &topic, 10, 5).await;
+    wait_all_published(&db).await;
+
+    broker.stop().await;
+    let mut during = BTreeMap::new();
+    for k in 0..10 {
+        let key = format!("key-{k}");
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox::append(&mut tx, &[row(&topic, &key, 6), row(&topic, &key, 7)])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        during.insert(key, 7);
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        unpublished(&db).await,
+        20,
+        "nothing is marked published while the broker is away"
+    );
+    assert!(
+        !relay.handle.is_finished(),
+        "the relay waits, it does not exit"
+    );
+
+    broker.start().await;
+    wait_all_published(&db).await;
+    let messages = kafka
+        .read_all(&topic, 70, Duration::from_millis(800), WAIT)
+        .await;
+    assert_eq!(before.len(), during.len());
+    check_per_key_order(&messages, &during);
+    relay.stop().await;
+    let unique: BTreeSet<(String, i64)> = messages
+        .iter()
+        .map(|m| {
+            let p = m.json();
+            (
+                p["key"].as_str().unwrap().to_owned(),
+                p["seq"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(unique.len(), 70);
+}
