@@ -1,0 +1,468 @@
+//! The orchestrator's decisions, as a pure function of the definition, the instance's state and an event:
+//! which state comes next and which command to send. No I/O here; `store` applies decisions.
+
+use std::time::Duration;
+
+use saga_core::StepName;
+use serde_json::Value;
+
+use crate::definition::{OnTimeout, SagaDefinition};
+
+/// Where a saga instance stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SagaStatus {
+    /// Running its steps forward.
+    Running,
+    /// Undoing the completed steps, in reverse.
+    Compensating,
+    /// Every step completed.
+    Completed,
+    /// A step failed and every completed step was compensated.
+    Compensated,
+}
+
+impl SagaStatus {
+    /// The stored value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Compensating => "compensating",
+            Self::Completed => "completed",
+            Self::Compensated => "compensated",
+        }
+    }
+
+    /// Parses a stored value.
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "running" => Some(Self::Running),
+            "compensating" => Some(Self::Compensating),
+            "completed" => Some(Self::Completed),
+            "compensated" => Some(Self::Compensated),
+            _ => None,
+        }
+    }
+
+    /// Whether the saga ended.
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Completed | Self::Compensated)
+    }
+}
+
+/// The state a decision depends on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SagaState {
+    /// Where it stands.
+    pub status: SagaStatus,
+    /// The step being run or compensated.
+    pub step_index: usize,
+    /// Sends of the current command so far.
+    pub attempt: u32,
+    /// `{"input": <start data>, "<step>": <reply payload>, ...}`.
+    pub data: Value,
+    /// Why it is compensating.
+    pub failure: Option<String>,
+}
+
+impl SagaState {
+    /// The state of a new instance started with `input`.
+    pub fn started(input: Value) -> Self {
+        Self {
+            status: SagaStatus::Running,
+            step_index: 0,
+            attempt: 1,
+            data: Value::Object(serde_json::Map::from_iter([("input".to_owned(), input)])),
+            failure: None,
+        }
+    }
+}
+
+/// What happened to an instance.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SagaEvent<'a> {
+    /// It was just created.
+    Started,
+    /// A participant replied.
+    Reply {
+        /// The reply's event type.
+        event_type: &'a str,
+        /// Its payload.
+        payload: &'a Value,
+    },
+    /// The current step's deadline passed.
+    Timeout,
+}
+
+/// A command to send.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outgoing {
+    /// The step (or compensation) it belongs to; the participant's step key is `{key}:{step}`.
+    pub step: StepName,
+    /// The topic.
+    pub topic: String,
+    /// The event type.
+    pub event_type: String,
+    /// The payload.
+    pub payload: Value,
+}
+
+/// A decision: the next state, the command to send and when the next deadline falls.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The next state.
+    pub next: SagaState,
+    /// The command to send, if any.
+    pub send: Option<Outgoing>,
+    /// The new deadline, from now; `None` clears it (the saga ended).
+    pub deadline: Option<Duration>,
+    /// What caused the transition, for the history.
+    pub cause: String,
+    /// The step concerned, for the history.
+    pub step: Option<String>,
+}
+
+/// Decides what `event` does to an instance in `state`. `None`: nothing (a stale, duplicate or unrelated
+/// reply, or an event for an ended saga).
+pub fn decide(def: &SagaDefinition, state: &SagaState, event: SagaEvent<'_>) -> Option<Decision> {
+    match (state.status, event) {
+        (_, _) if state.status.is_final() => None,
+        (SagaStatus::Running, SagaEvent::Started) => {
+            Some(run_step(def, state, state.step_index, 1, "started"))
+        }
+        (
+            SagaStatus::Running,
+            SagaEvent::Reply {
+                event_type,
+                payload,
+            },
+        ) => {
+            let i = state.step_index;
+            let step = def.steps.get(i)?;
+            if step.succeeds_on.iter().any(|t| t == event_type) {
+                let mut next = state.clone();
+                next.data[step.name.as_str()] = payload.clone();
+                if i + 1 < def.steps.len() {
+                    Some(run_step(def, &next, i + 1, 1, event_type))
+                } else {
+                    next.status = SagaStatus::Completed;
+                    Some(Decision {
+                        next,
+                        send: None,
+                        deadline: None,
+                        cause: event_type.to_owned(),
+                        step: Some(step.name.to_string()),
+                    })
+                }
+            } else if step.fails_on.iter().any(|t| t == event_type) {
+                let reason = payload.get("reason").and_then(Value::as_str).map_or_else(
+                    || format!("{} failed: {event_type}", step.name),
+                    str::to_owned,
+                );
+                let mut next = state.clone();
+                next.data[step.name.as_str()] = payload.clone();
+                next.failure = Some(reason);
+                // The step did not take effect: undo the ones before it.
+                Some(compensate_from(def, next, i.checked_sub(1), event_type))
+            } else {
+                None
+            }
+        }
+        (SagaStatus::Running, SagaEvent::Timeout) => {
+            let i = state.step_index;
+            let step = def.steps.get(i)?;
+            match step.on_timeout {
+                OnTimeout::Retry { attempts } if state.attempt < attempts => {
+                    Some(run_step(def, state, i, state.attempt + 1, "timeout"))
+                }
+                _ => {
+                    let mut next = state.clone();
+                    next.failure = Some(format!("{} timed out", step.name));
+                    // Its effect may have happened: undo it too (compensations tolerate a missing effect).
+                    Some(compensate_from(def, next, Some(i), "timeout"))
+                }
+            }
+        }
+        (
+            SagaStatus::Compensating,
+            SagaEvent::Reply {
+                event_type,
+                payload,
+            },
+        ) => {
+            let j = state.step_index;
+            let step = def.steps.get(j)?;
+            let compensation = step.compensation.as_ref()?;
+            if !compensation.done_on.iter().any(|t| t == event_type) {
+                return None;
+            }
+            let mut next = state.clone();
+            next.data[step.compensation_name().as_str()] = payload.clone();
+            Some(compensate_from(def, next, j.checked_sub(1), event_type))
+        }
+        (SagaStatus::Compensating, SagaEvent::Timeout) => {
+            // Never skipped: send the compensation again, with the same key.
+            let j = state.step_index;
+            let mut next = state.clone();
+            next.attempt += 1;
+            let (send, resend_after) = compensation_command(def, &next, j)?;
+            Some(Decision {
+                send: Some(send),
+                deadline: Some(resend_after),
+                cause: "timeout".into(),
+                step: Some(def.steps[j].compensation_name().to_string()),
+                next,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Runs step `i` (send its command) as attempt `attempt`.
+fn run_step(
+    def: &SagaDefinition,
+    state: &SagaState,
+    i: usize,
+    attempt: u32,
+    cause: &str,
+) -> Decision {
+    let step = &def.steps[i];
+    let mut next = state.clone();
+    next.status = SagaStatus::Running;
+    next.step_index = i;
+    next.attempt = attempt;
+    Decision {
+        send: Some(Outgoing {
+            step: step.name.clone(),
+            topic: step.command.topic.clone(),
+            event_type: step.command.event_type.clone(),
+            payload: (step.command.payload)(&next.data),
+        }),
+        deadline: Some(step.timeout),
+        cause: cause.to_owned(),
+        step: Some(step.name.to_string()),
+        next,
+    }
+}
+
+/// Starts (or continues) compensating from step `from` downwards: the highest step at or below it that
+/// has a compensation; none left means the saga is compensated.
+fn compensate_from(
+    def: &SagaDefinition,
+    mut next: SagaState,
+    from: Option<usize>,
+    cause: &str,
+) -> Decision {
+    let target = from.and_then(|k| (0..=k).rev().find(|&j| def.steps[j].compensation.is_some()));
+    match target {
+        Some(j) => {
+            next.status = SagaStatus::Compensating;
+            next.step_index = j;
+            next.attempt = 1;
+            let (send, resend_after) =
+                compensation_command(def, &next, j).expect("the target step has a compensation");
+            Decision {
+                send: Some(send),
+                deadline: Some(resend_after),
+                cause: cause.to_owned(),
+                step: Some(def.steps[j].compensation_name().to_string()),
+                next,
+            }
+        }
+        None => {
+            next.status = SagaStatus::Compensated;
+            Decision {
+                send: None,
+                deadline: None,
+                cause: cause.to_owned(),
+                step: None,
+                next,
+            }
+        }
+    }
+}
+
+fn compensation_command(
+    def: &SagaDefinition,
+    state: &SagaState,
+    j: usize,
+) -> Option<(Outgoing, Duration)> {
+    let step = def.steps.get(j)?;
+    let compensation = step.compensation.as_ref()?;
+    Some((
+        Outgoing {
+            step: step.compensation_name(),
+            topic: compensation.command.topic.clone(),
+            event_type: compensation.command.event_type.clone(),
+            payload: (compensation.command.payload)(&state.data),
+        },
+        compensation.resend_after,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::definition::{Command, Step};
+
+    /// Three steps a, b, c; a and b can be compensated, c cannot.
+    fn definition() -> SagaDefinition {
+        let step = |name: &str, compensable: bool| {
+            let upper = name.to_uppercase();
+            let s = Step::new(
+                name,
+                Command::new("commands", format!("Do{upper}"), |d| d.clone()),
+            )
+            .unwrap()
+            .succeeds_on([format!("{upper}Done")])
+            .fails_on([format!("{upper}Failed")]);
+            if compensable {
+                s.compensate_with(
+                    Command::new("commands", format!("Undo{upper}"), |d| d.clone()),
+                    [format!("{upper}Undone")],
+                    Duration::from_secs(5),
+                )
+            } else {
+                s
+            }
+        };
+        SagaDefinition::new("test-saga", "replies")
+            .unwrap()
+            .step(step("a", true))
+            .step(step("b", true))
+            .step(step("c", false))
+    }
+
+    fn reply<'a>(event_type: &'a str, payload: &'a Value) -> SagaEvent<'a> {
+        SagaEvent::Reply {
+            event_type,
+            payload,
+        }
+    }
+
+    /// Runs `replies` from the start; returns the commands sent, in order, and the final status.
+    fn run(def: &SagaDefinition, events: &[SagaEvent<'_>]) -> (Vec<String>, SagaStatus) {
+        let mut state = SagaState::started(json!({"order": 1}));
+        let mut sent = Vec::new();
+        for event in std::iter::once(SagaEvent::Started).chain(events.iter().copied()) {
+            if let Some(d) = decide(def, &state, event) {
+                sent.extend(d.send.map(|s| s.event_type));
+                state = d.next;
+            }
+        }
+        (sent, state.status)
+    }
+
+    #[test]
+    fn the_happy_path_runs_every_step_in_order() {
+        let def = definition();
+        def.validate().unwrap();
+        let ok = json!({});
+        let (sent, status) = run(
+            &def,
+            &[
+                reply("ADone", &ok),
+                reply("BDone", &ok),
+                reply("CDone", &ok),
+            ],
+        );
+        assert_eq!(sent, vec!["DoA", "DoB", "DoC"]);
+        assert_eq!(status, SagaStatus::Completed);
+    }
+
+    #[test]
+    fn a_failure_at_each_step_compensates_exactly_the_completed_steps_in_reverse() {
+        let def = definition();
+        let ok = json!({});
+        let no = json!({"reason": "no"});
+        let (sent, status) = run(&def, &[reply("AFailed", &no)]);
+        assert_eq!(
+            (sent, status),
+            (vec!["DoA".into()], SagaStatus::Compensated)
+        );
+
+        let (sent, status) = run(
+            &def,
+            &[
+                reply("ADone", &ok),
+                reply("BFailed", &no),
+                reply("AUndone", &ok),
+            ],
+        );
+        assert_eq!(sent, vec!["DoA", "DoB", "UndoA"]);
+        assert_eq!(status, SagaStatus::Compensated);
+
+        let (sent, status) = run(
+            &def,
+            &[
+                reply("ADone", &ok),
+                reply("BDone", &ok),
+                reply("CFailed", &no),
+                reply("BUndone", &ok),
+                reply("AUndone", &ok),
+            ],
+        );
+        assert_eq!(sent, vec!["DoA", "DoB", "DoC", "UndoB", "UndoA"]);
+        assert_eq!(status, SagaStatus::Compensated);
+    }
+
+    #[test]
+    fn a_timed_out_step_is_compensated_too_and_compensations_are_resent_not_skipped() {
+        let def = definition();
+        let ok = json!({});
+        let (sent, status) = run(
+            &def,
+            &[
+                reply("ADone", &ok),
+                SagaEvent::Timeout,
+                SagaEvent::Timeout,
+                reply("BUndone", &ok),
+                reply("AUndone", &ok),
+            ],
+        );
+        assert_eq!(sent, vec!["DoA", "DoB", "UndoB", "UndoB", "UndoA"]);
+        assert_eq!(status, SagaStatus::Compensated);
+    }
+
+    #[test]
+    fn a_step_with_retries_is_resent_before_it_fails() {
+        let mut def = definition();
+        def.steps[0].on_timeout = OnTimeout::Retry { attempts: 3 };
+        let (sent, status) = run(
+            &def,
+            &[SagaEvent::Timeout, SagaEvent::Timeout, SagaEvent::Timeout],
+        );
+        assert_eq!(sent, vec!["DoA", "DoA", "DoA", "UndoA"]);
+        assert_eq!(status, SagaStatus::Compensating);
+    }
+
+    #[test]
+    fn stale_and_unrelated_replies_change_nothing() {
+        let def = definition();
+        let ok = json!({});
+        let (sent, status) = run(
+            &def,
+            &[
+                reply("BDone", &ok),
+                reply("Unknown", &ok),
+                reply("ADone", &ok),
+                reply("ADone", &ok),
+            ],
+        );
+        assert_eq!(sent, vec!["DoA", "DoB"]);
+        assert_eq!(status, SagaStatus::Running);
+    }
+
+    #[test]
+    fn replies_are_kept_in_the_data_for_later_commands() {
+        let def = definition();
+        let state = SagaState::started(json!({"order": 7}));
+        let d = decide(&def, &state, reply("ADone", &json!({"charge": "ch_1"}))).unwrap();
+        assert_eq!(
+            d.next.data,
+            json!({"input": {"order": 7}, "a": {"charge": "ch_1"}})
+        );
+        assert_eq!(d.send.unwrap().payload, d.next.data);
+    }
+}

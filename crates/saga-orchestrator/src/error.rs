@@ -1,0 +1,61 @@
+//! The orchestrator's errors.
+
+use saga_core::StepError;
+use uuid::Uuid;
+
+/// Why an orchestrator operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestratorError {
+    /// The database failed.
+    #[error("orchestrator: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Another transition of the same instance committed first; retry in a fresh transaction.
+    #[error("saga {saga_id} moved past version {version} meanwhile")]
+    VersionConflict {
+        /// The instance.
+        saga_id: Uuid,
+        /// The version this transition started from.
+        version: i32,
+    },
+    /// A reply names a saga this orchestrator does not know.
+    #[error("no {saga_type} saga for key {key} of tenant {tenant}")]
+    UnknownSaga {
+        /// The saga type.
+        saga_type: String,
+        /// The tenant.
+        tenant: String,
+        /// The idempotency key.
+        key: String,
+    },
+    /// Stored state this version cannot read.
+    #[error("orchestrator: unreadable state: {0}")]
+    Corrupt(String),
+    /// A hook failed.
+    #[error("orchestrator hook: {0}")]
+    Hook(#[from] StepError),
+}
+
+impl From<OrchestratorError> for StepError {
+    /// Conflicts and database failures are transient (the consumer retries in a fresh transaction, which
+    /// re-reads the instance); an unknown saga or unreadable state will not get better.
+    fn from(e: OrchestratorError) -> Self {
+        match e {
+            OrchestratorError::Hook(inner) => inner,
+            OrchestratorError::Database(_) | OrchestratorError::VersionConflict { .. } => {
+                StepError::transient(e)
+            }
+            OrchestratorError::UnknownSaga { .. } | OrchestratorError::Corrupt(_) => {
+                StepError::permanent(e)
+            }
+        }
+    }
+}
+
+impl From<saga_core::idempotency::StoreError> for OrchestratorError {
+    fn from(e: saga_core::idempotency::StoreError) -> Self {
+        match e {
+            saga_core::idempotency::StoreError::Database(d) => Self::Database(d),
+            other => Self::Corrupt(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! The orchestrator: starts saga instances, turns replies and timeouts into transitions, and sends the
+//! next command through the outbox, all in the transaction that consumed the reply (whose step key
+//! deduplicates it).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use saga_consumer::SagaConsumerBuilder;
+use saga_core::{
+    EventMetadata, Lineage, Message, SagaStep, StepContext, StepName, StepOutcome, StepResult,
+    Subscription,
+};
+use sqlx::{PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::definition::{DefinitionError, SagaDefinition};
+use crate::engine::{Decision, SagaEvent, SagaState, decide};
+use crate::error::OrchestratorError;
+use crate::store::{self, SagaInstance};
+
+/// What a service does on its own tables when one of its sagas moves: record the history, mark the
+/// order completed or cancelled. Runs in the transition's transaction.
+pub trait SagaHooks: Send + Sync + 'static {
+    /// Called after each transition, with the instance as it was before it and the decision taken.
+    fn transitioned<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        before: &'a SagaInstance,
+        decision: &'a Decision,
+    ) -> BoxFuture<'a, Result<(), saga_core::StepError>>;
+}
+
+/// No hooks.
+struct NoHooks;
+
+impl SagaHooks for NoHooks {
+    fn transitioned<'a>(
+        &'a self,
+        _conn: &'a mut PgConnection,
+        _before: &'a SagaInstance,
+        _decision: &'a Decision,
+    ) -> BoxFuture<'a, Result<(), saga_core::StepError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// The orchestrator of one saga type.
+#[derive(Clone)]
+pub struct Orchestrator {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    definition: SagaDefinition,
+    hooks: Box<dyn SagaHooks>,
+}
+
+impl Orchestrator {
+    /// An orchestrator for `definition` (validated).
+    pub fn new(definition: SagaDefinition) -> Result<Self, DefinitionError> {
+        definition.validate()?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                definition,
+                hooks: Box::new(NoHooks),
+            }),
+        })
+    }
+
+    /// The same orchestrator with `hooks`.
+    pub fn with_hooks(self, hooks: impl SagaHooks) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                definition: self.inner.definition.clone(),
+                hooks: Box::new(hooks),
+            }),
+        }
+    }
+
+    /// The definition.
+    pub fn definition(&self) -> &SagaDefinition {
+        &self.inner.definition
+    }
+
+    /// Starts an instance for `lineage`'s key and tenant with `input`, in the caller's transaction, and
+    /// sends the first command. Idempotent on the key: starting again returns the existing instance. The
+    /// flag says whether it was created.
+    pub async fn start(
+        &self,
+        conn: &mut PgConnection,
+        lineage: &Lineage,
+        input: serde_json::Value,
+    ) -> Result<(Uuid, bool), OrchestratorError> {
+        let def = &self.inner.definition;
+        let (instance, created) = store::insert(
+            conn,
+            def.saga_type.as_str(),
+            &lineage.tenant,
+            &lineage.idempotency_key,
+            &SagaState::started(input),
+        )
+        .await?;
+        if created {
+            let decision = decide(def, &instance.state()?, SagaEvent::Started)
+                .ok_or_else(|| OrchestratorError::Corrupt("a new saga did not start".into()))?;
+            self.transition(conn, &instance, &decision, lineage).await?;
+        }
+        Ok((instance.saga_id, created))
+    }
+
+    /// Handles a reply: finds the instance by the reply's key and tenant, decides, and applies the decision
+    /// (versioned) in the caller's transaction. Returns whether anything changed (a stale or duplicate
+    /// reply changes nothing).
+    pub async fn on_reply(
+        &self,
+        conn: &mut PgConnection,
+        reply: &EventMetadata,
+        payload: &serde_json::Value,
+    ) -> Result<bool, OrchestratorError> {
+        let def = &self.inner.definition;
+        let instance = store::by_key(
+            conn,
+            def.saga_type.as_str(),
+            reply.tenant.as_str(),
+            reply.idempotency_key.as_str(),
+        )
+        .await?
+        .ok_or_else(|| OrchestratorError::UnknownSaga {
+            saga_type: def.saga_type.to_string(),
+            tenant: reply.tenant.to_string(),
+            key: reply.idempotency_key.to_string(),
+        })?;
+        let event = SagaEvent::Reply {
+            event_type: &reply.event_type,
+            payload,
+        };
+        let Some(decision) = decide(def, &instance.state()?, event) else {
+            tracing::debug!(saga = %instance.saga_id, reply = %reply.event_type, "reply changes nothing");
+            return Ok(false);
+        };
+        self.transition(conn, &instance, &decision, &Lineage::caused_by(reply))
+            .await?;
+        Ok(true)
+    }
+
+    /// Fires the due timers of up to `limit` instances in one transaction, skipping instances another
+    /// instance of the orchestrator is handling. Returns how many moved.
+    pub async fn fire_due(&self, pool: &PgPool, limit: i64) -> Result<usize, OrchestratorError> {
+        let def = &self.inner.definition;
+        let mut tx = pool.begin().await?;
+        let due = store::lock_due(&mut tx, def.saga_type.as_str(), limit).await?;
+        let mut moved = 0;
+        for instance in &due {
+            if let Some(decision) = decide(def, &instance.state()?, SagaEvent::Timeout) {
+                self.transition(&mut tx, instance, &decision, &instance.lineage()?)
+                    .await?;
+                moved += 1;
+            }
+        }
+        tx.commit().await?;
+        Ok(moved)
+    }
+
+    /// Fires due timers every `every` until `shutdown`. Run it beside the consumer; several orchestrator
+    /// instances may run it at once.
+    pub async fn run_timers(&self, pool: PgPool, every: Duration, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            loop {
+                match self.fire_due(&pool, 100).await {
+                    Ok(100) => continue,
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "firing saga timers failed; retrying");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn transition(
+        &self,
+        conn: &mut PgConnection,
+        instance: &SagaInstance,
+        decision: &Decision,
+        lineage: &Lineage,
+    ) -> Result<(), OrchestratorError> {
+        store::apply(conn, instance, decision, lineage).await?;
+        self.inner
+            .hooks
+            .transitioned(conn, instance, decision)
+            .await?;
+        tracing::info!(
+            saga = %instance.saga_id,
+            from = %instance.status,
+            to = decision.next.status.as_str(),
+            step = decision.step.as_deref().unwrap_or(""),
+            cause = %decision.cause,
+            "saga transition"
+        );
+        Ok(())
+    }
+
+    /// The consumer steps that deliver replies: `on-{step}` for each step's replies and
+    /// `on-compensate-{step}` for each compensation's, on the definition's reply topic. Each reply is
+    /// deduplicated by its step key like any message.
+    pub fn reply_steps(&self) -> Vec<ReplyStep> {
+        let def = &self.inner.definition;
+        let mut steps = Vec::new();
+        for step in &def.steps {
+            let types: Vec<&String> = step.succeeds_on.iter().chain(&step.fails_on).collect();
+            steps.push(self.reply_step(&format!("on-{}", step.name), &types));
+            if let Some(c) = &step.compensation {
+                let types: Vec<&String> = c.done_on.iter().collect();
+                steps.push(self.reply_step(&format!("on-{}", step.compensation_name()), &types));
+            }
+        }
+        steps
+    }
+
+    fn reply_step(&self, name: &str, types: &[&String]) -> ReplyStep {
+        let topic = &self.inner.definition.reply_topic;
+        ReplyStep {
+            orchestrator: self.clone(),
+            name: StepName::new(name).unwrap_or_else(|_| StepName::from_static("on-reply")),
+            subscriptions: types
+                .iter()
+                .map(|t| Subscription::new(topic, t.as_str()))
+                .collect(),
+        }
+    }
+
+    /// Registers the reply steps with a consumer.
+    pub fn register(&self, mut builder: SagaConsumerBuilder) -> SagaConsumerBuilder {
+        for step in self.reply_steps() {
+            builder = builder.step(step);
+        }
+        builder
+    }
+}
+
+/// A consumer step delivering replies of one saga step to the orchestrator.
+pub struct ReplyStep {
+    orchestrator: Orchestrator,
+    name: StepName,
+    subscriptions: Vec<Subscription>,
+}
+
+impl SagaStep for ReplyStep {
+    type Payload = serde_json::Value;
+
+    fn name(&self) -> StepName {
+        self.name.clone()
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        self.subscriptions.clone()
+    }
+
+    async fn handle(
+        &self,
+        msg: &Message<serde_json::Value>,
+        ctx: &mut StepContext<'_>,
+    ) -> StepResult {
+        let moved = self
+            .orchestrator
+            .on_reply(ctx.conn(), &msg.metadata, &msg.payload)
+            .await?;
+        StepOutcome::completed_with(&serde_json::json!({ "moved": moved }))
+    }
+}

@@ -1,0 +1,305 @@
+//! Saga instances in PostgreSQL, and applying a decision: an optimistic-concurrency update
+//! (`WHERE saga_id = $1 AND version = $2`), a history row, and the command in the outbox, all in the
+//! caller's transaction.
+
+use chrono::{DateTime, Utc};
+use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId, outbox};
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool, Row};
+use uuid::Uuid;
+
+use crate::engine::{Decision, SagaState, SagaStatus};
+use crate::error::OrchestratorError;
+
+/// A saga instance as stored.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SagaInstance {
+    /// Its id.
+    pub saga_id: Uuid,
+    /// Its type.
+    pub saga_type: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// The client's idempotency key it was started with.
+    pub idempotency_key: String,
+    /// `running`, `compensating`, `completed` or `compensated`.
+    pub status: String,
+    /// The step being run or compensated.
+    pub step_index: i32,
+    /// Sends of the current command.
+    pub attempt: i32,
+    /// The step keys issued, by step and compensation name.
+    pub step_keys: serde_json::Value,
+    /// The saga's data.
+    pub data: serde_json::Value,
+    /// Why it compensates.
+    pub failure: Option<String>,
+    /// When the current step times out.
+    pub deadline: Option<DateTime<Utc>>,
+    /// The optimistic-concurrency version.
+    pub version: i32,
+    /// When it started.
+    pub created_at: DateTime<Utc>,
+    /// When it last changed.
+    pub updated_at: DateTime<Utc>,
+}
+
+impl SagaInstance {
+    /// The state decisions depend on.
+    pub fn state(&self) -> Result<SagaState, OrchestratorError> {
+        Ok(SagaState {
+            status: SagaStatus::parse(&self.status)
+                .ok_or_else(|| OrchestratorError::Corrupt(format!("status {:?}", self.status)))?,
+            step_index: usize::try_from(self.step_index)
+                .map_err(|_| OrchestratorError::Corrupt(format!("step {}", self.step_index)))?,
+            attempt: u32::try_from(self.attempt).unwrap_or(1),
+            data: self.data.clone(),
+            failure: self.failure.clone(),
+        })
+    }
+
+    /// The lineage commands of this saga inherit when no message causes them (the start, a timeout).
+    pub fn lineage(&self) -> Result<Lineage, OrchestratorError> {
+        Ok(Lineage::root(
+            IdempotencyKey::new(&self.idempotency_key)
+                .map_err(|e| OrchestratorError::Corrupt(e.to_string()))?,
+            TenantId::new(&self.tenant).map_err(|e| OrchestratorError::Corrupt(e.to_string()))?,
+            None,
+        ))
+    }
+}
+
+/// One transition of an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Transition {
+    /// The version it produced.
+    pub version: i32,
+    /// When.
+    pub at: DateTime<Utc>,
+    /// From which status.
+    pub from_status: Option<String>,
+    /// To which status.
+    pub to_status: String,
+    /// The step concerned.
+    pub step: Option<String>,
+    /// What caused it.
+    pub cause: String,
+}
+
+const COLUMNS: &str = "saga_id, saga_type, tenant_id, idempotency_key, status, step_index, attempt, step_keys, \
+     data, failure, deadline, version, created_at, updated_at";
+
+fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
+    Ok(SagaInstance {
+        saga_id: row.try_get(0)?,
+        saga_type: row.try_get(1)?,
+        tenant: row.try_get(2)?,
+        idempotency_key: row.try_get(3)?,
+        status: row.try_get(4)?,
+        step_index: row.try_get(5)?,
+        attempt: row.try_get(6)?,
+        step_keys: row.try_get(7)?,
+        data: row.try_get(8)?,
+        failure: row.try_get(9)?,
+        deadline: row.try_get(10)?,
+        version: row.try_get(11)?,
+        created_at: row.try_get(12)?,
+        updated_at: row.try_get(13)?,
+    })
+}
+
+/// Creates an instance of `saga_type` for (`tenant`, `key`) in state `state`, or returns the one that
+/// exists (the start is idempotent on the client's key). The flag says whether it was created.
+pub async fn insert(
+    conn: &mut PgConnection,
+    saga_type: &str,
+    tenant: &TenantId,
+    key: &IdempotencyKey,
+    state: &SagaState,
+) -> Result<(SagaInstance, bool), OrchestratorError> {
+    let inserted = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, data, version) \
+         VALUES ($1, $2, $3, $4, $5, 0, $6, 0) \
+         ON CONFLICT (tenant_id, saga_type, idempotency_key) DO NOTHING RETURNING {COLUMNS}"
+    )))
+    .bind(Uuid::now_v7())
+    .bind(saga_type)
+    .bind(tenant.as_str())
+    .bind(key.as_str())
+    .bind(state.status.as_str())
+    .bind(&state.data)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if let Some(row) = inserted {
+        return Ok((from_row(&row)?, true));
+    }
+    let existing = by_key(conn, saga_type, tenant.as_str(), key.as_str())
+        .await?
+        .ok_or_else(|| OrchestratorError::Corrupt("an instance vanished while starting".into()))?;
+    Ok((existing, false))
+}
+
+/// The instance of `saga_type` started with (`tenant`, `key`).
+pub async fn by_key(
+    conn: &mut PgConnection,
+    saga_type: &str,
+    tenant: &str,
+    key: &str,
+) -> Result<Option<SagaInstance>, OrchestratorError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM saga_instances WHERE saga_type = $1 AND tenant_id = $2 AND idempotency_key = $3"
+    )))
+    .bind(saga_type)
+    .bind(tenant)
+    .bind(key)
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.as_ref().map(from_row).transpose()?)
+}
+
+/// The instance `saga_id`.
+pub async fn load(pool: &PgPool, saga_id: Uuid) -> Result<Option<SagaInstance>, OrchestratorError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM saga_instances WHERE saga_id = $1"
+    )))
+    .bind(saga_id)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.as_ref().map(from_row).transpose()?)
+}
+
+/// The history of instance `saga_id`, oldest first.
+pub async fn history(pool: &PgPool, saga_id: Uuid) -> Result<Vec<Transition>, OrchestratorError> {
+    let rows = sqlx::query(
+        "SELECT version, at, from_status, to_status, step, cause FROM saga_transitions \
+         WHERE saga_id = $1 ORDER BY version",
+    )
+    .bind(saga_id)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(Transition {
+                version: r.try_get(0)?,
+                at: r.try_get(1)?,
+                from_status: r.try_get(2)?,
+                to_status: r.try_get(3)?,
+                step: r.try_get(4)?,
+                cause: r.try_get(5)?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}
+
+/// Locks and returns up to `limit` instances of `saga_type` whose deadline passed, skipping those another
+/// transaction holds.
+pub async fn lock_due(
+    conn: &mut PgConnection,
+    saga_type: &str,
+    limit: i64,
+) -> Result<Vec<SagaInstance>, OrchestratorError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM saga_instances \
+         WHERE saga_type = $1 AND deadline <= now() ORDER BY deadline LIMIT $2 FOR UPDATE SKIP LOCKED"
+    )))
+    .bind(saga_type)
+    .bind(limit)
+    .fetch_all(conn)
+    .await?;
+    rows.iter()
+        .map(from_row)
+        .collect::<Result<_, _>>()
+        .map_err(Into::into)
+}
+
+/// Applies `decision` to `instance` in the caller's transaction: the versioned update (a concurrent
+/// transition makes it fail with [`OrchestratorError::VersionConflict`]), the history row, and the
+/// command in the outbox, inheriting `lineage`.
+pub async fn apply(
+    conn: &mut PgConnection,
+    instance: &SagaInstance,
+    decision: &Decision,
+    lineage: &Lineage,
+) -> Result<(), OrchestratorError> {
+    let next = &decision.next;
+    let deadline_ms = decision
+        .deadline
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let step_key = decision.send.as_ref().map(|s| {
+        (
+            s.step.to_string(),
+            lineage.idempotency_key.step_key(&s.step).to_string(),
+        )
+    });
+    let updated = sqlx::query(
+        "UPDATE saga_instances SET status = $3, step_index = $4, attempt = $5, data = $6, failure = $7, \
+             deadline = CASE WHEN $8::bigint IS NULL THEN NULL ELSE now() + $8 * interval '1 millisecond' END, \
+             step_keys = CASE WHEN $9::text IS NULL THEN step_keys \
+                              ELSE step_keys || jsonb_build_object($9::text, $10::text) END, \
+             version = version + 1, updated_at = now() \
+         WHERE saga_id = $1 AND version = $2",
+    )
+    .bind(instance.saga_id)
+    .bind(instance.version)
+    .bind(next.status.as_str())
+    .bind(i32::try_from(next.step_index).unwrap_or(i32::MAX))
+    .bind(i32::try_from(next.attempt).unwrap_or(i32::MAX))
+    .bind(&next.data)
+    .bind(&next.failure)
+    .bind(deadline_ms)
+    .bind(step_key.as_ref().map(|(s, _)| s.as_str()))
+    .bind(step_key.as_ref().map(|(_, k)| k.as_str()))
+    .execute(&mut *conn)
+    .await?;
+    if updated.rows_affected() == 0 {
+        return Err(OrchestratorError::VersionConflict {
+            saga_id: instance.saga_id,
+            version: instance.version,
+        });
+    }
+    record(
+        conn,
+        instance.saga_id,
+        instance.version + 1,
+        Some(&instance.status),
+        decision,
+    )
+    .await?;
+    if let Some(send) = &decision.send {
+        let event = Event::new(
+            &send.event_type,
+            &send.topic,
+            instance.saga_id.to_string(),
+            &send.payload,
+        )
+        .map_err(|e| OrchestratorError::Corrupt(e.to_string()))?
+        .with_header("saga-id", instance.saga_id.to_string());
+        let source = format!("orchestrator/{}", instance.saga_type);
+        outbox::append(conn, &[OutboxMessage::from_event(event, lineage, &source)]).await?;
+    }
+    Ok(())
+}
+
+/// Writes the history row of a transition to `version`.
+pub(crate) async fn record(
+    conn: &mut PgConnection,
+    saga_id: Uuid,
+    version: i32,
+    from: Option<&str>,
+    decision: &Decision,
+) -> Result<(), OrchestratorError> {
+    sqlx::query(
+        "INSERT INTO saga_transitions (saga_id, version, from_status, to_status, step, cause) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(saga_id)
+    .bind(version)
+    .bind(from)
+    .bind(decision.next.status.as_str())
+    .bind(&decision.step)
+    .bind(&decision.cause)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
