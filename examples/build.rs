@@ -1,0 +1,6 @@
+//! Rebuilds the crate when a service's migration is added or changed: `sqlx::migrate!` embeds them at
+//! compile time.
+
+fn main() {
+    println!("cargo:rerun-if-changed=migrations");
+}

@@ -1,0 +1,85 @@
+//! The broker's own limits, measured with the relay's producer settings: what any relay figure is bounded
+//! by.
+
+use std::time::{Duration, Instant};
+
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::FutureRecord;
+use saga_runtime::kafka::KafkaConfig;
+
+use crate::bench::{Progress, percentile, rate};
+
+/// Messages per second the broker acknowledges from one idempotent producer, `count` messages of about
+/// 400 bytes (an outbox event's size) with `headers` headers each, sent as fast as it takes them.
+pub async fn produce_throughput(
+    kafka: &KafkaConfig,
+    topic: &str,
+    count: i64,
+    headers: usize,
+    progress: &Progress,
+) -> anyhow::Result<f64> {
+    let producer = kafka.idempotent_producer(Duration::from_millis(5), Duration::from_secs(120))?;
+    let payload = vec![b'x'; 400];
+    let header_values: Vec<(String, String)> = (0..headers)
+        .map(|i| (format!("header-{i}"), format!("value-{i}-0123456789abcdef")))
+        .collect();
+    let owned = header_values.iter().fold(OwnedHeaders::new(), |h, (k, v)| {
+        h.insert(Header {
+            key: k,
+            value: Some(v.as_str()),
+        })
+    });
+    let started = Instant::now();
+    let mut pending = Vec::with_capacity(usize::try_from(count)?);
+    for n in 0..count {
+        let key = format!("key-{}", n % 1_000);
+        loop {
+            let record = FutureRecord::to(topic)
+                .key(&key)
+                .payload(&payload)
+                .headers(owned.clone());
+            match producer.send_result(record) {
+                Ok(delivery) => {
+                    pending.push(delivery);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+            }
+        }
+    }
+    for delivery in pending {
+        delivery.await?.map_err(|(e, _)| e)?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    progress.note(&format!(
+        "broker: {count} messages with {headers} headers acknowledged in {seconds:.1} s"
+    ));
+    Ok(rate(count, seconds))
+}
+
+/// p50 and p99 in milliseconds of the acknowledgement of single messages sent one after another.
+pub async fn ack_latency(
+    kafka: &KafkaConfig,
+    topic: &str,
+    count: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let producer = kafka.idempotent_producer(Duration::from_millis(1), Duration::from_secs(30))?;
+    let mut samples = Vec::with_capacity(count);
+    for n in 0..count + 20 {
+        let started = Instant::now();
+        producer
+            .send(
+                FutureRecord::to(topic).key("k").payload(&format!("{n}")),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)?;
+        if n >= 20 {
+            samples.push(started.elapsed().as_secs_f64() * 1_000.0);
+        }
+    }
+    Ok((
+        percentile(&mut samples, 0.5),
+        percentile(&mut samples, 0.99),
+    ))
+}

@@ -1,0 +1,203 @@
+//! `saga-bench`: throughput and latency of the framework's parts on this machine, against the targets.
+//! A program that prints figures (and writes `target/saga-bench.json`), not a test.
+
+pub mod broker;
+pub mod consumer;
+pub mod http;
+pub mod relay;
+pub mod saga;
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+/// Progress lines with the time since the start.
+pub struct Progress {
+    started: Instant,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Progress {
+    /// Starts the clock.
+    pub fn new() -> Self {
+        Self {
+            started: Instant::now(),
+        }
+    }
+
+    /// Prints `what` with the elapsed time.
+    pub fn note(&self, what: &str) {
+        eprintln!("[{:>6.1}s] {what}", self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// `count` per `seconds`, guarding against a zero duration.
+pub fn rate(count: i64, seconds: f64) -> f64 {
+    #[allow(clippy::cast_precision_loss)]
+    let count = count as f64;
+    count / seconds.max(1e-9)
+}
+
+/// The `q` quantile (0 to 1) of `samples` (sorted in place), nearest-rank.
+pub fn percentile(samples: &mut [f64], q: f64) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    samples.sort_by(f64::total_cmp);
+    #[allow(
+        clippy::cast_precision_loss,
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss
+    )]
+    let rank = ((q * samples.len() as f64).ceil() as usize).clamp(1, samples.len());
+    samples[rank - 1]
+}
+
+/// What a run measured; written to `target/saga-bench.json`.
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    /// Framework consumer (dedup + outbox), messages/s.
+    pub consumer_msgs_per_s: Option<f64>,
+    /// At-least-once baseline, messages/s.
+    pub baseline_msgs_per_s: Option<f64>,
+    /// consumer / baseline.
+    pub consumer_vs_baseline_ratio: Option<f64>,
+    /// Relay on a backlog, rows/s.
+    pub relay_rows_per_s: Option<f64>,
+    /// Relay commit-to-ack p50 at the steady rate, ms.
+    pub relay_commit_to_ack_p50_ms: Option<f64>,
+    /// Relay commit-to-ack p99 at the steady rate, ms.
+    pub relay_commit_to_ack_p99_ms: Option<f64>,
+    /// HTTP layer's added p50 latency, ms.
+    pub http_overhead_p50_ms: Option<f64>,
+    /// HTTP layer's added p99 latency, ms.
+    pub http_overhead_p99_ms: Option<f64>,
+    /// With the layer, p50 and p99, ms.
+    pub http_with_layer_ms: Option<(f64, f64)>,
+    /// Without the layer, p50 and p99, ms.
+    pub http_without_layer_ms: Option<(f64, f64)>,
+    /// Saga end to end p50, ms.
+    pub saga_e2e_p50_ms: Option<f64>,
+    /// Saga end to end p99, ms.
+    pub saga_e2e_p99_ms: Option<f64>,
+    /// The broker alone: messages/s acknowledged from one idempotent producer, without headers.
+    pub broker_produce_msgs_per_s: Option<f64>,
+    /// The broker alone: the same with ten headers per message, as outbox events carry.
+    pub broker_produce_with_headers_msgs_per_s: Option<f64>,
+    /// The broker alone: p50 and p99 acknowledgement latency of single messages, ms.
+    pub broker_ack_ms: Option<(f64, f64)>,
+    /// The consumer and relay figures again on librdkafka's in-process mock cluster: the framework's own
+    /// cost, without this machine's broker.
+    pub mock_broker: Option<serde_json::Value>,
+    /// The run's settings.
+    pub settings: serde_json::Value,
+}
+
+impl Report {
+    /// Prints the figures against the targets.
+    pub fn print(&self) {
+        let fmt = |v: Option<f64>, unit: &str| {
+            v.map_or_else(|| "-".to_owned(), |v| format!("{v:.2} {unit}"))
+        };
+        let check = |v: Option<f64>, ok: fn(f64) -> bool| match v {
+            Some(v) if ok(v) => "met",
+            Some(_) => "MISSED",
+            None => "-",
+        };
+        let rows = [
+            (
+                "consumer, dedup + outbox",
+                fmt(self.consumer_msgs_per_s, "msg/s"),
+                "≥ 25,000 msg/s",
+                check(self.consumer_msgs_per_s, |v| v >= 25_000.0),
+            ),
+            (
+                "consumer, at-least-once baseline",
+                fmt(self.baseline_msgs_per_s, "msg/s"),
+                "",
+                "",
+            ),
+            (
+                "consumer / baseline",
+                fmt(self.consumer_vs_baseline_ratio, ""),
+                "≥ 0.85",
+                check(self.consumer_vs_baseline_ratio, |v| v >= 0.85),
+            ),
+            (
+                "relay, 100k-row backlog",
+                fmt(self.relay_rows_per_s, "rows/s"),
+                "≥ 30,000 rows/s",
+                check(self.relay_rows_per_s, |v| v >= 30_000.0),
+            ),
+            (
+                "relay commit→ack p50 at 1,000 rows/s",
+                fmt(self.relay_commit_to_ack_p50_ms, "ms"),
+                "",
+                "",
+            ),
+            (
+                "relay commit→ack p99 at 1,000 rows/s",
+                fmt(self.relay_commit_to_ack_p99_ms, "ms"),
+                "≤ 25 ms",
+                check(self.relay_commit_to_ack_p99_ms, |v| v <= 25.0),
+            ),
+            (
+                "HTTP layer added latency p50",
+                fmt(self.http_overhead_p50_ms, "ms"),
+                "",
+                "",
+            ),
+            (
+                "HTTP layer added latency p99",
+                fmt(self.http_overhead_p99_ms, "ms"),
+                "≤ 2 ms",
+                check(self.http_overhead_p99_ms, |v| v <= 2.0),
+            ),
+            (
+                "saga end to end p50",
+                fmt(self.saga_e2e_p50_ms, "ms"),
+                "",
+                "",
+            ),
+            (
+                "saga end to end p99",
+                fmt(self.saga_e2e_p99_ms, "ms"),
+                "",
+                "",
+            ),
+        ];
+        println!();
+        println!("{:<40} {:>20}  {:<18}", "figure", "measured", "target");
+        println!("{}", "─".repeat(90));
+        for (name, value, target, met) in rows {
+            println!("{name:<40} {value:>20}  {target:<18} {met}");
+        }
+        if let Some(rate) = self.broker_produce_msgs_per_s {
+            println!(
+                "(the broker alone: {rate:.0} msg/s from one idempotent producer, without headers)"
+            );
+        }
+        if let Some(rate) = self.broker_produce_with_headers_msgs_per_s {
+            println!(
+                "(the broker alone: {rate:.0} msg/s with ten headers per message, as outbox events)"
+            );
+        }
+        if let Some((p50, p99)) = self.broker_ack_ms {
+            println!("(the broker alone: single-message ack p50 {p50:.2} ms, p99 {p99:.2} ms)");
+        }
+        if let Some(mock) = &self.mock_broker {
+            println!("(on librdkafka's in-process mock cluster instead of the broker: {mock})");
+        }
+        if let (Some(with), Some(without)) = (self.http_with_layer_ms, self.http_without_layer_ms) {
+            println!(
+                "(HTTP p50/p99: {:.2}/{:.2} ms with the layer, {:.2}/{:.2} ms without)",
+                with.0, with.1, without.0, without.1
+            );
+        }
+    }
+}

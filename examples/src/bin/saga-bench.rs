@@ -1,0 +1,339 @@
+//! Measures the framework on this machine: see `saga-bench --help`.
+
+use clap::Parser;
+use saga_examples::bench::{Progress, Report, broker, consumer, http, relay, saga};
+use saga_examples::harness::broker::Broker;
+use saga_examples::service::{ServiceArgs, quote_ident};
+use saga_runtime::kafka::{KafkaConfig, ensure_topics};
+
+/// Measures, in one run: consumer throughput with dedup and outbox against an at-least-once baseline;
+/// relay throughput on a backlog and commit-to-ack latency at a steady rate; the HTTP idempotency layer's
+/// added latency; end-to-end saga latency. Prints a table and writes target/saga-bench.json. Needs
+/// PostgreSQL and a broker (scripts/dev-services). Build with --release.
+#[derive(Debug, Parser)]
+#[command(name = "saga-bench", version)]
+struct Cli {
+    /// Messages for the consumer measurements.
+    #[arg(long, default_value_t = 100_000)]
+    messages: i64,
+    /// Partitions of the consumer topic (and the consumers' concurrency).
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// Messages per transaction, for both consumers.
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Rows in the relay backlog.
+    #[arg(long, default_value_t = 100_000)]
+    relay_rows: i64,
+    /// Rows per second for the latency measurement.
+    #[arg(long, default_value_t = 1_000)]
+    steady_rate: u32,
+    /// Seconds of steady writing.
+    #[arg(long, default_value_t = 10)]
+    steady_secs: u32,
+    /// Request pairs (with and without the layer).
+    #[arg(long, default_value_t = 2_000)]
+    http_requests: usize,
+    /// Orders for the end-to-end latency.
+    #[arg(long, default_value_t = 200)]
+    saga_orders: usize,
+    /// Orders per second for the end-to-end latency.
+    #[arg(long, default_value_t = 20)]
+    saga_rate: u32,
+    /// Also measure the consumer and the relay on librdkafka's in-process mock cluster, to tell the
+    /// framework's own cost from the broker's.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    mock_too: bool,
+    /// Only these sections (broker, consumer, relay, http, saga); all by default.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/saga_demo"
+    )]
+    database_url: String,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// Where to write the figures.
+    #[arg(long, default_value = "target/saga-bench.json")]
+    output: std::path::PathBuf,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    saga_runtime::telemetry::init_tracing();
+    let progress = Progress::new();
+    let section = |name: &str| cli.only.is_empty() || cli.only.iter().any(|o| o == name);
+    let run = format!(
+        "bench-{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis()
+    );
+    let args = ServiceArgs {
+        database_url: cli.database_url.clone(),
+        schema_prefix: run.replace('-', "_"),
+        brokers: cli.brokers.clone(),
+        topic_prefix: run.clone(),
+        http_addr: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?,
+        ops_addr: None,
+        crash_after_commit: 0.0,
+        create_topics: false,
+        gateway_latency_ms: 1,
+        embedded_relay: true,
+        orchestrated: false,
+    };
+    let kafka = KafkaConfig::new(cli.brokers.clone());
+    let mut report = Report {
+        settings: serde_json::json!({
+            "messages": cli.messages, "partitions": cli.partitions, "batch_size": cli.batch_size,
+            "relay_rows": cli.relay_rows, "steady_rate": cli.steady_rate, "steady_secs": cli.steady_secs,
+            "http_requests": cli.http_requests, "saga_orders": cli.saga_orders, "saga_rate": cli.saga_rate,
+            "cores": std::thread::available_parallelism().map(std::num::NonZero::get).unwrap_or(1),
+            "release_build": !cfg!(debug_assertions),
+        }),
+        ..Report::default()
+    };
+    let mut schemas = Vec::new();
+    let schema = |suffix: &str| format!("{}_{suffix}", args.schema_prefix);
+
+    if section("broker") {
+        let topic = format!("{run}.broker");
+        ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
+        progress.note("broker: raw produce throughput and ack latency");
+        report.broker_produce_msgs_per_s =
+            Some(broker::produce_throughput(&kafka, &topic, cli.relay_rows, 0, &progress).await?);
+        report.broker_produce_with_headers_msgs_per_s = Some(
+            broker::produce_throughput(&kafka, &topic, cli.relay_rows / 4, 10, &progress).await?,
+        );
+        report.broker_ack_ms = Some(broker::ack_latency(&kafka, &topic, 500).await?);
+    }
+    if section("consumer") {
+        let (framework, baseline) =
+            consumer_figures(&cli, &args, &kafka, "consumer", &mut schemas, &progress).await?;
+        report.consumer_msgs_per_s = Some(framework);
+        report.baseline_msgs_per_s = Some(baseline);
+        report.consumer_vs_baseline_ratio = Some(framework / baseline);
+        if cli.mock_too {
+            progress.note("consumer again, on librdkafka's mock cluster");
+            let mock = Broker::mock()?;
+            let mock_kafka = KafkaConfig::new(mock.brokers());
+            let topics = [
+                format!("{run}.mock.work"),
+                format!("{run}.mock.work.dlq"),
+                format!("{run}.mock.work.done"),
+            ];
+            mock.create_topics(&topics, cli.partitions).await?;
+            let (framework, baseline) =
+                consumer_figures(&cli, &args, &mock_kafka, "mock", &mut schemas, &progress).await?;
+            report.mock_broker = Some(serde_json::json!({
+                "consumer_msgs_per_s": framework,
+                "baseline_msgs_per_s": baseline,
+                "consumer_vs_baseline_ratio": framework / baseline,
+            }));
+        }
+    }
+    if section("relay") {
+        let topic = format!("{run}.relay");
+        ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
+        progress.note("relay: backlog");
+        let pool = fresh_schema(
+            &args,
+            &format!("{}_relay_backlog", args.schema_prefix),
+            &mut schemas,
+        )
+        .await?;
+        report.relay_rows_per_s =
+            Some(relay::backlog(&kafka, &pool, &topic, cli.relay_rows, &progress).await?);
+        let pool = fresh_schema(
+            &args,
+            &format!("{}_relay_steady", args.schema_prefix),
+            &mut schemas,
+        )
+        .await?;
+        progress.note("relay: latency at a steady rate");
+        let (p50, p99) = relay::steady(
+            &kafka,
+            &pool,
+            &topic,
+            cli.steady_rate,
+            cli.steady_secs,
+            &progress,
+        )
+        .await?;
+        report.relay_commit_to_ack_p50_ms = Some(p50);
+        report.relay_commit_to_ack_p99_ms = Some(p99);
+        if cli.mock_too {
+            progress.note("relay again, on librdkafka's mock cluster");
+            let mock = Broker::mock()?;
+            let mock_kafka = KafkaConfig::new(mock.brokers());
+            mock.create_topics(std::slice::from_ref(&topic), cli.partitions)
+                .await?;
+            let pool = fresh_schema(
+                &args,
+                &format!("{}_relay_mock", args.schema_prefix),
+                &mut schemas,
+            )
+            .await?;
+            let rows =
+                relay::backlog(&mock_kafka, &pool, &topic, cli.relay_rows, &progress).await?;
+            let pool = fresh_schema(
+                &args,
+                &format!("{}_relay_mock_steady", args.schema_prefix),
+                &mut schemas,
+            )
+            .await?;
+            let (p50, p99) = relay::steady(
+                &mock_kafka,
+                &pool,
+                &topic,
+                cli.steady_rate,
+                cli.steady_secs,
+                &progress,
+            )
+            .await?;
+            let figures = report
+                .mock_broker
+                .get_or_insert_with(|| serde_json::json!({}));
+            figures["relay_rows_per_s"] = serde_json::json!(rows);
+            figures["relay_commit_to_ack_p50_ms"] = serde_json::json!(p50);
+            figures["relay_commit_to_ack_p99_ms"] = serde_json::json!(p99);
+        }
+    }
+    if section("http") {
+        let pool = fresh_schema(&args, &schema("http"), &mut schemas).await?;
+        progress.note("http: with and without the idempotency layer");
+        let (w50, w99, o50, o99) = http::overhead(&pool, cli.http_requests, &progress).await?;
+        report.http_with_layer_ms = Some((w50, w99));
+        report.http_without_layer_ms = Some((o50, o99));
+        report.http_overhead_p50_ms = Some(w50 - o50);
+        report.http_overhead_p99_ms = Some(w99 - o99);
+    }
+    if section("saga") {
+        let names = args.all_topics();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        ensure_topics(&kafka, &refs, cli.partitions, 1).await?;
+        let pool = args.pool(&schema("probe"), 2).await?;
+        schemas.push(schema("probe"));
+        progress.note("saga: end-to-end latency");
+        let (p50, p99) =
+            saga::latency(&args, &pool, cli.saga_orders, cli.saga_rate, &progress).await?;
+        report.saga_e2e_p50_ms = Some(p50);
+        report.saga_e2e_p99_ms = Some(p99);
+        for service in saga_examples::service::Service::ALL {
+            schemas.push(args.schema(service));
+        }
+        schemas.push(args.gateway_schema());
+    }
+
+    // The broker keeps what was produced: delete the run's topics.
+    if let Ok(admin) = kafka
+        .client_config()
+        .create::<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>()
+    {
+        let names: Vec<String> = [
+            "work",
+            "work.dlq",
+            "work.done",
+            "relay",
+            "broker",
+            "orders",
+            "payments",
+            "shipping",
+        ]
+        .iter()
+        .map(|t| format!("{run}.{t}"))
+        .chain(args.all_topics())
+        .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let _ = admin
+            .delete_topics(&refs, &rdkafka::admin::AdminOptions::new())
+            .await;
+    }
+    let admin = sqlx::PgPool::connect(&cli.database_url).await?;
+    for name in schemas {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {} CASCADE",
+            quote_ident(&name)
+        )))
+        .execute(&admin)
+        .await?;
+    }
+    report.print();
+    if let Some(dir) = cli.output.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&cli.output, serde_json::to_string_pretty(&report)?)?;
+    println!("\nwritten to {}", cli.output.display());
+    Ok(())
+}
+
+/// A new schema `name` with the framework's migrations; remembered for clean-up.
+async fn fresh_schema(
+    args: &ServiceArgs,
+    name: &str,
+    schemas: &mut Vec<String>,
+) -> anyhow::Result<sqlx::PgPool> {
+    let pool = args.pool(name, 16).await?;
+    schemas.push(name.to_owned());
+    saga_core::migrate::migrate(&pool).await?;
+    Ok(pool)
+}
+
+/// The framework's consumer and the baseline, over `kafka`; (framework, baseline) messages/s.
+async fn consumer_figures(
+    cli: &Cli,
+    args: &ServiceArgs,
+    kafka: &KafkaConfig,
+    label: &str,
+    schemas: &mut Vec<String>,
+    progress: &Progress,
+) -> anyhow::Result<(f64, f64)> {
+    let topic = if label == "mock" {
+        format!("{}.mock.work", args.topic_prefix)
+    } else {
+        let topic = format!("{}.work", args.topic_prefix);
+        ensure_topics(
+            kafka,
+            &[&topic, &format!("{topic}.dlq"), &format!("{topic}.done")],
+            cli.partitions,
+            1,
+        )
+        .await?;
+        topic
+    };
+    progress.note(&format!("consumer ({label}): producing the messages"));
+    consumer::produce(kafka, &topic, cli.messages, progress).await?;
+    let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
+    for table in ["bench_effects", "bench_baseline"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {table} (n BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())"
+        )))
+        .execute(&pool)
+        .await?;
+    }
+    progress.note(&format!("consumer ({label}): the at-least-once baseline"));
+    let baseline =
+        consumer::baseline(kafka, &pool, &topic, cli.messages, cli.batch_size, progress).await?;
+    progress.note(&format!(
+        "consumer ({label}): baseline {baseline:.0} msg/s; now the framework's consumer"
+    ));
+    let framework = consumer::framework(
+        kafka,
+        &pool,
+        &topic,
+        cli.messages,
+        cli.batch_size,
+        usize::try_from(cli.partitions)?,
+        progress,
+    )
+    .await?;
+    progress.note(&format!(
+        "consumer ({label}): framework {framework:.0} msg/s"
+    ));
+    Ok((framework, baseline))
+}

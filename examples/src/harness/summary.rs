@@ -1,0 +1,91 @@
+//! The table a run prints at the end.
+
+use crate::harness::ledger::Ledger;
+use crate::harness::run::ClientStats;
+
+/// Everything the summary shows.
+pub struct Summary<'a> {
+    /// The title line.
+    pub title: String,
+    /// What the ledger says.
+    pub ledger: &'a Ledger,
+    /// What the client saw.
+    pub client: &'a ClientStats,
+    /// Duplicates the consumers absorbed.
+    pub duplicates_absorbed: u64,
+    /// Duplicate deliveries injected.
+    pub duplicates_injected: u64,
+    /// Process deaths (crashes and kills), each followed by a restart.
+    pub deaths: u32,
+    /// Extra lines.
+    pub extra: Vec<(String, String)>,
+}
+
+impl Summary<'_> {
+    /// Prints the table.
+    pub fn print(&self) {
+        let l = self.ledger;
+        let c = self.client;
+        let mut rows: Vec<(String, String)> = vec![
+            ("orders accepted".into(), c.accepted.to_string()),
+            ("  completed".into(), l.completed.to_string()),
+            (
+                "  compensated: card declined".into(),
+                l.declined.to_string(),
+            ),
+            (
+                "  compensated: shipment failed, refunded".into(),
+                l.refunded.to_string(),
+            ),
+            ("charges at the gateway".into(), l.charges.to_string()),
+            ("refunds at the gateway".into(), l.refunds.to_string()),
+            ("shipments arranged".into(), l.shipments.to_string()),
+            ("HTTP requests".into(), c.requests.to_string()),
+            (
+                "HTTP replays (same key, stored response)".into(),
+                c.replays.to_string(),
+            ),
+            (
+                "HTTP 409 (same key in flight)".into(),
+                c.conflicts.to_string(),
+            ),
+            (
+                "duplicates absorbed by step keys".into(),
+                self.duplicates_absorbed.to_string(),
+            ),
+            (
+                "duplicate deliveries injected".into(),
+                self.duplicates_injected.to_string(),
+            ),
+            (
+                "service processes died and restarted".into(),
+                self.deaths.to_string(),
+            ),
+        ];
+        rows.extend(self.extra.iter().cloned());
+        let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        println!();
+        println!("{}", self.title);
+        println!("{}", "─".repeat(width + 12));
+        for (name, value) in rows {
+            println!("{name:<width$}  {value:>8}");
+        }
+        println!("{}", "─".repeat(width + 12));
+        if l.violations.is_empty() && c.failures.is_empty() {
+            println!(
+                "invariants: every order finished, one charge per paid order, a refund only for a failed shipment,"
+            );
+            println!("            one shipment per completed order, no order lost: all hold");
+        } else {
+            println!("VIOLATIONS:");
+            for v in l.violations.iter().chain(&c.failures).take(50) {
+                println!("  - {v}");
+            }
+        }
+    }
+
+    /// Whether every invariant holds.
+    pub fn ok(&self) -> bool {
+        self.ledger.violations.is_empty() && self.client.failures.is_empty()
+    }
+}

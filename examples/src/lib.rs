@@ -1,0 +1,21 @@
+//! # The order → payment → shipping saga
+//!
+//! The example the framework is judged by: three services that talk only through Kafka, each with its own
+//! PostgreSQL schema and outbox.
+//!
+//! - [`order`]: `POST /orders` behind the Idempotency-Key layer, `GET /orders/{id}`, and the steps that
+//!   follow the saga to its end.
+//! - [`payment`]: `process-payment` (two-phase, around the simulated [`gateway`]) and the compensating
+//!   `refund-payment`.
+//! - [`shipping`], with the step `arrange-shipment`.
+//! - [`service`]: running a service (consumer, embedded relay, HTTP).
+//! - [`harness`]: running the whole saga with real processes, for the demo and the chaos program.
+
+pub mod bench;
+pub mod events;
+pub mod gateway;
+pub mod harness;
+pub mod order;
+pub mod payment;
+pub mod service;
+pub mod shipping;

@@ -1,0 +1,428 @@
+//! Running one of the example services: its schema (framework tables and its own), its consumer, its
+//! outbox relay (embedded here for convenience; `outbox-relay run` does the same as a process of its own),
+//! and for the order service the HTTP API.
+
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use outbox_relay::{Relay, RelaySettings};
+use saga_consumer::{Hooks, SagaConsumer, SagaConsumerBuilder};
+use saga_core::{StepName, Subscription};
+use saga_orchestrator::Orchestrator;
+use saga_runtime::kafka::KafkaConfig;
+use saga_runtime::ops::Ops;
+use sqlx::PgPool;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio_util::sync::CancellationToken;
+
+use crate::events::{Topics, types};
+use crate::gateway::PaymentGateway;
+use crate::{order, payment, shipping};
+
+/// The three services.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum Service {
+    /// Orders: HTTP API and saga bookkeeping.
+    Order,
+    /// Payments: charges and refunds through the gateway.
+    Payment,
+    /// Shipping: shipments.
+    Shipping,
+}
+
+impl Service {
+    /// All three.
+    pub const ALL: [Self; 3] = [Self::Order, Self::Payment, Self::Shipping];
+
+    /// `order`, `payment` or `shipping`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Order => "order",
+            Self::Payment => "payment",
+            Self::Shipping => "shipping",
+        }
+    }
+
+    fn migrator(self) -> Migrator {
+        let mut migrator = match self {
+            Self::Order => sqlx::migrate!("./migrations/order"),
+            Self::Payment => sqlx::migrate!("./migrations/payment"),
+            Self::Shipping => sqlx::migrate!("./migrations/shipping"),
+        };
+        migrator.dangerous_set_table_name(format!("_{}_service_migrations", self.as_str()));
+        migrator
+    }
+}
+
+/// Where a service finds everything; flags or environment variables.
+#[derive(Debug, Clone, Args)]
+pub struct ServiceArgs {
+    /// PostgreSQL URL (the database holding the services' schemas).
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/saga_demo"
+    )]
+    pub database_url: String,
+    /// Prefix of the schemas: `{prefix}_order`, `{prefix}_payment`, `{prefix}_shipping`,
+    /// `{prefix}_gateway`.
+    #[arg(long, env = "SAGA_SCHEMA_PREFIX", default_value = "saga")]
+    pub schema_prefix: String,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    pub brokers: String,
+    /// Prefix of the topics and consumer groups.
+    #[arg(long, env = "SAGA_TOPIC_PREFIX", default_value = "saga")]
+    pub topic_prefix: String,
+    /// The order service's HTTP address.
+    #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http_addr: SocketAddr,
+    /// Where to serve /metrics, /healthz and /readyz.
+    #[arg(long, env = "SAGA_OPS_ADDR")]
+    pub ops_addr: Option<SocketAddr>,
+    /// Fault injection: probability of a crash right after each database commit, before the offsets are
+    /// committed (the process aborts).
+    #[arg(long, env = "SAGA_FAULT_CRASH_AFTER_COMMIT", default_value_t = 0.0)]
+    pub crash_after_commit: f64,
+    /// Create the topics if they do not exist.
+    #[arg(long, env = "SAGA_CREATE_TOPICS")]
+    pub create_topics: bool,
+    /// The gateway's simulated latency in milliseconds.
+    #[arg(long, env = "GATEWAY_LATENCY_MS", default_value_t = 2)]
+    pub gateway_latency_ms: u64,
+    /// Run the service's outbox relay inside the service (the default), or not (a separate
+    /// `outbox-relay run` publishes the outbox).
+    #[arg(long, env = "SAGA_EMBEDDED_RELAY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub embedded_relay: bool,
+    /// Run the orchestrated saga (the order service orchestrates with commands and replies) instead of the
+    /// choreographed one (each service reacts to the previous one's events).
+    #[arg(long, env = "SAGA_ORCHESTRATED", default_value_t = false, action = clap::ArgAction::Set)]
+    pub orchestrated: bool,
+}
+
+impl ServiceArgs {
+    /// The topics.
+    pub fn topics(&self) -> Topics {
+        Topics::with_prefix(&self.topic_prefix)
+    }
+
+    /// The schema of `service`.
+    pub fn schema(&self, service: Service) -> String {
+        format!("{}_{}", self.schema_prefix, service.as_str())
+    }
+
+    /// The gateway's schema.
+    pub fn gateway_schema(&self) -> String {
+        format!("{}_gateway", self.schema_prefix)
+    }
+
+    /// The consumer group of `service`.
+    pub fn group(&self, service: Service) -> String {
+        format!("{}.{}-service", self.topic_prefix, service.as_str())
+    }
+
+    /// The dead-letter topic of `service`.
+    pub fn dlq(&self, service: Service) -> String {
+        format!("{}.dlq", self.group(service))
+    }
+
+    /// Every topic the saga needs.
+    pub fn all_topics(&self) -> Vec<String> {
+        let mut topics: Vec<String> = self
+            .topics()
+            .all()
+            .iter()
+            .map(|t| (*t).to_owned())
+            .collect();
+        topics.extend(Service::ALL.iter().map(|s| self.dlq(*s)));
+        topics
+    }
+
+    /// A pool on `schema` (created if missing).
+    pub async fn pool(&self, schema: &str, size: u32) -> anyhow::Result<PgPool> {
+        let options = PgConnectOptions::from_str(&self.database_url)
+            .context("DATABASE_URL is not a PostgreSQL URL")?;
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await
+            .with_context(|| format!("connecting to PostgreSQL at {}", self.database_url))?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE SCHEMA IF NOT EXISTS {}",
+            quote_ident(schema)
+        )))
+        .execute(&admin)
+        .await
+        .or_else(ignore_race)?;
+        admin.close().await;
+        Ok(PgPoolOptions::new()
+            .max_connections(size)
+            .connect_with(options.options([("search_path", schema)]))
+            .await?)
+    }
+
+    /// The Kafka configuration.
+    pub fn kafka(&self) -> KafkaConfig {
+        let mut kafka = KafkaConfig::from_env();
+        kafka.brokers.clone_from(&self.brokers);
+        kafka
+    }
+}
+
+/// `CREATE SCHEMA IF NOT EXISTS` races with itself: two processes may both find it missing.
+fn ignore_race(e: sqlx::Error) -> Result<sqlx::postgres::PgQueryResult, sqlx::Error> {
+    match e.as_database_error().and_then(|d| d.code()) {
+        Some(code) if code == "23505" || code == "42P06" => Ok(Default::default()),
+        _ => Err(e),
+    }
+}
+
+/// Quotes an SQL identifier.
+pub fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Creates `service`'s schema and applies the framework's and the service's migrations (and the gateway's,
+/// for the payment service). Returns the service's pool.
+pub async fn prepare(service: Service, args: &ServiceArgs) -> anyhow::Result<PgPool> {
+    let pool = args.pool(&args.schema(service), 12).await?;
+    saga_core::migrate::migrate(&pool)
+        .await
+        .context("applying the framework's migrations")?;
+    service
+        .migrator()
+        .run(&pool)
+        .await
+        .context("applying the service's migrations")?;
+    if service == Service::Payment {
+        let gateway = gateway_pool(args).await?;
+        gateway_migrator()
+            .run(&gateway)
+            .await
+            .context("applying the gateway's migrations")?;
+    }
+    Ok(pool)
+}
+
+fn gateway_migrator() -> Migrator {
+    let mut migrator = sqlx::migrate!("./migrations/gateway");
+    migrator.dangerous_set_table_name("_gateway_migrations");
+    migrator
+}
+
+async fn gateway_pool(args: &ServiceArgs) -> anyhow::Result<PgPool> {
+    args.pool(&args.gateway_schema(), 4).await
+}
+
+/// The consumer of `service`, with its steps.
+pub async fn consumer(
+    service: Service,
+    args: &ServiceArgs,
+    pool: PgPool,
+) -> anyhow::Result<SagaConsumerBuilder> {
+    let topics = args.topics();
+    let mut builder = SagaConsumer::builder()
+        .kafka(args.kafka())
+        .group_id(args.group(service))
+        .dlq_topic(args.dlq(service))
+        .pool(pool.clone())
+        .commit_interval(Duration::from_millis(250))
+        .session_timeout(Duration::from_secs(6));
+    builder = match (service, args.orchestrated) {
+        (Service::Order, false) => builder
+            .step(order::MarkOrderPaid {
+                topics: topics.clone(),
+            })
+            .step(order::CompleteOrder {
+                topics: topics.clone(),
+            })
+            .step(order::NoteShipmentFailed {
+                topics: topics.clone(),
+            })
+            .step(order::CancelOrder { topics }),
+        (Service::Order, true) => orchestrator(args)?.register(builder),
+        (Service::Payment, orchestrated) => {
+            let gateway = PaymentGateway::new(
+                gateway_pool(args).await?,
+                Duration::from_millis(args.gateway_latency_ms),
+            );
+            let (charge, refund, refund_name, emits_to) = if orchestrated {
+                (
+                    Subscription::new(&topics.payment_commands, types::PROCESS_PAYMENT),
+                    Subscription::new(&topics.payment_commands, types::REFUND_PAYMENT),
+                    "compensate-process-payment",
+                    topics.order_replies.clone(),
+                )
+            } else {
+                (
+                    Subscription::new(&topics.orders, types::ORDER_CREATED),
+                    Subscription::new(&topics.shipping, types::SHIPMENT_FAILED),
+                    "refund-payment",
+                    topics.payments.clone(),
+                )
+            };
+            let builder = builder
+                .two_phase_step(payment::ProcessPayment {
+                    gateway: gateway.clone(),
+                    consumes: charge,
+                    emits_to: emits_to.clone(),
+                })
+                .two_phase_step(payment::RefundPayment {
+                    gateway,
+                    pool,
+                    name: StepName::new(refund_name)?,
+                    consumes: refund,
+                    emits_to,
+                });
+            if orchestrated {
+                builder
+            } else {
+                builder.ignore(&topics.shipping, types::SHIPMENT_ARRANGED)
+            }
+        }
+        (Service::Shipping, false) => builder
+            .step(shipping::ArrangeShipment {
+                consumes: Subscription::new(&topics.payments, types::PAYMENT_PROCESSED),
+                emits_to: topics.shipping.clone(),
+            })
+            .ignore(&topics.payments, types::PAYMENT_FAILED)
+            .ignore(&topics.payments, types::PAYMENT_REFUNDED),
+        (Service::Shipping, true) => builder.step(shipping::ArrangeShipment {
+            consumes: Subscription::new(&topics.shipping_commands, types::ARRANGE_SHIPMENT),
+            emits_to: topics.order_replies.clone(),
+        }),
+    };
+    if args.crash_after_commit > 0.0 {
+        let p = args.crash_after_commit;
+        builder = builder.hooks(Hooks::default().on_db_commit(move |info| {
+            if rand::random::<f64>() < p {
+                eprintln!(
+                    "fault injection: crashing after the database commit of {}/{} offsets {}..={}",
+                    info.topic, info.partition, info.first_offset, info.last_offset
+                );
+                std::process::abort();
+            }
+        }));
+    }
+    Ok(builder)
+}
+
+/// The orchestrator of the order saga.
+pub fn orchestrator(args: &ServiceArgs) -> anyhow::Result<Orchestrator> {
+    Ok(Orchestrator::new(order::order_saga(&args.topics())?)?.with_hooks(order::OrderSagaHooks))
+}
+
+/// The outbox relay of a service's schema.
+pub fn relay(args: &ServiceArgs, pool: PgPool) -> Relay {
+    Relay::new(
+        RelaySettings {
+            kafka: args.kafka(),
+            ..RelaySettings::default()
+        },
+        pool,
+    )
+}
+
+/// Runs only the outbox relay of `service`'s schema, until `shutdown`.
+pub async fn run_relay(
+    service: Service,
+    args: ServiceArgs,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let pool = args.pool(&args.schema(service), 4).await?;
+    saga_core::migrate::migrate(&pool)
+        .await
+        .context("applying the framework's migrations")?;
+    let ops = Ops::new();
+    if let Some(addr) = args.ops_addr {
+        ops.serve(addr, shutdown.clone()).await?;
+    }
+    relay(&args, pool).with_ops(ops).run(shutdown).await?;
+    Ok(())
+}
+
+/// Runs `service` until `shutdown`: its consumer, its relay (unless it runs apart) and, for the order
+/// service, its HTTP API.
+pub async fn run(
+    service: Service,
+    args: ServiceArgs,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    if args.create_topics {
+        let names = args.all_topics();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        saga_runtime::kafka::ensure_topics(&args.kafka(), &refs, 3, 1)
+            .await
+            .context("creating topics")?;
+    }
+    let pool = prepare(service, &args).await?;
+    let ops = Ops::new();
+    if let Some(addr) = args.ops_addr {
+        ops.serve(addr, shutdown.clone()).await?;
+    }
+    let consumer = consumer(service, &args, pool.clone())
+        .await?
+        .ops(ops.clone())
+        .build()?;
+    let relay = args
+        .embedded_relay
+        .then(|| relay(&args, pool.clone()).with_ops(ops));
+    // If one part fails, the others stop too: a service without its consumer or relay is not running.
+    let stop = shutdown.child_token();
+    let stopping = |result: anyhow::Result<()>| {
+        if result.is_err() {
+            stop.cancel();
+        }
+        result
+    };
+    let http = async {
+        if service != Service::Order {
+            return Ok(());
+        }
+        let listener = tokio::net::TcpListener::bind(args.http_addr)
+            .await
+            .with_context(|| format!("binding {}", args.http_addr))?;
+        tracing::info!(addr = %args.http_addr, "order API listening");
+        let orchestrator = if args.orchestrated {
+            Some(orchestrator(&args)?)
+        } else {
+            None
+        };
+        axum::serve(
+            listener,
+            order::router(pool.clone(), args.topics(), orchestrator),
+        )
+        .with_graceful_shutdown(stop.clone().cancelled_owned())
+        .await
+        .context("serving HTTP")
+    };
+    tracing::info!(service = service.as_str(), "service starting");
+    // The orchestrator's durable timers (deadlines of steps waiting for replies).
+    let timers = async {
+        if service == Service::Order && args.orchestrated {
+            orchestrator(&args)?
+                .run_timers(pool.clone(), Duration::from_millis(500), stop.clone())
+                .await;
+        }
+        anyhow::Ok(())
+    };
+    let (consumed, relayed, served, timed) = tokio::join!(
+        async { stopping(consumer.run(stop.clone()).await.context("consumer")) },
+        async {
+            match &relay {
+                Some(relay) => stopping(relay.run(stop.clone()).await.context("relay")),
+                None => Ok(()),
+            }
+        },
+        async { stopping(http.await) },
+        async { stopping(timers.await) },
+    );
+    consumed?;
+    relayed?;
+    timed?;
+    served
+}

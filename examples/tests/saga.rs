@@ -1,0 +1,374 @@
+//! The example saga end to end on the real broker and the real PostgreSQL: the happy path and both
+//! compensation paths, HTTP retries, and the fault mode.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use saga_examples::harness::client::{self, send};
+use saga_examples::harness::ledger::{self, Path};
+use saga_examples::harness::run::plan;
+use saga_examples::service::{Service, ServiceArgs, quote_ident};
+use saga_test_support::{TestDb, TestKafka, unique_name, wait_until};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// The three services running inside the test, on their own schemas and topics.
+struct Saga {
+    db: TestDb,
+    _kafka: TestKafka,
+    args: ServiceArgs,
+    stop: CancellationToken,
+    services: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Saga {
+    async fn start(name: &str) -> Self {
+        Self::start_with(name, false).await
+    }
+
+    async fn start_with(name: &str, orchestrated: bool) -> Self {
+        // The schema of its own only makes sure the test database exists; the services make theirs.
+        let db = TestDb::empty(name).await;
+        let kafka = TestKafka::new().await;
+        let prefix = unique_name(name);
+        let args = ServiceArgs {
+            database_url: TestDb::database_url(),
+            schema_prefix: format!("e2e_{}", prefix.replace('-', "_")),
+            brokers: kafka.brokers.clone(),
+            topic_prefix: prefix,
+            http_addr: free_addr(),
+            ops_addr: None,
+            crash_after_commit: 0.0,
+            create_topics: false,
+            gateway_latency_ms: 1,
+            embedded_relay: true,
+            orchestrated,
+        };
+        for topic in args.all_topics() {
+            kafka.create_topic(&topic, 3).await;
+        }
+        let stop = CancellationToken::new();
+        let services = Service::ALL
+            .iter()
+            .map(|service| {
+                tokio::spawn(saga_examples::service::run(
+                    *service,
+                    args.clone(),
+                    stop.clone(),
+                ))
+            })
+            .collect();
+        let saga = Self {
+            db,
+            _kafka: kafka,
+            args,
+            stop,
+            services,
+        };
+        wait_until("the order API", WAIT, || async {
+            send(
+                saga.api(),
+                "GET",
+                "/orders/00000000-0000-0000-0000-000000000000",
+                &[],
+                None,
+            )
+            .await
+            .ok()
+            .filter(|a| a.status == 404)
+        })
+        .await;
+        saga
+    }
+
+    fn api(&self) -> SocketAddr {
+        self.args.http_addr
+    }
+
+    async fn wait_finished(&self, n: i64) {
+        wait_until(&format!("{n} finished sagas"), WAIT, || async {
+            let finished = ledger::finished_orders(&self.db.pool, &self.args)
+                .await
+                .ok()?;
+            (finished >= n).then_some(())
+        })
+        .await;
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        for service in self.services {
+            tokio::time::timeout(WAIT, service)
+                .await
+                .expect("services stop")
+                .unwrap()
+                .expect("services stop cleanly");
+        }
+        for service in Service::ALL {
+            drop_schema(&self.db, &self.args.schema(service)).await;
+        }
+        drop_schema(&self.db, &self.args.gateway_schema()).await;
+    }
+}
+
+async fn drop_schema(db: &TestDb, schema: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {} CASCADE",
+        quote_ident(schema)
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_happy_path_and_both_compensation_paths_end_to_end() {
+    let saga = Saga::start("saga-paths").await;
+    let orders = plan("paths", 12);
+    let mut expected = HashMap::new();
+    let mut ids = HashMap::new();
+    for order in &orders {
+        let submitted = client::submit_order(saga.api(), &order.key, &order.request, false, WAIT)
+            .await
+            .unwrap();
+        expected.insert(order.key.clone(), order.path);
+        ids.insert(order.key.clone(), submitted.order_id.unwrap());
+    }
+    saga.wait_finished(12).await;
+
+    let facts = ledger::read_facts(&saga.db.pool, &saga.args).await.unwrap();
+    let ledger = ledger::check(&facts, &expected);
+    assert!(ledger.violations.is_empty(), "{:#?}", ledger.violations);
+    assert_eq!(
+        (ledger.completed, ledger.declined, ledger.refunded),
+        (8, 2, 2)
+    );
+    assert_eq!(
+        (ledger.charges, ledger.refunds, ledger.shipments),
+        (10, 2, 8)
+    );
+
+    // GET /orders/{id} tells where each saga stands, step by step.
+    let refunded = orders
+        .iter()
+        .find(|o| o.path == Path::ShipmentFails)
+        .unwrap();
+    let view = send(
+        saga.api(),
+        "GET",
+        &format!("/orders/{}", ids[&refunded.key]),
+        &[],
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(view.status, 200);
+    assert_eq!(view.body["status"], "CANCELLED");
+    assert!(view.body["reason"].as_str().unwrap().contains("Atlantis"));
+    let steps: Vec<&str> = view.body["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["status"].as_str().unwrap())
+        .collect();
+    for status in ["PENDING", "PAID", "COMPENSATING", "CANCELLED"] {
+        assert!(steps.contains(&status), "{status} missing from {steps:?}");
+    }
+    let declined = orders.iter().find(|o| o.path == Path::Declined).unwrap();
+    let view = send(
+        saga.api(),
+        "GET",
+        &format!("/orders/{}", ids[&declined.key]),
+        &[],
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(view.body["status"], "CANCELLED");
+    assert!(view.body["reason"].as_str().unwrap().contains("declined"));
+    saga.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_retries_with_the_same_key_return_the_stored_response_and_create_one_order() {
+    let saga = Saga::start("saga-http").await;
+    let order = plan("http", 1).remove(0);
+    let body = serde_json::to_vec(&order.request).unwrap();
+    let headers = [("idempotency-key", order.key.as_str())];
+    let first = send(saga.api(), "POST", "/orders", &headers, Some(body.clone()))
+        .await
+        .unwrap();
+    assert_eq!((first.status, first.replayed), (201, false));
+    for _ in 0..3 {
+        let again = send(saga.api(), "POST", "/orders", &headers, Some(body.clone()))
+            .await
+            .unwrap();
+        assert_eq!((again.status, again.replayed), (201, true));
+        assert_eq!(
+            again.body, first.body,
+            "the stored response: the same order id"
+        );
+    }
+    let mut other = order.request.clone();
+    other.amount_cents += 1;
+    let reused = send(
+        saga.api(),
+        "POST",
+        "/orders",
+        &headers,
+        Some(serde_json::to_vec(&other).unwrap()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reused.status, 422);
+    saga.wait_finished(1).await;
+    let facts = ledger::read_facts(&saga.db.pool, &saga.args).await.unwrap();
+    assert_eq!(facts.len(), 1, "one order for one key");
+    let only = facts.values().next().unwrap();
+    assert_eq!((only.status.as_str(), only.charges), ("COMPLETED", 1));
+    saga.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_fault_mode_still_yields_one_charge_per_paid_order_and_one_shipment_per_completed_order()
+ {
+    // The demo itself, as users run it, on the real broker: every event delivered twice, and services
+    // crashing after 5% of their database commits (before committing offsets), restarted each time. The
+    // demo checks the ledger and exits non-zero on any violation.
+    let _db = TestDb::empty("saga-faults").await;
+    let kafka = TestKafka::new().await;
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_saga-demo"))
+        .args([
+            "--orders",
+            "24",
+            "--duplicates",
+            "--crash-rate",
+            "0.05",
+            "--timeout-secs",
+            "240",
+        ])
+        .env("KAFKA_BROKERS", &kafka.brokers)
+        .env("DATABASE_URL", TestDb::database_url())
+        .env("RUST_BACKTRACE", "0")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "saga-demo failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("all hold"), "{stdout}");
+    let line = |name: &str| -> i64 {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no line {name:?} in\n{stdout}"))
+    };
+    assert_eq!(line("orders accepted"), 24);
+    assert_eq!(
+        line("charges at the gateway"),
+        20,
+        "one charge per paid order"
+    );
+    assert_eq!(
+        line("shipments arranged"),
+        16,
+        "one shipment per completed order"
+    );
+    assert_eq!(line("refunds at the gateway"), 4);
+    assert!(line("duplicate deliveries injected") > 0);
+    assert!(line("duplicates absorbed by step keys") > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_orchestrated_saga_takes_all_three_paths_and_shows_its_history() {
+    let saga = Saga::start_with("saga-orchestrated", true).await;
+    let orders = plan("orchestrated", 12);
+    let mut expected = HashMap::new();
+    let mut ids = HashMap::new();
+    for order in &orders {
+        let submitted = client::submit_order(saga.api(), &order.key, &order.request, false, WAIT)
+            .await
+            .unwrap();
+        expected.insert(order.key.clone(), order.path);
+        ids.insert(order.key.clone(), submitted.order_id.unwrap());
+    }
+    saga.wait_finished(12).await;
+    let facts = ledger::read_facts(&saga.db.pool, &saga.args).await.unwrap();
+    let ledger = ledger::check(&facts, &expected);
+    assert!(ledger.violations.is_empty(), "{:#?}", ledger.violations);
+    assert_eq!(
+        (ledger.completed, ledger.declined, ledger.refunded),
+        (8, 2, 2)
+    );
+    assert_eq!(
+        (ledger.charges, ledger.refunds, ledger.shipments),
+        (10, 2, 8)
+    );
+
+    // The order names its saga; GET /sagas/{id} shows the state history.
+    let refunded = orders
+        .iter()
+        .find(|o| o.path == Path::ShipmentFails)
+        .unwrap();
+    let order = send(
+        saga.api(),
+        "GET",
+        &format!("/orders/{}", ids[&refunded.key]),
+        &[],
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(order.body["status"], "CANCELLED");
+    let saga_id = order.body["saga_id"].as_str().unwrap().to_owned();
+    let view = send(saga.api(), "GET", &format!("/sagas/{saga_id}"), &[], None)
+        .await
+        .unwrap();
+    assert_eq!(view.status, 200);
+    assert_eq!(view.body["saga"]["status"], "compensated");
+    let key = refunded.key.as_str();
+    assert_eq!(
+        view.body["saga"]["step_keys"],
+        serde_json::json!({
+            "process-payment": format!("{key}:process-payment"),
+            "arrange-shipment": format!("{key}:arrange-shipment"),
+            "compensate-process-payment": format!("{key}:compensate-process-payment"),
+        })
+    );
+    let history: Vec<(String, String)> = view.body["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["cause"].as_str().unwrap().to_owned(),
+                t["to_status"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        history,
+        vec![
+            ("started".to_owned(), "running".to_owned()),
+            ("PaymentProcessed".to_owned(), "running".to_owned()),
+            ("ShipmentFailed".to_owned(), "compensating".to_owned()),
+            ("PaymentRefunded".to_owned(), "compensated".to_owned()),
+        ]
+    );
+    saga.stop().await;
+}
