@@ -9,7 +9,7 @@ use saga_examples::harness::client::{self, send};
 use saga_examples::harness::ledger::{self, Path};
 use saga_examples::harness::run::plan;
 use saga_examples::service::{Service, ServiceArgs, quote_ident};
-use saga_test_support::{TestDb, TestKafka, unique_name, wait_until};
+use saga_test_support::{TestDb, TestKafka, free_local_addr, unique_name, wait_until};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -38,7 +38,7 @@ impl Saga {
             schema_prefix: format!("e2e_{}", prefix.replace('-', "_")),
             brokers: kafka.brokers.clone(),
             topic_prefix: prefix,
-            http_addr: free_addr(),
+            http_addr: free_local_addr(),
             ops_addr: None,
             crash_after_commit: 0.0,
             create_topics: false,
@@ -68,6 +68,14 @@ impl Saga {
             services,
         };
         wait_until("the order API", WAIT, || async {
+            // A service that stopped (its port taken, its database unreachable) fails the test here, before
+            // a request can reach some other process listening on that port.
+            if let Some(stopped) = saga.services.iter().position(|s| s.is_finished()) {
+                panic!(
+                    "the {} service stopped while starting",
+                    Service::ALL[stopped].as_str()
+                );
+            }
             send(
                 saga.api(),
                 "GET",
@@ -121,13 +129,6 @@ async fn drop_schema(db: &TestDb, schema: &str) {
     .execute(&db.pool)
     .await
     .unwrap();
-}
-
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -207,12 +208,22 @@ async fn http_retries_with_the_same_key_return_the_stored_response_and_create_on
     let first = send(saga.api(), "POST", "/orders", &headers, Some(body.clone()))
         .await
         .unwrap();
-    assert_eq!((first.status, first.replayed), (201, false));
+    assert_eq!(
+        (first.status, first.replayed),
+        (201, false),
+        "first answer: {}",
+        first.body
+    );
     for _ in 0..3 {
         let again = send(saga.api(), "POST", "/orders", &headers, Some(body.clone()))
             .await
             .unwrap();
-        assert_eq!((again.status, again.replayed), (201, true));
+        assert_eq!(
+            (again.status, again.replayed),
+            (201, true),
+            "retried answer: {}",
+            again.body
+        );
         assert_eq!(
             again.body, first.body,
             "the stored response: the same order id"

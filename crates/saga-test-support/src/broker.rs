@@ -24,7 +24,7 @@ impl PrivateBroker {
     /// Starts a new broker and waits until it answers a metadata request. Panics with installation advice
     /// if the `nisshi` binary cannot be found.
     pub async fn launch(name: &str) -> Self {
-        let port = free_port();
+        let port = crate::free_local_addr().port();
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../target/test-brokers")
             .join(unique_name(name));
@@ -135,11 +135,4 @@ fn nisshi_binary() -> PathBuf {
              run `scripts/dev-services` once (it installs Nisshi 0.8.1) or set NISSHI_BIN"
         )
     })
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("finding a free port")
 }

@@ -6,6 +6,7 @@
 //! - [`TestKafka`]: uniquely named topics, created explicitly and deleted afterwards, plus helpers to
 //!   produce and to read a topic back.
 //! - [`PrivateBroker`]: a broker process of the test's own, for tests that stop and restart the broker.
+//! - [`free_local_addr`]: an address for a server started (and restarted) on a port chosen in advance.
 //!
 //! Where a service is unreachable the test fails with a message saying how to start it; it never passes
 //! silently.
@@ -14,8 +15,10 @@ mod broker;
 mod db;
 mod env;
 mod kafka;
+mod ports;
 
 pub use broker::PrivateBroker;
 pub use db::TestDb;
 pub use env::{database_url, kafka_brokers, unique_name, wait_until};
 pub use kafka::{ReadMessage, TestKafka};
+pub use ports::free_local_addr;

@@ -79,7 +79,7 @@ async fn main() -> anyhow::Result<()> {
         schema_prefix: run.replace('-', "_"),
         brokers: cli.brokers.clone(),
         topic_prefix: run.clone(),
-        http_addr: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?,
+        http_addr: saga_test_support::free_local_addr(),
         ops_addr: None,
         crash_after_commit: 0.0,
         create_topics: false,

@@ -25,10 +25,11 @@ pub enum ChildCommand {
 }
 
 impl ChildCommand {
-    /// Runs the child until SIGTERM.
+    /// Runs the child until SIGTERM, or until the harness that started it is gone.
     pub async fn run(self) -> anyhow::Result<()> {
         saga_runtime::telemetry::init_tracing();
         let shutdown = saga_runtime::shutdown::on_signal();
+        stop_when_orphaned(shutdown.clone());
         match self {
             Self::Service(c) => crate::service::run(c.service, c.args, shutdown).await,
             Self::Relay(c) => crate::service::run_relay(c.service, c.args, shutdown).await,
@@ -45,4 +46,24 @@ pub struct ServiceCommand {
     /// Its settings.
     #[command(flatten)]
     pub args: ServiceArgs,
+}
+
+/// Stops a child whose harness died without stopping it (killed by a test runner's timeout, say): an
+/// orphaned service would otherwise keep its port and its consumer group, and serve whoever comes next.
+fn stop_when_orphaned(shutdown: tokio_util::sync::CancellationToken) {
+    #[cfg(unix)]
+    tokio::spawn(async move {
+        let parent = std::os::unix::process::parent_id();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(std::time::Duration::from_millis(500)) => {}
+            }
+            if std::os::unix::process::parent_id() != parent {
+                tracing::warn!("the harness that started this service is gone; stopping");
+                shutdown.cancel();
+                return;
+            }
+        }
+    });
 }

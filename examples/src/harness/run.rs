@@ -165,10 +165,6 @@ struct DuplicateCounts {
     total: AtomicU64,
 }
 
-fn free_addr() -> anyhow::Result<SocketAddr> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
-}
-
 impl Run {
     /// Starts the services as child processes of this binary (`{exe} service {name}`) against `broker`.
     pub async fn start(options: &RunOptions, broker: Broker) -> anyhow::Result<Self> {
@@ -177,7 +173,7 @@ impl Run {
             schema_prefix: options.name.replace('-', "_"),
             brokers: broker.brokers(),
             topic_prefix: options.name.clone(),
-            http_addr: free_addr()?,
+            http_addr: saga_test_support::free_local_addr(),
             ops_addr: None,
             crash_after_commit: options.crash_rate,
             create_topics: false,
@@ -210,7 +206,7 @@ impl Run {
             );
         }
         for (name, role, service) in children {
-            let addr = free_addr()?;
+            let addr = saga_test_support::free_local_addr();
             ops.insert(name.clone(), addr);
             let (exe, args) = (exe.clone(), args.clone());
             supervisor.spawn(&name, move || {
