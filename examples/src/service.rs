@@ -311,6 +311,29 @@ pub async fn consumer(
     Ok(builder)
 }
 
+/// The `main` of the stand-alone service binaries (`order-service`, `payment-service`,
+/// `shipping-service`): reads the settings from flags and the environment (see `--help`), then runs
+/// `service` until SIGTERM or Ctrl-C.
+pub async fn main(service: Service, about: &'static str) -> anyhow::Result<()> {
+    use clap::{CommandFactory, FromArgMatches, Parser};
+
+    #[derive(Parser)]
+    #[command(version)]
+    struct Cli {
+        #[command(flatten)]
+        args: ServiceArgs,
+    }
+
+    let name = match service {
+        Service::Order => "order-service",
+        Service::Payment => "payment-service",
+        Service::Shipping => "shipping-service",
+    };
+    let cli = Cli::from_arg_matches(&Cli::command().name(name).about(about).get_matches())?;
+    saga_runtime::telemetry::init_tracing();
+    run(service, cli.args, saga_runtime::shutdown::on_signal()).await
+}
+
 /// The orchestrator of the order saga.
 pub fn orchestrator(args: &ServiceArgs) -> anyhow::Result<Orchestrator> {
     Ok(Orchestrator::new(order::order_saga(&args.topics())?)?.with_hooks(order::OrderSagaHooks))

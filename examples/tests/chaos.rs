@@ -2,39 +2,20 @@
 //! after database commits, every event delivered twice, one broker restart. The program checks the ledgers
 //! and exits non-zero on any violation; this test also checks that the faults really happened.
 
+use saga_examples::harness::summary::{figure, run_to_summary};
 use saga_test_support::TestDb;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_with_kills_crashes_duplicates_and_a_broker_restart_keeps_every_invariant() {
     // Makes sure the database exists; the program creates its own schemas in it.
     let _db = TestDb::empty("chaos").await;
-    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
-        .args([
-            "--orders",
-            "120",
-            "--kill-every-ms",
-            "2500",
-            "--crash-rate",
-            "0.01",
-        ])
-        .args(["--timeout-secs", "600"])
-        .env("DATABASE_URL", TestDb::database_url())
-        .env("RUST_BACKTRACE", "0")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "chaos failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("all hold"), "{stdout}");
-    let value = |name: &str| -> i64 {
-        stdout
-            .lines()
-            .filter(|l| l.trim_start().starts_with(name))
-            .filter_map(|l| l.split_whitespace().last()?.parse::<i64>().ok())
-            .sum()
-    };
+    let mut chaos = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"));
+    chaos
+        .args(["--orders", "120", "--kill-every-ms", "2500"])
+        .args(["--crash-rate", "0.01", "--timeout-secs", "600"])
+        .env("DATABASE_URL", TestDb::database_url());
+    let stdout = run_to_summary(chaos).await;
+    let value = |label: &str| figure(&stdout, label);
     assert_eq!(value("orders accepted"), 120);
     assert_eq!(
         value("charges at the gateway"),

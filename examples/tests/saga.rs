@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use saga_examples::harness::client::{self, send};
 use saga_examples::harness::ledger::{self, Path};
-use saga_examples::harness::run::plan;
+use saga_examples::harness::run::{PlannedOrder, plan};
+use saga_examples::harness::summary::{figure, run_to_summary};
 use saga_examples::service::{Service, ServiceArgs, quote_ident};
 use saga_test_support::{TestDb, TestKafka, free_local_addr, unique_name, wait_until};
 use tokio_util::sync::CancellationToken;
@@ -105,6 +106,36 @@ impl Saga {
         .await;
     }
 
+    /// Submits twelve orders (eight happy, two declined, two whose shipment fails), waits until every saga
+    /// finished, and checks the ledgers: the counts of each path, one charge per paid order, one refund per
+    /// failed shipment, one shipment per completed order. Returns the orders and their ids by key.
+    async fn run_all_three_paths(&self, run: &str) -> (Vec<PlannedOrder>, HashMap<String, String>) {
+        let orders = plan(run, 12);
+        let mut expected = HashMap::new();
+        let mut ids = HashMap::new();
+        for order in &orders {
+            let submitted =
+                client::submit_order(self.api(), &order.key, &order.request, false, WAIT)
+                    .await
+                    .unwrap();
+            expected.insert(order.key.clone(), order.path);
+            ids.insert(order.key.clone(), submitted.order_id.unwrap());
+        }
+        self.wait_finished(12).await;
+        let facts = ledger::read_facts(&self.db.pool, &self.args).await.unwrap();
+        let ledger = ledger::check(&facts, &expected);
+        assert!(ledger.violations.is_empty(), "{:#?}", ledger.violations);
+        assert_eq!(
+            (ledger.completed, ledger.declined, ledger.refunded),
+            (8, 2, 2)
+        );
+        assert_eq!(
+            (ledger.charges, ledger.refunds, ledger.shipments),
+            (10, 2, 8)
+        );
+        (orders, ids)
+    }
+
     async fn stop(self) {
         self.stop.cancel();
         for service in self.services {
@@ -134,29 +165,7 @@ async fn drop_schema(db: &TestDb, schema: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_happy_path_and_both_compensation_paths_end_to_end() {
     let saga = Saga::start("saga-paths").await;
-    let orders = plan("paths", 12);
-    let mut expected = HashMap::new();
-    let mut ids = HashMap::new();
-    for order in &orders {
-        let submitted = client::submit_order(saga.api(), &order.key, &order.request, false, WAIT)
-            .await
-            .unwrap();
-        expected.insert(order.key.clone(), order.path);
-        ids.insert(order.key.clone(), submitted.order_id.unwrap());
-    }
-    saga.wait_finished(12).await;
-
-    let facts = ledger::read_facts(&saga.db.pool, &saga.args).await.unwrap();
-    let ledger = ledger::check(&facts, &expected);
-    assert!(ledger.violations.is_empty(), "{:#?}", ledger.violations);
-    assert_eq!(
-        (ledger.completed, ledger.declined, ledger.refunded),
-        (8, 2, 2)
-    );
-    assert_eq!(
-        (ledger.charges, ledger.refunds, ledger.shipments),
-        (10, 2, 8)
-    );
+    let (orders, ids) = saga.run_all_three_paths("paths").await;
 
     // GET /orders/{id} tells where each saga stands, step by step.
     let refunded = orders
@@ -257,38 +266,13 @@ async fn the_fault_mode_still_yields_one_charge_per_paid_order_and_one_shipment_
     // demo checks the ledger and exits non-zero on any violation.
     let _db = TestDb::empty("saga-faults").await;
     let kafka = TestKafka::new().await;
-    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_saga-demo"))
-        .args([
-            "--orders",
-            "24",
-            "--duplicates",
-            "--crash-rate",
-            "0.05",
-            "--timeout-secs",
-            "240",
-        ])
+    let mut demo = tokio::process::Command::new(env!("CARGO_BIN_EXE_saga-demo"));
+    demo.args(["--orders", "24", "--duplicates", "--crash-rate", "0.05"])
+        .args(["--timeout-secs", "240"])
         .env("KAFKA_BROKERS", &kafka.brokers)
-        .env("DATABASE_URL", TestDb::database_url())
-        .env("RUST_BACKTRACE", "0")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "saga-demo failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("all hold"), "{stdout}");
-    let line = |name: &str| -> i64 {
-        stdout
-            .lines()
-            .find(|l| l.trim_start().starts_with(name))
-            .and_then(|l| l.split_whitespace().last())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no line {name:?} in\n{stdout}"))
-    };
+        .env("DATABASE_URL", TestDb::database_url());
+    let stdout = run_to_summary(demo).await;
+    let line = |label: &str| figure(&stdout, label);
     assert_eq!(line("orders accepted"), 24);
     assert_eq!(
         line("charges at the gateway"),
@@ -308,28 +292,7 @@ async fn the_fault_mode_still_yields_one_charge_per_paid_order_and_one_shipment_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_orchestrated_saga_takes_all_three_paths_and_shows_its_history() {
     let saga = Saga::start_with("saga-orchestrated", true).await;
-    let orders = plan("orchestrated", 12);
-    let mut expected = HashMap::new();
-    let mut ids = HashMap::new();
-    for order in &orders {
-        let submitted = client::submit_order(saga.api(), &order.key, &order.request, false, WAIT)
-            .await
-            .unwrap();
-        expected.insert(order.key.clone(), order.path);
-        ids.insert(order.key.clone(), submitted.order_id.unwrap());
-    }
-    saga.wait_finished(12).await;
-    let facts = ledger::read_facts(&saga.db.pool, &saga.args).await.unwrap();
-    let ledger = ledger::check(&facts, &expected);
-    assert!(ledger.violations.is_empty(), "{:#?}", ledger.violations);
-    assert_eq!(
-        (ledger.completed, ledger.declined, ledger.refunded),
-        (8, 2, 2)
-    );
-    assert_eq!(
-        (ledger.charges, ledger.refunds, ledger.shipments),
-        (10, 2, 8)
-    );
+    let (orders, ids) = saga.run_all_three_paths("orchestrated").await;
 
     // The order names its saga; GET /sagas/{id} shows the state history.
     let refunded = orders

@@ -130,9 +130,9 @@ pub(crate) async fn run_batch(
     let mut results: Vec<Option<ItemOutcome>> = vec![None; deliveries.len()];
     let mut outcomes: Vec<(usize, StepOutcome)> = Vec::new();
     let mut emitted: Vec<OutboxMessage> = Vec::new();
-    // Consecutive new messages of one step, handled with one call: (index in the batch, key index).
-    let mut group: Vec<(usize, usize)> = Vec::new();
-    for (index, (delivery, slot)) in deliveries.iter().zip(&slots).enumerate() {
+    // The new messages: (index in the batch, key index).
+    let mut new: Vec<(usize, usize)> = Vec::new();
+    for (index, slot) in slots.iter().enumerate() {
         let new_key = match slot {
             Slot::Ignored => {
                 results[index] = Some(ItemOutcome::Ignored);
@@ -156,32 +156,18 @@ pub(crate) async fn run_batch(
                 Claim::New => Some(*k),
             },
         };
-        let Some(key_index) = new_key else { continue };
-        let same_step = group
-            .first()
-            .is_some_and(|(first, _)| step_of(&deliveries[*first]) == step_of(delivery));
-        if !same_step && !group.is_empty() {
-            handle_group(
-                service,
-                conn,
-                deliveries,
-                &group,
-                metrics,
-                &mut results,
-                &mut outcomes,
-                &mut emitted,
-            )
-            .await?;
-            group.clear();
+        if let Some(key_index) = new_key {
+            new.push((index, key_index));
         }
-        group.push((index, key_index));
     }
-    if !group.is_empty() {
+    // Consecutive new messages of one step are handled with one call.
+    for group in new.chunk_by(|(a, _), (b, _)| step_of(&deliveries[*a]) == step_of(&deliveries[*b]))
+    {
         handle_group(
             service,
             conn,
             deliveries,
-            &group,
+            group,
             metrics,
             &mut results,
             &mut outcomes,

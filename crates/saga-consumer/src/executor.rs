@@ -205,7 +205,15 @@ impl Executor {
     /// One transaction over `batch`: claim, handle, record, append, commit.
     async fn transact(&self, batch: &[Delivery]) -> Result<Vec<ItemOutcome>, BatchError> {
         let mut tx = self.pool.begin().await?;
-        let outcomes = dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics).await?;
+        let outcomes = match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics).await {
+            Ok(outcomes) => outcomes,
+            Err(e) => {
+                // Roll back now: a dropped transaction is rolled back only once the pool takes its
+                // connection back, and until then its claimed keys would hold up the retry.
+                let _ = tx.rollback().await;
+                return Err(e);
+            }
+        };
         tx.commit().await?;
         self.metrics.batch_size.observe(batch.len() as f64);
         self.after_commit(batch);
@@ -333,7 +341,8 @@ impl Executor {
         let handled = match handled {
             Ok(handled) => handled,
             Err(error) => {
-                drop(tx);
+                // Roll back before releasing: the transaction holds the lease's row lock.
+                let _ = tx.rollback().await;
                 release(&mut conn, &lease, &error).await;
                 return Err(Failure::Handler(error));
             }

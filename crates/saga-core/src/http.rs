@@ -338,12 +338,10 @@ where
         Ok(tx) => tx,
         Err(e) => return Ok(unavailable("beginning a transaction", &e)),
     };
-    let claim = match idempotency::try_claim(&mut tx, &tenant, &step_key, &hash).await {
-        Ok(claim) => claim,
-        Err(e) => return Ok(unavailable("claiming an idempotency key", &e)),
-    };
-    match claim {
-        TryClaim::Busy => {
+    let early = match idempotency::try_claim(&mut tx, &tenant, &step_key, &hash).await {
+        Err(e) => Some(unavailable("claiming an idempotency key", &e)),
+        Ok(TryClaim::Claimed) => None,
+        Ok(TryClaim::Busy) => {
             let mut response = problem(
                 StatusCode::CONFLICT,
                 "a request with this Idempotency-Key is in progress",
@@ -351,31 +349,33 @@ where
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            return Ok(response);
+            Some(response)
         }
-        TryClaim::Existing {
+        Ok(TryClaim::Existing {
             stored,
             request_hash,
-        } => {
-            if request_hash.as_deref() != Some(hash.as_slice()) {
-                return Ok(problem(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "Idempotency-Key was used for a different request",
-                ));
-            }
-            let response = (stored.status == KeyStatus::Completed)
+        }) => Some(if request_hash.as_deref() != Some(hash.as_slice()) {
+            problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Idempotency-Key was used for a different request",
+            )
+        } else {
+            match (stored.status == KeyStatus::Completed)
                 .then_some(stored.outcome)
                 .flatten()
-                .and_then(|value| serde_json::from_value::<StoredResponse>(value).ok());
-            return Ok(match response {
+                .and_then(|value| serde_json::from_value::<StoredResponse>(value).ok())
+            {
                 Some(response) => response.replay(),
                 None => problem(
                     StatusCode::CONFLICT,
                     "the key's stored response cannot be replayed",
                 ),
-            });
-        }
-        TryClaim::Claimed => {}
+            }
+        }),
+    };
+    if let Some(response) = early {
+        roll_back(tx).await;
+        return Ok(response);
     }
 
     let handle = IdempotentRequest(Arc::new(Shared {
@@ -405,7 +405,7 @@ where
     };
     if parts.status.is_server_error() {
         // Rolled back: the key is free for the retry.
-        drop(tx);
+        roll_back(tx).await;
         return Ok(Response::from_parts(parts, Full::new(body)));
     }
     let Some(stored) = StoredResponse::capture(parts.status, &parts.headers, &body) else {
@@ -418,10 +418,20 @@ where
         result: serde_json::to_value(&stored).ok(),
     };
     if let Err(e) = idempotency::record_outcomes(&mut tx, &[(&tenant, &step_key, &outcome)]).await {
+        roll_back(tx).await;
         return Ok(unavailable("storing the response", &e));
     }
     if let Err(e) = tx.commit().await {
         return Ok(unavailable("committing", &e));
     }
     Ok(Response::from_parts(parts, Full::new(body)))
+}
+
+/// Rolls `tx` back before the response goes out. Dropping it would also roll it back, but only once the
+/// pool takes the connection back, in a task of its own: until then the transaction keeps the key's
+/// advisory lock, and the client's next retry, arriving on another connection, would get a 409.
+async fn roll_back(tx: Transaction<'static, Postgres>) {
+    if let Err(e) = tx.rollback().await {
+        tracing::warn!(error = %e, "rolling back an idempotent request's transaction");
+    }
 }

@@ -144,6 +144,54 @@ async fn a_retry_with_the_same_key_replays_the_stored_response_without_running_t
     assert_eq!(f.things().await, 1);
 }
 
+#[tokio::test(flavor = "current_thread")]
+async fn retries_sent_back_to_back_are_all_replayed_never_refused_as_in_flight() {
+    // A replay must release the key before its answer goes out: the client's next retry, on another
+    // connection of the pool, must find it free, not held by the previous retry's transaction.
+    let f = Fixture::new("http-back-to-back").await;
+    let (status, _, _, _) = f.post(Some("k-b2b"), None, r#"{"name":"a"}"#).await;
+    assert_eq!(status, StatusCode::CREATED);
+    // Busy cores, as on a loaded CI machine, widen the window in which a transaction dropped without
+    // a rollback still holds the key.
+    let spinning = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let spinners: Vec<_> = (0..4)
+        .map(|_| {
+            let spinning = spinning.clone();
+            std::thread::spawn(move || {
+                while spinning.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let _stop = StopOnDrop(spinning);
+    for retry in 0..100 {
+        let (status, replayed, again, _) = f.post(Some("k-b2b"), None, r#"{"name":"a"}"#).await;
+        assert_eq!(
+            (status, replayed),
+            (StatusCode::CREATED, true),
+            "retry {retry}: {again}"
+        );
+        let (status, _, _, _) = f.post(Some("k-b2b"), None, r#"{"name":"b"}"#).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "retry {retry}");
+    }
+    drop(_stop);
+    for spinner in spinners {
+        spinner.join().unwrap();
+    }
+    assert_eq!(f.state.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(f.things().await, 1);
+}
+
+/// Stops the spinning threads, also when the test fails.
+struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Relaxed);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_key_with_a_different_request_is_refused_with_422() {
     let f = Fixture::new("http-mismatch").await;

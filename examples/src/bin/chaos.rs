@@ -8,7 +8,7 @@ use clap::Parser;
 use saga_examples::harness::broker::Broker;
 use saga_examples::harness::run::{Run, RunOptions, plan, submit_orders};
 use saga_examples::harness::summary::Summary;
-use saga_examples::harness::{ChildCommand, duplicator, ledger};
+use saga_examples::harness::{ChildCommand, RunFlags, duplicator, ledger, run_name};
 use saga_test_support::PrivateBroker;
 use tokio_util::sync::CancellationToken;
 
@@ -38,20 +38,8 @@ struct Cli {
     /// Do not restart the broker.
     #[arg(long)]
     no_broker_restart: bool,
-    /// Run the orchestrated saga (the order service orchestrates with commands and replies) instead of
-    /// the choreographed one.
-    #[arg(long)]
-    orchestrated: bool,
-    /// Keep the run's schemas for inspection.
-    #[arg(long)]
-    keep: bool,
-    /// PostgreSQL URL.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/saga_demo"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    flags: RunFlags,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 1_200)]
     timeout_secs: u64,
@@ -63,12 +51,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(child) = cli.child {
         return child.run().await;
     }
-    let name = format!(
-        "chaos-{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_millis()
-    );
+    let name = run_name("chaos");
     let mut broker = PrivateBroker::launch(&name).await;
     let external = Broker::External(broker.brokers.clone());
     println!(
@@ -76,13 +59,13 @@ async fn main() -> anyhow::Result<()> {
         cli.orders, broker.brokers
     );
     let options = RunOptions {
-        database_url: cli.database_url.clone(),
+        database_url: cli.flags.database_url.clone(),
         crash_rate: cli.crash_rate,
         gateway_latency_ms: 1,
         partitions: 4,
         name: name.clone(),
         separate_relays: true,
-        orchestrated: cli.orchestrated,
+        orchestrated: cli.flags.orchestrated,
     };
     let run = Run::start(&options, external).await?;
     let args = run.args.clone();
@@ -173,7 +156,7 @@ async fn main() -> anyhow::Result<()> {
         .supervisor
         .deaths
         .load(std::sync::atomic::Ordering::Relaxed);
-    run.finish(cli.keep).await?;
+    run.finish(cli.flags.keep).await?;
     drop(broker);
 
     let kills = kills.lock().expect("kills").clone();

@@ -6,7 +6,7 @@ use clap::Parser;
 use saga_examples::harness::broker::Broker;
 use saga_examples::harness::run::{Run, RunOptions, plan};
 use saga_examples::harness::summary::Summary;
-use saga_examples::harness::{ChildCommand, duplicator};
+use saga_examples::harness::{ChildCommand, RunFlags, duplicator, run_name};
 use tokio_util::sync::CancellationToken;
 
 /// Runs the order → payment → shipping saga: starts the three services, submits orders (some retried with
@@ -27,20 +27,8 @@ struct Cli {
     /// its offsets (it is restarted).
     #[arg(long, default_value_t = 0.0)]
     crash_rate: f64,
-    /// Run the orchestrated saga (the order service orchestrates with commands and replies) instead of
-    /// the choreographed one.
-    #[arg(long)]
-    orchestrated: bool,
-    /// Keep the run's schemas for inspection.
-    #[arg(long)]
-    keep: bool,
-    /// PostgreSQL URL.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/saga_demo"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    flags: RunFlags,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 180)]
     timeout_secs: u64,
@@ -52,17 +40,12 @@ async fn main() -> anyhow::Result<()> {
     if let Some(child) = cli.child {
         return child.run().await;
     }
-    let name = format!(
-        "demo-{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_millis()
-    );
+    let name = run_name("demo");
     let broker = match std::env::var("KAFKA_BROKERS") {
         Ok(brokers) if !brokers.is_empty() => Broker::External(brokers),
         _ => Broker::mock()?,
     };
-    let style = if cli.orchestrated {
+    let style = if cli.flags.orchestrated {
         "orchestrated"
     } else {
         "choreographed"
@@ -74,13 +57,13 @@ async fn main() -> anyhow::Result<()> {
     );
     let broker_label = broker.describe();
     let options = RunOptions {
-        database_url: cli.database_url.clone(),
+        database_url: cli.flags.database_url.clone(),
         crash_rate: cli.crash_rate,
         gateway_latency_ms: 2,
         partitions: 3,
         name: name.clone(),
         separate_relays: false,
-        orchestrated: cli.orchestrated,
+        orchestrated: cli.flags.orchestrated,
     };
     let run = Run::start(&options, broker).await?;
     println!(
@@ -120,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
         .deaths
         .load(std::sync::atomic::Ordering::Relaxed);
     stop.cancel();
-    run.finish(cli.keep).await?;
+    run.finish(cli.flags.keep).await?;
     let mut faults = Vec::new();
     if cli.duplicates {
         faults.push("every event delivered twice".to_owned());

@@ -37,6 +37,33 @@ impl ChildCommand {
     }
 }
 
+/// The options `saga-demo` and `chaos` share.
+#[derive(Debug, Args)]
+pub struct RunFlags {
+    /// Run the orchestrated saga (the order service orchestrates with commands and replies) instead of
+    /// the choreographed one.
+    #[arg(long)]
+    pub orchestrated: bool,
+    /// Keep the run's schemas for inspection.
+    #[arg(long)]
+    pub keep: bool,
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/saga_demo"
+    )]
+    pub database_url: String,
+}
+
+/// A name for one run (its schemas, topics and groups): `{prefix}-{milliseconds since the epoch, in hex}`.
+pub fn run_name(prefix: &str) -> String {
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("{prefix}-{millis:x}")
+}
+
 /// Which service, with its settings.
 #[derive(Debug, Args)]
 pub struct ServiceCommand {

@@ -89,3 +89,50 @@ impl Summary<'_> {
         self.ledger.violations.is_empty() && self.client.failures.is_empty()
     }
 }
+
+/// Reads a printed summary back: the sum of the numbers ending the lines that start with `label` (after
+/// indentation). Several lines can match (`SIGKILLs of` has one per process kind); none gives 0.
+pub fn figure(summary: &str, label: &str) -> i64 {
+    summary
+        .lines()
+        .filter(|line| line.trim_start().starts_with(label))
+        .filter_map(|line| line.split_whitespace().last()?.parse::<i64>().ok())
+        .sum()
+}
+
+/// Runs a harness program (`saga-demo`, `chaos`) to its end and returns what it printed; panics with its
+/// output when it failed or did not report that every invariant holds. For tests.
+pub async fn run_to_summary(mut program: tokio::process::Command) -> String {
+    let output = program
+        .env("RUST_BACKTRACE", "0")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("the program starts");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "the program failed ({}):\n{stdout}\n{stderr}",
+        output.status
+    );
+    assert!(
+        stdout.contains("all hold"),
+        "the program did not report its invariants:\n{stdout}"
+    );
+    stdout
+}
+
+#[cfg(test)]
+mod tests {
+    use super::figure;
+
+    #[test]
+    fn figures_are_read_back_and_summed_over_matching_lines() {
+        let summary =
+            "orders accepted          12\n  SIGKILLs of consumers   3\n  SIGKILLs of relays  2\n";
+        assert_eq!(figure(summary, "orders accepted"), 12);
+        assert_eq!(figure(summary, "SIGKILLs of"), 5);
+        assert_eq!(figure(summary, "broker restarts"), 0);
+    }
+}
