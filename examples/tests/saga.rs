@@ -96,6 +96,11 @@ impl Saga {
         self.args.http_addr
     }
 
+    /// `GET path` on the order API.
+    async fn get(&self, path: &str) -> client::Answer {
+        send(self.api(), "GET", path, &[], None).await.unwrap()
+    }
+
     async fn wait_finished(&self, n: i64) {
         wait_until(&format!("{n} finished sagas"), WAIT, || async {
             let finished = ledger::finished_orders(&self.db.pool, &self.args)
@@ -172,15 +177,7 @@ async fn the_happy_path_and_both_compensation_paths_end_to_end() {
         .iter()
         .find(|o| o.path == Path::ShipmentFails)
         .unwrap();
-    let view = send(
-        saga.api(),
-        "GET",
-        &format!("/orders/{}", ids[&refunded.key]),
-        &[],
-        None,
-    )
-    .await
-    .unwrap();
+    let view = saga.get(&format!("/orders/{}", ids[&refunded.key])).await;
     assert_eq!(view.status, 200);
     assert_eq!(view.body["status"], "CANCELLED");
     assert!(view.body["reason"].as_str().unwrap().contains("Atlantis"));
@@ -194,15 +191,7 @@ async fn the_happy_path_and_both_compensation_paths_end_to_end() {
         assert!(steps.contains(&status), "{status} missing from {steps:?}");
     }
     let declined = orders.iter().find(|o| o.path == Path::Declined).unwrap();
-    let view = send(
-        saga.api(),
-        "GET",
-        &format!("/orders/{}", ids[&declined.key]),
-        &[],
-        None,
-    )
-    .await
-    .unwrap();
+    let view = saga.get(&format!("/orders/{}", ids[&declined.key])).await;
     assert_eq!(view.body["status"], "CANCELLED");
     assert!(view.body["reason"].as_str().unwrap().contains("declined"));
     saga.stop().await;
@@ -299,20 +288,10 @@ async fn the_orchestrated_saga_takes_all_three_paths_and_shows_its_history() {
         .iter()
         .find(|o| o.path == Path::ShipmentFails)
         .unwrap();
-    let order = send(
-        saga.api(),
-        "GET",
-        &format!("/orders/{}", ids[&refunded.key]),
-        &[],
-        None,
-    )
-    .await
-    .unwrap();
+    let order = saga.get(&format!("/orders/{}", ids[&refunded.key])).await;
     assert_eq!(order.body["status"], "CANCELLED");
     let saga_id = order.body["saga_id"].as_str().unwrap().to_owned();
-    let view = send(saga.api(), "GET", &format!("/sagas/{saga_id}"), &[], None)
-        .await
-        .unwrap();
+    let view = saga.get(&format!("/sagas/{saga_id}")).await;
     assert_eq!(view.status, 200);
     assert_eq!(view.body["saga"]["status"], "compensated");
     let key = refunded.key.as_str();

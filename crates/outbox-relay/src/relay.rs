@@ -73,6 +73,9 @@ struct Retries {
 impl Retries {
     /// Keys whose oldest failing row is not due yet: their rows wait.
     fn blocked(&self, rows: &[OutboxRow]) -> HashSet<OrderKey> {
+        if self.failures.is_empty() {
+            return HashSet::new();
+        }
         let now = Instant::now();
         rows.iter()
             .filter(|r| self.failures.get(&r.id).is_some_and(|(_, due)| *due > now))
@@ -200,10 +203,13 @@ impl Relay {
             };
             let fetched_in = fetch_started.elapsed();
             let blocked = retries.blocked(&rows);
-            let due = rows
-                .iter()
-                .filter(|r| !blocked.contains(&order_key(r)))
-                .count();
+            let due = if blocked.is_empty() {
+                rows.len()
+            } else {
+                rows.iter()
+                    .filter(|r| !blocked.contains(&order_key(r)))
+                    .count()
+            };
             if due == 0 {
                 let wait = self
                     .settings

@@ -161,7 +161,8 @@ pub(crate) async fn run_batch(
         }
     }
     // Consecutive new messages of one step are handled with one call.
-    for group in new.chunk_by(|(a, _), (b, _)| step_of(&deliveries[*a]) == step_of(&deliveries[*b]))
+    for group in
+        new.chunk_by(|(a, _), (b, _)| deliveries[*a].step_name() == deliveries[*b].step_name())
     {
         handle_group(
             service,
@@ -187,10 +188,6 @@ pub(crate) async fn run_batch(
         .into_iter()
         .map(|r| r.expect("every message of the batch has an outcome"))
         .collect())
-}
-
-fn step_of(delivery: &Delivery) -> Option<&str> {
-    delivery.step_name()
 }
 
 /// Runs one handler call for `group` (indices into `deliveries`, with their key indices).

@@ -8,6 +8,7 @@
 //!
 //! Poison messages are dead-lettered where they stand; two-phase steps run one message at a time.
 
+use std::ops::ControlFlow;
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
@@ -180,15 +181,11 @@ impl Executor {
     ) -> bool {
         let mut unavailable = 0;
         loop {
-            match self.next_after(delivery, &failure, &mut unavailable) {
-                Next::DeadLetter(reason, error) => {
-                    return self.dead_letter(delivery, reason, error, cancel).await;
-                }
-                Next::Retry(wait) => {
-                    if !sleep_or_cancel(wait, cancel).await {
-                        return false;
-                    }
-                }
+            if let ControlFlow::Break(finished) = self
+                .back_off(delivery, &failure, &mut unavailable, cancel)
+                .await
+            {
+                return finished;
             }
             match self.transact(std::slice::from_ref(delivery)).await {
                 Ok(mut outcomes) => {
@@ -247,15 +244,11 @@ impl Executor {
                 }
                 Err(failure) => failure,
             };
-            match self.next_after(delivery, &failure, &mut unavailable) {
-                Next::DeadLetter(reason, error) => {
-                    return self.dead_letter(delivery, reason, error, cancel).await;
-                }
-                Next::Retry(wait) => {
-                    if !sleep_or_cancel(wait, cancel).await {
-                        return false;
-                    }
-                }
+            if let ControlFlow::Break(finished) = self
+                .back_off(delivery, &failure, &mut unavailable, cancel)
+                .await
+            {
+                return finished;
             }
         }
     }
@@ -359,6 +352,24 @@ impl Executor {
         tx.commit().await.map_err(store)?;
         self.after_commit(std::slice::from_ref(delivery));
         Ok(ItemOutcome::of(&outcome))
+    }
+
+    /// Acts on a failed attempt: dead-letters the delivery (`Break` with whether that finished it) or waits
+    /// out the backoff before the next attempt (`Continue`; `Break(false)` when cancelled meanwhile).
+    async fn back_off(
+        &self,
+        delivery: &mut Delivery,
+        failure: &Failure,
+        unavailable: &mut u32,
+        cancel: &CancellationToken,
+    ) -> ControlFlow<bool> {
+        match self.next_after(delivery, failure, unavailable) {
+            Next::DeadLetter(reason, error) => {
+                ControlFlow::Break(self.dead_letter(delivery, reason, error, cancel).await)
+            }
+            Next::Retry(wait) if sleep_or_cancel(wait, cancel).await => ControlFlow::Continue(()),
+            Next::Retry(_) => ControlFlow::Break(false),
+        }
     }
 
     /// Decides what follows a failed attempt, counting it against the retry budget where it should count.

@@ -41,13 +41,18 @@ fn message<P: 'static>(decoded: &Decoded) -> &Message<P> {
         .expect("a message is handled by the step that decoded it")
 }
 
+/// Decodes `raw`'s payload as `P` for the step `step`.
+fn decode_as<P: serde::de::DeserializeOwned + Send + Sync + 'static>(
+    raw: &RawMessage,
+    meta: EventMetadata,
+    step: &StepName,
+) -> Result<Decoded, EnvelopeError> {
+    Ok(Box::new(Message::<P>::decode_with(raw, meta, step)?))
+}
+
 impl<S: SagaStep> ErasedStep for TxAdapter<S> {
     fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError> {
-        Ok(Box::new(Message::<S::Payload>::decode_with(
-            raw,
-            meta,
-            &self.0.name(),
-        )?))
+        decode_as::<S::Payload>(raw, meta, &self.0.name())
     }
 
     fn handle<'a>(
@@ -97,11 +102,7 @@ struct TwoPhaseAdapter<S>(S);
 
 impl<S: TwoPhaseStep> ErasedTwoPhaseStep for TwoPhaseAdapter<S> {
     fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError> {
-        Ok(Box::new(Message::<S::Payload>::decode_with(
-            raw,
-            meta,
-            &self.0.name(),
-        )?))
+        decode_as::<S::Payload>(raw, meta, &self.0.name())
     }
 
     fn lease(&self) -> Duration {

@@ -9,30 +9,15 @@ use saga_test_support::TestDb;
 async fn gc_deletes_only_what_is_old_enough_in_batches() {
     let db = TestDb::new("gc").await;
     // 25 finished keys 8 days old, 5 finished 1 day old, 3 started leases expired 2 days ago, 2 live leases.
-    sqlx::query(
+    sqlx::raw_sql(
         "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, created_at, updated_at) \
          SELECT 't', 'old-' || i || ':s', CASE WHEN i % 2 = 0 THEN 'completed' ELSE 'failed' END, \
-                now() - interval '8 days', now() - interval '8 days' FROM generate_series(1, 25) i",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, updated_at) \
-         SELECT 't', 'young-' || i || ':s', 'completed', now() - interval '1 day' FROM generate_series(1, 5) i",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at) \
-         SELECT 't', 'abandoned-' || i || ':s', 'started', now() - interval '2 days' FROM generate_series(1, 3) i",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at) \
+                now() - interval '8 days', now() - interval '8 days' FROM generate_series(1, 25) i; \
+         INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, updated_at) \
+         SELECT 't', 'young-' || i || ':s', 'completed', now() - interval '1 day' FROM generate_series(1, 5) i; \
+         INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at) \
+         SELECT 't', 'abandoned-' || i || ':s', 'started', now() - interval '2 days' FROM generate_series(1, 3) i; \
+         INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at) \
          SELECT 't', 'live-' || i || ':s', 'started', now() + interval '1 minute' FROM generate_series(1, 2) i",
     )
     .execute(&db.pool)

@@ -172,6 +172,28 @@ impl World {
         }
     }
 
+    /// An orchestrator of the test saga on this world's topics.
+    fn orchestrator(&self, timeout: Duration, on_timeout: OnTimeout) -> Orchestrator {
+        Orchestrator::new(definition(
+            &self.commands,
+            &self.replies,
+            timeout,
+            on_timeout,
+        ))
+        .unwrap()
+    }
+
+    /// A world with its relay, its participants and one orchestrator running; a step without a reply
+    /// within `timeout` fails.
+    async fn running(name: &str, timeout: Duration) -> (Self, Orchestrator) {
+        let mut w = Self::new(name).await;
+        let o = w.orchestrator(timeout, OnTimeout::Fail);
+        w.start_relay();
+        w.start_participants();
+        w.start_orchestrator(&o, "orchestrator", w.stop.clone());
+        (w, o)
+    }
+
     fn consumer(&self, group: &str) -> SagaConsumerBuilder {
         SagaConsumer::builder()
             .brokers(self.kafka.brokers.clone())
@@ -277,17 +299,7 @@ async fn commands_sent(pool: &PgPool, event_type: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn happy_path_runs_every_step_once_and_completes() {
-    let mut w = World::new("orch-happy").await;
-    let o = Orchestrator::new(definition(
-        &w.commands,
-        &w.replies,
-        Duration::from_secs(30),
-        OnTimeout::Fail,
-    ))
-    .unwrap();
-    w.start_relay();
-    w.start_participants();
-    w.start_orchestrator(&o, "orchestrator", w.stop.clone());
+    let (w, o) = World::running("orch-happy", Duration::from_secs(30)).await;
     let saga = w.start_saga(&o, "order-1", json!({})).await;
     w.wait_status(saga, SagaStatus::Completed).await;
     assert_eq!(w.effects().await, vec!["a", "b", "c"]);
@@ -314,17 +326,7 @@ async fn happy_path_runs_every_step_once_and_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn failure_at_each_step_compensates_exactly_the_completed_steps_in_reverse() {
-    let mut w = World::new("orch-fail").await;
-    let o = Orchestrator::new(definition(
-        &w.commands,
-        &w.replies,
-        Duration::from_secs(30),
-        OnTimeout::Fail,
-    ))
-    .unwrap();
-    w.start_relay();
-    w.start_participants();
-    w.start_orchestrator(&o, "orchestrator", w.stop.clone());
+    let (w, o) = World::running("orch-fail", Duration::from_secs(30)).await;
     let expected: [(&str, &[&str]); 3] = [
         ("a", &["failed-a"]),
         ("b", &["a", "failed-b", "compensate-a"]),
@@ -364,13 +366,10 @@ async fn failure_at_each_step_compensates_exactly_the_completed_steps_in_reverse
 async fn an_orchestrator_stopped_between_transitions_resumes_and_resends_with_the_same_keys() {
     let mut w = World::new("orch-resume").await;
     // Nobody answers at first: step a's command is re-sent on its deadline, with the same key.
-    let def = definition(
-        &w.commands,
-        &w.replies,
+    let o = w.orchestrator(
         Duration::from_millis(800),
         OnTimeout::Retry { attempts: 20 },
     );
-    let o = Orchestrator::new(def).unwrap();
     w.start_relay();
     let first = CancellationToken::new();
     w.start_orchestrator(&o, "orchestrator", first.clone());
@@ -389,13 +388,10 @@ async fn an_orchestrator_stopped_between_transitions_resumes_and_resends_with_th
         (instance.status.as_str(), instance.step_index),
         ("running", 0)
     );
-    let second = Orchestrator::new(definition(
-        &w.commands,
-        &w.replies,
+    let second = w.orchestrator(
         Duration::from_millis(800),
         OnTimeout::Retry { attempts: 20 },
-    ))
-    .unwrap();
+    );
     w.start_orchestrator(&second, "orchestrator", w.stop.clone());
     wait_until(
         "step a re-sent by the second orchestrator",
@@ -423,13 +419,7 @@ async fn an_orchestrator_stopped_between_transitions_resumes_and_resends_with_th
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_orchestrator_instances_racing_on_one_saga_leave_one_transition() {
     let w = World::new("orch-race").await;
-    let o = Orchestrator::new(definition(
-        &w.commands,
-        &w.replies,
-        Duration::from_secs(30),
-        OnTimeout::Fail,
-    ))
-    .unwrap();
+    let o = w.orchestrator(Duration::from_secs(30), OnTimeout::Fail);
     let saga = w.start_saga(&o, "order-race", json!({})).await;
     let reply = saga_core::EventMetadata::from_headers(
         &saga_core::Headers::new()
@@ -476,17 +466,7 @@ async fn two_orchestrator_instances_racing_on_one_saga_leave_one_transition() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_timed_out_step_compensates() {
-    let mut w = World::new("orch-timeout").await;
-    let o = Orchestrator::new(definition(
-        &w.commands,
-        &w.replies,
-        Duration::from_secs(2),
-        OnTimeout::Fail,
-    ))
-    .unwrap();
-    w.start_relay();
-    w.start_participants();
-    w.start_orchestrator(&o, "orchestrator", w.stop.clone());
+    let (w, o) = World::running("orch-timeout", Duration::from_secs(2)).await;
     // b never answers: its deadline fails it; b is compensated too (its effect may have happened), then a.
     let saga = w
         .start_saga(&o, "order-timeout", json!({ "silent": "b" }))

@@ -75,13 +75,7 @@ async fn main() -> anyhow::Result<()> {
     );
 
     let stop = CancellationToken::new();
-    let topics = args.topics();
-    let copies = duplicator::start(
-        &args.kafka(),
-        &format!("{name}.duplicator"),
-        &topics.all(),
-        stop.clone(),
-    )?;
+    let copies = run.duplicate_events(stop.clone())?;
 
     // SIGKILLs at random moments.
     let kills: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();

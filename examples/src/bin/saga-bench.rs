@@ -140,31 +140,17 @@ async fn main() -> anyhow::Result<()> {
     if section("relay") {
         let topic = format!("{run}.relay");
         ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
-        progress.note("relay: backlog");
-        let pool = fresh_schema(
+        let (rows, p50, p99) = relay_figures(
+            &cli,
             &args,
-            &format!("{}_relay_backlog", args.schema_prefix),
-            &mut schemas,
-        )
-        .await?;
-        report.relay_rows_per_s =
-            Some(relay::backlog(&kafka, &pool, &topic, cli.relay_rows, &progress).await?);
-        let pool = fresh_schema(
-            &args,
-            &format!("{}_relay_steady", args.schema_prefix),
-            &mut schemas,
-        )
-        .await?;
-        progress.note("relay: latency at a steady rate");
-        let (p50, p99) = relay::steady(
             &kafka,
-            &pool,
             &topic,
-            cli.steady_rate,
-            cli.steady_secs,
+            "relay",
+            &mut schemas,
             &progress,
         )
         .await?;
+        report.relay_rows_per_s = Some(rows);
         report.relay_commit_to_ack_p50_ms = Some(p50);
         report.relay_commit_to_ack_p99_ms = Some(p99);
         if cli.mock_too {
@@ -173,26 +159,13 @@ async fn main() -> anyhow::Result<()> {
             let mock_kafka = KafkaConfig::new(mock.brokers());
             mock.create_topics(std::slice::from_ref(&topic), cli.partitions)
                 .await?;
-            let pool = fresh_schema(
+            let (rows, p50, p99) = relay_figures(
+                &cli,
                 &args,
-                &format!("{}_relay_mock", args.schema_prefix),
-                &mut schemas,
-            )
-            .await?;
-            let rows =
-                relay::backlog(&mock_kafka, &pool, &topic, cli.relay_rows, &progress).await?;
-            let pool = fresh_schema(
-                &args,
-                &format!("{}_relay_mock_steady", args.schema_prefix),
-                &mut schemas,
-            )
-            .await?;
-            let (p50, p99) = relay::steady(
                 &mock_kafka,
-                &pool,
                 &topic,
-                cli.steady_rate,
-                cli.steady_secs,
+                "relay_mock",
+                &mut schemas,
                 &progress,
             )
             .await?;
@@ -285,6 +258,39 @@ async fn fresh_schema(
 }
 
 /// The framework's consumer and the baseline, over `kafka`; (framework, baseline) messages/s.
+/// The relay's figures on `kafka`, each in a fresh schema (`{prefix}_{label}` and `{prefix}_{label}_steady`):
+/// rows per second through a backlog, then commit-to-ack p50 and p99 at a steady rate.
+async fn relay_figures(
+    cli: &Cli,
+    args: &ServiceArgs,
+    kafka: &KafkaConfig,
+    topic: &str,
+    label: &str,
+    schemas: &mut Vec<String>,
+    progress: &Progress,
+) -> anyhow::Result<(f64, f64, f64)> {
+    progress.note(&format!("{label}: backlog"));
+    let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
+    let rows = relay::backlog(kafka, &pool, topic, cli.relay_rows, progress).await?;
+    let pool = fresh_schema(
+        args,
+        &format!("{}_{label}_steady", args.schema_prefix),
+        schemas,
+    )
+    .await?;
+    progress.note(&format!("{label}: latency at a steady rate"));
+    let (p50, p99) = relay::steady(
+        kafka,
+        &pool,
+        topic,
+        cli.steady_rate,
+        cli.steady_secs,
+        progress,
+    )
+    .await?;
+    Ok((rows, p50, p99))
+}
+
 async fn consumer_figures(
     cli: &Cli,
     args: &ServiceArgs,

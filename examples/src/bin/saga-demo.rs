@@ -72,13 +72,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let stop = CancellationToken::new();
     let copies = if cli.duplicates {
-        let topics = run.args.topics();
-        Some(duplicator::start(
-            &run.args.kafka(),
-            &format!("{name}.duplicator"),
-            &topics.all(),
-            stop.clone(),
-        )?)
+        Some(run.duplicate_events(stop.clone())?)
     } else {
         None
     };

@@ -288,6 +288,17 @@ impl Run {
         });
     }
 
+    /// Delivers every event on the run's topics a second time, until `stop`; returns the count of copies
+    /// (see [`crate::harness::duplicator`]).
+    pub fn duplicate_events(&self, stop: CancellationToken) -> anyhow::Result<Arc<AtomicU64>> {
+        crate::harness::duplicator::start(
+            &self.args.kafka(),
+            &format!("{}.duplicator", self.args.topic_prefix),
+            &self.args.topics().all(),
+            stop,
+        )
+    }
+
     /// Submits `orders` to this run's API; see [`submit_orders`].
     pub async fn submit(&self, orders: Vec<PlannedOrder>, concurrency: usize) -> ClientStats {
         submit_orders(self.args.http_addr, orders, concurrency).await
