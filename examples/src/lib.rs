@@ -11,6 +11,8 @@
 //! - [`service`]: running a service (consumer, embedded relay, HTTP).
 //! - [`harness`]: running the whole saga with real processes, for the demo and the chaos program.
 
+#![deny(missing_docs)]
+
 pub mod bench;
 pub mod events;
 pub mod gateway;

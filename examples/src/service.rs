@@ -3,7 +3,6 @@
 //! and for the order service the HTTP API.
 
 use std::net::SocketAddr;
-use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -12,11 +11,11 @@ use outbox_relay::{Relay, RelaySettings};
 use saga_consumer::{Hooks, SagaConsumer, SagaConsumerBuilder};
 use saga_core::{StepName, Subscription};
 use saga_orchestrator::Orchestrator;
+use saga_runtime::config::connect_postgres;
 use saga_runtime::kafka::KafkaConfig;
 use saga_runtime::ops::Ops;
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
 
 use crate::events::{Topics, types};
@@ -142,15 +141,10 @@ impl ServiceArgs {
         topics
     }
 
-    /// A pool on `schema` (created if missing).
+    /// A pool on `schema` (created if missing). A bad or unreachable `DATABASE_URL` is a
+    /// [`saga_runtime::config::ConfigProblem`].
     pub async fn pool(&self, schema: &str, size: u32) -> anyhow::Result<PgPool> {
-        let options = PgConnectOptions::from_str(&self.database_url)
-            .context("DATABASE_URL is not a PostgreSQL URL")?;
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.clone())
-            .await
-            .with_context(|| format!("connecting to PostgreSQL at {}", self.database_url))?;
+        let admin = connect_postgres("DATABASE_URL", &self.database_url, None, 1).await?;
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "CREATE SCHEMA IF NOT EXISTS {}",
             quote_ident(schema)
@@ -159,10 +153,18 @@ impl ServiceArgs {
         .await
         .or_else(ignore_race)?;
         admin.close().await;
-        Ok(PgPoolOptions::new()
-            .max_connections(size)
-            .connect_with(options.options([("search_path", schema)]))
-            .await?)
+        Ok(connect_postgres("DATABASE_URL", &self.database_url, Some(schema), size).await?)
+    }
+
+    /// Checks, before anything starts, that PostgreSQL and the broker answer: a setting that keeps the
+    /// saga from running is reported as a [`saga_runtime::config::ConfigProblem`] naming it.
+    pub async fn check(&self) -> anyhow::Result<()> {
+        connect_postgres("DATABASE_URL", &self.database_url, None, 1)
+            .await?
+            .close()
+            .await;
+        saga_runtime::kafka::probe(&self.kafka(), "KAFKA_BROKERS").await?;
+        Ok(())
     }
 
     /// The Kafka configuration.
@@ -190,9 +192,15 @@ pub fn quote_ident(name: &str) -> String {
 /// for the payment service). Returns the service's pool.
 pub async fn prepare(service: Service, args: &ServiceArgs) -> anyhow::Result<PgPool> {
     let pool = args.pool(&args.schema(service), 12).await?;
-    saga_core::migrate::migrate(&pool)
+    saga_consumer::migrate::migrate(&pool)
         .await
         .context("applying the framework's migrations")?;
+    if service == Service::Order {
+        // The order service may run the orchestrated saga, and shows its instances either way.
+        saga_orchestrator::migrate::migrate(&pool)
+            .await
+            .context("applying the orchestrator's migrations")?;
+    }
     service
         .migrator()
         .run(&pool)
@@ -315,7 +323,7 @@ pub async fn consumer(
 /// `shipping-service`): reads the settings from flags and the environment (see `--help`), then runs
 /// `service` until SIGTERM or Ctrl-C.
 pub async fn main(service: Service, about: &'static str) -> anyhow::Result<()> {
-    use clap::{CommandFactory, FromArgMatches, Parser};
+    use clap::{CommandFactory, Parser};
 
     #[derive(Parser)]
     #[command(version)]
@@ -329,7 +337,7 @@ pub async fn main(service: Service, about: &'static str) -> anyhow::Result<()> {
         Service::Payment => "payment-service",
         Service::Shipping => "shipping-service",
     };
-    let cli = Cli::from_arg_matches(&Cli::command().name(name).about(about).get_matches())?;
+    let cli: Cli = saga_runtime::cli::parse_command(Cli::command().name(name).about(about));
     saga_runtime::telemetry::init_tracing();
     run(service, cli.args, saga_runtime::shutdown::on_signal()).await
 }
@@ -375,6 +383,7 @@ pub async fn run(
     args: ServiceArgs,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    args.check().await?;
     if args.create_topics {
         let names = args.all_topics();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();

@@ -4,7 +4,6 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use clap::Parser;
 use saga_examples::harness::broker::Broker;
 use saga_examples::harness::run::{Run, RunOptions, plan, submit_orders};
 use saga_examples::harness::summary::Summary;
@@ -18,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 /// ledgers: every order completed or compensated, exactly one charge per paid order, a refund only for a
 /// failed shipment and at most one per charge, exactly one shipment per completed order, no order lost.
 /// Exits non-zero on any violation. Needs the `nisshi` broker binary (installed by scripts/dev-services).
-#[derive(Debug, Parser)]
+#[derive(Debug, clap::Parser)]
 #[command(name = "chaos", version)]
 struct Cli {
     #[command(subcommand)]
@@ -46,10 +45,27 @@ struct Cli {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> std::process::ExitCode {
+    let cli: Cli = saga_runtime::cli::parse();
+    saga_runtime::cli::exit_code(run(cli).await)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(child) = cli.child {
         return child.run().await;
+    }
+    // Before the broker starts: the database must answer and the broker binary be there.
+    saga_runtime::config::connect_postgres("DATABASE_URL", &cli.flags.database_url, None, 1)
+        .await?
+        .close()
+        .await;
+    if PrivateBroker::binary().is_none() {
+        return Err(saga_runtime::config::ConfigProblem::new(
+            "NISSHI_BIN",
+            "the chaos program restarts a broker of its own and needs the `nisshi` binary, which is not installed",
+            "run `scripts/dev-services` once (it installs Nisshi 0.8.1) or set NISSHI_BIN",
+        )
+        .into());
     }
     let name = run_name("chaos");
     let mut broker = PrivateBroker::launch(&name).await;

@@ -3,10 +3,10 @@
 use saga_examples::service::Service;
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    saga_examples::service::main(
+async fn main() -> std::process::ExitCode {
+    saga_runtime::cli::exit_code(saga_examples::service::main(
         Service::Order,
         "Runs the order service of the example saga (consumer, outbox relay, HTTP API) until SIGTERM or Ctrl-C.",
     )
-    .await
+    .await)
 }

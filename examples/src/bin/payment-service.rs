@@ -3,10 +3,10 @@
 use saga_examples::service::Service;
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    saga_examples::service::main(
+async fn main() -> std::process::ExitCode {
+    saga_runtime::cli::exit_code(saga_examples::service::main(
         Service::Payment,
         "Runs the payment service of the example saga (consumer, outbox relay) until SIGTERM or Ctrl-C.",
     )
-    .await
+    .await)
 }

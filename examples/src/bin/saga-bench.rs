@@ -1,6 +1,5 @@
 //! Measures the framework on this machine: see `saga-bench --help`.
 
-use clap::Parser;
 use saga_examples::bench::{Progress, Report, broker, consumer, http, relay, saga};
 use saga_examples::harness::broker::Broker;
 use saga_examples::service::{ServiceArgs, quote_ident};
@@ -10,7 +9,7 @@ use saga_runtime::kafka::{KafkaConfig, ensure_topics};
 /// relay throughput on a backlog and commit-to-ack latency at a steady rate; the HTTP idempotency layer's
 /// added latency; end-to-end saga latency. Prints a table and writes target/saga-bench.json. Needs
 /// PostgreSQL and a broker (scripts/dev-services). Build with --release.
-#[derive(Debug, Parser)]
+#[derive(Debug, clap::Parser)]
 #[command(name = "saga-bench", version)]
 struct Cli {
     /// Messages for the consumer measurements.
@@ -63,8 +62,12 @@ struct Cli {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> std::process::ExitCode {
+    let cli: Cli = saga_runtime::cli::parse();
+    saga_runtime::cli::exit_code(run(cli).await)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     saga_runtime::telemetry::init_tracing();
     let progress = Progress::new();
     let section = |name: &str| cli.only.is_empty() || cli.only.iter().any(|o| o == name);
@@ -87,6 +90,7 @@ async fn main() -> anyhow::Result<()> {
         embedded_relay: true,
         orchestrated: false,
     };
+    args.check().await?;
     let kafka = KafkaConfig::new(cli.brokers.clone());
     let mut report = Report {
         settings: serde_json::json!({
@@ -253,7 +257,7 @@ async fn fresh_schema(
 ) -> anyhow::Result<sqlx::PgPool> {
     let pool = args.pool(name, 16).await?;
     schemas.push(name.to_owned());
-    saga_core::migrate::migrate(&pool).await?;
+    saga_consumer::migrate::migrate(&pool).await?;
     Ok(pool)
 }
 

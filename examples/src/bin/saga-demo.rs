@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use clap::Parser;
 use saga_examples::harness::broker::Broker;
 use saga_examples::harness::run::{Run, RunOptions, plan};
 use saga_examples::harness::summary::Summary;
@@ -12,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 /// Runs the order → payment → shipping saga: starts the three services, submits orders (some retried with
 /// the same key, some with declined cards, some whose shipment fails), waits for every saga to finish, and
 /// prints what happened. With KAFKA_BROKERS unset it runs on librdkafka's built-in mock cluster.
-#[derive(Debug, Parser)]
+#[derive(Debug, clap::Parser)]
 #[command(name = "saga-demo", version)]
 struct Cli {
     #[command(subcommand)]
@@ -35,8 +34,12 @@ struct Cli {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> std::process::ExitCode {
+    let cli: Cli = saga_runtime::cli::parse();
+    saga_runtime::cli::exit_code(run(cli).await)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(child) = cli.child {
         return child.run().await;
     }

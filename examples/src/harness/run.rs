@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use saga_runtime::config::connect_postgres;
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
@@ -181,13 +181,11 @@ impl Run {
             embedded_relay: !options.separate_relays,
             orchestrated: options.orchestrated,
         };
+        args.check().await?;
         broker
             .create_topics(&args.all_topics(), options.partitions)
             .await?;
-        let pool = PgPoolOptions::new()
-            .max_connections(4)
-            .connect(&options.database_url)
-            .await?;
+        let pool = connect_postgres("DATABASE_URL", &options.database_url, None, 4).await?;
         let log_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../target/saga-runs")
             .join(&options.name);

@@ -1,5 +1,0 @@
-//! Rebuilds the crate when a migration is added or changed: `sqlx::migrate!` embeds them at compile time.
-
-fn main() {
-    println!("cargo:rerun-if-changed=../../migrations");
-}

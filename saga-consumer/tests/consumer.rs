@@ -1,0 +1,697 @@
+//! The consumer runtime against the real broker and the real PostgreSQL. Each test's name says which
+//! behaviour it covers: crash, duplicate, dlq, retry, rebalance, shutdown.
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::producer::FutureProducer;
+use saga_consumer::{Hooks, RetryPolicy, SagaConsumer, dlq_headers};
+use saga_core::{
+    BatchContext, Event, Message, SagaStep, StepContext, StepError, StepName, StepOutcome,
+    StepResult, Subscription,
+};
+use saga_test_support::{TestDb, TestKafka, wait_until};
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// The test step's payload: what to do, and how to misbehave.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Ping {
+    n: u32,
+    /// Fail transiently this many times before succeeding.
+    #[serde(default)]
+    transient_failures: u32,
+    /// Fail permanently.
+    #[serde(default)]
+    permanent: bool,
+    /// Reject (business failure).
+    #[serde(default)]
+    reject: bool,
+    /// Panic in the handler.
+    #[serde(default)]
+    panic: bool,
+    /// Sleep this long in the handler.
+    #[serde(default)]
+    sleep_ms: u64,
+}
+
+/// Records each handled ping in `effects` and emits a `Pong` to the outbox.
+#[derive(Clone)]
+struct RecordPing {
+    topic: String,
+    failures: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+impl RecordPing {
+    fn new(topic: &str) -> Self {
+        Self {
+            topic: topic.to_owned(),
+            failures: Arc::default(),
+        }
+    }
+}
+
+impl SagaStep for RecordPing {
+    type Payload = Ping;
+
+    fn name(&self) -> StepName {
+        StepName::from_static("record-ping")
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        vec![Subscription::new(&self.topic, "Ping")]
+    }
+
+    async fn handle(&self, msg: &Message<Ping>, ctx: &mut StepContext<'_>) -> StepResult {
+        let ping = &msg.payload;
+        if ping.sleep_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ping.sleep_ms)).await;
+        }
+        assert!(!ping.panic, "ping {} asked to panic", ping.n);
+        if ping.permanent {
+            return Err(StepError::permanent(format!(
+                "ping {} is unprocessable",
+                ping.n
+            )));
+        }
+        {
+            let mut failures = self.failures.lock().unwrap();
+            let seen = failures.entry(msg.step_key.to_string()).or_default();
+            if *seen < ping.transient_failures {
+                *seen += 1;
+                return Err(StepError::transient(format!(
+                    "ping {} fails, attempt {seen}",
+                    ping.n
+                )));
+            }
+        }
+        sqlx::query("INSERT INTO effects (step_key, n) VALUES ($1, $2)")
+            .bind(msg.step_key.as_str())
+            .bind(i64::from(ping.n))
+            .execute(ctx.conn())
+            .await?;
+        ctx.emit(Event::new(
+            "Pong",
+            format!("{}.out", self.topic),
+            ping.n.to_string(),
+            &serde_json::json!({ "n": ping.n }),
+        )?);
+        if ping.reject {
+            return Ok(StepOutcome::rejected(format!("ping {} rejected", ping.n)));
+        }
+        StepOutcome::completed_with(&serde_json::json!({ "n": ping.n }))
+    }
+}
+
+/// Handles whole batches with one multi-row INSERT, and fails the whole call (without saying which message
+/// is to blame) when any message of it is marked permanent.
+#[derive(Clone)]
+struct RecordPingsInBulk {
+    topic: String,
+}
+
+impl SagaStep for RecordPingsInBulk {
+    type Payload = Ping;
+
+    fn name(&self) -> StepName {
+        StepName::from_static("record-pings-in-bulk")
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        vec![Subscription::new(&self.topic, "Ping")]
+    }
+
+    async fn handle(&self, msg: &Message<Ping>, ctx: &mut StepContext<'_>) -> StepResult {
+        let mut batch = BatchContext::new(ctx.conn(), "record-pings-in-bulk");
+        let mut outcomes = self.handle_batch(&[msg], &mut batch).await?;
+        Ok(outcomes.remove(0))
+    }
+
+    async fn handle_batch(
+        &self,
+        msgs: &[&Message<Ping>],
+        ctx: &mut BatchContext<'_>,
+    ) -> Result<Vec<StepOutcome>, StepError> {
+        if msgs.iter().any(|m| m.payload.permanent) {
+            return Err(StepError::permanent("one of these pings is unprocessable"));
+        }
+        let keys: Vec<&str> = msgs.iter().map(|m| m.step_key.as_str()).collect();
+        let ns: Vec<i64> = msgs.iter().map(|m| i64::from(m.payload.n)).collect();
+        sqlx::query(
+            "INSERT INTO effects (step_key, n) SELECT * FROM unnest($1::text[], $2::bigint[])",
+        )
+        .bind(&keys)
+        .bind(&ns)
+        .execute(ctx.conn())
+        .await?;
+        for m in msgs {
+            ctx.emit(
+                m,
+                Event::new(
+                    "Pong",
+                    format!("{}.out", self.topic),
+                    m.payload.n.to_string(),
+                    &serde_json::json!({ "n": m.payload.n }),
+                )?,
+            );
+        }
+        Ok(msgs.iter().map(|_| StepOutcome::completed()).collect())
+    }
+}
+
+struct Fixture {
+    db: TestDb,
+    kafka: TestKafka,
+    topic: String,
+    dlq: String,
+    group: String,
+    producer: FutureProducer,
+}
+
+impl Fixture {
+    async fn new(name: &str, partitions: i32) -> Self {
+        let db = TestDb::with(name, &[saga_consumer::migrate::migrator()]).await;
+        sqlx::query("CREATE TABLE effects (step_key TEXT NOT NULL, n BIGINT NOT NULL)")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let kafka = TestKafka::new().await;
+        let topic = kafka.topic(name, partitions).await;
+        let dlq = format!("{topic}.dlq");
+        kafka.create_topic(&dlq, 1).await;
+        let producer = kafka.producer();
+        Self {
+            group: format!("{topic}-group"),
+            db,
+            kafka,
+            topic,
+            dlq,
+            producer,
+        }
+    }
+
+    /// Publishes a ping with idempotency key `key` (also the Kafka key).
+    async fn ping(&self, key: &str, ping: &Ping) -> (i32, i64) {
+        let payload = serde_json::to_vec(ping).unwrap();
+        self.raw(
+            Some(key),
+            &[("idempotency-key", key), ("ce_type", "Ping")],
+            &payload,
+        )
+        .await
+    }
+
+    async fn raw(&self, key: Option<&str>, headers: &[(&str, &str)], payload: &[u8]) -> (i32, i64) {
+        self.kafka
+            .produce(&self.producer, &self.topic, key, headers, payload)
+            .await
+    }
+
+    fn consumer(&self, step: impl SagaStep) -> saga_consumer::SagaConsumerBuilder {
+        SagaConsumer::builder()
+            .brokers(self.kafka.brokers.clone())
+            .group_id(self.group.clone())
+            .dlq_topic(self.dlq.clone())
+            .pool(self.db.pool.clone())
+            .commit_interval(Duration::from_millis(200))
+            .session_timeout(Duration::from_secs(6))
+            .retry(RetryPolicy {
+                max_attempts: 4,
+                initial_backoff: Duration::from_millis(50),
+                max_backoff: Duration::from_millis(200),
+                ..RetryPolicy::default()
+            })
+            .step(step)
+    }
+
+    fn start(&self, builder: saga_consumer::SagaConsumerBuilder) -> Running {
+        let consumer = builder.build().expect("a valid consumer");
+        let ops = consumer.ops().clone();
+        let stop = CancellationToken::new();
+        let handle = tokio::spawn(consumer.run(stop.clone()));
+        Running { stop, handle, ops }
+    }
+
+    async fn effects(&self) -> Vec<(String, i64)> {
+        sqlx::query_as("SELECT step_key, n FROM effects ORDER BY n, step_key")
+            .fetch_all(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn wait_for_effects(&self, expected: usize) {
+        wait_until(&format!("{expected} effects"), WAIT, || async {
+            (self.db.count("effects").await >= i64::try_from(expected).unwrap()).then_some(())
+        })
+        .await;
+    }
+
+    async fn committed(&self) -> BTreeMap<i32, i64> {
+        self.kafka.committed_offsets(&self.group, &self.topic).await
+    }
+
+    async fn wait_for_committed(&self, expected: BTreeMap<i32, i64>) {
+        wait_until(&format!("committed offsets {expected:?}"), WAIT, || async {
+            (self.committed().await == expected).then_some(())
+        })
+        .await;
+    }
+}
+
+struct Running {
+    stop: CancellationToken,
+    handle: JoinHandle<Result<(), saga_consumer::ConsumerError>>,
+    ops: saga_runtime::ops::Ops,
+}
+
+impl Running {
+    async fn stop(self) -> saga_runtime::ops::Ops {
+        self.stop.cancel();
+        tokio::time::timeout(WAIT, self.handle)
+            .await
+            .expect("the consumer stops within the timeout")
+            .unwrap()
+            .expect("the consumer stops without error");
+        self.ops
+    }
+
+    /// The value of counter `name` with label set `labels` (as in the Prometheus text), 0 if absent.
+    fn metric(&self, name: &str, labels: &str) -> f64 {
+        metric(&self.ops, name, labels)
+    }
+}
+
+fn metric(ops: &saga_runtime::ops::Ops, name: &str, labels: &str) -> f64 {
+    let text = ops.render();
+    let prefix = format!("{name}{{{labels}}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+fn ping(n: u32) -> Ping {
+    Ping {
+        n,
+        ..Ping::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicate_deliveries_of_one_message_have_one_effect() {
+    let f = Fixture::new("duplicate", 1).await;
+    // The same saga event published three times (a producer retry, a replay), and another event.
+    f.ping("order-1", &ping(1)).await;
+    f.ping("order-1", &ping(1)).await;
+    f.ping("order-2", &ping(2)).await;
+    f.ping("order-1", &ping(1)).await;
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)));
+    f.wait_for_committed(BTreeMap::from([(0, 4)])).await;
+    assert_eq!(
+        f.effects().await,
+        vec![
+            ("order-1:record-ping".to_owned(), 1),
+            ("order-2:record-ping".to_owned(), 2)
+        ]
+    );
+    assert_eq!(f.db.count("saga_outbox").await, 2, "one Pong per effect");
+    assert_eq!(
+        running.metric("saga_consumer_duplicates_total", "step=\"record-ping\""),
+        2.0
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dlq_receives_poison_messages_with_their_reason_and_the_partition_keeps_flowing() {
+    let f = Fixture::new("dlq", 1).await;
+    f.ping("k-1", &ping(1)).await;
+    f.raw(
+        Some("k-2"),
+        &[("idempotency-key", "k-2"), ("ce_type", "Ping")],
+        b"{not json",
+    )
+    .await;
+    f.raw(Some("k-3"), &[("ce_type", "Ping")], br#"{"n": 3}"#)
+        .await;
+    f.raw(
+        Some("k-4"),
+        &[
+            ("idempotency-key", "bad key with spaces"),
+            ("ce_type", "Ping"),
+        ],
+        br#"{"n": 4}"#,
+    )
+    .await;
+    f.raw(
+        Some("k-5"),
+        &[("idempotency-key", "k-5"), ("ce_type", "Pang")],
+        br#"{"n": 5}"#,
+    )
+    .await;
+    f.ping(
+        "k-6",
+        &Ping {
+            permanent: true,
+            ..ping(6)
+        },
+    )
+    .await;
+    f.ping(
+        "k-7",
+        &Ping {
+            panic: true,
+            ..ping(7)
+        },
+    )
+    .await;
+    f.ping("k-8", &ping(8)).await;
+
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)));
+    f.wait_for_committed(BTreeMap::from([(0, 8)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(
+        effects,
+        vec![1, 8],
+        "good messages around the poison ones took effect"
+    );
+
+    let dead = f
+        .kafka
+        .read_all(&f.dlq, 6, Duration::from_millis(500), WAIT)
+        .await;
+    assert_eq!(dead.len(), 6, "each poison message exactly once");
+    let by_offset: BTreeMap<&str, (&str, &str)> = dead
+        .iter()
+        .map(|m| {
+            (
+                m.header(dlq_headers::ORIGINAL_OFFSET).unwrap(),
+                (
+                    m.header(dlq_headers::REASON).unwrap(),
+                    m.header(dlq_headers::ERROR).unwrap(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(by_offset["1"].0, "undecodable");
+    assert!(
+        by_offset["1"].1.contains("payload does not decode"),
+        "{by_offset:?}"
+    );
+    assert_eq!(by_offset["2"].0, "undecodable");
+    assert!(
+        by_offset["2"]
+            .1
+            .contains("missing header \"idempotency-key\"")
+    );
+    assert_eq!(by_offset["3"].0, "undecodable");
+    assert!(
+        by_offset["3"]
+            .1
+            .contains("invalid header \"idempotency-key\"")
+    );
+    assert_eq!(by_offset["4"].0, "unknown-event-type");
+    assert!(by_offset["4"].1.contains("\"Pang\""));
+    assert_eq!(by_offset["5"].0, "handler-failed");
+    assert!(by_offset["5"].1.contains("unprocessable"));
+    assert_eq!(by_offset["6"].0, "handler-failed");
+    assert!(by_offset["6"].1.contains("panicked"));
+    for m in &dead {
+        assert_eq!(
+            m.header(dlq_headers::ORIGINAL_TOPIC),
+            Some(f.topic.as_str())
+        );
+        assert_eq!(m.header(dlq_headers::ORIGINAL_PARTITION), Some("0"));
+        assert_eq!(
+            m.header(dlq_headers::CONSUMER_GROUP),
+            Some(f.group.as_str())
+        );
+        assert!(m.header(dlq_headers::ATTEMPTS).is_some());
+    }
+    let undecodable = dead
+        .iter()
+        .find(|m| m.header(dlq_headers::ORIGINAL_OFFSET) == Some("1"))
+        .unwrap();
+    assert_eq!(
+        undecodable.payload, b"{not json",
+        "the original payload is kept"
+    );
+    assert_eq!(undecodable.key.as_deref(), Some("k-2"));
+    assert_eq!(
+        running.metric(
+            "saga_consumer_dead_lettered_total",
+            &format!("topic=\"{}\",reason=\"undecodable\"", f.topic)
+        ),
+        3.0
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retry_transient_failures_then_succeed_once_and_exhausted_retries_go_to_the_dlq() {
+    let f = Fixture::new("retry", 1).await;
+    // Ten messages in one batch; the fifth fails twice, the eighth fails more often than the budget allows.
+    for n in 1..=10 {
+        let p = match n {
+            5 => Ping {
+                transient_failures: 2,
+                ..ping(n)
+            },
+            8 => Ping {
+                transient_failures: 100,
+                ..ping(n)
+            },
+            _ => ping(n),
+        };
+        f.ping(&format!("k-{n}"), &p).await;
+    }
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)).batch_size(10));
+    f.wait_for_committed(BTreeMap::from([(0, 10)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(
+        effects,
+        vec![1, 2, 3, 4, 5, 6, 7, 9, 10],
+        "each message once; the failing ones did not take the others down"
+    );
+    assert_eq!(f.db.count("saga_outbox").await, 9);
+    // Message 5: two retries. Message 8: three retries, then the fourth failure spends the budget.
+    assert_eq!(
+        running.metric("saga_consumer_retries_total", "step=\"record-ping\""),
+        5.0
+    );
+    let dead = f
+        .kafka
+        .read_all(&f.dlq, 1, Duration::from_millis(500), WAIT)
+        .await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].header(dlq_headers::REASON),
+        Some("retries-exhausted")
+    );
+    assert_eq!(dead[0].header(dlq_headers::ATTEMPTS), Some("4"));
+    assert_eq!(dead[0].header(dlq_headers::ORIGINAL_OFFSET), Some("7"));
+    assert_eq!(dead[0].header(dlq_headers::STEP), Some("record-ping"));
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_commits_what_was_processed_and_a_restart_does_not_reprocess_it() {
+    let f = Fixture::new("shutdown", 2).await;
+    for n in 1..=40 {
+        f.ping(&format!("k-{n}"), &ping(n)).await;
+    }
+    let running = f.start(
+        f.consumer(RecordPing::new(&f.topic))
+            .commit_interval(Duration::from_secs(3600)),
+    );
+    f.wait_for_effects(40).await;
+    // With a commit interval of an hour, only the graceful stop commits.
+    running.stop().await;
+    let committed: i64 = f.committed().await.values().sum();
+    assert_eq!(committed, 40, "the stop committed every processed message");
+
+    for n in 41..=45 {
+        f.ping(&format!("k-{n}"), &ping(n)).await;
+    }
+    let restarted = f.start(f.consumer(RecordPing::new(&f.topic)));
+    f.wait_for_effects(45).await;
+    let end: i64 = f.kafka.end_offsets(&f.topic).await.values().sum();
+    wait_until("all offsets committed", WAIT, || async {
+        (f.committed().await.values().sum::<i64>() == end).then_some(())
+    })
+    .await;
+    assert_eq!(f.db.count("effects").await, 45);
+    let ops = restarted.stop().await;
+    assert_eq!(
+        metric(
+            &ops,
+            "saga_consumer_processed_total",
+            "step=\"record-ping\",outcome=\"completed\""
+        ),
+        5.0,
+        "the restart handled only the new messages"
+    );
+    assert_eq!(
+        metric(
+            &ops,
+            "saga_consumer_duplicates_total",
+            "step=\"record-ping\""
+        ),
+        0.0,
+        "and redelivered nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rebalance_with_a_member_joining_and_one_leaving_loses_and_doubles_nothing() {
+    let f = Fixture::new("rebalance", 4).await;
+    let total = 400;
+    for n in 1..=total {
+        f.ping(
+            &format!("k-{n}"),
+            &Ping {
+                sleep_ms: 20,
+                ..ping(n)
+            },
+        )
+        .await;
+    }
+    let first = f.start(f.consumer(RecordPing::new(&f.topic)).batch_size(10));
+    f.wait_for_effects(40).await;
+    let second = f.start(f.consumer(RecordPing::new(&f.topic)).batch_size(10));
+    f.wait_for_effects(200).await;
+    let first_ops = first.stop().await;
+    f.wait_for_effects(total as usize).await;
+    let end = f.kafka.end_offsets(&f.topic).await;
+    f.wait_for_committed(end).await;
+
+    let effects = f.effects().await;
+    assert_eq!(effects.len(), total as usize, "no effect doubled");
+    let distinct: std::collections::BTreeSet<i64> = effects.iter().map(|(_, n)| *n).collect();
+    assert_eq!(distinct.len(), total as usize, "no effect lost");
+    assert_eq!(f.db.count("saga_outbox").await, i64::from(total));
+    let second_ops = second.stop().await;
+    let completed = |ops| {
+        metric(
+            ops,
+            "saga_consumer_processed_total",
+            "step=\"record-ping\",outcome=\"completed\"",
+        )
+    };
+    assert!(
+        completed(&first_ops) > 0.0 && completed(&second_ops) > 0.0,
+        "both members did work"
+    );
+}
+
+/// Runs in a child process: a consumer that aborts right after its first database commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by crash_after_the_db_commit_before_the_offset_commit_still_yields_one_effect"]
+async fn crash_child_process() {
+    let (Ok(url), Ok(brokers), Ok(topic), Ok(group)) = (
+        std::env::var("CRASH_DATABASE_URL"),
+        std::env::var("CRASH_BROKERS"),
+        std::env::var("CRASH_TOPIC"),
+        std::env::var("CRASH_GROUP"),
+    ) else {
+        panic!("run by the crash test only");
+    };
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    SagaConsumer::builder()
+        .brokers(brokers)
+        .group_id(group)
+        .dlq_topic(format!("{topic}.dlq"))
+        .pool(pool)
+        .session_timeout(Duration::from_secs(6))
+        .step(RecordPing::new(&topic))
+        .hooks(Hooks::default().on_db_commit(|_| std::process::abort()))
+        .build()
+        .unwrap()
+        .run(CancellationToken::new())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_after_the_db_commit_before_the_offset_commit_still_yields_one_effect() {
+    let f = Fixture::new("crash", 1).await;
+    f.ping("order-9", &ping(9)).await;
+
+    let status = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "crash_child_process", "--ignored", "--nocapture"])
+        .env("CRASH_DATABASE_URL", f.db.url())
+        .env("CRASH_BROKERS", &f.kafka.brokers)
+        .env("CRASH_TOPIC", &f.topic)
+        .env("CRASH_GROUP", &f.group)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .unwrap();
+    assert!(!status.success(), "the child aborted");
+    assert_eq!(
+        f.effects().await.len(),
+        1,
+        "the effect committed before the crash"
+    );
+    assert!(
+        f.committed().await.is_empty(),
+        "the offset did not: the crash came first"
+    );
+
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)));
+    f.wait_for_committed(BTreeMap::from([(0, 1)])).await;
+    assert_eq!(
+        f.effects().await,
+        vec![("order-9:record-ping".to_owned(), 9)],
+        "the redelivery was recognised, not re-run"
+    );
+    assert_eq!(f.db.count("saga_outbox").await, 1);
+    assert_eq!(
+        running.metric("saga_consumer_duplicates_total", "step=\"record-ping\""),
+        1.0
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dlq_a_batch_handler_failing_without_naming_the_message_dead_letters_only_that_message() {
+    let f = Fixture::new("dlq-bulk", 1).await;
+    for n in 1..=12 {
+        let p = if n == 7 {
+            Ping {
+                permanent: true,
+                ..ping(n)
+            }
+        } else {
+            ping(n)
+        };
+        f.ping(&format!("k-{n}"), &p).await;
+    }
+    let running = f.start(
+        f.consumer(RecordPingsInBulk {
+            topic: f.topic.clone(),
+        })
+        .batch_size(12),
+    );
+    f.wait_for_committed(BTreeMap::from([(0, 12)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(
+        effects,
+        vec![1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12],
+        "every other message once"
+    );
+    assert_eq!(f.db.count("saga_outbox").await, 11);
+    let dead = f
+        .kafka
+        .read_all(&f.dlq, 1, Duration::from_millis(500), WAIT)
+        .await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].header(dlq_headers::ORIGINAL_OFFSET), Some("6"));
+    assert_eq!(dead[0].header(dlq_headers::REASON), Some("handler-failed"));
+    running.stop().await;
+}

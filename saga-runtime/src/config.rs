@@ -1,0 +1,184 @@
+//! Configuration problems found at start-up, reported as one line that names the setting and says what to
+//! do, and the checks that find them: a database URL that does not parse or does not answer, a schema or
+//! tables that are missing, a broker that does not answer.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// A setting that keeps a process from starting: which one, what is wrong, and what to do. Binaries print
+/// it as one line and exit with code 2 (see [`crate::cli::exit_code`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    /// The environment variable (or flag) at fault, such as `DATABASE_URL`.
+    pub setting: String,
+    /// What is wrong with it.
+    pub problem: String,
+    /// What to do about it.
+    pub fix: String,
+}
+
+impl ConfigProblem {
+    /// A problem with `setting`: `problem`, fixed by `fix`.
+    pub fn new(
+        setting: impl Into<String>,
+        problem: impl Into<String>,
+        fix: impl Into<String>,
+    ) -> Self {
+        Self {
+            setting: setting.into(),
+            problem: problem.into(),
+            fix: fix.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Errors of libraries may span lines; the report is one line.
+        let one_line = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+        write!(
+            f,
+            "{}: {}; {}",
+            self.setting,
+            one_line(&self.problem),
+            one_line(&self.fix)
+        )
+    }
+}
+
+impl std::error::Error for ConfigProblem {}
+
+/// How long start-up waits for PostgreSQL or the broker to answer before calling it a configuration problem.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connects a pool of `size` to the PostgreSQL at `url` (named by the variable `url_var`), with `schema`
+/// (if any) as the connections' `search_path`. A URL that does not parse or a server that does not answer
+/// within [`STARTUP_TIMEOUT`] is a [`ConfigProblem`].
+pub async fn connect_postgres(
+    url_var: &str,
+    url: &str,
+    schema: Option<&str>,
+    size: u32,
+) -> Result<PgPool, ConfigProblem> {
+    let mut options = PgConnectOptions::from_str(url).map_err(|e| {
+        ConfigProblem::new(
+            url_var,
+            format!("{url:?} is not a PostgreSQL URL ({e})"),
+            "set it to postgres://USER@HOST:PORT/DATABASE",
+        )
+    })?;
+    if let Some(schema) = schema {
+        options = options.options([("search_path", schema)]);
+    }
+    PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(STARTUP_TIMEOUT)
+        .connect_with(options)
+        .await
+        .map_err(|e| {
+            ConfigProblem::new(
+                url_var,
+                format!("PostgreSQL at {} does not answer ({e})", redact(url)),
+                format!("start PostgreSQL or point {url_var} at a running server"),
+            )
+        })
+}
+
+/// Checks that the pool's schema (the first of its `search_path`, chosen by the setting `schema_var`) exists;
+/// returns its name. `fix` says what to do otherwise.
+pub async fn require_schema(
+    pool: &PgPool,
+    schema_var: &str,
+    fix: &str,
+) -> Result<String, ConfigProblem> {
+    let schema: Option<String> = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| unreadable(schema_var, &e))?;
+    schema.ok_or_else(|| {
+        ConfigProblem::new(
+            schema_var,
+            "names no schema that exists in the database",
+            format!("{fix}, or fix {schema_var}"),
+        )
+    })
+}
+
+/// Checks that the pool's schema (chosen by the setting `schema_var`) exists and holds `tables`; `migrate`
+/// says how to create them.
+pub async fn require_tables(
+    pool: &PgPool,
+    schema_var: &str,
+    tables: &[&str],
+    migrate: &str,
+) -> Result<(), ConfigProblem> {
+    let schema = require_schema(pool, schema_var, &format!("create it and {migrate}")).await?;
+    let present: Vec<String> = sqlx::query_scalar(
+        "SELECT table_name::text FROM information_schema.tables \
+         WHERE table_schema = current_schema() AND table_name = ANY($1)",
+    )
+    .bind(tables)
+    .fetch_all(pool)
+    .await
+    .map_err(|e| unreadable(schema_var, &e))?;
+    let missing: Vec<&str> = tables
+        .iter()
+        .copied()
+        .filter(|t| !present.iter().any(|p| p == t))
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigProblem::new(
+            schema_var,
+            format!("schema {schema:?} has no {} table", missing.join(", ")),
+            format!("{migrate}, or fix {schema_var}"),
+        ))
+    }
+}
+
+fn unreadable(schema_var: &str, e: &sqlx::Error) -> ConfigProblem {
+    ConfigProblem::new(
+        schema_var,
+        format!("the schema cannot be read ({e})"),
+        "check the database and the setting",
+    )
+}
+
+/// The URL without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problems_print_as_one_line_naming_the_setting() {
+        let p = ConfigProblem::new("DATABASE_URL", "broken\n  across lines", "fix it");
+        assert_eq!(p.to_string(), "DATABASE_URL: broken across lines; fix it");
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact("postgres://u:secret@h:5432/d"),
+            "postgres://u:***@h:5432/d"
+        );
+        assert_eq!(redact("postgres://u@h/d"), "postgres://u@h/d");
+    }
+}

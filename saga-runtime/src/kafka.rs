@@ -1,0 +1,180 @@
+//! Kafka client plumbing: configuration, the idempotent producer, topics, and header conversion between
+//! saga-core's [`Headers`] and rdkafka's.
+
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::FutureProducer;
+use saga_core::Headers;
+
+use crate::config::ConfigProblem;
+
+/// Where the broker is, and extra librdkafka properties.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// Extra librdkafka properties, applied last (security settings, tuning).
+    pub properties: Vec<(String, String)>,
+}
+
+impl KafkaConfig {
+    /// The broker list `brokers` with no extra properties.
+    pub fn new(brokers: impl Into<String>) -> Self {
+        Self {
+            brokers: brokers.into(),
+            properties: Vec::new(),
+        }
+    }
+
+    /// From the environment: `KAFKA_BROKERS` (default `127.0.0.1:9092`), and every `KAFKA_PROPERTY_*`
+    /// variable as a librdkafka property (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
+    pub fn from_env() -> Self {
+        let mut config =
+            Self::new(std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()));
+        for (name, value) in std::env::vars() {
+            if let Some(property) = name.strip_prefix("KAFKA_PROPERTY_") {
+                config
+                    .properties
+                    .push((property.to_ascii_lowercase().replace('_', "."), value));
+            }
+        }
+        config
+    }
+
+    /// A librdkafka configuration with the settings every client of the framework uses.
+    pub fn client_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &self.brokers)
+            // Brokers here listen on IPv4; `localhost` may resolve to ::1 first.
+            .set("broker.address.family", "v4");
+        for (name, value) in &self.properties {
+            config.set(name, value);
+        }
+        config
+    }
+
+    /// An idempotent producer (`enable.idempotence=true`, which implies `acks=all` and keeps per-partition
+    /// order across retries). `linger` trades latency for batching; `message_timeout` of zero waits forever
+    /// for the broker, which the relay wants (a broker outage must not fail rows).
+    pub fn idempotent_producer(
+        &self,
+        linger: Duration,
+        message_timeout: Duration,
+    ) -> Result<FutureProducer, KafkaError> {
+        self.producer_config(linger, message_timeout).create()
+    }
+
+    /// The configuration of an idempotent producer, for callers that add settings of their own. Keys are
+    /// partitioned with murmur2, as Kafka's Java clients do, so that both put a key on the same partition.
+    pub fn producer_config(&self, linger: Duration, message_timeout: Duration) -> ClientConfig {
+        let mut config = self.client_config();
+        config
+            .set("enable.idempotence", "true")
+            .set("partitioner", "murmur2_random")
+            .set("linger.ms", linger.as_millis().to_string())
+            .set(
+                "message.timeout.ms",
+                message_timeout.as_millis().to_string(),
+            );
+        for (name, value) in &self.properties {
+            config.set(name, value);
+        }
+        config
+    }
+}
+
+/// Checks that a broker answers a metadata request at `config.brokers` within
+/// [`crate::config::STARTUP_TIMEOUT`]; `var` names the setting that chose the brokers.
+pub async fn probe(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem> {
+    let problem = |detail: String| {
+        ConfigProblem::new(
+            var,
+            format!("no Kafka broker answers at {} ({detail})", config.brokers),
+            format!("start the broker or point {var} at a running one"),
+        )
+    };
+    let client: BaseConsumer = config
+        .client_config()
+        .set("log_level", "2")
+        .create()
+        .map_err(|e| problem(e.to_string()))?;
+    tokio::task::spawn_blocking(move || {
+        client
+            .fetch_metadata(None, crate::config::STARTUP_TIMEOUT)
+            .map(|_| ())
+    })
+    .await
+    .map_err(|e| problem(e.to_string()))?
+    .map_err(|e| problem(e.to_string()))
+}
+
+/// Creates the topics that do not exist yet, with `partitions` partitions and replication factor
+/// `replication`. Topics that exist are left as they are.
+pub async fn ensure_topics(
+    config: &KafkaConfig,
+    topics: &[&str],
+    partitions: i32,
+    replication: i32,
+) -> Result<(), KafkaError> {
+    let admin: AdminClient<DefaultClientContext> = config.client_config().create()?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(replication)))
+        .collect();
+    let results = admin
+        .create_topics(
+            &new,
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await?;
+    for result in results {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((_, code)) => return Err(KafkaError::AdminOp(code)),
+        }
+    }
+    Ok(())
+}
+
+/// Converts saga-core headers to rdkafka headers.
+pub fn to_kafka_headers(headers: &Headers) -> OwnedHeaders {
+    headers.iter().fold(
+        OwnedHeaders::new_with_capacity(headers.len()),
+        |h, header| {
+            h.insert(Header {
+                key: &header.name,
+                value: header.value.as_deref(),
+            })
+        },
+    )
+}
+
+/// Converts text header pairs (as stored in the outbox) to rdkafka headers.
+pub fn pairs_to_kafka_headers(pairs: &[(String, String)]) -> OwnedHeaders {
+    pairs
+        .iter()
+        .fold(OwnedHeaders::new_with_capacity(pairs.len()), |h, (n, v)| {
+            h.insert(Header {
+                key: n,
+                value: Some(v.as_bytes()),
+            })
+        })
+}
+
+/// Converts rdkafka headers to saga-core headers. Header names that are not UTF-8 are kept lossily.
+pub fn from_kafka_headers<H: rdkafka::message::Headers>(headers: Option<&H>) -> Headers {
+    let mut out = Headers::new();
+    if let Some(headers) = headers {
+        for header in headers.iter() {
+            out.push(header.key.to_owned(), header.value.map(<[u8]>::to_vec));
+        }
+    }
+    out
+}

@@ -1,0 +1,233 @@
+//! A PostgreSQL schema per test.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+// Schema and database names below are generated here from [a-z0-9_] only, so formatting them into SQL
+// is safe; `AssertSqlSafe` records that audit.
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
+
+use crate::env::{HOW_TO_START, database_url, epoch_secs};
+
+/// The database in which tests create their schemas.
+const TEST_DATABASE: &str = "saga_test";
+/// Schemas of failed or killed test runs older than this are dropped by later runs.
+const STALE_AFTER_SECS: u64 = 6 * 3600;
+
+/// A schema of the test's own in the `saga_test` database, with the framework's migrations applied.
+///
+/// Its pool's connections have `search_path` set to the schema, so unqualified table names resolve there.
+/// When the value is dropped the schema is dropped too, unless the test is panicking: then it is kept and its
+/// name printed, for inspection.
+pub struct TestDb {
+    /// A pool whose connections use the test's schema.
+    pub pool: PgPool,
+    /// The schema's name.
+    pub schema: String,
+    options: PgConnectOptions,
+}
+
+impl TestDb {
+    /// Creates the schema and applies the key store's and the outbox's migrations (`saga-core`'s). Panics,
+    /// saying how to start PostgreSQL, if it is unreachable.
+    pub async fn new(test_name: &str) -> Self {
+        Self::with(test_name, &[]).await
+    }
+
+    /// Creates the schema and applies `saga-core`'s migrations, then `more` in order (the consumer's, the
+    /// orchestrator's: each crate owns its tables).
+    pub async fn with(test_name: &str, more: &[Migrator]) -> Self {
+        let db = Self::empty(test_name).await;
+        db.apply(&saga_core::migrate::migrator()).await;
+        for migrator in more {
+            db.apply(migrator).await;
+        }
+        db
+    }
+
+    /// Applies `migrator` to the schema.
+    pub async fn apply(&self, migrator: &Migrator) {
+        migrator
+            .run(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("applying migrations to schema {}: {e}", self.schema));
+    }
+
+    /// Creates the schema without applying any migration.
+    pub async fn empty(test_name: &str) -> Self {
+        let url = crate::services().await.database_url.clone();
+        let admin_options = PgConnectOptions::from_str(&url)
+            .unwrap_or_else(|e| panic!("DATABASE_URL {url:?} is not a PostgreSQL URL: {e}"));
+        let mut admin = connect(&admin_options, &url).await;
+        ensure_database(&mut admin).await;
+        admin.close().await.ok();
+
+        let options = admin_options.database(TEST_DATABASE);
+        let mut conn = connect(&options, &url).await;
+        drop_stale_schemas(&mut conn).await;
+        let schema = format!("t_{}", crate::env::unique_name(test_name).replace('-', "_"));
+        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("creating schema {schema}: {e}"));
+        conn.close().await.ok();
+
+        // The application name tags the test's sessions, so that clean-up can end them.
+        let options = options
+            .options([("search_path", schema.as_str())])
+            .application_name(&schema);
+        let mut db = Self {
+            pool: PgPool::connect_lazy_with(options.clone()),
+            schema,
+            options,
+        };
+        db.pool = db.pool_of(16).await;
+        db
+    }
+
+    /// Another pool on this schema, with `size` connections.
+    pub async fn pool_of(&self, size: u32) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(self.options.clone())
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {TEST_DATABASE}: {e}"))
+    }
+
+    /// Connection options for this schema (for a pool of another size, or a dedicated connection).
+    pub fn connect_options(&self) -> PgConnectOptions {
+        self.options.clone()
+    }
+
+    /// A URL for this schema, for child processes: `DATABASE_URL`'s server, the `saga_test` database and the
+    /// schema as `search_path`.
+    pub fn url(&self) -> String {
+        format!(
+            "{}?options=-c%20search_path%3D{}",
+            Self::database_url(),
+            self.schema
+        )
+    }
+
+    /// The URL of the `saga_test` database itself (no schema chosen): `DATABASE_URL` with its database
+    /// replaced.
+    pub fn database_url() -> String {
+        let base = database_url();
+        let (without_query, _) = base.split_once('?').unwrap_or((&base, ""));
+        let server = without_query
+            .rsplit_once('/')
+            .map_or(without_query, |(server, _db)| server);
+        format!("{server}/{TEST_DATABASE}")
+    }
+
+    /// Counts the rows of `table` (an unqualified name in the test's schema).
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("counting {table}: {e}"))
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "test failed: keeping schema {} in database {TEST_DATABASE} for inspection",
+                self.schema
+            );
+            return;
+        }
+        let options = self.options.clone();
+        let schema = self.schema.clone();
+        // Drop runs inside the test's runtime, which may be single-threaded and is blocked here: nothing
+        // may wait for it. Clean up on a thread with a runtime of its own, over a connection of its own:
+        // end the test's sessions (their open transactions would block the DROP), then drop the schema.
+        let cleanup = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async move {
+                let Ok(mut conn) =
+                    PgConnection::connect_with(&options.application_name("saga-test-cleanup"))
+                        .await
+                else {
+                    return;
+                };
+                let _ = sqlx::query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                )
+                .bind(&schema)
+                .execute(&mut conn)
+                .await;
+                let _ = sqlx::query(AssertSqlSafe(format!(
+                    "DROP SCHEMA IF EXISTS {schema} CASCADE"
+                )))
+                .execute(&mut conn)
+                .await;
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+async fn connect(options: &PgConnectOptions, url: &str) -> PgConnection {
+    match tokio::time::timeout(Duration::from_secs(10), PgConnection::connect_with(options)).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => panic!("PostgreSQL is not reachable at {url}: {e}. To fix: {HOW_TO_START}."),
+        Err(_) => panic!("PostgreSQL at {url} did not answer within 10 s. To fix: {HOW_TO_START}."),
+    }
+}
+
+async fn ensure_database(admin: &mut PgConnection) {
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(TEST_DATABASE)
+            .fetch_one(&mut *admin)
+            .await
+            .expect("looking up the test database");
+    if exists {
+        return;
+    }
+    if let Err(e) = sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {TEST_DATABASE}")))
+        .execute(&mut *admin)
+        .await
+    {
+        // Another test created it at the same moment.
+        let raced = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .is_some_and(|code| code == "42P04" || code == "23505");
+        assert!(raced, "creating database {TEST_DATABASE}: {e}");
+    }
+}
+
+async fn drop_stale_schemas(conn: &mut PgConnection) {
+    let schemas: Vec<String> =
+        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 't\\_%'")
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap_or_default();
+    let now = epoch_secs();
+    for schema in schemas {
+        // t_{prefix}_{epoch}_{random}: the epoch is the second-to-last part.
+        let created = schema
+            .rsplit('_')
+            .nth(1)
+            .and_then(|s| s.parse::<u64>().ok());
+        if created.is_some_and(|c| now.saturating_sub(c) > STALE_AFTER_SECS) {
+            let _ = sqlx::query(AssertSqlSafe(format!(
+                "DROP SCHEMA IF EXISTS {schema} CASCADE"
+            )))
+            .execute(&mut *conn)
+            .await;
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! Test support for the workspace's integration tests, against a real PostgreSQL and a real Kafka-protocol
+//! broker reached over TCP.
+//!
+//! - [`TestDb`]: a schema of its own per test (in the `saga_test` database), with the framework's
+//!   migrations applied; dropped when the test passes, kept (and named) when it fails.
+//! - [`TestKafka`]: uniquely named topics, created explicitly and deleted afterwards, plus helpers to
+//!   produce and to read a topic back.
+//! - [`PrivateBroker`]: a broker process of the test's own, for tests that stop and restart the broker.
+//! - [`free_local_addr`]: an address for a server started (and restarted) on a port chosen in advance.
+//!
+//! The services come from `DATABASE_URL` / `KAFKA_BROKERS`, or, where those are unset and a Docker engine
+//! answers, from PostgreSQL and Apache Kafka containers started once per test process (see [`services`]),
+//! or else from the local defaults. Where a service is unreachable the test fails with one line saying how
+//! to start it; it never passes silently.
+
+#![deny(missing_docs)]
+
+mod broker;
+mod db;
+mod env;
+mod kafka;
+mod ports;
+mod services;
+mod usage;
+
+pub use broker::PrivateBroker;
+pub use db::TestDb;
+pub use env::{database_url, kafka_brokers, unique_name, wait_until};
+pub use kafka::{ReadMessage, TestKafka};
+pub use ports::free_local_addr;
+pub use services::{Services, services};
+pub use usage::expect_usage_error;
