@@ -37,10 +37,12 @@ impl TwoPhaseStep for ProcessPayment {
 
     async fn call(&self, msg: &Message<OrderCreated>) -> Result<ChargeResult, StepError> {
         let order = &msg.payload;
-        // The step key is the gateway's idempotency key: after a crash this call repeats, the charge not.
+        // The external key (the step key with its tenant) is the gateway's idempotency key: after a crash
+        // this call repeats, the charge not; and another tenant's order with the same client key is charged
+        // on its own.
         self.gateway
             .charge(
-                msg.step_key.as_str(),
+                msg.external_key().as_str(),
                 order.order_id,
                 order.request.amount_cents,
                 &order.request.card,
@@ -150,7 +152,7 @@ impl TwoPhaseStep for RefundPayment {
         };
         let refund_id = self
             .gateway
-            .refund(msg.step_key.as_str(), &charge_id)
+            .refund(msg.external_key().as_str(), &charge_id)
             .await
             .map_err(StepError::transient)?;
         Ok(Refund(Some((charge_id, refund_id))))

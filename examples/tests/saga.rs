@@ -325,3 +325,62 @@ async fn the_orchestrated_saga_takes_all_three_paths_and_shows_its_history() {
     );
     saga.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_tenants_sending_the_same_idempotency_key_are_each_charged_for_their_own_order() {
+    let saga = Saga::start("saga-tenants").await;
+    let order = plan("tenants", 1).remove(0);
+    assert_eq!(order.path, Path::Happy);
+    let body = serde_json::to_vec(&order.request).unwrap();
+    let mut order_ids = Vec::new();
+    for tenant in ["tenant-a", "tenant-b"] {
+        let headers = [("idempotency-key", "shared-key-1"), ("tenant-id", tenant)];
+        let answer = send(saga.api(), "POST", "/orders", &headers, Some(body.clone()))
+            .await
+            .unwrap();
+        assert_eq!(
+            (answer.status, answer.replayed),
+            (201, false),
+            "{tenant}: a new order, not the other tenant's replayed: {}",
+            answer.body
+        );
+        order_ids.push(answer.body["order_id"].as_str().unwrap().to_owned());
+    }
+    assert_ne!(order_ids[0], order_ids[1]);
+    saga.wait_finished(2).await;
+
+    // The gateway's ledger: two charges with different ids, each for its own order.
+    let gateway = quote_ident(&saga.args.gateway_schema());
+    let payment = quote_ident(&saga.args.schema(Service::Payment));
+    let charges: Vec<(String, String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT c.order_id::text, c.charge_id, p.charge_id FROM {gateway}.gateway_charges c \
+         JOIN {payment}.payments p ON p.order_id = c.order_id WHERE NOT c.declined ORDER BY 1"
+    )))
+    .fetch_all(&saga.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(charges.len(), 2, "two charges: {charges:?}");
+    assert_ne!(charges[0].1, charges[1].1, "different charge ids");
+    let mut expected_orders = order_ids.clone();
+    expected_orders.sort();
+    assert_eq!(
+        charges.iter().map(|c| c.0.clone()).collect::<Vec<_>>(),
+        expected_orders
+    );
+    for (order_id, gateway_charge, recorded_charge) in &charges {
+        assert_eq!(
+            gateway_charge, recorded_charge,
+            "order {order_id} is paid with its own charge"
+        );
+    }
+    for order_id in &order_ids {
+        let view = saga.get(&format!("/orders/{order_id}")).await;
+        assert_eq!(view.body["status"], "COMPLETED", "{}", view.body);
+    }
+    let facts = ledger::read_facts(&saga.db.pool, &saga.args).await.unwrap();
+    assert!(
+        facts.values().all(|f| f.charges == 1 && f.shipments == 1),
+        "{facts:?}"
+    );
+    saga.stop().await;
+}

@@ -162,6 +162,13 @@ impl<P> Message<P> {
         &self.metadata.tenant
     }
 
+    /// The key to hand to a system outside the database (a payment provider's idempotency key) for this
+    /// step: unique across tenants, unlike [`Message::step_key`], which is unique only within its tenant.
+    /// See [`crate::ExternalKey`].
+    pub fn external_key(&self) -> crate::ExternalKey {
+        self.step_key.external(&self.metadata.tenant)
+    }
+
     /// The saga lineage that events emitted while handling this message inherit.
     pub fn lineage(&self) -> Lineage {
         Lineage::caused_by(&self.metadata)

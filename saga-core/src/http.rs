@@ -98,6 +98,7 @@ pub struct Idempotency<S> {
 
 struct Shared {
     key: IdempotencyKey,
+    operation: StepName,
     tenant: TenantId,
     traceparent: Option<TraceParent>,
     tx: Mutex<Option<Transaction<'static, Postgres>>>,
@@ -117,6 +118,15 @@ impl IdempotentRequest {
     /// The tenant.
     pub fn tenant(&self) -> &TenantId {
         &self.0.tenant
+    }
+
+    /// The key to hand to a system outside the database that this request calls (see
+    /// [`crate::ExternalKey`]): unique across tenants, unlike the client's key.
+    pub fn external_key(&self) -> crate::ExternalKey {
+        self.0
+            .key
+            .step_key(&self.0.operation)
+            .external(&self.0.tenant)
     }
 
     /// The lineage of the saga this request starts: events it emits carry the client's key as their
@@ -380,21 +390,21 @@ where
 
     let handle = IdempotentRequest(Arc::new(Shared {
         key,
+        operation: config.operation.clone(),
         tenant: tenant.clone(),
         traceparent,
         tx: Mutex::new(Some(tx)),
     }));
     let mut request = Request::from_parts(parts, B::from(bytes));
     request.extensions_mut().insert(handle.clone());
-    let response = inner.call(request).await?;
-    let (parts, body) = response.into_parts();
-    let body = match body.collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(_) => {
-            return Ok(problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "the handler's response body failed",
-            ));
+    // Every path below that does not commit rolls the transaction back before answering.
+    let response = match inner.call(request).await {
+        Ok(response) => response,
+        Err(e) => {
+            if let Some(tx) = handle.take().await {
+                roll_back(tx).await;
+            }
+            return Err(e);
         }
     };
     let Some(mut tx) = handle.take().await else {
@@ -403,12 +413,30 @@ where
             "the handler kept the transaction",
         ));
     };
+    let (parts, body) = response.into_parts();
+    // The error is dropped before the next await: it need not be `Send`.
+    let body = match body
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .ok()
+    {
+        Some(bytes) => bytes,
+        None => {
+            roll_back(tx).await;
+            return Ok(problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the handler's response body failed",
+            ));
+        }
+    };
     if parts.status.is_server_error() {
         // Rolled back: the key is free for the retry.
         roll_back(tx).await;
         return Ok(Response::from_parts(parts, Full::new(body)));
     }
     let Some(stored) = StoredResponse::capture(parts.status, &parts.headers, &body) else {
+        roll_back(tx).await;
         return Ok(problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "the handler's response is not UTF-8 and cannot be stored",

@@ -2,6 +2,10 @@
 //!
 //! A step key is `{original-key}:{step-name}`. Step names never contain `:`, so the step name is always the
 //! part after the last `:` and an original key may itself contain colons (`order:42`).
+//!
+//! Inside the database a step key is scoped by its tenant (`(tenant, step key)` is the primary key). Outside
+//! it, a step key alone is not unique: two tenants may use the same client key. Every key handed to another
+//! system (a payment provider's idempotency key) is therefore an [`ExternalKey`], which carries the tenant.
 
 use std::fmt;
 
@@ -209,6 +213,12 @@ impl StepKey {
         let (_, step) = self.0.rsplit_once(':').expect("a step key contains ':'");
         StepName(step.to_owned())
     }
+
+    /// The key to hand to a system outside the database for this step in `tenant`: see [`ExternalKey`].
+    /// The step key alone is unique only within a tenant.
+    pub fn external(&self, tenant: &TenantId) -> ExternalKey {
+        ExternalKey::new(tenant, self)
+    }
 }
 
 string_newtype!(
@@ -226,6 +236,93 @@ impl TenantId {
             c.is_ascii_alphanumeric() || "-_.".contains(c)
         })?;
         Ok(Self(value.to_owned()))
+    }
+}
+
+/// The key a step hands to a system outside the database as that system's own idempotency key (a payment
+/// provider's `Idempotency-Key`): unique across tenants, stable across calls and restarts, bounded in length
+/// and made of characters providers accept.
+///
+/// A step key is unique only within its tenant, and one provider account usually serves every tenant: two
+/// tenants whose clients sent the same key would otherwise share one charge. Get it with
+/// [`crate::Message::external_key`] (or [`StepKey::external`]).
+///
+/// - [`ExternalKey::as_str`] is readable where it can be, `{tenant}:{original-key}:{step}`, when that is
+///   at most [`ExternalKey::MAX_LEN`] bytes of ASCII letters, digits and `- _ . :`; otherwise
+///   `{step}-{uuid}`, a UUIDv5 of the tenant, the original key and the step. Both forms are at most 255
+///   bytes (the limit of many providers) and never equal for different (tenant, step key) pairs.
+/// - [`ExternalKey::compact`] is always the 36-character UUIDv5, for providers with shorter limits.
+///
+/// ```
+/// use saga_core::{IdempotencyKey, StepName, TenantId};
+///
+/// let step_key = IdempotencyKey::new("order-42")?.step_key(&StepName::new("process-payment")?);
+/// let acme = step_key.external(&TenantId::new("acme")?);
+/// let globex = step_key.external(&TenantId::new("globex")?);
+/// assert_eq!(acme.as_str(), "acme:order-42:process-payment");
+/// assert_ne!(acme, globex);
+/// assert_eq!(acme.compact().len(), 36);
+/// # Ok::<(), saga_core::KeyError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExternalKey {
+    readable: String,
+    uuid: uuid::Uuid,
+}
+
+/// The namespace of external keys' UUIDv5s. Fixed forever: changing it would change every external key.
+const EXTERNAL_KEY_NAMESPACE: uuid::Uuid = uuid::uuid!("5c0f6b8e-3a1d-4f4e-9c3b-7d2a9e1f0b64");
+
+impl ExternalKey {
+    /// The longest [`ExternalKey::as_str`], in bytes.
+    pub const MAX_LEN: usize = 255;
+
+    /// The external key of `step_key` in `tenant`.
+    pub fn new(tenant: &TenantId, step_key: &StepKey) -> Self {
+        let (original, step) = step_key
+            .as_str()
+            .rsplit_once(':')
+            .expect("a step key contains ':'");
+        // NUL appears in none of the three, so the name is unambiguous.
+        let name = format!("{}\0{original}\0{step}", tenant.as_str());
+        let uuid = uuid::Uuid::new_v5(&EXTERNAL_KEY_NAMESPACE, name.as_bytes());
+        // A tenant never contains ':' and a step never does: the first and last ':' delimit the original
+        // key, so different triples give different readable keys; a hashed key contains no ':' at all.
+        let readable = format!("{}:{}", tenant.as_str(), step_key.as_str());
+        let safe = readable.len() <= Self::MAX_LEN
+            && readable
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+        Self {
+            readable: if safe {
+                readable
+            } else {
+                format!("{step}-{uuid}")
+            },
+            uuid,
+        }
+    }
+
+    /// The key: readable where it can be (see the type's documentation), at most 255 bytes.
+    pub fn as_str(&self) -> &str {
+        &self.readable
+    }
+
+    /// The key as a UUIDv5 (36 characters), for providers whose limit is shorter than 255.
+    pub fn compact(&self) -> String {
+        self.uuid.to_string()
+    }
+}
+
+impl fmt::Display for ExternalKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.readable)
+    }
+}
+
+impl AsRef<str> for ExternalKey {
+    fn as_ref(&self) -> &str {
+        &self.readable
     }
 }
 
@@ -294,6 +391,96 @@ mod tests {
         assert!(StepName::new("a:b").is_err());
         assert!(TenantId::new("acme corp").is_err());
         assert!(StepKey::new("no-colon").is_err());
+    }
+
+    fn external(tenant: &str, key: &str, step: &str) -> ExternalKey {
+        IdempotencyKey::new(key)
+            .unwrap()
+            .step_key(&StepName::new(step).unwrap())
+            .external(&TenantId::new(tenant).unwrap())
+    }
+
+    #[test]
+    fn external_keys_differ_across_tenants_for_the_same_client_key() {
+        let a = external("tenant-a", "order-1", "process-payment");
+        let b = external("tenant-b", "order-1", "process-payment");
+        assert_ne!(a, b);
+        assert_ne!(a.as_str(), b.as_str());
+        assert_ne!(a.compact(), b.compact());
+        // Nor do they collide where a separator could shift between tenant and key.
+        let shifted = [
+            external("a.b", "c", "s"),
+            external("a", "b.c", "s"),
+            external("a", "b:c", "s"),
+            external("a.b", "c:d", "s"),
+            external("a", "b.c:d", "s"),
+        ];
+        for (i, x) in shifted.iter().enumerate() {
+            for y in &shifted[i + 1..] {
+                assert_ne!(x.as_str(), y.as_str());
+            }
+        }
+    }
+
+    #[test]
+    fn external_keys_are_stable_values_not_per_process_random() {
+        // Fixed expectations: the same inputs give the same key in every process, forever (a restart after
+        // a crash must hand the provider the same key).
+        let short = external(
+            "acme",
+            "f47ac10b-58cc-4372-a567-0e02b2c3d479",
+            "process-payment",
+        );
+        assert_eq!(
+            short.as_str(),
+            "acme:f47ac10b-58cc-4372-a567-0e02b2c3d479:process-payment"
+        );
+        assert_eq!(
+            short,
+            external(
+                "acme",
+                "f47ac10b-58cc-4372-a567-0e02b2c3d479",
+                "process-payment"
+            )
+        );
+        let hashed = external("acme", "k/with+slash=", "process-payment");
+        assert_eq!(
+            hashed.as_str(),
+            format!("process-payment-{}", hashed.compact())
+        );
+        assert_eq!(
+            hashed.compact(),
+            uuid::Uuid::new_v5(
+                &EXTERNAL_KEY_NAMESPACE,
+                b"acme\0k/with+slash=\0process-payment"
+            )
+            .to_string()
+        );
+        assert_eq!(
+            EXTERNAL_KEY_NAMESPACE.to_string(),
+            "5c0f6b8e-3a1d-4f4e-9c3b-7d2a9e1f0b64"
+        );
+    }
+
+    #[test]
+    fn external_keys_are_bounded_and_use_accepted_characters() {
+        let accepted = |s: &str| {
+            s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+        };
+        let longest = external(
+            &"t".repeat(MAX_TENANT_LEN),
+            &"k".repeat(MAX_IDEMPOTENCY_KEY_LEN),
+            &"s".repeat(MAX_STEP_NAME_LEN),
+        );
+        let odd = external("acme", "a~b@c/d+e=f", "ship");
+        for key in [&longest, &odd, &external("acme", "order-1", "ship")] {
+            assert!(key.as_str().len() <= ExternalKey::MAX_LEN, "{key}");
+            assert!(accepted(key.as_str()), "{key}");
+            assert_eq!(key.compact().len(), 36);
+        }
+        assert!(longest.as_str().starts_with(&"s".repeat(MAX_STEP_NAME_LEN)));
+        assert!(!odd.as_str().contains('~'), "{odd}");
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //! No broker client type appears here: a step sees a decoded [`Message`] and the open transaction's
 //! connection through a [`StepContext`].
 
+#![deny(missing_docs)]
+
 pub mod context;
 pub mod envelope;
 pub mod gc;
@@ -25,7 +27,7 @@ pub use envelope::{
     EnvelopeError, Event, EventMetadata, Lineage, Message, Origin, OutboxMessage, RawMessage,
 };
 pub use headers::{Header, HeaderError, Headers, TraceParent};
-pub use key::{IdempotencyKey, KeyError, StepKey, StepName, TenantId};
+pub use key::{ExternalKey, IdempotencyKey, KeyError, StepKey, StepName, TenantId};
 pub use step::{
     ErrorKind, SagaStep, StepError, StepOutcome, StepResult, Subscription, TwoPhaseStep,
 };

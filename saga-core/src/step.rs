@@ -256,8 +256,8 @@ pub trait SagaStep: Send + Sync + 'static {
 /// A saga step in two-phase mode, for work outside the database.
 ///
 /// 1. The runtime leases the step key as `started` in a short transaction.
-/// 2. [`TwoPhaseStep::call`] runs outside any transaction. It must pass the step key to the external system
-///    as that system's own idempotency key, because after a crash it runs again.
+/// 2. [`TwoPhaseStep::call`] runs outside any transaction. It must pass [`Message::external_key`] to the
+///    external system as that system's own idempotency key, because after a crash it runs again.
 /// 3. [`TwoPhaseStep::complete`] runs in a second transaction that also marks the key `completed` (or
 ///    `failed`), fenced by the lease's attempt number: a worker whose lease was taken over cannot complete.
 pub trait TwoPhaseStep: Send + Sync + 'static {
@@ -278,7 +278,13 @@ pub trait TwoPhaseStep: Send + Sync + 'static {
         Duration::from_secs(30)
     }
 
-    /// The external call, outside any transaction, idempotent on `msg.step_key`.
+    /// The external call, outside any transaction. It may run more than once for one message (after a crash,
+    /// or when a lease expired), so it must hand the external system [`Message::external_key`] as that
+    /// system's own idempotency key: the external system then returns the first call's result.
+    ///
+    /// Use the external key, never `msg.step_key` alone: a step key is unique only within its tenant,
+    /// while the external system usually serves every tenant with one account, so two tenants whose
+    /// clients sent the same key would share one effect (one tenant's order paid with the other's charge).
     fn call(
         &self,
         msg: &Message<Self::Payload>,

@@ -1,0 +1,212 @@
+//! Two-phase steps and the key they hand to an outside system, against the real broker and PostgreSQL: a
+//! crash between the external call and the completion still yields one charge, and two tenants sending
+//! the same client key are charged separately.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use saga_consumer::SagaConsumer;
+use saga_core::{Message, StepContext, StepError, StepName, StepOutcome, StepResult};
+use saga_core::{Subscription, TwoPhaseStep};
+use saga_test_support::{TestDb, TestKafka, wait_until};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A payment step whose "provider" is a table keyed by the idempotency key it is handed, like a real
+/// provider: charging twice with one key returns the first charge.
+struct Charge {
+    pool: PgPool,
+    topic: String,
+    /// Abort the process right after the provider charged (fault injection for the child process).
+    crash_after_call: bool,
+}
+
+impl TwoPhaseStep for Charge {
+    type Payload = serde_json::Value;
+    type Response = String;
+
+    fn name(&self) -> StepName {
+        StepName::from_static("charge")
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        vec![Subscription::new(&self.topic, "OrderPlaced")]
+    }
+
+    fn lease(&self) -> Duration {
+        Duration::from_secs(2)
+    }
+
+    async fn call(&self, msg: &Message<serde_json::Value>) -> Result<String, StepError> {
+        let charge_id: String = sqlx::query_scalar(
+            "WITH new AS (INSERT INTO provider_charges (idempotency_key, charge_id) \
+                          VALUES ($1, gen_random_uuid()::text) \
+                          ON CONFLICT (idempotency_key) DO NOTHING RETURNING charge_id) \
+             SELECT charge_id FROM new UNION ALL \
+             SELECT charge_id FROM provider_charges WHERE idempotency_key = $1 LIMIT 1",
+        )
+        .bind(msg.external_key().as_str())
+        .fetch_one(&self.pool)
+        .await?;
+        if self.crash_after_call {
+            std::process::abort();
+        }
+        Ok(charge_id)
+    }
+
+    async fn complete(
+        &self,
+        msg: &Message<serde_json::Value>,
+        charge_id: String,
+        ctx: &mut StepContext<'_>,
+    ) -> StepResult {
+        sqlx::query("INSERT INTO orders_paid (tenant, client_key, charge_id) VALUES ($1, $2, $3)")
+            .bind(msg.tenant().as_str())
+            .bind(msg.metadata.idempotency_key.as_str())
+            .bind(&charge_id)
+            .execute(ctx.conn())
+            .await?;
+        Ok(StepOutcome::completed())
+    }
+}
+
+fn consumer(pool: PgPool, brokers: &str, topic: &str, crash: bool) -> SagaConsumer {
+    SagaConsumer::builder()
+        .brokers(brokers)
+        .group_id(format!("{topic}-group"))
+        .dlq_topic(format!("{topic}.dlq"))
+        .pool(pool.clone())
+        .session_timeout(Duration::from_secs(6))
+        .two_phase_step(Charge {
+            pool,
+            topic: topic.to_owned(),
+            crash_after_call: crash,
+        })
+        .build()
+        .unwrap()
+}
+
+/// Runs in a child process: a consumer whose step aborts right after the provider charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by a_crash_between_the_external_call_and_the_completion_still_yields_one_charge_per_tenant"]
+async fn crash_after_call_child_process() {
+    let (Ok(url), Ok(brokers), Ok(topic)) = (
+        std::env::var("CRASH_DATABASE_URL"),
+        std::env::var("CRASH_BROKERS"),
+        std::env::var("CHARGE_TOPIC"),
+    ) else {
+        panic!("run by the crash test only");
+    };
+    let pool = PgPool::connect(&url).await.unwrap();
+    consumer(pool, &brokers, &topic, true)
+        .run(CancellationToken::new())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crash_between_the_external_call_and_the_completion_still_yields_one_charge_per_tenant() {
+    let db = TestDb::with("two-phase-crash", &[saga_consumer::migrate::migrator()]).await;
+    for table in [
+        "CREATE TABLE provider_charges (idempotency_key TEXT PRIMARY KEY, charge_id TEXT NOT NULL)",
+        "CREATE TABLE orders_paid (tenant TEXT, client_key TEXT, charge_id TEXT, PRIMARY KEY (tenant, client_key))",
+    ] {
+        sqlx::query(table).execute(&db.pool).await.unwrap();
+    }
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("two-phase-crash", 1).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    let producer = kafka.producer();
+    let place = |tenant: &'static str| {
+        let (kafka, producer, topic) = (&kafka, &producer, &topic);
+        async move {
+            let headers = [
+                ("idempotency-key", "order-1"),
+                ("tenant-id", tenant),
+                ("ce_type", "OrderPlaced"),
+            ];
+            kafka
+                .produce(producer, topic, Some("order-1"), &headers, b"{}")
+                .await;
+        }
+    };
+
+    // Tenant A's order: the first worker charges at the provider, then dies before completing.
+    place("tenant-a").await;
+    let status = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "crash_after_call_child_process", "--ignored"])
+        .env("CRASH_DATABASE_URL", db.url())
+        .env("CRASH_BROKERS", &kafka.brokers)
+        .env("CHARGE_TOPIC", &topic)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .unwrap();
+    assert!(!status.success(), "the child aborted after the call");
+    let charged_before_crash: Vec<(String, String)> =
+        sqlx::query_as("SELECT idempotency_key, charge_id FROM provider_charges")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        charged_before_crash.len(),
+        1,
+        "charged once before the crash"
+    );
+    assert_eq!(
+        db.count("orders_paid").await,
+        0,
+        "the completion never committed"
+    );
+
+    // Tenant B sends the same client key; a new worker takes tenant A's lease over once it expires.
+    place("tenant-b").await;
+    let stop = CancellationToken::new();
+    let running =
+        tokio::spawn(consumer(db.pool.clone(), &kafka.brokers, &topic, false).run(stop.clone()));
+    wait_until("both orders paid", WAIT, || async {
+        (db.count("orders_paid").await == 2).then_some(())
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+
+    let charges: Vec<(String, String)> =
+        sqlx::query_as("SELECT idempotency_key, charge_id FROM provider_charges ORDER BY 1")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        charges.len(),
+        2,
+        "one charge per tenant, none for the retry: {charges:?}"
+    );
+    assert_eq!(
+        charges.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+        ["tenant-a:order-1:charge", "tenant-b:order-1:charge"]
+    );
+    assert_ne!(charges[0].1, charges[1].1, "different charges");
+    let paid: Vec<(String, String)> =
+        sqlx::query_as("SELECT tenant, charge_id FROM orders_paid ORDER BY tenant")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        paid,
+        vec![
+            ("tenant-a".to_owned(), charged_before_crash[0].1.clone()),
+            ("tenant-b".to_owned(), charges[1].1.clone()),
+        ],
+        "tenant A completed with the charge made before the crash, tenant B with its own"
+    );
+    let attempts: i32 = sqlx::query_scalar(
+        "SELECT attempts FROM saga_idempotency_keys WHERE tenant_id = 'tenant-a'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 2, "tenant A's lease was taken over once");
+}
