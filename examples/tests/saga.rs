@@ -276,6 +276,10 @@ async fn the_fault_mode_still_yields_one_charge_per_paid_order_and_one_shipment_
     assert_eq!(line("refunds at the gateway"), 4);
     assert!(line("duplicate deliveries injected") > 0);
     assert!(line("duplicates absorbed by step keys") > 0);
+    // The counts above are also guaranteed by primary keys (a second charge of one order would fail and be
+    // dead-lettered): that no step ran twice and nothing was dead-lettered is what shows exactly once.
+    assert_eq!(line("steps run twice"), 0);
+    assert_eq!(line("dead letters"), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

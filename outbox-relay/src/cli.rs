@@ -70,6 +70,9 @@ pub struct RunArgs {
     /// Delete rows once published instead of marking them.
     #[arg(long, env = "RELAY_DELETE_PUBLISHED")]
     pub delete_published: bool,
+    /// Failed attempts after which a row the broker refuses for good is parked.
+    #[arg(long, env = "RELAY_PARK_AFTER_ATTEMPTS", default_value_t = 3)]
+    pub park_after_attempts: u32,
     /// Where to serve /metrics and /healthz.
     #[arg(long, env = "RELAY_OPS_ADDR")]
     pub ops_addr: Option<SocketAddr>,
@@ -173,6 +176,7 @@ impl Cli {
                     )
                 );
                 println!("failing rows:            {}", b.failing);
+                println!("parked rows:             {}", b.parked);
                 println!("published rows kept:     {}", b.published_kept);
             }
             Command::Gc(args) => {
@@ -208,6 +212,7 @@ impl Cli {
             batch_size: args.batch_size.max(1),
             poll_interval: Duration::from_millis(args.poll_interval_ms.max(1)),
             linger: Duration::from_millis(args.linger_ms),
+            park_after: args.park_after_attempts.max(1),
             after_publish: if args.delete_published {
                 AfterPublish::Delete
             } else {

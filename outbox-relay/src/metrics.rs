@@ -12,6 +12,10 @@ pub struct RelayMetrics {
     pub published: Counter,
     /// Rows whose publication failed (they are retried).
     pub failures: Counter,
+    /// Rows parked because the broker refuses them for good.
+    pub parked: Counter,
+    /// Parked rows in the outbox (sampled).
+    pub parked_rows: Gauge,
     /// Unpublished rows (sampled).
     pub backlog: Gauge,
     /// Age in seconds of the oldest unpublished row (sampled).
@@ -28,6 +32,8 @@ impl Default for RelayMetrics {
         Self {
             published: Counter::default(),
             failures: Counter::default(),
+            parked: Counter::default(),
+            parked_rows: Gauge::default(),
             backlog: Gauge::default(),
             oldest_age_seconds: Gauge::default(),
             owned_shards: Gauge::default(),
@@ -49,6 +55,16 @@ impl RelayMetrics {
             "failures",
             "Failed publications (retried)",
             self.failures.clone(),
+        );
+        r.register(
+            "parked",
+            "Rows parked because the broker refuses them for good",
+            self.parked.clone(),
+        );
+        r.register(
+            "parked_rows",
+            "Parked rows in the outbox",
+            self.parked_rows.clone(),
         );
         r.register("backlog", "Unpublished rows", self.backlog.clone());
         r.register(

@@ -13,7 +13,7 @@ use chrono::{DateTime, Utc};
 use futures::FutureExt;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use saga_runtime::kafka::{KafkaConfig, pairs_to_kafka_headers};
+use saga_runtime::kafka::{KafkaConfig, pairs_to_kafka_headers, refused_for_good};
 use tokio_util::sync::CancellationToken;
 
 use crate::store::OutboxRow;
@@ -26,14 +26,27 @@ pub fn order_key(row: &OutboxRow) -> OrderKey {
     (row.topic.clone(), row.partition_key.clone())
 }
 
+/// A row whose publication failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failed {
+    /// The row.
+    pub id: i64,
+    /// Why, for people.
+    pub error: String,
+    /// Whether the broker (or the client) refuses this row for good: publishing it again cannot succeed.
+    pub refused: bool,
+}
+
 /// How a batch went.
 #[derive(Debug, Default)]
 pub struct BatchOutcome {
-    /// Rows the broker acknowledged, with the row's write time and the acknowledgement time.
+    /// Rows the broker acknowledged, with the row's write time and the acknowledgement time. Only rows all
+    /// of whose key's earlier rows in the batch were acknowledged too.
     pub acked: Vec<(i64, DateTime<Utc>, DateTime<Utc>)>,
-    /// Rows that failed, with the error.
-    pub failed: Vec<(i64, String)>,
-    /// Rows not sent because an earlier row of their key is waiting for a retry.
+    /// Rows that failed.
+    pub failed: Vec<Failed>,
+    /// Rows not sent, or sent but not to be marked, because an earlier row of their key failed or waits
+    /// for a retry: they are published again after it, so that a key's rows are never marked out of order.
     pub held_back: usize,
 }
 
@@ -55,16 +68,16 @@ impl Publisher {
         })
     }
 
-    /// Sends `rows` in order and waits for every acknowledgement. Rows of a key in `blocked`, and the rows
-    /// after a row whose enqueueing failed, are held back so that a key's rows never overtake each other.
+    /// Sends `rows` in order and waits for every acknowledgement. A key's rows after one that failed (at enqueueing or in its delivery report), are held back so that a key's
+    /// rows are never marked out of order.
     /// Returns `None` if `shutdown` fired first (nothing is marked then; the rows are published again).
     pub async fn publish(
         &mut self,
         rows: &[OutboxRow],
-        mut blocked: HashSet<OrderKey>,
         shutdown: &CancellationToken,
     ) -> Option<BatchOutcome> {
         let mut outcome = BatchOutcome::default();
+        let mut blocked: HashSet<OrderKey> = HashSet::new();
         let mut pending = Vec::with_capacity(rows.len());
         for row in rows {
             // Most batches hold back nothing: build a row's key (two string copies) only when needed.
@@ -84,7 +97,7 @@ impl Publisher {
                 match self.producer.send_result(record) {
                     Ok(delivery) => {
                         let created = row.created_at;
-                        pending.push(delivery.map(move |r| (row.id, created, r, Utc::now())));
+                        pending.push(delivery.map(move |r| (row, created, r, Utc::now())));
                         break;
                     }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
@@ -95,7 +108,7 @@ impl Publisher {
                         }
                     }
                     Err((e, _)) => {
-                        outcome.failed.push((row.id, e.to_string()));
+                        outcome.failed.push(failure(row.id, &e));
                         blocked.insert(order_key(row));
                         break;
                     }
@@ -106,14 +119,28 @@ impl Publisher {
             _ = shutdown.cancelled() => return None,
             results = futures::future::join_all(pending) => results,
         };
-        for (id, created, result, acked_at) in results {
-            match result {
-                Ok(Ok(_)) => outcome.acked.push((id, created, acked_at)),
-                Ok(Err((e, _))) => outcome.failed.push((id, e.to_string())),
-                Err(_) => outcome
-                    .failed
-                    .push((id, "the producer dropped the message".into())),
+        // In row order: once a row of a key failed in its delivery report, the key's later rows are not
+        // marked even if acknowledged (they are published again after it), so a key's rows are never marked
+        // out of order.
+        for (row, created, result, acked_at) in results {
+            if !blocked.is_empty() && blocked.contains(&order_key(row)) {
+                outcome.held_back += 1;
+                continue;
             }
+            let failed = match result {
+                Ok(Ok(_)) => {
+                    outcome.acked.push((row.id, created, acked_at));
+                    continue;
+                }
+                Ok(Err((e, _))) => failure(row.id, &e),
+                Err(_) => Failed {
+                    id: row.id,
+                    error: "the producer dropped the message".into(),
+                    refused: false,
+                },
+            };
+            outcome.failed.push(failed);
+            blocked.insert(order_key(row));
         }
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             tracing::error!(?code, %reason, "fatal producer error; recreating the producer");
@@ -128,6 +155,14 @@ impl Publisher {
     /// Waits until queued messages are delivered, up to `timeout`.
     pub fn flush(&self, timeout: Duration) {
         let _ = self.producer.flush(timeout);
+    }
+}
+
+fn failure(id: i64, e: &KafkaError) -> Failed {
+    Failed {
+        id,
+        error: e.to_string(),
+        refused: matches!(e, KafkaError::MessageProduction(code) if refused_for_good(*code)),
     }
 }
 

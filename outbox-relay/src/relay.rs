@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::RelayMetrics;
 use crate::publisher::{OrderKey, Publisher, order_key};
 use crate::shards::ShardOwner;
-use crate::store::{self, AfterPublish, OutboxRow};
+use crate::store::{self, AfterPublish};
 
 /// How the relay runs.
 #[derive(Debug, Clone)]
@@ -32,6 +32,9 @@ pub struct RelaySettings {
     pub rebalance_interval: Duration,
     /// How often the backlog gauge is sampled (default 10 s).
     pub backlog_interval: Duration,
+    /// Failed attempts after which a row the broker refuses for good (too large, not a valid record) is
+    /// parked instead of retried (default 3; `RELAY_PARK_AFTER_ATTEMPTS`).
+    pub park_after: u32,
 }
 
 impl Default for RelaySettings {
@@ -44,6 +47,7 @@ impl Default for RelaySettings {
             after_publish: AfterPublish::Mark,
             rebalance_interval: Duration::from_secs(2),
             backlog_interval: Duration::from_secs(10),
+            park_after: 3,
         }
     }
 }
@@ -64,33 +68,37 @@ pub struct Relay {
     ops: Ops,
 }
 
-/// Retry bookkeeping for rows the broker refused.
+/// Retry bookkeeping for rows whose publication failed: until its retry is due, a failing row holds its key
+/// back, so that none of the key's later rows is published before it.
 #[derive(Default)]
 struct Retries {
-    failures: HashMap<i64, (u32, Instant)>,
+    failures: HashMap<i64, (u32, Instant, OrderKey)>,
 }
 
 impl Retries {
-    /// Keys whose oldest failing row is not due yet: their rows wait.
-    fn blocked(&self, rows: &[OutboxRow]) -> HashSet<OrderKey> {
+    /// Keys with a failing row whose retry is not due yet: left out of the next fetch.
+    fn held(&self) -> Vec<OrderKey> {
         if self.failures.is_empty() {
-            return HashSet::new();
+            return Vec::new();
         }
         let now = Instant::now();
-        rows.iter()
-            .filter(|r| self.failures.get(&r.id).is_some_and(|(_, due)| *due > now))
-            .map(order_key)
-            .collect()
+        let held: HashSet<&OrderKey> = self
+            .failures
+            .values()
+            .filter(|(_, due, _)| *due > now)
+            .map(|(_, _, key)| key)
+            .collect();
+        held.into_iter().cloned().collect()
     }
 
-    fn failed(&mut self, id: i64) {
-        let entry = self.failures.entry(id).or_insert((0, Instant::now()));
+    fn failed(&mut self, id: i64, key: OrderKey) {
+        let entry = self.failures.entry(id).or_insert((0, Instant::now(), key));
         entry.0 += 1;
         let wait = Duration::from_millis(100) * 2u32.saturating_pow(entry.0.min(9));
         entry.1 = Instant::now() + wait.min(Duration::from_secs(60));
     }
 
-    fn succeeded(&mut self, id: i64) {
+    fn done(&mut self, id: i64) {
         self.failures.remove(&id);
     }
 }
@@ -196,39 +204,33 @@ impl Relay {
             }
             let shards = owner.owned();
             let fetch_started = Instant::now();
+            let held = retries.held();
             let rows = if shards.is_empty() {
                 Vec::new()
             } else {
-                store::fetch_unpublished(&mut conn, &shards, self.settings.batch_size).await?
+                store::fetch_unpublished(&mut conn, &shards, &held, self.settings.batch_size)
+                    .await?
             };
             let fetched_in = fetch_started.elapsed();
-            let blocked = retries.blocked(&rows);
-            let due = if blocked.is_empty() {
-                rows.len()
-            } else {
-                rows.iter()
-                    .filter(|r| !blocked.contains(&order_key(r)))
-                    .count()
-            };
-            if due == 0 {
+            if rows.is_empty() {
                 let wait = self
                     .settings
                     .poll_interval
                     .min(next_rebalance.saturating_duration_since(Instant::now()))
                     .max(Duration::from_millis(10));
-                if !rows.is_empty() {
-                    // Only rows waiting for a retry: sleep a little, notifications are irrelevant.
+                if held.is_empty() {
+                    wait_for_wakeup(&mut listener, &schema, wait, shutdown).await?;
+                } else {
+                    // Rows wait for a retry: come back when one may be due; notifications are irrelevant.
                     tokio::select! {
                         _ = shutdown.cancelled() => {}
                         _ = tokio::time::sleep(wait.min(Duration::from_millis(100))) => {}
                     }
-                } else {
-                    wait_for_wakeup(&mut listener, &schema, wait, shutdown).await?;
                 }
                 continue;
             }
             let publish_started = Instant::now();
-            let Some(outcome) = publisher.publish(&rows, blocked, shutdown).await else {
+            let Some(outcome) = publisher.publish(&rows, shutdown).await else {
                 continue; // shutdown: nothing marked, the rows are published again later
             };
             let published_in = publish_started.elapsed();
@@ -239,23 +241,43 @@ impl Relay {
             tracing::debug!(
                 rows = rows.len(),
                 acked = acked.len(),
+                held_back = outcome.held_back,
                 ?fetched_in,
                 ?published_in,
                 marked_in = ?mark_started.elapsed(),
                 "batch"
             );
             for (id, created, acked_at) in &outcome.acked {
-                retries.succeeded(*id);
+                retries.done(*id);
                 let latency = (*acked_at - *created).to_std().unwrap_or_default();
                 self.metrics
                     .commit_to_ack_seconds
                     .observe(latency.as_secs_f64());
             }
             self.metrics.published.inc_by(acked.len() as u64);
-            for (id, error) in &outcome.failed {
-                tracing::warn!(id, %error, "publication failed; will retry");
-                retries.failed(*id);
-                store::record_failure(&mut conn, *id, error).await?;
+            for failed in &outcome.failed {
+                let parked = store::record_failure(
+                    &mut conn,
+                    failed.id,
+                    &failed.error,
+                    failed.refused,
+                    self.settings.park_after,
+                )
+                .await?;
+                if parked {
+                    tracing::error!(
+                        id = failed.id,
+                        error = %failed.error,
+                        "the broker refuses this outbox row for good; parked (its key's later rows go on)"
+                    );
+                    retries.done(failed.id);
+                    self.metrics.parked.inc();
+                } else {
+                    tracing::warn!(id = failed.id, error = %failed.error, "publication failed; will retry");
+                    if let Some(row) = rows.iter().find(|r| r.id == failed.id) {
+                        retries.failed(failed.id, order_key(row));
+                    }
+                }
             }
             self.metrics.failures.inc_by(outcome.failed.len() as u64);
         }
@@ -265,6 +287,7 @@ impl Relay {
         match store::backlog(&self.pool).await {
             Ok(backlog) => {
                 self.metrics.backlog.set(backlog.unpublished);
+                self.metrics.parked_rows.set(backlog.parked);
                 self.metrics.oldest_age_seconds.set(
                     backlog
                         .oldest_age

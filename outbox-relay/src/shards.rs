@@ -108,29 +108,30 @@ impl ShardOwner {
                 .take(self.owned.len() - share)
                 .copied()
                 .collect();
-            sqlx::query("SELECT pg_advisory_unlock($1, s) FROM unnest($2::int2[]) AS s")
-                .bind(shards_class)
-                .bind(&extra)
-                .execute(&mut *conn)
-                .await?;
+            release(conn, shards_class, &extra).await?;
             for s in &extra {
                 self.owned.remove(s);
             }
             change.released = extra;
         } else if self.owned.len() < share {
-            let owned: Vec<i16> = self.owned();
+            // The candidates exclude the owned shards here, not in SQL: a plan that evaluated the lock call
+            // before an exclusion in the WHERE clause (PostgreSQL's generic plan of a prepared statement
+            // may) would lock owned shards again, and session advisory locks stack: a later release would
+            // leave the shard locked by an instance that no longer publishes it.
+            let start = usize::try_from(self.instance % i32::from(SHARDS)).unwrap_or(0);
+            let candidates: Vec<i16> = (0..SHARDS)
+                .cycle()
+                .skip(start)
+                .take(usize::from(SHARDS.unsigned_abs()))
+                .filter(|s| !self.owned.contains(s))
+                .collect();
             // Lazy evaluation: the lock function runs only until LIMIT rows matched (no sort in between).
             let acquired: Vec<i16> = sqlx::query_scalar(
-                "SELECT shard FROM ( \
-                     SELECT ((s + $2) % $3)::int2 AS shard FROM generate_series(0, $3 - 1) AS s \
-                 ) AS candidates \
-                 WHERE NOT shard = ANY($4) AND pg_try_advisory_lock($1, shard) \
-                 LIMIT $5",
+                "SELECT shard FROM unnest($2::int2[]) AS c(shard) \
+                 WHERE pg_try_advisory_lock($1, shard) LIMIT $3",
             )
             .bind(shards_class)
-            .bind(self.instance % i32::from(SHARDS))
-            .bind(i32::from(SHARDS))
-            .bind(&owned)
+            .bind(&candidates)
             .bind(i64::try_from(share - self.owned.len()).unwrap_or(0))
             .fetch_all(&mut *conn)
             .await?;
@@ -151,9 +152,50 @@ impl ShardOwner {
         Ok(())
     }
 
+    /// The shards this session holds locks on, as PostgreSQL sees them (for checks and tests).
+    pub async fn held(&self, conn: &mut PgConnection) -> Result<Vec<i16>, sqlx::Error> {
+        let Some((_, shards_class)) = self.classes else {
+            return Ok(Vec::new());
+        };
+        held(conn, shards_class).await
+    }
+
     /// Forgets all ownership (the session is gone, and its locks with it).
     pub fn forget(&mut self) {
         self.owned.clear();
         self.classes = None;
     }
+}
+
+/// The shards of `shards_class` this session holds, from `pg_locks` (one row per lock, however often it
+/// was taken).
+async fn held(conn: &mut PgConnection, shards_class: i32) -> Result<Vec<i16>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT objid::int8::int2 FROM pg_locks \
+         WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 2 \
+           AND classid = $1::int4::oid ORDER BY 1",
+    )
+    .bind(shards_class)
+    .fetch_all(conn)
+    .await
+}
+
+/// Releases `shards` completely: a session advisory lock taken n times needs n unlocks, so unlock until
+/// `pg_locks` no longer lists it (unlocking a lock not held would only log a warning).
+async fn release(
+    conn: &mut PgConnection,
+    shards_class: i32,
+    shards: &[i16],
+) -> Result<(), sqlx::Error> {
+    let mut still: Vec<i16> = shards.to_vec();
+    while !still.is_empty() {
+        sqlx::query("SELECT pg_advisory_unlock($1, s) FROM unnest($2::int2[]) AS s")
+            .bind(shards_class)
+            .bind(&still)
+            .execute(&mut *conn)
+            .await?;
+        let held = held(&mut *conn, shards_class).await?;
+        still.retain(|s| held.contains(s));
+    }
+    Ok(())
 }

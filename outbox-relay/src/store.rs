@@ -8,6 +8,8 @@ use saga_core::gc::delete_in_batches;
 use saga_core::outbox::headers_from_array;
 use sqlx::{PgConnection, PgPool, Row};
 
+use crate::publisher::OrderKey;
+
 /// An outbox row to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxRow {
@@ -35,18 +37,30 @@ pub enum AfterPublish {
     Delete,
 }
 
-/// Reads up to `limit` unpublished rows of `shards`, in id order (for one key: commit order).
+/// Reads up to `limit` unpublished, unparked rows of `shards`, in id order (for one key: commit order),
+/// leaving out the keys in `held` (topic and partition key): rows of keys waiting for a retry must not fill
+/// the batch and starve the others.
 pub async fn fetch_unpublished(
     conn: &mut PgConnection,
     shards: &[i16],
+    held: &[OrderKey],
     limit: i64,
 ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+    let (held_topics, held_keys): (Vec<&str>, Vec<Option<&str>>) = held
+        .iter()
+        .map(|(topic, key)| (topic.as_str(), key.as_deref()))
+        .unzip();
     let rows = sqlx::query(
-        "SELECT id, topic, partition_key, headers, payload, created_at FROM saga_outbox \
-         WHERE published_at IS NULL AND shard = ANY($1) ORDER BY id LIMIT $2",
+        "SELECT id, topic, partition_key, headers, payload, created_at FROM saga_outbox o \
+         WHERE published_at IS NULL AND parked_at IS NULL AND shard = ANY($1) \
+           AND NOT EXISTS (SELECT 1 FROM unnest($3::text[], $4::text[]) AS h(topic, key) \
+                           WHERE h.topic = o.topic AND h.key IS NOT DISTINCT FROM o.partition_key) \
+         ORDER BY id LIMIT $2",
     )
     .bind(shards)
     .bind(limit)
+    .bind(&held_topics)
+    .bind(&held_keys)
     .fetch_all(conn)
     .await?;
     rows.into_iter()
@@ -95,18 +109,27 @@ pub async fn mark_published(
     Ok(done.rows_affected())
 }
 
-/// Records a failed publication of row `id`.
+/// Records a failed publication of row `id`; a row refused for good (`refused`) is parked once it has
+/// failed `park_after` times. Returns whether it was parked.
 pub async fn record_failure(
     conn: &mut PgConnection,
     id: i64,
     error: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE saga_outbox SET attempts = attempts + 1, last_error = $2 WHERE id = $1")
-        .bind(id)
-        .bind(error)
-        .execute(conn)
-        .await?;
-    Ok(())
+    refused: bool,
+    park_after: u32,
+) -> Result<bool, sqlx::Error> {
+    let parked: Option<bool> = sqlx::query_scalar(
+        "UPDATE saga_outbox SET attempts = attempts + 1, last_error = $2, \
+             parked_at = CASE WHEN $3 AND attempts + 1 >= $4 THEN now() END \
+         WHERE id = $1 RETURNING parked_at IS NOT NULL",
+    )
+    .bind(id)
+    .bind(error)
+    .bind(refused)
+    .bind(i32::try_from(park_after).unwrap_or(i32::MAX))
+    .fetch_optional(conn)
+    .await?;
+    Ok(parked == Some(true))
 }
 
 /// The state of the outbox, for `status` and the backlog gauge.
@@ -118,6 +141,8 @@ pub struct Backlog {
     pub oldest_age: Option<Duration>,
     /// Unpublished rows whose publication failed at least once.
     pub failing: i64,
+    /// Rows the broker refused for good, set aside (see the `parked_at` column).
+    pub parked: i64,
     /// Published rows kept until their retention ends.
     pub published_kept: i64,
 }
@@ -125,10 +150,12 @@ pub struct Backlog {
 /// Reads the backlog.
 pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
     let row = sqlx::query(
-        "SELECT count(*) FILTER (WHERE published_at IS NULL), \
-                extract(epoch FROM now() - min(created_at) FILTER (WHERE published_at IS NULL))::float8, \
-                count(*) FILTER (WHERE published_at IS NULL AND attempts > 0), \
-                count(*) FILTER (WHERE published_at IS NOT NULL) \
+        "SELECT count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NULL), \
+                extract(epoch FROM now() - min(created_at) \
+                    FILTER (WHERE published_at IS NULL AND parked_at IS NULL))::float8, \
+                count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NULL AND attempts > 0), \
+                count(*) FILTER (WHERE published_at IS NOT NULL), \
+                count(*) FILTER (WHERE parked_at IS NOT NULL AND published_at IS NULL) \
          FROM saga_outbox",
     )
     .fetch_one(pool)
@@ -140,6 +167,7 @@ pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
             .map(|s| Duration::from_secs_f64(s.max(0.0))),
         failing: row.try_get(2)?,
         published_kept: row.try_get(3)?,
+        parked: row.try_get(4)?,
     })
 }
 

@@ -348,11 +348,11 @@ impl SagaConsumer {
             retry: settings.retry.clone(),
             metrics: metrics.clone(),
             hooks: self.hooks,
+            guard: CrashGuard::new(self.pool.clone(), group.clone(), settings.crash_loop_limit),
         };
         let shared = Arc::new(WorkerShared {
             executor,
             router: Router::new(&self.steps, &self.ignored),
-            guard: CrashGuard::new(self.pool.clone(), group.clone(), settings.crash_loop_limit),
             tracker: Arc::new(OffsetTracker::default()),
             permits: Arc::new(Semaphore::new(settings.concurrency)),
             batch_size: settings.batch_size,

@@ -74,9 +74,8 @@ impl std::fmt::Display for Failure {
 pub(crate) enum BatchError {
     /// The message at `index` of the batch failed.
     Item { index: usize, failure: Failure },
-    /// A handler call for several messages, starting at `index`, failed; which message is to blame is not
-    /// known.
-    Group { index: usize },
+    /// A handler call for several messages failed; which message is to blame is not known.
+    Group,
     /// A statement of the framework (claim, outcomes, outbox) failed.
     Store(StoreError),
 }
@@ -262,7 +261,7 @@ async fn handle_group(
         }
         Err(error) => {
             tracing::debug!(%error, messages = group.len(), "a batch handler call failed; narrowing down");
-            Err(BatchError::Group { index: group[0].0 })
+            Err(BatchError::Group)
         }
     }
 }

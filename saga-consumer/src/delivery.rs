@@ -46,6 +46,10 @@ pub(crate) struct Delivery {
     pub span: tracing::Span,
     /// Attempts so far (the current one included once it has started).
     pub attempts: u32,
+    /// Processed alone because the last run died near it: the crash-loop guard counts its starts.
+    pub isolated: bool,
+    /// For an isolated message: the guard's exclusive lock, held while it runs (see `guard`).
+    pub alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>>,
 }
 
 impl Delivery {
@@ -144,6 +148,8 @@ impl Router {
             route,
             span,
             attempts: 0,
+            isolated: false,
+            alone: None,
         }
     }
 }

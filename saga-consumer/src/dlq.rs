@@ -3,9 +3,11 @@
 
 use std::time::Duration;
 
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use saga_core::RawMessage;
+use saga_runtime::kafka::refused_for_good;
 use tokio_util::sync::CancellationToken;
 
 /// Header names on dead-lettered messages (the original headers are kept before them).
@@ -28,7 +30,15 @@ pub mod headers {
     pub const ATTEMPTS: &str = "dlq-attempts";
     /// When it was dead-lettered (RFC 3339).
     pub const FAILED_AT: &str = "dlq-failed-at";
+    /// Present (`true`) on a copy from which the payload and the original headers other than the
+    /// framework's were dropped, because the dead-letter topic refused the whole message (too large).
+    pub const TRUNCATED: &str = "dlq-truncated";
+    /// The longest `dlq-error` value, in bytes; longer errors are cut (at a character boundary) and
+    /// marked.
+    pub const MAX_ERROR_BYTES: usize = 2048;
 }
+
+use headers::MAX_ERROR_BYTES;
 
 /// Why a message was dead-lettered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,14 +104,71 @@ impl DeadLetters {
     /// Produces `raw` to the dead-letter topic with `letter`'s headers. Retries (every few seconds) until
     /// the broker acknowledges; returns `false` only if `cancel` fires first, in which case the message is
     /// not committed and comes back.
+    ///
+    /// If the broker refuses the dead letter for good (too large once the `dlq-*` headers are added, say),
+    /// a copy without the payload and without the original headers other than the framework's is sent
+    /// instead, marked `dlq-truncated` and saying why in `dlq-error`; if even that is refused, a minimal
+    /// copy (the `dlq-*` headers with a short error, the idempotency key and the tenant). A dead letter
+    /// never blocks its partition for its size, and the message's identity (topic, partition, offset, key,
+    /// idempotency key) is kept.
     pub async fn send(
         &self,
         raw: &RawMessage,
         letter: &DeadLetter,
         cancel: &CancellationToken,
     ) -> bool {
-        let mut headers = OwnedHeaders::new_with_capacity(raw.headers.len() + 9);
+        let mut copy = Copy::Full;
+        loop {
+            let headers = self.record_parts(raw, letter, &copy);
+            let payload = match copy {
+                Copy::Full => raw.payload.as_deref(),
+                Copy::Truncated(_) | Copy::Minimal(_) => None,
+            };
+            match self.produce(raw, &headers, payload, cancel).await {
+                Sent::Acknowledged => return true,
+                Sent::Cancelled => return false,
+                Sent::Refused(reason) => {
+                    copy = match copy {
+                        Copy::Full => Copy::Truncated(reason),
+                        Copy::Truncated(_) => Copy::Minimal(reason),
+                        Copy::Minimal(_) => {
+                            // Only a misconfigured topic refuses a few hundred bytes: say so, and wait for
+                            // it to be fixed rather than lose the message.
+                            tracing::error!(
+                                topic = %self.topic, %reason,
+                                "the dead-letter topic refuses even a minimal dead letter; check its \
+                                 max.message.bytes. Retrying"
+                            );
+                            if !crate::executor::sleep_or_cancel(Duration::from_secs(10), cancel)
+                                .await
+                            {
+                                return false;
+                            }
+                            copy
+                        }
+                    };
+                    tracing::error!(
+                        topic = %self.topic,
+                        "the dead-letter topic refused the message; sending a smaller copy"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The headers of a dead letter: the original ones (only the framework's in a truncated copy, only the
+    /// key and tenant in a minimal one), then the `dlq-*` ones.
+    fn record_parts(&self, raw: &RawMessage, letter: &DeadLetter, copy: &Copy) -> OwnedHeaders {
+        let kept: &[&str] = match copy {
+            Copy::Full => &[],
+            Copy::Truncated(_) => &FRAMEWORK_HEADERS,
+            Copy::Minimal(_) => &FRAMEWORK_HEADERS[..2],
+        };
+        let mut headers = OwnedHeaders::new_with_capacity(raw.headers.len() + 10);
         for h in raw.headers.iter() {
+            if !matches!(copy, Copy::Full) && !kept.contains(&h.name.as_str()) {
+                continue;
+            }
             headers = headers.insert(Header {
                 key: &h.name,
                 value: h.value.as_deref(),
@@ -111,47 +178,136 @@ impl DeadLetters {
         let offset = raw.origin.offset.to_string();
         let attempts = letter.attempts.to_string();
         let failed_at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-        let extra = [
+        // The note first, so that cutting a long error never cuts it.
+        let note = |reason: &str| {
+            format!(
+                "[the dead-letter topic refused the message ({reason}): payload and non-framework headers \
+                 dropped] {}",
+                letter.error
+            )
+        };
+        let error = match copy {
+            Copy::Full => bounded(&letter.error, MAX_ERROR_BYTES),
+            Copy::Truncated(reason) => bounded(&note(reason), MAX_ERROR_BYTES / 2),
+            Copy::Minimal(reason) => bounded(&note(reason), 200),
+        };
+        let mut extra = vec![
             (headers::ORIGINAL_TOPIC, raw.origin.topic.as_str()),
             (headers::ORIGINAL_PARTITION, partition.as_str()),
             (headers::ORIGINAL_OFFSET, offset.as_str()),
             (headers::CONSUMER_GROUP, self.group.as_str()),
             (headers::STEP, letter.step.as_deref().unwrap_or("")),
             (headers::REASON, letter.reason.as_str()),
-            (headers::ERROR, letter.error.as_str()),
+            (headers::ERROR, error.as_str()),
             (headers::ATTEMPTS, attempts.as_str()),
             (headers::FAILED_AT, failed_at.as_str()),
         ];
+        if !matches!(copy, Copy::Full) {
+            extra.push((headers::TRUNCATED, "true"));
+        }
         for (key, value) in extra {
             headers = headers.insert(Header {
                 key,
                 value: Some(value),
             });
         }
+        headers
+    }
+
+    /// Produces one dead letter, retrying transient failures until acknowledged or cancelled.
+    async fn produce(
+        &self,
+        raw: &RawMessage,
+        headers: &OwnedHeaders,
+        payload: Option<&[u8]>,
+        cancel: &CancellationToken,
+    ) -> Sent {
         let mut wait = Duration::from_millis(200);
         loop {
             let mut record = FutureRecord::<[u8], [u8]>::to(&self.topic).headers(headers.clone());
             if let Some(key) = raw.key.as_deref() {
                 record = record.key(key);
             }
-            if let Some(payload) = raw.payload.as_deref() {
+            if let Some(payload) = payload {
                 record = record.payload(payload);
             }
             let sent = tokio::select! {
-                _ = cancel.cancelled() => return false,
+                _ = cancel.cancelled() => return Sent::Cancelled,
                 sent = self.producer.send(record, Duration::from_secs(5)) => sent,
             };
             match sent {
-                Ok(_) => return true,
+                Ok(_) => return Sent::Acknowledged,
+                Err((KafkaError::MessageProduction(code), _)) if refused_for_good(code) => {
+                    return Sent::Refused(code.to_string());
+                }
                 Err((e, _)) => {
                     tracing::error!(topic = %self.topic, error = %e, "dead-lettering failed; retrying");
                     tokio::select! {
-                        _ = cancel.cancelled() => return false,
+                        _ = cancel.cancelled() => return Sent::Cancelled,
                         _ = tokio::time::sleep(wait) => {}
                     }
                     wait = (wait * 2).min(Duration::from_secs(10));
                 }
             }
         }
+    }
+}
+
+/// Which copy of a message is being dead-lettered, and why a smaller one.
+enum Copy {
+    Full,
+    Truncated(String),
+    Minimal(String),
+}
+
+/// How producing a dead letter ended.
+enum Sent {
+    Acknowledged,
+    Cancelled,
+    /// The broker (or the client) refused this message for good; sending it again cannot help.
+    Refused(String),
+}
+
+/// The headers a truncated dead letter keeps: what identifies the message and its saga.
+const FRAMEWORK_HEADERS: [&str; 8] = [
+    saga_core::headers::names::IDEMPOTENCY_KEY,
+    saga_core::headers::names::TENANT_ID,
+    saga_core::headers::names::CE_TYPE,
+    saga_core::headers::names::CE_ID,
+    saga_core::headers::names::CE_SOURCE,
+    saga_core::headers::names::CORRELATION_ID,
+    saga_core::headers::names::CAUSATION_ID,
+    saga_core::headers::names::TRACEPARENT,
+];
+
+/// `error`, cut to at most `max` bytes at a character boundary, marked when cut.
+fn bounded(error: &str, max: usize) -> String {
+    const MARK: &str = " [truncated]";
+    if error.len() <= max {
+        return error.to_owned();
+    }
+    let mut end = max.saturating_sub(MARK.len());
+    while !error.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{MARK}", &error[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_errors_are_cut_at_a_character_boundary_and_marked() {
+        assert_eq!(bounded("short", MAX_ERROR_BYTES), "short");
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        let cut = bounded(&long, MAX_ERROR_BYTES);
+        assert!(cut.len() <= MAX_ERROR_BYTES, "{}", cut.len());
+        assert!(cut.ends_with(" [truncated]"));
+        assert!(
+            cut.trim_end_matches(" [truncated]")
+                .chars()
+                .all(|c| c == 'é')
+        );
     }
 }

@@ -22,6 +22,7 @@ use tracing::Instrument;
 use crate::dedup::{self, BatchError, Failure, ItemOutcome};
 use crate::delivery::{Delivery, PoisonReason, Route};
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
+use crate::guard::CrashGuard;
 use crate::handler::StepMode;
 use crate::hooks::{CommitInfo, Hooks};
 use crate::metrics::{ConsumerMetrics, DeadLetterLabels, StepOnly};
@@ -53,6 +54,7 @@ pub(crate) struct Executor {
     pub retry: RetryPolicy,
     pub metrics: ConsumerMetrics,
     pub hooks: Hooks,
+    pub guard: CrashGuard,
 }
 
 impl Executor {
@@ -116,28 +118,38 @@ impl Executor {
     }
 
     /// Processes consecutive transactional (or ignored) deliveries. Returns how many are finished.
+    ///
+    /// A failure whose message is known (`Item`) cuts the batch short before that message; the messages
+    /// before it commit as a smaller batch, then it is retried alone with the failure as its first
+    /// attempt. A failure that names no message (a `Group` error of a batch handler call, or a statement
+    /// of the framework that failed for another reason than a lost connection) makes the runtime process
+    /// the range it happened in one message per transaction, so that the culprit is found and only it is
+    /// retried or dead-lettered. A lost connection is waited out without touching any retry budget.
     async fn process_run(&self, run: &mut [Delivery], cancel: &CancellationToken) -> usize {
         let mut start = 0;
-        let mut end = run.len();
-        // When a batch failed at `run[end]`, that failure (its first attempt).
-        let mut failed_at_end: Option<Failure> = None;
+        // The first message known to have failed, at its index in `run`, with that failure.
+        let mut failed: Option<(usize, Failure)> = None;
+        // Messages before this index run one per transaction (a failure named none of them).
+        let mut single_until = 0;
         let mut unavailable = 0;
         while start < run.len() {
-            if start == end {
-                // The messages before it are committed: retry the failing one alone, with backoff.
-                let failure = failed_at_end
-                    .take()
-                    .expect("a batch is cut short only where a message failed");
+            if failed.as_ref().is_some_and(|(at, _)| *at == start) {
+                let (_, failure) = failed.take().expect("checked above");
                 if !self.retry_alone(&mut run[start], failure, cancel).await {
                     return start;
                 }
                 start += 1;
-                end = run.len();
                 continue;
             }
             if cancel.is_cancelled() {
                 return start;
             }
+            let limit = failed.as_ref().map_or(run.len(), |(at, _)| *at);
+            let end = if start < single_until {
+                start + 1
+            } else {
+                limit
+            };
             match self.transact(&run[start..end]).await {
                 Ok(outcomes) => {
                     for (d, outcome) in run[start..end].iter_mut().zip(outcomes) {
@@ -145,23 +157,25 @@ impl Executor {
                     }
                     unavailable = 0;
                     start = end;
-                    if failed_at_end.is_none() {
-                        end = run.len();
-                    }
                 }
                 // Everything rolled back. Commit the messages before the failing one as a smaller batch.
-                Err(BatchError::Item { index, failure }) => {
-                    end = start + index;
-                    failed_at_end = Some(failure);
+                Err(BatchError::Item { index, failure }) => failed = Some((start + index, failure)),
+                // A store error of a single message is that message's failure, with its retry budget.
+                Err(BatchError::Store(e)) if end - start == 1 && !e.is_connection_error() => {
+                    failed = Some((start, Failure::Store(e)));
                 }
-                // A handler call for several messages failed: try again with the call cut down to its
-                // first message, which isolates the failing message one transaction at a time, without
-                // counting attempts against messages that did nothing wrong.
-                Err(BatchError::Group { index }) => end = start + index + 1,
+                // A handler call for several messages failed, or a statement over several: go through
+                // the range one message per transaction, without counting attempts against messages that
+                // did nothing wrong.
+                Err(BatchError::Group) => single_until = end,
+                Err(BatchError::Store(e)) if !e.is_connection_error() => {
+                    tracing::debug!(error = %e, messages = end - start, "a batch statement failed; narrowing down");
+                    single_until = end;
+                }
                 Err(BatchError::Store(e)) => {
                     unavailable += 1;
                     let wait = UNAVAILABLE_BACKOFF.backoff(unavailable);
-                    tracing::warn!(error = %e, ?wait, "batch transaction failed; retrying");
+                    tracing::warn!(error = %e, ?wait, "the database is unreachable; retrying the batch");
                     if !sleep_or_cancel(wait, cancel).await {
                         return start;
                     }
@@ -194,7 +208,7 @@ impl Executor {
                 }
                 Err(BatchError::Item { failure: f, .. }) => failure = f,
                 Err(BatchError::Store(e)) => failure = Failure::Store(e),
-                Err(BatchError::Group { .. }) => unreachable!("a single message is never a group"),
+                Err(BatchError::Group) => unreachable!("a single message is never a group"),
             }
         }
     }
@@ -367,8 +381,38 @@ impl Executor {
             Next::DeadLetter(reason, error) => {
                 ControlFlow::Break(self.dead_letter(delivery, reason, error, cancel).await)
             }
-            Next::Retry(wait) if sleep_or_cancel(wait, cancel).await => ControlFlow::Continue(()),
-            Next::Retry(_) => ControlFlow::Break(false),
+            Next::Retry(wait) => {
+                // An isolated message waiting for another worker's lease is not being processed: a death
+                // meanwhile (another partition's, or the lease holder's) must not count against it.
+                let waits_for_lease = delivery.isolated && matches!(failure, Failure::Busy(_));
+                let origin = delivery.raw.origin.clone();
+                if waits_for_lease {
+                    // Let the rest of the consumer run meanwhile.
+                    delivery.alone = None;
+                    self.guard
+                        .pause(&origin.topic, origin.partition, origin.offset)
+                        .await;
+                }
+                let mut slept = sleep_or_cancel(wait, cancel).await;
+                if waits_for_lease {
+                    if slept {
+                        delivery.alone = tokio::select! {
+                            biased;
+                            _ = cancel.cancelled() => None,
+                            lock = self.guard.exclusive() => Some(lock),
+                        };
+                        slept = delivery.alone.is_some();
+                    }
+                    self.guard
+                        .resume(&origin.topic, origin.partition, origin.offset)
+                        .await;
+                }
+                if slept {
+                    ControlFlow::Continue(())
+                } else {
+                    ControlFlow::Break(false)
+                }
+            }
         }
     }
 

@@ -5,8 +5,17 @@
 //! batch that starts inside the previous, unfinished range means the last run died there: that range is then
 //! processed one message at a time, and a message whose isolated processing started more than `limit` times
 //! without finishing is dead-lettered.
+//!
+//! A death is charged to the isolated messages in flight when it happens. So that it is charged to the one
+//! that caused it, an isolated message runs alone in the process: ordinary batches share
+//! [`CrashGuard::shared`], an isolated message takes [`CrashGuard::exclusive`], and while it waits (for the
+//! others to finish, or for another worker's lease on its key) its start is taken back
+//! ([`CrashGuard::pause`]): a death then is not its doing.
+
+use std::sync::Arc;
 
 use sqlx::{PgPool, Row};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 
 /// What to do with a batch about to start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,12 +34,28 @@ pub(crate) struct CrashGuard {
     pool: PgPool,
     group: String,
     limit: u32,
+    alone: Arc<RwLock<()>>,
 }
 
 impl CrashGuard {
     /// `limit` is the number of deaths tolerated per message; 0 turns detection off.
     pub fn new(pool: PgPool, group: String, limit: u32) -> Self {
-        Self { pool, group, limit }
+        Self {
+            pool,
+            group,
+            limit,
+            alone: Arc::default(),
+        }
+    }
+
+    /// Held while an ordinary batch runs: isolated messages wait for it.
+    pub async fn shared(&self) -> OwnedRwLockReadGuard<()> {
+        self.alone.clone().read_owned().await
+    }
+
+    /// Held while an isolated message runs: nothing else of this consumer runs meanwhile.
+    pub async fn exclusive(&self) -> OwnedRwLockWriteGuard<()> {
+        self.alone.clone().write_owned().await
     }
 
     /// Records that a batch `first..=last` of `topic`/`partition` begins. A database error goes to the
@@ -62,6 +87,38 @@ impl CrashGuard {
             (true, d) if d >= self.limit => BatchStart::DeadLetter(d),
             (true, _) => BatchStart::Isolate,
         })
+    }
+
+    /// Takes back the start of the isolated message at `offset` while it waits for something outside
+    /// it (another worker's lease on its key): a death meanwhile is not its doing. [`CrashGuard::resume`]
+    /// counts the start again when its attempt resumes.
+    pub async fn pause(&self, topic: &str, partition: i32, offset: i64) {
+        self.adjust(topic, partition, offset, -1).await;
+    }
+
+    /// Counts the start of the isolated message at `offset` again, after [`CrashGuard::pause`].
+    pub async fn resume(&self, topic: &str, partition: i32, offset: i64) {
+        self.adjust(topic, partition, offset, 1).await;
+    }
+
+    async fn adjust(&self, topic: &str, partition: i32, offset: i64, by: i32) {
+        if self.limit == 0 {
+            return;
+        }
+        let result = sqlx::query(
+            "UPDATE saga_consumer_suspects SET starts = greatest(starts + $5, 0), updated_at = now() \
+             WHERE group_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = $4",
+        )
+        .bind(&self.group)
+        .bind(topic)
+        .bind(partition)
+        .bind(offset)
+        .bind(by)
+        .execute(&self.pool)
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(error = %e, topic, partition, offset, "could not adjust a suspect's starts");
+        }
     }
 
     /// Records that the batch starting at `first` ended: `finished`, or abandoned on purpose.

@@ -13,14 +13,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::delivery::{Delivery, Router};
 use crate::executor::{Executor, sleep_or_cancel};
-use crate::guard::{BatchStart, CrashGuard};
+use crate::guard::BatchStart;
 use crate::offsets::{OffsetTracker, TopicPartition};
 
 /// What all partition workers share.
 pub(crate) struct WorkerShared {
     pub executor: Executor,
     pub router: Router,
-    pub guard: CrashGuard,
     pub tracker: Arc<OffsetTracker>,
     pub permits: Arc<Semaphore>,
     pub batch_size: usize,
@@ -89,7 +88,7 @@ async fn run(
         let first = backlog[0].raw.origin.offset;
         let last = backlog[take - 1].raw.origin.offset;
         let start = loop {
-            match shared.guard.begin(&tp.0, tp.1, first, last).await {
+            match shared.executor.guard.begin(&tp.0, tp.1, first, last).await {
                 Ok(start) => break start,
                 Err(e) => {
                     tracing::warn!(error = %e, topic = %tp.0, partition = tp.1, "cannot record the batch start; retrying");
@@ -103,6 +102,34 @@ async fn run(
             BatchStart::Normal => backlog.drain(..take).collect(),
             BatchStart::Isolate | BatchStart::DeadLetter(_) => backlog.drain(..1).collect(),
         };
+        let guard = &shared.executor.guard;
+        // An ordinary batch shares the process; an isolated message runs alone, so that a death during its
+        // attempt is its own (its start does not count while it waits for the others to finish).
+        let mut _shared_lock = None;
+        match start {
+            BatchStart::Normal => {
+                _shared_lock = tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => None,
+                    lock = guard.shared() => Some(lock),
+                };
+            }
+            BatchStart::Isolate => {
+                guard.pause(&tp.0, tp.1, first).await;
+                batch[0].alone = tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => None,
+                    lock = guard.exclusive() => Some(lock),
+                };
+                guard.resume(&tp.0, tp.1, first).await;
+                batch[0].isolated = true;
+            }
+            BatchStart::DeadLetter(_) => {}
+        }
+        if cancel.is_cancelled() {
+            guard.end(&tp.0, tp.1, first, false).await;
+            return;
+        }
         let done = if let BatchStart::DeadLetter(deaths) = start {
             usize::from(
                 shared
@@ -119,11 +146,11 @@ async fn run(
         }
         if done < batch.len() {
             // Cancelled (revoke or shutdown): the rest comes back to whoever owns the partition next.
-            shared.guard.end(&tp.0, tp.1, first, false).await;
+            shared.executor.guard.end(&tp.0, tp.1, first, false).await;
             return;
         }
         if start != BatchStart::Normal {
-            shared.guard.end(&tp.0, tp.1, first, true).await;
+            shared.executor.guard.end(&tp.0, tp.1, first, true).await;
         }
     }
 }

@@ -135,36 +135,18 @@ impl Dispatcher {
     }
 
     /// Moves held messages into worker queues that have room again, resuming partitions whose holding
-    /// queue empties. Returns whether messages are still held.
-    fn flush_held(&self, consumer: &BaseConsumer<PollContext>) -> bool {
+    /// queue empties. Returns whether messages are still held; fails if a partition's worker died.
+    fn flush_held(&self, consumer: &BaseConsumer<PollContext>) -> Result<bool, ConsumerError> {
         let mut held = lock(&self.held);
         if held.is_empty() {
-            return false;
+            return Ok(false);
         }
         let workers = lock(&self.workers);
-        held.retain(|tp, h| {
-            let Some(worker) = workers.get(tp) else {
-                return false;
-            };
-            while let Some(raw) = h.queue.pop_front() {
-                match worker.sender.try_send(raw) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(raw) | TrySendError::Closed(raw)) => {
-                        h.queue.push_front(raw);
-                        return true;
-                    }
-                }
-            }
-            if h.paused {
-                // Resume once the worker has room for half a queue, not at the first free slot.
-                if worker.sender.capacity() < self.queue_capacity / 2 {
-                    return true;
-                }
-                set_paused(consumer, tp, false);
-            }
-            false
-        });
-        !held.is_empty()
+        let resume = move_held(&mut held, &workers, self.queue_capacity)?;
+        for tp in &resume {
+            set_paused(consumer, tp, false);
+        }
+        Ok(!held.is_empty())
     }
 
     /// Stops the workers of `tps` (each finishes the batch it is in, within the revoke timeout), commits
@@ -245,6 +227,53 @@ impl Dispatcher {
         let mut all: HashSet<_> = lock(&self.workers).keys().cloned().collect();
         all.extend(lock(&self.assigned).iter().cloned());
         all
+    }
+}
+
+/// Moves `held` messages into their workers' queues while there is room; forgets holding queues that empty.
+/// Returns the paused partitions to resume: those whose queue emptied and whose worker has room for half
+/// a queue again. A closed queue means the worker died (a framework bug, as handler panics are caught):
+/// that is an error, not a full queue, or the poll loop would hold its messages forever.
+fn move_held(
+    held: &mut HashMap<TopicPartition, Held>,
+    workers: &HashMap<TopicPartition, PartitionWorker>,
+    queue_capacity: usize,
+) -> Result<Vec<TopicPartition>, ConsumerError> {
+    let mut resume = Vec::new();
+    let mut died = None;
+    held.retain(|tp, h| {
+        if died.is_some() {
+            return true;
+        }
+        let Some(worker) = workers.get(tp) else {
+            return false;
+        };
+        while let Some(raw) = h.queue.pop_front() {
+            match worker.sender.try_send(raw) {
+                Ok(()) => {}
+                Err(TrySendError::Full(raw)) => {
+                    h.queue.push_front(raw);
+                    return true;
+                }
+                Err(TrySendError::Closed(raw)) => {
+                    h.queue.push_front(raw);
+                    died = Some(tp.clone());
+                    return true;
+                }
+            }
+        }
+        if h.paused {
+            // Resume once the worker has room for half a queue, not at the first free slot.
+            if worker.sender.capacity() < queue_capacity / 2 {
+                return true;
+            }
+            resume.push(tp.clone());
+        }
+        false
+    });
+    match died {
+        Some((topic, partition)) => Err(ConsumerError::WorkerDied { topic, partition }),
+        None => Ok(resume),
     }
 }
 
@@ -333,7 +362,13 @@ pub(crate) fn poll_loop(
     while !shutdown.is_cancelled() {
         // While messages wait for room in a worker's queue, come back at once to move them on; otherwise
         // the worker would idle until the next message or the poll timeout.
-        let waiting = dispatcher.flush_held(&consumer);
+        let waiting = match dispatcher.flush_held(&consumer) {
+            Ok(waiting) => waiting,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
         let timeout = if waiting {
             Duration::from_millis(1)
         } else {
@@ -374,4 +409,70 @@ pub(crate) fn poll_loop(
     drop(consumer);
     tracing::info!("consumer stopped");
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use saga_core::{Headers, Origin};
+
+    fn raw(offset: i64) -> RawMessage {
+        RawMessage {
+            origin: Origin {
+                topic: "t".into(),
+                partition: 0,
+                offset,
+            },
+            key: None,
+            payload: None,
+            headers: Headers::new(),
+            timestamp_ms: None,
+        }
+    }
+
+    fn worker(capacity: usize) -> (PartitionWorker, tokio::sync::mpsc::Receiver<RawMessage>) {
+        let (sender, receiver) = tokio::sync::mpsc::channel(capacity);
+        let worker = PartitionWorker {
+            sender,
+            cancel: CancellationToken::new(),
+            join: tokio::spawn(async {}),
+        };
+        (worker, receiver)
+    }
+
+    fn holding(offsets: std::ops::Range<i64>, paused: bool) -> Held {
+        Held {
+            queue: offsets.map(raw).collect(),
+            paused,
+        }
+    }
+
+    #[tokio::test]
+    async fn held_messages_move_on_as_room_frees_and_the_partition_resumes() {
+        let tp: TopicPartition = ("t".into(), 0);
+        let (w, mut receiver) = worker(4);
+        let workers = HashMap::from([(tp.clone(), w)]);
+        let mut held = HashMap::from([(tp.clone(), holding(0..6, true))]);
+        assert!(move_held(&mut held, &workers, 4).unwrap().is_empty());
+        assert_eq!(held[&tp].queue.len(), 2, "four moved, two wait");
+        while receiver.try_recv().is_ok() {}
+        assert_eq!(move_held(&mut held, &workers, 4).unwrap(), vec![tp]);
+        assert!(held.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_dead_worker_is_an_error_not_a_full_queue() {
+        let tp: TopicPartition = ("t".into(), 0);
+        let (w, receiver) = worker(4);
+        drop(receiver); // the worker is gone
+        let workers = HashMap::from([(tp.clone(), w)]);
+        let mut held = HashMap::from([(tp.clone(), holding(0..3, false))]);
+        match move_held(&mut held, &workers, 4) {
+            Err(ConsumerError::WorkerDied { topic, partition }) => {
+                assert_eq!((topic.as_str(), partition), ("t", 0));
+            }
+            other => panic!("expected WorkerDied, got {other:?}"),
+        }
+        assert_eq!(held[&tp].queue.len(), 3, "nothing was lost");
+    }
 }

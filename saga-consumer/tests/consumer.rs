@@ -38,6 +38,15 @@ struct Ping {
     /// Sleep this long in the handler.
     #[serde(default)]
     sleep_ms: u64,
+    /// Padding: makes the message (and, when permanent, its error) this long.
+    #[serde(default)]
+    pad: String,
+    /// Emit an event with a NUL in a header value (PostgreSQL's text refuses it).
+    #[serde(default)]
+    nul_header: bool,
+    /// Store a result with a NUL in it (PostgreSQL's jsonb refuses it).
+    #[serde(default)]
+    nul_result: bool,
 }
 
 /// Records each handled ping in `effects` and emits a `Pong` to the outbox.
@@ -75,8 +84,8 @@ impl SagaStep for RecordPing {
         assert!(!ping.panic, "ping {} asked to panic", ping.n);
         if ping.permanent {
             return Err(StepError::permanent(format!(
-                "ping {} is unprocessable",
-                ping.n
+                "ping {} is unprocessable{}",
+                ping.n, ping.pad
             )));
         }
         {
@@ -95,14 +104,23 @@ impl SagaStep for RecordPing {
             .bind(i64::from(ping.n))
             .execute(ctx.conn())
             .await?;
-        ctx.emit(Event::new(
+        let mut pong = Event::new(
             "Pong",
             format!("{}.out", self.topic),
             ping.n.to_string(),
             &serde_json::json!({ "n": ping.n }),
-        )?);
+        )?;
+        if ping.nul_header {
+            pong = pong.with_header("x-note", "a\0b");
+        }
+        ctx.emit(pong);
         if ping.reject {
             return Ok(StepOutcome::rejected(format!("ping {} rejected", ping.n)));
+        }
+        if ping.nul_result {
+            return StepOutcome::completed_with(
+                &serde_json::json!({ "n": ping.n, "note": "a\u{0}b" }),
+            );
         }
         StepOutcome::completed_with(&serde_json::json!({ "n": ping.n }))
     }
@@ -164,6 +182,51 @@ impl SagaStep for RecordPingsInBulk {
     }
 }
 
+/// Like [`RecordPingsInBulk`], but names the permanent message it fails on, and fails its first call of
+/// several messages without one once (a timeout, say): a `Group` failure after an `Item` failure.
+#[derive(Clone)]
+struct BulkFailingOnceUnnamed {
+    inner: RecordPingsInBulk,
+    unnamed_failures: Arc<Mutex<u32>>,
+}
+
+impl SagaStep for BulkFailingOnceUnnamed {
+    type Payload = Ping;
+
+    fn name(&self) -> StepName {
+        StepName::from_static("record-pings-in-bulk")
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        self.inner.subscriptions()
+    }
+
+    async fn handle(&self, msg: &Message<Ping>, ctx: &mut StepContext<'_>) -> StepResult {
+        let mut batch = BatchContext::new(ctx.conn(), "record-pings-in-bulk");
+        let mut outcomes = self.handle_batch(&[msg], &mut batch).await?;
+        Ok(outcomes.remove(0))
+    }
+
+    async fn handle_batch(
+        &self,
+        msgs: &[&Message<Ping>],
+        ctx: &mut BatchContext<'_>,
+    ) -> Result<Vec<StepOutcome>, StepError> {
+        if let Some(i) = msgs.iter().position(|m| m.payload.permanent) {
+            let n = msgs[i].payload.n;
+            return Err(StepError::permanent(format!("ping {n} is unprocessable")).in_message(i));
+        }
+        if msgs.len() > 1 {
+            let mut left = self.unnamed_failures.lock().unwrap();
+            if *left > 0 {
+                *left -= 1;
+                return Err(StepError::transient("the bulk insert timed out"));
+            }
+        }
+        self.inner.handle_batch(msgs, ctx).await
+    }
+}
+
 struct Fixture {
     db: TestDb,
     kafka: TestKafka,
@@ -175,6 +238,11 @@ struct Fixture {
 
 impl Fixture {
     async fn new(name: &str, partitions: i32) -> Self {
+        Self::with_dlq_config(name, partitions, &[]).await
+    }
+
+    /// A fixture whose dead-letter topic has topic configuration `dlq_config`.
+    async fn with_dlq_config(name: &str, partitions: i32, dlq_config: &[(&str, &str)]) -> Self {
         let db = TestDb::with(name, &[saga_consumer::migrate::migrator()]).await;
         sqlx::query("CREATE TABLE effects (step_key TEXT NOT NULL, n BIGINT NOT NULL)")
             .execute(&db.pool)
@@ -183,7 +251,7 @@ impl Fixture {
         let kafka = TestKafka::new().await;
         let topic = kafka.topic(name, partitions).await;
         let dlq = format!("{topic}.dlq");
-        kafka.create_topic(&dlq, 1).await;
+        kafka.create_topic_with(&dlq, 1, dlq_config).await;
         let producer = kafka.producer();
         Self {
             group: format!("{topic}-group"),
@@ -616,6 +684,135 @@ async fn crash_child_process() {
         .unwrap();
 }
 
+/// Runs in a child process: a consumer that aborts right after any database commit of partition
+/// `CRASH_PARTITION`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by crash_a_death_on_one_partition_is_not_charged_to_an_isolated_message_of_another"]
+async fn crash_on_partition_child_process() {
+    let (Ok(url), Ok(brokers), Ok(topic), Ok(group), Ok(partition)) = (
+        std::env::var("CRASH_DATABASE_URL"),
+        std::env::var("CRASH_BROKERS"),
+        std::env::var("CRASH_TOPIC"),
+        std::env::var("CRASH_GROUP"),
+        std::env::var("CRASH_PARTITION"),
+    ) else {
+        panic!("run by the crash test only");
+    };
+    let partition: i32 = partition.parse().unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    SagaConsumer::builder()
+        .brokers(brokers)
+        .group_id(group)
+        .dlq_topic(format!("{topic}.dlq"))
+        .pool(pool)
+        .session_timeout(Duration::from_secs(6))
+        .step(RecordPing::new(&topic))
+        .crash_loop_limit(2)
+        .hooks(Hooks::default().on_db_commit(move |info| {
+            if info.partition == partition {
+                std::process::abort();
+            }
+        }))
+        .build()
+        .unwrap()
+        .run(CancellationToken::new())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_a_death_on_one_partition_is_not_charged_to_an_isolated_message_of_another() {
+    let f = Fixture::new("crash-elsewhere", 2).await;
+    // Partition 0: a slow message the last run died on, so it is processed in isolation. Partition 1: a
+    // message after whose commit the process dies (another cause, another partition).
+    let slow = serde_json::to_vec(&Ping {
+        sleep_ms: 1_500,
+        ..ping(1)
+    })
+    .unwrap();
+    f.kafka
+        .produce_to(
+            &f.producer,
+            &f.topic,
+            Some(0),
+            Some("k-1"),
+            &[("idempotency-key", "k-1"), ("ce_type", "Ping")],
+            &slow,
+        )
+        .await;
+    // Slow enough that the isolated message of partition 0 is under way when this one's commit kills.
+    let quick = serde_json::to_vec(&Ping {
+        sleep_ms: 500,
+        ..ping(2)
+    })
+    .unwrap();
+    f.kafka
+        .produce_to(
+            &f.producer,
+            &f.topic,
+            Some(1),
+            Some("k-2"),
+            &[("idempotency-key", "k-2"), ("ce_type", "Ping")],
+            &quick,
+        )
+        .await;
+    sqlx::query(
+        "INSERT INTO saga_consumer_progress (group_id, topic, partition, batch_offset, batch_end) \
+         VALUES ($1, $2, 0, 0, 0)",
+    )
+    .bind(&f.group)
+    .bind(&f.topic)
+    .execute(&f.db.pool)
+    .await
+    .unwrap();
+    for _ in 0..3 {
+        let status = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "crash_on_partition_child_process", "--ignored"])
+            .env("CRASH_DATABASE_URL", f.db.url())
+            .env("CRASH_BROKERS", &f.kafka.brokers)
+            .env("CRASH_TOPIC", &f.topic)
+            .env("CRASH_GROUP", &f.group)
+            .env("CRASH_PARTITION", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .unwrap();
+        assert!(!status.success(), "the child died");
+    }
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)).crash_loop_limit(2));
+    f.wait_for_committed(BTreeMap::from([(0, 1), (1, 1)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(effects, vec![1, 2], "both took effect, once");
+    let (_, dead) = f
+        .kafka
+        .end_offsets(&f.dlq)
+        .await
+        .into_iter()
+        .next()
+        .unwrap();
+    let letters = f
+        .kafka
+        .read_all(
+            &f.dlq,
+            usize::try_from(dead).unwrap(),
+            Duration::from_millis(300),
+            WAIT,
+        )
+        .await;
+    // The quick message did kill the process after every commit: it may be dead-lettered as a crash loop.
+    // The slow one, under way on the other partition each time, must not be.
+    for letter in &letters {
+        assert_eq!(
+            letter.header(dlq_headers::ORIGINAL_PARTITION),
+            Some("1"),
+            "the slow message was not blamed for deaths on the other partition"
+        );
+        assert_eq!(letter.header(dlq_headers::REASON), Some("crash-loop"));
+    }
+    running.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_after_the_db_commit_before_the_offset_commit_still_yields_one_effect() {
     let f = Fixture::new("crash", 1).await;
@@ -694,4 +891,145 @@ async fn dlq_a_batch_handler_failing_without_naming_the_message_dead_letters_onl
     assert_eq!(dead[0].header(dlq_headers::ORIGINAL_OFFSET), Some("6"));
     assert_eq!(dead[0].header(dlq_headers::REASON), Some("handler-failed"));
     running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dlq_a_group_failure_after_an_item_failure_dead_letters_only_the_failing_message() {
+    let f = Fixture::new("dlq-group-after-item", 1).await;
+    for n in 1..=10 {
+        let p = Ping {
+            permanent: n == 10,
+            ..ping(n)
+        };
+        f.ping(&format!("k-{n}"), &p).await;
+    }
+    let step = BulkFailingOnceUnnamed {
+        inner: RecordPingsInBulk {
+            topic: f.topic.clone(),
+        },
+        unnamed_failures: Arc::new(Mutex::new(1)),
+    };
+    let running = f.start(f.consumer(step).batch_size(10));
+    f.wait_for_committed(BTreeMap::from([(0, 10)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(
+        effects,
+        (1..=9).collect::<Vec<_>>(),
+        "every healthy message once"
+    );
+    let dead = f
+        .kafka
+        .read_all(&f.dlq, 1, Duration::from_millis(800), WAIT)
+        .await;
+    assert_eq!(dead.len(), 1, "only the failing message is dead-lettered");
+    assert_eq!(dead[0].header(dlq_headers::ORIGINAL_OFFSET), Some("9"));
+    assert!(
+        dead[0]
+            .header(dlq_headers::ERROR)
+            .unwrap()
+            .contains("ping 10 is unprocessable"),
+        "with its own error"
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dlq_a_statement_the_database_refuses_narrows_the_batch_and_dead_letters_the_culprit() {
+    let f = Fixture::new("dlq-store-error", 1).await;
+    for n in 1..=6 {
+        let p = Ping {
+            nul_header: n == 3,
+            nul_result: n == 5,
+            ..ping(n)
+        };
+        f.ping(&format!("k-{n}"), &p).await;
+    }
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)).batch_size(6));
+    f.wait_for_committed(BTreeMap::from([(0, 6)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(effects, vec![1, 2, 4, 6], "the others took effect, once");
+    let dead = f
+        .kafka
+        .read_all(&f.dlq, 2, Duration::from_millis(800), WAIT)
+        .await;
+    let offsets: Vec<&str> = dead
+        .iter()
+        .map(|m| m.header(dlq_headers::ORIGINAL_OFFSET).unwrap())
+        .collect();
+    assert_eq!(offsets, ["2", "4"], "the two culprits, and only they");
+    for m in &dead {
+        assert_eq!(m.header(dlq_headers::REASON), Some("retries-exhausted"));
+        assert_eq!(
+            m.header(dlq_headers::ATTEMPTS),
+            Some("4"),
+            "the budget was spent"
+        );
+    }
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dlq_a_dead_letter_the_topic_refuses_goes_as_a_truncated_copy_and_the_partition_flows() {
+    // The dead-letter topic itself refuses messages over 2,000 bytes: the copy without the payload fits.
+    let letter = dead_letter_refused_by_a_topic_of("dlq-too-large", "2000").await;
+    assert_eq!(
+        letter.header("ce_type"),
+        Some("Ping"),
+        "the framework's headers are kept"
+    );
+    // Over 700 bytes: only the minimal copy fits.
+    let letter = dead_letter_refused_by_a_topic_of("dlq-much-too-large", "700").await;
+    assert_eq!(letter.header("ce_type"), None, "a minimal copy");
+}
+
+/// Runs a permanent failure with a large payload and a long error against a dead-letter topic with
+/// `max.message.bytes` = `limit`; checks that the partition flows and returns the dead letter.
+async fn dead_letter_refused_by_a_topic_of(
+    name: &str,
+    limit: &str,
+) -> saga_test_support::ReadMessage {
+    let f = Fixture::with_dlq_config(name, 1, &[("max.message.bytes", limit)]).await;
+    f.ping("k-1", &ping(1)).await;
+    f.ping(
+        "k-2",
+        &Ping {
+            permanent: true,
+            pad: "x".repeat(5_000),
+            ..ping(2)
+        },
+    )
+    .await;
+    f.ping("k-3", &ping(3)).await;
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)));
+    f.wait_for_committed(BTreeMap::from([(0, 3)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(effects, vec![1, 3], "the partition kept flowing");
+    let mut dead = f
+        .kafka
+        .read_all(&f.dlq, 1, Duration::from_millis(800), WAIT)
+        .await;
+    running.stop().await;
+    assert_eq!(dead.len(), 1);
+    let letter = dead.remove(0);
+    assert_eq!(letter.header(dlq_headers::TRUNCATED), Some("true"));
+    assert_eq!(letter.header(dlq_headers::ORIGINAL_OFFSET), Some("1"));
+    assert_eq!(letter.header(dlq_headers::REASON), Some("handler-failed"));
+    assert_eq!(
+        letter.header("idempotency-key"),
+        Some("k-2"),
+        "its identity is kept"
+    );
+    assert_eq!(letter.key.as_deref(), Some("k-2"));
+    assert!(letter.payload.is_empty(), "the payload was dropped");
+    let error = letter.header(dlq_headers::ERROR).unwrap();
+    assert!(
+        error.len() <= dlq_headers::MAX_ERROR_BYTES,
+        "{}",
+        error.len()
+    );
+    assert!(
+        error.starts_with("[the dead-letter topic refused the message"),
+        "{error}"
+    );
+    letter
 }

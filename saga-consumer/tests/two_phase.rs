@@ -88,6 +88,110 @@ fn consumer(pool: PgPool, brokers: &str, topic: &str, crash: bool) -> SagaConsum
         .unwrap()
 }
 
+/// Runs in a child process: a consumer that aborts `ABORT_AFTER_MS` after it started, wherever it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by a_message_waiting_for_a_dead_workers_lease_is_not_blamed_for_deaths_meanwhile"]
+async fn abort_after_child_process() {
+    let (Ok(url), Ok(brokers), Ok(topic), Ok(after)) = (
+        std::env::var("CRASH_DATABASE_URL"),
+        std::env::var("CRASH_BROKERS"),
+        std::env::var("CHARGE_TOPIC"),
+        std::env::var("ABORT_AFTER_MS"),
+    ) else {
+        panic!("run by the lease test only");
+    };
+    let after = Duration::from_millis(after.parse().unwrap());
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        std::process::abort();
+    });
+    let pool = PgPool::connect(&url).await.unwrap();
+    consumer(pool, &brokers, &topic, false)
+        .run(CancellationToken::new())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_waiting_for_a_dead_workers_lease_is_not_blamed_for_deaths_meanwhile() {
+    let db = TestDb::with(
+        "two-phase-lease-wait",
+        &[saga_consumer::migrate::migrator()],
+    )
+    .await;
+    for table in [
+        "CREATE TABLE provider_charges (idempotency_key TEXT PRIMARY KEY, charge_id TEXT NOT NULL)",
+        "CREATE TABLE orders_paid (tenant TEXT, client_key TEXT, charge_id TEXT, PRIMARY KEY (tenant, client_key))",
+    ] {
+        sqlx::query(table).execute(&db.pool).await.unwrap();
+    }
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("two-phase-lease-wait", 1).await;
+    let dlq = format!("{topic}.dlq");
+    kafka.create_topic(&dlq, 1).await;
+    let headers = [("idempotency-key", "order-1"), ("ce_type", "OrderPlaced")];
+    kafka
+        .produce(&kafka.producer(), &topic, Some("order-1"), &headers, b"{}")
+        .await;
+    // A previous run died in the batch of offset 0 while holding the step's lease, which runs a minute.
+    sqlx::query(
+        "INSERT INTO saga_consumer_progress (group_id, topic, partition, batch_offset, batch_end) \
+         VALUES ($1, $2, 0, 0, 0)",
+    )
+    .bind(format!("{topic}-group"))
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at) \
+         VALUES ('default', 'order-1:charge', 'started', now() + interval '1 minute')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    // Three consumers die, for reasons of their own, while the message waits for that lease: as many
+    // deaths as the crash-loop limit.
+    for _ in 0..3 {
+        let status = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "abort_after_child_process", "--ignored"])
+            .env("CRASH_DATABASE_URL", db.url())
+            .env("CRASH_BROKERS", &kafka.brokers)
+            .env("CHARGE_TOPIC", &topic)
+            .env("ABORT_AFTER_MS", "10000")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .unwrap();
+        assert!(!status.success(), "the child died");
+    }
+    assert_eq!(
+        db.count("provider_charges").await,
+        0,
+        "nothing ran meanwhile"
+    );
+
+    // The lease runs out; the next consumer charges, instead of dead-lettering the message as a crash loop.
+    sqlx::query("UPDATE saga_idempotency_keys SET lease_expires_at = now()")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    let running =
+        tokio::spawn(consumer(db.pool.clone(), &kafka.brokers, &topic, false).run(stop.clone()));
+    wait_until("the order paid", WAIT, || async {
+        (db.count("orders_paid").await == 1).then_some(())
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(db.count("provider_charges").await, 1);
+    let (_, high) = kafka.end_offsets(&dlq).await.into_iter().next().unwrap();
+    assert_eq!(high, 0, "nothing was dead-lettered");
+}
+
 /// Runs in a child process: a consumer whose step aborts right after the provider charged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run by a_crash_between_the_external_call_and_the_completion_still_yields_one_charge_per_tenant"]

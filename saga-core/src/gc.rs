@@ -8,9 +8,13 @@ use sqlx::PgPool;
 /// What to delete, and how much per statement.
 #[derive(Debug, Clone)]
 pub struct GcPolicy {
-    /// Completed and failed keys older than this (by last update) are deleted. Default: 7 days. Must exceed
-    /// the longest time a message can be redelivered (the topic's retention), or a very late duplicate runs
-    /// again.
+    /// Completed and failed keys older than this (by last update) are deleted. Default: 7 days.
+    ///
+    /// Must exceed the longest time a message can still be delivered after it took effect: the topic's
+    /// retention (`retention.ms`: a consumer group that starts over reads everything still there) plus the
+    /// broker's offset retention (`offsets.retention.minutes`, 7 days by default in Kafka: a group idle for
+    /// longer loses its committed offsets and, with `auto.offset.reset=earliest`, reads the topic from the
+    /// start again). A message older than the key retention that is delivered again runs again.
     pub retention: Duration,
     /// `started` keys whose lease expired longer ago than this are deleted (their worker died and no retry
     /// came back for them). Default: 1 day.

@@ -387,13 +387,17 @@ fn millis(d: Duration) -> i64 {
 
 /// Phase one of two-phase mode: leases `key` as `started` for `lease`, in its own statement (commit it
 /// before calling out: pass a pool connection outside any transaction).
+///
+/// Whether a lease has expired is decided by the database's clock alone, so a client whose clock runs ahead
+/// of the database's gets [`LeaseClaim::Busy`], never a loop.
 pub async fn claim_lease(
     conn: &mut PgConnection,
     tenant: &TenantId,
     key: &StepKey,
     lease: Duration,
 ) -> Result<LeaseClaim, StoreError> {
-    loop {
+    // A row deleted or expired between the two statements is claimed again; the bound is only a guard.
+    for _ in 0..3 {
         let acquired = sqlx::query(
             "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at) \
              VALUES ($1, $2, 'started', now() + $3 * interval '1 millisecond') \
@@ -417,23 +421,38 @@ pub async fn claim_lease(
                 expires_at: row.try_get(1)?,
             }));
         }
-        let Some(record) = lookup(&mut *conn, tenant, key).await? else {
+        let existing = sqlx::query(
+            "SELECT status, outcome, error, lease_expires_at, lease_expires_at <= now() \
+             FROM saga_idempotency_keys WHERE tenant_id = $1 AND step_key = $2",
+        )
+        .bind(tenant.as_str())
+        .bind(key.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+        let Some(row) = existing else {
             continue; // deleted in between: claim again
         };
-        match record.status {
+        let status = KeyStatus::parse(row.try_get(0)?)?;
+        match status {
             KeyStatus::Completed | KeyStatus::Failed => {
                 return Ok(LeaseClaim::Duplicate(StoredOutcome {
-                    status: record.status,
-                    outcome: record.outcome,
-                    error: record.error,
+                    status,
+                    outcome: row.try_get(1)?,
+                    error: row.try_get(2)?,
                 }));
             }
-            KeyStatus::Started => match record.lease_expires_at {
-                Some(until) if until > Utc::now() => return Ok(LeaseClaim::Busy { until }),
-                _ => continue, // expired in between: claim again
-            },
+            KeyStatus::Started if row.try_get::<Option<bool>, _>(4)? == Some(true) => continue,
+            KeyStatus::Started => {
+                return Ok(LeaseClaim::Busy {
+                    until: row
+                        .try_get::<Option<DateTime<Utc>>, _>(3)?
+                        .unwrap_or_else(Utc::now),
+                });
+            }
         }
     }
+    // Expired, then taken by another claimant, three times over: someone else holds it now.
+    Ok(LeaseClaim::Busy { until: Utc::now() })
 }
 
 /// Phase two of two-phase mode: marks the leased key finished with `outcome`, inside the caller's
@@ -472,22 +491,44 @@ pub async fn complete_lease(
 /// Locks a leased key in the caller's transaction, checking that the lease is still the caller's. Call it
 /// first in the completing transaction: from then on a takeover waits for this transaction to end. Fails
 /// with [`StoreError::Fenced`] if the lease was taken over.
+///
+/// A key whose row is gone (garbage collection deleted it as an abandoned lease while the external call
+/// ran long) is not "taken over": nobody else holds it, and the external call happened. The row is written
+/// back, still `started` under the caller's attempt number, so that the completion that follows records it.
 pub async fn lock_lease(conn: &mut PgConnection, lease: &Lease) -> Result<(), StoreError> {
-    let held = sqlx::query(
-        "SELECT 1 FROM saga_idempotency_keys \
-         WHERE tenant_id = $1 AND step_key = $2 AND status = 'started' AND attempts = $3 FOR UPDATE",
+    let held = sqlx::query_scalar::<_, i32>(
+        "SELECT attempts FROM saga_idempotency_keys \
+         WHERE tenant_id = $1 AND step_key = $2 AND status = 'started' FOR UPDATE",
     )
     .bind(lease.tenant.as_str())
     .bind(lease.key.as_str())
-    .bind(lease.attempt)
-    .fetch_optional(conn)
+    .fetch_optional(&mut *conn)
     .await?;
+    let fenced = || StoreError::Fenced {
+        key: lease.key.to_string(),
+        attempt: lease.attempt,
+    };
     match held {
-        Some(_) => Ok(()),
-        None => Err(StoreError::Fenced {
-            key: lease.key.to_string(),
-            attempt: lease.attempt,
-        }),
+        Some(attempt) if attempt == lease.attempt => Ok(()),
+        Some(_) => Err(fenced()),
+        None => {
+            // Gone, or finished by someone else. Write it back if gone; a concurrent claimant's insert makes
+            // this one conflict, and then the lease is not ours any more.
+            let restored = sqlx::query(
+                "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, attempts, lease_expires_at) \
+                 VALUES ($1, $2, 'started', $3, now()) ON CONFLICT (tenant_id, step_key) DO NOTHING",
+            )
+            .bind(lease.tenant.as_str())
+            .bind(lease.key.as_str())
+            .bind(lease.attempt)
+            .execute(&mut *conn)
+            .await?;
+            if restored.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(fenced())
+            }
+        }
     }
 }
 

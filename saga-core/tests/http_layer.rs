@@ -61,6 +61,21 @@ async fn create_thing(
         .into_response()
 }
 
+/// Writes a thing and answers with a body that is not UTF-8, which the layer cannot store: a 500.
+async fn create_thing_in_binary(
+    request: IdempotentRequest,
+    axum::Json(thing): axum::Json<Thing>,
+) -> axum::response::Response {
+    let mut conn = request.transaction().await;
+    sqlx::query("INSERT INTO things (tenant, name) VALUES ($1, $2)")
+        .bind(request.tenant().as_str())
+        .bind(&thing.name)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    (StatusCode::OK, vec![0xff_u8, 0xfe, 0xfd]).into_response()
+}
+
 struct Fixture {
     db: TestDb,
     app: Router,
@@ -86,6 +101,13 @@ impl Fixture {
                     StepName::from_static("create-thing"),
                 )),
             )
+            .route(
+                "/binary",
+                post(create_thing_in_binary).layer(IdempotencyLayer::new(
+                    db.pool.clone(),
+                    StepName::from_static("create-binary"),
+                )),
+            )
             .with_state(state.clone());
         Self { db, app, state }
     }
@@ -96,7 +118,17 @@ impl Fixture {
         tenant: Option<&str>,
         body: &str,
     ) -> (StatusCode, bool, serde_json::Value, Option<String>) {
-        let mut request = Request::post("/things").header("content-type", "application/json");
+        self.post_to("/things", key, tenant, body).await
+    }
+
+    async fn post_to(
+        &self,
+        path: &str,
+        key: Option<&str>,
+        tenant: Option<&str>,
+        body: &str,
+    ) -> (StatusCode, bool, serde_json::Value, Option<String>) {
+        let mut request = Request::post(path).header("content-type", "application/json");
         if let Some(key) = key {
             request = request.header("Idempotency-Key", key);
         }
@@ -181,6 +213,41 @@ async fn retries_sent_back_to_back_are_all_replayed_never_refused_as_in_flight()
     }
     assert_eq!(f.state.calls.load(Ordering::SeqCst), 1);
     assert_eq!(f.things().await, 1);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_response_that_cannot_be_stored_rolls_back_before_answering_and_frees_the_key_at_once() {
+    let f = Fixture::new("http-unstorable").await;
+    let spinning = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let spinners: Vec<_> = (0..4)
+        .map(|_| {
+            let spinning = spinning.clone();
+            std::thread::spawn(move || {
+                while spinning.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let _stop = StopOnDrop(spinning);
+    for round in 0..300 {
+        let key = format!("k-bin-{round}");
+        for attempt in 0..2 {
+            let (status, _, body, _) = f
+                .post_to("/binary", Some(&key), None, r#"{"name":"a"}"#)
+                .await;
+            assert_eq!(
+                status,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "round {round}, attempt {attempt}: the retry finds the key free, never in flight: {body}"
+            );
+        }
+    }
+    drop(_stop);
+    for spinner in spinners {
+        spinner.join().unwrap();
+    }
+    assert_eq!(f.things().await, 0, "every handler's write rolled back");
 }
 
 /// Stops the spinning threads, also when the test fails.

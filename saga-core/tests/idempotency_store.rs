@@ -377,3 +377,147 @@ async fn try_claim_answers_busy_at_once_instead_of_waiting() {
     assert_eq!(stored.status, KeyStatus::Completed);
     assert_eq!(request_hash.as_deref(), Some(&b"hash-a"[..]));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_lease_fences_a_worker_whose_lease_was_taken_over_and_makes_the_takeover_wait() {
+    let db = TestDb::new("store-lock-lease").await;
+    let (t, k) = (tenant("acme"), key("order-5", "process-payment"));
+    let mut conn = db.pool.acquire().await.unwrap();
+    let LeaseClaim::Acquired(first) = claim_lease(&mut conn, &t, &k, Duration::from_millis(200))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let LeaseClaim::Acquired(second) = claim_lease(&mut conn, &t, &k, Duration::from_millis(200))
+        .await
+        .unwrap()
+    else {
+        panic!("the expired lease is taken over")
+    };
+
+    // The first worker's completing transaction is fenced at its first statement.
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = idempotency::lock_lease(&mut tx, &first).await.unwrap_err();
+    assert!(
+        matches!(err, StoreError::Fenced { attempt: 1, .. }),
+        "{err}"
+    );
+    tx.rollback().await.unwrap();
+
+    // The current owner locks the key; a takeover (its lease runs out meanwhile) waits for that transaction.
+    let mut tx = db.pool.begin().await.unwrap();
+    idempotency::lock_lease(&mut tx, &second).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pool = db.pool.clone();
+    let (t2, k2) = (t.clone(), k.clone());
+    let takeover = tokio::spawn(async move {
+        let mut conn = pool.acquire().await.unwrap();
+        claim_lease(&mut conn, &t2, &k2, Duration::from_secs(30)).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !takeover.is_finished(),
+        "the takeover waits for the locked key"
+    );
+    complete_lease(&mut tx, &second, &StepOutcome::completed())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let after = takeover.await.unwrap().unwrap();
+    assert!(
+        matches!(after, LeaseClaim::Duplicate(_)),
+        "after the completion commits, the would-be takeover finds the step done: {after:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_completion_after_garbage_collection_deleted_the_lease_is_recorded_not_dropped() {
+    let db = TestDb::new("store-lease-gc").await;
+    let (t, k) = (tenant("acme"), key("order-6", "process-payment"));
+    let mut conn = db.pool.acquire().await.unwrap();
+    let LeaseClaim::Acquired(lease) = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    // The external call runs long; garbage collection deletes the row as an abandoned lease.
+    sqlx::query("DELETE FROM saga_idempotency_keys")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    idempotency::lock_lease(&mut tx, &lease)
+        .await
+        .expect("a deleted key is not taken over: nobody else holds it");
+    complete_lease(
+        &mut tx,
+        &lease,
+        &StepOutcome::Completed {
+            result: Some(serde_json::json!({"charge": "ch_9"})),
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let record = idempotency::lookup(&mut conn, &t, &k)
+        .await
+        .unwrap()
+        .expect("the key is back");
+    assert_eq!(record.status, KeyStatus::Completed);
+    assert_eq!(record.outcome, Some(serde_json::json!({"charge": "ch_9"})));
+
+    // But a key that another worker claimed meanwhile is that worker's.
+    sqlx::query("DELETE FROM saga_idempotency_keys")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let LeaseClaim::Acquired(other) = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(other.attempt, 1);
+    let stale = idempotency::Lease {
+        attempt: 7,
+        ..other.clone()
+    };
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = idempotency::lock_lease(&mut tx, &stale).await.unwrap_err();
+    assert!(matches!(err, StoreError::Fenced { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn a_client_clock_ahead_of_the_database_gets_busy_not_a_busy_loop() {
+    let db = TestDb::new("store-clock-skew").await;
+    let (t, k) = (tenant("acme"), key("order-7", "process-payment"));
+    // A transaction's now() is its start time: inside one opened a while ago, the database's clock runs
+    // behind the client's, as on a machine whose clock is ahead of the database server's.
+    let mut behind = db.pool.begin().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    sqlx::query(
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at) \
+         VALUES ($1, $2, 'started', clock_timestamp() + interval '100 milliseconds')",
+    )
+    .bind(t.as_str())
+    .bind(k.as_str())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // By the client's clock the lease has expired; by the database's (the transaction's) it has not.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let claimed = tokio::time::timeout(
+        Duration::from_secs(5),
+        claim_lease(&mut behind, &t, &k, Duration::from_secs(30)),
+    )
+    .await
+    .expect("claim_lease returns instead of looping")
+    .unwrap();
+    assert!(matches!(claimed, LeaseClaim::Busy { .. }), "{claimed:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+}

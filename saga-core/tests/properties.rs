@@ -2,7 +2,10 @@
 
 use proptest::prelude::*;
 use saga_core::headers::names;
-use saga_core::{EventMetadata, Headers, IdempotencyKey, StepKey, StepName, TenantId, TraceParent};
+use saga_core::{
+    EnvelopeError, EventMetadata, HeaderError, Headers, IdempotencyKey, StepKey, StepName,
+    TenantId, TraceParent,
+};
 
 fn valid_key() -> impl Strategy<Value = String> {
     proptest::string::string_regex("[A-Za-z0-9._~:@/+=-]{1,200}").unwrap()
@@ -42,7 +45,7 @@ proptest! {
     }
 
     #[test]
-    fn arbitrary_header_bytes_never_panic(
+    fn arbitrary_header_bytes_never_panic_and_every_error_names_a_real_defect(
         headers in proptest::collection::vec(
             (prop_oneof![
                 Just(names::IDEMPOTENCY_KEY.to_owned()),
@@ -52,7 +55,11 @@ proptest! {
                 Just(names::CORRELATION_ID.to_owned()),
                 any::<String>(),
             ],
-            proptest::option::of(proptest::collection::vec(any::<u8>(), 0..300))),
+            proptest::option::of(prop_oneof![
+                // Valid values too, so that both outcomes are exercised.
+                valid_key().prop_map(String::into_bytes),
+                proptest::collection::vec(any::<u8>(), 0..300),
+            ])),
             0..12,
         )
     ) {
@@ -63,8 +70,36 @@ proptest! {
         match EventMetadata::from_headers(&list) {
             Ok(meta) => {
                 prop_assert_eq!(Some(meta.idempotency_key.as_str()), list.get_str(names::IDEMPOTENCY_KEY).unwrap());
+                prop_assert_eq!(Some(meta.event_type.as_str()), list.get_str(names::CE_TYPE).unwrap());
+                let tenant = list.get_str(names::TENANT_ID).unwrap().unwrap_or("default");
+                prop_assert_eq!(meta.tenant.as_str(), tenant);
             }
-            Err(err) => prop_assert!(!err.to_string().is_empty()),
+            // Each error must be justified by the input, not just have a message.
+            Err(EnvelopeError::MissingHeader(name)) => {
+                prop_assert_eq!(list.get_str(name), Ok(None));
+            }
+            Err(EnvelopeError::Header(HeaderError::NotUtf8 { name })) => {
+                let not_utf8 = matches!(list.get_str(&name), Err(HeaderError::NotUtf8 { .. }));
+                prop_assert!(not_utf8);
+            }
+            Err(EnvelopeError::Header(HeaderError::Conflicting { name })) => {
+                let conflicting = matches!(list.get_str(&name), Err(HeaderError::Conflicting { .. }));
+                prop_assert!(conflicting);
+            }
+            Err(EnvelopeError::InvalidKey { header, .. }) => {
+                let value = list.get_str(header).unwrap().unwrap();
+                let invalid = match header {
+                    h if h == names::IDEMPOTENCY_KEY => IdempotencyKey::new(value).is_err(),
+                    h if h == names::TENANT_ID => TenantId::new(value).is_err(),
+                    _ => false,
+                };
+                prop_assert!(invalid, "{header}={value:?} was refused but is valid");
+            }
+            Err(EnvelopeError::InvalidEventType(t)) => {
+                prop_assert_eq!(Some(t.as_str()), list.get_str(names::CE_TYPE).unwrap());
+                prop_assert!(t.is_empty() || t.len() > 200 || t.chars().any(char::is_control), "{t:?}");
+            }
+            Err(other) => prop_assert!(false, "headers alone cannot fail with {other}"),
         }
     }
 }

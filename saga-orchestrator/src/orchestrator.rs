@@ -146,21 +146,48 @@ impl Orchestrator {
     }
 
     /// Fires the due timers of up to `limit` instances in one transaction, skipping instances another
-    /// instance of the orchestrator is handling. Returns how many moved.
+    /// instance of the orchestrator is handling. Each instance moves in a savepoint of its own: one whose
+    /// transition fails (its hook errs, its data is unreadable) is rolled back alone, marked with the error
+    /// (`timer_failures`, `last_error`) and tried again later with backoff, while the others move. Returns
+    /// how many moved.
     pub async fn fire_due(&self, pool: &PgPool, limit: i64) -> Result<usize, OrchestratorError> {
         let def = &self.inner.definition;
         let mut tx = pool.begin().await?;
         let due = store::lock_due(&mut tx, def.saga_type.as_str(), limit).await?;
         let mut moved = 0;
         for instance in &due {
-            if let Some(decision) = decide(def, &instance.state()?, SagaEvent::Timeout) {
-                self.transition(&mut tx, instance, &decision, &instance.lineage()?)
-                    .await?;
-                moved += 1;
+            let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
+            match self.fire_one(&mut savepoint, instance).await {
+                Ok(fired) => {
+                    savepoint.commit().await?;
+                    moved += usize::from(fired);
+                }
+                Err(e) => {
+                    savepoint.rollback().await?;
+                    tracing::warn!(saga = %instance.saga_id, error = %e, "a saga's timer failed to fire; will retry");
+                    store::timer_failed(&mut tx, instance, &e.to_string()).await?;
+                }
             }
         }
         tx.commit().await?;
         Ok(moved)
+    }
+
+    async fn fire_one(
+        &self,
+        conn: &mut PgConnection,
+        instance: &SagaInstance,
+    ) -> Result<bool, OrchestratorError> {
+        let Some(decision) = decide(
+            &self.inner.definition,
+            &instance.state()?,
+            SagaEvent::Timeout,
+        ) else {
+            return Ok(false);
+        };
+        self.transition(conn, instance, &decision, &instance.lineage()?)
+            .await?;
+        Ok(true)
     }
 
     /// Fires due timers every `every` until `shutdown`. Run it beside the consumer; several orchestrator

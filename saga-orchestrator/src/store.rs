@@ -38,6 +38,10 @@ pub struct SagaInstance {
     pub deadline: Option<DateTime<Utc>>,
     /// The optimistic-concurrency version.
     pub version: i32,
+    /// Consecutive failures of its timer to fire (0 once a transition lands).
+    pub timer_failures: i32,
+    /// The last such failure.
+    pub last_error: Option<String>,
     /// When it started.
     pub created_at: DateTime<Utc>,
     /// When it last changed.
@@ -87,7 +91,7 @@ pub struct Transition {
 }
 
 const COLUMNS: &str = "saga_id, saga_type, tenant_id, idempotency_key, status, step_index, attempt, step_keys, \
-     data, failure, deadline, version, created_at, updated_at";
+     data, failure, deadline, version, created_at, updated_at, timer_failures, last_error";
 
 fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
     Ok(SagaInstance {
@@ -105,6 +109,8 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
         version: row.try_get(11)?,
         created_at: row.try_get(12)?,
         updated_at: row.try_get(13)?,
+        timer_failures: row.try_get(14)?,
+        last_error: row.try_get(15)?,
     })
 }
 
@@ -237,7 +243,7 @@ pub async fn apply(
              deadline = CASE WHEN $8::bigint IS NULL THEN NULL ELSE now() + $8 * interval '1 millisecond' END, \
              step_keys = CASE WHEN $9::text IS NULL THEN step_keys \
                               ELSE step_keys || jsonb_build_object($9::text, $10::text) END, \
-             version = version + 1, updated_at = now() \
+             version = version + 1, updated_at = now(), timer_failures = 0, last_error = NULL \
          WHERE saga_id = $1 AND version = $2",
     )
     .bind(instance.saga_id)
@@ -278,6 +284,26 @@ pub async fn apply(
         let source = format!("orchestrator/{}", instance.saga_type);
         outbox::append(conn, &[OutboxMessage::from_event(event, lineage, &source)]).await?;
     }
+    Ok(())
+}
+
+/// Records that `instance`'s timer failed to fire with `error`, and puts its deadline off by a backoff that
+/// grows with its failures (1 s, 2 s, 4 s, ... up to 5 minutes), so that it is not picked first every time.
+pub async fn timer_failed(
+    conn: &mut PgConnection,
+    instance: &SagaInstance,
+    error: &str,
+) -> Result<(), OrchestratorError> {
+    sqlx::query(
+        "UPDATE saga_instances SET timer_failures = timer_failures + 1, last_error = $3, \
+             deadline = now() + least(power(2, least(timer_failures, 9)), 300) * interval '1 second' \
+         WHERE saga_id = $1 AND version = $2",
+    )
+    .bind(instance.saga_id)
+    .bind(instance.version)
+    .bind(error)
+    .execute(conn)
+    .await?;
     Ok(())
 }
 

@@ -143,6 +143,20 @@ pub async fn ensure_topics(
     Ok(())
 }
 
+/// Whether a produce error means the broker (or the client) refuses this message for good, so that
+/// producing it again cannot succeed: it is too large, or not a valid record. Other errors are transient (the
+/// producer retries those itself, or they concern the connection).
+pub fn refused_for_good(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::MessageSizeTooLarge
+            | RDKafkaErrorCode::MessageBatchTooLarge
+            | RDKafkaErrorCode::InvalidRecord
+            | RDKafkaErrorCode::InvalidMessage
+            | RDKafkaErrorCode::InvalidMessageSize
+    )
+}
+
 /// Converts saga-core headers to rdkafka headers.
 pub fn to_kafka_headers(headers: &Headers) -> OwnedHeaders {
     headers.iter().fold(

@@ -100,10 +100,20 @@ impl TestKafka {
 
     /// Creates topic `name` and waits until the broker lists it with all its partitions.
     pub async fn create_topic(&self, name: &str, partitions: i32) {
+        self.create_topic_with(name, partitions, &[]).await;
+    }
+
+    /// Creates topic `name` with topic configuration `config` (such as `("max.message.bytes", "1000")`,
+    /// which makes the broker itself refuse larger messages) and waits until the broker lists it.
+    pub async fn create_topic_with(&self, name: &str, partitions: i32, config: &[(&str, &str)]) {
+        let mut topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+        for (key, value) in config {
+            topic = topic.set(key, value);
+        }
         let results = self
             .admin
             .create_topics(
-                &[NewTopic::new(name, partitions, TopicReplication::Fixed(1))],
+                &[topic],
                 &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
             )
             .await
@@ -168,6 +178,20 @@ impl TestKafka {
         headers: &[(&str, &str)],
         payload: &[u8],
     ) -> (i32, i64) {
+        self.produce_to(producer, topic, None, key, headers, payload)
+            .await
+    }
+
+    /// Like [`TestKafka::produce`], to partition `partition` if given (else the partitioner's choice).
+    pub async fn produce_to(
+        &self,
+        producer: &FutureProducer,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&str>,
+        headers: &[(&str, &str)],
+        payload: &[u8],
+    ) -> (i32, i64) {
         let mut owned = OwnedHeaders::new();
         for (name, value) in headers {
             owned = owned.insert(Header {
@@ -180,6 +204,9 @@ impl TestKafka {
             .headers(owned);
         if let Some(key) = key {
             record = record.key(key);
+        }
+        if let Some(partition) = partition {
+            record = record.partition(partition);
         }
         let delivery = producer
             .send(record, Duration::from_secs(30))

@@ -161,6 +161,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     // Let the last duplicates be absorbed.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let ledger = run.ledger(&stats.expected).await?;
+    let dead_letters = run.dead_letters().await?;
     let duplicates_absorbed = run.duplicates_absorbed();
     let deaths = run
         .supervisor
@@ -186,6 +187,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         duplicates_absorbed,
         duplicates_injected: duplicator::count(&copies),
         deaths,
+        dead_letters,
         extra,
     };
     summary.print();

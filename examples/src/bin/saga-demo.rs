@@ -94,6 +94,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
     let ledger = run.ledger(&stats.expected).await?;
+    let dead_letters = run.dead_letters().await?;
     let duplicates_absorbed = run.duplicates_absorbed();
     let deaths = run
         .supervisor
@@ -125,6 +126,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         duplicates_absorbed,
         duplicates_injected: copies.map_or(0, |c| duplicator::count(&c)),
         deaths,
+        dead_letters,
         extra: Vec::new(),
     };
     summary.print();

@@ -60,6 +60,8 @@ pub struct Ledger {
     pub refunds: i64,
     /// Arranged shipments.
     pub shipments: i64,
+    /// Steps that ran more than once for one order (distinct events of one type from one step).
+    pub steps_run_twice: usize,
     /// Violated invariants, for people.
     pub violations: Vec<String>,
 }
@@ -104,6 +106,39 @@ pub async fn read_facts(
             ))
         })
         .collect()
+}
+
+/// Finds steps that took effect more than once: in every service's outbox, the events of one order
+/// (partition key), type and emitting step with more than one message id. A step that ran twice emits its
+/// event twice, with two ids; a redelivery absorbed by the step key emits nothing. The orchestrator's
+/// commands are left out: it re-sends a compensation, with the same key, until it is confirmed.
+pub async fn steps_run_twice(
+    pool: &PgPool,
+    args: &ServiceArgs,
+) -> Result<Vec<String>, sqlx::Error> {
+    let mut found = Vec::new();
+    for service in Service::ALL {
+        let schema = quote_ident(&args.schema(service));
+        let rows: Vec<(Option<String>, String, String, i64)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT partition_key, headers[array_position(headers, 'ce_type') + 1], \
+                        headers[array_position(headers, 'ce_source') + 1], \
+                        count(DISTINCT headers[array_position(headers, 'ce_id') + 1]) \
+                 FROM {schema}.saga_outbox \
+                 WHERE headers[array_position(headers, 'ce_source') + 1] NOT LIKE 'orchestrator/%' \
+                 GROUP BY 1, 2, 3 HAVING count(DISTINCT headers[array_position(headers, 'ce_id') + 1]) > 1"
+            )))
+            .fetch_all(pool)
+            .await?;
+        for (key, event_type, source, ids) in rows {
+            found.push(format!(
+                "{} step {source} emitted {event_type} {ids} times for {}: it ran more than once",
+                service.as_str(),
+                key.unwrap_or_default()
+            ));
+        }
+    }
+    Ok(found)
 }
 
 /// Counts finished orders (COMPLETED or CANCELLED).

@@ -333,7 +333,36 @@ impl Run {
     /// Reads the ledger and checks the invariants against what the client expected.
     pub async fn ledger(&self, expected: &HashMap<String, Path>) -> anyhow::Result<Ledger> {
         let facts = ledger::read_facts(&self.pool, &self.args).await?;
-        Ok(ledger::check(&facts, expected))
+        let mut ledger = ledger::check(&facts, expected);
+        let twice = ledger::steps_run_twice(&self.pool, &self.args).await?;
+        ledger.steps_run_twice = twice.len();
+        ledger.violations.extend(twice);
+        Ok(ledger)
+    }
+
+    /// Messages in the services' dead-letter topics. A run's messages are all valid: any dead letter is a
+    /// message the framework failed to handle (a step that ran twice and hit a primary key, say).
+    pub async fn dead_letters(&self) -> anyhow::Result<i64> {
+        let config = saga_runtime::kafka::KafkaConfig::new(self.broker.brokers()).client_config();
+        let topics: Vec<String> = Service::ALL.iter().map(|s| self.args.dlq(*s)).collect();
+        let counted = tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
+            use rdkafka::consumer::{BaseConsumer, Consumer};
+            let client: BaseConsumer = config.create()?;
+            let mut total = 0;
+            for topic in &topics {
+                let metadata = client.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+                let partitions = metadata
+                    .topics()
+                    .first()
+                    .map_or(0, |t| t.partitions().len());
+                for p in 0..i32::try_from(partitions)? {
+                    let (low, high) = client.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+                    total += high - low;
+                }
+            }
+            Ok(total)
+        });
+        counted.await?
     }
 
     /// Redelivered messages the services skipped by their step key, as their metrics report them.

@@ -17,6 +17,8 @@ pub struct Summary<'a> {
     pub duplicates_injected: u64,
     /// Process deaths (crashes and kills), each followed by a restart.
     pub deaths: u32,
+    /// Messages in the services' dead-letter topics (none may be: every message of a run is valid).
+    pub dead_letters: i64,
     /// Extra lines.
     pub extra: Vec<(String, String)>,
 }
@@ -40,6 +42,8 @@ impl Summary<'_> {
             ("charges at the gateway".into(), l.charges.to_string()),
             ("refunds at the gateway".into(), l.refunds.to_string()),
             ("shipments arranged".into(), l.shipments.to_string()),
+            ("steps run twice".into(), l.steps_run_twice.to_string()),
+            ("dead letters".into(), self.dead_letters.to_string()),
             ("HTTP requests".into(), c.requests.to_string()),
             (
                 "HTTP replays (same key, stored response)".into(),
@@ -71,13 +75,18 @@ impl Summary<'_> {
             println!("{name:<width$}  {value:>8}");
         }
         println!("{}", "─".repeat(width + 12));
-        if l.violations.is_empty() && c.failures.is_empty() {
+        if self.ok() {
             println!(
                 "invariants: every order finished, one charge per paid order, a refund only for a failed shipment,"
             );
-            println!("            one shipment per completed order, no order lost: all hold");
+            println!(
+                "            one shipment per completed order, no order lost, no step run twice, no dead letter: all hold"
+            );
         } else {
             println!("VIOLATIONS:");
+            if self.dead_letters > 0 {
+                println!("  - {} messages were dead-lettered", self.dead_letters);
+            }
             for v in l.violations.iter().chain(&c.failures).take(50) {
                 println!("  - {v}");
             }
@@ -86,7 +95,9 @@ impl Summary<'_> {
 
     /// Whether every invariant holds.
     pub fn ok(&self) -> bool {
-        self.ledger.violations.is_empty() && self.client.failures.is_empty()
+        self.ledger.violations.is_empty()
+            && self.client.failures.is_empty()
+            && self.dead_letters == 0
     }
 }
 
