@@ -7,21 +7,17 @@
 //!                                                             └──▶ mark-order-paid
 //! ```
 
+use saga_consumer::SagaEvent;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-/// Event type names (`ce_type`).
+/// Event type names (`ce_type`) of the events whose payload is shared by several types; the others are
+/// typed ([`OrderCreated`], [`PaymentProcessed`], [`ShipmentArranged`]: see [`SagaEvent`]).
 pub mod types {
-    /// An order was accepted.
-    pub const ORDER_CREATED: &str = "OrderCreated";
-    /// Its payment was charged.
-    pub const PAYMENT_PROCESSED: &str = "PaymentProcessed";
     /// Its payment was declined.
     pub const PAYMENT_FAILED: &str = "PaymentFailed";
     /// Its payment was refunded (compensation).
     pub const PAYMENT_REFUNDED: &str = "PaymentRefunded";
-    /// Its shipment was arranged.
-    pub const SHIPMENT_ARRANGED: &str = "ShipmentArranged";
     /// Its shipment could not be arranged.
     pub const SHIPMENT_FAILED: &str = "ShipmentFailed";
     /// Orchestrated mode: the command to charge an order.
@@ -130,4 +126,16 @@ pub struct ShipmentArranged {
     pub order_id: Uuid,
     /// The shipment.
     pub shipment_id: Uuid,
+}
+
+impl SagaEvent for OrderCreated {
+    const TYPE: &'static str = "OrderCreated";
+}
+
+impl SagaEvent for PaymentProcessed {
+    const TYPE: &'static str = "PaymentProcessed";
+}
+
+impl SagaEvent for ShipmentArranged {
+    const TYPE: &'static str = "ShipmentArranged";
 }

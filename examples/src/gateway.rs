@@ -28,7 +28,7 @@ pub enum ChargeResult {
 pub struct GatewayUnavailable(#[from] sqlx::Error);
 
 /// The simulated gateway.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct PaymentGateway {
     pool: PgPool,
     latency: Duration,

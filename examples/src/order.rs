@@ -16,11 +16,10 @@ use axum::{Json, Router};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use saga_core::StepError;
-use saga_core::http::{IdempotencyLayer, IdempotentRequest};
-use saga_core::{
-    Event, Message, OutboxMessage, SagaStep, StepContext, StepName, StepOutcome, StepResult,
-    Subscription, outbox,
+use saga_consumer::http::{IdempotencyLayer, IdempotentRequest};
+use saga_consumer::{
+    Message, SagaEvent, SagaStep, StepContext, StepError, StepName, StepOutcome, StepResult,
+    Subscription,
 };
 use saga_orchestrator::definition::DefinitionError;
 use saga_orchestrator::{
@@ -68,7 +67,7 @@ pub fn order_saga(topics: &Topics) -> Result<SagaDefinition, DefinitionError> {
             data["input"].clone()
         }),
     )?
-    .succeeds_on([types::PAYMENT_PROCESSED])
+    .succeeds_on([PaymentProcessed::TYPE])
     .fails_on([types::PAYMENT_FAILED])
     .compensate_with(
         Command::new(&topics.payment_commands, types::REFUND_PAYMENT, |data| {
@@ -90,7 +89,7 @@ pub fn order_saga(topics: &Topics) -> Result<SagaDefinition, DefinitionError> {
             data["process-payment"].clone()
         }),
     )?
-    .succeeds_on([types::SHIPMENT_ARRANGED])
+    .succeeds_on([ShipmentArranged::TYPE])
     .fails_on([types::SHIPMENT_FAILED])
     .timeout(Duration::from_secs(60), OnTimeout::Fail);
     Ok(
@@ -101,6 +100,7 @@ pub fn order_saga(topics: &Topics) -> Result<SagaDefinition, DefinitionError> {
 }
 
 /// Keeps an order in step with its orchestrated saga: its status and its history.
+#[derive(Debug)]
 pub struct OrderSagaHooks;
 
 impl SagaHooks for OrderSagaHooks {
@@ -195,18 +195,6 @@ async fn create_order(
         );
     }
     let order_id = Uuid::now_v7();
-    let event = match Event::new(
-        types::ORDER_CREATED,
-        &app.topics.orders,
-        order_id.to_string(),
-        &OrderCreated {
-            order_id,
-            request: body.clone(),
-        },
-    ) {
-        Ok(event) => event,
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
-    };
     let created: Result<Option<Uuid>, String> = async {
         let mut conn = request.transaction().await;
         insert_order(&mut conn, &request, order_id, &body)
@@ -232,9 +220,13 @@ async fn create_order(
                 Ok(Some(saga_id))
             }
             None => {
-                let row = OutboxMessage::from_event(event, &request.lineage(), "order-service");
-                outbox::append(&mut conn, &[row])
-                    .await
+                // The saga's first event, written to the outbox in the request's transaction.
+                let created = OrderCreated {
+                    order_id,
+                    request: body.clone(),
+                };
+                request
+                    .emit_to(&app.topics.orders, order_id.to_string(), &created)
                     .map_err(|e| e.to_string())?;
                 Ok(None)
             }
@@ -380,6 +372,7 @@ async fn advance(
 }
 
 /// `mark-order-paid` on `PaymentProcessed`.
+#[derive(Debug)]
 pub struct MarkOrderPaid {
     /// The topics.
     pub topics: Topics,
@@ -393,10 +386,7 @@ impl SagaStep for MarkOrderPaid {
     }
 
     fn subscriptions(&self) -> Vec<Subscription> {
-        vec![Subscription::new(
-            &self.topics.payments,
-            types::PAYMENT_PROCESSED,
-        )]
+        vec![Subscription::of::<PaymentProcessed>(&self.topics.payments)]
     }
 
     async fn handle(
@@ -419,6 +409,7 @@ impl SagaStep for MarkOrderPaid {
 }
 
 /// `complete-order` on `ShipmentArranged`.
+#[derive(Debug)]
 pub struct CompleteOrder {
     /// The topics.
     pub topics: Topics,
@@ -432,10 +423,7 @@ impl SagaStep for CompleteOrder {
     }
 
     fn subscriptions(&self) -> Vec<Subscription> {
-        vec![Subscription::new(
-            &self.topics.shipping,
-            types::SHIPMENT_ARRANGED,
-        )]
+        vec![Subscription::of::<ShipmentArranged>(&self.topics.shipping)]
     }
 
     async fn handle(
@@ -458,6 +446,7 @@ impl SagaStep for CompleteOrder {
 }
 
 /// `note-shipment-failed` on `ShipmentFailed`: the refund is under way.
+#[derive(Debug)]
 pub struct NoteShipmentFailed {
     /// The topics.
     pub topics: Topics,
@@ -493,6 +482,7 @@ impl SagaStep for NoteShipmentFailed {
 }
 
 /// `cancel-order` on `PaymentFailed` or `PaymentRefunded`: one step key, so an order is cancelled once.
+#[derive(Debug)]
 pub struct CancelOrder {
     /// The topics.
     pub topics: Topics,

@@ -3,7 +3,7 @@
 //! by what it consumes and where it sends its outcome, so that the same steps serve the choreographed saga
 //! (events) and the orchestrated one (commands and replies).
 
-use saga_core::{
+use saga_consumer::{
     Event, Message, StepContext, StepError, StepName, StepOutcome, StepResult, Subscription,
     TwoPhaseStep,
 };
@@ -14,6 +14,7 @@ use crate::gateway::{ChargeResult, PaymentGateway};
 
 /// `process-payment` on `OrderCreated` (or the `ProcessPayment` command): charges the card, emits
 /// `PaymentProcessed` or, when the card is declined, `PaymentFailed` (a business rejection).
+#[derive(Debug)]
 pub struct ProcessPayment {
     /// The gateway.
     pub gateway: PaymentGateway,
@@ -70,8 +71,7 @@ impl TwoPhaseStep for ProcessPayment {
                 .bind(order.request.amount_cents)
                 .execute(ctx.conn())
                 .await?;
-                ctx.emit(Event::new(
-                    types::PAYMENT_PROCESSED,
+                ctx.emit_to(
                     &self.emits_to,
                     order_id,
                     &PaymentProcessed {
@@ -80,7 +80,7 @@ impl TwoPhaseStep for ProcessPayment {
                         amount_cents: order.request.amount_cents,
                         ship_to: order.request.ship_to.clone(),
                     },
-                )?);
+                )?;
                 StepOutcome::completed_with(&serde_json::json!({ "charge_id": charge_id }))
             }
             ChargeResult::Declined { reason } => {
@@ -112,6 +112,7 @@ impl TwoPhaseStep for ProcessPayment {
 /// refunds the charge (its own step key, so a redelivery refunds once) and emits `PaymentRefunded`. As a
 /// compensation it tolerates a missing effect: with nothing charged there is nothing to refund, and it
 /// confirms all the same.
+#[derive(Debug)]
 pub struct RefundPayment {
     /// The gateway.
     pub gateway: PaymentGateway,
@@ -126,6 +127,7 @@ pub struct RefundPayment {
 }
 
 /// The charge and its refund; `None` when nothing was charged.
+#[derive(Debug)]
 pub struct Refund(Option<(String, String)>);
 
 impl TwoPhaseStep for RefundPayment {

@@ -7,18 +7,17 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use outbox_relay::{Relay, RelaySettings};
-use saga_consumer::{Hooks, SagaConsumer, SagaConsumerBuilder};
-use saga_core::{StepName, Subscription};
+use std::future::Future;
+
+use outbox_relay::Relay;
+use saga_consumer::{Hooks, SagaEvent, SagaService, SagaServiceBuilder, StepName, Subscription};
 use saga_orchestrator::Orchestrator;
 use saga_runtime::config::connect_postgres;
 use saga_runtime::kafka::KafkaConfig;
-use saga_runtime::ops::Ops;
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
-use tokio_util::sync::CancellationToken;
 
-use crate::events::{Topics, types};
+use crate::events::{OrderCreated, PaymentProcessed, ShipmentArranged, Topics, types};
 use crate::gateway::PaymentGateway;
 use crate::{order, payment, shipping};
 
@@ -169,8 +168,8 @@ impl ServiceArgs {
 
     /// The Kafka configuration.
     pub fn kafka(&self) -> KafkaConfig {
-        let mut kafka = KafkaConfig::from_env();
-        kafka.brokers.clone_from(&self.brokers);
+        let mut kafka = KafkaConfig::new(self.brokers.clone());
+        kafka.properties = saga_runtime::kafka::properties_from_env();
         kafka
     }
 }
@@ -196,7 +195,7 @@ pub async fn prepare(service: Service, args: &ServiceArgs) -> anyhow::Result<PgP
         .await
         .context("applying the framework's migrations")?;
     if service == Service::Order {
-        // The order service may run the orchestrated saga, and shows its instances either way.
+        // The order service shows its saga instances (GET /sagas/{id}) in either mode.
         saga_orchestrator::migrate::migrate(&pool)
             .await
             .context("applying the orchestrator's migrations")?;
@@ -226,21 +225,15 @@ async fn gateway_pool(args: &ServiceArgs) -> anyhow::Result<PgPool> {
     args.pool(&args.gateway_schema(), 4).await
 }
 
-/// The consumer of `service`, with its steps.
-pub async fn consumer(
+/// Adds `service`'s steps (or, for the orchestrated order service, its orchestrator) to `builder`.
+pub async fn steps(
     service: Service,
     args: &ServiceArgs,
-    pool: PgPool,
-) -> anyhow::Result<SagaConsumerBuilder> {
+    pool: &PgPool,
+    builder: SagaServiceBuilder,
+) -> anyhow::Result<SagaServiceBuilder> {
     let topics = args.topics();
-    let mut builder = SagaConsumer::builder()
-        .kafka(args.kafka())
-        .group_id(args.group(service))
-        .dlq_topic(args.dlq(service))
-        .pool(pool.clone())
-        .commit_interval(Duration::from_millis(250))
-        .session_timeout(Duration::from_secs(6));
-    builder = match (service, args.orchestrated) {
+    Ok(match (service, args.orchestrated) {
         (Service::Order, false) => builder
             .step(order::MarkOrderPaid {
                 topics: topics.clone(),
@@ -252,7 +245,7 @@ pub async fn consumer(
                 topics: topics.clone(),
             })
             .step(order::CancelOrder { topics }),
-        (Service::Order, true) => orchestrator(args)?.register(builder),
+        (Service::Order, true) => builder.with(orchestrator(args)?),
         (Service::Payment, orchestrated) => {
             let gateway = PaymentGateway::new(
                 gateway_pool(args).await?,
@@ -267,7 +260,7 @@ pub async fn consumer(
                 )
             } else {
                 (
-                    Subscription::new(&topics.orders, types::ORDER_CREATED),
+                    Subscription::of::<OrderCreated>(&topics.orders),
                     Subscription::new(&topics.shipping, types::SHIPMENT_FAILED),
                     "refund-payment",
                     topics.payments.clone(),
@@ -281,7 +274,7 @@ pub async fn consumer(
                 })
                 .two_phase_step(payment::RefundPayment {
                     gateway,
-                    pool,
+                    pool: pool.clone(),
                     name: StepName::new(refund_name)?,
                     consumes: refund,
                     emits_to,
@@ -289,12 +282,12 @@ pub async fn consumer(
             if orchestrated {
                 builder
             } else {
-                builder.ignore(&topics.shipping, types::SHIPMENT_ARRANGED)
+                builder.ignore(&topics.shipping, ShipmentArranged::TYPE)
             }
         }
         (Service::Shipping, false) => builder
             .step(shipping::ArrangeShipment {
-                consumes: Subscription::new(&topics.payments, types::PAYMENT_PROCESSED),
+                consumes: Subscription::of::<PaymentProcessed>(&topics.payments),
                 emits_to: topics.shipping.clone(),
             })
             .ignore(&topics.payments, types::PAYMENT_FAILED)
@@ -303,20 +296,20 @@ pub async fn consumer(
             consumes: Subscription::new(&topics.shipping_commands, types::ARRANGE_SHIPMENT),
             emits_to: topics.order_replies.clone(),
         }),
-    };
-    if args.crash_after_commit > 0.0 {
-        let p = args.crash_after_commit;
-        builder = builder.hooks(Hooks::default().on_db_commit(move |info| {
-            if rand::random::<f64>() < p {
-                eprintln!(
-                    "fault injection: crashing after the database commit of {}/{} offsets {}..={}",
-                    info.topic, info.partition, info.first_offset, info.last_offset
-                );
-                std::process::abort();
-            }
-        }));
-    }
-    Ok(builder)
+    })
+}
+
+/// Fault injection: aborts the process after a database commit with probability `p`.
+fn crash_after_commit(p: f64) -> Hooks {
+    Hooks::default().on_db_commit(move |info| {
+        if rand::random::<f64>() < p {
+            eprintln!(
+                "fault injection: crashing after the database commit of {}/{} offsets {}..={}",
+                info.topic, info.partition, info.first_offset, info.last_offset
+            );
+            std::process::abort();
+        }
+    })
 }
 
 /// The `main` of the stand-alone service binaries (`order-service`, `payment-service`,
@@ -339,7 +332,7 @@ pub async fn main(service: Service, about: &'static str) -> anyhow::Result<()> {
     };
     let cli: Cli = saga_runtime::cli::parse_command(Cli::command().name(name).about(about));
     saga_runtime::telemetry::init_tracing();
-    run(service, cli.args, saga_runtime::shutdown::on_signal()).await
+    run(service, cli.args, saga_consumer::shutdown_signal()).await
 }
 
 /// The orchestrator of the order saga.
@@ -347,44 +340,35 @@ pub fn orchestrator(args: &ServiceArgs) -> anyhow::Result<Orchestrator> {
     Ok(Orchestrator::new(order::order_saga(&args.topics())?)?.with_hooks(order::OrderSagaHooks))
 }
 
-/// The outbox relay of a service's schema.
-pub fn relay(args: &ServiceArgs, pool: PgPool) -> Relay {
-    Relay::new(
-        RelaySettings {
-            kafka: args.kafka(),
-            ..RelaySettings::default()
-        },
-        pool,
-    )
-}
-
-/// Runs only the outbox relay of `service`'s schema, until `shutdown`.
+/// Runs only the outbox relay of `service`'s schema, until `shutdown` resolves.
 pub async fn run_relay(
     service: Service,
     args: ServiceArgs,
-    shutdown: CancellationToken,
+    shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let pool = args.pool(&args.schema(service), 4).await?;
-    saga_core::migrate::migrate(&pool)
+    saga_consumer::migrate::migrate(&pool)
         .await
         .context("applying the framework's migrations")?;
-    let ops = Ops::new();
+    let mut relay = Relay::builder().kafka(args.kafka()).pool(pool);
     if let Some(addr) = args.ops_addr {
-        ops.serve(addr, shutdown.clone()).await?;
+        relay = relay.ops_addr(addr);
     }
-    relay(&args, pool).with_ops(ops).run(shutdown).await?;
+    relay.build()?.run(shutdown).await?;
     Ok(())
 }
 
-/// Runs `service` until `shutdown`: its consumer, its relay (unless it runs apart) and, for the order
-/// service, its HTTP API.
+/// Runs `service` until `shutdown` resolves: its consumer, its relay (unless it runs apart), its
+/// orchestrator's timers and, for the order service, its HTTP API, all stopped together by
+/// [`SagaService`].
 pub async fn run(
     service: Service,
     args: ServiceArgs,
-    shutdown: CancellationToken,
+    shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     args.check().await?;
     if args.create_topics {
+        // Every topic of the saga: this service publishes to topics others consume.
         let names = args.all_topics();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         saga_runtime::kafka::ensure_topics(&args.kafka(), &refs, 3, 1)
@@ -392,69 +376,38 @@ pub async fn run(
             .context("creating topics")?;
     }
     let pool = prepare(service, &args).await?;
-    let ops = Ops::new();
+    let mut builder = SagaService::builder()
+        .kafka(args.kafka())
+        .group_id(args.group(service))
+        .dlq_topic(args.dlq(service))
+        .pool(pool.clone())
+        .consumer(|c| {
+            c.commit_interval(Duration::from_millis(250))
+                .session_timeout(Duration::from_secs(6))
+        })
+        .embedded_relay(args.embedded_relay);
     if let Some(addr) = args.ops_addr {
-        ops.serve(addr, shutdown.clone()).await?;
+        builder = builder.ops_addr(addr);
     }
-    let consumer = consumer(service, &args, pool.clone())
-        .await?
-        .ops(ops.clone())
-        .build()?;
-    let relay = args
-        .embedded_relay
-        .then(|| relay(&args, pool.clone()).with_ops(ops));
-    // If one part fails, the others stop too: a service without its consumer or relay is not running.
-    let stop = shutdown.child_token();
-    let stopping = |result: anyhow::Result<()>| {
-        if result.is_err() {
-            stop.cancel();
-        }
-        result
-    };
-    let http = async {
-        if service != Service::Order {
-            return Ok(());
-        }
+    if args.crash_after_commit > 0.0 {
+        builder = builder.hooks(crash_after_commit(args.crash_after_commit));
+    }
+    builder = steps(service, &args, &pool, builder).await?;
+    if service == Service::Order {
         let listener = tokio::net::TcpListener::bind(args.http_addr)
             .await
             .with_context(|| format!("binding {}", args.http_addr))?;
         tracing::info!(addr = %args.http_addr, "order API listening");
-        let orchestrator = if args.orchestrated {
-            Some(orchestrator(&args)?)
-        } else {
-            None
-        };
-        axum::serve(
-            listener,
-            order::router(pool.clone(), args.topics(), orchestrator),
-        )
-        .with_graceful_shutdown(stop.clone().cancelled_owned())
-        .await
-        .context("serving HTTP")
-    };
+        let orchestrator = args.orchestrated.then(|| orchestrator(&args)).transpose()?;
+        let app = order::router(pool.clone(), args.topics(), orchestrator);
+        builder = builder.task("the order API", move |ctx| async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(ctx.shutdown())
+                .await?;
+            Ok(())
+        });
+    }
     tracing::info!(service = service.as_str(), "service starting");
-    // The orchestrator's durable timers (deadlines of steps waiting for replies).
-    let timers = async {
-        if service == Service::Order && args.orchestrated {
-            orchestrator(&args)?
-                .run_timers(pool.clone(), Duration::from_millis(500), stop.clone())
-                .await;
-        }
-        anyhow::Ok(())
-    };
-    let (consumed, relayed, served, timed) = tokio::join!(
-        async { stopping(consumer.run(stop.clone()).await.context("consumer")) },
-        async {
-            match &relay {
-                Some(relay) => stopping(relay.run(stop.clone()).await.context("relay")),
-                None => Ok(()),
-            }
-        },
-        async { stopping(http.await) },
-        async { stopping(timers.await) },
-    );
-    consumed?;
-    relayed?;
-    timed?;
-    served
+    builder.build()?.run(shutdown).await?;
+    Ok(())
 }

@@ -1,7 +1,7 @@
 //! The shipping service: `arrange-shipment` on `PaymentProcessed`. Addresses in Atlantis cannot be served:
 //! the shipment fails (a business rejection), which starts the compensation.
 
-use saga_core::{
+use saga_consumer::{
     Event, Message, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription,
 };
 use uuid::Uuid;
@@ -10,6 +10,7 @@ use crate::events::{OrderSetback, PaymentProcessed, ShipmentArranged, types};
 
 /// `arrange-shipment` on `PaymentProcessed` (or the `ArrangeShipment` command): emits `ShipmentArranged`,
 /// or `ShipmentFailed`.
+#[derive(Debug)]
 pub struct ArrangeShipment {
     /// What it consumes.
     pub consumes: Subscription,
@@ -67,15 +68,14 @@ impl SagaStep for ArrangeShipment {
         .bind(&payment.ship_to)
         .execute(ctx.conn())
         .await?;
-        ctx.emit(Event::new(
-            types::SHIPMENT_ARRANGED,
+        ctx.emit_to(
             &self.emits_to,
             key,
             &ShipmentArranged {
                 order_id: payment.order_id,
                 shipment_id,
             },
-        )?);
+        )?;
         StepOutcome::completed_with(&serde_json::json!({ "shipment_id": shipment_id }))
     }
 }

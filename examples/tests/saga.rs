@@ -57,7 +57,7 @@ impl Saga {
                 tokio::spawn(saga_examples::service::run(
                     *service,
                     args.clone(),
-                    stop.clone(),
+                    stop.clone().cancelled_owned(),
                 ))
             })
             .collect();

@@ -3,19 +3,26 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use std::process::ExitCode;
+
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use saga_core::gc::GcPolicy;
 use saga_runtime::config::{ConfigProblem, connect_postgres, require_schema, require_tables};
-use saga_runtime::kafka::KafkaConfig;
-use saga_runtime::kafka::probe;
-use saga_runtime::ops::Ops;
+use saga_runtime::kafka::{KafkaConfig, probe, properties_from_env};
 use sqlx::PgPool;
-use tokio_util::sync::CancellationToken;
 
 use crate::gc::{RetentionPolicy, run_retention};
-use crate::relay::{Relay, RelaySettings};
+use crate::relay::Relay;
 use crate::store::{AfterPublish, backlog};
+
+/// The `outbox-relay` binary: parses the command line (see `outbox-relay --help`), runs the subcommand
+/// until it is done or SIGTERM / Ctrl-C, and answers bad input or configuration with one line and exit code
+/// 2.
+pub async fn main() -> ExitCode {
+    saga_runtime::telemetry::init_tracing();
+    let cli: Cli = saga_runtime::cli::parse();
+    saga_runtime::cli::exit_code(cli.execute().await)
+}
 
 /// The setting that chooses the outbox's schema (else DATABASE_URL's search path does).
 const SCHEMA_VAR: &str = "SAGA_SCHEMA";
@@ -23,25 +30,21 @@ const SCHEMA_VAR: &str = "SAGA_SCHEMA";
 /// Publishes the transactional outbox to Kafka, in per-key commit order, losing nothing.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-relay", version)]
-pub struct Cli {
+struct Cli {
     /// PostgreSQL URL.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    pub database_url: String,
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
     /// The schema holding the outbox (sets `search_path`); default: the URL's own search path.
     #[arg(long, env = "SAGA_SCHEMA")]
-    pub schema: Option<String>,
+    schema: Option<String>,
     /// What to do.
     #[command(subcommand)]
-    pub command: Command,
+    command: Command,
 }
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
-pub enum Command {
+enum Command {
     /// Publish continuously (and run retention periodically) until SIGTERM or Ctrl-C.
     Run(RunArgs),
     /// Delete published rows and finished idempotency keys past their retention, once.
@@ -54,51 +57,51 @@ pub enum Command {
 
 /// Options of `run`.
 #[derive(Debug, Args)]
-pub struct RunArgs {
-    /// Kafka bootstrap servers.
-    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
-    pub brokers: String,
+struct RunArgs {
+    /// Kafka bootstrap servers (required).
+    #[arg(long, env = "KAFKA_BROKERS")]
+    brokers: Option<String>,
     /// Rows per batch.
     #[arg(long, env = "RELAY_BATCH_SIZE", default_value_t = 2_000)]
-    pub batch_size: i64,
+    batch_size: i64,
     /// Fallback poll interval in milliseconds (notifications wake the relay sooner).
     #[arg(long, env = "RELAY_POLL_INTERVAL_MS", default_value_t = 1_000)]
-    pub poll_interval_ms: u64,
+    poll_interval_ms: u64,
     /// The producer's linger in milliseconds.
     #[arg(long, env = "RELAY_LINGER_MS", default_value_t = 1)]
-    pub linger_ms: u64,
+    linger_ms: u64,
     /// Delete rows once published instead of marking them.
     #[arg(long, env = "RELAY_DELETE_PUBLISHED")]
-    pub delete_published: bool,
+    delete_published: bool,
     /// Failed attempts after which a row the broker refuses for good is parked.
     #[arg(long, env = "RELAY_PARK_AFTER_ATTEMPTS", default_value_t = 3)]
-    pub park_after_attempts: u32,
+    park_after_attempts: u32,
     /// Where to serve /metrics and /healthz.
     #[arg(long, env = "RELAY_OPS_ADDR")]
-    pub ops_addr: Option<SocketAddr>,
+    ops_addr: Option<SocketAddr>,
     /// Seconds between retention runs (0: never).
     #[arg(long, env = "RELAY_GC_INTERVAL_SECS", default_value_t = 60)]
-    pub gc_interval_secs: u64,
+    gc_interval_secs: u64,
     /// Retention settings.
     #[command(flatten)]
-    pub retention: RetentionArgs,
+    retention: RetentionArgs,
 }
 
 /// Retention settings.
 #[derive(Debug, Args)]
-pub struct RetentionArgs {
+struct RetentionArgs {
     /// Hours published outbox rows are kept.
     #[arg(long, env = "RELAY_PUBLISHED_RETENTION_HOURS", default_value_t = 168.0)]
-    pub published_retention_hours: f64,
+    published_retention_hours: f64,
     /// Hours finished idempotency keys are kept.
     #[arg(long, env = "SAGA_KEY_RETENTION_HOURS", default_value_t = 168.0)]
-    pub key_retention_hours: f64,
+    key_retention_hours: f64,
     /// Hours after which an abandoned two-phase lease is deleted.
     #[arg(long, env = "SAGA_ABANDONED_LEASE_HOURS", default_value_t = 24.0)]
-    pub abandoned_lease_hours: f64,
+    abandoned_lease_hours: f64,
     /// Rows per DELETE statement.
     #[arg(long, env = "RELAY_GC_BATCH_SIZE", default_value_t = 5_000)]
-    pub gc_batch_size: u32,
+    gc_batch_size: u32,
 }
 
 impl RetentionArgs {
@@ -113,35 +116,34 @@ impl RetentionArgs {
             })
         };
         Ok(RetentionPolicy {
-            published_retention: hours(
+            published_rows: hours(
                 self.published_retention_hours,
                 "RELAY_PUBLISHED_RETENTION_HOURS",
             )?,
-            keys: GcPolicy {
-                retention: hours(self.key_retention_hours, "SAGA_KEY_RETENTION_HOURS")?,
-                abandoned_after: hours(self.abandoned_lease_hours, "SAGA_ABANDONED_LEASE_HOURS")?,
-                batch_size: self.gc_batch_size,
-            },
+            finished_keys: hours(self.key_retention_hours, "SAGA_KEY_RETENTION_HOURS")?,
+            abandoned_leases: hours(self.abandoned_lease_hours, "SAGA_ABANDONED_LEASE_HOURS")?,
+            batch_size: self.gc_batch_size,
         })
     }
 }
 
 impl Cli {
-    /// Connects to the database, in the chosen schema. A bad or unreachable `DATABASE_URL` is a
+    /// Connects to the database, in the chosen schema. A missing, bad or unreachable `DATABASE_URL` is a
     /// [`ConfigProblem`].
-    pub async fn pool(&self, max_connections: u32) -> Result<PgPool, ConfigProblem> {
-        connect_postgres(
-            "DATABASE_URL",
-            &self.database_url,
-            self.schema.as_deref(),
-            max_connections,
-        )
-        .await
+    async fn pool(&self, max_connections: u32) -> Result<PgPool, ConfigProblem> {
+        let url = self.database_url.as_deref().ok_or_else(|| {
+            ConfigProblem::new(
+                "DATABASE_URL",
+                "is not set",
+                "set it to postgres://USER@HOST:PORT/DATABASE",
+            )
+        })?;
+        connect_postgres("DATABASE_URL", url, self.schema.as_deref(), max_connections).await
     }
 
     /// Connects, and checks that the schema holds the outbox (a [`ConfigProblem`] naming `SAGA_SCHEMA`
     /// otherwise).
-    pub async fn outbox_pool(&self, max_connections: u32) -> Result<PgPool, ConfigProblem> {
+    async fn outbox_pool(&self, max_connections: u32) -> Result<PgPool, ConfigProblem> {
         let pool = self.pool(max_connections).await?;
         require_tables(
             &pool,
@@ -154,12 +156,12 @@ impl Cli {
     }
 
     /// Runs the chosen subcommand.
-    pub async fn execute(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+    async fn execute(self) -> anyhow::Result<()> {
         match &self.command {
             Command::Migrate => {
                 let pool = self.pool(1).await?;
                 require_schema(&pool, SCHEMA_VAR, "create it first").await?;
-                saga_core::migrate::migrate(&pool)
+                saga_runtime::store::migrate::migrate(&pool)
                     .await
                     .context("applying migrations")?;
                 println!("migrations applied");
@@ -187,58 +189,47 @@ impl Cli {
                     "deleted {} published outbox rows ({} statements), {} finished keys, {} abandoned leases",
                     report.outbox_deleted,
                     report.outbox_batches,
-                    report.keys.finished_deleted,
-                    report.keys.abandoned_deleted
+                    report.finished_keys_deleted,
+                    report.abandoned_leases_deleted
                 );
             }
-            Command::Run(args) => self.run(args, shutdown).await?,
+            Command::Run(args) => self.run(args).await?,
         }
         Ok(())
     }
 
-    async fn run(&self, args: &RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    async fn run(&self, args: &RunArgs) -> anyhow::Result<()> {
         let policy = args.retention.policy()?;
+        let brokers = args.brokers.clone().ok_or_else(|| {
+            ConfigProblem::new(
+                "KAFKA_BROKERS",
+                "is not set",
+                "set it (or --brokers) to the bootstrap servers, such as 127.0.0.1:9092",
+            )
+        })?;
         let pool = self.outbox_pool(4).await?;
-        let mut kafka = KafkaConfig::from_env();
-        kafka.brokers.clone_from(&args.brokers);
+        let mut kafka = KafkaConfig::new(brokers);
+        kafka.properties = properties_from_env();
         probe(&kafka, "KAFKA_BROKERS").await?;
-        let ops = Ops::new();
-        if let Some(addr) = args.ops_addr {
-            let bound = ops.serve(addr, shutdown.clone()).await?;
-            tracing::info!(%bound, "ops endpoint listening");
-        }
-        let settings = RelaySettings {
-            kafka,
-            batch_size: args.batch_size.max(1),
-            poll_interval: Duration::from_millis(args.poll_interval_ms.max(1)),
-            linger: Duration::from_millis(args.linger_ms),
-            park_after: args.park_after_attempts.max(1),
-            after_publish: if args.delete_published {
+        let mut relay = Relay::builder()
+            .kafka(kafka)
+            .pool(pool)
+            .batch_size(args.batch_size.max(1))
+            .poll_interval(Duration::from_millis(args.poll_interval_ms.max(1)))
+            .linger(Duration::from_millis(args.linger_ms))
+            .park_after(args.park_after_attempts.max(1))
+            .after_publish(if args.delete_published {
                 AfterPublish::Delete
             } else {
                 AfterPublish::Mark
-            },
-            ..RelaySettings::default()
-        };
-        if args.gc_interval_secs > 0 {
-            let (pool, every) = (pool.clone(), Duration::from_secs(args.gc_interval_secs));
-            let stop = shutdown.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(every) => {}
-                    }
-                    match run_retention(&pool, &policy).await {
-                        Ok(report) => tracing::info!(?report, "retention run"),
-                        Err(e) => tracing::warn!(error = %e, "retention run failed"),
-                    }
-                }
-            });
+            })
+            .retention(policy, Duration::from_secs(args.gc_interval_secs));
+        if let Some(addr) = args.ops_addr {
+            relay = relay.ops_addr(addr);
         }
-        Relay::new(settings, pool)
-            .with_ops(ops)
-            .run(shutdown)
+        relay
+            .build()?
+            .run(saga_runtime::shutdown::wait_for_signal())
             .await?;
         Ok(())
     }

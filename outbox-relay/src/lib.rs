@@ -1,27 +1,42 @@
 //! # outbox-relay
 //!
-//! Publishes the rows of the transactional outbox (`saga_outbox`, written by `saga_core::outbox::append`)
-//! to Kafka with the idempotent producer, and marks (or deletes) each row only after the broker
-//! acknowledged it.
+//! Publishes the rows of the transactional outbox (written by the saga consumer in the same transaction as
+//! each step, and by the HTTP layer) to Kafka with the idempotent producer, and marks (or deletes) each row
+//! only after the broker acknowledged it. Also the `outbox-relay` binary (`run`, `migrate`, `status`, `gc`).
+//! `saga-consumer`'s `SagaService` embeds it by default; run it on its own to scale publishing apart.
 //!
 //! - **Order.** Writers lock a row's partition key before the row gets its id, so for one key id order is
-//!   commit order; the relay publishes each key's rows in id order.
+//!   commit order; the relay publishes each key's rows in id order. A failed row holds its key.
 //! - **No gaps.** Every row carries its own publication mark; there is no "published up to id N" watermark
 //!   that a late-committing row could slip under.
 //! - **Crash safety.** A crash between publishing and marking publishes the rows again (at least once; the
 //!   consumers' step keys absorb the duplicates). A broker outage makes the relay wait.
 //! - **Several instances.** Instances share the key space's 64 shards through PostgreSQL advisory locks;
 //!   one key has one publisher at a time, and a dead instance's shards are taken over.
+//! - **Poison rows.** A row the broker refuses for good is parked after a few attempts, not retried forever.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/orders").await?;
+//! let relay = outbox_relay::Relay::builder().from_env().pool(pool).build()?;
+//! relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await?;
+//! # Ok(()) }
+//! ```
 
 #![deny(missing_docs)]
 
-pub mod cli;
-pub mod gc;
-pub mod metrics;
-pub mod publisher;
-pub mod relay;
-pub mod shards;
-pub mod store;
+mod cli;
+mod gc;
+mod metrics;
+mod publisher;
+mod relay;
+mod shards;
+mod store;
 
-pub use relay::{Relay, RelayError, RelaySettings};
-pub use store::AfterPublish;
+pub use cli::main;
+pub use gc::{RetentionPolicy, RetentionReport, run_retention};
+pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
+pub use saga_runtime::kafka::KafkaConfig;
+pub use store::{AfterPublish, Backlog, backlog};

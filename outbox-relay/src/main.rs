@@ -1,10 +1,6 @@
-//! The `outbox-relay` binary: see `outbox_relay::cli`.
-
-use std::process::ExitCode;
+//! The `outbox-relay` binary: see `outbox-relay --help`.
 
 #[tokio::main]
-async fn main() -> ExitCode {
-    saga_runtime::telemetry::init_tracing();
-    let cli: outbox_relay::cli::Cli = saga_runtime::cli::parse();
-    saga_runtime::cli::exit_code(cli.execute(saga_runtime::shutdown::on_signal()).await)
+async fn main() -> std::process::ExitCode {
+    outbox_relay::main().await
 }

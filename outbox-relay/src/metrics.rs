@@ -7,7 +7,7 @@ use prometheus_client::registry::Registry;
 
 /// The relay's metrics, cheap to clone.
 #[derive(Clone)]
-pub struct RelayMetrics {
+pub(crate) struct RelayMetrics {
     /// Rows the broker acknowledged.
     pub published: Counter,
     /// Rows whose publication failed (they are retried).
@@ -44,7 +44,7 @@ impl Default for RelayMetrics {
 
 impl RelayMetrics {
     /// Registers the metrics under the `saga_relay` prefix.
-    pub fn register(&self, registry: &mut Registry) {
+    pub(crate) fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("saga_relay");
         r.register(
             "published",

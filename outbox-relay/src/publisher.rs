@@ -19,16 +19,16 @@ use tokio_util::sync::CancellationToken;
 use crate::store::OutboxRow;
 
 /// A key whose order must be kept: topic and partition key.
-pub type OrderKey = (String, Option<String>);
+pub(crate) type OrderKey = (String, Option<String>);
 
 /// The order key of a row.
-pub fn order_key(row: &OutboxRow) -> OrderKey {
+pub(crate) fn order_key(row: &OutboxRow) -> OrderKey {
     (row.topic.clone(), row.partition_key.clone())
 }
 
 /// A row whose publication failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Failed {
+pub(crate) struct Failed {
     /// The row.
     pub id: i64,
     /// Why, for people.
@@ -39,7 +39,7 @@ pub struct Failed {
 
 /// How a batch went.
 #[derive(Debug, Default)]
-pub struct BatchOutcome {
+pub(crate) struct BatchOutcome {
     /// Rows the broker acknowledged, with the row's write time and the acknowledgement time. Only rows all
     /// of whose key's earlier rows in the batch were acknowledged too.
     pub acked: Vec<(i64, DateTime<Utc>, DateTime<Utc>)>,
@@ -51,7 +51,7 @@ pub struct BatchOutcome {
 }
 
 /// The relay's producer.
-pub struct Publisher {
+pub(crate) struct Publisher {
     kafka: KafkaConfig,
     linger: Duration,
     producer: FutureProducer,
@@ -59,7 +59,7 @@ pub struct Publisher {
 
 impl Publisher {
     /// An idempotent producer for `kafka` that batches for `linger`.
-    pub fn new(kafka: KafkaConfig, linger: Duration) -> Result<Self, KafkaError> {
+    pub(crate) fn new(kafka: KafkaConfig, linger: Duration) -> Result<Self, KafkaError> {
         let producer = create(&kafka, linger)?;
         Ok(Self {
             kafka,
@@ -71,7 +71,7 @@ impl Publisher {
     /// Sends `rows` in order and waits for every acknowledgement. A key's rows after one that failed (at enqueueing or in its delivery report), are held back so that a key's
     /// rows are never marked out of order.
     /// Returns `None` if `shutdown` fired first (nothing is marked then; the rows are published again).
-    pub async fn publish(
+    pub(crate) async fn publish(
         &mut self,
         rows: &[OutboxRow],
         shutdown: &CancellationToken,
@@ -153,7 +153,7 @@ impl Publisher {
     }
 
     /// Waits until queued messages are delivered, up to `timeout`.
-    pub fn flush(&self, timeout: Duration) {
+    pub(crate) fn flush(&self, timeout: Duration) {
         let _ = self.producer.flush(timeout);
     }
 }
@@ -168,7 +168,7 @@ fn failure(id: i64, e: &KafkaError) -> Failed {
 
 fn create(kafka: &KafkaConfig, linger: Duration) -> Result<FutureProducer, KafkaError> {
     // `message.timeout.ms=0`: wait for the broker forever rather than fail a row.
-    let mut config = kafka.producer_config(linger, Duration::ZERO);
+    let mut config = saga_runtime::kafka::producer_config(kafka, linger, Duration::ZERO);
     config
         .set("reconnect.backoff.max.ms", "2000")
         .set("queue.buffering.max.messages", "1000000");

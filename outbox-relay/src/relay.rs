@@ -4,43 +4,56 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use std::future::Future;
+use std::net::SocketAddr;
+
+use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
 use saga_runtime::ops::Ops;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
+use crate::gc::{RetentionPolicy, run_retention};
+
 use crate::metrics::RelayMetrics;
 use crate::publisher::{OrderKey, Publisher, order_key};
 use crate::shards::ShardOwner;
 use crate::store::{self, AfterPublish};
 
-/// How the relay runs.
+/// How the relay runs. Build it with [`Relay::builder`] (and [`RelayBuilder::from_env`]).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RelaySettings {
-    /// The broker.
-    pub kafka: KafkaConfig,
-    /// Rows per batch (default 2,000).
+    /// The broker (`KAFKA_BROKERS`, required; `KAFKA_PROPERTY_*`).
+    pub kafka: Option<KafkaConfig>,
+    /// Rows per batch (`RELAY_BATCH_SIZE`, default 2,000).
     pub batch_size: i64,
-    /// Fallback poll when no notification comes (default 1 s).
+    /// Fallback poll when no notification comes (`RELAY_POLL_INTERVAL_MS`, default 1 s).
     pub poll_interval: Duration,
-    /// The producer's `linger.ms` (default 1 ms).
+    /// The producer's `linger.ms` (`RELAY_LINGER_MS`, default 1 ms).
     pub linger: Duration,
-    /// What to do with published rows (default: mark them).
+    /// What to do with published rows (`RELAY_DELETE_PUBLISHED`; default: mark them).
     pub after_publish: AfterPublish,
     /// How often shard ownership is rebalanced between instances (default 2 s).
     pub rebalance_interval: Duration,
     /// How often the backlog gauge is sampled (default 10 s).
     pub backlog_interval: Duration,
     /// Failed attempts after which a row the broker refuses for good (too large, not a valid record) is
-    /// parked instead of retried (default 3; `RELAY_PARK_AFTER_ATTEMPTS`).
+    /// parked instead of retried (`RELAY_PARK_AFTER_ATTEMPTS`, default 3).
     pub park_after: u32,
+    /// Retention: how long published rows and finished keys are kept, run every `retention_interval`.
+    pub retention: RetentionPolicy,
+    /// How often retention runs (`RELAY_GC_INTERVAL_SECS`, default 60 s; zero: never).
+    pub retention_interval: Duration,
+    /// Where to serve `/metrics`, `/healthz` and `/readyz` (`RELAY_OPS_ADDR`; off by default).
+    pub ops_addr: Option<SocketAddr>,
 }
 
 impl Default for RelaySettings {
     fn default() -> Self {
         Self {
-            kafka: KafkaConfig::new("127.0.0.1:9092"),
+            kafka: None,
             batch_size: 2_000,
             poll_interval: Duration::from_secs(1),
             linger: Duration::from_millis(1),
@@ -48,24 +61,296 @@ impl Default for RelaySettings {
             rebalance_interval: Duration::from_secs(2),
             backlog_interval: Duration::from_secs(10),
             park_after: 3,
+            retention: RetentionPolicy::default(),
+            retention_interval: Duration::from_secs(60),
+            ops_addr: None,
         }
     }
 }
 
-/// Why the relay stopped.
+/// Why the relay did not start or stopped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RelayError {
+    /// A setting keeps it from starting; names the setting and what to do.
+    #[error(transparent)]
+    Config(#[from] ConfigProblem),
     /// The Kafka producer could not be created.
     #[error("kafka: {0}")]
-    Kafka(#[from] rdkafka::error::KafkaError),
+    Kafka(String),
+    /// The ops endpoint could not listen.
+    #[error("ops endpoint: {0}")]
+    Ops(#[from] std::io::Error),
+}
+
+impl From<rdkafka::error::KafkaError> for RelayError {
+    fn from(e: rdkafka::error::KafkaError) -> Self {
+        Self::Kafka(e.to_string())
+    }
+}
+
+/// Builds a [`Relay`].
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), outbox_relay::RelayError> {
+/// outbox_relay::Relay::builder()
+///     .from_env() // KAFKA_BROKERS (required), KAFKA_PROPERTY_*, RELAY_*
+///     .pool(pool) // its search_path selects the outbox's schema
+///     .build()?
+///     .run(async { tokio::signal::ctrl_c().await.ok(); })
+///     .await
+/// # }
+/// ```
+#[derive(Debug, Default)]
+#[must_use]
+pub struct RelayBuilder {
+    settings: RelaySettings,
+    pool: Option<PgPool>,
+    env_error: Option<ConfigProblem>,
+    ops: Option<Ops>,
+}
+
+impl RelayBuilder {
+    /// Reads the settings from the environment (see [`RelaySettings`]); later calls override them. A
+    /// missing `KAFKA_BROKERS` or a variable that does not parse is reported by [`RelayBuilder::build`].
+    pub fn from_env(mut self) -> Self {
+        match KafkaConfig::from_env() {
+            Ok(kafka) => self.settings.kafka = Some(kafka),
+            Err(e) => {
+                self.env_error.get_or_insert(e);
+            }
+        }
+        if let Err(e) = self.apply_env(|name| std::env::var(name).ok()) {
+            self.env_error.get_or_insert(e);
+        }
+        self
+    }
+
+    fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigProblem> {
+        let s = &mut self.settings;
+        if let Some(v) = env_value(&get, "RELAY_BATCH_SIZE")? {
+            s.batch_size = v;
+        }
+        if let Some(v) = env_value(&get, "RELAY_POLL_INTERVAL_MS")? {
+            s.poll_interval = Duration::from_millis(v);
+        }
+        if let Some(v) = env_value(&get, "RELAY_LINGER_MS")? {
+            s.linger = Duration::from_millis(v);
+        }
+        if let Some(v) = env_value::<bool>(&get, "RELAY_DELETE_PUBLISHED")? {
+            s.after_publish = if v {
+                AfterPublish::Delete
+            } else {
+                AfterPublish::Mark
+            };
+        }
+        if let Some(v) = env_value(&get, "RELAY_PARK_AFTER_ATTEMPTS")? {
+            s.park_after = v;
+        }
+        if let Some(v) = env_value(&get, "RELAY_GC_INTERVAL_SECS")? {
+            s.retention_interval = Duration::from_secs(v);
+        }
+        if let Some(v) = env_value(&get, "RELAY_OPS_ADDR")? {
+            s.ops_addr = Some(v);
+        }
+        Ok(())
+    }
+
+    /// The broker.
+    pub fn kafka(mut self, kafka: KafkaConfig) -> Self {
+        self.settings.kafka = Some(kafka);
+        self
+    }
+
+    /// The broker list (`bootstrap.servers`), keeping any librdkafka properties already set.
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        let properties = self
+            .settings
+            .kafka
+            .take()
+            .map(|k| k.properties)
+            .unwrap_or_default();
+        let mut kafka = KafkaConfig::new(brokers);
+        kafka.properties = properties;
+        self.settings.kafka = Some(kafka);
+        self
+    }
+
+    /// The database; the first schema of its `search_path` holds the outbox.
+    pub fn pool(mut self, pool: PgPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// Rows per batch.
+    pub fn batch_size(mut self, rows: i64) -> Self {
+        self.settings.batch_size = rows;
+        self
+    }
+
+    /// Fallback poll interval (notifications wake the relay sooner).
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.settings.poll_interval = interval;
+        self
+    }
+
+    /// The producer's linger.
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.settings.linger = linger;
+        self
+    }
+
+    /// What to do with published rows.
+    pub fn after_publish(mut self, after: AfterPublish) -> Self {
+        self.settings.after_publish = after;
+        self
+    }
+
+    /// How often shard ownership is rebalanced between instances.
+    pub fn rebalance_interval(mut self, interval: Duration) -> Self {
+        self.settings.rebalance_interval = interval;
+        self
+    }
+
+    /// Failed attempts after which a row the broker refuses for good is parked.
+    pub fn park_after(mut self, attempts: u32) -> Self {
+        self.settings.park_after = attempts;
+        self
+    }
+
+    /// Retention, run every `every` (zero: never).
+    pub fn retention(mut self, policy: RetentionPolicy, every: Duration) -> Self {
+        self.settings.retention = policy;
+        self.settings.retention_interval = every;
+        self
+    }
+
+    /// Serves `/metrics`, `/healthz` and `/readyz` on `addr`.
+    pub fn ops_addr(mut self, addr: SocketAddr) -> Self {
+        self.settings.ops_addr = Some(addr);
+        self
+    }
+
+    /// Replaces every setting at once.
+    pub fn settings(mut self, settings: RelaySettings) -> Self {
+        self.settings = settings;
+        self
+    }
+
+    /// Shares the ops state of the process (metrics and readiness) with the consumer that embeds this relay.
+    #[doc(hidden)]
+    pub fn with_ops(mut self, ops: Ops) -> Self {
+        self.ops = Some(ops);
+        self
+    }
+
+    /// Checks the settings and builds the relay.
+    pub fn build(self) -> Result<Relay, RelayError> {
+        if let Some(e) = self.env_error {
+            return Err(e.into());
+        }
+        let kafka = self.settings.kafka.clone().ok_or_else(|| {
+            ConfigProblem::new(
+                "KAFKA_BROKERS",
+                "the relay has no broker",
+                "set KAFKA_BROKERS or call RelayBuilder::brokers",
+            )
+        })?;
+        let pool = self.pool.ok_or_else(|| {
+            ConfigProblem::new(
+                "DATABASE_URL",
+                "the relay has no database pool",
+                "pass one with RelayBuilder::pool",
+            )
+        })?;
+        if self.settings.batch_size < 1 {
+            return Err(ConfigProblem::new(
+                "RELAY_BATCH_SIZE",
+                "must be at least 1",
+                "set a positive number of rows",
+            )
+            .into());
+        }
+        Ok(Relay {
+            kafka,
+            settings: self.settings,
+            pool,
+            metrics: RelayMetrics::default(),
+            ops: self.ops.unwrap_or_default(),
+        })
+    }
+}
+
+/// Reads variable `var` through `get`, parsed; a value that does not parse is a [`ConfigProblem`].
+fn env_value<T: std::str::FromStr>(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &str,
+) -> Result<Option<T>, ConfigProblem>
+where
+    T::Err: std::fmt::Display,
+{
+    get(var)
+        .map(|value| {
+            value.parse::<T>().map_err(|e| {
+                ConfigProblem::new(
+                    var,
+                    format!("{value:?} does not parse ({e})"),
+                    "fix its value",
+                )
+            })
+        })
+        .transpose()
 }
 
 /// An outbox relay for the outbox in the pool's schema.
 pub struct Relay {
+    kafka: KafkaConfig,
     settings: RelaySettings,
     pool: PgPool,
     metrics: RelayMetrics,
     ops: Ops,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("brokers", &self.kafka.brokers)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Reads a running relay's counters (for tests, dashboards of one's own, the benchmark).
+#[derive(Clone)]
+pub struct RelayProbe(RelayMetrics);
+
+impl std::fmt::Debug for RelayProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayProbe")
+            .field("published", &self.published())
+            .field("owned_shards", &self.owned_shards())
+            .field("parked", &self.parked())
+            .finish()
+    }
+}
+
+impl RelayProbe {
+    /// Rows the broker acknowledged.
+    pub fn published(&self) -> u64 {
+        self.0.published.get()
+    }
+
+    /// Shards this instance owns.
+    pub fn owned_shards(&self) -> i64 {
+        self.0.owned_shards.get()
+    }
+
+    /// Rows parked because the broker refuses them for good.
+    pub fn parked(&self) -> u64 {
+        self.0.parked.get()
+    }
 }
 
 /// Retry bookkeeping for rows whose publication failed: until its retry is due, a failing row holds its key
@@ -104,31 +389,49 @@ impl Retries {
 }
 
 impl Relay {
-    /// A relay reading the outbox through `pool` (whose `search_path` selects the schema).
-    pub fn new(settings: RelaySettings, pool: PgPool) -> Self {
-        Self {
-            settings,
-            pool,
-            metrics: RelayMetrics::default(),
-            ops: Ops::new(),
-        }
+    /// Starts building a relay.
+    pub fn builder() -> RelayBuilder {
+        RelayBuilder::default()
     }
 
-    /// Uses `ops` for metrics and readiness.
-    pub fn with_ops(mut self, ops: Ops) -> Self {
-        self.ops = ops;
-        self
+    /// A handle on the relay's counters, valid after the relay moved into [`Relay::run`].
+    pub fn probe(&self) -> RelayProbe {
+        RelayProbe(self.metrics.clone())
     }
 
-    /// The relay's metrics.
-    pub fn metrics(&self) -> &RelayMetrics {
-        &self.metrics
+    /// Runs until `shutdown` resolves (any future: a signal, a token's `cancelled()`). Database and broker
+    /// outages are waited out, never fatal; retention runs beside it when configured.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), RelayError> {
+        saga_runtime::shutdown::run_until(shutdown, |token| self.run_until(token)).await
     }
 
-    /// Runs until `shutdown` fires. Database and broker outages are waited out, never fatal.
-    pub async fn run(&self, shutdown: CancellationToken) -> Result<(), RelayError> {
+    async fn run_until(self, shutdown: CancellationToken) -> Result<(), RelayError> {
         self.ops.register(|r| self.metrics.register(r));
-        let mut publisher = Publisher::new(self.settings.kafka.clone(), self.settings.linger)?;
+        if let Some(addr) = self.settings.ops_addr {
+            let bound = self.ops.serve(addr, shutdown.clone()).await?;
+            tracing::info!(%bound, "ops endpoint listening");
+        }
+        if !self.settings.retention_interval.is_zero() {
+            let (pool, policy, every, stop) = (
+                self.pool.clone(),
+                self.settings.retention.clone(),
+                self.settings.retention_interval,
+                shutdown.clone(),
+            );
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(every) => {}
+                    }
+                    match run_retention(&pool, &policy).await {
+                        Ok(report) => tracing::info!(?report, "retention run"),
+                        Err(e) => tracing::warn!(error = %e, "retention run failed"),
+                    }
+                }
+            });
+        }
+        let mut publisher = Publisher::new(self.kafka.clone(), self.settings.linger)?;
         let mut owner = ShardOwner::new();
         let mut retries = Retries::default();
         let mut reconnect_wait = Duration::from_millis(200);

@@ -12,11 +12,11 @@ use std::collections::BTreeSet;
 use sqlx::{PgConnection, Row};
 
 /// The number of shards; fixed by the `shard` column of `saga_outbox`.
-pub const SHARDS: i16 = 64;
+pub(crate) const SHARDS: i16 = 64;
 
 /// This instance's shards.
 #[derive(Debug)]
-pub struct ShardOwner {
+pub(crate) struct ShardOwner {
     instance: i32,
     classes: Option<(i32, i32)>,
     owned: BTreeSet<i16>,
@@ -24,7 +24,7 @@ pub struct ShardOwner {
 
 /// What a rebalance changed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Change {
+pub(crate) struct Change {
     /// Members counted, this instance included.
     pub members: i64,
     /// Shards taken.
@@ -41,7 +41,7 @@ impl Default for ShardOwner {
 
 impl ShardOwner {
     /// An instance with a random id, owning nothing yet.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             instance: rand::random::<i32>() & i32::MAX,
             classes: None,
@@ -50,13 +50,13 @@ impl ShardOwner {
     }
 
     /// The shards owned, in order.
-    pub fn owned(&self) -> Vec<i16> {
+    pub(crate) fn owned(&self) -> Vec<i16> {
         self.owned.iter().copied().collect()
     }
 
     /// Joins the members of the outbox in `conn`'s schema (takes the membership lock). `conn` must stay
     /// this instance's dedicated session: the locks live and die with it.
-    pub async fn join(&mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    pub(crate) async fn join(&mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         let row = sqlx::query(
             "SELECT hashtext('saga-outbox-members/' || current_schema()) & 2147483647, \
                     hashtext('saga-outbox-shards/' || current_schema()) & 2147483647",
@@ -84,7 +84,10 @@ impl ShardOwner {
     /// Takes or gives up shards until this instance owns its fair share: the number of shards divided by the
     /// number of members, rounded up. Free shards are taken starting from a place that depends on the
     /// instance, so that instances starting together spread out.
-    pub async fn rebalance(&mut self, conn: &mut PgConnection) -> Result<Change, sqlx::Error> {
+    pub(crate) async fn rebalance(
+        &mut self,
+        conn: &mut PgConnection,
+    ) -> Result<Change, sqlx::Error> {
         let (members_class, shards_class) = self.classes.expect("join() before rebalance()");
         let members: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_locks \
@@ -142,7 +145,7 @@ impl ShardOwner {
     }
 
     /// Gives up every shard and leaves the members (for a graceful stop).
-    pub async fn leave(&mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    pub(crate) async fn leave(&mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         if self.classes.is_some() {
             sqlx::query("SELECT pg_advisory_unlock_all()")
                 .execute(conn)
@@ -152,16 +155,8 @@ impl ShardOwner {
         Ok(())
     }
 
-    /// The shards this session holds locks on, as PostgreSQL sees them (for checks and tests).
-    pub async fn held(&self, conn: &mut PgConnection) -> Result<Vec<i16>, sqlx::Error> {
-        let Some((_, shards_class)) = self.classes else {
-            return Ok(Vec::new());
-        };
-        held(conn, shards_class).await
-    }
-
     /// Forgets all ownership (the session is gone, and its locks with it).
-    pub fn forget(&mut self) {
+    pub(crate) fn forget(&mut self) {
         self.owned.clear();
         self.classes = None;
     }

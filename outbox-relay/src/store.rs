@@ -4,15 +4,15 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use saga_core::gc::delete_in_batches;
-use saga_core::outbox::headers_from_array;
+use saga_runtime::store::gc::delete_in_batches;
+use saga_runtime::store::outbox::headers_from_array;
 use sqlx::{PgConnection, PgPool, Row};
 
 use crate::publisher::OrderKey;
 
 /// An outbox row to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxRow {
+pub(crate) struct OutboxRow {
     /// The row id.
     pub id: i64,
     /// The topic.
@@ -40,7 +40,7 @@ pub enum AfterPublish {
 /// Reads up to `limit` unpublished, unparked rows of `shards`, in id order (for one key: commit order),
 /// leaving out the keys in `held` (topic and partition key): rows of keys waiting for a retry must not fill
 /// the batch and starve the others.
-pub async fn fetch_unpublished(
+pub(crate) async fn fetch_unpublished(
     conn: &mut PgConnection,
     shards: &[i16],
     held: &[OrderKey],
@@ -78,7 +78,7 @@ pub async fn fetch_unpublished(
 }
 
 /// Marks (or deletes) the rows `acked` as published; `published_at` is the broker's acknowledgement time.
-pub async fn mark_published(
+pub(crate) async fn mark_published(
     conn: &mut PgConnection,
     acked: &[(i64, DateTime<Utc>)],
     after: AfterPublish,
@@ -111,7 +111,7 @@ pub async fn mark_published(
 
 /// Records a failed publication of row `id`; a row refused for good (`refused`) is parked once it has
 /// failed `park_after` times. Returns whether it was parked.
-pub async fn record_failure(
+pub(crate) async fn record_failure(
     conn: &mut PgConnection,
     id: i64,
     error: &str,
@@ -173,7 +173,7 @@ pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
 
 /// Deletes rows published longer ago than `retention`, `batch_size` per statement. Returns the rows
 /// deleted and the statements run.
-pub async fn delete_published(
+pub(crate) async fn delete_published(
     pool: &PgPool,
     retention: Duration,
     batch_size: u32,

@@ -4,10 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use outbox_relay::{Relay, RelaySettings};
-use saga_core::envelope::Lineage;
-use saga_core::{Event, IdempotencyKey, OutboxMessage, TenantId, outbox};
-use saga_runtime::kafka::KafkaConfig;
+use outbox_relay::{KafkaConfig, Relay, RelayBuilder, RelayProbe};
+use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId};
+use saga_runtime::store::outbox;
 use saga_test_support::{PrivateBroker, ReadMessage, TestDb, TestKafka, unique_name, wait_until};
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
@@ -28,35 +27,31 @@ fn row(topic: &str, key: &str, seq: i64) -> OutboxMessage {
     OutboxMessage::from_event(event, &lineage, "relay-test")
 }
 
-fn settings(brokers: &str) -> RelaySettings {
-    RelaySettings {
-        kafka: KafkaConfig::new(brokers),
-        batch_size: 500,
-        poll_interval: Duration::from_millis(200),
-        rebalance_interval: Duration::from_millis(200),
-        ..RelaySettings::default()
-    }
+/// A relay for tests: quick polls and rebalances, batches of 500.
+fn builder(brokers: &str, pool: PgPool) -> RelayBuilder {
+    Relay::builder()
+        .brokers(brokers)
+        .pool(pool)
+        .batch_size(500)
+        .poll_interval(Duration::from_millis(200))
+        .rebalance_interval(Duration::from_millis(200))
 }
 
 struct RunningRelay {
     stop: CancellationToken,
     handle: JoinHandle<Result<(), outbox_relay::RelayError>>,
-    published: prometheus_client::metrics::counter::Counter,
-    owned: prometheus_client::metrics::gauge::Gauge,
+    probe: RelayProbe,
 }
 
-fn start(settings: RelaySettings, pool: PgPool) -> RunningRelay {
-    let relay = Relay::new(settings, pool);
-    let published = relay.metrics().published.clone();
-    let owned = relay.metrics().owned_shards.clone();
+fn start(builder: RelayBuilder) -> RunningRelay {
+    let relay = builder.build().expect("a valid relay");
+    let probe = relay.probe();
     let stop = CancellationToken::new();
-    let token = stop.clone();
-    let handle = tokio::spawn(async move { relay.run(token).await });
+    let handle = tokio::spawn(relay.run(stop.clone().cancelled_owned()));
     RunningRelay {
         stop,
         handle,
-        published,
-        owned,
+        probe,
     }
 }
 
@@ -133,7 +128,7 @@ async fn order_rows_of_many_concurrent_transactions_are_all_published_in_per_key
             .await
             .unwrap();
     }
-    let relay = start(settings(&kafka.brokers), db.pool.clone());
+    let relay = start(builder(&kafka.brokers, db.pool.clone()));
 
     // Each writer appends a row, waits a random moment, and only then learns its place in the key's commit
     // order (the counter row lock serialises commits per key) and writes it into the row. Without the
@@ -186,7 +181,7 @@ async fn order_rows_of_many_concurrent_transactions_are_all_published_in_per_key
         duplicates, 0,
         "a relay that was not interrupted publishes each row once"
     );
-    assert_eq!(relay.published.get(), 400);
+    assert_eq!(relay.probe.published(), 400);
     relay.stop().await;
 }
 
@@ -200,7 +195,7 @@ async fn late_a_row_committing_after_later_ids_were_published_is_still_published
     let db = TestDb::new("relay-late").await;
     let kafka = TestKafka::new().await;
     let topic = kafka.topic("relay-late", 1).await;
-    let relay = start(settings(&kafka.brokers), db.pool.clone());
+    let relay = start(builder(&kafka.brokers, db.pool.clone()));
 
     // The early transaction takes the smaller id and stays open.
     let mut early = db.pool.begin().await.unwrap();
@@ -239,10 +234,10 @@ async fn instance_two_relays_share_the_outbox_keep_order_and_hand_over_when_one_
     let db = TestDb::new("relay-instance").await;
     let kafka = TestKafka::new().await;
     let topic = kafka.topic("relay-instance", 4).await;
-    let first = start(settings(&kafka.brokers), db.pool_of(3).await);
-    let second = start(settings(&kafka.brokers), db.pool_of(3).await);
+    let first = start(builder(&kafka.brokers, db.pool_of(3).await));
+    let second = start(builder(&kafka.brokers, db.pool_of(3).await));
     wait_until("both instances own half the shards", WAIT, || async {
-        (first.owned.get() == 32 && second.owned.get() == 32).then_some(())
+        (first.probe.owned_shards() == 32 && second.probe.owned_shards() == 32).then_some(())
     })
     .await;
 
@@ -265,13 +260,13 @@ async fn instance_two_relays_share_the_outbox_keep_order_and_hand_over_when_one_
         }));
     }
     wait_until("both instances published", WAIT, || async {
-        (first.published.get() > 50 && second.published.get() > 50).then_some(())
+        (first.probe.published() > 50 && second.probe.published() > 50).then_some(())
     })
     .await;
-    let first_published = first.published.clone();
+    let first_published = first.probe.clone();
     first.stop().await;
     wait_until("the remaining instance owns every shard", WAIT, || async {
-        (second.owned.get() == 64).then_some(())
+        (second.probe.owned_shards() == 64).then_some(())
     })
     .await;
     for w in writers {
@@ -285,7 +280,7 @@ async fn instance_two_relays_share_the_outbox_keep_order_and_hand_over_when_one_
     let expected: BTreeMap<String, i64> =
         (0..keys).map(|k| (format!("key-{k}"), per_key)).collect();
     check_per_key_order(&messages, &expected);
-    assert!(first_published.get() > 0 && second.published.get() > 0);
+    assert!(first_published.published() > 0 && second.probe.published() > 0);
     second.stop().await;
 }
 
@@ -376,7 +371,7 @@ async fn outage_of_the_broker_loses_nothing_and_marks_nothing_it_did_not_acknowl
     let mut broker = PrivateBroker::launch("relay-outage").await;
     let kafka = TestKafka::with_brokers(&broker.brokers).await;
     let topic = kafka.topic("relay-outage", 2).await;
-    let relay = start(settings(&broker.brokers), db.pool.clone());
+    let relay = start(builder(&broker.brokers, db.pool.clone()));
 
     let before = fill(&db, &topic, 10, 5).await;
     wait_all_published(&db).await;
@@ -456,22 +451,24 @@ async fn instance_a_relay_joining_after_repeated_rebalances_and_a_scale_down_get
     let topic = kafka.topic("relay-shards", 2).await;
     // Rebalancing every 50 ms runs the shard statements many times over: PostgreSQL then plans them
     // generically, which used to lock owned shards again (session advisory locks stack).
-    let fast = || RelaySettings {
-        rebalance_interval: Duration::from_millis(50),
-        ..settings(&kafka.brokers)
-    };
+    let fast = |pool| builder(&kafka.brokers, pool).rebalance_interval(Duration::from_millis(50));
     let mut relays = Vec::new();
     for _ in 0..3 {
-        relays.push(start(fast(), db.pool_of(3).await));
+        relays.push(start(fast(db.pool_of(3).await)));
     }
-    let owned = |relays: &[RunningRelay]| relays.iter().map(|r| r.owned.get()).collect::<Vec<_>>();
+    let owned = |relays: &[RunningRelay]| {
+        relays
+            .iter()
+            .map(|r| r.probe.owned_shards())
+            .collect::<Vec<_>>()
+    };
     wait_until("three relays own every shard", WAIT, || async {
         (owned(&relays).iter().sum::<i64>() == 64).then_some(())
     })
     .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
 
-    relays.push(start(fast(), db.pool_of(3).await));
+    relays.push(start(fast(db.pool_of(3).await)));
     wait_until("four relays own 16 shards each", WAIT, || async {
         (owned(&relays) == [16, 16, 16, 16]).then_some(())
     })
@@ -538,27 +535,19 @@ async fn refused_a_row_the_broker_refuses_is_parked_its_key_held_until_then_and_
     // One message per produce request, one request at a time, and no idempotence: the broker refuses the
     // first row alone and accepts the second, the case where a relay must not mark the second before the
     // first is settled. Two rows per batch: held keys must not fill the batches.
-    let mut kafka_config = KafkaConfig::new(&kafka.brokers);
-    kafka_config.properties = vec![
-        ("batch.num.messages".into(), "1".into()),
-        ("max.in.flight.requests.per.connection".into(), "1".into()),
-        ("enable.idempotence".into(), "false".into()),
-    ];
-    let relay = Relay::new(
-        RelaySettings {
-            kafka: kafka_config,
-            batch_size: 2,
-            park_after: 4,
-            ..settings(&kafka.brokers)
-        },
-        db.pool.clone(),
-    );
-    let parked_metric = relay.metrics().parked.clone();
+    let kafka_config = KafkaConfig::new(&kafka.brokers)
+        .with_property("batch.num.messages", "1")
+        .with_property("max.in.flight.requests.per.connection", "1")
+        .with_property("enable.idempotence", "false");
+    let relay = builder(&kafka.brokers, db.pool.clone())
+        .kafka(kafka_config)
+        .batch_size(2)
+        .park_after(4)
+        .build()
+        .unwrap();
+    let probe = relay.probe();
     let stop = CancellationToken::new();
-    let running = tokio::spawn({
-        let stop = stop.clone();
-        async move { relay.run(stop).await }
-    });
+    let running = tokio::spawn(relay.run(stop.clone().cancelled_owned()));
     wait_until(
         "the refused row parked and the rest published",
         WAIT,
@@ -614,8 +603,8 @@ async fn refused_a_row_the_broker_refuses_is_parked_its_key_held_until_then_and_
             "other keys were published while the refused row waited for its retries"
         );
     }
-    assert_eq!(parked_metric.get(), 1);
-    let backlog = outbox_relay::store::backlog(&db.pool).await.unwrap();
+    assert_eq!(probe.parked(), 1);
+    let backlog = outbox_relay::backlog(&db.pool).await.unwrap();
     assert_eq!((backlog.unpublished, backlog.parked), (0, 1));
     let messages = kafka
         .read_all(&topic, 9, Duration::from_millis(500), WAIT)

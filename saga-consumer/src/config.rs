@@ -49,9 +49,10 @@ impl FromStr for AssignmentStrategy {
 
 /// Every setting of the consumer. Build it with [`crate::SagaConsumer::builder`].
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ConsumerSettings {
-    /// The broker.
-    pub kafka: KafkaConfig,
+    /// The broker (`KAFKA_BROKERS`, required; `KAFKA_PROPERTY_*` for librdkafka properties).
+    pub kafka: Option<KafkaConfig>,
     /// The consumer group (`SAGA_GROUP_ID`).
     pub group_id: Option<String>,
     /// Partitions processed at once (`SAGA_CONCURRENCY`, default 4).
@@ -84,7 +85,7 @@ pub struct ConsumerSettings {
 impl Default for ConsumerSettings {
     fn default() -> Self {
         Self {
-            kafka: KafkaConfig::new("127.0.0.1:9092"),
+            kafka: None,
             group_id: None,
             concurrency: 4,
             batch_size: 100,
@@ -129,8 +130,10 @@ impl ConsumerSettings {
                 .transpose()
         }
         let millis = |var| parse::<u64>(&get, var).map(|v| v.map(Duration::from_millis));
-        if let Some(brokers) = get("KAFKA_BROKERS") {
-            self.kafka.brokers = brokers;
+        if let Some(brokers) = get("KAFKA_BROKERS").filter(|b| !b.trim().is_empty()) {
+            let mut kafka = KafkaConfig::new(brokers);
+            kafka.properties = saga_runtime::kafka::properties_from_env();
+            self.kafka = Some(kafka);
         }
         if let Some(group) = get("SAGA_GROUP_ID") {
             self.group_id = Some(group);
@@ -182,7 +185,11 @@ impl ConsumerSettings {
                 reason: reason.to_owned(),
             })
         };
-        if self.kafka.brokers.trim().is_empty() {
+        if self
+            .kafka
+            .as_ref()
+            .is_none_or(|k| k.brokers.trim().is_empty())
+        {
             return Err(ConfigError::Missing("brokers (KAFKA_BROKERS)"));
         }
         match &self.group_id {
@@ -235,6 +242,7 @@ mod tests {
     fn valid() -> ConsumerSettings {
         ConsumerSettings {
             group_id: Some("payments".into()),
+            kafka: Some(KafkaConfig::new("127.0.0.1:9092")),
             ..ConsumerSettings::default()
         }
     }
@@ -256,7 +264,7 @@ mod tests {
                     .map(|(_, v)| (*v).to_owned())
             })
             .unwrap();
-        assert_eq!(settings.kafka.brokers, "10.0.0.1:9092");
+        assert_eq!(settings.kafka.as_ref().unwrap().brokers, "10.0.0.1:9092");
         assert_eq!(settings.group_id.as_deref(), Some("shipping"));
         assert_eq!(settings.batch_size, 250);
         assert_eq!(settings.retry.initial_backoff, Duration::from_millis(50));
@@ -280,6 +288,18 @@ mod tests {
             ConsumerSettings::default().validate(),
             Err(ConfigError::Missing(_))
         ));
+        let no_brokers = ConsumerSettings {
+            group_id: Some("payments".into()),
+            ..ConsumerSettings::default()
+        };
+        assert!(
+            no_brokers
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("KAFKA_BROKERS"),
+            "a missing broker list is named, never defaulted"
+        );
         let zero_batch = ConsumerSettings {
             batch_size: 0,
             ..valid()
@@ -292,11 +312,7 @@ mod tests {
                 .contains("batch size")
         );
         let inverted = ConsumerSettings {
-            retry: RetryPolicy {
-                initial_backoff: Duration::from_secs(10),
-                max_backoff: Duration::from_secs(1),
-                ..RetryPolicy::default()
-            },
+            retry: RetryPolicy::default().backoff(Duration::from_secs(10), Duration::from_secs(1)),
             ..valid()
         };
         assert!(inverted.validate().is_err());

@@ -7,8 +7,9 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use saga_core::{SagaStep, TwoPhaseStep};
 use saga_runtime::kafka::KafkaConfig;
-use saga_runtime::ops::Ops;
+use saga_runtime::ops::{Ops, OpsHandle};
 use sqlx::PgPool;
+use std::future::Future;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tower_layer::Layer;
@@ -56,6 +57,39 @@ pub struct SagaConsumerBuilder {
     ops: Option<Ops>,
 }
 
+impl std::fmt::Debug for SagaConsumerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SagaConsumerBuilder")
+            .field("settings", &self.settings)
+            .field(
+                "steps",
+                &self
+                    .steps
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .field("ignored", &self.ignored)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for SagaConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SagaConsumer")
+            .field("settings", &self.settings)
+            .field(
+                "steps",
+                &self
+                    .steps
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
 impl SagaConsumerBuilder {
     fn new() -> Self {
         Self {
@@ -76,19 +110,26 @@ impl SagaConsumerBuilder {
         if let Err(e) = self.settings.apply_env() {
             self.env_error.get_or_insert(e);
         }
-        self.settings.kafka.properties = KafkaConfig::from_env().properties;
         self
     }
 
-    /// The broker list (`bootstrap.servers`).
+    /// The broker list (`bootstrap.servers`), keeping any librdkafka properties already set.
     pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        self.settings.kafka.brokers = brokers.into();
+        let properties = self
+            .settings
+            .kafka
+            .take()
+            .map(|k| k.properties)
+            .unwrap_or_default();
+        let mut kafka = KafkaConfig::new(brokers);
+        kafka.properties = properties;
+        self.settings.kafka = Some(kafka);
         self
     }
 
     /// The whole Kafka configuration.
     pub fn kafka(mut self, kafka: KafkaConfig) -> Self {
-        self.settings.kafka = kafka;
+        self.settings.kafka = Some(kafka);
         self
     }
 
@@ -189,9 +230,9 @@ impl SagaConsumerBuilder {
         self
     }
 
-    /// Registers the metrics in `ops` (to serve them with the application's own endpoint) and reports
-    /// readiness there.
-    pub fn ops(mut self, ops: Ops) -> Self {
+    /// Shares the ops state of the process (metrics and readiness) with the relay a service embeds.
+    #[doc(hidden)]
+    pub fn with_ops(mut self, ops: Ops) -> Self {
         self.ops = Some(ops);
         self
     }
@@ -315,15 +356,38 @@ impl SagaConsumer {
         topics
     }
 
-    /// The ops state (metrics registry and readiness).
-    pub fn ops(&self) -> &Ops {
-        &self.ops
+    /// The broker configuration.
+    pub(crate) fn kafka(&self) -> &KafkaConfig {
+        self.settings
+            .kafka
+            .as_ref()
+            .expect("build() checked that the brokers are set")
     }
 
-    /// Runs until `shutdown` is cancelled, then stops gracefully: stops fetching, lets in-flight batches
-    /// finish within the shutdown timeout, commits, and leaves the group. Must run on a multi-threaded
-    /// tokio runtime.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
+    /// The dead-letter topic.
+    pub fn dlq_topic(&self) -> String {
+        self.settings.dlq_topic()
+    }
+
+    /// The consumer's metrics (Prometheus text) and readiness, also while it runs.
+    pub fn ops(&self) -> OpsHandle {
+        self.ops.handle()
+    }
+
+    /// The process's ops state, shared with the relay a service embeds.
+    #[doc(hidden)]
+    pub fn shared_ops(&self) -> Ops {
+        self.ops.clone()
+    }
+
+    /// Runs until `shutdown` resolves (any future: a signal, a token's `cancelled()`), then stops
+    /// gracefully: stops fetching, lets in-flight batches finish within the shutdown timeout, commits, and
+    /// leaves the group. Must run on a multi-threaded tokio runtime.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ConsumerError> {
+        saga_runtime::shutdown::run_until(shutdown, |token| self.run_until(token)).await
+    }
+
+    async fn run_until(self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
         let topics = self.topics();
         let settings = self.settings;
         let group = settings
@@ -338,9 +402,15 @@ impl SagaConsumer {
             tracing::info!(%bound, "ops endpoint listening");
         }
 
-        let producer = settings
+        let kafka = settings
             .kafka
-            .idempotent_producer(Duration::from_millis(5), Duration::from_secs(30))?;
+            .clone()
+            .ok_or(ConfigError::Missing("brokers (KAFKA_BROKERS)"))?;
+        let producer = saga_runtime::kafka::idempotent_producer(
+            &kafka,
+            Duration::from_millis(5),
+            Duration::from_secs(30),
+        )?;
         let executor = Executor {
             pool: self.pool.clone(),
             service: self.service,
@@ -366,7 +436,7 @@ impl SagaConsumer {
             self.ops.clone(),
         ));
 
-        let mut config = settings.kafka.client_config();
+        let mut config = saga_runtime::kafka::client_config(&kafka);
         config
             .set("group.id", &group)
             .set("enable.auto.commit", "false")
@@ -393,7 +463,7 @@ impl SagaConsumer {
             .set("queued.max.messages.kbytes", "16384")
             .set("fetch.queue.backoff.ms", "50")
             .set("statistics.interval.ms", "5000");
-        for (name, value) in &settings.kafka.properties {
+        for (name, value) in &kafka.properties {
             config.set(name, value);
         }
         let consumer: BaseConsumer<PollContext> = config.create_with_context(PollContext {

@@ -9,8 +9,9 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
-use saga_core::idempotency::{Claim, StoreError, claim_in_transaction, record_outcomes};
-use saga_core::{OutboxMessage, StepError, StepKey, StepOutcome, TenantId, outbox};
+use saga_core::{OutboxMessage, StepError, StepKey, StepOutcome, TenantId};
+use saga_runtime::store::idempotency::{Claim, StoreError, claim_in_transaction, record_outcomes};
+use saga_runtime::store::outbox;
 
 use crate::delivery::{Delivery, Route};
 use crate::metrics::{ConsumerMetrics, StepOnly};
@@ -29,7 +30,7 @@ pub(crate) enum ItemOutcome {
 }
 
 impl ItemOutcome {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Completed => "completed",
             Self::Rejected => "rejected",
@@ -40,7 +41,7 @@ impl ItemOutcome {
         }
     }
 
-    pub fn of(outcome: &StepOutcome) -> Self {
+    pub(crate) fn of(outcome: &StepOutcome) -> Self {
         match outcome {
             StepOutcome::Completed { .. } => Self::Completed,
             StepOutcome::Rejected { .. } => Self::Rejected,

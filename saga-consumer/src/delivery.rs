@@ -10,7 +10,7 @@ use crate::handler::{Decoded, RegisteredStep};
 
 /// Why a message can never be handled.
 #[derive(Debug, thiserror::Error)]
-pub enum PoisonReason {
+pub(crate) enum PoisonReason {
     /// Its headers or payload do not decode (missing or invalid key header, bad JSON, ...).
     #[error(transparent)]
     Envelope(#[from] EnvelopeError),
@@ -53,14 +53,14 @@ pub(crate) struct Delivery {
 }
 
 impl Delivery {
-    pub fn step_name(&self) -> Option<&str> {
+    pub(crate) fn step_name(&self) -> Option<&str> {
         match &self.route {
             Route::Step { step, .. } => Some(step.name.as_str()),
             _ => None,
         }
     }
 
-    pub fn is_transactional_or_ignored(&self) -> bool {
+    pub(crate) fn is_transactional_or_ignored(&self) -> bool {
         match &self.route {
             Route::Ignored => true,
             Route::Step { step, .. } => {
@@ -78,7 +78,7 @@ pub(crate) struct Router {
 }
 
 impl Router {
-    pub fn new(steps: &[RegisteredStep], ignored: &[(String, String)]) -> Self {
+    pub(crate) fn new(steps: &[RegisteredStep], ignored: &[(String, String)]) -> Self {
         Self {
             steps: steps
                 .iter()
@@ -94,7 +94,7 @@ impl Router {
     }
 
     /// Reads the headers, finds the step and decodes the payload.
-    pub fn route(&self, raw: RawMessage) -> Delivery {
+    pub(crate) fn route(&self, raw: RawMessage) -> Delivery {
         let meta = EventMetadata::from_headers(&raw.headers);
         let span = tracing::info_span!(
             "saga.message",

@@ -70,7 +70,7 @@ impl DeadLetterReason {
 
 /// A message's death certificate.
 #[derive(Debug, Clone)]
-pub struct DeadLetter {
+pub(crate) struct DeadLetter {
     /// Why.
     pub reason: DeadLetterReason,
     /// The step, if known.
@@ -89,7 +89,7 @@ pub(crate) struct DeadLetters {
 }
 
 impl DeadLetters {
-    pub fn new(producer: FutureProducer, topic: String, group: String) -> Self {
+    pub(crate) fn new(producer: FutureProducer, topic: String, group: String) -> Self {
         Self {
             producer,
             topic,
@@ -97,7 +97,7 @@ impl DeadLetters {
         }
     }
 
-    pub fn topic(&self) -> &str {
+    pub(crate) fn topic(&self) -> &str {
         &self.topic
     }
 
@@ -111,7 +111,7 @@ impl DeadLetters {
     /// copy (the `dlq-*` headers with a short error, the idempotency key and the tenant). A dead letter
     /// never blocks its partition for its size, and the message's identity (topic, partition, offset, key,
     /// idempotency key) is kept.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         raw: &RawMessage,
         letter: &DeadLetter,

@@ -4,6 +4,7 @@ use rdkafka::error::KafkaError;
 
 /// A configuration the consumer refuses to start with.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// A required setting is missing.
     #[error("missing setting: {0}")]
@@ -43,6 +44,9 @@ pub enum ConfigError {
         "two steps are named {0:?}; step names must be unique, they are part of every step key"
     )]
     DuplicateStepName(String),
+    /// A setting is missing or does not parse; names it and what to do.
+    #[error(transparent)]
+    Problem(#[from] saga_runtime::config::ConfigProblem),
     /// The dead-letter topic is one the consumer reads.
     #[error("the dead-letter topic {0:?} is also consumed; dead letters would come back")]
     DeadLetterTopicConsumed(String),
@@ -50,16 +54,19 @@ pub enum ConfigError {
 
 /// Why the consumer stopped with an error.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConsumerError {
     /// The configuration is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The Kafka client failed to start or to subscribe.
+    /// The Kafka client failed to start or to subscribe (librdkafka's message).
     #[error("kafka: {0}")]
-    Kafka(#[from] KafkaError),
-    /// Topics the consumer needs do not exist (create them first: the framework never relies on
-    /// auto-creation).
-    #[error("topics do not exist: {0:?}")]
+    Kafka(String),
+    /// Topics the consumer needs do not exist (create them first, or let the service create them with
+    /// `SAGA_CREATE_TOPICS`: the framework never relies on a broker's auto-creation).
+    #[error(
+        "topics do not exist: {0:?}; create them, or set SAGA_CREATE_TOPICS to a partition count"
+    )]
     MissingTopics(Vec<String>),
     /// A partition worker died (a bug); the consumer stopped without committing its unfinished messages.
     #[error("the worker of {topic}/{partition} stopped unexpectedly")]
@@ -75,4 +82,10 @@ pub enum ConsumerError {
     /// The poll thread could not be started or ended abnormally.
     #[error("poll thread: {0}")]
     PollThread(String),
+}
+
+impl From<KafkaError> for ConsumerError {
+    fn from(e: KafkaError) -> Self {
+        Self::Kafka(e.to_string())
+    }
 }

@@ -13,8 +13,9 @@ use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use saga_core::idempotency::{self, LeaseClaim, StoreError};
-use saga_core::{ErrorKind, StepError, outbox};
+use saga_core::{ErrorKind, StepError};
+use saga_runtime::store::idempotency::{self, LeaseClaim, StoreError};
+use saga_runtime::store::outbox;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -60,7 +61,11 @@ pub(crate) struct Executor {
 impl Executor {
     /// Processes one partition's `deliveries` in order. Returns how many, from the front, are finished
     /// (committed, skipped or dead-lettered): all of them unless `cancel` fired.
-    pub async fn process(&self, deliveries: &mut [Delivery], cancel: &CancellationToken) -> usize {
+    pub(crate) async fn process(
+        &self,
+        deliveries: &mut [Delivery],
+        cancel: &CancellationToken,
+    ) -> usize {
         let mut i = 0;
         while i < deliveries.len() {
             if cancel.is_cancelled() {
@@ -101,7 +106,7 @@ impl Executor {
     }
 
     /// Dead-letters `delivery` for `reason`, as the consumer died on it repeatedly.
-    pub async fn dead_letter_crash_loop(
+    pub(crate) async fn dead_letter_crash_loop(
         &self,
         delivery: &mut Delivery,
         deaths: u32,
@@ -174,7 +179,7 @@ impl Executor {
                 }
                 Err(BatchError::Store(e)) => {
                     unavailable += 1;
-                    let wait = UNAVAILABLE_BACKOFF.backoff(unavailable);
+                    let wait = UNAVAILABLE_BACKOFF.wait_after(unavailable);
                     tracing::warn!(error = %e, ?wait, "the database is unreachable; retrying the batch");
                     if !sleep_or_cancel(wait, cancel).await {
                         return start;
@@ -443,7 +448,7 @@ impl Executor {
         };
         if !counted {
             *unavailable += 1;
-            let wait = UNAVAILABLE_BACKOFF.backoff(*unavailable);
+            let wait = UNAVAILABLE_BACKOFF.wait_after(*unavailable);
             tracing::warn!(parent: &delivery.span, error = %failure, ?wait, "database unavailable; waiting");
             return Next::Retry(wait);
         }
@@ -458,7 +463,7 @@ impl Executor {
             );
         }
         self.metrics.retries.get_or_create(&StepOnly { step }).inc();
-        let wait = self.retry.backoff(delivery.attempts);
+        let wait = self.retry.wait_after(delivery.attempts);
         tracing::warn!(
             parent: &delivery.span,
             attempt = delivery.attempts,

@@ -39,7 +39,7 @@ pub(crate) struct CrashGuard {
 
 impl CrashGuard {
     /// `limit` is the number of deaths tolerated per message; 0 turns detection off.
-    pub fn new(pool: PgPool, group: String, limit: u32) -> Self {
+    pub(crate) fn new(pool: PgPool, group: String, limit: u32) -> Self {
         Self {
             pool,
             group,
@@ -49,18 +49,18 @@ impl CrashGuard {
     }
 
     /// Held while an ordinary batch runs: isolated messages wait for it.
-    pub async fn shared(&self) -> OwnedRwLockReadGuard<()> {
+    pub(crate) async fn shared(&self) -> OwnedRwLockReadGuard<()> {
         self.alone.clone().read_owned().await
     }
 
     /// Held while an isolated message runs: nothing else of this consumer runs meanwhile.
-    pub async fn exclusive(&self) -> OwnedRwLockWriteGuard<()> {
+    pub(crate) async fn exclusive(&self) -> OwnedRwLockWriteGuard<()> {
         self.alone.clone().write_owned().await
     }
 
     /// Records that a batch `first..=last` of `topic`/`partition` begins. A database error goes to the
     /// caller, which retries: processing without the record would blind the detection.
-    pub async fn begin(
+    pub(crate) async fn begin(
         &self,
         topic: &str,
         partition: i32,
@@ -92,12 +92,12 @@ impl CrashGuard {
     /// Takes back the start of the isolated message at `offset` while it waits for something outside
     /// it (another worker's lease on its key): a death meanwhile is not its doing. [`CrashGuard::resume`]
     /// counts the start again when its attempt resumes.
-    pub async fn pause(&self, topic: &str, partition: i32, offset: i64) {
+    pub(crate) async fn pause(&self, topic: &str, partition: i32, offset: i64) {
         self.adjust(topic, partition, offset, -1).await;
     }
 
     /// Counts the start of the isolated message at `offset` again, after [`CrashGuard::pause`].
-    pub async fn resume(&self, topic: &str, partition: i32, offset: i64) {
+    pub(crate) async fn resume(&self, topic: &str, partition: i32, offset: i64) {
         self.adjust(topic, partition, offset, 1).await;
     }
 
@@ -122,7 +122,7 @@ impl CrashGuard {
     }
 
     /// Records that the batch starting at `first` ended: `finished`, or abandoned on purpose.
-    pub async fn end(&self, topic: &str, partition: i32, first: i64, finished: bool) {
+    pub(crate) async fn end(&self, topic: &str, partition: i32, first: i64, finished: bool) {
         if self.limit == 0 {
             return;
         }

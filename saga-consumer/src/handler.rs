@@ -159,7 +159,7 @@ pub(crate) struct RegisteredStep {
 }
 
 impl RegisteredStep {
-    pub fn transactional<S: SagaStep>(step: S) -> Self {
+    pub(crate) fn transactional<S: SagaStep>(step: S) -> Self {
         Self {
             name: step.name(),
             subscriptions: step.subscriptions(),
@@ -167,7 +167,7 @@ impl RegisteredStep {
         }
     }
 
-    pub fn two_phase<S: TwoPhaseStep>(step: S) -> Self {
+    pub(crate) fn two_phase<S: TwoPhaseStep>(step: S) -> Self {
         Self {
             name: step.name(),
             subscriptions: step.subscriptions(),
@@ -175,7 +175,11 @@ impl RegisteredStep {
         }
     }
 
-    pub fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError> {
+    pub(crate) fn decode(
+        &self,
+        raw: &RawMessage,
+        meta: EventMetadata,
+    ) -> Result<Decoded, EnvelopeError> {
         match &self.mode {
             StepMode::Transactional(s) => s.decode(raw, meta),
             StepMode::TwoPhase(s) => s.decode(raw, meta),

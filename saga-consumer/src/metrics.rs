@@ -9,7 +9,7 @@ use prometheus_client::registry::Registry;
 
 /// Labels of per-step counters.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StepLabels {
+pub(crate) struct StepLabels {
     /// The step (empty for messages no step took).
     pub step: String,
     /// What happened: `completed`, `rejected`, `duplicate`, `ignored`, `dead_lettered`, `superseded`.
@@ -18,7 +18,7 @@ pub struct StepLabels {
 
 /// Labels of per-partition gauges.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PartitionLabels {
+pub(crate) struct PartitionLabels {
     /// The topic.
     pub topic: String,
     /// The partition.
@@ -27,14 +27,14 @@ pub struct PartitionLabels {
 
 /// Labels naming a step.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StepOnly {
+pub(crate) struct StepOnly {
     /// The step.
     pub step: String,
 }
 
 /// Labels of dead-letter counts.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DeadLetterLabels {
+pub(crate) struct DeadLetterLabels {
     /// The topic the message came from.
     pub topic: String,
     /// The `dlq-reason`.
@@ -43,7 +43,7 @@ pub struct DeadLetterLabels {
 
 /// The consumer's metrics, cheap to clone.
 #[derive(Clone)]
-pub struct ConsumerMetrics {
+pub(crate) struct ConsumerMetrics {
     /// Messages finished, by step and outcome.
     pub processed: Family<StepLabels, Counter>,
     /// Redeliveries skipped because their step key was done.
@@ -78,7 +78,7 @@ impl Default for ConsumerMetrics {
 
 impl ConsumerMetrics {
     /// Registers the metrics under the `saga_consumer` prefix.
-    pub fn register(&self, registry: &mut Registry) {
+    pub(crate) fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("saga_consumer");
         r.register(
             "processed",

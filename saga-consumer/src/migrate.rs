@@ -9,11 +9,11 @@ pub const MIGRATIONS_TABLE: &str = "_saga_consumer_migrations";
 
 /// The consumer's migrator.
 pub fn migrator() -> Migrator {
-    saga_core::migrate::owned_by(sqlx::migrate!("./migrations"), MIGRATIONS_TABLE)
+    saga_runtime::store::migrate::owned_by(sqlx::migrate!("./migrations"), MIGRATIONS_TABLE)
 }
 
 /// Applies the key store's, the outbox's and the consumer's migrations: every table a consumer needs.
 pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
-    saga_core::migrate::migrate(pool).await?;
+    saga_runtime::store::migrate::migrate(pool).await?;
     migrator().run(pool).await
 }

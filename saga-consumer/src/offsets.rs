@@ -24,7 +24,7 @@ pub(crate) struct OffsetTracker {
 
 impl OffsetTracker {
     /// Starts tracking `tp` for worker generation `generation`, forgetting earlier progress.
-    pub fn start(&self, tp: &TopicPartition, generation: u64) {
+    pub(crate) fn start(&self, tp: &TopicPartition, generation: u64) {
         self.lock().insert(
             tp.clone(),
             Progress {
@@ -35,7 +35,7 @@ impl OffsetTracker {
     }
 
     /// A worker of `generation` finished every message of `tp` before `next_offset`.
-    pub fn finished(&self, tp: &TopicPartition, generation: u64, next_offset: i64) {
+    pub(crate) fn finished(&self, tp: &TopicPartition, generation: u64, next_offset: i64) {
         if let Some(p) = self.lock().get_mut(tp)
             && p.generation == generation
             && p.finished.is_none_or(|f| f < next_offset)
@@ -45,7 +45,10 @@ impl OffsetTracker {
     }
 
     /// Positions finished but not yet committed, for the partitions `filter` accepts.
-    pub fn pending(&self, filter: impl Fn(&TopicPartition) -> bool) -> Vec<(TopicPartition, i64)> {
+    pub(crate) fn pending(
+        &self,
+        filter: impl Fn(&TopicPartition) -> bool,
+    ) -> Vec<(TopicPartition, i64)> {
         self.lock()
             .iter()
             .filter(|(tp, _)| filter(tp))
@@ -57,7 +60,7 @@ impl OffsetTracker {
     }
 
     /// Records that `offset` of `tp` was committed.
-    pub fn committed(&self, tp: &TopicPartition, offset: i64) {
+    pub(crate) fn committed(&self, tp: &TopicPartition, offset: i64) {
         if let Some(p) = self.lock().get_mut(tp)
             && p.committed.is_none_or(|c| c < offset)
         {
@@ -66,7 +69,7 @@ impl OffsetTracker {
     }
 
     /// Stops tracking `tp`.
-    pub fn remove(&self, tp: &TopicPartition) {
+    pub(crate) fn remove(&self, tp: &TopicPartition) {
         self.lock().remove(tp);
     }
 

@@ -63,7 +63,7 @@ pub(crate) struct Dispatcher {
 }
 
 impl Dispatcher {
-    pub fn new(
+    pub(crate) fn new(
         shared: Arc<WorkerShared>,
         runtime: tokio::runtime::Handle,
         queue_capacity: usize,

@@ -3,7 +3,20 @@
 use std::time::Duration;
 
 /// Exponential backoff with jitter, and a retry budget after which a message is dead-lettered.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use saga_consumer::RetryPolicy;
+///
+/// let policy = RetryPolicy::default()
+///     .max_attempts(4)
+///     .backoff(Duration::from_millis(50), Duration::from_secs(2));
+/// assert_eq!(policy.max_attempts, 4);
+/// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Attempts in all (the first one included) before a transiently failing message is dead-lettered.
     pub max_attempts: u32,
@@ -31,8 +44,31 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// Attempts in all, the first one included, before a transiently failing message is dead-lettered.
+    #[must_use]
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// The first wait between attempts, and the longest.
+    #[must_use]
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.initial_backoff = initial;
+        self.max_backoff = max;
+        self
+    }
+
+    /// The factor between consecutive waits (at least 1), and the jitter (0 to 1).
+    #[must_use]
+    pub fn growth(mut self, multiplier: f64, jitter: f64) -> Self {
+        self.multiplier = multiplier;
+        self.jitter = jitter;
+        self
+    }
+
     /// The wait after failed attempt number `attempt` (1-based), with jitter.
-    pub fn backoff(&self, attempt: u32) -> Duration {
+    pub fn wait_after(&self, attempt: u32) -> Duration {
         let exponent = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
         let base = self.initial_backoff.as_secs_f64() * self.multiplier.powi(exponent);
         let capped = base.min(self.max_backoff.as_secs_f64());
@@ -58,7 +94,7 @@ mod tests {
             jitter: 0.0,
             ..RetryPolicy::default()
         };
-        let waits: Vec<_> = (1..=6).map(|a| policy.backoff(a).as_millis()).collect();
+        let waits: Vec<_> = (1..=6).map(|a| policy.wait_after(a).as_millis()).collect();
         assert_eq!(waits, vec![100, 200, 400, 800, 1000, 1000]);
 
         let jittered = RetryPolicy {
@@ -66,7 +102,7 @@ mod tests {
             ..policy
         };
         for _ in 0..100 {
-            let wait = jittered.backoff(3);
+            let wait = jittered.wait_after(3);
             assert!(wait <= Duration::from_millis(400) && wait >= Duration::from_millis(200));
         }
     }

@@ -39,6 +39,7 @@ impl From<crate::handler::Handled> for Handled {
 }
 
 /// One message of a request.
+#[derive(Debug)]
 pub struct StepItem<'a> {
     pub(crate) decoded: &'a Decoded,
     pub(crate) step_key: &'a StepKey,
@@ -80,6 +81,15 @@ pub struct StepRequest<'a> {
     pub conn: &'a mut sqlx::PgConnection,
 }
 
+impl std::fmt::Debug for StepRequest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepRequest")
+            .field("step", &self.step.name)
+            .field("items", &self.items)
+            .finish_non_exhaustive()
+    }
+}
+
 impl StepRequest<'_> {
     /// The step being run.
     pub fn step_name(&self) -> &StepName {
@@ -109,7 +119,7 @@ impl StepService for BoxStepService {
 
 /// The innermost service: the step's own handler (or a two-phase step's completing handler).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct HandlerService;
+pub(crate) struct HandlerService;
 
 impl StepService for HandlerService {
     fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
@@ -141,10 +151,10 @@ impl StepService for HandlerService {
 /// Runs the inner service inside the message's tracing span (for a batch: a `saga.batch` span that follows
 /// from each message's span).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct InstrumentLayer;
+pub(crate) struct InstrumentLayer;
 
 /// See [`InstrumentLayer`].
-pub struct Instrumented<S>(S);
+pub(crate) struct Instrumented<S>(S);
 
 impl<S: StepService> Layer<S> for InstrumentLayer {
     type Service = Instrumented<S>;
@@ -181,10 +191,10 @@ pub struct HandlerTimedOut(pub Duration);
 /// Fails a handler that runs longer than a limit, transiently: the transaction rolls back and the message is
 /// retried.
 #[derive(Debug, Clone, Copy)]
-pub struct TimeoutLayer(pub Duration);
+pub(crate) struct TimeoutLayer(pub Duration);
 
 /// See [`TimeoutLayer`].
-pub struct Timeout<S> {
+pub(crate) struct Timeout<S> {
     inner: S,
     limit: Duration,
 }
@@ -218,10 +228,10 @@ pub struct HandlerPanicked(pub String);
 /// Turns a panicking handler into a permanent error, so that the message is dead-lettered instead of
 /// taking the consumer down (and, after a restart, down again).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct CatchPanicLayer;
+pub(crate) struct CatchPanicLayer;
 
 /// See [`CatchPanicLayer`].
-pub struct CatchPanic<S>(S);
+pub(crate) struct CatchPanic<S>(S);
 
 impl<S: StepService> Layer<S> for CatchPanicLayer {
     type Service = CatchPanic<S>;

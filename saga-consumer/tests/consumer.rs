@@ -288,20 +288,19 @@ impl Fixture {
             .pool(self.db.pool.clone())
             .commit_interval(Duration::from_millis(200))
             .session_timeout(Duration::from_secs(6))
-            .retry(RetryPolicy {
-                max_attempts: 4,
-                initial_backoff: Duration::from_millis(50),
-                max_backoff: Duration::from_millis(200),
-                ..RetryPolicy::default()
-            })
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(4)
+                    .backoff(Duration::from_millis(50), Duration::from_millis(200)),
+            )
             .step(step)
     }
 
     fn start(&self, builder: saga_consumer::SagaConsumerBuilder) -> Running {
         let consumer = builder.build().expect("a valid consumer");
-        let ops = consumer.ops().clone();
+        let ops = consumer.ops();
         let stop = CancellationToken::new();
-        let handle = tokio::spawn(consumer.run(stop.clone()));
+        let handle = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
         Running { stop, handle, ops }
     }
 
@@ -334,11 +333,11 @@ impl Fixture {
 struct Running {
     stop: CancellationToken,
     handle: JoinHandle<Result<(), saga_consumer::ConsumerError>>,
-    ops: saga_runtime::ops::Ops,
+    ops: saga_consumer::OpsHandle,
 }
 
 impl Running {
-    async fn stop(self) -> saga_runtime::ops::Ops {
+    async fn stop(self) -> saga_consumer::OpsHandle {
         self.stop.cancel();
         tokio::time::timeout(WAIT, self.handle)
             .await
@@ -354,7 +353,7 @@ impl Running {
     }
 }
 
-fn metric(ops: &saga_runtime::ops::Ops, name: &str, labels: &str) -> f64 {
+fn metric(ops: &saga_consumer::OpsHandle, name: &str, labels: &str) -> f64 {
     let text = ops.render();
     let prefix = format!("{name}{{{labels}}} ");
     text.lines()
@@ -679,7 +678,7 @@ async fn crash_child_process() {
         .hooks(Hooks::default().on_db_commit(|_| std::process::abort()))
         .build()
         .unwrap()
-        .run(CancellationToken::new())
+        .run(std::future::pending())
         .await
         .unwrap();
 }
@@ -715,7 +714,7 @@ async fn crash_on_partition_child_process() {
         }))
         .build()
         .unwrap()
-        .run(CancellationToken::new())
+        .run(std::future::pending())
         .await
         .unwrap();
 }

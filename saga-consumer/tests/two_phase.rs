@@ -107,7 +107,7 @@ async fn abort_after_child_process() {
     });
     let pool = PgPool::connect(&url).await.unwrap();
     consumer(pool, &brokers, &topic, false)
-        .run(CancellationToken::new())
+        .run(std::future::pending())
         .await
         .unwrap();
 }
@@ -179,8 +179,10 @@ async fn a_message_waiting_for_a_dead_workers_lease_is_not_blamed_for_deaths_mea
         .await
         .unwrap();
     let stop = CancellationToken::new();
-    let running =
-        tokio::spawn(consumer(db.pool.clone(), &kafka.brokers, &topic, false).run(stop.clone()));
+    let running = tokio::spawn(
+        consumer(db.pool.clone(), &kafka.brokers, &topic, false)
+            .run(stop.clone().cancelled_owned()),
+    );
     wait_until("the order paid", WAIT, || async {
         (db.count("orders_paid").await == 1).then_some(())
     })
@@ -205,7 +207,7 @@ async fn crash_after_call_child_process() {
     };
     let pool = PgPool::connect(&url).await.unwrap();
     consumer(pool, &brokers, &topic, true)
-        .run(CancellationToken::new())
+        .run(std::future::pending())
         .await
         .unwrap();
 }
@@ -269,8 +271,10 @@ async fn a_crash_between_the_external_call_and_the_completion_still_yields_one_c
     // Tenant B sends the same client key; a new worker takes tenant A's lease over once it expires.
     place("tenant-b").await;
     let stop = CancellationToken::new();
-    let running =
-        tokio::spawn(consumer(db.pool.clone(), &kafka.brokers, &topic, false).run(stop.clone()));
+    let running = tokio::spawn(
+        consumer(db.pool.clone(), &kafka.brokers, &topic, false)
+            .run(stop.clone().cancelled_owned()),
+    );
     wait_until("both orders paid", WAIT, || async {
         (db.count("orders_paid").await == 2).then_some(())
     })

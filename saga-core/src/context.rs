@@ -4,6 +4,8 @@
 use sqlx::PgConnection;
 
 use crate::envelope::{Event, Lineage, OutboxMessage};
+use crate::event::SagaEvent;
+use crate::step::StepError;
 
 /// The handler's view of the open transaction.
 ///
@@ -15,6 +17,16 @@ pub struct StepContext<'t> {
     lineage: Lineage,
     source: &'t str,
     emitted: Vec<OutboxMessage>,
+}
+
+impl std::fmt::Debug for StepContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepContext")
+            .field("lineage", &self.lineage)
+            .field("source", &self.source)
+            .field("emitted", &self.emitted.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<'t> StepContext<'t> {
@@ -41,6 +53,18 @@ impl<'t> StepContext<'t> {
             .push(OutboxMessage::from_event(event, &self.lineage, self.source));
     }
 
+    /// Emits `event` to `topic`, keyed by `partition_key` (the aggregate id); its type comes from
+    /// [`SagaEvent::TYPE`]. See [`StepContext::emit`].
+    pub fn emit_to<E: SagaEvent>(
+        &mut self,
+        topic: impl Into<String>,
+        partition_key: impl Into<String>,
+        event: &E,
+    ) -> Result<(), StepError> {
+        self.emit(Event::of(topic, partition_key, event)?);
+        Ok(())
+    }
+
     /// The lineage emitted events inherit.
     pub fn lineage(&self) -> &Lineage {
         &self.lineage
@@ -65,6 +89,15 @@ pub struct BatchContext<'t> {
     emitted: Vec<OutboxMessage>,
 }
 
+impl std::fmt::Debug for BatchContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchContext")
+            .field("source", &self.source)
+            .field("emitted", &self.emitted.len())
+            .finish_non_exhaustive()
+    }
+}
+
 impl<'t> BatchContext<'t> {
     /// A context over `conn` for events emitted by `source` (the step's name).
     pub fn new(conn: &'t mut PgConnection, source: &'t str) -> Self {
@@ -87,6 +120,19 @@ impl<'t> BatchContext<'t> {
             &cause.lineage(),
             self.source,
         ));
+    }
+
+    /// Emits `event` caused by `cause` to `topic`, keyed by `partition_key`; its type comes from
+    /// [`SagaEvent::TYPE`].
+    pub fn emit_to<P, E: SagaEvent>(
+        &mut self,
+        cause: &crate::Message<P>,
+        topic: impl Into<String>,
+        partition_key: impl Into<String>,
+        event: &E,
+    ) -> Result<(), StepError> {
+        self.emit(cause, Event::of(topic, partition_key, event)?);
+        Ok(())
     }
 
     /// A single-message context for `cause`, sharing this batch's connection; what it emits joins the

@@ -265,7 +265,18 @@ pub struct Event {
 }
 
 impl Event {
-    /// An event of type `event_type` for `topic`, keyed by `partition_key`, with `payload` as JSON.
+    /// The event `event` (its type from [`crate::SagaEvent::TYPE`]) for `topic`, keyed by `partition_key`
+    /// (the aggregate id, which decides the partition and the order).
+    pub fn of<E: crate::SagaEvent>(
+        topic: impl Into<String>,
+        partition_key: impl Into<String>,
+        event: &E,
+    ) -> Result<Self, serde_json::Error> {
+        Self::new(E::TYPE, topic, partition_key, event)
+    }
+
+    /// An event of type `event_type` for `topic`, keyed by `partition_key`, with `payload` as JSON, for
+    /// types known only at run time. Prefer [`Event::of`].
     pub fn new(
         event_type: impl Into<String>,
         topic: impl Into<String>,

@@ -28,7 +28,13 @@ pub struct Subscription {
 }
 
 impl Subscription {
-    /// Events of type `event_type` on `topic`.
+    /// Events of type `E` on `topic` (see [`crate::SagaEvent`]).
+    pub fn of<E: crate::SagaEvent>(topic: impl Into<String>) -> Self {
+        Self::new(topic, E::TYPE)
+    }
+
+    /// Events of type `event_type` on `topic`, for types known only at run time. Prefer
+    /// [`Subscription::of`].
     pub fn new(topic: impl Into<String>, event_type: impl Into<String>) -> Self {
         Self {
             topic: topic.into(),
@@ -141,6 +147,20 @@ impl StepError {
         self.message_index
     }
 
+    /// Whether a database error means the connection to the database failed (refused, lost, pool
+    /// exhausted), rather than a statement. The runtime waits those out without spending retry budgets.
+    pub fn is_connection_error(err: &sqlx::Error) -> bool {
+        matches!(
+            err,
+            sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed
+                | sqlx::Error::Protocol(_)
+        )
+    }
+
     /// Whether the error means the database itself is unreachable (connection refused or lost, pool
     /// exhausted). The runtime retries those without spending the message's retry budget, so a database
     /// outage stalls consumption instead of dead-lettering every message.
@@ -148,25 +168,12 @@ impl StepError {
         let mut source: Option<&(dyn std::error::Error + 'static)> = Some(self.source.as_ref());
         while let Some(err) = source {
             if let Some(sqlx_err) = err.downcast_ref::<sqlx::Error>() {
-                return is_connection_error(sqlx_err);
+                return Self::is_connection_error(sqlx_err);
             }
             source = err.source();
         }
         false
     }
-}
-
-/// Whether a sqlx error means the connection to the database failed, rather than a statement.
-pub fn is_connection_error(err: &sqlx::Error) -> bool {
-    matches!(
-        err,
-        sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Protocol(_)
-    )
 }
 
 impl From<sqlx::Error> for StepError {

@@ -22,7 +22,31 @@ pub struct Command {
 }
 
 impl Command {
-    /// A command of `event_type` on `topic`, with the payload `payload` builds from the saga's data.
+    /// A command of type `E` (its type from [`saga_core::SagaEvent::TYPE`]) to `topic`, with the payload
+    /// `payload` builds from the saga's data.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use saga_core::SagaEvent;
+    /// use saga_orchestrator::Command;
+    ///
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct ProcessPayment { order_id: String }
+    /// impl SagaEvent for ProcessPayment { const TYPE: &'static str = "ProcessPayment"; }
+    ///
+    /// let charge = Command::of::<ProcessPayment>("saga.payment-commands", |data| data["input"].clone());
+    /// assert_eq!(charge.event_type, "ProcessPayment");
+    /// ```
+    pub fn of<E: saga_core::SagaEvent>(
+        topic: impl Into<String>,
+        payload: impl Fn(&serde_json::Value) -> serde_json::Value + Send + Sync + 'static,
+    ) -> Self {
+        Self::new(topic, E::TYPE, payload)
+    }
+
+    /// A command of `event_type` on `topic`, with the payload `payload` builds from the saga's data, for
+    /// types known only at run time. Prefer [`Command::of`].
     pub fn new(
         topic: impl Into<String>,
         event_type: impl Into<String>,
@@ -146,6 +170,7 @@ impl Step {
 
 /// A definition that cannot work.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DefinitionError {
     /// No steps.
     #[error("saga {0} has no steps")]

@@ -66,7 +66,7 @@ pub struct SagaState {
 
 impl SagaState {
     /// The state of a new instance started with `input`.
-    pub fn started(input: Value) -> Self {
+    pub(crate) fn started(input: Value) -> Self {
         Self {
             status: SagaStatus::Running,
             step_index: 0,
@@ -79,7 +79,7 @@ impl SagaState {
 
 /// What happened to an instance.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum SagaEvent<'a> {
+pub(crate) enum SagaEvent<'a> {
     /// It was just created.
     Started,
     /// A participant replied.
@@ -123,7 +123,11 @@ pub struct Decision {
 
 /// Decides what `event` does to an instance in `state`. `None`: nothing (a stale, duplicate or unrelated
 /// reply, or an event for an ended saga).
-pub fn decide(def: &SagaDefinition, state: &SagaState, event: SagaEvent<'_>) -> Option<Decision> {
+pub(crate) fn decide(
+    def: &SagaDefinition,
+    state: &SagaState,
+    event: SagaEvent<'_>,
+) -> Option<Decision> {
     match (state.status, event) {
         (_, _) if state.status.is_final() => None,
         (SagaStatus::Running, SagaEvent::Started) => {

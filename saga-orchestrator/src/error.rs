@@ -5,6 +5,7 @@ use uuid::Uuid;
 
 /// Why an orchestrator operation failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum OrchestratorError {
     /// The database failed.
     #[error("orchestrator: {0}")]
@@ -47,15 +48,6 @@ impl From<OrchestratorError> for StepError {
             OrchestratorError::UnknownSaga { .. } | OrchestratorError::Corrupt(_) => {
                 StepError::permanent(e)
             }
-        }
-    }
-}
-
-impl From<saga_core::idempotency::StoreError> for OrchestratorError {
-    fn from(e: saga_core::idempotency::StoreError) -> Self {
-        match e {
-            saga_core::idempotency::StoreError::Database(d) => Self::Database(d),
-            other => Self::Corrupt(other.to_string()),
         }
     }
 }

@@ -9,7 +9,7 @@ pub const MIGRATIONS_TABLE: &str = "_saga_orchestrator_migrations";
 
 /// The orchestrator's migrator.
 pub fn migrator() -> Migrator {
-    saga_core::migrate::owned_by(sqlx::migrate!("./migrations"), MIGRATIONS_TABLE)
+    saga_runtime::store::migrate::owned_by(sqlx::migrate!("./migrations"), MIGRATIONS_TABLE)
 }
 
 /// Applies the orchestrator's migrations (the consumer's and the core's are applied by

@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use saga_consumer::SagaConsumerBuilder;
+use std::future::Future;
+
+use saga_consumer::{Extension, SagaConsumerBuilder, SagaServiceBuilder, TaskContext};
 use saga_core::{
     EventMetadata, Lineage, Message, SagaStep, StepContext, StepName, StepOutcome, StepResult,
     Subscription,
 };
 use sqlx::{PgConnection, PgPool};
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::definition::{DefinitionError, SagaDefinition};
@@ -52,9 +53,20 @@ pub struct Orchestrator {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     definition: SagaDefinition,
-    hooks: Box<dyn SagaHooks>,
+    hooks: Arc<dyn SagaHooks>,
+    timer_interval: Duration,
+}
+
+impl std::fmt::Debug for Orchestrator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Orchestrator")
+            .field("saga_type", &self.inner.definition.saga_type)
+            .field("timer_interval", &self.inner.timer_interval)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Orchestrator {
@@ -64,18 +76,28 @@ impl Orchestrator {
         Ok(Self {
             inner: Arc::new(Inner {
                 definition,
-                hooks: Box::new(NoHooks),
+                hooks: Arc::new(NoHooks),
+                timer_interval: Duration::from_secs(1),
             }),
         })
     }
 
     /// The same orchestrator with `hooks`.
     pub fn with_hooks(self, hooks: impl SagaHooks) -> Self {
+        let mut inner = (*self.inner).clone();
+        inner.hooks = Arc::new(hooks);
         Self {
-            inner: Arc::new(Inner {
-                definition: self.inner.definition.clone(),
-                hooks: Box::new(hooks),
-            }),
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The same orchestrator, looking for due timers every `every` (default 1 s) when it runs in a
+    /// service.
+    pub fn with_timer_interval(self, every: Duration) -> Self {
+        let mut inner = (*self.inner).clone();
+        inner.timer_interval = every;
+        Self {
+            inner: Arc::new(inner),
         }
     }
 
@@ -190,12 +212,19 @@ impl Orchestrator {
         Ok(true)
     }
 
-    /// Fires due timers every `every` until `shutdown`. Run it beside the consumer; several orchestrator
-    /// instances may run it at once.
-    pub async fn run_timers(&self, pool: PgPool, every: Duration, shutdown: CancellationToken) {
+    /// Fires due timers every `every` until `shutdown` resolves. A service that registered the orchestrator
+    /// with `SagaService::builder().with(orchestrator)` runs this already; several orchestrator instances
+    /// may run it at once.
+    pub async fn run_timers(
+        &self,
+        pool: PgPool,
+        every: Duration,
+        shutdown: impl Future<Output = ()> + Send,
+    ) {
+        tokio::pin!(shutdown);
         loop {
             tokio::select! {
-                () = shutdown.cancelled() => return,
+                () = &mut shutdown => return,
                 () = tokio::time::sleep(every) => {}
             }
             loop {
@@ -263,16 +292,56 @@ impl Orchestrator {
         }
     }
 
-    /// Registers the reply steps with a consumer.
+    /// Registers the reply steps with a consumer (for a consumer run on its own; a `SagaService` takes
+    /// the whole orchestrator with [`saga_consumer::SagaServiceBuilder::with`]).
     pub fn register(&self, mut builder: SagaConsumerBuilder) -> SagaConsumerBuilder {
         for step in self.reply_steps() {
             builder = builder.step(step);
         }
         builder
     }
+
+    /// An instance of this saga type, by id.
+    pub async fn instance(
+        &self,
+        pool: &PgPool,
+        saga_id: Uuid,
+    ) -> Result<Option<SagaInstance>, OrchestratorError> {
+        store::load(pool, saga_id).await
+    }
+}
+
+/// Adds the orchestrator to a service: its reply steps, its tables, and its timers as a background task.
+///
+/// # Examples
+///
+/// ```no_run
+/// # fn example(orchestrator: saga_orchestrator::Orchestrator, pool: saga_consumer::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let service = saga_consumer::SagaService::builder()
+///     .from_env()
+///     .pool(pool)
+///     .with(orchestrator)
+///     .build()?;
+/// # let _ = service; Ok(()) }
+/// ```
+impl Extension for Orchestrator {
+    fn extend(self, mut service: SagaServiceBuilder) -> SagaServiceBuilder {
+        service = service.migrations(crate::migrate::migrator());
+        for step in self.reply_steps() {
+            service = service.step(step);
+        }
+        let name = format!("{} timers", self.inner.definition.saga_type);
+        service.task(name, move |ctx: TaskContext| async move {
+            let every = self.inner.timer_interval;
+            self.run_timers(ctx.pool().clone(), every, ctx.shutdown())
+                .await;
+            Ok(())
+        })
+    }
 }
 
 /// A consumer step delivering replies of one saga step to the orchestrator.
+#[derive(Debug)]
 pub struct ReplyStep {
     orchestrator: Orchestrator,
     name: StepName,

@@ -3,7 +3,8 @@
 //! caller's transaction.
 
 use chrono::{DateTime, Utc};
-use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId, outbox};
+use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId};
+use saga_runtime::store::outbox;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
@@ -13,6 +14,7 @@ use crate::error::OrchestratorError;
 
 /// A saga instance as stored.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct SagaInstance {
     /// Its id.
     pub saga_id: Uuid,
@@ -50,7 +52,7 @@ pub struct SagaInstance {
 
 impl SagaInstance {
     /// The state decisions depend on.
-    pub fn state(&self) -> Result<SagaState, OrchestratorError> {
+    pub(crate) fn state(&self) -> Result<SagaState, OrchestratorError> {
         Ok(SagaState {
             status: SagaStatus::parse(&self.status)
                 .ok_or_else(|| OrchestratorError::Corrupt(format!("status {:?}", self.status)))?,
@@ -63,7 +65,7 @@ impl SagaInstance {
     }
 
     /// The lineage commands of this saga inherit when no message causes them (the start, a timeout).
-    pub fn lineage(&self) -> Result<Lineage, OrchestratorError> {
+    pub(crate) fn lineage(&self) -> Result<Lineage, OrchestratorError> {
         Ok(Lineage::root(
             IdempotencyKey::new(&self.idempotency_key)
                 .map_err(|e| OrchestratorError::Corrupt(e.to_string()))?,
@@ -75,6 +77,7 @@ impl SagaInstance {
 
 /// One transition of an instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Transition {
     /// The version it produced.
     pub version: i32,
@@ -116,7 +119,7 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
 
 /// Creates an instance of `saga_type` for (`tenant`, `key`) in state `state`, or returns the one that
 /// exists (the start is idempotent on the client's key). The flag says whether it was created.
-pub async fn insert(
+pub(crate) async fn insert(
     conn: &mut PgConnection,
     saga_type: &str,
     tenant: &TenantId,
@@ -146,7 +149,7 @@ pub async fn insert(
 }
 
 /// The instance of `saga_type` started with (`tenant`, `key`).
-pub async fn by_key(
+pub(crate) async fn by_key(
     conn: &mut PgConnection,
     saga_type: &str,
     tenant: &str,
@@ -200,7 +203,7 @@ pub async fn history(pool: &PgPool, saga_id: Uuid) -> Result<Vec<Transition>, Or
 
 /// Locks and returns up to `limit` instances of `saga_type` whose deadline passed, skipping those another
 /// transaction holds.
-pub async fn lock_due(
+pub(crate) async fn lock_due(
     conn: &mut PgConnection,
     saga_type: &str,
     limit: i64,
@@ -222,7 +225,7 @@ pub async fn lock_due(
 /// Applies `decision` to `instance` in the caller's transaction: the versioned update (a concurrent
 /// transition makes it fail with [`OrchestratorError::VersionConflict`]), the history row, and the
 /// command in the outbox, inheriting `lineage`.
-pub async fn apply(
+pub(crate) async fn apply(
     conn: &mut PgConnection,
     instance: &SagaInstance,
     decision: &Decision,
@@ -289,7 +292,7 @@ pub async fn apply(
 
 /// Records that `instance`'s timer failed to fire with `error`, and puts its deadline off by a backoff that
 /// grows with its failures (1 s, 2 s, 4 s, ... up to 5 minutes), so that it is not picked first every time.
-pub async fn timer_failed(
+pub(crate) async fn timer_failed(
     conn: &mut PgConnection,
     instance: &SagaInstance,
     error: &str,

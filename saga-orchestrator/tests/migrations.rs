@@ -63,7 +63,7 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
     )))
     .await
     .unwrap();
-    old.dangerous_set_table_name(saga_core::migrate::MIGRATIONS_TABLE);
+    old.dangerous_set_table_name(saga_runtime::store::migrate::MIGRATIONS_TABLE);
     old.run(&db.pool).await.unwrap();
     sqlx::query(
         "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) VALUES ('t', 'k:s', 'completed')",
@@ -113,7 +113,7 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
     // The old set's record stays, beside the core's later migrations: the core migrator tolerates the
     // versions it no longer owns.
     assert_eq!(
-        recorded(&db.pool, saga_core::migrate::MIGRATIONS_TABLE).await,
+        recorded(&db.pool, saga_runtime::store::migrate::MIGRATIONS_TABLE).await,
         [
             20_261_121_000_001,
             20_261_121_000_002,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_relay::{Relay, RelaySettings};
+use outbox_relay::Relay;
 use saga_consumer::{SagaConsumer, SagaConsumerBuilder};
 use saga_core::{
     Event, IdempotencyKey, Lineage, Message, SagaStep, StepContext, StepName, StepOutcome,
@@ -12,7 +12,6 @@ use saga_core::{
 use saga_orchestrator::{
     Command, OnTimeout, Orchestrator, OrchestratorError, SagaDefinition, SagaStatus, Step,
 };
-use saga_runtime::kafka::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -217,15 +216,13 @@ impl World {
 
     /// The relay publishing the schema's outbox.
     fn start_relay(&mut self) {
-        let relay = Relay::new(
-            RelaySettings {
-                kafka: KafkaConfig::new(self.kafka.brokers.clone()),
-                poll_interval: Duration::from_millis(200),
-                ..RelaySettings::default()
-            },
-            self.db.pool.clone(),
-        );
-        let stop = self.stop.clone();
+        let relay = Relay::builder()
+            .brokers(self.kafka.brokers.clone())
+            .pool(self.db.pool.clone())
+            .poll_interval(Duration::from_millis(200))
+            .build()
+            .unwrap();
+        let stop = self.stop.clone().cancelled_owned();
         self.spawn(async move {
             relay.run(stop).await.unwrap();
         });
@@ -237,7 +234,7 @@ impl World {
             builder = builder.step(p);
         }
         let consumer = builder.build().unwrap();
-        let stop = self.stop.clone();
+        let stop = self.stop.clone().cancelled_owned();
         self.spawn(async move {
             consumer.run(stop).await.unwrap();
         });
@@ -253,10 +250,11 @@ impl World {
         let consumer = orchestrator.register(self.consumer(group)).build().unwrap();
         let (o, pool, s) = (orchestrator.clone(), self.db.pool.clone(), stop.clone());
         self.spawn(async move {
-            o.run_timers(pool, Duration::from_millis(100), s).await;
+            o.run_timers(pool, Duration::from_millis(100), s.cancelled_owned())
+                .await;
         });
         self.spawn(async move {
-            consumer.run(stop).await.unwrap();
+            consumer.run(stop.cancelled_owned()).await.unwrap();
         });
     }
 

@@ -14,14 +14,19 @@ use saga_core::Headers;
 
 use crate::config::ConfigProblem;
 
-/// Where the broker is, and extra librdkafka properties.
+/// Where the broker is, and extra librdkafka properties: the framework's own Kafka settings type, free of
+/// any client library's types.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
     pub brokers: String,
     /// Extra librdkafka properties, applied last (security settings, tuning).
     pub properties: Vec<(String, String)>,
 }
+
+/// The variable naming the brokers.
+pub const BROKERS_VAR: &str = "KAFKA_BROKERS";
 
 impl KafkaConfig {
     /// The broker list `brokers` with no extra properties.
@@ -32,62 +37,88 @@ impl KafkaConfig {
         }
     }
 
-    /// From the environment: `KAFKA_BROKERS` (default `127.0.0.1:9092`), and every `KAFKA_PROPERTY_*`
-    /// variable as a librdkafka property (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
-    pub fn from_env() -> Self {
-        let mut config =
-            Self::new(std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()));
-        for (name, value) in std::env::vars() {
-            if let Some(property) = name.strip_prefix("KAFKA_PROPERTY_") {
-                config
-                    .properties
-                    .push((property.to_ascii_lowercase().replace('_', "."), value));
-            }
-        }
-        config
+    /// Adds a librdkafka property (`security.protocol`, say), applied after the framework's own.
+    #[must_use]
+    pub fn with_property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.push((name.into(), value.into()));
+        self
     }
 
-    /// A librdkafka configuration with the settings every client of the framework uses.
-    pub fn client_config(&self) -> ClientConfig {
-        let mut config = ClientConfig::new();
-        config
-            .set("bootstrap.servers", &self.brokers)
-            // Brokers here listen on IPv4; `localhost` may resolve to ::1 first.
-            .set("broker.address.family", "v4");
-        for (name, value) in &self.properties {
-            config.set(name, value);
-        }
-        config
+    /// From the environment: `KAFKA_BROKERS` (required: a missing one is a [`ConfigProblem`], never a
+    /// silent default), and every `KAFKA_PROPERTY_*` variable as a librdkafka property
+    /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
+    pub fn from_env() -> Result<Self, ConfigProblem> {
+        let brokers = std::env::var(BROKERS_VAR)
+            .ok()
+            .filter(|b| !b.trim().is_empty())
+            .ok_or_else(|| {
+                ConfigProblem::new(
+                    BROKERS_VAR,
+                    "is not set",
+                    "set it to the bootstrap servers, such as 127.0.0.1:9092",
+                )
+            })?;
+        Ok(Self {
+            brokers,
+            properties: properties_from_env(),
+        })
     }
+}
 
-    /// An idempotent producer (`enable.idempotence=true`, which implies `acks=all` and keeps per-partition
-    /// order across retries). `linger` trades latency for batching; `message_timeout` of zero waits forever
-    /// for the broker, which the relay wants (a broker outage must not fail rows).
-    pub fn idempotent_producer(
-        &self,
-        linger: Duration,
-        message_timeout: Duration,
-    ) -> Result<FutureProducer, KafkaError> {
-        self.producer_config(linger, message_timeout).create()
-    }
+/// Every `KAFKA_PROPERTY_*` variable, as a librdkafka property name and value.
+pub fn properties_from_env() -> Vec<(String, String)> {
+    std::env::vars()
+        .filter_map(|(name, value)| {
+            let property = name.strip_prefix("KAFKA_PROPERTY_")?;
+            Some((property.to_ascii_lowercase().replace('_', "."), value))
+        })
+        .collect()
+}
 
-    /// The configuration of an idempotent producer, for callers that add settings of their own. Keys are
-    /// partitioned with murmur2, as Kafka's Java clients do, so that both put a key on the same partition.
-    pub fn producer_config(&self, linger: Duration, message_timeout: Duration) -> ClientConfig {
-        let mut config = self.client_config();
-        config
-            .set("enable.idempotence", "true")
-            .set("partitioner", "murmur2_random")
-            .set("linger.ms", linger.as_millis().to_string())
-            .set(
-                "message.timeout.ms",
-                message_timeout.as_millis().to_string(),
-            );
-        for (name, value) in &self.properties {
-            config.set(name, value);
-        }
-        config
+/// A librdkafka configuration for `config` with the settings every client of the framework uses.
+pub fn client_config(config: &KafkaConfig) -> ClientConfig {
+    let mut client = ClientConfig::new();
+    client
+        .set("bootstrap.servers", &config.brokers)
+        // Brokers here listen on IPv4; `localhost` may resolve to ::1 first.
+        .set("broker.address.family", "v4");
+    for (name, value) in &config.properties {
+        client.set(name, value);
     }
+    client
+}
+
+/// An idempotent producer (`enable.idempotence=true`, which implies `acks=all` and keeps per-partition
+/// order across retries). `linger` trades latency for batching; `message_timeout` of zero waits forever
+/// for the broker, which the relay wants (a broker outage must not fail rows).
+pub fn idempotent_producer(
+    config: &KafkaConfig,
+    linger: Duration,
+    message_timeout: Duration,
+) -> Result<FutureProducer, KafkaError> {
+    producer_config(config, linger, message_timeout).create()
+}
+
+/// The configuration of an idempotent producer, for callers that add settings of their own. Keys are
+/// partitioned with murmur2, as Kafka's Java clients do, so that both put a key on the same partition.
+pub fn producer_config(
+    config: &KafkaConfig,
+    linger: Duration,
+    message_timeout: Duration,
+) -> ClientConfig {
+    let mut client = client_config(config);
+    client
+        .set("enable.idempotence", "true")
+        .set("partitioner", "murmur2_random")
+        .set("linger.ms", linger.as_millis().to_string())
+        .set(
+            "message.timeout.ms",
+            message_timeout.as_millis().to_string(),
+        );
+    for (name, value) in &config.properties {
+        client.set(name, value);
+    }
+    client
 }
 
 /// Checks that a broker answers a metadata request at `config.brokers` within
@@ -100,8 +131,7 @@ pub async fn probe(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem>
             format!("start the broker or point {var} at a running one"),
         )
     };
-    let client: BaseConsumer = config
-        .client_config()
+    let client: BaseConsumer = client_config(config)
         .set("log_level", "2")
         .create()
         .map_err(|e| problem(e.to_string()))?;
@@ -123,7 +153,7 @@ pub async fn ensure_topics(
     partitions: i32,
     replication: i32,
 ) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = config.client_config().create()?;
+    let admin: AdminClient<DefaultClientContext> = client_config(config).create()?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(replication)))

@@ -1,20 +1,25 @@
 //! # saga-runtime
 //!
-//! Plumbing shared by the consumer runtime (`saga-consumer`) and the relay (`outbox-relay`), kept out of
-//! `saga-core` so that a service's steps do not depend on a broker client:
+//! **An internal crate** of saga-exactly-once: what the framework's crates share, kept out of `saga-core`
+//! (the contract steps implement) so that the contract stays small and free of broker clients. Its API is not
+//! covered by semver; depend on `saga-consumer` (services) or `outbox-relay` (the relay) instead, which
+//! re-export what a service uses.
 //!
-//! - [`cli`]: argument parsing and exit codes for binaries (bad input: one line, exit code 2).
-//! - [`config`]: configuration problems found at start-up, and the checks that find them.
+//! - [`store`]: the PostgreSQL idempotency store, the outbox writer, garbage collection, migrations.
+//! - [`http`]: the `Idempotency-Key` layer for HTTP entry points (tower, usable with axum).
 //! - [`kafka`]: client configuration, the idempotent producer, topic creation, header conversion.
 //! - [`ops`]: the HTTP endpoint with Prometheus metrics, `/healthz` and `/readyz`.
 //! - [`shutdown`]: a cancellation token fired by SIGTERM or Ctrl-C.
 //! - [`telemetry`]: tracing set-up for binaries.
+//! - [`cli`], [`config`]: exit codes and one-line configuration errors for binaries.
 
 #![deny(missing_docs)]
 
 pub mod cli;
 pub mod config;
+pub mod http;
 pub mod kafka;
 pub mod ops;
 pub mod shutdown;
+pub mod store;
 pub mod telemetry;

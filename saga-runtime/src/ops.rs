@@ -21,6 +21,14 @@ pub struct Ops {
     ready: Arc<AtomicBool>,
 }
 
+impl std::fmt::Debug for Ops {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ops")
+            .field("ready", &self.is_ready())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Ops {
     /// An empty registry, not ready.
     pub fn new() -> Self {
@@ -51,6 +59,11 @@ impl Ops {
         out
     }
 
+    /// A read-only handle on this state: the metrics text and the readiness.
+    pub fn handle(&self) -> OpsHandle {
+        OpsHandle(self.clone())
+    }
+
     /// The endpoint's routes, to mount into an application's own router or serve with [`Ops::serve`].
     pub fn router(&self) -> Router {
         Router::new()
@@ -79,6 +92,36 @@ impl Ops {
             }
         });
         Ok(bound)
+    }
+}
+
+/// The ops state of a running consumer or relay, read-only: its metrics in the Prometheus text format and
+/// its readiness (what `/metrics` and `/readyz` serve).
+#[derive(Clone, Debug)]
+pub struct OpsHandle(Ops);
+
+impl OpsHandle {
+    /// The metrics, in the Prometheus text format.
+    pub fn render(&self) -> String {
+        self.0.render()
+    }
+
+    /// Whether ready (a consumer with its partitions assigned, a relay connected).
+    pub fn is_ready(&self) -> bool {
+        self.0.is_ready()
+    }
+
+    /// The value of the sample `name{labels}` (labels as in the text format, `step="charge"`; empty for
+    /// none), if present.
+    pub fn sample(&self, name: &str, labels: &str) -> Option<f64> {
+        let prefix = if labels.is_empty() {
+            format!("{name} ")
+        } else {
+            format!("{name}{{{labels}}} ")
+        };
+        self.render()
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
     }
 }
 

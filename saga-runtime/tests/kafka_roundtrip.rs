@@ -18,9 +18,12 @@ async fn a_message_produced_idempotently_is_consumed_with_its_key_and_headers() 
     ensure_topics(&config, &[&topic], 3, 1).await.unwrap();
     assert_eq!(kafka.partition_count(&topic).await, 3);
 
-    let producer = config
-        .idempotent_producer(Duration::from_millis(1), Duration::from_secs(30))
-        .unwrap();
+    let producer = saga_runtime::kafka::idempotent_producer(
+        &config,
+        Duration::from_millis(1),
+        Duration::from_secs(30),
+    )
+    .unwrap();
     let headers = Headers::new()
         .with("idempotency-key", "k-1")
         .with("ce_type", "OrderCreated");

@@ -20,6 +20,14 @@ pub struct PrivateBroker {
     child: Option<Child>,
 }
 
+impl std::fmt::Debug for PrivateBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrivateBroker")
+            .field("brokers", &self.brokers)
+            .finish_non_exhaustive()
+    }
+}
+
 impl PrivateBroker {
     /// Starts a new broker and waits until it answers a metadata request. Panics with installation advice
     /// if the `nisshi` binary cannot be found.

@@ -29,6 +29,14 @@ pub struct TestDb {
     options: PgConnectOptions,
 }
 
+impl std::fmt::Debug for TestDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestDb")
+            .field("schema", &self.schema)
+            .finish_non_exhaustive()
+    }
+}
+
 impl TestDb {
     /// Creates the schema and applies the key store's and the outbox's migrations (`saga-core`'s). Panics,
     /// saying how to start PostgreSQL, if it is unreachable.
@@ -40,7 +48,7 @@ impl TestDb {
     /// orchestrator's: each crate owns its tables).
     pub async fn with(test_name: &str, more: &[Migrator]) -> Self {
         let db = Self::empty(test_name).await;
-        db.apply(&saga_core::migrate::migrator()).await;
+        db.apply(&saga_runtime::store::migrate::migrator()).await;
         for migrator in more {
             db.apply(migrator).await;
         }

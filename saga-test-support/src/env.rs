@@ -4,11 +4,11 @@ use std::future::Future;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The default PostgreSQL URL, as in the README.
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub(crate) const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 /// The default broker address, as in the README.
-pub const DEFAULT_KAFKA_BROKERS: &str = "127.0.0.1:9092";
+pub(crate) const DEFAULT_KAFKA_BROKERS: &str = "127.0.0.1:9092";
 /// How to start the services, for failure messages.
-pub const HOW_TO_START: &str = "start the local services with `scripts/dev-services`, or a Docker engine (the \
+pub(crate) const HOW_TO_START: &str = "start the local services with `scripts/dev-services`, or a Docker engine (the \
 tests then start containers), or point DATABASE_URL / KAFKA_BROKERS at running ones";
 
 /// The PostgreSQL URL this test process uses (see [`crate::services`]).

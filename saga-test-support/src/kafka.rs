@@ -52,6 +52,14 @@ pub struct TestKafka {
     topics: Mutex<Vec<String>>,
 }
 
+impl std::fmt::Debug for TestKafka {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestKafka")
+            .field("brokers", &self.brokers)
+            .finish_non_exhaustive()
+    }
+}
+
 impl TestKafka {
     /// Connects to `KAFKA_BROKERS`. Panics, saying how to start the broker, if it does not answer a metadata
     /// request within 10 seconds.
@@ -376,7 +384,7 @@ impl Drop for TestKafka {
 }
 
 /// A client configuration for `brokers` with the settings every test client uses.
-pub fn client_config(brokers: &str) -> ClientConfig {
+pub(crate) fn client_config(brokers: &str) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", brokers)

@@ -18,7 +18,11 @@ pub async fn produce_throughput(
     headers: usize,
     progress: &Progress,
 ) -> anyhow::Result<f64> {
-    let producer = kafka.idempotent_producer(Duration::from_millis(5), Duration::from_secs(120))?;
+    let producer = saga_runtime::kafka::idempotent_producer(
+        kafka,
+        Duration::from_millis(5),
+        Duration::from_secs(120),
+    )?;
     let payload = vec![b'x'; 400];
     let header_values: Vec<(String, String)> = (0..headers)
         .map(|i| (format!("header-{i}"), format!("value-{i}-0123456789abcdef")))
@@ -63,7 +67,11 @@ pub async fn ack_latency(
     topic: &str,
     count: usize,
 ) -> anyhow::Result<(f64, f64)> {
-    let producer = kafka.idempotent_producer(Duration::from_millis(1), Duration::from_secs(30))?;
+    let producer = saga_runtime::kafka::idempotent_producer(
+        kafka,
+        Duration::from_millis(1),
+        Duration::from_secs(30),
+    )?;
     let mut samples = Vec::with_capacity(count);
     for n in 0..count + 20 {
         let started = Instant::now();

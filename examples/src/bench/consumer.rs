@@ -32,6 +32,7 @@ pub struct Work {
 }
 
 /// The measured step: one INSERT and one emitted event.
+#[derive(Debug)]
 pub struct RecordWork {
     /// The consumed topic.
     pub topic: String,
@@ -103,7 +104,11 @@ pub async fn produce(
     count: i64,
     progress: &Progress,
 ) -> anyhow::Result<()> {
-    let producer = kafka.idempotent_producer(Duration::from_millis(5), Duration::from_secs(120))?;
+    let producer = saga_runtime::kafka::idempotent_producer(
+        kafka,
+        Duration::from_millis(5),
+        Duration::from_secs(120),
+    )?;
     let mut pending = Vec::new();
     for n in 0..count {
         let key = format!("bench-{n}");
@@ -193,8 +198,8 @@ pub async fn framework(
             topic: topic.to_owned(),
         })
         .build()?;
-    let ops = consumer.ops().clone();
-    let running = tokio::spawn(consumer.run(stop.clone()));
+    let ops = consumer.ops();
+    let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
     let result = throughput(pool, "bench_effects", count, progress).await;
     stop.cancel();
     running.await??;
@@ -227,8 +232,7 @@ pub async fn baseline(
     progress: &Progress,
 ) -> anyhow::Result<f64> {
     let consumer: Arc<StreamConsumer> = Arc::new(
-        kafka
-            .client_config()
+        saga_runtime::kafka::client_config(kafka)
             .set("group.id", format!("{topic}.baseline"))
             .set("auto.offset.reset", "earliest")
             .set("enable.auto.commit", "true")

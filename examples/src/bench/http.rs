@@ -11,9 +11,10 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use saga_core::envelope::Lineage;
-use saga_core::http::{IdempotencyLayer, IdempotentRequest};
-use saga_core::{Event, IdempotencyKey, OutboxMessage, StepName, TenantId, outbox};
+use saga_consumer::http::{IdempotencyLayer, IdempotentRequest};
+use saga_core::Lineage;
+use saga_core::{Event, IdempotencyKey, OutboxMessage, StepName, TenantId};
+use saga_runtime::store::outbox;
 use sqlx::{PgConnection, PgPool};
 
 use crate::bench::{Progress, percentile};

@@ -12,6 +12,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 /// Progress lines with the time since the start.
+#[derive(Debug)]
 pub struct Progress {
     started: Instant,
 }

@@ -2,10 +2,11 @@
 
 use std::time::Duration;
 
-use outbox_relay::{Relay, RelaySettings};
-use saga_core::envelope::Lineage;
-use saga_core::{Event, IdempotencyKey, OutboxMessage, TenantId, outbox};
+use outbox_relay::Relay;
+use saga_core::Lineage;
+use saga_core::{Event, IdempotencyKey, OutboxMessage, TenantId};
 use saga_runtime::kafka::KafkaConfig;
+use saga_runtime::store::outbox;
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
@@ -34,15 +35,13 @@ fn start(
     tokio::task::JoinHandle<Result<(), outbox_relay::RelayError>>,
 ) {
     let stop = CancellationToken::new();
-    let relay = Relay::new(
-        RelaySettings {
-            kafka: kafka.clone(),
-            ..RelaySettings::default()
-        },
-        pool.clone(),
-    );
-    let token = stop.clone();
-    (stop, tokio::spawn(async move { relay.run(token).await }))
+    let relay = Relay::builder()
+        .kafka(kafka.clone())
+        .pool(pool.clone())
+        .build()
+        .expect("a valid relay");
+    let token = stop.clone().cancelled_owned();
+    (stop, tokio::spawn(relay.run(token)))
 }
 
 async fn wait_published(pool: &PgPool, progress: &Progress) -> anyhow::Result<()> {

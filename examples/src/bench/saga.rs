@@ -23,7 +23,13 @@ pub async fn latency(
     let stop = CancellationToken::new();
     let services: Vec<_> = Service::ALL
         .iter()
-        .map(|s| tokio::spawn(crate::service::run(*s, args.clone(), stop.clone())))
+        .map(|s| {
+            tokio::spawn(crate::service::run(
+                *s,
+                args.clone(),
+                stop.clone().cancelled_owned(),
+            ))
+        })
         .collect();
     // Wait for the API and for the consumers to have joined their groups.
     loop {

@@ -208,8 +208,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 
     // The broker keeps what was produced: delete the run's topics.
-    if let Ok(admin) = kafka
-        .client_config()
+    if let Ok(admin) = saga_runtime::kafka::client_config(&kafka)
         .create::<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>()
     {
         let names: Vec<String> = [

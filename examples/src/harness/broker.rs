@@ -16,6 +16,12 @@ pub enum Broker {
     Private(Box<PrivateBroker>),
 }
 
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
 impl Broker {
     /// The mock cluster (3 brokers).
     pub fn mock() -> anyhow::Result<Self> {

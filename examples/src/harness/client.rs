@@ -64,7 +64,7 @@ pub async fn send(
     Ok(Answer {
         status,
         replayed: headers
-            .get(saga_core::http::REPLAYED_HEADER)
+            .get(saga_consumer::http::REPLAYED_HEADER)
             .is_some_and(|v| v == "true"),
         body: serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
     })

@@ -22,14 +22,17 @@ pub fn start(
     topics: &[&str],
     stop: CancellationToken,
 ) -> anyhow::Result<Arc<AtomicU64>> {
-    let consumer: StreamConsumer = kafka
-        .client_config()
+    let consumer: StreamConsumer = saga_runtime::kafka::client_config(kafka)
         .set("group.id", group)
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "true")
         .create()?;
     consumer.subscribe(topics)?;
-    let producer = kafka.idempotent_producer(Duration::from_millis(2), Duration::from_secs(30))?;
+    let producer = saga_runtime::kafka::idempotent_producer(
+        kafka,
+        Duration::from_millis(2),
+        Duration::from_secs(30),
+    )?;
     let copies = Arc::new(AtomicU64::new(0));
     let counter = copies.clone();
     tokio::spawn(async move {

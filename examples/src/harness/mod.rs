@@ -31,8 +31,12 @@ impl ChildCommand {
         let shutdown = saga_runtime::shutdown::on_signal();
         stop_when_orphaned(shutdown.clone());
         match self {
-            Self::Service(c) => crate::service::run(c.service, c.args, shutdown).await,
-            Self::Relay(c) => crate::service::run_relay(c.service, c.args, shutdown).await,
+            Self::Service(c) => {
+                crate::service::run(c.service, c.args, shutdown.cancelled_owned()).await
+            }
+            Self::Relay(c) => {
+                crate::service::run_relay(c.service, c.args, shutdown.cancelled_owned()).await
+            }
         }
     }
 }

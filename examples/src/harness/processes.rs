@@ -13,12 +13,14 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+#[derive(Debug)]
 struct Slot {
     kill: Arc<Notify>,
     handle: Option<JoinHandle<()>>,
 }
 
 /// The supervised processes of a run.
+#[derive(Debug)]
 pub struct Supervisor {
     log_dir: PathBuf,
     stopping: CancellationToken,

@@ -144,6 +144,7 @@ pub async fn submit_orders(
 }
 
 /// A running saga.
+#[derive(Debug)]
 pub struct Run {
     /// The services' settings (shared by every child).
     pub args: ServiceArgs,
@@ -159,7 +160,7 @@ pub struct Run {
 }
 
 /// Duplicates reported by the services' metrics, summed over process restarts.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct DuplicateCounts {
     counts: std::sync::Mutex<HashMap<String, (f64, f64)>>,
     total: AtomicU64,
@@ -343,7 +344,9 @@ impl Run {
     /// Messages in the services' dead-letter topics. A run's messages are all valid: any dead letter is a
     /// message the framework failed to handle (a step that ran twice and hit a primary key, say).
     pub async fn dead_letters(&self) -> anyhow::Result<i64> {
-        let config = saga_runtime::kafka::KafkaConfig::new(self.broker.brokers()).client_config();
+        let config = saga_runtime::kafka::client_config(&saga_runtime::kafka::KafkaConfig::new(
+            self.broker.brokers(),
+        ));
         let topics: Vec<String> = Service::ALL.iter().map(|s| self.args.dlq(*s)).collect();
         let counted = tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
             use rdkafka::consumer::{BaseConsumer, Consumer};

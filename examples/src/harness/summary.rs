@@ -4,6 +4,7 @@ use crate::harness::ledger::Ledger;
 use crate::harness::run::ClientStats;
 
 /// Everything the summary shows.
+#[derive(Debug)]
 pub struct Summary<'a> {
     /// The title line.
     pub title: String,

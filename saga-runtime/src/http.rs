@@ -12,6 +12,9 @@
 //!
 //! Any non-5xx response is stored and replayed, 4xx included: a request that was invalid stays invalid.
 //! The key is stored in the same idempotency store as saga steps, as step key `{key}:{operation}`.
+//!
+//! A handler emits the saga's first events with [`IdempotentRequest::emit`] (or `emit_to`), as a step does:
+//! they are appended to the outbox in the request's transaction, just before it commits.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -27,11 +30,12 @@ use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::envelope::Lineage;
-use crate::headers::TraceParent;
-use crate::idempotency::{self, KeyStatus, TryClaim};
-use crate::key::{IdempotencyKey, StepName, TenantId};
-use crate::step::StepOutcome;
+use crate::store::idempotency::{self, KeyStatus, TryClaim};
+use crate::store::outbox;
+use saga_core::StepOutcome;
+use saga_core::TraceParent;
+use saga_core::{Event, Lineage, OutboxMessage, SagaEvent};
+use saga_core::{IdempotencyKey, StepName, TenantId};
 
 /// The request header carrying the client's key (HTTP header names are case-insensitive).
 pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
@@ -52,7 +56,7 @@ pub struct IdempotencyConfig {
 }
 
 /// The `tower` layer. See the module documentation.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct IdempotencyLayer {
     pool: PgPool,
     config: Arc<IdempotencyConfig>,
@@ -89,7 +93,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 }
 
 /// The service the layer produces.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Idempotency<S> {
     inner: S,
     pool: PgPool,
@@ -102,6 +106,40 @@ struct Shared {
     tenant: TenantId,
     traceparent: Option<TraceParent>,
     tx: Mutex<Option<Transaction<'static, Postgres>>>,
+    emitted: std::sync::Mutex<Vec<OutboxMessage>>,
+}
+
+impl std::fmt::Debug for IdempotentRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotentRequest")
+            .field("key", &self.0.key)
+            .field("operation", &self.0.operation)
+            .field("tenant", &self.0.tenant)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The request's open transaction, borrowed by a handler (see [`IdempotentRequest::transaction`]): it
+/// dereferences to the connection to write with.
+pub struct RequestTransaction<'a>(MappedMutexGuard<'a, PgConnection>);
+
+impl std::ops::Deref for RequestTransaction<'_> {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for RequestTransaction<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.0
+    }
+}
+
+impl std::fmt::Debug for RequestTransaction<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RequestTransaction")
+    }
 }
 
 /// The claimed request, as the handler sees it: the client's key, the tenant, and the transaction the
@@ -121,8 +159,8 @@ impl IdempotentRequest {
     }
 
     /// The key to hand to a system outside the database that this request calls (see
-    /// [`crate::ExternalKey`]): unique across tenants, unlike the client's key.
-    pub fn external_key(&self) -> crate::ExternalKey {
+    /// [`saga_core::ExternalKey`]): unique across tenants, unlike the client's key.
+    pub fn external_key(&self) -> saga_core::ExternalKey {
         self.0
             .key
             .step_key(&self.0.operation)
@@ -139,13 +177,48 @@ impl IdempotentRequest {
         )
     }
 
-    /// The open transaction. Hold the guard only while writing; do not keep it past the handler.
-    pub async fn transaction(&self) -> MappedMutexGuard<'_, PgConnection> {
-        MutexGuard::map(self.0.tx.lock().await, |tx| {
+    /// The open transaction, to write the request's business rows in. Hold it only while writing; do not
+    /// keep it past the handler.
+    pub async fn transaction(&self) -> RequestTransaction<'_> {
+        RequestTransaction(MutexGuard::map(self.0.tx.lock().await, |tx| {
             &mut **tx
                 .as_mut()
                 .expect("the transaction is open until the handler returns")
-        })
+        }))
+    }
+
+    /// Emits an event of the saga this request starts (it carries the client's key, the tenant and the
+    /// request's trace). It is written to the outbox in the request's transaction if the response is not a
+    /// 5xx, and discarded with everything else otherwise.
+    pub fn emit(&self, event: Event) {
+        let row = OutboxMessage::from_event(event, &self.lineage(), self.0.operation.as_str());
+        self.0
+            .emitted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(row);
+    }
+
+    /// Emits `event` to `topic`, keyed by `partition_key`; its type comes from [`SagaEvent::TYPE`]. See
+    /// [`IdempotentRequest::emit`].
+    pub fn emit_to<E: SagaEvent>(
+        &self,
+        topic: impl Into<String>,
+        partition_key: impl Into<String>,
+        event: &E,
+    ) -> Result<(), serde_json::Error> {
+        self.emit(Event::of(topic, partition_key, event)?);
+        Ok(())
+    }
+
+    fn take_emitted(&self) -> Vec<OutboxMessage> {
+        std::mem::take(
+            &mut *self
+                .0
+                .emitted
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     async fn take(&self) -> Option<Transaction<'static, Postgres>> {
@@ -322,7 +395,7 @@ where
     };
     let traceparent = parts
         .headers
-        .get(crate::headers::names::TRACEPARENT)
+        .get(saga_core::headers::names::TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(TraceParent::parse);
     let bytes = match Limited::new(body, config.max_body_bytes).collect().await {
@@ -391,6 +464,7 @@ where
     let handle = IdempotentRequest(Arc::new(Shared {
         key,
         operation: config.operation.clone(),
+        emitted: std::sync::Mutex::default(),
         tenant: tenant.clone(),
         traceparent,
         tx: Mutex::new(Some(tx)),
@@ -448,6 +522,11 @@ where
     if let Err(e) = idempotency::record_outcomes(&mut tx, &[(&tenant, &step_key, &outcome)]).await {
         roll_back(tx).await;
         return Ok(unavailable("storing the response", &e));
+    }
+    let emitted = handle.take_emitted();
+    if let Err(e) = outbox::append(&mut tx, &emitted).await {
+        roll_back(tx).await;
+        return Ok(unavailable("writing the outbox", &e));
     }
     if let Err(e) = tx.commit().await {
         return Ok(unavailable("committing", &e));

@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use saga_core::idempotency::{
+use saga_core::{IdempotencyKey, StepKey, StepName, StepOutcome, TenantId};
+use saga_runtime::store::idempotency::{
     self, Claim, KeyStatus, LeaseClaim, StoreError, claim_in_transaction, claim_lease,
     complete_lease, record_outcomes, release_lease,
 };
-use saga_core::{IdempotencyKey, StepKey, StepName, StepOutcome, TenantId};
 use saga_test_support::TestDb;
 use sqlx::Connection;
 

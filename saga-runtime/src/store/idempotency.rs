@@ -14,8 +14,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 
-use crate::key::{StepKey, TenantId};
-use crate::step::StepOutcome;
+use saga_core::StepOutcome;
+use saga_core::{StepKey, TenantId};
 
 /// The state of a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,7 +95,7 @@ pub enum StoreError {
 impl StoreError {
     /// Whether the error means the database is unreachable (as opposed to a failed statement).
     pub fn is_connection_error(&self) -> bool {
-        matches!(self, Self::Database(e) if crate::step::is_connection_error(e))
+        matches!(self, Self::Database(e) if saga_core::StepError::is_connection_error(e))
     }
 }
 

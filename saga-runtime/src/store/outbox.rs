@@ -2,7 +2,7 @@
 
 use sqlx::PgConnection;
 
-use crate::envelope::OutboxMessage;
+use saga_core::OutboxMessage;
 
 /// Appends `messages` to `saga_outbox` in the caller's transaction, in order, with one statement.
 ///

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use saga_core::gc::{GcPolicy, collect_idempotency_keys};
+use saga_runtime::store::gc::{GcPolicy, collect_idempotency_keys};
 use saga_test_support::TestDb;
 
 #[tokio::test]

@@ -1,6 +1,6 @@
 //! The embedded migrations against a real PostgreSQL.
 
-use saga_core::migrate::{MIGRATIONS_TABLE, migrate, migrator};
+use saga_runtime::store::migrate::{MIGRATIONS_TABLE, migrate, migrator};
 use saga_test_support::TestDb;
 
 #[tokio::test]

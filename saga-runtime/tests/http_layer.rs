@@ -12,7 +12,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
 use saga_core::StepName;
-use saga_core::http::{IdempotencyLayer, IdempotentRequest, REPLAYED_HEADER};
+use saga_runtime::http::{IdempotencyLayer, IdempotentRequest, REPLAYED_HEADER};
 use saga_test_support::TestDb;
 use tower::ServiceExt;
 

@@ -2,8 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use saga_core::envelope::Lineage;
-use saga_core::{Event, IdempotencyKey, OutboxMessage, TenantId, outbox};
+use saga_core::Lineage;
+use saga_core::{Event, IdempotencyKey, OutboxMessage, TenantId};
+use saga_runtime::store::outbox;
 use saga_test_support::TestDb;
 use sqlx::postgres::PgListener;
 

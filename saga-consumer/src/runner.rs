@@ -1,0 +1,516 @@
+//! The one runner of a service: migrations, topics, the consumer, the embedded outbox relay and any
+//! background tasks (the orchestrator's timers, an HTTP server), stopped together.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use futures::future::BoxFuture;
+use outbox_relay::{Relay, RelayBuilder, RelayError};
+use saga_core::{SagaStep, TwoPhaseStep};
+use saga_runtime::config::ConfigProblem;
+use saga_runtime::kafka::KafkaConfig;
+use saga_runtime::ops::{Ops, OpsHandle};
+use sqlx::PgPool;
+use sqlx::migrate::Migrator;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tower_layer::Layer;
+
+use crate::consumer::{SagaConsumer, SagaConsumerBuilder};
+use crate::error::{ConfigError, ConsumerError};
+use crate::hooks::Hooks;
+use crate::retry::RetryPolicy;
+use crate::service::{BoxStepService, StepService};
+
+/// An error a background task returns.
+pub type TaskError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+type TaskFn = Box<dyn FnOnce(TaskContext) -> BoxFuture<'static, Result<(), TaskError>> + Send>;
+
+/// Why a service did not start, or stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServiceError {
+    /// The consumer's settings are incomplete or invalid (names the setting).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The relay's settings are incomplete or invalid, or it failed.
+    #[error("relay: {0}")]
+    Relay(#[from] RelayError),
+    /// The framework's (or the service's) migrations could not be applied.
+    #[error("applying migrations: {0}")]
+    Migrations(String),
+    /// The topics could not be created.
+    #[error("creating topics: {0}")]
+    Topics(String),
+    /// The consumer failed.
+    #[error(transparent)]
+    Consumer(#[from] ConsumerError),
+    /// A background task failed.
+    #[error("task {name}: {error}")]
+    Task {
+        /// The task's name.
+        name: String,
+        /// Its error.
+        error: TaskError,
+    },
+    /// A part of the service ended on its own before the service was told to stop.
+    #[error("{0} stopped unexpectedly")]
+    Stopped(String),
+}
+
+impl From<ConfigProblem> for ServiceError {
+    fn from(problem: ConfigProblem) -> Self {
+        Self::Config(ConfigError::Problem(problem))
+    }
+}
+
+/// What a background task gets: the service's database and the signal to stop.
+#[derive(Debug, Clone)]
+pub struct TaskContext {
+    pool: PgPool,
+    shutdown: CancellationToken,
+}
+
+impl TaskContext {
+    /// The service's database.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Resolves when the service stops (its shutdown future resolved, or another part failed): finish
+    /// what you are in and return.
+    pub fn shutdown(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.shutdown.clone().cancelled_owned()
+    }
+
+    /// Whether the service is stopping.
+    pub fn is_stopping(&self) -> bool {
+        self.shutdown.is_cancelled()
+    }
+}
+
+/// Something that adds steps, migrations and background tasks to a service, such as an orchestrator
+/// (its reply steps, its tables, its timers).
+pub trait Extension {
+    /// Adds what it needs to `service`.
+    fn extend(self, service: SagaServiceBuilder) -> SagaServiceBuilder;
+}
+
+/// Builds a [`SagaService`]. See [`SagaService`] for an example.
+#[must_use]
+pub struct SagaServiceBuilder {
+    consumer: SagaConsumerBuilder,
+    relay: RelayBuilder,
+    embedded_relay: bool,
+    create_topics: Option<(i32, i32)>,
+    migrators: Vec<Migrator>,
+    tasks: Vec<(String, TaskFn)>,
+    pool: Option<PgPool>,
+    env_error: Option<ConfigProblem>,
+}
+
+impl std::fmt::Debug for SagaServiceBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SagaServiceBuilder")
+            .field("consumer", &self.consumer)
+            .field("embedded_relay", &self.embedded_relay)
+            .field("create_topics", &self.create_topics)
+            .field(
+                "tasks",
+                &self.tasks.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl SagaServiceBuilder {
+    fn new() -> Self {
+        Self {
+            consumer: SagaConsumer::builder(),
+            relay: Relay::builder(),
+            embedded_relay: true,
+            create_topics: None,
+            migrators: Vec::new(),
+            tasks: Vec::new(),
+            pool: None,
+            env_error: None,
+        }
+    }
+
+    /// Reads the settings from the environment: the consumer's (`KAFKA_BROKERS`, `SAGA_GROUP_ID` required;
+    /// `SAGA_*`, see [`crate::ConsumerSettings`]), the embedded relay's (`RELAY_*`), and
+    /// `SAGA_EMBEDDED_RELAY` (default true), `SAGA_CREATE_TOPICS` (a partition count: create missing
+    /// topics), `SAGA_TOPIC_REPLICATION` (default 1). Later calls override them; a variable that does not
+    /// parse, or a missing required one, is reported by [`SagaServiceBuilder::build`], naming it.
+    pub fn from_env(mut self) -> Self {
+        self.consumer = self.consumer.from_env();
+        self.relay = self.relay.from_env();
+        let flag = |var: &str| std::env::var(var).ok();
+        let parse =
+            |var: &'static str, value: Option<String>| -> Result<Option<i32>, ConfigProblem> {
+                value
+                    .map(|v| {
+                        v.parse::<i32>().map_err(|e| {
+                            ConfigProblem::new(
+                                var,
+                                format!("{v:?} is not a number ({e})"),
+                                "fix its value",
+                            )
+                        })
+                    })
+                    .transpose()
+            };
+        let result = (|| {
+            if let Some(v) = flag("SAGA_EMBEDDED_RELAY") {
+                self.embedded_relay = v.parse::<bool>().map_err(|_| {
+                    ConfigProblem::new(
+                        "SAGA_EMBEDDED_RELAY",
+                        format!("{v:?} is not true or false"),
+                        "fix its value",
+                    )
+                })?;
+            }
+            let partitions = parse("SAGA_CREATE_TOPICS", flag("SAGA_CREATE_TOPICS"))?;
+            let replication = parse("SAGA_TOPIC_REPLICATION", flag("SAGA_TOPIC_REPLICATION"))?;
+            if let Some(p) = partitions {
+                self.create_topics = Some((p, replication.unwrap_or(1)));
+            }
+            Ok::<(), ConfigProblem>(())
+        })();
+        if let Err(e) = result {
+            self.env_error.get_or_insert(e);
+        }
+        self
+    }
+
+    /// The database: the framework's tables (and the service's own) live in the first schema of its
+    /// `search_path`.
+    pub fn pool(mut self, pool: PgPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// Registers a transactional step.
+    pub fn step<S: SagaStep>(mut self, step: S) -> Self {
+        self.consumer = self.consumer.step(step);
+        self
+    }
+
+    /// Registers a two-phase step.
+    pub fn two_phase_step<S: TwoPhaseStep>(mut self, step: S) -> Self {
+        self.consumer = self.consumer.two_phase_step(step);
+        self
+    }
+
+    /// Declares that events of `event_type` on `topic` are none of this service's business (skipped);
+    /// any other event type no step handles is dead-lettered.
+    pub fn ignore(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
+        self.consumer = self.consumer.ignore(topic, event_type);
+        self
+    }
+
+    /// The broker list (`bootstrap.servers`), for the consumer and the embedded relay.
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.consumer = self.consumer.brokers(brokers);
+        self
+    }
+
+    /// The whole Kafka configuration, for the consumer and the embedded relay.
+    pub fn kafka(mut self, kafka: KafkaConfig) -> Self {
+        self.consumer = self.consumer.kafka(kafka);
+        self
+    }
+
+    /// The consumer group.
+    pub fn group_id(mut self, group: impl Into<String>) -> Self {
+        self.consumer = self.consumer.group_id(group);
+        self
+    }
+
+    /// The dead-letter topic (default `{group}.dlq`).
+    pub fn dlq_topic(mut self, topic: impl Into<String>) -> Self {
+        self.consumer = self.consumer.dlq_topic(topic);
+        self
+    }
+
+    /// The retry policy for transient failures.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.consumer = self.consumer.retry(policy);
+        self
+    }
+
+    /// Wraps every handler invocation in `layer` (tracing, metrics, timeouts of one's own).
+    pub fn layer<L>(mut self, layer: L) -> Self
+    where
+        L: Layer<BoxStepService> + Send + Sync + 'static,
+        L::Service: StepService,
+    {
+        self.consumer = self.consumer.layer(layer);
+        self
+    }
+
+    /// Fault-injection and observation hooks.
+    pub fn hooks(mut self, hooks: Hooks) -> Self {
+        self.consumer = self.consumer.hooks(hooks);
+        self
+    }
+
+    /// Serves `/metrics`, `/healthz` and `/readyz` for the consumer and the embedded relay on `addr`.
+    pub fn ops_addr(mut self, addr: SocketAddr) -> Self {
+        self.consumer = self.consumer.ops_addr(addr);
+        self
+    }
+
+    /// Adjusts any other consumer setting.
+    pub fn consumer(
+        mut self,
+        configure: impl FnOnce(SagaConsumerBuilder) -> SagaConsumerBuilder,
+    ) -> Self {
+        self.consumer = configure(self.consumer);
+        self
+    }
+
+    /// Runs the outbox relay inside the service (the default), or not (`outbox-relay run` publishes the
+    /// outbox then).
+    pub fn embedded_relay(mut self, embedded: bool) -> Self {
+        self.embedded_relay = embedded;
+        self
+    }
+
+    /// Adjusts the embedded relay's settings (its broker and pool are the service's).
+    pub fn relay(mut self, configure: impl FnOnce(RelayBuilder) -> RelayBuilder) -> Self {
+        self.relay = configure(self.relay);
+        self
+    }
+
+    /// Creates the topics the service consumes, and its dead-letter topic, where missing, with
+    /// `partitions` partitions and `replication` replicas. Without it, missing topics keep the service from
+    /// starting (the framework never relies on a broker's auto-creation).
+    pub fn create_topics(mut self, partitions: i32, replication: i32) -> Self {
+        self.create_topics = Some((partitions, replication));
+        self
+    }
+
+    /// Applies `migrator` at start, after the framework's own (the service's tables, say).
+    pub fn migrations(mut self, migrator: Migrator) -> Self {
+        self.migrators.push(migrator);
+        self
+    }
+
+    /// Runs `task` beside the consumer until the service stops; it must return once
+    /// [`TaskContext::shutdown`] resolves. Its failure, or its return before that, stops the service.
+    pub fn task<F, Fut>(mut self, name: impl Into<String>, task: F) -> Self
+    where
+        F: FnOnce(TaskContext) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), TaskError>> + Send + 'static,
+    {
+        self.tasks
+            .push((name.into(), Box::new(move |ctx| Box::pin(task(ctx)))));
+        self
+    }
+
+    /// Lets `extension` add its steps, migrations and tasks (an orchestrator, say).
+    pub fn with(self, extension: impl Extension) -> Self {
+        extension.extend(self)
+    }
+
+    /// Checks every setting and builds the service. A missing required setting is an error naming it.
+    pub fn build(self) -> Result<SagaService, ServiceError> {
+        if let Some(problem) = self.env_error {
+            return Err(problem.into());
+        }
+        let pool = self.pool.ok_or(ConfigError::Missing("database pool"))?;
+        let ops = Ops::new();
+        let consumer = self
+            .consumer
+            .pool(pool.clone())
+            .with_ops(ops.clone())
+            .build()?;
+        let kafka = consumer.kafka().clone();
+        let relay = if self.embedded_relay {
+            Some(
+                self.relay
+                    .kafka(kafka.clone())
+                    .pool(pool.clone())
+                    .with_ops(ops.clone())
+                    .build()?,
+            )
+        } else {
+            None
+        };
+        Ok(SagaService {
+            consumer,
+            relay,
+            kafka,
+            create_topics: self.create_topics,
+            migrators: self.migrators,
+            tasks: self.tasks,
+            pool,
+            ops,
+        })
+    }
+}
+
+/// A service: its migrations, its topics, its consumer, its embedded outbox relay and its background tasks,
+/// run together and stopped together.
+///
+/// # Examples
+///
+/// ```no_run
+/// use saga_consumer::{Message, SagaService, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription};
+///
+/// struct RecordPayment;
+///
+/// impl SagaStep for RecordPayment {
+///     type Payload = serde_json::Value;
+///     fn name(&self) -> StepName { StepName::from_static("record-payment") }
+///     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::new("payments", "PaymentProcessed")] }
+///     async fn handle(&self, _msg: &Message<serde_json::Value>, _ctx: &mut StepContext<'_>) -> StepResult {
+///         Ok(StepOutcome::completed())
+///     }
+/// }
+///
+/// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = saga_consumer::sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
+/// SagaService::builder()
+///     .from_env() // KAFKA_BROKERS and SAGA_GROUP_ID are required; SAGA_* and RELAY_* tune it
+///     .pool(pool)
+///     .step(RecordPayment)
+///     .build()?
+///     .run(saga_consumer::shutdown_signal())
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub struct SagaService {
+    consumer: SagaConsumer,
+    relay: Option<Relay>,
+    kafka: KafkaConfig,
+    create_topics: Option<(i32, i32)>,
+    migrators: Vec<Migrator>,
+    tasks: Vec<(String, TaskFn)>,
+    pool: PgPool,
+    ops: Ops,
+}
+
+impl std::fmt::Debug for SagaService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SagaService")
+            .field("consumer", &self.consumer)
+            .field("relay", &self.relay)
+            .field(
+                "tasks",
+                &self.tasks.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl SagaService {
+    /// Starts building a service.
+    pub fn builder() -> SagaServiceBuilder {
+        SagaServiceBuilder::new()
+    }
+
+    /// The service's metrics (Prometheus text) and readiness, also while it runs.
+    pub fn ops(&self) -> OpsHandle {
+        self.ops.handle()
+    }
+
+    /// Applies the migrations, checks (or creates) the topics, then runs the consumer, the embedded relay
+    /// and the tasks until `shutdown` resolves (any future: [`crate::shutdown_signal`], a token's
+    /// `cancelled()`), or until one part fails or ends on its own: then every other part is stopped too
+    /// (each finishes what it is in) and the first failure is returned.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServiceError> {
+        crate::migrate::migrate(&self.pool)
+            .await
+            .map_err(|e| ServiceError::Migrations(e.to_string()))?;
+        for migrator in &self.migrators {
+            migrator
+                .run(&self.pool)
+                .await
+                .map_err(|e| ServiceError::Migrations(e.to_string()))?;
+        }
+        if let Some((partitions, replication)) = self.create_topics {
+            let mut topics = self.consumer.topics();
+            topics.push(self.consumer.dlq_topic());
+            let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+            saga_runtime::kafka::ensure_topics(&self.kafka, &names, partitions, replication)
+                .await
+                .map_err(|e| ServiceError::Topics(e.to_string()))?;
+        }
+
+        let stop = CancellationToken::new();
+        let mut parts: JoinSet<(String, Result<(), ServiceError>)> = JoinSet::new();
+        let consumer_stop = stop.clone().cancelled_owned();
+        let consumer = self.consumer;
+        parts.spawn(async move {
+            (
+                "the consumer".to_owned(),
+                consumer.run(consumer_stop).await.map_err(Into::into),
+            )
+        });
+        if let Some(relay) = self.relay {
+            let relay_stop = stop.clone().cancelled_owned();
+            parts.spawn(async move {
+                (
+                    "the relay".to_owned(),
+                    relay.run(relay_stop).await.map_err(Into::into),
+                )
+            });
+        }
+        for (name, task) in self.tasks {
+            let ctx = TaskContext {
+                pool: self.pool.clone(),
+                shutdown: stop.clone(),
+            };
+            parts.spawn(async move {
+                let result = task(ctx).await.map_err(|error| ServiceError::Task {
+                    name: name.clone(),
+                    error,
+                });
+                (format!("task {name}"), result)
+            });
+        }
+
+        tokio::pin!(shutdown);
+        let mut first_error: Option<ServiceError> = None;
+        let mut stopping = false;
+        loop {
+            tokio::select! {
+                () = &mut shutdown, if !stopping => {
+                    tracing::info!("stopping the service");
+                    stopping = true;
+                    stop.cancel();
+                }
+                joined = parts.join_next() => {
+                    let Some(joined) = joined else { break };
+                    let (part, result) = match joined {
+                        Ok(done) => done,
+                        Err(e) => ("a part".to_owned(), Err(ServiceError::Stopped(format!("a part ({e})")))),
+                    };
+                    let failure = match result {
+                        Err(e) => Some(e),
+                        Ok(()) if !stopping => Some(ServiceError::Stopped(part.clone())),
+                        Ok(()) => None,
+                    };
+                    if let Some(e) = failure {
+                        tracing::error!(%part, error = %e, "a part of the service stopped; stopping the others");
+                        first_error.get_or_insert(e);
+                        stopping = true;
+                        stop.cancel();
+                    }
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A future that resolves on the first SIGTERM or Ctrl-C: pass it to `run`.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    saga_runtime::shutdown::wait_for_signal()
+}
