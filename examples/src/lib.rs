@@ -11,6 +11,28 @@
 //! - [`service`]: running a service (consumer, embedded relay, HTTP).
 //! - [`harness`]: running the whole saga with real processes, for the demo and the chaos program.
 
+//!
+//! # Examples
+//!
+//! Run the payment service in this process, against the broker and database of the environment, until
+//! Ctrl-C:
+//!
+//! ```no_run
+//! use clap::Parser;
+//! use saga_examples::service::{self, Service, ServiceArgs};
+//!
+//! #[derive(Parser)]
+//! struct Cli {
+//!     #[command(flatten)]
+//!     args: ServiceArgs,
+//! }
+//!
+//! # async fn example() -> anyhow::Result<()> {
+//! let cli = Cli::parse();
+//! service::run(Service::Payment, cli.args, saga_consumer::shutdown_signal()).await
+//! # }
+//! ```
+
 #![deny(missing_docs)]
 
 pub mod bench;

@@ -92,3 +92,18 @@ async fn an_unknown_argument_is_one_line_and_a_good_command_still_works() {
     assert!(ok.status.success(), "{ok:?}");
     assert!(String::from_utf8_lossy(&ok.stdout).contains("unpublished rows:"));
 }
+
+#[tokio::test]
+async fn required_variables_that_are_missing_are_named() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    command
+        .env_remove("DATABASE_URL")
+        .env_remove("KAFKA_BROKERS")
+        .arg("status");
+    expect_usage_error(command, "DATABASE_URL").await;
+    let db = TestDb::new("relay-cli-required").await;
+    let mut command = relay(&TestDb::database_url());
+    command.args(["--schema", &db.schema, "run"]);
+    let line = expect_usage_error(command, "KAFKA_BROKERS").await;
+    assert!(line.contains("is not set"), "{line}");
+}

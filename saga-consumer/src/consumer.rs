@@ -36,15 +36,30 @@ type LayerFn = Box<dyn Fn(BoxStepService) -> BoxStepService + Send + Sync>;
 
 /// Builds a [`SagaConsumer`].
 ///
-/// ```ignore
-/// SagaConsumer::builder()
-///     .from_env()
+/// The consumer alone, for a service whose outbox another process publishes (`outbox-relay run`); most
+/// services use [`crate::SagaService`], which runs this and the relay together.
+///
+/// # Examples
+///
+/// ```no_run
+/// # use saga_consumer::{Message, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription};
+/// # struct RecordPayment;
+/// # impl SagaStep for RecordPayment {
+/// #     type Payload = serde_json::Value;
+/// #     fn name(&self) -> StepName { StepName::from_static("record-payment") }
+/// #     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::new("payments", "PaymentProcessed")] }
+/// #     async fn handle(&self, _: &Message<serde_json::Value>, _: &mut StepContext<'_>) -> StepResult { Ok(StepOutcome::completed()) }
+/// # }
+/// # async fn example(pool: saga_consumer::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// saga_consumer::SagaConsumer::builder()
+///     .from_env() // KAFKA_BROKERS, SAGA_GROUP_ID, SAGA_*
 ///     .group_id("payment-service")
 ///     .pool(pool)
-///     .step(ProcessPayment::new(gateway))
+///     .step(RecordPayment)
 ///     .build()?
-///     .run(saga_runtime::shutdown::on_signal())
+///     .run(saga_consumer::shutdown_signal())
 ///     .await?;
+/// # Ok(()) }
 /// ```
 pub struct SagaConsumerBuilder {
     settings: ConsumerSettings,

@@ -92,12 +92,66 @@ impl TaskContext {
 
 /// Something that adds steps, migrations and background tasks to a service, such as an orchestrator
 /// (its reply steps, its tables, its timers).
+///
+/// # Examples
+///
+/// ```
+/// use saga_consumer::{Extension, SagaServiceBuilder};
+///
+/// /// Sweeps a table of the service's own every minute while the service runs.
+/// struct Sweeper;
+///
+/// impl Extension for Sweeper {
+///     fn extend(self, service: SagaServiceBuilder) -> SagaServiceBuilder {
+///         service.task("sweeper", |ctx| async move {
+///             let mut shutdown = std::pin::pin!(ctx.shutdown());
+///             loop {
+///                 tokio::select! {
+///                     () = &mut shutdown => return Ok(()),
+///                     () = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+///                 }
+///                 saga_consumer::sqlx::query("DELETE FROM drafts WHERE created_at < now() - interval '1 day'")
+///                     .execute(ctx.pool())
+///                     .await?;
+///             }
+///         })
+///     }
+/// }
+/// # let _ = Sweeper;
+/// ```
 pub trait Extension {
     /// Adds what it needs to `service`.
     fn extend(self, service: SagaServiceBuilder) -> SagaServiceBuilder;
 }
 
-/// Builds a [`SagaService`]. See [`SagaService`] for an example.
+/// Builds a [`SagaService`].
+///
+/// # Examples
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use saga_consumer::{RetryPolicy, SagaService};
+/// # use saga_consumer::{Message, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription};
+/// # struct RecordPayment;
+/// # impl SagaStep for RecordPayment {
+/// #     type Payload = serde_json::Value;
+/// #     fn name(&self) -> StepName { StepName::from_static("record-payment") }
+/// #     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::new("payments", "PaymentProcessed")] }
+/// #     async fn handle(&self, _: &Message<serde_json::Value>, _: &mut StepContext<'_>) -> StepResult { Ok(StepOutcome::completed()) }
+/// # }
+///
+/// # fn example(pool: saga_consumer::sqlx::PgPool) -> Result<(), saga_consumer::ServiceError> {
+/// let service = SagaService::builder()
+///     .brokers("127.0.0.1:9092")
+///     .group_id("payment-service")
+///     .pool(pool)
+///     .step(RecordPayment)
+///     .retry(RetryPolicy::default().max_attempts(8))
+///     .consumer(|c| c.batch_size(200).commit_interval(Duration::from_millis(250)))
+///     .create_topics(6, 3) // partitions, replicas: create the topics it consumes and its DLQ
+///     .build()?;
+/// # let _ = service; Ok(()) }
+/// ```
 #[must_use]
 pub struct SagaServiceBuilder {
     consumer: SagaConsumerBuilder,

@@ -102,7 +102,42 @@ impl StepRequest<'_> {
     }
 }
 
-/// A handler invocation service.
+/// A handler invocation service: what a layer of one's own wraps ([`crate::SagaServiceBuilder::layer`]).
+///
+/// # Examples
+///
+/// A layer counting handler calls per step:
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use futures::future::BoxFuture;
+/// use saga_consumer::{BoxStepService, Handled, StepError, StepRequest, StepService};
+///
+/// #[derive(Clone, Default)]
+/// struct CountCalls(Arc<AtomicU64>);
+///
+/// struct Counted<S> { inner: S, calls: Arc<AtomicU64> }
+///
+/// impl<S: StepService> tower_layer::Layer<S> for CountCalls {
+///     type Service = Counted<S>;
+///     fn layer(&self, inner: S) -> Counted<S> { Counted { inner, calls: self.0.clone() } }
+/// }
+///
+/// impl<S: StepService> StepService for Counted<S> {
+///     fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+///         self.calls.fetch_add(request.items().len() as u64, Ordering::Relaxed);
+///         self.inner.call(request)
+///     }
+/// }
+///
+/// let counter = CountCalls::default();
+/// # fn register(b: saga_consumer::SagaServiceBuilder, c: CountCalls) -> saga_consumer::SagaServiceBuilder {
+/// #     b.layer(c)
+/// # }
+/// # let _: fn(saga_consumer::SagaServiceBuilder, CountCalls) -> _ = register;
+/// # let _ = counter;
+/// ```
 pub trait StepService: Send + Sync + 'static {
     /// Runs the handler for `request` inside the open transaction.
     fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>>;

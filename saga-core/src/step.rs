@@ -196,20 +196,33 @@ pub type StepResult = Result<StepOutcome, StepError>;
 /// A saga step in transactional mode: the key is claimed, the handler runs and its outbox rows are written,
 /// all in one PostgreSQL transaction.
 ///
-/// ```ignore
+/// # Examples
+///
+/// ```
+/// use saga_core::{Message, SagaEvent, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription};
+///
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// struct PaymentProcessed { order_id: i64 }
+/// impl SagaEvent for PaymentProcessed { const TYPE: &'static str = "PaymentProcessed"; }
+///
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// struct ShipmentArranged { order_id: i64 }
+/// impl SagaEvent for ShipmentArranged { const TYPE: &'static str = "ShipmentArranged"; }
+///
 /// struct ArrangeShipment;
 ///
 /// impl SagaStep for ArrangeShipment {
 ///     type Payload = PaymentProcessed;
 ///     fn name(&self) -> StepName { StepName::from_static("arrange-shipment") }
-///     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::new("payments", "PaymentProcessed")] }
+///     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::of::<PaymentProcessed>("payments")] }
 ///     async fn handle(&self, msg: &Message<PaymentProcessed>, ctx: &mut StepContext<'_>) -> StepResult {
 ///         sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
 ///             .bind(msg.payload.order_id).execute(ctx.conn()).await?;
-///         ctx.emit(Event::new("ShipmentArranged", "shipping", msg.payload.order_id.to_string(), &msg.payload)?);
+///         ctx.emit_to("shipping", msg.payload.order_id.to_string(), &ShipmentArranged { order_id: msg.payload.order_id })?;
 ///         Ok(StepOutcome::completed())
 ///     }
 /// }
+/// # let _ = ArrangeShipment;
 /// ```
 pub trait SagaStep: Send + Sync + 'static {
     /// The decoded payload type.
@@ -267,6 +280,39 @@ pub trait SagaStep: Send + Sync + 'static {
 ///    external system as that system's own idempotency key, because after a crash it runs again.
 /// 3. [`TwoPhaseStep::complete`] runs in a second transaction that also marks the key `completed` (or
 ///    `failed`), fenced by the lease's attempt number: a worker whose lease was taken over cannot complete.
+///
+/// # Examples
+///
+/// ```
+/// use saga_core::{Message, StepContext, StepError, StepName, StepOutcome, StepResult, Subscription, TwoPhaseStep};
+///
+/// /// A payment provider's client (its own idempotency on the key it is handed).
+/// struct Provider;
+/// impl Provider {
+///     async fn charge(&self, idempotency_key: &str, cents: i64) -> Result<String, std::io::Error> {
+///         Ok(format!("ch_{idempotency_key}_{cents}"))
+///     }
+/// }
+///
+/// struct Charge { provider: Provider }
+///
+/// impl TwoPhaseStep for Charge {
+///     type Payload = serde_json::Value;
+///     type Response = String;
+///     fn name(&self) -> StepName { StepName::from_static("charge") }
+///     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::new("orders", "OrderPlaced")] }
+///     async fn call(&self, msg: &Message<serde_json::Value>) -> Result<String, StepError> {
+///         let cents = msg.payload["cents"].as_i64().unwrap_or(0);
+///         // The external key carries the tenant: never hand the bare step key to a provider.
+///         self.provider.charge(msg.external_key().as_str(), cents).await.map_err(StepError::transient)
+///     }
+///     async fn complete(&self, msg: &Message<serde_json::Value>, charge_id: String, ctx: &mut StepContext<'_>) -> StepResult {
+///         sqlx::query("INSERT INTO payments (charge_id) VALUES ($1)").bind(&charge_id).execute(ctx.conn()).await?;
+///         StepOutcome::completed_with(&serde_json::json!({ "charge_id": charge_id }))
+///     }
+/// }
+/// # let _ = Charge { provider: Provider };
+/// ```
 pub trait TwoPhaseStep: Send + Sync + 'static {
     /// The decoded payload type.
     type Payload: DeserializeOwned + Send + Sync + 'static;

@@ -70,6 +70,19 @@ pub fn event<E: SagaEvent>(payload: E) -> MessageBuilder<E> {
 }
 
 /// Builds a [`Message`] for tests. See [`message`].
+///
+/// # Examples
+///
+/// ```
+/// let msg = saga_core::testing::message(serde_json::json!({ "order_id": 7 }))
+///     .key("order-7")
+///     .tenant("acme")
+///     .event_type("OrderPlaced")
+///     .step("reserve")
+///     .build();
+/// assert_eq!(msg.step_key.as_str(), "order-7:reserve");
+/// assert_eq!(msg.external_key().as_str(), "acme:order-7:reserve");
+/// ```
 #[derive(Debug, Clone)]
 pub struct MessageBuilder<P> {
     payload: P,

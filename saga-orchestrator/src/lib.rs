@@ -11,19 +11,54 @@
 //! - On a permanent failure it compensates the completed steps in reverse, each with its own key
 //!   `{original-key}:compensate-{step}`; a compensation is re-sent until confirmed, never skipped.
 //!
-//! Decisions are a pure function ([`engine::decide`]); [`store`] persists them.
+//! Decisions are a pure function of the definition, the instance's state and an event; [`store`] reads
+//! instances and their history.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use saga_orchestrator::{Command, OnTimeout, Orchestrator, SagaDefinition, Step};
+//!
+//! # fn example(pool: saga_consumer::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! let payment = Step::new("process-payment", Command::new("payment-commands", "ProcessPayment", |d| d["input"].clone()))?
+//!     .succeeds_on(["PaymentProcessed"])
+//!     .fails_on(["PaymentFailed"])
+//!     .compensate_with(
+//!         Command::new("payment-commands", "RefundPayment", |d| d["input"].clone()),
+//!         ["PaymentRefunded"],
+//!         Duration::from_secs(10),
+//!     )
+//!     .timeout(Duration::from_secs(60), OnTimeout::Fail);
+//! let shipment = Step::new("arrange-shipment", Command::new("shipping-commands", "ArrangeShipment", |d| d["process-payment"].clone()))?
+//!     .succeeds_on(["ShipmentArranged"]);
+//! let saga = SagaDefinition::new("order-fulfillment", "order-replies")?.step(payment).step(shipment);
+//!
+//! // Its reply steps, its tables and its timers join the service.
+//! let service = saga_consumer::SagaService::builder()
+//!     .from_env()
+//!     .pool(pool)
+//!     .with(Orchestrator::new(saga)?)
+//!     .build()?;
+//! # let _ = service; Ok(()) }
+//! ```
 
 #![deny(missing_docs)]
 
 pub mod definition;
-pub mod engine;
+mod engine;
 mod error;
 pub mod migrate;
 mod orchestrator;
 pub mod store;
 
 pub use definition::{Command, OnTimeout, SagaDefinition, Step};
-pub use engine::{Decision, SagaStatus};
+pub use engine::{Decision, Outgoing, SagaState, SagaStatus};
 pub use error::OrchestratorError;
 pub use orchestrator::{Orchestrator, ReplyStep, SagaHooks};
 pub use store::{SagaInstance, Transition};
+
+/// The README's code, compiled and checked as doc tests so that it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+mod readme {}

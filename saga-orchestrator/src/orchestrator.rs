@@ -23,6 +23,35 @@ use crate::store::{self, SagaInstance};
 
 /// What a service does on its own tables when one of its sagas moves: record the history, mark the
 /// order completed or cancelled. Runs in the transition's transaction.
+///
+/// # Examples
+///
+/// ```
+/// use futures::future::BoxFuture;
+/// use saga_orchestrator::{Decision, SagaHooks, SagaInstance, SagaStatus};
+///
+/// struct MarkOrders;
+///
+/// impl SagaHooks for MarkOrders {
+///     fn transitioned<'a>(
+///         &'a self,
+///         conn: &'a mut sqlx::PgConnection,
+///         before: &'a SagaInstance,
+///         decision: &'a Decision,
+///     ) -> BoxFuture<'a, Result<(), saga_core::StepError>> {
+///         Box::pin(async move {
+///             if decision.next.status == SagaStatus::Completed {
+///                 sqlx::query("UPDATE orders SET status = 'COMPLETED' WHERE saga_id = $1")
+///                     .bind(before.saga_id)
+///                     .execute(conn)
+///                     .await?;
+///             }
+///             Ok(())
+///         })
+///     }
+/// }
+/// # let _ = MarkOrders;
+/// ```
 pub trait SagaHooks: Send + Sync + 'static {
     /// Called after each transition, with the instance as it was before it and the decision taken.
     fn transitioned<'a>(

@@ -12,6 +12,17 @@
 //! - [`shutdown`]: a cancellation token fired by SIGTERM or Ctrl-C.
 //! - [`telemetry`]: tracing set-up for binaries.
 //! - [`cli`], [`config`]: exit codes and one-line configuration errors for binaries.
+//!
+//! # Examples
+//!
+//! A setting that keeps a binary from starting is reported as one line naming it:
+//!
+//! ```
+//! use saga_runtime::config::ConfigProblem;
+//!
+//! let problem = ConfigProblem::new("KAFKA_BROKERS", "is not set", "set it to the bootstrap servers");
+//! assert_eq!(problem.to_string(), "KAFKA_BROKERS: is not set; set it to the bootstrap servers");
+//! ```
 
 #![deny(missing_docs)]
 

@@ -13,6 +13,20 @@
 //! or else from the local defaults. Where a service is unreachable the test fails with one line saying how
 //! to start it; it never passes silently.
 
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use saga_test_support::{TestDb, TestKafka};
+//!
+//! # async fn example() {
+//! let db = TestDb::new("my-test").await; // a schema of its own, the key store and outbox applied
+//! let kafka = TestKafka::new().await;
+//! let topic = kafka.topic("my-test", 3).await; // unique, deleted afterwards
+//! sqlx::query("CREATE TABLE effects (n BIGINT)").execute(&db.pool).await.unwrap();
+//! # let _ = topic; }
+//! ```
+
 #![deny(missing_docs)]
 
 mod broker;

@@ -1,0 +1,200 @@
+//! The runner against the real broker and PostgreSQL: it applies its migrations, creates its topics when
+//! asked, runs the consumer and the embedded relay together, and stops every part when one fails.
+
+use std::time::{Duration, Instant};
+
+use saga_consumer::{
+    ConfigError, Message, SagaEvent, SagaService, SagaStep, ServiceError, StepContext, StepName,
+    StepOutcome, StepResult, Subscription,
+};
+use saga_test_support::{TestDb, TestKafka, unique_name, wait_until};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Placed {
+    n: i64,
+}
+impl SagaEvent for Placed {
+    const TYPE: &'static str = "Placed";
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Reserved {
+    n: i64,
+}
+impl SagaEvent for Reserved {
+    const TYPE: &'static str = "Reserved";
+}
+
+/// Records each order and emits `Reserved` to `{topic}.out`.
+struct Reserve {
+    topic: String,
+}
+
+impl SagaStep for Reserve {
+    type Payload = Placed;
+
+    fn name(&self) -> StepName {
+        StepName::from_static("reserve")
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        vec![Subscription::of::<Placed>(&self.topic)]
+    }
+
+    async fn handle(&self, msg: &Message<Placed>, ctx: &mut StepContext<'_>) -> StepResult {
+        sqlx::query("INSERT INTO reservations (n) VALUES ($1)")
+            .bind(msg.payload.n)
+            .execute(ctx.conn())
+            .await?;
+        ctx.emit_to(
+            format!("{}.out", self.topic),
+            msg.payload.n.to_string(),
+            &Reserved { n: msg.payload.n },
+        )?;
+        Ok(StepOutcome::completed())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_steps_emit() {
+    // An empty schema: the service applies the framework's tables itself.
+    let db = TestDb::empty("service-e2e").await;
+    sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let kafka = TestKafka::new().await;
+    let topic = unique_name("service-e2e");
+    let out = format!("{topic}.out");
+    kafka.create_topic(&out, 1).await;
+    let group = format!("{topic}-group");
+    let service = SagaService::builder()
+        .brokers(&kafka.brokers)
+        .group_id(&group)
+        .pool(db.pool.clone())
+        .step(Reserve {
+            topic: topic.clone(),
+        })
+        .create_topics(2, 1)
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
+
+    // Its topic and its dead-letter topic were created.
+    wait_until("the service's topics", WAIT, || async {
+        (kafka.partition_count(&topic).await == 2
+            && kafka.partition_count(&format!("{group}.dlq")).await == 2)
+            .then_some(())
+    })
+    .await;
+    kafka.delete_on_drop(&topic);
+    kafka.delete_on_drop(&format!("{group}.dlq"));
+    let producer = kafka.producer();
+    for n in 1..=5 {
+        let key = format!("order-{n}");
+        let payload = serde_json::to_vec(&Placed { n }).unwrap();
+        kafka
+            .produce(
+                &producer,
+                &topic,
+                Some(&key),
+                &[("idempotency-key", key.as_str()), ("ce_type", Placed::TYPE)],
+                &payload,
+            )
+            .await;
+    }
+    // The embedded relay published what the step emitted.
+    let published = kafka
+        .read_all(&out, 5, Duration::from_millis(500), WAIT)
+        .await;
+    let mut ns: Vec<i64> = published
+        .iter()
+        .map(|m| m.json()["n"].as_i64().unwrap())
+        .collect();
+    ns.sort_unstable();
+    assert_eq!(ns, [1, 2, 3, 4, 5]);
+    assert!(
+        published
+            .iter()
+            .all(|m| m.header("ce_type") == Some(Reserved::TYPE))
+    );
+    assert_eq!(db.count("reservations").await, 5);
+    stop.cancel();
+    tokio::time::timeout(WAIT, running)
+        .await
+        .expect("the service stops")
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn when_one_part_fails_the_service_stops_every_other_part_and_returns_the_failure() {
+    let db = TestDb::empty("service-stop").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("service-stop", 1).await;
+    kafka.create_topic(&format!("{topic}-group.dlq"), 1).await;
+    let service = SagaService::builder()
+        .brokers(&kafka.brokers)
+        .group_id(format!("{topic}-group"))
+        .pool(db.pool.clone())
+        .step(Reserve {
+            topic: topic.clone(),
+        })
+        .task("a failing task", |ctx| async move {
+            // Fail once the rest of the service is up.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            assert!(!ctx.is_stopping());
+            Err("the task's downstream is gone".into())
+        })
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    // The service is never told to stop: it must stop by itself, consumer and relay included.
+    let result = tokio::time::timeout(WAIT, service.run(std::future::pending()))
+        .await
+        .expect("a failing part stops the whole service");
+    match result {
+        Err(ServiceError::Task { name, error }) => {
+            assert_eq!(name, "a failing task");
+            assert!(error.to_string().contains("downstream is gone"));
+        }
+        other => panic!("expected the task's failure, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[tokio::test]
+async fn a_missing_required_setting_is_named_never_defaulted() {
+    let db = TestDb::empty("service-settings").await;
+    let step = || Reserve {
+        topic: "t".to_owned(),
+    };
+    let no_brokers = SagaService::builder()
+        .group_id("g")
+        .pool(db.pool.clone())
+        .step(step())
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&no_brokers, ServiceError::Config(ConfigError::Missing(what)) if what.contains("KAFKA_BROKERS")),
+        "{no_brokers}"
+    );
+    let no_group = SagaService::builder()
+        .brokers("127.0.0.1:9092")
+        .pool(db.pool.clone())
+        .step(step())
+        .build()
+        .unwrap_err();
+    assert!(no_group.to_string().contains("SAGA_GROUP_ID"), "{no_group}");
+    let no_pool = SagaService::builder()
+        .brokers("127.0.0.1:9092")
+        .group_id("g")
+        .step(step())
+        .build()
+        .unwrap_err();
+    assert!(no_pool.to_string().contains("database pool"), "{no_pool}");
+}
