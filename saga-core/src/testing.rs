@@ -144,7 +144,7 @@ impl<P> MessageBuilder<P> {
     /// The message.
     ///
     /// # Panics
-    /// If the key, the tenant or the step name is not valid (see [`IdempotencyKey`], [`TenantId`],
+    /// If the key, the tenant or the step name is not valid (see [`crate::IdempotencyKey`], [`crate::TenantId`],
     /// [`StepName`]): a test's mistake.
     pub fn build(self) -> Message<P> {
         let mut headers = Headers::new()
