@@ -434,6 +434,7 @@ impl SagaConsumer {
             metrics: metrics.clone(),
             hooks: self.hooks,
             guard: CrashGuard::new(self.pool.clone(), group.clone(), settings.crash_loop_limit),
+            lease_holder: lease_holder(&group),
         };
         let shared = Arc::new(WorkerShared {
             executor,
@@ -512,6 +513,17 @@ impl SagaConsumer {
             .await
             .map_err(|_| ConsumerError::PollThread("the poll thread panicked".into()))?
     }
+}
+
+/// This process, as recorded with the two-phase leases it takes: `{group}@{host}/{pid}`.
+fn lease_holder(group: &str) -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    format!("{group}@{host}/{}", std::process::id())
 }
 
 /// Fails with the list of topics that do not exist: the framework creates topics explicitly, never by

@@ -56,6 +56,8 @@ pub(crate) struct Executor {
     pub metrics: ConsumerMetrics,
     pub hooks: Hooks,
     pub guard: CrashGuard,
+    /// Who this worker is, recorded with the leases it takes: `{group}@{host}/{pid}`.
+    pub lease_holder: String,
 }
 
 impl Executor {
@@ -288,9 +290,15 @@ impl Executor {
         };
         let store = |e: sqlx::Error| Failure::Store(StoreError::Database(e));
         let mut conn = self.pool.acquire().await.map_err(store)?;
-        let lease = match idempotency::claim_lease(&mut conn, tenant, step_key, two_phase.lease())
-            .await
-            .map_err(Failure::Store)?
+        let lease = match idempotency::claim_lease(
+            &mut conn,
+            tenant,
+            step_key,
+            two_phase.lease(),
+            &self.lease_holder,
+        )
+        .await
+        .map_err(Failure::Store)?
         {
             LeaseClaim::Acquired(lease) => lease,
             LeaseClaim::Duplicate(_) => return Ok(ItemOutcome::Duplicate),

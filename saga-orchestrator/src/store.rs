@@ -177,6 +177,76 @@ pub async fn load(pool: &PgPool, saga_id: Uuid) -> Result<Option<SagaInstance>, 
     Ok(row.as_ref().map(from_row).transpose()?)
 }
 
+/// Which instances [`list`] returns.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct SagaFilter {
+    /// Only instances in this status.
+    pub status: Option<SagaStatus>,
+    /// Only unfinished instances (running or compensating) that have not moved for this long.
+    pub stuck_for: Option<std::time::Duration>,
+    /// At most this many (default: 100).
+    pub limit: Option<i64>,
+}
+
+impl SagaFilter {
+    /// Instances in `status`.
+    #[must_use]
+    pub fn status(mut self, status: SagaStatus) -> Self {
+        self.status = Some(status);
+        self
+    }
+
+    /// Unfinished instances that have not moved for `idle`.
+    #[must_use]
+    pub fn stuck_for(mut self, idle: std::time::Duration) -> Self {
+        self.stuck_for = Some(idle);
+        self
+    }
+
+    /// At most `limit` instances.
+    #[must_use]
+    pub fn limit(mut self, limit: i64) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+}
+
+/// Instances of every type that `filter` selects, the longest unchanged first.
+pub async fn list(
+    pool: &PgPool,
+    filter: &SagaFilter,
+) -> Result<Vec<SagaInstance>, OrchestratorError> {
+    let idle_ms = filter
+        .stuck_for
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM saga_instances \
+         WHERE ($1::text IS NULL OR status = $1) \
+           AND ($2::bigint IS NULL OR (status IN ('running', 'compensating') \
+                                       AND updated_at < now() - $2 * interval '1 millisecond')) \
+         ORDER BY updated_at LIMIT $3"
+    )))
+    .bind(filter.status.map(SagaStatus::as_str))
+    .bind(idle_ms)
+    .bind(filter.limit.unwrap_or(100))
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(from_row)
+        .collect::<Result<_, _>>()
+        .map_err(Into::into)
+}
+
+/// How many instances there are in each status.
+pub async fn count_by_status(pool: &PgPool) -> Result<Vec<(String, i64)>, OrchestratorError> {
+    Ok(sqlx::query_as(
+        "SELECT status, count(*) FROM saga_instances GROUP BY status ORDER BY status",
+    )
+    .fetch_all(pool)
+    .await?)
+}
+
 /// The history of instance `saga_id`, oldest first.
 pub async fn history(pool: &PgPool, saga_id: Uuid) -> Result<Vec<Transition>, OrchestratorError> {
     let rows = sqlx::query(

@@ -3,12 +3,13 @@
 //!
 //! - `0`: done.
 //! - `1`: the process failed while running (an error after start-up).
-//! - `2`: bad input: an argument that does not parse, or a [`ConfigProblem`] (a setting that keeps the
-//!   process from starting). Never a panic or a backtrace.
+//! - `2`: bad input: an argument that does not parse, a [`ConfigProblem`] (a setting that keeps the
+//!   process from starting) or a [`BadInput`] (input a command cannot act on). Never a panic or a
+//!   backtrace.
 
 use std::process::ExitCode;
 
-use crate::config::ConfigProblem;
+use crate::config::{BadInput, ConfigProblem};
 
 /// The exit code for bad input and configuration problems.
 pub const USAGE_ERROR: u8 = 2;
@@ -47,6 +48,9 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
         Err(e) => {
             if let Some(problem) = e.chain().find_map(|c| c.downcast_ref::<ConfigProblem>()) {
                 eprintln!("error: {problem}");
+                ExitCode::from(USAGE_ERROR)
+            } else if let Some(bad) = e.chain().find_map(|c| c.downcast_ref::<BadInput>()) {
+                eprintln!("error: {bad}");
                 ExitCode::from(USAGE_ERROR)
             } else {
                 let line = format!("{e:#}")

@@ -215,24 +215,30 @@ async fn an_expired_lease_is_taken_over_and_the_old_owner_is_fenced() {
     let (t, k) = (tenant("acme"), key("order-3", "process-payment"));
     let mut conn = db.pool.acquire().await.unwrap();
 
-    let LeaseClaim::Acquired(first) = claim_lease(&mut conn, &t, &k, Duration::from_millis(300))
-        .await
-        .unwrap()
-    else {
+    let LeaseClaim::Acquired(first) = claim_lease(
+        &mut conn,
+        &t,
+        &k,
+        Duration::from_millis(300),
+        "worker@test/1",
+    )
+    .await
+    .unwrap() else {
         panic!("the first claim gets the lease")
     };
     assert_eq!(first.attempt, 1);
 
     // A live lease makes a second worker wait, not fail.
-    let busy = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
+    let busy = claim_lease(&mut conn, &t, &k, Duration::from_secs(30), "worker@test/1")
         .await
         .unwrap();
     assert!(matches!(busy, LeaseClaim::Busy { until } if until == first.expires_at));
 
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let LeaseClaim::Acquired(second) = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
-        .await
-        .unwrap()
+    let LeaseClaim::Acquired(second) =
+        claim_lease(&mut conn, &t, &k, Duration::from_secs(30), "worker@test/1")
+            .await
+            .unwrap()
     else {
         panic!("an expired lease is taken over")
     };
@@ -272,7 +278,7 @@ async fn an_expired_lease_is_taken_over_and_the_old_owner_is_fenced() {
     assert_eq!(record.status, KeyStatus::Completed);
     assert_eq!(record.attempts, 2);
     assert_eq!(record.lease_expires_at, None);
-    let again = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
+    let again = claim_lease(&mut conn, &t, &k, Duration::from_secs(30), "worker@test/1")
         .await
         .unwrap();
     assert!(
@@ -286,9 +292,10 @@ async fn a_released_lease_is_retaken_at_once() {
     let db = TestDb::new("store-release").await;
     let (t, k) = (tenant("acme"), key("order-4", "process-payment"));
     let mut conn = db.pool.acquire().await.unwrap();
-    let LeaseClaim::Acquired(first) = claim_lease(&mut conn, &t, &k, Duration::from_secs(60))
-        .await
-        .unwrap()
+    let LeaseClaim::Acquired(first) =
+        claim_lease(&mut conn, &t, &k, Duration::from_secs(60), "worker@test/1")
+            .await
+            .unwrap()
     else {
         panic!()
     };
@@ -297,9 +304,10 @@ async fn a_released_lease_is_retaken_at_once() {
             .await
             .unwrap()
     );
-    let LeaseClaim::Acquired(second) = claim_lease(&mut conn, &t, &k, Duration::from_secs(60))
-        .await
-        .unwrap()
+    let LeaseClaim::Acquired(second) =
+        claim_lease(&mut conn, &t, &k, Duration::from_secs(60), "worker@test/1")
+            .await
+            .unwrap()
     else {
         panic!("a released lease is free")
     };
@@ -383,17 +391,27 @@ async fn lock_lease_fences_a_worker_whose_lease_was_taken_over_and_makes_the_tak
     let db = TestDb::new("store-lock-lease").await;
     let (t, k) = (tenant("acme"), key("order-5", "process-payment"));
     let mut conn = db.pool.acquire().await.unwrap();
-    let LeaseClaim::Acquired(first) = claim_lease(&mut conn, &t, &k, Duration::from_millis(200))
-        .await
-        .unwrap()
-    else {
+    let LeaseClaim::Acquired(first) = claim_lease(
+        &mut conn,
+        &t,
+        &k,
+        Duration::from_millis(200),
+        "worker@test/1",
+    )
+    .await
+    .unwrap() else {
         panic!()
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let LeaseClaim::Acquired(second) = claim_lease(&mut conn, &t, &k, Duration::from_millis(200))
-        .await
-        .unwrap()
-    else {
+    let LeaseClaim::Acquired(second) = claim_lease(
+        &mut conn,
+        &t,
+        &k,
+        Duration::from_millis(200),
+        "worker@test/1",
+    )
+    .await
+    .unwrap() else {
         panic!("the expired lease is taken over")
     };
 
@@ -414,7 +432,14 @@ async fn lock_lease_fences_a_worker_whose_lease_was_taken_over_and_makes_the_tak
     let (t2, k2) = (t.clone(), k.clone());
     let takeover = tokio::spawn(async move {
         let mut conn = pool.acquire().await.unwrap();
-        claim_lease(&mut conn, &t2, &k2, Duration::from_secs(30)).await
+        claim_lease(
+            &mut conn,
+            &t2,
+            &k2,
+            Duration::from_secs(30),
+            "worker@test/1",
+        )
+        .await
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
@@ -437,9 +462,10 @@ async fn a_completion_after_garbage_collection_deleted_the_lease_is_recorded_not
     let db = TestDb::new("store-lease-gc").await;
     let (t, k) = (tenant("acme"), key("order-6", "process-payment"));
     let mut conn = db.pool.acquire().await.unwrap();
-    let LeaseClaim::Acquired(lease) = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
-        .await
-        .unwrap()
+    let LeaseClaim::Acquired(lease) =
+        claim_lease(&mut conn, &t, &k, Duration::from_secs(30), "worker@test/1")
+            .await
+            .unwrap()
     else {
         panic!()
     };
@@ -475,9 +501,10 @@ async fn a_completion_after_garbage_collection_deleted_the_lease_is_recorded_not
         .execute(&db.pool)
         .await
         .unwrap();
-    let LeaseClaim::Acquired(other) = claim_lease(&mut conn, &t, &k, Duration::from_secs(30))
-        .await
-        .unwrap()
+    let LeaseClaim::Acquired(other) =
+        claim_lease(&mut conn, &t, &k, Duration::from_secs(30), "worker@test/1")
+            .await
+            .unwrap()
     else {
         panic!()
     };
@@ -513,7 +540,13 @@ async fn a_client_clock_ahead_of_the_database_gets_busy_not_a_busy_loop() {
     let started = Instant::now();
     let claimed = tokio::time::timeout(
         Duration::from_secs(5),
-        claim_lease(&mut behind, &t, &k, Duration::from_secs(30)),
+        claim_lease(
+            &mut behind,
+            &t,
+            &k,
+            Duration::from_secs(30),
+            "worker@test/1",
+        ),
     )
     .await
     .expect("claim_lease returns instead of looping")

@@ -112,6 +112,8 @@ pub struct KeyRecord {
     pub attempts: i32,
     /// For `Started`: until when the lease runs.
     pub lease_expires_at: Option<DateTime<Utc>>,
+    /// For `Started`: who holds (or held) the lease: `{group}@{host}/{pid}`.
+    pub lease_holder: Option<String>,
     /// The stored outcome.
     pub outcome: Option<serde_json::Value>,
     /// The stored error.
@@ -395,15 +397,17 @@ pub async fn claim_lease(
     tenant: &TenantId,
     key: &StepKey,
     lease: Duration,
+    holder: &str,
 ) -> Result<LeaseClaim, StoreError> {
     // A row deleted or expired between the two statements is claimed again; the bound is only a guard.
     for _ in 0..3 {
         let acquired = sqlx::query(
-            "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at) \
-             VALUES ($1, $2, 'started', now() + $3 * interval '1 millisecond') \
+            "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at, lease_holder) \
+             VALUES ($1, $2, 'started', now() + $3 * interval '1 millisecond', $4) \
              ON CONFLICT (tenant_id, step_key) DO UPDATE \
                  SET attempts = saga_idempotency_keys.attempts + 1, \
-                     lease_expires_at = excluded.lease_expires_at, updated_at = now() \
+                     lease_expires_at = excluded.lease_expires_at, lease_holder = excluded.lease_holder, \
+                     updated_at = now() \
                  WHERE saga_idempotency_keys.status = 'started' \
                    AND saga_idempotency_keys.lease_expires_at <= now() \
              RETURNING attempts, lease_expires_at",
@@ -411,6 +415,7 @@ pub async fn claim_lease(
         .bind(tenant.as_str())
         .bind(key.as_str())
         .bind(millis(lease))
+        .bind(holder)
         .fetch_optional(&mut *conn)
         .await?;
         if let Some(row) = acquired {
@@ -552,32 +557,89 @@ pub async fn release_lease(
     Ok(updated.rows_affected() == 1)
 }
 
+const KEY_COLUMNS: &str = "tenant_id, step_key, status, attempts, lease_expires_at, lease_holder, outcome, \
+     error, created_at, updated_at";
+
+fn key_record(row: &sqlx::postgres::PgRow) -> Result<KeyRecord, StoreError> {
+    Ok(KeyRecord {
+        tenant: row.try_get(0)?,
+        step_key: row.try_get(1)?,
+        status: KeyStatus::parse(row.try_get(2)?)?,
+        attempts: row.try_get(3)?,
+        lease_expires_at: row.try_get(4)?,
+        lease_holder: row.try_get(5)?,
+        outcome: row.try_get(6)?,
+        error: row.try_get(7)?,
+        created_at: row.try_get(8)?,
+        updated_at: row.try_get(9)?,
+    })
+}
+
 /// Reads a key.
 pub async fn lookup(
     conn: &mut PgConnection,
     tenant: &TenantId,
     key: &StepKey,
 ) -> Result<Option<KeyRecord>, StoreError> {
-    let row = sqlx::query(
-        "SELECT tenant_id, step_key, status, attempts, lease_expires_at, outcome, error, created_at, updated_at \
-         FROM saga_idempotency_keys WHERE tenant_id = $1 AND step_key = $2",
-    )
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {KEY_COLUMNS} FROM saga_idempotency_keys WHERE tenant_id = $1 AND step_key = $2"
+    )))
     .bind(tenant.as_str())
     .bind(key.as_str())
     .fetch_optional(conn)
     .await?;
-    row.map(|row| {
-        Ok(KeyRecord {
-            tenant: row.try_get(0)?,
-            step_key: row.try_get(1)?,
-            status: KeyStatus::parse(row.try_get(2)?)?,
-            attempts: row.try_get(3)?,
-            lease_expires_at: row.try_get(4)?,
-            outcome: row.try_get(5)?,
-            error: row.try_get(6)?,
-            created_at: row.try_get(7)?,
-            updated_at: row.try_get(8)?,
+    row.as_ref().map(key_record).transpose()
+}
+
+/// Every step key derived from the original key `original` (`{original}:{step}`), of `tenant` or of every
+/// tenant, HTTP keys (`{original}:{operation}`) included; by tenant, then first claim.
+pub async fn keys_of(
+    conn: &mut PgConnection,
+    original: &str,
+    tenant: Option<&TenantId>,
+) -> Result<Vec<KeyRecord>, StoreError> {
+    let escaped = original
+        .replace('\\', "\\\\")
+        .replace('%', "\\%")
+        .replace('_', "\\_");
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {KEY_COLUMNS} FROM saga_idempotency_keys \
+         WHERE step_key LIKE $1 ESCAPE '\\' AND ($2::text IS NULL OR tenant_id = $2) \
+         ORDER BY tenant_id, created_at, step_key"
+    )))
+    .bind(format!("{escaped}:%"))
+    .bind(tenant.map(TenantId::as_str))
+    .fetch_all(conn)
+    .await?;
+    // The step name is what follows the last ':'; an original key may contain ':' itself, so a key
+    // `order:1:ship` matches the pattern for `order` too: keep the exact ones.
+    rows.iter()
+        .map(key_record)
+        .filter(|r| {
+            r.as_ref().map_or(true, |r| {
+                r.step_key
+                    .rsplit_once(':')
+                    .is_some_and(|(o, _)| o == original)
+            })
         })
-    })
-    .transpose()
+        .collect()
+}
+
+/// Two-phase leases (`started` keys), the ones whose lease ran out only if `expired_only`; oldest expiry
+/// first, at most `limit`.
+pub async fn leases(
+    conn: &mut PgConnection,
+    expired_only: bool,
+    limit: i64,
+) -> Result<Vec<KeyRecord>, StoreError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {KEY_COLUMNS} FROM saga_idempotency_keys \
+         WHERE status = 'started' AND (NOT $1 OR lease_expires_at <= now()) \
+         ORDER BY lease_expires_at LIMIT $2"
+    )))
+    .bind(expired_only)
+    .bind(limit)
+    .fetch_all(conn)
+    .await?;
+    rows.iter().map(key_record).collect()
 }
