@@ -25,7 +25,13 @@ pub enum ChargeResult {
 /// The gateway could not be reached (a transient failure).
 #[derive(Debug, thiserror::Error)]
 #[error("payment gateway unavailable: {0}")]
-pub struct GatewayUnavailable(#[from] sqlx::Error);
+pub struct GatewayUnavailable(String);
+
+impl From<sqlx::Error> for GatewayUnavailable {
+    fn from(e: sqlx::Error) -> Self {
+        Self(e.to_string())
+    }
+}
 
 /// The simulated gateway.
 #[derive(Debug, Clone)]
@@ -49,6 +55,7 @@ impl PaymentGateway {
         card: &str,
     ) -> Result<ChargeResult, GatewayUnavailable> {
         tokio::time::sleep(self.latency).await;
+        self.check_up().await?;
         let declined = card.ends_with("0002");
         let row = sqlx::query(
             "WITH inserted AS ( \
@@ -85,6 +92,7 @@ impl PaymentGateway {
         charge_id: &str,
     ) -> Result<String, GatewayUnavailable> {
         tokio::time::sleep(self.latency).await;
+        self.check_up().await?;
         let refund_id: String = sqlx::query_scalar(
             "WITH inserted AS ( \
                  INSERT INTO gateway_refunds (idempotency_key, refund_id, charge_id) VALUES ($1, $2, $3) \
@@ -100,5 +108,16 @@ impl PaymentGateway {
         .fetch_one(&self.pool)
         .await?;
         Ok(refund_id)
+    }
+
+    /// Fails while the outage switch (a row in `gateway_outage`) is on.
+    async fn check_up(&self) -> Result<(), GatewayUnavailable> {
+        let down: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM gateway_outage)")
+            .fetch_one(&self.pool)
+            .await?;
+        if down {
+            return Err(GatewayUnavailable("outage (connection refused)".to_owned()));
+        }
+        Ok(())
     }
 }

@@ -2,175 +2,51 @@
 //! compensation paths, HTTP retries, and the fault mode.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::time::Duration;
 
 use saga_examples::harness::client::{self, send};
 use saga_examples::harness::ledger::{self, Path};
+use saga_examples::harness::local::{LocalSaga, WAIT};
 use saga_examples::harness::run::{PlannedOrder, plan};
 use saga_examples::harness::summary::{figure, run_to_summary};
-use saga_examples::service::{Service, ServiceArgs, quote_ident};
-use saga_test_support::{TestDb, TestKafka, free_local_addr, unique_name, wait_until};
-use tokio_util::sync::CancellationToken;
+use saga_examples::service::{Service, quote_ident};
+use saga_test_support::{TestDb, TestKafka};
 
-const WAIT: Duration = Duration::from_secs(120);
-
-/// The three services running inside the test, on their own schemas and topics.
-struct Saga {
-    db: TestDb,
-    _kafka: TestKafka,
-    args: ServiceArgs,
-    stop: CancellationToken,
-    services: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
-}
-
-impl Saga {
-    async fn start(name: &str) -> Self {
-        Self::start_with(name, false).await
-    }
-
-    async fn start_with(name: &str, orchestrated: bool) -> Self {
-        // The schema of its own only makes sure the test database exists; the services make theirs.
-        let db = TestDb::empty(name).await;
-        let kafka = TestKafka::new().await;
-        let prefix = unique_name(name);
-        let args = ServiceArgs {
-            database_url: TestDb::database_url(),
-            schema_prefix: format!("e2e_{}", prefix.replace('-', "_")),
-            brokers: kafka.brokers.clone(),
-            topic_prefix: prefix,
-            http_addr: free_local_addr(),
-            ops_addr: None,
-            crash_after_commit: 0.0,
-            create_topics: false,
-            gateway_latency_ms: 1,
-            embedded_relay: true,
-            orchestrated,
-        };
-        for topic in args.all_topics() {
-            kafka.create_topic(&topic, 3).await;
-        }
-        let stop = CancellationToken::new();
-        let services = Service::ALL
-            .iter()
-            .map(|service| {
-                tokio::spawn(saga_examples::service::run(
-                    *service,
-                    args.clone(),
-                    stop.clone().cancelled_owned(),
-                ))
-            })
-            .collect();
-        let saga = Self {
-            db,
-            _kafka: kafka,
-            args,
-            stop,
-            services,
-        };
-        wait_until("the order API", WAIT, || async {
-            // A service that stopped (its port taken, its database unreachable) fails the test here, before
-            // a request can reach some other process listening on that port.
-            if let Some(stopped) = saga.services.iter().position(|s| s.is_finished()) {
-                panic!(
-                    "the {} service stopped while starting",
-                    Service::ALL[stopped].as_str()
-                );
-            }
-            send(
-                saga.api(),
-                "GET",
-                "/orders/00000000-0000-0000-0000-000000000000",
-                &[],
-                None,
-            )
+/// Submits twelve orders (eight happy, two declined, two whose shipment fails), waits until every saga
+/// finished, and checks the ledgers: the counts of each path, one charge per paid order, one refund per
+/// failed shipment, one shipment per completed order. Returns the orders and their ids by key.
+async fn run_all_three_paths(
+    saga: &LocalSaga,
+    run: &str,
+) -> (Vec<PlannedOrder>, HashMap<String, String>) {
+    let orders = plan(run, 12);
+    let mut expected = HashMap::new();
+    let mut ids = HashMap::new();
+    for order in &orders {
+        let submitted = client::submit_order(saga.api(), &order.key, &order.request, false, WAIT)
             .await
-            .ok()
-            .filter(|a| a.status == 404)
-        })
-        .await;
-        saga
+            .unwrap();
+        expected.insert(order.key.clone(), order.path);
+        ids.insert(order.key.clone(), submitted.order_id.unwrap());
     }
-
-    fn api(&self) -> SocketAddr {
-        self.args.http_addr
-    }
-
-    /// `GET path` on the order API.
-    async fn get(&self, path: &str) -> client::Answer {
-        send(self.api(), "GET", path, &[], None).await.unwrap()
-    }
-
-    async fn wait_finished(&self, n: i64) {
-        wait_until(&format!("{n} finished sagas"), WAIT, || async {
-            let finished = ledger::finished_orders(&self.db.pool, &self.args)
-                .await
-                .ok()?;
-            (finished >= n).then_some(())
-        })
-        .await;
-    }
-
-    /// Submits twelve orders (eight happy, two declined, two whose shipment fails), waits until every saga
-    /// finished, and checks the ledgers: the counts of each path, one charge per paid order, one refund per
-    /// failed shipment, one shipment per completed order. Returns the orders and their ids by key.
-    async fn run_all_three_paths(&self, run: &str) -> (Vec<PlannedOrder>, HashMap<String, String>) {
-        let orders = plan(run, 12);
-        let mut expected = HashMap::new();
-        let mut ids = HashMap::new();
-        for order in &orders {
-            let submitted =
-                client::submit_order(self.api(), &order.key, &order.request, false, WAIT)
-                    .await
-                    .unwrap();
-            expected.insert(order.key.clone(), order.path);
-            ids.insert(order.key.clone(), submitted.order_id.unwrap());
-        }
-        self.wait_finished(12).await;
-        let facts = ledger::read_facts(&self.db.pool, &self.args).await.unwrap();
-        let ledger = ledger::check(&facts, &expected);
-        assert!(ledger.violations.is_empty(), "{:#?}", ledger.violations);
-        assert_eq!(
-            (ledger.completed, ledger.declined, ledger.refunded),
-            (8, 2, 2)
-        );
-        assert_eq!(
-            (ledger.charges, ledger.refunds, ledger.shipments),
-            (10, 2, 8)
-        );
-        (orders, ids)
-    }
-
-    async fn stop(self) {
-        self.stop.cancel();
-        for service in self.services {
-            tokio::time::timeout(WAIT, service)
-                .await
-                .expect("services stop")
-                .unwrap()
-                .expect("services stop cleanly");
-        }
-        for service in Service::ALL {
-            drop_schema(&self.db, &self.args.schema(service)).await;
-        }
-        drop_schema(&self.db, &self.args.gateway_schema()).await;
-    }
-}
-
-async fn drop_schema(db: &TestDb, schema: &str) {
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {} CASCADE",
-        quote_ident(schema)
-    )))
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    saga.wait_finished(12).await;
+    let facts = ledger::read_facts(&saga.db.pool, &saga.args).await.unwrap();
+    let ledger = ledger::check(&facts, &expected);
+    assert!(ledger.violations.is_empty(), "{:#?}", ledger.violations);
+    assert_eq!(
+        (ledger.completed, ledger.declined, ledger.refunded),
+        (8, 2, 2)
+    );
+    assert_eq!(
+        (ledger.charges, ledger.refunds, ledger.shipments),
+        (10, 2, 8)
+    );
+    (orders, ids)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_happy_path_and_both_compensation_paths_end_to_end() {
-    let saga = Saga::start("saga-paths").await;
-    let (orders, ids) = saga.run_all_three_paths("paths").await;
+    let saga = LocalSaga::start("saga-paths").await;
+    let (orders, ids) = run_all_three_paths(&saga, "paths").await;
 
     // GET /orders/{id} tells where each saga stands, step by step.
     let refunded = orders
@@ -199,7 +75,7 @@ async fn the_happy_path_and_both_compensation_paths_end_to_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn http_retries_with_the_same_key_return_the_stored_response_and_create_one_order() {
-    let saga = Saga::start("saga-http").await;
+    let saga = LocalSaga::start("saga-http").await;
     let order = plan("http", 1).remove(0);
     let body = serde_json::to_vec(&order.request).unwrap();
     let headers = [("idempotency-key", order.key.as_str())];
@@ -284,8 +160,8 @@ async fn the_fault_mode_still_yields_one_charge_per_paid_order_and_one_shipment_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_orchestrated_saga_takes_all_three_paths_and_shows_its_history() {
-    let saga = Saga::start_with("saga-orchestrated", true).await;
-    let (orders, ids) = saga.run_all_three_paths("orchestrated").await;
+    let saga = LocalSaga::start_with("saga-orchestrated", true).await;
+    let (orders, ids) = run_all_three_paths(&saga, "orchestrated").await;
 
     // The order names its saga; GET /sagas/{id} shows the state history.
     let refunded = orders
@@ -332,7 +208,7 @@ async fn the_orchestrated_saga_takes_all_three_paths_and_shows_its_history() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_tenants_sending_the_same_idempotency_key_are_each_charged_for_their_own_order() {
-    let saga = Saga::start("saga-tenants").await;
+    let saga = LocalSaga::start("saga-tenants").await;
     let order = plan("tenants", 1).remove(0);
     assert_eq!(order.path, Path::Happy);
     let body = serde_json::to_vec(&order.request).unwrap();

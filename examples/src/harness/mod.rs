@@ -5,6 +5,7 @@ pub mod broker;
 pub mod client;
 pub mod duplicator;
 pub mod ledger;
+pub mod local;
 pub mod processes;
 pub mod run;
 pub mod summary;
