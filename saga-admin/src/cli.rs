@@ -1,0 +1,571 @@
+//! The `saga` command line.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use saga_runtime::config::{ConfigProblem, connect_postgres};
+use saga_runtime::kafka::{KafkaConfig, properties_from_env};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::dlq::{self, DlqFilter, ReplayOptions, ReplayOutcome};
+use crate::duration;
+use crate::inspect::{self, InspectOptions};
+use crate::table::Table;
+use crate::{keys, lag, outbox, sagas};
+
+/// The `saga` binary: parses the command line (see `saga --help`), runs the command, and answers bad input
+/// or configuration with one line and exit code 2.
+pub async fn main() -> ExitCode {
+    saga_runtime::telemetry::init_tracing();
+    let cli: Cli = saga_runtime::cli::parse();
+    saga_runtime::cli::exit_code(cli.execute().await)
+}
+
+/// See and repair sagas: dead letters, step keys, leases, saga instances, consumer lag, the outbox.
+#[derive(Debug, Parser)]
+#[command(name = "saga", version)]
+struct Cli {
+    /// PostgreSQL URL (the database of the service's schema).
+    #[arg(long, env = "DATABASE_URL", global = true)]
+    database_url: Option<String>,
+    /// The service's schema (sets `search_path`); default: the URL's own search path.
+    #[arg(long, env = "SAGA_SCHEMA", global = true)]
+    schema: Option<String>,
+    /// Kafka bootstrap servers (`KAFKA_PROPERTY_*` variables add librdkafka properties).
+    #[arg(long, env = "KAFKA_BROKERS", global = true)]
+    brokers: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Dead letters: list, show, replay.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+    /// Step keys.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+    /// Two-phase leases (`--expired`: external calls that never completed).
+    Leases {
+        /// Only leases that ran out.
+        #[arg(long)]
+        expired: bool,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Orchestrated saga instances.
+    #[command(subcommand)]
+    Sagas(SagasCommand),
+    /// A consumer group's committed offset, high watermark and lag per partition.
+    Lag {
+        /// The consumer group.
+        #[arg(long)]
+        group: String,
+        /// Its topics (default: those the schema records for the group).
+        #[arg(long = "topic")]
+        topics: Vec<String>,
+    },
+    /// The outbox.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+    /// Serve the inspector page.
+    Inspect {
+        /// Where to listen (localhost by default; set SAGA_ADMIN_TOKEN before listening elsewhere).
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        listen: SocketAddr,
+        /// Dead-letter topics to show (default: the broker's topics ending in `.dlq`).
+        #[arg(long = "dlq-topic")]
+        dlq_topics: Vec<String>,
+        /// Consumer groups to show the lag of (default: those the schema records).
+        #[arg(long = "group")]
+        groups: Vec<String>,
+        /// Unfinished sagas unmoved for this long count as stuck.
+        #[arg(long, default_value = "5m")]
+        stuck_for: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DlqCommand {
+    /// List the dead letters of a topic.
+    List {
+        #[command(flatten)]
+        select: Select,
+    },
+    /// Show one message: every header and the payload.
+    Show {
+        /// The dead-letter topic.
+        #[arg(long)]
+        topic: String,
+        /// Its partition.
+        #[arg(long)]
+        partition: i32,
+        /// Its offset.
+        #[arg(long)]
+        offset: i64,
+    },
+    /// Replay dead letters to their original topic, once each.
+    Replay {
+        #[command(flatten)]
+        select: Select,
+        /// Only the dead letter at this partition (with --offset).
+        #[arg(long, requires = "offset")]
+        partition: Option<i32>,
+        /// Only the dead letter at this offset (with --partition).
+        #[arg(long, requires = "partition")]
+        offset: Option<i64>,
+        /// Say what would be sent; send nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Send again what was replayed already, and messages replayed --max-replays times.
+        #[arg(long)]
+        force: bool,
+        /// Refuse a message replayed this many times already (unless --force).
+        #[arg(long, default_value_t = 3)]
+        max_replays: u32,
+    },
+}
+
+/// Which dead letters.
+#[derive(Debug, Args)]
+struct Select {
+    /// The dead-letter topic.
+    #[arg(long)]
+    topic: String,
+    /// Only this reason (undecodable, unknown-event-type, handler-failed, retries-exhausted, crash-loop).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Only this step.
+    #[arg(long)]
+    step: Option<String>,
+    /// Only those dead-lettered within this long (90s, 15m, 2h, 7d).
+    #[arg(long)]
+    since: Option<String>,
+    /// At most this many (the oldest first).
+    #[arg(long)]
+    limit: Option<usize>,
+}
+
+impl Select {
+    fn filter(&self) -> Result<DlqFilter, crate::AdminError> {
+        let mut filter = DlqFilter::default();
+        filter.reason.clone_from(&self.reason);
+        filter.step.clone_from(&self.step);
+        filter.since = self.since.as_deref().map(duration::parse).transpose()?;
+        filter.limit = self.limit;
+        Ok(filter)
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysCommand {
+    /// Every step key derived from a client's key (status, attempts, lease, outcome), the HTTP key too.
+    Show {
+        /// The client's idempotency key.
+        key: String,
+        /// Only this tenant's.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SagasCommand {
+    /// List saga instances.
+    List {
+        /// Only in this status (running, compensating, completed, compensated).
+        #[arg(long)]
+        status: Option<String>,
+        /// Only unfinished ones unmoved for this long (90s, 15m, 2h).
+        #[arg(long)]
+        stuck_for: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// One saga: its state, its keys and its transitions as a timeline.
+    Show {
+        /// The saga's id.
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum OutboxCommand {
+    /// The relay's backlog: unpublished, failing and parked rows, the oldest one's age.
+    Status,
+}
+
+impl Cli {
+    fn kafka(&self) -> Result<KafkaConfig, ConfigProblem> {
+        let brokers = self.brokers.clone().ok_or_else(|| {
+            ConfigProblem::new(
+                "KAFKA_BROKERS",
+                "is not set",
+                "set it (or --brokers) to the bootstrap servers, such as 127.0.0.1:9092",
+            )
+        })?;
+        let mut kafka = KafkaConfig::new(brokers);
+        kafka.properties = properties_from_env();
+        Ok(kafka)
+    }
+
+    async fn pool(&self) -> Result<PgPool, ConfigProblem> {
+        let url = self.database_url.as_deref().ok_or_else(|| {
+            ConfigProblem::new(
+                "DATABASE_URL",
+                "is not set",
+                "set it to postgres://USER@HOST:PORT/DATABASE",
+            )
+        })?;
+        let pool = connect_postgres("DATABASE_URL", url, self.schema.as_deref(), 4).await?;
+        saga_runtime::config::require_schema(&pool, "SAGA_SCHEMA", "name the service's schema")
+            .await?;
+        Ok(pool)
+    }
+
+    async fn execute(self) -> anyhow::Result<()> {
+        match &self.command {
+            Command::Dlq(DlqCommand::List { select }) => {
+                let letters = dlq::list(&self.kafka()?, &select.topic, &select.filter()?).await?;
+                self.print(&letters, || {
+                    let mut t = Table::new([
+                        "dlq offset",
+                        "original",
+                        "step",
+                        "reason",
+                        "error",
+                        "attempts",
+                        "failed at",
+                        "key",
+                        "tenant",
+                    ]);
+                    for l in &letters {
+                        t.row([
+                            format!("{}/{}", l.partition, l.offset),
+                            format!(
+                                "{}/{}/{}",
+                                l.original_topic, l.original_partition, l.original_offset
+                            ),
+                            l.step.clone().unwrap_or_default(),
+                            l.reason.clone(),
+                            l.error.clone(),
+                            l.attempts.to_string(),
+                            l.failed_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            l.idempotency_key.clone().unwrap_or_default(),
+                            l.tenant.clone(),
+                        ]);
+                    }
+                    format!("{}{} dead letters", t.render(), letters.len())
+                })
+            }
+            Command::Dlq(DlqCommand::Show {
+                topic,
+                partition,
+                offset,
+            }) => {
+                let record = dlq::show(&self.kafka()?, topic, *partition, *offset).await?;
+                let view = RecordView::of(&record);
+                self.print(&view, || view.render(topic))
+            }
+            Command::Dlq(DlqCommand::Replay {
+                select,
+                partition,
+                offset,
+                dry_run,
+                force,
+                max_replays,
+            }) => {
+                let mut filter = select.filter()?;
+                filter.position = partition.zip(*offset);
+                let options = ReplayOptions {
+                    dry_run: *dry_run,
+                    force: *force,
+                    max_replays: *max_replays,
+                };
+                let kafka = self.kafka()?;
+                let pool = self.pool().await?;
+                let report = dlq::replay(&kafka, &pool, &select.topic, &filter, &options).await?;
+                self.print(&report, || {
+                    let mut t = Table::new(["dlq offset", "to", "key", "outcome"]);
+                    for l in &report.letters {
+                        t.row([
+                            format!("{}/{}", l.partition, l.offset),
+                            format!("{}/{}", l.original_topic, l.original_partition),
+                            l.idempotency_key.clone().unwrap_or_default(),
+                            match &l.outcome {
+                                ReplayOutcome::Sent { offset } => format!("sent (offset {offset})"),
+                                ReplayOutcome::WouldSend => "would send (dry run)".to_owned(),
+                                ReplayOutcome::AlreadyReplayed => "already replayed".to_owned(),
+                                ReplayOutcome::RefusedReplayLimit { replays } => {
+                                    format!("refused: replayed {replays} times (--force)")
+                                }
+                                ReplayOutcome::RefusedTruncated => {
+                                    "refused: the dead letter kept no payload".to_owned()
+                                }
+                            },
+                        ]);
+                    }
+                    format!("{}{} sent", t.render(), report.sent())
+                })
+            }
+            Command::Keys(KeysCommand::Show { key, tenant }) => {
+                let pool = self.pool().await?;
+                let found = keys::show(&pool, key, tenant.as_deref()).await?;
+                self.print(&found, || keys_table(&found))
+            }
+            Command::Leases { expired, limit } => {
+                let pool = self.pool().await?;
+                let found = keys::leases(&pool, *expired, *limit).await?;
+                self.print(&found, || keys_table(&found))
+            }
+            Command::Sagas(SagasCommand::List {
+                status,
+                stuck_for,
+                limit,
+            }) => {
+                let status = status.as_deref().map(sagas::parse_status).transpose()?;
+                let stuck_for = stuck_for.as_deref().map(duration::parse).transpose()?;
+                let pool = self.pool().await?;
+                let found = sagas::list(&pool, status, stuck_for, *limit).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "saga",
+                        "type",
+                        "tenant",
+                        "key",
+                        "status",
+                        "step",
+                        "updated",
+                        "timer failures",
+                    ]);
+                    for s in &found {
+                        t.row([
+                            s.saga_id.to_string(),
+                            s.saga_type.clone(),
+                            s.tenant.clone(),
+                            s.idempotency_key.clone(),
+                            s.status.clone(),
+                            s.step_index.to_string(),
+                            s.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            s.timer_failures.to_string(),
+                        ]);
+                    }
+                    format!("{}{} sagas", t.render(), found.len())
+                })
+            }
+            Command::Sagas(SagasCommand::Show { id }) => {
+                let pool = self.pool().await?;
+                let detail = sagas::show(&pool, id).await?;
+                self.print(&detail, || {
+                    let i = &detail.instance;
+                    let mut out = format!(
+                        "saga {} ({}), key {} of tenant {}: {} at step {}, version {}\n",
+                        i.saga_id,
+                        i.saga_type,
+                        i.idempotency_key,
+                        i.tenant,
+                        i.status,
+                        i.step_index,
+                        i.version
+                    );
+                    if let Some(failure) = &i.failure {
+                        out.push_str(&format!("failure: {failure}\n"));
+                    }
+                    out.push_str(&format!("step keys: {}\n\ntimeline:\n", i.step_keys));
+                    let mut t = Table::new(["at", "version", "from", "to", "step", "cause"]);
+                    for tr in &detail.timeline {
+                        t.row([
+                            tr.at.format("%Y-%m-%d %H:%M:%S%.3f").to_string(),
+                            tr.version.to_string(),
+                            tr.from_status.clone().unwrap_or_default(),
+                            tr.to_status.clone(),
+                            tr.step.clone().unwrap_or_default(),
+                            tr.cause.clone(),
+                        ]);
+                    }
+                    out.push_str(&t.render());
+                    out
+                })
+            }
+            Command::Lag { group, topics } => {
+                let kafka = self.kafka()?;
+                let topics = if topics.is_empty() {
+                    lag::known_topics(&self.pool().await?, group).await?
+                } else {
+                    topics.clone()
+                };
+                let found = lag::lag(&kafka, group, &topics).await?;
+                self.print(&found, || {
+                    let mut t =
+                        Table::new(["topic", "partition", "committed", "high watermark", "lag"]);
+                    for l in &found {
+                        t.row([
+                            l.topic.clone(),
+                            l.partition.to_string(),
+                            l.committed
+                                .map_or_else(|| "-".to_owned(), |c| c.to_string()),
+                            l.high_watermark.to_string(),
+                            l.lag.to_string(),
+                        ]);
+                    }
+                    format!(
+                        "{}total lag {}",
+                        t.render(),
+                        found.iter().map(|l| l.lag).sum::<i64>()
+                    )
+                })
+            }
+            Command::Outbox(OutboxCommand::Status) => {
+                let pool = self.pool().await?;
+                let status = outbox::status(&pool).await?;
+                self.print(&status, || {
+                    format!(
+                        "unpublished rows:        {}\noldest unpublished row:  {}\nfailing rows:            {}\nparked rows:             {}\npublished rows kept:     {}",
+                        status.unpublished,
+                        status.oldest_age_seconds.map_or_else(|| "-".to_owned(), |a| format!("{a:.1} s old")),
+                        status.failing,
+                        status.parked,
+                        status.published_kept
+                    )
+                })
+            }
+            Command::Inspect {
+                listen,
+                dlq_topics,
+                groups,
+                stuck_for,
+            } => {
+                let options = InspectOptions {
+                    dlq_topics: dlq_topics.clone(),
+                    groups: groups.clone(),
+                    stuck_for: duration::parse(stuck_for)?,
+                    token: std::env::var("SAGA_ADMIN_TOKEN")
+                        .ok()
+                        .filter(|t| !t.is_empty()),
+                };
+                let (kafka, pool) = (self.kafka()?, self.pool().await?);
+                let listener = tokio::net::TcpListener::bind(listen)
+                    .await
+                    .with_context(|| format!("listening on {listen}"))?;
+                println!("inspector on http://{}/", listener.local_addr()?);
+                inspect::serve(
+                    listener,
+                    kafka,
+                    pool,
+                    options,
+                    saga_runtime::shutdown::wait_for_signal(),
+                )
+                .await?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Prints `value` as JSON with `--json`, else the text `human` renders.
+    fn print<T: Serialize>(&self, value: &T, human: impl FnOnce() -> String) -> anyhow::Result<()> {
+        if self.json {
+            println!("{}", serde_json::to_string_pretty(value)?);
+        } else {
+            println!("{}", human().trim_end());
+        }
+        Ok(())
+    }
+}
+
+fn keys_table(found: &[keys::KeyView]) -> String {
+    let mut t = Table::new([
+        "tenant",
+        "step key",
+        "status",
+        "attempts",
+        "lease holder",
+        "lease expires",
+        "outcome / error",
+        "updated",
+        "external key",
+    ]);
+    for k in found {
+        t.row([
+            k.tenant.clone(),
+            k.step_key.clone(),
+            if k.lease_expired {
+                "started (lease expired)".to_owned()
+            } else {
+                k.status.clone()
+            },
+            k.attempts.to_string(),
+            k.lease_holder.clone().unwrap_or_default(),
+            k.lease_expires_at
+                .map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string())
+                .unwrap_or_default(),
+            k.error
+                .clone()
+                .or_else(|| k.outcome.as_ref().map(ToString::to_string))
+                .unwrap_or_default(),
+            k.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+            k.external_key.clone(),
+        ]);
+    }
+    format!("{}{} keys", t.render(), found.len())
+}
+
+/// A message for people and for JSON: text where it is text, JSON pretty-printed.
+#[derive(Debug, Serialize)]
+struct RecordView {
+    partition: i32,
+    offset: i64,
+    key: Option<String>,
+    headers: Vec<(String, Option<String>)>,
+    payload: serde_json::Value,
+}
+
+impl RecordView {
+    fn of(record: &dlq::Record) -> Self {
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        let payload = match record.payload.as_deref() {
+            None => serde_json::Value::Null,
+            Some(bytes) => serde_json::from_slice(bytes)
+                .unwrap_or_else(|_| serde_json::Value::String(text(bytes))),
+        };
+        Self {
+            partition: record.partition,
+            offset: record.offset,
+            key: record.key.as_deref().map(text),
+            headers: record
+                .headers
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_deref().map(text)))
+                .collect(),
+            payload,
+        }
+    }
+
+    fn render(&self, topic: &str) -> String {
+        let mut out = format!(
+            "{topic}/{}/{}  key {}\n\nheaders:\n",
+            self.partition,
+            self.offset,
+            self.key.as_deref().unwrap_or("(none)")
+        );
+        let width = self.headers.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
+        for (name, value) in &self.headers {
+            out.push_str(&format!(
+                "  {name:<width$}  {}\n",
+                value.as_deref().unwrap_or("(no value)")
+            ));
+        }
+        out.push_str("\npayload:\n");
+        out.push_str(&serde_json::to_string_pretty(&self.payload).unwrap_or_default());
+        out
+    }
+}

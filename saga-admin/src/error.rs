@@ -1,0 +1,64 @@
+//! The toolkit's errors.
+
+use saga_orchestrator::OrchestratorError;
+use saga_runtime::config::{BadInput, ConfigProblem};
+
+/// Why an admin operation failed. [`AdminError::Config`] and [`AdminError::BadInput`] are the caller's to
+/// fix (the `saga` command answers them in one line with exit code 2); the others are failures of the
+/// database or the broker.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdminError {
+    /// A setting is missing or wrong (names it and what to do).
+    #[error("{0}")]
+    Config(#[source] ConfigProblem),
+    /// Input the operation cannot act on: an unknown topic or id, a topic that is not a dead-letter topic, a
+    /// dead letter whose `dlq-*` headers are missing or malformed.
+    #[error("{0}")]
+    BadInput(#[source] BadInput),
+    /// The database failed.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The broker failed.
+    #[error("kafka: {0}")]
+    Kafka(String),
+    /// The key store answered with something this version cannot read.
+    #[error("key store: {0}")]
+    Store(String),
+    /// Reading saga instances failed.
+    #[error("{0}")]
+    Orchestrator(#[from] OrchestratorError),
+}
+
+impl AdminError {
+    /// Bad input, said in one line.
+    pub fn bad_input(message: impl Into<String>) -> Self {
+        Self::BadInput(BadInput(message.into()))
+    }
+
+    /// Whether the caller can fix it (bad input or configuration), as opposed to a failure.
+    pub fn is_caller_error(&self) -> bool {
+        matches!(self, Self::Config(_) | Self::BadInput(_))
+    }
+}
+
+impl From<ConfigProblem> for AdminError {
+    fn from(problem: ConfigProblem) -> Self {
+        Self::Config(problem)
+    }
+}
+
+impl From<rdkafka::error::KafkaError> for AdminError {
+    fn from(e: rdkafka::error::KafkaError) -> Self {
+        Self::Kafka(e.to_string())
+    }
+}
+
+impl From<saga_runtime::store::idempotency::StoreError> for AdminError {
+    fn from(e: saga_runtime::store::idempotency::StoreError) -> Self {
+        match e {
+            saga_runtime::store::idempotency::StoreError::Database(d) => Self::Database(d),
+            other => Self::Store(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! Step keys and two-phase leases, as the idempotency store holds them.
+
+use chrono::{DateTime, Utc};
+use saga_core::{StepKey, TenantId};
+use saga_runtime::store::idempotency::{self, KeyRecord};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::error::AdminError;
+
+/// A step key (or an HTTP key, `{key}:{operation}`) and its state.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct KeyView {
+    /// The tenant.
+    pub tenant: String,
+    /// The step key.
+    pub step_key: String,
+    /// The step (or HTTP operation).
+    pub step: String,
+    /// The key the step hands to outside systems (a payment provider's idempotency key).
+    pub external_key: String,
+    /// `started` (leased), `completed` or `failed`.
+    pub status: String,
+    /// How often it was claimed (a takeover increments it).
+    pub attempts: i32,
+    /// Who holds (or held) its lease.
+    pub lease_holder: Option<String>,
+    /// When its lease runs out (for `started`).
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// Whether its lease ran out (a `started` key nobody works on).
+    pub lease_expired: bool,
+    /// The stored result (or rejection details, or HTTP response).
+    pub outcome: Option<serde_json::Value>,
+    /// The rejection reason, or why the last attempt let go of its lease.
+    pub error: Option<String>,
+    /// When it was first claimed.
+    pub created_at: DateTime<Utc>,
+    /// When it last changed.
+    pub updated_at: DateTime<Utc>,
+}
+
+impl KeyView {
+    fn of(record: KeyRecord, now: DateTime<Utc>) -> Self {
+        let step = record
+            .step_key
+            .rsplit_once(':')
+            .map_or("", |(_, s)| s)
+            .to_owned();
+        let external_key = match (
+            TenantId::new(&record.tenant),
+            StepKey::new(&record.step_key),
+        ) {
+            (Ok(tenant), Ok(key)) => key.external(&tenant).to_string(),
+            _ => String::new(),
+        };
+        Self {
+            lease_expired: record.status.as_str() == "started"
+                && record.lease_expires_at.is_some_and(|at| at <= now),
+            status: record.status.as_str().to_owned(),
+            tenant: record.tenant,
+            step_key: record.step_key,
+            step,
+            external_key,
+            attempts: record.attempts,
+            lease_holder: record.lease_holder,
+            lease_expires_at: record.lease_expires_at,
+            outcome: record.outcome,
+            error: record.error,
+            created_at: record.created_at,
+            updated_at: record.updated_at,
+        }
+    }
+}
+
+/// Every key derived from the client's key `original` in `pool`'s schema, of `tenant` or of every tenant.
+pub async fn show(
+    pool: &PgPool,
+    original: &str,
+    tenant: Option<&str>,
+) -> Result<Vec<KeyView>, AdminError> {
+    let tenant = tenant
+        .map(|t| {
+            TenantId::new(t).map_err(|e| AdminError::bad_input(format!("bad tenant {t:?}: {e}")))
+        })
+        .transpose()?;
+    let mut conn = pool.acquire().await?;
+    let records = idempotency::keys_of(&mut conn, original, tenant.as_ref()).await?;
+    let now = Utc::now();
+    Ok(records.into_iter().map(|r| KeyView::of(r, now)).collect())
+}
+
+/// Two-phase leases, only the expired ones if `expired_only` (an external call that never completed):
+/// the oldest expiry first, at most `limit`.
+pub async fn leases(
+    pool: &PgPool,
+    expired_only: bool,
+    limit: i64,
+) -> Result<Vec<KeyView>, AdminError> {
+    let mut conn = pool.acquire().await?;
+    let records = idempotency::leases(&mut conn, expired_only, limit).await?;
+    let now = Utc::now();
+    Ok(records.into_iter().map(|r| KeyView::of(r, now)).collect())
+}

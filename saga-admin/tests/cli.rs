@@ -1,0 +1,227 @@
+//! The `saga` command on bad input: one clear line and exit code 2, never a panic. And the listings of an
+//! orchestrated schema (`sagas list`, `sagas show`) with their filters.
+
+mod common;
+
+use saga_test_support::{TestDb, TestKafka, expect_usage_error};
+
+use common::Target;
+
+async fn target(name: &str) -> (TestDb, TestKafka, Target) {
+    let db = TestDb::with(name, &[saga_orchestrator::migrate::migrator()]).await;
+    let kafka = TestKafka::new().await;
+    let target = Target {
+        database_url: TestDb::database_url(),
+        schema: db.schema.clone(),
+        brokers: kafka.brokers.clone(),
+    };
+    (db, kafka, target)
+}
+
+#[tokio::test]
+async fn bad_input_gets_one_line_and_exit_code_2() {
+    let (_db, kafka, saga) = target("admin-cli-bad").await;
+    let producer = kafka.producer();
+
+    // An unknown topic.
+    let line = expect_usage_error(
+        saga.command(&["dlq", "list", "--topic", "no-such-topic-of-admin-cli"]),
+        "no-such-topic-of-admin-cli",
+    )
+    .await;
+    assert!(line.contains("does not exist"), "{line}");
+
+    // A topic that is not a dead-letter topic.
+    let plain = kafka.topic("admin-plain", 1).await;
+    kafka
+        .produce(&producer, &plain, Some("k"), &[("event-type", "X")], b"{}")
+        .await;
+    let line = expect_usage_error(saga.command(&["dlq", "list", "--topic", &plain]), &plain).await;
+    assert!(line.contains("is not a dead-letter topic"), "{line}");
+
+    // A dead letter with a malformed header, and one with a missing header.
+    let malformed = kafka.topic("admin-malformed.dlq", 1).await;
+    let now = chrono::Utc::now().to_rfc3339();
+    kafka
+        .produce(
+            &producer,
+            &malformed,
+            Some("k"),
+            &[
+                ("dlq-original-topic", "orders"),
+                ("dlq-original-partition", "first"),
+                ("dlq-original-offset", "7"),
+                ("dlq-reason", "handler-failed"),
+                ("dlq-attempts", "1"),
+                ("dlq-failed-at", &now),
+            ],
+            b"{}",
+        )
+        .await;
+    expect_usage_error(
+        saga.command(&["dlq", "replay", "--topic", &malformed]),
+        "dlq-original-partition",
+    )
+    .await;
+    let missing = kafka.topic("admin-missing.dlq", 1).await;
+    kafka
+        .produce(
+            &producer,
+            &missing,
+            Some("k"),
+            &[("dlq-original-topic", "orders"), ("dlq-failed-at", &now)],
+            b"{}",
+        )
+        .await;
+    let line = expect_usage_error(
+        saga.command(&["dlq", "list", "--topic", &missing]),
+        "is missing",
+    )
+    .await;
+    assert!(line.contains("dlq-"), "{line}");
+
+    // No such message to show or replay.
+    expect_usage_error(
+        saga.command(&[
+            "dlq",
+            "show",
+            "--topic",
+            &plain,
+            "--partition",
+            "0",
+            "--offset",
+            "99",
+        ]),
+        "offset 99",
+    )
+    .await;
+
+    // An unknown saga id, and something that is no saga id at all.
+    expect_usage_error(
+        saga.command(&["sagas", "show", "6f1c2a8e-0000-4000-8000-000000000000"]),
+        "no saga 6f1c2a8e-0000-4000-8000-000000000000",
+    )
+    .await;
+    expect_usage_error(
+        saga.command(&["sagas", "show", "order-42"]),
+        "not a saga id",
+    )
+    .await;
+    expect_usage_error(saga.command(&["sagas", "list", "--status", "lost"]), "lost").await;
+
+    // A bad duration.
+    expect_usage_error(
+        saga.command(&["dlq", "list", "--topic", &plain, "--since", "5 parsecs"]),
+        "bad duration",
+    )
+    .await;
+    expect_usage_error(
+        saga.command(&["sagas", "list", "--stuck-for", "m15"]),
+        "bad duration",
+    )
+    .await;
+
+    // Settings: no database, no broker, no such schema; an unknown command.
+    let mut no_db = saga.command(&["outbox", "status"]);
+    no_db.env_remove("DATABASE_URL");
+    expect_usage_error(no_db, "DATABASE_URL").await;
+    let mut no_broker = saga.command(&["dlq", "list", "--topic", &plain]);
+    no_broker.env_remove("KAFKA_BROKERS");
+    expect_usage_error(no_broker, "KAFKA_BROKERS").await;
+    let mut no_schema = saga.command(&["outbox", "status"]);
+    no_schema.env("SAGA_SCHEMA", "no_such_schema_of_admin_cli");
+    expect_usage_error(no_schema, "SAGA_SCHEMA").await;
+    expect_usage_error(saga.command(&["dlq", "purge"]), "purge").await;
+}
+
+#[tokio::test]
+async fn sagas_list_and_show_read_instances_and_their_timeline() {
+    let (db, _kafka, saga) = target("admin-cli-sagas").await;
+    let running = uuid::Uuid::new_v4();
+    let done = uuid::Uuid::new_v4();
+    for (id, key, status, minutes) in [
+        (running, "order-1", "running", 30),
+        (done, "order-2", "completed", 1),
+    ] {
+        sqlx::query(
+            "INSERT INTO saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, \
+                 data, step_keys, version, created_at, updated_at) \
+             VALUES ($1, 'order-fulfillment', 'acme', $2, $3, 0, '{}', '{}', 2, \
+                 now() - make_interval(mins => $4), now() - make_interval(mins => $4))",
+        )
+        .bind(id)
+        .bind(key)
+        .bind(status)
+        .bind(minutes)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        for (version, from, to, cause) in [
+            (1, None, "running", "started"),
+            (2, Some("running"), status, "PaymentProcessed"),
+        ] {
+            sqlx::query(
+                "INSERT INTO saga_transitions (saga_id, version, from_status, to_status, step, cause, at) \
+                 VALUES ($1, $2, $3, $4, 'process-payment', $5, now() - make_interval(mins => $6) + make_interval(secs => $2))",
+            )
+            .bind(id)
+            .bind(version)
+            .bind(from)
+            .bind(to)
+            .bind(cause)
+            .bind(minutes)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        }
+    }
+
+    let all = saga.json(&["sagas", "list"]).await;
+    assert_eq!(all.as_array().unwrap().len(), 2);
+    let completed = saga.json(&["sagas", "list", "--status", "completed"]).await;
+    let completed = completed.as_array().unwrap();
+    assert_eq!(completed.len(), 1);
+    assert_eq!(completed[0]["saga_id"], done.to_string());
+    let stuck = saga.json(&["sagas", "list", "--stuck-for", "10m"]).await;
+    let stuck = stuck.as_array().unwrap();
+    assert_eq!(
+        stuck.len(),
+        1,
+        "only the unfinished saga unmoved for 30 minutes: {stuck:?}"
+    );
+    assert_eq!(stuck[0]["saga_id"], running.to_string());
+    assert_eq!(
+        saga.json(&["sagas", "list", "--stuck-for", "1h"])
+            .await
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+
+    let shown = saga.json(&["sagas", "show", &running.to_string()]).await;
+    assert_eq!(shown["instance"]["idempotency_key"], "order-1");
+    let timeline: Vec<_> = shown["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["cause"].as_str().unwrap().to_owned(),
+                t["to_status"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        timeline,
+        [
+            ("started".to_owned(), "running".to_owned()),
+            ("PaymentProcessed".to_owned(), "running".to_owned())
+        ]
+    );
+    let text = saga.text(&["sagas", "show", &done.to_string()]).await;
+    assert!(
+        text.contains("timeline:") && text.contains("completed"),
+        "{text}"
+    );
+}

@@ -1,0 +1,366 @@
+//! The inspector page in a real browser: headless Chromium, driven over WebDriver by chromedriver (the
+//! Debian packages `chromium` and `chromium-driver`, which `scripts/test` installs where missing). It
+//! renders the overview and an orchestrated saga's page from the real services' schema, the test reads
+//! the rendered DOM, and the replay button replays one dead letter. Screenshots are saved under
+//! `target/inspector/`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use base64::Engine as _;
+use saga_admin::inspect::{self, InspectOptions};
+use saga_examples::harness::client::{self, send};
+use saga_examples::harness::local::{LocalSaga, WAIT};
+use saga_examples::harness::run::plan;
+use saga_examples::service::Service;
+use saga_runtime::kafka::KafkaConfig;
+use saga_test_support::{free_local_addr, wait_until};
+use serde_json::{Value, json};
+
+/// A WebDriver session of headless Chromium, through a chromedriver of its own.
+struct Browser {
+    driver: tokio::process::Child,
+    addr: SocketAddr,
+    session: String,
+}
+
+impl Browser {
+    async fn start() -> Self {
+        let chromedriver = ["/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect("chromedriver is not installed: run scripts/test, or apt-get install -y chromium chromium-driver");
+        let addr = free_local_addr();
+        let driver = tokio::process::Command::new(chromedriver)
+            .arg(format!("--port={}", addr.port()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("starting chromedriver");
+        wait_until("chromedriver", Duration::from_secs(30), || async {
+            let status = send(addr, "GET", "/status", &[], None).await.ok()?;
+            (status.body["value"]["ready"] == true).then_some(())
+        })
+        .await;
+        let capabilities = json!({"capabilities": {"alwaysMatch": {
+            "browserName": "chrome",
+            "goog:chromeOptions": {
+                "binary": "/usr/bin/chromium",
+                "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                         "--window-size=1280,900", "--disable-background-networking"]
+            }
+        }}});
+        let created = send(
+            addr,
+            "POST",
+            "/session",
+            &[],
+            Some(capabilities.to_string().into_bytes()),
+        )
+        .await
+        .expect("creating a WebDriver session");
+        let session = created.body["value"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no WebDriver session: {}", created.body))
+            .to_owned();
+        Self {
+            driver,
+            addr,
+            session,
+        }
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        let path = format!("/session/{}{path}", self.session);
+        let answer = send(
+            self.addr,
+            method,
+            &path,
+            &[],
+            Some(body.unwrap_or(json!({})).to_string().into_bytes()).filter(|_| method == "POST"),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("WebDriver {method} {path}: {e}"));
+        assert_eq!(
+            answer.status, 200,
+            "WebDriver {method} {path}: {}",
+            answer.body
+        );
+        answer.body["value"].clone()
+    }
+
+    async fn open(&self, url: &str) {
+        self.call("POST", "/url", Some(json!({ "url": url }))).await;
+    }
+
+    async fn title(&self) -> String {
+        self.call("GET", "/title", None)
+            .await
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    /// The elements matching `css`, as WebDriver element ids.
+    async fn find_all(&self, css: &str) -> Vec<String> {
+        let found = self
+            .call(
+                "POST",
+                "/elements",
+                Some(json!({"using": "css selector", "value": css})),
+            )
+            .await;
+        found
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                e.as_object()
+                    .unwrap()
+                    .values()
+                    .next()
+                    .unwrap()
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect()
+    }
+
+    async fn find(&self, css: &str) -> String {
+        let mut found = self.find_all(css).await;
+        assert_eq!(
+            found.len(),
+            1,
+            "one element {css} on {}",
+            self.title().await
+        );
+        found.remove(0)
+    }
+
+    async fn text(&self, element: &str) -> String {
+        self.call("GET", &format!("/element/{element}/text"), None)
+            .await
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    async fn attribute(&self, element: &str, name: &str) -> String {
+        self.call("GET", &format!("/element/{element}/attribute/{name}"), None)
+            .await
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    async fn click(&self, element: &str) {
+        self.call(
+            "POST",
+            &format!("/element/{element}/click"),
+            Some(json!({})),
+        )
+        .await;
+    }
+
+    /// Saves a screenshot of the page as `target/inspector/{name}.png`; returns its path.
+    async fn screenshot(&self, name: &str) -> PathBuf {
+        let png = self.call("GET", "/screenshot", None).await;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(png.as_str().unwrap())
+            .expect("a base64 PNG");
+        assert!(bytes.starts_with(b"\x89PNG"), "a PNG");
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/inspector");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{name}.png"));
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    async fn quit(mut self) {
+        let _ = send(
+            self.addr,
+            "DELETE",
+            &format!("/session/{}", self.session),
+            &[],
+            None,
+        )
+        .await;
+        let _ = self.driver.kill().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replays_one() {
+    let saga = LocalSaga::start_with("admin-inspector", true).await;
+
+    // One orchestrated order, completed.
+    let order = plan("admin-inspector", 1).remove(0);
+    let submitted = client::submit_order(saga.api(), &order.key, &order.request, false, WAIT)
+        .await
+        .unwrap();
+    saga.wait_finished(1).await;
+    let order_id = submitted.order_id.unwrap();
+    let saga_id = saga.get(&format!("/orders/{order_id}")).await.body["saga_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // A topic no service reads, and a dead letter of it.
+    let original = saga.kafka.topic("admin-inspector-input", 1).await;
+    let dlq_topic = format!("{original}.dlq");
+    saga.kafka.create_topic(&dlq_topic, 1).await;
+    saga.kafka.delete_on_drop(&dlq_topic);
+    let producer = saga.kafka.producer();
+    let failed_at = chrono::Utc::now().to_rfc3339();
+    let (dlq_partition, dlq_offset) = saga
+        .kafka
+        .produce(
+            &producer,
+            &dlq_topic,
+            Some("order-7"),
+            &[
+                ("event-type", "OrderCreated"),
+                ("idempotency-key", "order-7"),
+                ("tenant-id", "acme"),
+                ("dlq-original-topic", &original),
+                ("dlq-original-partition", "0"),
+                ("dlq-original-offset", "41"),
+                ("dlq-consumer-group", "payments"),
+                ("dlq-step", "process-payment"),
+                ("dlq-reason", "handler-failed"),
+                ("dlq-error", "card processor said no"),
+                ("dlq-attempts", "1"),
+                ("dlq-failed-at", &failed_at),
+            ],
+            br#"{"order_id":"7","amount_cents":1200}"#,
+        )
+        .await;
+
+    // The inspector over the order service's schema (where the orchestrator keeps its sagas).
+    let kafka = KafkaConfig::new(saga.args.brokers.clone());
+    let pool = saga_runtime::config::connect_postgres(
+        "DATABASE_URL",
+        &saga.args.database_url,
+        Some(&saga.args.schema(Service::Order)),
+        2,
+    )
+    .await
+    .unwrap();
+    let mut options = InspectOptions::default();
+    options.dlq_topics = vec![dlq_topic.clone()];
+    options.groups = vec![saga.args.group(Service::Order)];
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(inspect::serve(
+        listener,
+        kafka,
+        pool,
+        options,
+        stop.clone().cancelled_owned(),
+    ));
+
+    let browser = Browser::start().await;
+
+    // The overview: the completed saga, the dead letter's count.
+    browser.open(&format!("{base}/")).await;
+    let completed = browser
+        .find("#sagas-by-status tr[data-status=\"completed\"]")
+        .await;
+    assert!(
+        browser.text(&completed).await.ends_with('1'),
+        "{}",
+        browser.text(&completed).await
+    );
+    let letters = browser
+        .find(&format!(
+            "#dead-letters tr[data-dlq-topic=\"{dlq_topic}\"][data-count]"
+        ))
+        .await;
+    assert_eq!(browser.attribute(&letters, "data-count").await, "1");
+    browser
+        .find(&format!(
+            "[data-group=\"{}\"]",
+            saga.args.group(Service::Order)
+        ))
+        .await;
+    browser.screenshot("overview").await;
+
+    // The saga's page: its id, its states in order.
+    browser.open(&format!("{base}/sagas/{saga_id}")).await;
+    let id = browser.find("#saga-id").await;
+    assert_eq!(browser.text(&id).await, saga_id);
+    let mut timeline = Vec::new();
+    for item in browser.find_all("#timeline li").await {
+        timeline.push((
+            browser.attribute(&item, "data-cause").await,
+            browser.attribute(&item, "data-status").await,
+        ));
+    }
+    assert_eq!(
+        timeline,
+        [
+            ("started".to_owned(), "running".to_owned()),
+            ("PaymentProcessed".to_owned(), "running".to_owned()),
+            ("ShipmentArranged".to_owned(), "completed".to_owned()),
+        ]
+    );
+    assert_eq!(
+        browser.find_all("#step-keys tr").await.len(),
+        3,
+        "a header and two step keys"
+    );
+    browser.screenshot("saga").await;
+
+    // The dead letters of the topic; Replay…, then Confirm: the message is replayed, once.
+    browser.open(&format!("{base}/dlq/{dlq_topic}")).await;
+    let count = browser.find("#dlq-count").await;
+    assert_eq!(browser.attribute(&count, "data-count").await, "1");
+    browser.screenshot("dead-letters").await;
+    let replay = browser.find("#letters a.replay").await;
+    browser.click(&replay).await;
+    let confirm = browser.find("#confirm").await;
+    browser.click(&confirm).await;
+    let replayed = browser.find("#replayed").await;
+    assert_eq!(browser.attribute(&replayed, "data-sent").await, "1");
+    let messages = saga
+        .kafka
+        .read_all(&original, 1, Duration::from_secs(1), WAIT)
+        .await;
+    assert_eq!(messages.len(), 1);
+    let message = &messages[0];
+    assert_eq!(message.header("saga-replay-count"), Some("1"));
+    assert_eq!(message.header("idempotency-key"), Some("order-7"));
+    assert_eq!(
+        message.header("dlq-reason"),
+        None,
+        "the dlq-* headers are dropped"
+    );
+    assert_eq!(message.json()["amount_cents"], 1200);
+    // Confirmed again (a reload, a second click), it is not sent again.
+    browser
+        .open(&format!(
+            "{base}/dlq/{dlq_topic}/{dlq_partition}/{dlq_offset}/replay"
+        ))
+        .await;
+    let confirm = browser.find("#confirm").await;
+    browser.click(&confirm).await;
+    let replayed = browser.find("#replayed").await;
+    assert_eq!(browser.attribute(&replayed, "data-sent").await, "0");
+    assert_eq!(
+        saga.kafka
+            .end_offsets(&original)
+            .await
+            .values()
+            .sum::<i64>(),
+        1
+    );
+
+    browser.quit().await;
+    stop.cancel();
+    server.await.unwrap().unwrap();
+    saga.stop().await;
+}
