@@ -311,3 +311,104 @@ async fn baseline_worker(
         let _ = consumer.store_offset(&topic, partition, last);
     }
 }
+
+/// The SQL the framework cannot avoid, with no Kafka at all: for `count` messages, the rows the framework
+/// wrote for [`RecordWork`] in `pool`'s schema (a completed step key, the business row, an outbox row with
+/// the same topic and headers as the framework's first one), in transactions of `batch_size` messages
+/// with one multi-row statement per table, on `connections` connections at once. Run after
+/// [`framework`], whose rows it copies the shape of. Returns messages/s: the ceiling the consumer is
+/// measured against.
+pub async fn sql_ceiling(
+    pool: &PgPool,
+    count: i64,
+    batch_size: usize,
+    connections: usize,
+    progress: &Progress,
+) -> anyhow::Result<f64> {
+    let (topic, headers): (String, Vec<String>) =
+        sqlx::query_as("SELECT topic, headers FROM saga_outbox ORDER BY id LIMIT 1")
+            .fetch_one(pool)
+            .await?;
+    let outcome: Option<serde_json::Value> = sqlx::query_scalar(
+        "SELECT outcome FROM saga_idempotency_keys WHERE step_key LIKE '%:record-work' LIMIT 1",
+    )
+    .fetch_one(pool)
+    .await?;
+    sqlx::query(
+        "CREATE TABLE bench_ceiling (n BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(pool)
+    .await?;
+    progress.note(&format!(
+        "SQL ceiling: {count} messages, batches of {batch_size}, {connections} connections"
+    ));
+    let connections = connections.max(1);
+    let batch = i64::try_from(batch_size.max(1))?;
+    let started = std::time::Instant::now();
+    let workers: Vec<_> = (0..connections)
+        .map(|worker| {
+            let (pool, topic, headers, outcome) = (
+                pool.clone(),
+                topic.clone(),
+                headers.clone(),
+                outcome.clone(),
+            );
+            let worker = i64::try_from(worker).unwrap_or_default();
+            let stride = i64::try_from(connections).unwrap_or(1);
+            tokio::spawn(async move {
+                let mut conn = pool.acquire().await?;
+                let mut first = worker * batch;
+                while first < count {
+                    let ns: Vec<i64> = (first..(first + batch).min(count)).collect();
+                    write_ceiling_batch(&mut conn, &ns, &topic, &headers, outcome.as_ref()).await?;
+                    first += stride * batch;
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await??;
+    }
+    Ok(rate(count, started.elapsed().as_secs_f64()))
+}
+
+/// One transaction of the SQL ceiling: the three rows of each message in `ns`, one statement per table.
+async fn write_ceiling_batch(
+    conn: &mut sqlx::PgConnection,
+    ns: &[i64],
+    topic: &str,
+    headers: &[String],
+    outcome: Option<&serde_json::Value>,
+) -> Result<(), sqlx::Error> {
+    let keys: Vec<String> = ns.iter().map(|n| format!("ceiling-{n}")).collect();
+    let step_keys: Vec<String> = keys.iter().map(|k| format!("{k}:record-work")).collect();
+    let payloads: Vec<Vec<u8>> = ns
+        .iter()
+        .map(|n| serde_json::to_vec(&Work { n: *n }).unwrap_or_default())
+        .collect();
+    let mut tx = sqlx::Connection::begin(conn).await?;
+    sqlx::query(
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, outcome) \
+         SELECT 'default', k, 'completed', $2 FROM unnest($1::text[]) AS k",
+    )
+    .bind(&step_keys)
+    .bind(outcome)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("INSERT INTO bench_ceiling (n) SELECT * FROM unnest($1::bigint[])")
+        .bind(ns)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload) \
+         SELECT 'default', $1, k, $2, p FROM unnest($3::text[], $4::bytea[]) AS t (k, p)",
+    )
+    .bind(topic)
+    .bind(headers)
+    .bind(&keys)
+    .bind(&payloads)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
+}

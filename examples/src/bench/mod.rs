@@ -68,6 +68,10 @@ pub struct Report {
     pub baseline_msgs_per_s: Option<f64>,
     /// consumer / baseline.
     pub consumer_vs_baseline_ratio: Option<f64>,
+    /// The SQL the consumer must do (the same rows, batches and connections), without Kafka, messages/s.
+    pub sql_ceiling_msgs_per_s: Option<f64>,
+    /// consumer / SQL ceiling.
+    pub consumer_vs_sql_ceiling_ratio: Option<f64>,
     /// Relay on a backlog, rows/s.
     pub relay_rows_per_s: Option<f64>,
     /// Relay commit-to-ack p50 at the steady rate, ms.
@@ -128,6 +132,18 @@ impl Report {
                 fmt(self.consumer_vs_baseline_ratio, ""),
                 "≥ 0.85",
                 check(self.consumer_vs_baseline_ratio, |v| v >= 0.85),
+            ),
+            (
+                "SQL ceiling (same rows, no Kafka)",
+                fmt(self.sql_ceiling_msgs_per_s, "msg/s"),
+                "",
+                "",
+            ),
+            (
+                "consumer / SQL ceiling",
+                fmt(self.consumer_vs_sql_ceiling_ratio, ""),
+                "≥ 0.8 (mock cluster)",
+                check(self.consumer_vs_sql_ceiling_ratio, |v| v >= 0.8),
             ),
             (
                 "relay, 100k-row backlog",

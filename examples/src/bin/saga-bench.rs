@@ -117,11 +117,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.broker_ack_ms = Some(broker::ack_latency(&kafka, &topic, 500).await?);
     }
     if section("consumer") {
-        let (framework, baseline) =
+        let figures =
             consumer_figures(&cli, &args, &kafka, "consumer", &mut schemas, &progress).await?;
-        report.consumer_msgs_per_s = Some(framework);
-        report.baseline_msgs_per_s = Some(baseline);
-        report.consumer_vs_baseline_ratio = Some(framework / baseline);
+        report.consumer_msgs_per_s = Some(figures.framework);
+        report.baseline_msgs_per_s = Some(figures.baseline);
+        report.consumer_vs_baseline_ratio = Some(figures.framework / figures.baseline);
+        report.sql_ceiling_msgs_per_s = Some(figures.ceiling);
+        report.consumer_vs_sql_ceiling_ratio = Some(figures.framework / figures.ceiling);
         if cli.mock_too {
             progress.note("consumer again, on librdkafka's mock cluster");
             let mock = Broker::mock()?;
@@ -132,12 +134,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("{run}.mock.work.done"),
             ];
             mock.create_topics(&topics, cli.partitions).await?;
-            let (framework, baseline) =
+            let figures =
                 consumer_figures(&cli, &args, &mock_kafka, "mock", &mut schemas, &progress).await?;
             report.mock_broker = Some(serde_json::json!({
-                "consumer_msgs_per_s": framework,
-                "baseline_msgs_per_s": baseline,
-                "consumer_vs_baseline_ratio": framework / baseline,
+                "consumer_msgs_per_s": figures.framework,
+                "baseline_msgs_per_s": figures.baseline,
+                "consumer_vs_baseline_ratio": figures.framework / figures.baseline,
+                "sql_ceiling_msgs_per_s": figures.ceiling,
+                "consumer_vs_sql_ceiling_ratio": figures.framework / figures.ceiling,
             }));
         }
     }
@@ -301,7 +305,7 @@ async fn consumer_figures(
     label: &str,
     schemas: &mut Vec<String>,
     progress: &Progress,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<ConsumerFigures> {
     let topic = if label == "mock" {
         format!("{}.mock.work", args.topic_prefix)
     } else {
@@ -342,7 +346,32 @@ async fn consumer_figures(
     )
     .await?;
     progress.note(&format!(
-        "consumer ({label}): framework {framework:.0} msg/s"
+        "consumer ({label}): framework {framework:.0} msg/s; now the SQL ceiling"
     ));
-    Ok((framework, baseline))
+    let ceiling = consumer::sql_ceiling(
+        &pool,
+        cli.messages,
+        cli.batch_size,
+        usize::try_from(cli.partitions)?,
+        progress,
+    )
+    .await?;
+    progress.note(&format!(
+        "consumer ({label}): SQL ceiling {ceiling:.0} msg/s"
+    ));
+    Ok(ConsumerFigures {
+        framework,
+        baseline,
+        ceiling,
+    })
+}
+
+/// The consumer's figures on one broker, messages/s.
+struct ConsumerFigures {
+    /// The framework's consumer.
+    framework: f64,
+    /// The at-least-once baseline.
+    baseline: f64,
+    /// The SQL the framework must do, without Kafka.
+    ceiling: f64,
 }
