@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use saga_runtime::config::{ConfigProblem, connect_postgres, require_schema, require_tables};
-use saga_runtime::kafka::{KafkaConfig, probe, properties_from_env};
+use saga_runtime::kafka::{KafkaConfig, probe};
 use sqlx::PgPool;
 
 use crate::gc::{RetentionPolicy, run_retention};
@@ -200,16 +200,8 @@ impl Cli {
 
     async fn run(&self, args: &RunArgs) -> anyhow::Result<()> {
         let policy = args.retention.policy()?;
-        let brokers = args.brokers.clone().ok_or_else(|| {
-            ConfigProblem::new(
-                "KAFKA_BROKERS",
-                "is not set",
-                "set it (or --brokers) to the bootstrap servers, such as 127.0.0.1:9092",
-            )
-        })?;
+        let kafka = KafkaConfig::with_env_properties(args.brokers.clone())?;
         let pool = self.outbox_pool(4).await?;
-        let mut kafka = KafkaConfig::new(brokers);
-        kafka.properties = properties_from_env();
         probe(&kafka, "KAFKA_BROKERS").await?;
         let mut relay = Relay::builder()
             .kafka(kafka)

@@ -166,15 +166,11 @@ impl RelayBuilder {
 
     /// The broker list (`bootstrap.servers`), keeping any librdkafka properties already set.
     pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        let properties = self
+        let kafka = self
             .settings
             .kafka
-            .take()
-            .map(|k| k.properties)
-            .unwrap_or_default();
-        let mut kafka = KafkaConfig::new(brokers);
-        kafka.properties = properties;
-        self.settings.kafka = Some(kafka);
+            .get_or_insert_with(|| KafkaConfig::new(""));
+        kafka.brokers = brokers.into();
         self
     }
 

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use saga_runtime::config::{ConfigProblem, connect_postgres};
-use saga_runtime::kafka::{KafkaConfig, properties_from_env};
+use saga_runtime::kafka::KafkaConfig;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -207,16 +207,7 @@ enum OutboxCommand {
 
 impl Cli {
     fn kafka(&self) -> Result<KafkaConfig, ConfigProblem> {
-        let brokers = self.brokers.clone().ok_or_else(|| {
-            ConfigProblem::new(
-                "KAFKA_BROKERS",
-                "is not set",
-                "set it (or --brokers) to the bootstrap servers, such as 127.0.0.1:9092",
-            )
-        })?;
-        let mut kafka = KafkaConfig::new(brokers);
-        kafka.properties = properties_from_env();
-        Ok(kafka)
+        KafkaConfig::with_env_properties(self.brokers.clone())
     }
 
     async fn pool(&self) -> Result<PgPool, ConfigProblem> {

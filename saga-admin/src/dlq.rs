@@ -282,7 +282,7 @@ pub async fn show(
     partition: i32,
     offset: i64,
 ) -> Result<Record, AdminError> {
-    let partitions = partitions_of(kafka, topic).await?;
+    let partitions = crate::broker::partitions_of(kafka, topic).await?;
     let Some((_, low, high)) = partitions.iter().find(|(p, _, _)| *p == partition) else {
         return Err(AdminError::bad_input(format!(
             "{topic} has no partition {partition} (it has {})",
@@ -465,19 +465,7 @@ async fn replay_one(
             replays: letter.replay_count,
         });
     }
-    let recorded: Option<(i32, Option<DateTime<Utc>>)> = if options.dry_run {
-        // The table may not exist yet: a dry run creates nothing.
-        sqlx::query_as(
-            "SELECT replays, replayed_at FROM saga_dlq_replays \
-             WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3",
-        )
-        .bind(&letter.topic)
-        .bind(letter.partition)
-        .bind(letter.offset)
-        .fetch_optional(pool)
-        .await
-        .unwrap_or(None)
-    } else {
+    if !options.dry_run {
         // Claim it first: a second run finds it; a run that stopped between the send and the record
         // (replayed_at NULL) sends again, and the step key absorbs the duplicate.
         sqlx::query(
@@ -493,17 +481,23 @@ async fn replay_one(
         .bind(letter.original_offset)
         .execute(pool)
         .await?;
-        sqlx::query_as(
-            "SELECT replays, replayed_at FROM saga_dlq_replays \
-             WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3",
-        )
-        .bind(&letter.topic)
-        .bind(letter.partition)
-        .bind(letter.offset)
-        .fetch_optional(pool)
-        .await?
+    }
+    let replayed: Result<Option<bool>, sqlx::Error> = sqlx::query_scalar(
+        "SELECT replayed_at IS NOT NULL FROM saga_dlq_replays \
+         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3",
+    )
+    .bind(&letter.topic)
+    .bind(letter.partition)
+    .bind(letter.offset)
+    .fetch_optional(pool)
+    .await;
+    // A dry run creates nothing, so the table may not exist yet: then nothing was replayed.
+    let replayed = if options.dry_run {
+        replayed.unwrap_or(None)
+    } else {
+        replayed?
     };
-    if recorded.is_some_and(|(_, at)| at.is_some()) && !options.force {
+    if replayed == Some(true) && !options.force {
         return Ok(ReplayOutcome::AlreadyReplayed);
     }
     if options.dry_run {
@@ -561,43 +555,9 @@ async fn send(
     Ok(delivered.offset)
 }
 
-/// The partitions of `topic` with their low and high watermarks; bad input if it does not exist.
-async fn partitions_of(
-    kafka: &KafkaConfig,
-    topic: &str,
-) -> Result<Vec<(i32, i64, i64)>, AdminError> {
-    let config = saga_runtime::kafka::client_config(kafka);
-    let topic = topic.to_owned();
-    let brokers = kafka.brokers.clone();
-    tokio::task::spawn_blocking(move || {
-        let client: BaseConsumer = config.create()?;
-        let metadata = client.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
-        let Some(found) = metadata
-            .topics()
-            .iter()
-            .find(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty())
-        else {
-            return Err(AdminError::bad_input(format!(
-                "topic {topic} does not exist at {brokers}"
-            )));
-        };
-        found
-            .partitions()
-            .iter()
-            .map(|p| {
-                let (low, high) =
-                    client.fetch_watermarks(&topic, p.id(), Duration::from_secs(10))?;
-                Ok((p.id(), low, high))
-            })
-            .collect()
-    })
-    .await
-    .map_err(|e| AdminError::Kafka(e.to_string()))?
-}
-
 /// Every message of `topic` there is now, by partition and offset.
 pub async fn read_topic(kafka: &KafkaConfig, topic: &str) -> Result<Vec<Record>, AdminError> {
-    let ranges = partitions_of(kafka, topic)
+    let ranges = crate::broker::partitions_of(kafka, topic)
         .await?
         .into_iter()
         .filter(|(_, low, high)| high > low)

@@ -30,13 +30,7 @@ pub struct PartitionLag {
 /// The topics the consumer group `group` works on, as its crash-loop guard recorded them in `pool`'s
 /// schema (`saga_consumer_progress`).
 pub async fn known_topics(pool: &PgPool, group: &str) -> Result<Vec<String>, AdminError> {
-    let exists: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
-         WHERE table_schema = current_schema() AND table_name = 'saga_consumer_progress')",
-    )
-    .fetch_one(pool)
-    .await?;
-    if !exists {
+    if !progress_recorded(pool).await? {
         return Ok(Vec::new());
     }
     Ok(sqlx::query_scalar(
@@ -49,13 +43,7 @@ pub async fn known_topics(pool: &PgPool, group: &str) -> Result<Vec<String>, Adm
 
 /// The groups whose progress `pool`'s schema records.
 pub async fn known_groups(pool: &PgPool) -> Result<Vec<String>, AdminError> {
-    let exists: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
-         WHERE table_schema = current_schema() AND table_name = 'saga_consumer_progress')",
-    )
-    .fetch_one(pool)
-    .await?;
-    if !exists {
+    if !progress_recorded(pool).await? {
         return Ok(Vec::new());
     }
     Ok(
@@ -63,6 +51,16 @@ pub async fn known_groups(pool: &PgPool) -> Result<Vec<String>, AdminError> {
             .fetch_all(pool)
             .await?,
     )
+}
+
+/// Whether `pool`'s schema has the crash-loop guard's table (a consumer ran there).
+async fn progress_recorded(pool: &PgPool) -> Result<bool, AdminError> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
+         WHERE table_schema = current_schema() AND table_name = 'saga_consumer_progress')",
+    )
+    .fetch_one(pool)
+    .await?)
 }
 
 /// The lag of `group` on every partition of `topics`. Bad input if no topic is given or a topic does not
@@ -78,34 +76,22 @@ pub async fn lag(
              groups that ran with crash-loop detection)"
         )));
     }
+    let mut ends = Vec::new();
+    for topic in topics {
+        for (partition, low, high) in crate::broker::partitions_of(kafka, topic).await? {
+            ends.push((topic.clone(), partition, low, high));
+        }
+    }
     let mut config = saga_runtime::kafka::client_config(kafka);
     config
         .set("group.id", group)
         .set("enable.auto.commit", "false");
-    let topics = topics.to_vec();
-    let brokers = kafka.brokers.clone();
     tokio::task::spawn_blocking(move || {
         // A consumer that never subscribes does not join the group: it only reads the group's offsets.
         let client: BaseConsumer = config.create()?;
         let mut tpl = TopicPartitionList::new();
-        let mut ends = Vec::new();
-        for topic in &topics {
-            let metadata = client.fetch_metadata(Some(topic), Duration::from_secs(10))?;
-            let Some(found) = metadata
-                .topics()
-                .iter()
-                .find(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty())
-            else {
-                return Err(AdminError::bad_input(format!(
-                    "topic {topic} does not exist at {brokers}"
-                )));
-            };
-            for p in found.partitions() {
-                let (low, high) =
-                    client.fetch_watermarks(topic, p.id(), Duration::from_secs(10))?;
-                tpl.add_partition(topic, p.id());
-                ends.push((topic.clone(), p.id(), low, high));
-            }
+        for (topic, partition, _, _) in &ends {
+            tpl.add_partition(topic, *partition);
         }
         let committed = client.committed_offsets(tpl, Duration::from_secs(10))?;
         Ok(ends

@@ -34,6 +34,7 @@
 
 #![deny(missing_docs)]
 
+mod broker;
 pub mod cli;
 pub mod dlq;
 pub mod duration;

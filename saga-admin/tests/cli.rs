@@ -225,3 +225,56 @@ async fn sagas_list_and_show_read_instances_and_their_timeline() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn leases_lists_two_phase_steps_and_expired_shows_only_those_whose_lease_ran_out() {
+    let (db, _kafka, saga) = target("admin-cli-leases").await;
+    for (key, expires, holder) in [
+        (
+            "order-1:process-payment",
+            "now() - interval '5 minutes'",
+            "payments@host-a/17",
+        ),
+        (
+            "order-2:process-payment",
+            "now() + interval '5 minutes'",
+            "payments@host-b/23",
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, lease_expires_at, lease_holder) \
+             VALUES ('acme', '{key}', 'started', {expires}, '{holder}')"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    sqlx::query(
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) \
+         VALUES ('acme', 'order-3:process-payment', 'completed')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let all = saga.json(&["leases"]).await;
+    let all: Vec<_> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["step_key"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(all, ["order-1:process-payment", "order-2:process-payment"]);
+
+    let expired = saga.json(&["leases", "--expired"]).await;
+    let expired = expired.as_array().unwrap();
+    assert_eq!(expired.len(), 1, "{expired:?}");
+    assert_eq!(expired[0]["step_key"], "order-1:process-payment");
+    assert_eq!(expired[0]["lease_holder"], "payments@host-a/17");
+    assert_eq!(expired[0]["lease_expired"], true);
+    let table = saga.text(&["leases", "--expired"]).await;
+    assert!(
+        table.contains("started (lease expired)") && table.contains("payments@host-a/17"),
+        "{table}"
+    );
+}

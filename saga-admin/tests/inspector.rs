@@ -129,15 +129,19 @@ impl Browser {
             .collect()
     }
 
+    /// The one element matching `css`, waiting for it while a page loads (after a click, say).
     async fn find(&self, css: &str) -> String {
-        let mut found = self.find_all(css).await;
-        assert_eq!(
-            found.len(),
-            1,
-            "one element {css} on {}",
+        for _ in 0..100 {
+            let found = self.find_all(css).await;
+            if found.len() == 1 {
+                return found.into_iter().next().unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "no single element {css} on {} after 10 s",
             self.title().await
         );
-        found.remove(0)
     }
 
     async fn text(&self, element: &str) -> String {

@@ -357,6 +357,11 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
     assert_eq!(a_keys.len(), 1, "{a_keys:?}");
     assert_eq!(a_keys[0]["step"], "process-payment");
     assert_eq!(a_keys[0]["status"], "completed");
+    let holder = a_keys[0]["lease_holder"].as_str().unwrap_or_default();
+    assert!(
+        holder.starts_with(&format!("{}@", saga.args.group(Service::Payment))),
+        "the two-phase lease names its holder: {holder}"
+    );
     assert!(
         a_keys[0]["external_key"]
             .as_str()

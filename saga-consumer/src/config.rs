@@ -130,9 +130,7 @@ impl ConsumerSettings {
                 .transpose()
         }
         let millis = |var| parse::<u64>(&get, var).map(|v| v.map(Duration::from_millis));
-        if let Some(brokers) = get("KAFKA_BROKERS").filter(|b| !b.trim().is_empty()) {
-            let mut kafka = KafkaConfig::new(brokers);
-            kafka.properties = saga_runtime::kafka::properties_from_env();
+        if let Ok(kafka) = KafkaConfig::with_env_properties(get("KAFKA_BROKERS")) {
             self.kafka = Some(kafka);
         }
         if let Some(group) = get("SAGA_GROUP_ID") {

@@ -76,14 +76,7 @@ impl std::fmt::Debug for SagaConsumerBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SagaConsumerBuilder")
             .field("settings", &self.settings)
-            .field(
-                "steps",
-                &self
-                    .steps
-                    .iter()
-                    .map(|s| s.name.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .field("steps", &step_names(&self.steps))
             .field("ignored", &self.ignored)
             .finish_non_exhaustive()
     }
@@ -93,16 +86,14 @@ impl std::fmt::Debug for SagaConsumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SagaConsumer")
             .field("settings", &self.settings)
-            .field(
-                "steps",
-                &self
-                    .steps
-                    .iter()
-                    .map(|s| s.name.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .field("steps", &step_names(&self.steps))
             .finish_non_exhaustive()
     }
+}
+
+/// The steps' names, for `Debug`.
+fn step_names(steps: &[RegisteredStep]) -> Vec<&str> {
+    steps.iter().map(|s| s.name.as_str()).collect()
 }
 
 impl SagaConsumerBuilder {
@@ -130,15 +121,11 @@ impl SagaConsumerBuilder {
 
     /// The broker list (`bootstrap.servers`), keeping any librdkafka properties already set.
     pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        let properties = self
+        let kafka = self
             .settings
             .kafka
-            .take()
-            .map(|k| k.properties)
-            .unwrap_or_default();
-        let mut kafka = KafkaConfig::new(brokers);
-        kafka.properties = properties;
-        self.settings.kafka = Some(kafka);
+            .get_or_insert_with(|| KafkaConfig::new(""));
+        kafka.brokers = brokers.into();
         self
     }
 

@@ -48,16 +48,20 @@ impl KafkaConfig {
     /// silent default), and every `KAFKA_PROPERTY_*` variable as a librdkafka property
     /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
     pub fn from_env() -> Result<Self, ConfigProblem> {
-        let brokers = std::env::var(BROKERS_VAR)
-            .ok()
-            .filter(|b| !b.trim().is_empty())
-            .ok_or_else(|| {
-                ConfigProblem::new(
-                    BROKERS_VAR,
-                    "is not set",
-                    "set it to the bootstrap servers, such as 127.0.0.1:9092",
-                )
-            })?;
+        Self::with_env_properties(std::env::var(BROKERS_VAR).ok())
+    }
+
+    /// `brokers` (read by a command line from a flag or `KAFKA_BROKERS`) with every `KAFKA_PROPERTY_*`
+    /// variable as a librdkafka property; a missing or blank one is a [`ConfigProblem`] naming
+    /// `KAFKA_BROKERS`.
+    pub fn with_env_properties(brokers: Option<String>) -> Result<Self, ConfigProblem> {
+        let brokers = brokers.filter(|b| !b.trim().is_empty()).ok_or_else(|| {
+            ConfigProblem::new(
+                BROKERS_VAR,
+                "is not set",
+                "set it to the bootstrap servers, such as 127.0.0.1:9092",
+            )
+        })?;
         Ok(Self {
             brokers,
             properties: properties_from_env(),

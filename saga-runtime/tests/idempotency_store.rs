@@ -215,17 +215,14 @@ async fn an_expired_lease_is_taken_over_and_the_old_owner_is_fenced() {
     let (t, k) = (tenant("acme"), key("order-3", "process-payment"));
     let mut conn = db.pool.acquire().await.unwrap();
 
-    let LeaseClaim::Acquired(first) = claim_lease(
+    let first = acquire(
         &mut conn,
         &t,
         &k,
         Duration::from_millis(300),
-        "worker@test/1",
+        "the first claim gets the lease",
     )
-    .await
-    .unwrap() else {
-        panic!("the first claim gets the lease")
-    };
+    .await;
     assert_eq!(first.attempt, 1);
 
     // A live lease makes a second worker wait, not fail.
@@ -235,13 +232,14 @@ async fn an_expired_lease_is_taken_over_and_the_old_owner_is_fenced() {
     assert!(matches!(busy, LeaseClaim::Busy { until } if until == first.expires_at));
 
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let LeaseClaim::Acquired(second) =
-        claim_lease(&mut conn, &t, &k, Duration::from_secs(30), "worker@test/1")
-            .await
-            .unwrap()
-    else {
-        panic!("an expired lease is taken over")
-    };
+    let second = acquire(
+        &mut conn,
+        &t,
+        &k,
+        Duration::from_secs(30),
+        "an expired lease is taken over",
+    )
+    .await;
     assert_eq!(second.attempt, 2);
 
     // The first worker comes back and tries to complete: fenced, and its writes roll back.
@@ -292,25 +290,27 @@ async fn a_released_lease_is_retaken_at_once() {
     let db = TestDb::new("store-release").await;
     let (t, k) = (tenant("acme"), key("order-4", "process-payment"));
     let mut conn = db.pool.acquire().await.unwrap();
-    let LeaseClaim::Acquired(first) =
-        claim_lease(&mut conn, &t, &k, Duration::from_secs(60), "worker@test/1")
-            .await
-            .unwrap()
-    else {
-        panic!()
-    };
+    let first = acquire(
+        &mut conn,
+        &t,
+        &k,
+        Duration::from_secs(60),
+        "the lease is free",
+    )
+    .await;
     assert!(
         release_lease(&mut conn, &first, "gateway timeout")
             .await
             .unwrap()
     );
-    let LeaseClaim::Acquired(second) =
-        claim_lease(&mut conn, &t, &k, Duration::from_secs(60), "worker@test/1")
-            .await
-            .unwrap()
-    else {
-        panic!("a released lease is free")
-    };
+    let second = acquire(
+        &mut conn,
+        &t,
+        &k,
+        Duration::from_secs(60),
+        "a released lease is free",
+    )
+    .await;
     assert_eq!(second.attempt, 2);
 }
 
@@ -391,29 +391,23 @@ async fn lock_lease_fences_a_worker_whose_lease_was_taken_over_and_makes_the_tak
     let db = TestDb::new("store-lock-lease").await;
     let (t, k) = (tenant("acme"), key("order-5", "process-payment"));
     let mut conn = db.pool.acquire().await.unwrap();
-    let LeaseClaim::Acquired(first) = claim_lease(
+    let first = acquire(
         &mut conn,
         &t,
         &k,
         Duration::from_millis(200),
-        "worker@test/1",
+        "the lease is free",
     )
-    .await
-    .unwrap() else {
-        panic!()
-    };
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let LeaseClaim::Acquired(second) = claim_lease(
+    let second = acquire(
         &mut conn,
         &t,
         &k,
         Duration::from_millis(200),
-        "worker@test/1",
+        "the expired lease is taken over",
     )
-    .await
-    .unwrap() else {
-        panic!("the expired lease is taken over")
-    };
+    .await;
 
     // The first worker's completing transaction is fenced at its first statement.
     let mut tx = db.pool.begin().await.unwrap();
@@ -462,13 +456,14 @@ async fn a_completion_after_garbage_collection_deleted_the_lease_is_recorded_not
     let db = TestDb::new("store-lease-gc").await;
     let (t, k) = (tenant("acme"), key("order-6", "process-payment"));
     let mut conn = db.pool.acquire().await.unwrap();
-    let LeaseClaim::Acquired(lease) =
-        claim_lease(&mut conn, &t, &k, Duration::from_secs(30), "worker@test/1")
-            .await
-            .unwrap()
-    else {
-        panic!()
-    };
+    let lease = acquire(
+        &mut conn,
+        &t,
+        &k,
+        Duration::from_secs(30),
+        "the lease is free",
+    )
+    .await;
     // The external call runs long; garbage collection deletes the row as an abandoned lease.
     sqlx::query("DELETE FROM saga_idempotency_keys")
         .execute(&db.pool)
@@ -501,13 +496,14 @@ async fn a_completion_after_garbage_collection_deleted_the_lease_is_recorded_not
         .execute(&db.pool)
         .await
         .unwrap();
-    let LeaseClaim::Acquired(other) =
-        claim_lease(&mut conn, &t, &k, Duration::from_secs(30), "worker@test/1")
-            .await
-            .unwrap()
-    else {
-        panic!()
-    };
+    let other = acquire(
+        &mut conn,
+        &t,
+        &k,
+        Duration::from_secs(30),
+        "the lease is free",
+    )
+    .await;
     assert_eq!(other.attempt, 1);
     let stale = idempotency::Lease {
         attempt: 7,
@@ -553,4 +549,21 @@ async fn a_client_clock_ahead_of_the_database_gets_busy_not_a_busy_loop() {
     .unwrap();
     assert!(matches!(claimed, LeaseClaim::Busy { .. }), "{claimed:?}");
     assert!(started.elapsed() < Duration::from_secs(1));
+}
+
+/// Claims a lease that must be free (`why` says why it is), for a test.
+async fn acquire(
+    conn: &mut sqlx::PgConnection,
+    tenant: &TenantId,
+    key: &StepKey,
+    lease: Duration,
+    why: &str,
+) -> idempotency::Lease {
+    match claim_lease(conn, tenant, key, lease, "worker@test/1")
+        .await
+        .unwrap()
+    {
+        LeaseClaim::Acquired(lease) => lease,
+        other => panic!("{why}: {other:?}"),
+    }
 }

@@ -136,10 +136,15 @@ impl LocalSaga {
         } else {
             format!("DELETE FROM {gateway}.gateway_outage")
         };
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(&self.db.pool)
-            .await
-            .unwrap();
+        // The payment service creates the gateway's tables while it starts, which may still be under way
+        // when the order API already answers.
+        wait_until("the gateway's outage switch", WAIT, || async {
+            sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+                .execute(&self.db.pool)
+                .await
+                .ok()
+        })
+        .await;
     }
 
     /// Stops the services (each must stop cleanly) and drops their schemas.
