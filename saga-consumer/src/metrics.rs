@@ -41,6 +41,60 @@ pub(crate) struct DeadLetterLabels {
     pub reason: String,
 }
 
+/// Labels of the batch phase histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct PhaseLabels {
+    /// The phase: see [`BatchPhases`].
+    pub phase: &'static str,
+}
+
+/// Where a partition worker's time goes, batch by batch, in seconds. Each is one series of
+/// `saga_consumer_batch_phase_seconds`; their sums over a run, divided by the batch count, break a batch
+/// down (`docs/performance.md`).
+#[derive(Clone)]
+pub(crate) struct BatchPhases {
+    /// The worker had nothing to do: its partition's queue was empty.
+    pub idle: Histogram,
+    /// Decoding and routing the messages taken from the queue for the batch.
+    pub route: Histogram,
+    /// Waiting for one of the consumer's `concurrency` permits.
+    pub permit: Histogram,
+    /// The crash-loop bookkeeping before the batch (`saga_consumer_begin_batch`).
+    pub guard: Histogram,
+    /// Taking a pooled connection and `BEGIN`.
+    pub begin: Histogram,
+    /// Claiming the batch's step keys.
+    pub claim: Histogram,
+    /// The handlers (the same time as `saga_consumer_handler_seconds`, per batch).
+    pub handler: Histogram,
+    /// Recording outcomes and appending the outbox rows.
+    pub record: Histogram,
+    /// `COMMIT`, the WAL flush included.
+    pub commit: Histogram,
+}
+
+impl BatchPhases {
+    fn new(family: &Family<PhaseLabels, Histogram>) -> Self {
+        let phase = |phase| family.get_or_create(&PhaseLabels { phase }).clone();
+        Self {
+            idle: phase("idle"),
+            route: phase("route"),
+            permit: phase("permit"),
+            guard: phase("guard"),
+            begin: phase("begin"),
+            claim: phase("claim"),
+            handler: phase("handler"),
+            record: phase("record"),
+            commit: phase("commit"),
+        }
+    }
+}
+
+/// Observes the time since `started` in `histogram`.
+pub(crate) fn observe_since(histogram: &Histogram, started: std::time::Instant) {
+    histogram.observe(started.elapsed().as_secs_f64());
+}
+
 /// The consumer's metrics, cheap to clone.
 #[derive(Clone)]
 pub(crate) struct ConsumerMetrics {
@@ -58,10 +112,17 @@ pub(crate) struct ConsumerMetrics {
     pub batch_size: Histogram,
     /// Messages behind the partition's end, from librdkafka's statistics.
     pub lag: Family<PartitionLabels, Gauge>,
+    /// Seconds per batch phase, by phase.
+    pub phase_seconds: Family<PhaseLabels, Histogram>,
+    /// The same series, one handle per phase.
+    pub phases: BatchPhases,
 }
 
 impl Default for ConsumerMetrics {
     fn default() -> Self {
+        let phase_seconds: Family<PhaseLabels, Histogram> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_05, 2.0, 18)));
+        let phases = BatchPhases::new(&phase_seconds);
         Self {
             processed: Family::default(),
             duplicates: Family::default(),
@@ -72,6 +133,8 @@ impl Default for ConsumerMetrics {
             }),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
             lag: Family::default(),
+            phase_seconds,
+            phases,
         }
     }
 }
@@ -109,6 +172,11 @@ impl ConsumerMetrics {
             "batch_size",
             "Messages per committed transaction",
             self.batch_size.clone(),
+        );
+        r.register(
+            "batch_phase_seconds",
+            "Seconds a partition worker spent per batch phase (idle, route, permit, guard, begin, claim, handler, record, commit)",
+            self.phase_seconds.clone(),
         );
         r.register(
             "lag",
