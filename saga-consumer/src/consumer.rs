@@ -19,6 +19,7 @@ use crate::delivery::Router;
 use crate::dlq::DeadLetters;
 use crate::error::{ConfigError, ConsumerError};
 use crate::executor::Executor;
+use crate::fast::FastPath;
 use crate::guard::CrashGuard;
 use crate::handler::RegisteredStep;
 use crate::hooks::Hooks;
@@ -70,6 +71,7 @@ pub struct SagaConsumerBuilder {
     layers: Vec<LayerFn>,
     hooks: Hooks,
     ops: Option<Ops>,
+    fast_path: Option<FastPath>,
 }
 
 impl std::fmt::Debug for SagaConsumerBuilder {
@@ -107,6 +109,7 @@ impl SagaConsumerBuilder {
             layers: Vec::new(),
             hooks: Hooks::default(),
             ops: None,
+            fast_path: None,
         }
     }
 
@@ -196,6 +199,13 @@ impl SagaConsumerBuilder {
         self
     }
 
+    /// How long the broker may hold a fetch that found nothing (librdkafka's `fetch.wait.max.ms`; see
+    /// [`ConsumerSettings::fetch_wait`]).
+    pub fn fetch_wait(mut self, wait: Duration) -> Self {
+        self.settings.fetch_wait = wait;
+        self
+    }
+
     /// Longest a handler may run.
     pub fn handler_timeout(mut self, limit: Duration) -> Self {
         self.settings.handler_timeout = limit;
@@ -263,6 +273,15 @@ impl SagaConsumerBuilder {
         self
     }
 
+    /// Puts the Redis fast path in front of the step-key claims (feature `redis`): a batch's keys are
+    /// looked up in Redis first, and a message whose key Redis knows to be completed is acknowledged as a
+    /// duplicate without a transaction. `None` leaves it off. See [`crate::fast_path`].
+    #[cfg(feature = "redis")]
+    pub fn fast_path(mut self, fast_path: Option<crate::fast_path::FastPath>) -> Self {
+        self.fast_path = fast_path;
+        self
+    }
+
     /// Validates everything and builds the consumer.
     pub fn build(self) -> Result<SagaConsumer, ConfigError> {
         if let Some(e) = self.env_error {
@@ -322,6 +341,7 @@ impl SagaConsumerBuilder {
             service,
             hooks: self.hooks,
             ops: self.ops.unwrap_or_default(),
+            fast_path: self.fast_path,
         })
     }
 }
@@ -337,6 +357,7 @@ pub struct SagaConsumer {
     service: BoxStepService,
     hooks: Hooks,
     ops: Ops,
+    fast_path: Option<FastPath>,
 }
 
 impl SagaConsumer {
@@ -399,6 +420,10 @@ impl SagaConsumer {
         let dlq_topic = settings.dlq_topic();
         let metrics = ConsumerMetrics::default();
         self.ops.register(|registry| metrics.register(registry));
+        #[cfg(feature = "redis")]
+        if let Some(fast) = &self.fast_path {
+            fast.register(&self.ops);
+        }
         if let Some(addr) = settings.ops_addr {
             let bound = self.ops.serve(addr, shutdown.clone()).await?;
             tracing::info!(%bound, "ops endpoint listening");
@@ -422,6 +447,7 @@ impl SagaConsumer {
             hooks: self.hooks,
             guard: CrashGuard::new(self.pool.clone(), group.clone(), settings.crash_loop_limit),
             lease_holder: lease_holder(&group),
+            fast_path: self.fast_path,
         };
         let shared = Arc::new(WorkerShared {
             executor,
@@ -460,7 +486,10 @@ impl SagaConsumer {
                     .max(100)
                     .to_string(),
             )
-            .set("fetch.wait.max.ms", "100")
+            .set(
+                "fetch.wait.max.ms",
+                settings.fetch_wait.as_millis().to_string(),
+            )
             // Prefetch at most 16 MB in all, not librdkafka's 64 MB; and when that is reached, fetch again
             // 50 ms later rather than after librdkafka's default of 1 s, which starves fast workers.
             .set("queued.max.messages.kbytes", "16384")

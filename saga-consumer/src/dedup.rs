@@ -14,7 +14,7 @@ use saga_runtime::store::idempotency::{Claim, StoreError, claim_in_transaction, 
 use saga_runtime::store::outbox;
 
 use crate::delivery::{Delivery, Route};
-use crate::metrics::{ConsumerMetrics, StepOnly};
+use crate::metrics::{ConsumerMetrics, StepOnly, observe_since};
 use crate::service::{StepItem, StepRequest, StepService};
 
 /// How one message of a committed batch ended.
@@ -79,6 +79,8 @@ pub(crate) enum BatchError {
     Group,
     /// A statement of the framework (claim, outcomes, outbox) failed.
     Store(StoreError),
+    /// The batch may not commit: its start was not recorded as normal (see `guard::PendingStart`).
+    NotStarted,
 }
 
 impl From<sqlx::Error> for BatchError {
@@ -89,6 +91,8 @@ impl From<sqlx::Error> for BatchError {
 
 enum Slot {
     Ignored,
+    /// Redis knows the key to be completed: a duplicate, not claimed.
+    KnownDone,
     /// The first message with this key: index into the claimed keys.
     Key(usize),
     /// A later message of the batch with a key claimed earlier in it.
@@ -109,6 +113,7 @@ pub(crate) async fn run_batch(
     let slots: Vec<Slot> = deliveries
         .iter()
         .map(|d| match &d.route {
+            Route::Step { .. } if d.known_done => Slot::KnownDone,
             Route::Step {
                 step_key, tenant, ..
             } => match seen.entry((tenant, step_key)) {
@@ -123,9 +128,11 @@ pub(crate) async fn run_batch(
             Route::Poison(_) => unreachable!("poison messages are dead-lettered, not batched"),
         })
         .collect();
+    let claiming = Instant::now();
     let claims = claim_in_transaction(conn, &keys)
         .await
         .map_err(BatchError::Store)?;
+    observe_since(&metrics.phases.claim, claiming);
 
     let mut results: Vec<Option<ItemOutcome>> = vec![None; deliveries.len()];
     let mut outcomes: Vec<(usize, StepOutcome)> = Vec::new();
@@ -138,7 +145,7 @@ pub(crate) async fn run_batch(
                 results[index] = Some(ItemOutcome::Ignored);
                 None
             }
-            Slot::Repeat => {
+            Slot::Repeat | Slot::KnownDone => {
                 results[index] = Some(ItemOutcome::Duplicate);
                 None
             }
@@ -161,6 +168,7 @@ pub(crate) async fn run_batch(
         }
     }
     // Consecutive new messages of one step are handled with one call.
+    let handling = Instant::now();
     for group in
         new.chunk_by(|(a, _), (b, _)| deliveries[*a].step_name() == deliveries[*b].step_name())
     {
@@ -176,6 +184,8 @@ pub(crate) async fn run_batch(
         )
         .await?;
     }
+    observe_since(&metrics.phases.handler, handling);
+    let recording = Instant::now();
     let records: Vec<_> = outcomes
         .iter()
         .map(|(k, outcome)| (&keys[*k].0, &keys[*k].1, outcome))
@@ -184,6 +194,7 @@ pub(crate) async fn run_batch(
         .await
         .map_err(BatchError::Store)?;
     outbox::append(conn, &emitted).await?;
+    observe_since(&metrics.phases.record, recording);
     Ok(results
         .into_iter()
         .map(|r| r.expect("every message of the batch has an outcome"))

@@ -23,10 +23,11 @@ use tracing::Instrument;
 use crate::dedup::{self, BatchError, Failure, ItemOutcome};
 use crate::delivery::{Delivery, PoisonReason, Route};
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
-use crate::guard::CrashGuard;
+use crate::fast::{self, FastPath};
+use crate::guard::{CrashGuard, PendingStart};
 use crate::handler::StepMode;
 use crate::hooks::{CommitInfo, Hooks};
-use crate::metrics::{ConsumerMetrics, DeadLetterLabels, StepOnly};
+use crate::metrics::{ConsumerMetrics, DeadLetterLabels, StepOnly, observe_since};
 use crate::retry::RetryPolicy;
 use crate::service::{BoxStepService, HandlerPanicked, HandlerTimedOut, StepItem, StepRequest};
 
@@ -58,15 +59,21 @@ pub(crate) struct Executor {
     pub guard: CrashGuard,
     /// Who this worker is, recorded with the leases it takes: `{group}@{host}/{pid}`.
     pub lease_holder: String,
+    /// The Redis fast path, if on.
+    pub fast_path: Option<FastPath>,
 }
 
 impl Executor {
     /// Processes one partition's `deliveries` in order. Returns how many, from the front, are finished
     /// (committed, skipped or dead-lettered): all of them unless `cancel` fired.
+    ///
+    /// Nothing commits, and no message is dead-lettered or leased, before `start` allows it; if it does
+    /// not (the batch's range turned out a suspect's, or the record was cancelled), processing stops there.
     pub(crate) async fn process(
         &self,
         deliveries: &mut [Delivery],
         cancel: &CancellationToken,
+        start: &mut PendingStart,
     ) -> usize {
         let mut i = 0;
         while i < deliveries.len() {
@@ -78,12 +85,17 @@ impl Executor {
                     .iter()
                     .take_while(|d| d.is_transactional_or_ignored())
                     .count();
-                let done = self.process_run(&mut deliveries[i..i + run], cancel).await;
+                let done = self
+                    .process_run(&mut deliveries[i..i + run], cancel, start)
+                    .await;
                 i += done;
                 if done < run {
                     return i;
                 }
                 continue;
+            }
+            if !start.allows_commit().await {
+                return i;
             }
             let finished = match &deliveries[i].route {
                 Route::Poison(reason) => {
@@ -95,6 +107,10 @@ impl Executor {
                     };
                     self.dead_letter(&mut deliveries[i], kind, error, cancel)
                         .await
+                }
+                Route::Step { .. } if deliveries[i].known_done => {
+                    self.finish(&deliveries[i], ItemOutcome::Duplicate);
+                    true
                 }
                 Route::Step { .. } => self.two_phase(&mut deliveries[i], cancel).await,
                 Route::Ignored => unreachable!("ignored messages join transactional runs"),
@@ -132,7 +148,12 @@ impl Executor {
     /// of the framework that failed for another reason than a lost connection) makes the runtime process
     /// the range it happened in one message per transaction, so that the culprit is found and only it is
     /// retried or dead-lettered. A lost connection is waited out without touching any retry budget.
-    async fn process_run(&self, run: &mut [Delivery], cancel: &CancellationToken) -> usize {
+    async fn process_run(
+        &self,
+        run: &mut [Delivery],
+        cancel: &CancellationToken,
+        batch_start: &mut PendingStart,
+    ) -> usize {
         let mut start = 0;
         // The first message known to have failed, at its index in `run`, with that failure.
         let mut failed: Option<(usize, Failure)> = None;
@@ -142,7 +163,10 @@ impl Executor {
         while start < run.len() {
             if failed.as_ref().is_some_and(|(at, _)| *at == start) {
                 let (_, failure) = failed.take().expect("checked above");
-                if !self.retry_alone(&mut run[start], failure, cancel).await {
+                if !self
+                    .retry_alone(&mut run[start], failure, cancel, batch_start)
+                    .await
+                {
                     return start;
                 }
                 start += 1;
@@ -157,7 +181,7 @@ impl Executor {
             } else {
                 limit
             };
-            match self.transact(&run[start..end]).await {
+            match self.transact(&run[start..end], batch_start).await {
                 Ok(outcomes) => {
                     for (d, outcome) in run[start..end].iter_mut().zip(outcomes) {
                         self.finish(d, outcome);
@@ -175,6 +199,8 @@ impl Executor {
                 // the range one message per transaction, without counting attempts against messages that
                 // did nothing wrong.
                 Err(BatchError::Group) => single_until = end,
+                // The batch may not commit (see `guard::PendingStart`): nothing of it did.
+                Err(BatchError::NotStarted) => return start,
                 Err(BatchError::Store(e)) if !e.is_connection_error() => {
                     tracing::debug!(error = %e, messages = end - start, "a batch statement failed; narrowing down");
                     single_until = end;
@@ -199,30 +225,62 @@ impl Executor {
         delivery: &mut Delivery,
         mut failure: Failure,
         cancel: &CancellationToken,
+        batch_start: &mut PendingStart,
     ) -> bool {
         let mut unavailable = 0;
         loop {
+            // A dead letter is an effect too: not before the batch's start is recorded.
+            if !batch_start.allows_commit().await {
+                return false;
+            }
             if let ControlFlow::Break(finished) = self
                 .back_off(delivery, &failure, &mut unavailable, cancel)
                 .await
             {
                 return finished;
             }
-            match self.transact(std::slice::from_ref(delivery)).await {
+            match self
+                .transact(std::slice::from_ref(delivery), batch_start)
+                .await
+            {
                 Ok(mut outcomes) => {
                     self.finish(delivery, outcomes.remove(0));
                     return true;
                 }
                 Err(BatchError::Item { failure: f, .. }) => failure = f,
                 Err(BatchError::Store(e)) => failure = Failure::Store(e),
+                Err(BatchError::NotStarted) => return false,
                 Err(BatchError::Group) => unreachable!("a single message is never a group"),
             }
         }
     }
 
     /// One transaction over `batch`: claim, handle, record, append, commit.
-    async fn transact(&self, batch: &[Delivery]) -> Result<Vec<ItemOutcome>, BatchError> {
+    async fn transact(
+        &self,
+        batch: &[Delivery],
+        start: &mut PendingStart,
+    ) -> Result<Vec<ItemOutcome>, BatchError> {
+        if batch.iter().all(Delivery::needs_no_claim) {
+            if !start.allows_commit().await {
+                return Err(BatchError::NotStarted);
+            }
+            // Nothing to claim or handle: no transaction.
+            return Ok(batch
+                .iter()
+                .map(|d| {
+                    if d.known_done {
+                        ItemOutcome::Duplicate
+                    } else {
+                        ItemOutcome::Ignored
+                    }
+                })
+                .collect());
+        }
+        let phases = &self.metrics.phases;
+        let began = Instant::now();
         let mut tx = self.pool.begin().await?;
+        observe_since(&phases.begin, began);
         let outcomes = match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics).await {
             Ok(outcomes) => outcomes,
             Err(e) => {
@@ -232,9 +290,18 @@ impl Executor {
                 return Err(e);
             }
         };
+        let recording = Instant::now();
+        if !start.allows_commit().await {
+            let _ = tx.rollback().await;
+            return Err(BatchError::NotStarted);
+        }
+        observe_since(&phases.guard, recording);
+        let committing = Instant::now();
         tx.commit().await?;
+        observe_since(&phases.commit, committing);
         self.metrics.batch_size.observe(batch.len() as f64);
         self.after_commit(batch);
+        fast::after_commit(self.fast_path.as_ref(), batch, &outcomes);
         Ok(outcomes)
     }
 
@@ -260,6 +327,11 @@ impl Executor {
             }
             let failure = match self.two_phase_attempt(delivery).await {
                 Ok(outcome) => {
+                    fast::after_commit(
+                        self.fast_path.as_ref(),
+                        std::slice::from_ref(delivery),
+                        &[outcome],
+                    );
                     self.finish(delivery, outcome);
                     return true;
                 }

@@ -11,11 +11,21 @@
 //! [`CrashGuard::shared`], an isolated message takes [`CrashGuard::exclusive`], and while it waits (for the
 //! others to finish, or for another worker's lease on its key) its start is taken back
 //! ([`CrashGuard::pause`]): a death then is not its doing.
+//!
+//! On the happy path the record costs no wait: a batch of transactional steps starts its transaction while
+//! its start is being recorded ([`PendingStart`]), and only its commit waits for the record. Nothing of the
+//! batch takes effect before the record is in: should the record say the range is a suspect's, the
+//! transaction is rolled back and the batch goes the isolated way.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::{PgPool, Row};
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::executor::sleep_or_cancel;
 
 /// What to do with a batch about to start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,10 +68,52 @@ impl CrashGuard {
         self.alone.clone().write_owned().await
     }
 
+    /// Whether detection is on (a limit above zero).
+    pub(crate) fn is_enabled(&self) -> bool {
+        self.limit > 0
+    }
+
+    /// [`CrashGuard::begin`], retried every second while the database fails; `None` if `cancel` fired
+    /// first.
+    pub(crate) async fn begin_until_recorded(
+        &self,
+        topic: &str,
+        partition: i32,
+        first: i64,
+        last: i64,
+        cancel: &CancellationToken,
+    ) -> Option<BatchStart> {
+        loop {
+            match self.begin(topic, partition, first, last).await {
+                Ok(start) => return Some(start),
+                Err(e) => {
+                    tracing::warn!(error = %e, topic, partition, "cannot record the batch start; retrying");
+                    if !sleep_or_cancel(Duration::from_secs(1), cancel).await {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
     /// Records that a batch `first..=last` of `topic`/`partition` begins. A database error goes to the
     /// caller, which retries: processing without the record would blind the detection.
     pub(crate) async fn begin(
         &self,
+        topic: &str,
+        partition: i32,
+        first: i64,
+        last: i64,
+    ) -> Result<BatchStart, sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        self.begin_on(&mut conn, topic, partition, first, last)
+            .await
+    }
+
+    /// [`CrashGuard::begin`] on `conn`.
+    async fn begin_on(
+        &self,
+        conn: &mut sqlx::PgConnection,
         topic: &str,
         partition: i32,
         first: i64,
@@ -78,7 +130,7 @@ impl CrashGuard {
         .bind(partition)
         .bind(first)
         .bind(last)
-        .fetch_one(&self.pool)
+        .fetch_one(conn)
         .await?;
         let isolate: bool = row.try_get(0)?;
         let deaths = u32::try_from(row.try_get::<i32, _>(1)?).unwrap_or(0);
@@ -137,5 +189,70 @@ impl CrashGuard {
         if let Err(e) = result {
             tracing::warn!(error = %e, topic, partition, first, "could not record the end of a batch");
         }
+    }
+}
+
+/// A batch's start: known, or being recorded while the batch's transaction runs. Whatever commits for the
+/// batch waits for it first ([`PendingStart::resolve`]).
+pub(crate) enum PendingStart {
+    /// Being recorded by a task of its own.
+    Recording(JoinHandle<Option<BatchStart>>),
+    /// Recorded (`None`: cancelled before it was).
+    Known(Option<BatchStart>),
+}
+
+impl PendingStart {
+    /// Starts recording `first..=last` in the background, on a connection taken before this returns:
+    /// the batch's transaction, which waits for the record, must not also wait for the record's
+    /// connection, or workers holding the pool's connections would wait for each other.
+    pub(crate) async fn record(
+        guard: &CrashGuard,
+        topic: &str,
+        partition: i32,
+        first: i64,
+        last: i64,
+        cancel: &CancellationToken,
+    ) -> Self {
+        let conn = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => None,
+            conn = guard.pool.acquire() => conn.ok(),
+        };
+        let (guard, topic, cancel) = (guard.clone(), topic.to_owned(), cancel.clone());
+        Self::Recording(tokio::spawn(async move {
+            if let Some(mut conn) = conn
+                && let Ok(start) = guard
+                    .begin_on(&mut conn, &topic, partition, first, last)
+                    .await
+            {
+                return Some(start);
+            }
+            guard
+                .begin_until_recorded(&topic, partition, first, last, &cancel)
+                .await
+        }))
+    }
+
+    /// A start already known.
+    pub(crate) fn known(start: BatchStart) -> Self {
+        Self::Known(Some(start))
+    }
+
+    /// Waits for the record; `None` if it was cancelled first.
+    pub(crate) async fn resolve(&mut self) -> Option<BatchStart> {
+        if let Self::Recording(task) = self {
+            // A panic of the recording task is a framework bug: treat it as a cancellation, which leaves
+            // the batch uncommitted for whoever processes the partition next.
+            *self = Self::Known(task.await.ok().flatten());
+        }
+        match self {
+            Self::Known(start) => *start,
+            Self::Recording(_) => unreachable!("resolved above"),
+        }
+    }
+
+    /// Whether the batch may commit: the record is in and says "normal".
+    pub(crate) async fn allows_commit(&mut self) -> bool {
+        self.resolve().await == Some(BatchStart::Normal)
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 
 use saga_core::RawMessage;
 use tokio::sync::{Semaphore, mpsc};
@@ -12,8 +12,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::delivery::{Delivery, Router};
-use crate::executor::{Executor, sleep_or_cancel};
-use crate::guard::BatchStart;
+use crate::executor::Executor;
+use crate::guard::{BatchStart, PendingStart};
+use crate::metrics::observe_since;
 use crate::offsets::{OffsetTracker, TopicPartition};
 
 /// What all partition workers share.
@@ -61,7 +62,9 @@ async fn run(
     // Messages received but not yet processed, in offset order.
     let mut backlog: VecDeque<Delivery> = VecDeque::new();
     loop {
+        let phases = &shared.executor.metrics.phases;
         if backlog.is_empty() {
+            let idle = Instant::now();
             let next = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return,
@@ -71,38 +74,104 @@ async fn run(
                 Some(raw) => backlog.push_back(shared.router.route(raw)),
                 None => return,
             }
+            observe_since(&phases.idle, idle);
         }
+        let routing = Instant::now();
         while backlog.len() < shared.batch_size {
             match receiver.try_recv() {
                 Ok(raw) => backlog.push_back(shared.router.route(raw)),
                 Err(_) => break,
             }
         }
+        observe_since(&phases.route, routing);
+        let waited = Instant::now();
         let _permit = tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
             permit = shared.permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
         };
 
+        observe_since(&phases.permit, waited);
+
         let take = backlog.len().min(shared.batch_size);
+        let fast_path = shared.executor.fast_path.as_ref();
+        if fast_path.is_some() {
+            let candidates = &mut backlog.make_contiguous()[..take];
+            crate::fast::pre_check(fast_path, candidates).await;
+            if candidates.iter().all(Delivery::needs_no_claim) {
+                // Duplicates Redis knows and ignored messages: no crash-loop record, no transaction.
+                let mut batch: Vec<Delivery> = backlog.drain(..take).collect();
+                let mut known = PendingStart::known(BatchStart::Normal);
+                let done = shared
+                    .executor
+                    .process(&mut batch, &cancel, &mut known)
+                    .await;
+                if done > 0 {
+                    let next = batch[done - 1].raw.origin.offset + 1;
+                    shared.tracker.finished(&tp, generation, next);
+                }
+                if done < batch.len() {
+                    return;
+                }
+                continue;
+            }
+        }
         let first = backlog[0].raw.origin.offset;
         let last = backlog[take - 1].raw.origin.offset;
-        let start = loop {
-            match shared.executor.guard.begin(&tp.0, tp.1, first, last).await {
-                Ok(start) => break start,
-                Err(e) => {
-                    tracing::warn!(error = %e, topic = %tp.0, partition = tp.1, "cannot record the batch start; retrying");
-                    if !sleep_or_cancel(Duration::from_secs(1), &cancel).await {
-                        return;
-                    }
+        let guard = &shared.executor.guard;
+        let overlap = guard.is_enabled()
+            && backlog
+                .iter()
+                .take(take)
+                .all(Delivery::is_transactional_or_ignored);
+        let start = if overlap {
+            // The happy path: the transaction runs while the start is recorded; its commit waits for it.
+            let mut pending = PendingStart::record(guard, &tp.0, tp.1, first, last, &cancel).await;
+            let _shared_lock = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => None,
+                lock = guard.shared() => Some(lock),
+            };
+            let done = if _shared_lock.is_some() {
+                let batch = &mut backlog.make_contiguous()[..take];
+                shared.executor.process(batch, &cancel, &mut pending).await
+            } else {
+                0
+            };
+            if done > 0 {
+                let next = backlog[done - 1].raw.origin.offset + 1;
+                shared.tracker.finished(&tp, generation, next);
+                backlog.drain(..done);
+            }
+            match pending.resolve().await {
+                Some(BatchStart::Normal) if done == take => continue,
+                // Cancelled (revoke or shutdown): the rest comes back to whoever owns the partition next.
+                Some(BatchStart::Normal) => {
+                    guard.end(&tp.0, tp.1, first, false).await;
+                    return;
+                }
+                None => return,
+                // The range is a suspect's: nothing of the batch committed; its first message goes alone.
+                Some(start) => {
+                    debug_assert_eq!(done, 0, "nothing commits before the start is known");
+                    start
                 }
             }
+        } else {
+            let guarded = Instant::now();
+            let Some(start) = guard
+                .begin_until_recorded(&tp.0, tp.1, first, last, &cancel)
+                .await
+            else {
+                return;
+            };
+            observe_since(&phases.guard, guarded);
+            start
         };
         let mut batch: Vec<Delivery> = match start {
             BatchStart::Normal => backlog.drain(..take).collect(),
             BatchStart::Isolate | BatchStart::DeadLetter(_) => backlog.drain(..1).collect(),
         };
-        let guard = &shared.executor.guard;
         // An ordinary batch shares the process; an isolated message runs alone, so that a death during its
         // attempt is its own (its start does not count while it waits for the others to finish).
         let mut _shared_lock = None;
@@ -138,7 +207,12 @@ async fn run(
                     .await,
             )
         } else {
-            shared.executor.process(&mut batch, &cancel).await
+            // The start is recorded and acted on (an isolated message runs alone): what follows may commit.
+            let mut known = PendingStart::known(BatchStart::Normal);
+            shared
+                .executor
+                .process(&mut batch, &cancel, &mut known)
+                .await
         };
         if done > 0 {
             let next = batch[done - 1].raw.origin.offset + 1;
