@@ -16,6 +16,7 @@ use axum::{Json, Router};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use saga_consumer::fast_path::FastPath;
 use saga_consumer::http::{IdempotencyLayer, IdempotentRequest};
 use saga_consumer::{
     Message, SagaEvent, SagaStep, StepContext, StepError, StepName, StepOutcome, StepResult,
@@ -41,12 +42,18 @@ struct AppState {
     orchestrator: Option<Orchestrator>,
 }
 
-/// The HTTP API; with an orchestrator, orders start orchestrated sagas.
-pub fn router(pool: PgPool, topics: Topics, orchestrator: Option<Orchestrator>) -> Router {
-    let create = post(create_order).layer(IdempotencyLayer::new(
-        pool.clone(),
-        StepName::from_static("create-order"),
-    ));
+/// The HTTP API; with an orchestrator, orders start orchestrated sagas; with a fast path, `POST /orders`
+/// answers in-flight and replayed keys from Redis.
+pub fn router(
+    pool: PgPool,
+    topics: Topics,
+    orchestrator: Option<Orchestrator>,
+    fast_path: Option<FastPath>,
+) -> Router {
+    let create = post(create_order).layer(
+        IdempotencyLayer::new(pool.clone(), StepName::from_static("create-order"))
+            .with_fast_path(fast_path),
+    );
     Router::new()
         .route("/orders", create)
         .route("/orders/{id}", get(get_order))

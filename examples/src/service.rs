@@ -10,6 +10,7 @@ use clap::{Args, ValueEnum};
 use std::future::Future;
 
 use outbox_relay::Relay;
+use saga_consumer::fast_path::FastPath;
 use saga_consumer::{Hooks, SagaEvent, SagaService, SagaServiceBuilder, StepName, Subscription};
 use saga_orchestrator::Orchestrator;
 use saga_runtime::config::connect_postgres;
@@ -376,6 +377,9 @@ pub async fn run(
             .context("creating topics")?;
     }
     let pool = prepare(service, &args).await?;
+    // REDIS_URL turns the Redis fast path on.
+    let fast_path = FastPath::from_env(&pool).await?;
+    let consumer_fast_path = fast_path.clone();
     let mut builder = SagaService::builder()
         .kafka(args.kafka())
         .group_id(args.group(service))
@@ -384,6 +388,7 @@ pub async fn run(
         .consumer(|c| {
             c.commit_interval(Duration::from_millis(250))
                 .session_timeout(Duration::from_secs(6))
+                .fast_path(consumer_fast_path)
         })
         .embedded_relay(args.embedded_relay);
     if let Some(addr) = args.ops_addr {
@@ -399,7 +404,7 @@ pub async fn run(
             .with_context(|| format!("binding {}", args.http_addr))?;
         tracing::info!(addr = %args.http_addr, "order API listening");
         let orchestrator = args.orchestrated.then(|| orchestrator(&args)).transpose()?;
-        let app = order::router(pool.clone(), args.topics(), orchestrator);
+        let app = order::router(pool.clone(), args.topics(), orchestrator, fast_path);
         builder = builder.task("the order API", move |ctx| async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(ctx.shutdown())

@@ -50,6 +50,9 @@ pub(crate) struct Delivery {
     pub isolated: bool,
     /// For an isolated message: the guard's exclusive lock, held while it runs (see `guard`).
     pub alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>>,
+    /// Redis knows its step key to be completed: it is finished as a duplicate without a claim (see
+    /// `fast`).
+    pub known_done: bool,
 }
 
 impl Delivery {
@@ -58,6 +61,11 @@ impl Delivery {
             Route::Step { step, .. } => Some(step.name.as_str()),
             _ => None,
         }
+    }
+
+    /// Whether the batch's transaction has nothing to do for it: ignored, or known done.
+    pub(crate) fn needs_no_claim(&self) -> bool {
+        self.known_done || matches!(self.route, Route::Ignored)
     }
 
     pub(crate) fn is_transactional_or_ignored(&self) -> bool {
@@ -150,6 +158,7 @@ impl Router {
             attempts: 0,
             isolated: false,
             alone: None,
+            known_done: false,
         }
     }
 }

@@ -73,6 +73,7 @@ mod delivery;
 mod dlq;
 mod error;
 mod executor;
+mod fast;
 mod guard;
 mod handler;
 mod hooks;
@@ -142,5 +143,32 @@ pub mod http {
     pub use saga_runtime::http::{
         IDEMPOTENCY_KEY_HEADER, Idempotency, IdempotencyConfig, IdempotencyLayer,
         IdempotentRequest, REPLAYED_HEADER, RequestTransaction, TENANT_HEADER,
+    };
+}
+
+/// The optional Redis fast path for hot keys (feature `redis`), PostgreSQL still the source of truth: an
+/// in-flight lock and a replay cache in front of the HTTP layer ([`http::IdempotencyLayer::with_fast_path`]),
+/// and a pre-check of step keys in front of the consumer's claims ([`SagaConsumerBuilder::fast_path`]).
+///
+/// Turn it on where collisions on one key are frequent (a button pressed by many clients, a duplicate
+/// storm after a producer's retry loop); for rare collisions PostgreSQL alone is simpler and as correct.
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn example(pool: saga_consumer::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use saga_consumer::fast_path::{FastPath, FastPathSettings};
+///
+/// // REDIS_URL unset: None, and everything runs on PostgreSQL alone.
+/// let fast_path = match FastPathSettings::from_env()? {
+///     Some(settings) => Some(FastPath::new(settings, &pool).await?),
+///     None => None,
+/// };
+/// # let _ = fast_path; Ok(()) }
+/// ```
+#[cfg(feature = "redis")]
+pub mod fast_path {
+    pub use saga_runtime::fast_path::{
+        CachedResponse, FastPath, FastPathSettings, InFlight, LockAnswer, RECONNECT_INTERVAL,
     };
 }

@@ -60,6 +60,8 @@ pub struct IdempotencyConfig {
 pub struct IdempotencyLayer {
     pool: PgPool,
     config: Arc<IdempotencyConfig>,
+    #[cfg(feature = "redis")]
+    fast_path: Option<crate::fast_path::FastPath>,
 }
 
 impl IdempotencyLayer {
@@ -71,12 +73,22 @@ impl IdempotencyLayer {
                 operation,
                 max_body_bytes: 1 << 20,
             }),
+            #[cfg(feature = "redis")]
+            fast_path: None,
         }
     }
 
     /// Replaces the settings.
     pub fn with_config(mut self, config: IdempotencyConfig) -> Self {
         self.config = Arc::new(config);
+        self
+    }
+
+    /// Puts the Redis fast path in front of the store (feature `redis`): an in-flight lock taken before
+    /// any database connection, and a replay cache of completed responses. See [`crate::fast_path`].
+    #[cfg(feature = "redis")]
+    pub fn with_fast_path(mut self, fast_path: Option<crate::fast_path::FastPath>) -> Self {
+        self.fast_path = fast_path;
         self
     }
 }
@@ -88,6 +100,8 @@ impl<S> Layer<S> for IdempotencyLayer {
             inner,
             pool: self.pool.clone(),
             config: self.config.clone(),
+            #[cfg(feature = "redis")]
+            fast_path: self.fast_path.clone(),
         }
     }
 }
@@ -98,6 +112,8 @@ pub struct Idempotency<S> {
     inner: S,
     pool: PgPool,
     config: Arc<IdempotencyConfig>,
+    #[cfg(feature = "redis")]
+    fast_path: Option<crate::fast_path::FastPath>,
 }
 
 struct Shared {
@@ -299,6 +315,18 @@ fn problem(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
     response
 }
 
+/// 409 for a key whose first request is still running.
+fn in_progress() -> Response<Full<Bytes>> {
+    let mut response = problem(
+        StatusCode::CONFLICT,
+        "a request with this Idempotency-Key is in progress",
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
 /// The fingerprint of a request: its method, path and query, and body.
 fn fingerprint(method: &http::Method, uri: &http::Uri, body: &[u8]) -> Vec<u8> {
     let mut hash = Sha256::new();
@@ -335,14 +363,25 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let pool = self.pool.clone();
         let config = self.config.clone();
-        Box::pin(handle(inner, pool, config, request))
+        #[cfg(feature = "redis")]
+        let fast_path = self.fast_path.clone();
+        #[cfg(not(feature = "redis"))]
+        let fast_path = None;
+        Box::pin(handle(inner, pool, config, fast_path, request))
     }
 }
 
+#[cfg(feature = "redis")]
+type FastPath = crate::fast_path::FastPath;
+/// Without the `redis` feature there is no fast path.
+#[cfg(not(feature = "redis"))]
+enum FastPath {}
+
 async fn handle<S, B, RB>(
-    mut inner: S,
+    inner: S,
     pool: PgPool,
     config: Arc<IdempotencyConfig>,
+    fast_path: Option<FastPath>,
     request: Request<B>,
 ) -> Result<Response<Full<Bytes>>, S::Error>
 where
@@ -409,7 +448,57 @@ where
     };
     let hash = fingerprint(&parts.method, &parts.uri, &bytes);
     let step_key = key.step_key(&config.operation);
+    let request = Claimed {
+        key,
+        tenant,
+        step_key,
+        hash,
+        traceparent,
+        request: Request::from_parts(parts, B::from(bytes)),
+    };
+    match fast_path {
+        None => Ok(in_postgres(inner, pool, config, request).await?.0),
+        #[cfg(feature = "redis")]
+        Some(fast_path) => fast::handle(inner, pool, config, &fast_path, request).await,
+        #[cfg(not(feature = "redis"))]
+        Some(never) => match never {},
+    }
+}
 
+/// A request whose key, tenant and fingerprint are read.
+struct Claimed<B> {
+    key: IdempotencyKey,
+    tenant: TenantId,
+    step_key: saga_core::StepKey,
+    hash: Vec<u8>,
+    traceparent: Option<TraceParent>,
+    request: Request<B>,
+}
+
+/// The request's response, and the stored response PostgreSQL holds for its key once it is known to be
+/// committed (just committed, or replayed): what the fast path may cache.
+type Answered = (Response<Full<Bytes>>, Option<serde_json::Value>);
+
+/// The request served with PostgreSQL alone: the claim inside the request's transaction decides.
+async fn in_postgres<S, B, RB>(
+    mut inner: S,
+    pool: PgPool,
+    config: Arc<IdempotencyConfig>,
+    claimed: Claimed<B>,
+) -> Result<Answered, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    RB: http_body::Body<Data = Bytes>,
+    RB::Error: Into<BoxError>,
+{
+    let Claimed {
+        key,
+        tenant,
+        step_key,
+        hash,
+        traceparent,
+        mut request,
+    } = claimed;
     let unavailable = |what: &str, e: &dyn std::fmt::Display| {
         tracing::error!(error = %e, "{what}");
         problem(
@@ -419,21 +508,13 @@ where
     };
     let mut tx = match pool.begin().await {
         Ok(tx) => tx,
-        Err(e) => return Ok(unavailable("beginning a transaction", &e)),
+        Err(e) => return Ok((unavailable("beginning a transaction", &e), None)),
     };
+    let mut replayed = None;
     let early = match idempotency::try_claim(&mut tx, &tenant, &step_key, &hash).await {
         Err(e) => Some(unavailable("claiming an idempotency key", &e)),
         Ok(TryClaim::Claimed) => None,
-        Ok(TryClaim::Busy) => {
-            let mut response = problem(
-                StatusCode::CONFLICT,
-                "a request with this Idempotency-Key is in progress",
-            );
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            Some(response)
-        }
+        Ok(TryClaim::Busy) => Some(in_progress()),
         Ok(TryClaim::Existing {
             stored,
             request_hash,
@@ -446,9 +527,14 @@ where
             match (stored.status == KeyStatus::Completed)
                 .then_some(stored.outcome)
                 .flatten()
-                .and_then(|value| serde_json::from_value::<StoredResponse>(value).ok())
-            {
-                Some(response) => response.replay(),
+                .and_then(|value| {
+                    let response = serde_json::from_value::<StoredResponse>(value.clone()).ok()?;
+                    Some((response, value))
+                }) {
+                Some((response, value)) => {
+                    replayed = Some(value);
+                    response.replay()
+                }
                 None => problem(
                     StatusCode::CONFLICT,
                     "the key's stored response cannot be replayed",
@@ -458,7 +544,7 @@ where
     };
     if let Some(response) = early {
         roll_back(tx).await;
-        return Ok(response);
+        return Ok((response, replayed));
     }
 
     let handle = IdempotentRequest(Arc::new(Shared {
@@ -469,7 +555,6 @@ where
         traceparent,
         tx: Mutex::new(Some(tx)),
     }));
-    let mut request = Request::from_parts(parts, B::from(bytes));
     request.extensions_mut().insert(handle.clone());
     // Every path below that does not commit rolls the transaction back before answering.
     let response = match inner.call(request).await {
@@ -482,9 +567,12 @@ where
         }
     };
     let Some(mut tx) = handle.take().await else {
-        return Ok(problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "the handler kept the transaction",
+        return Ok((
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the handler kept the transaction",
+            ),
+            None,
         ));
     };
     let (parts, body) = response.into_parts();
@@ -498,40 +586,47 @@ where
         Some(bytes) => bytes,
         None => {
             roll_back(tx).await;
-            return Ok(problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "the handler's response body failed",
+            return Ok((
+                problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the handler's response body failed",
+                ),
+                None,
             ));
         }
     };
     if parts.status.is_server_error() {
         // Rolled back: the key is free for the retry.
         roll_back(tx).await;
-        return Ok(Response::from_parts(parts, Full::new(body)));
+        return Ok((Response::from_parts(parts, Full::new(body)), None));
     }
     let Some(stored) = StoredResponse::capture(parts.status, &parts.headers, &body) else {
         roll_back(tx).await;
-        return Ok(problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "the handler's response is not UTF-8 and cannot be stored",
+        return Ok((
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the handler's response is not UTF-8 and cannot be stored",
+            ),
+            None,
         ));
     };
+    let stored = serde_json::to_value(&stored).ok();
     let outcome = StepOutcome::Completed {
-        result: serde_json::to_value(&stored).ok(),
+        result: stored.clone(),
     };
     if let Err(e) = idempotency::record_outcomes(&mut tx, &[(&tenant, &step_key, &outcome)]).await {
         roll_back(tx).await;
-        return Ok(unavailable("storing the response", &e));
+        return Ok((unavailable("storing the response", &e), None));
     }
     let emitted = handle.take_emitted();
     if let Err(e) = outbox::append(&mut tx, &emitted).await {
         roll_back(tx).await;
-        return Ok(unavailable("writing the outbox", &e));
+        return Ok((unavailable("writing the outbox", &e), None));
     }
     if let Err(e) = tx.commit().await {
-        return Ok(unavailable("committing", &e));
+        return Ok((unavailable("committing", &e), None));
     }
-    Ok(Response::from_parts(parts, Full::new(body)))
+    Ok((Response::from_parts(parts, Full::new(body)), stored))
 }
 
 /// Rolls `tx` back before the response goes out. Dropping it would also roll it back, but only once the
@@ -540,5 +635,80 @@ where
 async fn roll_back(tx: Transaction<'static, Postgres>) {
     if let Err(e) = tx.rollback().await {
         tracing::warn!(error = %e, "rolling back an idempotent request's transaction");
+    }
+}
+
+/// The Redis fast path in front of [`in_postgres`] (feature `redis`).
+#[cfg(feature = "redis")]
+mod fast {
+    use super::{
+        Answered, BoxError, Bytes, Claimed, Full, IdempotencyConfig, PgPool, Request, Response,
+        Service, StoredResponse, in_postgres, in_progress,
+    };
+    use crate::fast_path::{CachedResponse, FastPath, InFlight, LockAnswer};
+    use std::sync::Arc;
+
+    /// Releases the in-flight lock however the request ends, its future dropped included (a client that
+    /// hung up must not leave its key at 409 until the lock's TTL).
+    struct Unlock(Option<(FastPath, InFlight)>);
+
+    impl Drop for Unlock {
+        fn drop(&mut self) {
+            if let Some((fast, lock)) = self.0.take()
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            {
+                runtime.spawn(async move { fast.unlock(lock).await });
+            }
+        }
+    }
+
+    /// Answers from Redis what it can (a cached response of the same request; 409 while another request
+    /// holds the key's in-flight lock), and sends the rest to PostgreSQL, caching what it committed.
+    pub(super) async fn handle<S, B, RB>(
+        inner: S,
+        pool: PgPool,
+        config: Arc<IdempotencyConfig>,
+        fast: &FastPath,
+        claimed: Claimed<B>,
+    ) -> Result<Response<Full<Bytes>>, S::Error>
+    where
+        S: Service<Request<B>, Response = Response<RB>>,
+        RB: http_body::Body<Data = Bytes>,
+        RB::Error: Into<BoxError>,
+    {
+        let fingerprint: String = claimed.hash.iter().map(|b| format!("{b:02x}")).collect();
+        if let Some(cached) = fast
+            .cached_response(&claimed.tenant, &claimed.step_key)
+            .await
+            && cached.fingerprint == fingerprint
+            && let Ok(stored) = serde_json::from_value::<StoredResponse>(cached.response)
+        {
+            fast.answered("replay");
+            return Ok(stored.replay());
+        }
+        // A cached entry for another request, or one that does not decode: PostgreSQL decides.
+        let (tenant, step_key) = (claimed.tenant.clone(), claimed.step_key.clone());
+        let mut lock = match fast.lock(&tenant, &step_key).await {
+            (LockAnswer::Held, _) => return Ok(in_progress()),
+            (_, lock) => Unlock(lock.map(|l| (fast.clone(), l))),
+        };
+        let answered: Answered = in_postgres(inner, pool, config, claimed).await?;
+        let (response, stored) = answered;
+        if let Some(response) = stored {
+            // After the commit (or a replay from PostgreSQL), before the lock goes: a retry finds either.
+            fast.cache_response(
+                &tenant,
+                &step_key,
+                &CachedResponse {
+                    fingerprint,
+                    response,
+                },
+            )
+            .await;
+        }
+        if let Some((fast, held)) = lock.0.take() {
+            fast.unlock(held).await;
+        }
+        Ok(response)
     }
 }

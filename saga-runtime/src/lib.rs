@@ -6,6 +6,7 @@
 //! re-export what a service uses.
 //!
 //! - [`store`]: the PostgreSQL idempotency store, the outbox writer, garbage collection, migrations.
+//! - `fast_path` (feature `redis`): the optional Redis fast path for hot keys in front of the store.
 //! - [`http`]: the `Idempotency-Key` layer for HTTP entry points (tower, usable with axum).
 //! - [`kafka`]: client configuration, the idempotent producer, topic creation, header conversion.
 //! - [`ops`]: the HTTP endpoint with Prometheus metrics, `/healthz` and `/readyz`.
@@ -28,6 +29,8 @@
 
 pub mod cli;
 pub mod config;
+#[cfg(feature = "redis")]
+pub mod fast_path;
 pub mod http;
 pub mod kafka;
 pub mod ops;

@@ -104,6 +104,19 @@ pub async fn produce(
     count: i64,
     progress: &Progress,
 ) -> anyhow::Result<()> {
+    produce_keys(kafka, topic, count, count, progress).await
+}
+
+/// Produces `count` messages to `topic` whose idempotency keys repeat after `distinct` messages: with
+/// `distinct` a tenth of `count`, nine messages in ten are duplicates of an earlier one (in the same
+/// partition, as the key is also the Kafka key).
+pub async fn produce_keys(
+    kafka: &KafkaConfig,
+    topic: &str,
+    count: i64,
+    distinct: i64,
+    progress: &Progress,
+) -> anyhow::Result<()> {
     let producer = saga_runtime::kafka::idempotent_producer(
         kafka,
         Duration::from_millis(5),
@@ -111,7 +124,7 @@ pub async fn produce(
     )?;
     let mut pending = Vec::new();
     for n in 0..count {
-        let key = format!("bench-{n}");
+        let key = format!("bench-{}", n % distinct.max(1));
         let payload = serde_json::to_vec(&Work { n })?;
         let headers = OwnedHeaders::new()
             .insert(Header {
@@ -149,9 +162,30 @@ pub async fn produce(
     Ok(())
 }
 
+/// The framework's consumer of [`RecordWork`] over `topic`, in group `{topic}.framework`.
+pub fn measured_consumer(
+    kafka: &KafkaConfig,
+    pool: &PgPool,
+    topic: &str,
+    batch_size: usize,
+    concurrency: usize,
+) -> anyhow::Result<SagaConsumer> {
+    Ok(SagaConsumer::builder()
+        .kafka(kafka.clone())
+        .group_id(format!("{topic}.framework"))
+        .dlq_topic(format!("{topic}.dlq"))
+        .pool(pool.clone())
+        .batch_size(batch_size)
+        .concurrency(concurrency)
+        .step(RecordWork {
+            topic: topic.to_owned(),
+        })
+        .build()?)
+}
+
 /// Rows per second written to `table`, from the first row's to the last row's timestamp, once it has
 /// `count` rows.
-async fn throughput(
+pub(crate) async fn throughput(
     pool: &PgPool,
     table: &str,
     count: i64,
@@ -176,7 +210,19 @@ async fn throughput(
     Ok(rate(count, seconds))
 }
 
-/// Runs the framework's consumer over `topic` until it processed `count` messages; returns messages/s.
+/// What a run of the framework's consumer measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct FrameworkRun {
+    /// Messages per second.
+    pub msgs_per_s: f64,
+    /// Messages per committed transaction, on average.
+    pub messages_per_batch: f64,
+    /// Where a partition worker's time went, milliseconds per committed batch, by phase
+    /// (`saga_consumer_batch_phase_seconds`).
+    pub batch_phases_ms: std::collections::BTreeMap<String, f64>,
+}
+
+/// Runs the framework's consumer over `topic` until it processed `count` messages.
 pub async fn framework(
     kafka: &KafkaConfig,
     pool: &PgPool,
@@ -185,19 +231,9 @@ pub async fn framework(
     batch_size: usize,
     concurrency: usize,
     progress: &Progress,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<FrameworkRun> {
     let stop = CancellationToken::new();
-    let consumer = SagaConsumer::builder()
-        .kafka(kafka.clone())
-        .group_id(format!("{topic}.framework"))
-        .dlq_topic(format!("{topic}.dlq"))
-        .pool(pool.clone())
-        .batch_size(batch_size)
-        .concurrency(concurrency)
-        .step(RecordWork {
-            topic: topic.to_owned(),
-        })
-        .build()?;
+    let consumer = measured_consumer(kafka, pool, topic, batch_size, concurrency)?;
     let ops = consumer.ops();
     let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
     let result = throughput(pool, "bench_effects", count, progress).await;
@@ -214,11 +250,31 @@ pub async fn framework(
         value("saga_consumer_batch_size_sum "),
         value("saga_consumer_batch_size_count "),
     );
+    let batches = transactions.max(1.0);
+    let batch_phases_ms = metrics
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("saga_consumer_batch_phase_seconds_sum{phase=\"")?;
+            let (phase, value) = rest.split_once("\"}")?;
+            let seconds: f64 = value.trim().parse().ok()?;
+            Some((phase.to_owned(), seconds * 1000.0 / batches))
+        })
+        .collect();
+    let run = FrameworkRun {
+        msgs_per_s: result?,
+        messages_per_batch: sum / batches,
+        batch_phases_ms,
+    };
     progress.note(&format!(
-        "framework: {transactions} transactions, {:.1} messages per transaction on average",
-        sum / transactions.max(1.0)
+        "framework: {transactions} transactions, {:.1} messages per transaction; ms per batch by phase: {}",
+        run.messages_per_batch,
+        run.batch_phases_ms
+            .iter()
+            .map(|(phase, ms)| format!("{phase} {ms:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     ));
-    result
+    Ok(run)
 }
 
 /// Runs a plain at-least-once consumer over `topic`: per partition, batches of `batch_size` in one

@@ -20,7 +20,7 @@ use sqlx::{PgConnection, PgPool};
 use crate::bench::{Progress, percentile};
 
 #[derive(serde::Deserialize)]
-struct Body {
+pub(crate) struct Body {
     key: String,
     amount: i64,
 }
@@ -46,7 +46,7 @@ async fn write(conn: &mut PgConnection, lineage: &Lineage, body: &Body) -> Resul
     Ok(())
 }
 
-async fn with_layer(
+pub(crate) async fn with_layer(
     request: IdempotentRequest,
     Json(body): Json<Body>,
 ) -> (StatusCode, &'static str) {
@@ -78,17 +78,23 @@ async fn without_layer(
     }
 }
 
+/// The table the handlers write.
+pub(crate) async fn create_table(pool: &PgPool) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS bench_orders (key TEXT NOT NULL, amount BIGINT NOT NULL)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// Latency percentiles in milliseconds: (with p50, with p99, without p50, without p99).
 pub async fn overhead(
     pool: &PgPool,
     requests: usize,
     progress: &Progress,
 ) -> anyhow::Result<(f64, f64, f64, f64)> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS bench_orders (key TEXT NOT NULL, amount BIGINT NOT NULL)",
-    )
-    .execute(pool)
-    .await?;
+    create_table(pool).await?;
     let app = Router::new()
         .route(
             "/with",
@@ -129,13 +135,13 @@ pub async fn overhead(
     ))
 }
 
-struct Client {
+pub(crate) struct Client {
     sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
     addr: SocketAddr,
 }
 
 impl Client {
-    async fn connect(addr: SocketAddr) -> anyhow::Result<Self> {
+    pub(crate) async fn connect(addr: SocketAddr) -> anyhow::Result<Self> {
         let stream = tokio::net::TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
         let (sender, connection) =
@@ -147,6 +153,18 @@ impl Client {
     }
 
     async fn post(&mut self, path: &str, key: &str, body: String) -> anyhow::Result<Duration> {
+        let (status, elapsed) = self.post_status(path, key, body).await?;
+        anyhow::ensure!(status == StatusCode::CREATED, "{path} answered {status}");
+        Ok(elapsed)
+    }
+
+    /// Posts `body` with `key`; the status and the time to the whole response.
+    pub(crate) async fn post_status(
+        &mut self,
+        path: &str,
+        key: &str,
+        body: String,
+    ) -> anyhow::Result<(StatusCode, Duration)> {
         let request = hyper::Request::post(path)
             .header("host", self.addr.to_string())
             .header("content-type", "application/json")
@@ -157,8 +175,6 @@ impl Client {
         let response = self.sender.send_request(request).await?;
         let status = response.status();
         response.into_body().collect().await?;
-        let elapsed = started.elapsed();
-        anyhow::ensure!(status == StatusCode::CREATED, "{path} answered {status}");
-        Ok(elapsed)
+        Ok((status, started.elapsed()))
     }
 }

@@ -4,8 +4,10 @@
 pub mod broker;
 pub mod consumer;
 pub mod http;
+pub mod redis;
 pub mod relay;
 pub mod saga;
+pub mod scale;
 
 use std::time::Instant;
 
@@ -72,6 +74,8 @@ pub struct Report {
     pub sql_ceiling_msgs_per_s: Option<f64>,
     /// consumer / SQL ceiling.
     pub consumer_vs_sql_ceiling_ratio: Option<f64>,
+    /// The consumer's run in detail: messages per batch, milliseconds per batch by phase.
+    pub consumer_run: Option<consumer::FrameworkRun>,
     /// Relay on a backlog, rows/s.
     pub relay_rows_per_s: Option<f64>,
     /// Relay commit-to-ack p50 at the steady rate, ms.
@@ -90,6 +94,14 @@ pub struct Report {
     pub saga_e2e_p50_ms: Option<f64>,
     /// Saga end to end p99, ms.
     pub saga_e2e_p99_ms: Option<f64>,
+    /// The saga's hops, each part's p50 and p99.
+    pub saga_hops: Option<Vec<saga::Hop>>,
+    /// Scale-out on the broker: the consumer in 1, 2 and 4 processes of one group.
+    pub scale_consumers: Option<Vec<scale::ScaleStep>>,
+    /// Scale-out on the broker: the relay as one and as two instances on one outbox backlog.
+    pub scale_relays: Option<Vec<scale::ScaleStep>>,
+    /// The Redis fast path against PostgreSQL alone.
+    pub redis: Option<redis::Figures>,
     /// The broker alone: messages/s acknowledged from one idempotent producer, without headers.
     pub broker_produce_msgs_per_s: Option<f64>,
     /// The broker alone: the same with ten headers per message, as outbox events carry.
@@ -182,10 +194,10 @@ impl Report {
                 "",
             ),
             (
-                "saga end to end p99",
+                "saga end to end p99 (20 orders/s)",
                 fmt(self.saga_e2e_p99_ms, "ms"),
-                "",
-                "",
+                "≤ 60 ms",
+                check(self.saga_e2e_p99_ms, |v| v <= 60.0),
             ),
         ];
         println!();
@@ -209,6 +221,46 @@ impl Report {
         }
         if let Some(mock) = &self.mock_broker {
             println!("(on librdkafka's in-process mock cluster instead of the broker: {mock})");
+        }
+        for (what, steps) in [
+            ("consumer processes", &self.scale_consumers),
+            ("relay instances", &self.scale_relays),
+        ] {
+            if let Some(steps) = steps {
+                let line: Vec<String> = steps
+                    .iter()
+                    .map(|s| format!("{}: {:.0}/s (×{:.2})", s.instances, s.per_s, s.ratio))
+                    .collect();
+                println!("(scale-out, {what}: {})", line.join(", "));
+            }
+        }
+        if let Some(r) = &self.redis {
+            for (side, f) in [
+                ("PostgreSQL alone", &r.postgres_only),
+                ("with Redis", &r.with_redis),
+            ] {
+                println!(
+                    "(redis, {side}: 200 requests on one key p50/p99 {:.1}/{:.1} ms with at most {} connections; replay p50/p99 {:.2}/{:.2} ms; consumer on 90% duplicates {:.0} msg/s)",
+                    f.storm_ms.0,
+                    f.storm_ms.1,
+                    f.storm_connections,
+                    f.replay_ms.0,
+                    f.replay_ms.1,
+                    f.duplicates_msgs_per_s
+                );
+            }
+        }
+        for hop in self.saga_hops.iter().flatten() {
+            println!(
+                "(saga hop {}: relay {:.1}/{:.1} ms, delivery {:.1}/{:.1} ms, step {:.1}/{:.1} ms, p50/p99)",
+                hop.hop,
+                hop.relay_ms.0,
+                hop.relay_ms.1,
+                hop.delivery_ms.0,
+                hop.delivery_ms.1,
+                hop.step_ms.0,
+                hop.step_ms.1
+            );
         }
         if let (Some(with), Some(without)) = (self.http_with_layer_ms, self.http_without_layer_ms) {
             println!(

@@ -27,21 +27,22 @@ fn row(topic: &str, n: i64) -> anyhow::Result<OutboxMessage> {
     Ok(OutboxMessage::from_event(event, &lineage, "saga-bench"))
 }
 
-fn start(
-    kafka: &KafkaConfig,
-    pool: &PgPool,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<Result<(), outbox_relay::RelayError>>,
-) {
+type Running = tokio::task::JoinHandle<Result<(), outbox_relay::RelayError>>;
+
+fn start(kafka: &KafkaConfig, pool: &PgPool) -> (CancellationToken, Running) {
     let stop = CancellationToken::new();
+    let relay = start_one(kafka, pool, &stop);
+    (stop, relay)
+}
+
+fn start_one(kafka: &KafkaConfig, pool: &PgPool, stop: &CancellationToken) -> Running {
     let relay = Relay::builder()
         .kafka(kafka.clone())
         .pool(pool.clone())
+        .rebalance_interval(Duration::from_millis(200))
         .build()
         .expect("a valid relay");
-    let token = stop.clone().cancelled_owned();
-    (stop, tokio::spawn(relay.run(token)))
+    tokio::spawn(relay.run(stop.clone().cancelled_owned()))
 }
 
 async fn wait_published(pool: &PgPool, progress: &Progress) -> anyhow::Result<()> {
@@ -58,13 +59,15 @@ async fn wait_published(pool: &PgPool, progress: &Progress) -> anyhow::Result<()
     }
 }
 
-/// Writes a backlog of `rows` rows, then runs the relay until all are published. Returns rows/s, from the
-/// first acknowledgement to the last.
+/// Writes a backlog of `rows` rows, then runs `instances` relays (each with its own connections and
+/// producer; they share the outbox's shards) until all are published. Returns rows/s, from the first
+/// acknowledgement to the last.
 pub async fn backlog(
     kafka: &KafkaConfig,
     pool: &PgPool,
     topic: &str,
     rows: i64,
+    instances: usize,
     progress: &Progress,
 ) -> anyhow::Result<f64> {
     for chunk in (0..rows).collect::<Vec<_>>().chunks(1_000) {
@@ -76,11 +79,18 @@ pub async fn backlog(
         outbox::append(&mut tx, &messages).await?;
         tx.commit().await?;
     }
-    progress.note(&format!("{rows} rows written; relaying"));
-    let (stop, relay) = start(kafka, pool);
+    progress.note(&format!(
+        "{rows} rows written; relaying with {instances} relay(s)"
+    ));
+    let stop = CancellationToken::new();
+    let relays: Vec<Running> = (0..instances.max(1))
+        .map(|_| start_one(kafka, pool, &stop))
+        .collect();
     wait_published(pool, progress).await?;
     stop.cancel();
-    relay.await??;
+    for relay in relays {
+        relay.await??;
+    }
     let seconds: f64 = sqlx::query_scalar(
         "SELECT extract(epoch FROM max(published_at) - min(published_at))::float8 FROM saga_outbox",
     )

@@ -1,6 +1,6 @@
 //! Measures the framework on this machine: see `saga-bench --help`.
 
-use saga_examples::bench::{Progress, Report, broker, consumer, http, relay, saga};
+use saga_examples::bench::{Progress, Report, broker, consumer, http, relay, saga, scale};
 use saga_examples::harness::broker::Broker;
 use saga_examples::service::{ServiceArgs, quote_ident};
 use saga_runtime::kafka::{KafkaConfig, ensure_topics};
@@ -43,8 +43,10 @@ struct Cli {
     /// framework's own cost from the broker's.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     mock_too: bool,
-    /// Only these sections (broker, consumer, relay, http, saga); all by default.
-    #[arg(long, value_delimiter = ',')]
+    /// Only these sections (broker, consumer, consumer-mock, relay, relay-mock, scale, http, redis,
+    /// saga); all by default. The `-mock` ones and `redis` run on librdkafka's in-process mock cluster;
+    /// they, and `http`, need no broker.
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     only: Vec<String>,
     /// PostgreSQL URL.
     #[arg(
@@ -56,10 +58,35 @@ struct Cli {
     /// Kafka bootstrap servers.
     #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     brokers: String,
+    /// Messages per setting of the scale-out section.
+    #[arg(long, default_value_t = 30_000)]
+    scale_messages: i64,
+    /// Internal: run as one consumer process of a scale-out run (`topic|schema|batch size`).
+    #[arg(long = "scale-worker", hide = true)]
+    scale_worker: Option<String>,
+    /// Redis, for the `redis` section.
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
     /// Where to write the figures.
     #[arg(long, default_value = "target/saga-bench.json")]
     output: std::path::PathBuf,
 }
+
+/// The sections of a run, in the order they run.
+const SECTIONS: [&str; 9] = [
+    "broker",
+    "consumer",
+    "consumer-mock",
+    "relay",
+    "relay-mock",
+    "scale",
+    "http",
+    "redis",
+    "saga",
+];
+
+/// The sections that need no broker (the mock cluster stands in, or no Kafka at all).
+const BROKER_FREE: [&str; 4] = ["consumer-mock", "relay-mock", "http", "redis"];
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -69,8 +96,20 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     saga_runtime::telemetry::init_tracing();
+    if let Some(worker) = &cli.scale_worker {
+        let [topic, schema, batch] = worker.split('|').collect::<Vec<_>>()[..] else {
+            anyhow::bail!("{}: expected topic|schema|batch size", scale::WORKER_ARG);
+        };
+        let kafka = KafkaConfig::new(cli.brokers.clone());
+        return scale::worker(&kafka, &cli.database_url, topic, schema, batch.parse()?).await;
+    }
     let progress = Progress::new();
-    let section = |name: &str| cli.only.is_empty() || cli.only.iter().any(|o| o == name);
+    // `--mock-too false` leaves out the mock-cluster sections unless they are named.
+    let section = |name: &str| {
+        let named = cli.only.iter().any(|o| o == name);
+        let mock = name.ends_with("-mock");
+        named || (cli.only.is_empty() && (!mock || cli.mock_too))
+    };
     let run = format!(
         "bench-{:x}",
         std::time::SystemTime::now()
@@ -90,7 +129,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         embedded_relay: true,
         orchestrated: false,
     };
-    args.check().await?;
+    let uses_broker = SECTIONS
+        .iter()
+        .any(|name| !BROKER_FREE.contains(name) && section(name));
+    if uses_broker {
+        args.check().await?;
+    }
     let kafka = KafkaConfig::new(cli.brokers.clone());
     let mut report = Report {
         settings: serde_json::json!({
@@ -124,8 +168,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.consumer_vs_baseline_ratio = Some(figures.framework / figures.baseline);
         report.sql_ceiling_msgs_per_s = Some(figures.ceiling);
         report.consumer_vs_sql_ceiling_ratio = Some(figures.framework / figures.ceiling);
-        if cli.mock_too {
-            progress.note("consumer again, on librdkafka's mock cluster");
+        report.consumer_run = Some(figures.run);
+    }
+    if section("consumer-mock") {
+        {
+            progress.note("consumer on librdkafka's mock cluster");
             let mock = Broker::mock()?;
             let mock_kafka = KafkaConfig::new(mock.brokers());
             let topics = [
@@ -142,6 +189,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 "consumer_vs_baseline_ratio": figures.framework / figures.baseline,
                 "sql_ceiling_msgs_per_s": figures.ceiling,
                 "consumer_vs_sql_ceiling_ratio": figures.framework / figures.ceiling,
+                "consumer_run": figures.run,
             }));
         }
     }
@@ -161,8 +209,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.relay_rows_per_s = Some(rows);
         report.relay_commit_to_ack_p50_ms = Some(p50);
         report.relay_commit_to_ack_p99_ms = Some(p99);
-        if cli.mock_too {
-            progress.note("relay again, on librdkafka's mock cluster");
+    }
+    if section("relay-mock") {
+        let topic = format!("{run}.relay");
+        {
+            progress.note("relay on librdkafka's mock cluster");
             let mock = Broker::mock()?;
             let mock_kafka = KafkaConfig::new(mock.brokers());
             mock.create_topics(std::slice::from_ref(&topic), cli.partitions)
@@ -185,6 +236,50 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             figures["relay_commit_to_ack_p99_ms"] = serde_json::json!(p99);
         }
     }
+    if section("scale") {
+        let mut settings = Vec::new();
+        for n in [1, 2, 4] {
+            let name = schema(&format!("scale{n}"));
+            let pool = fresh_schema(&args, &name, &mut schemas).await?;
+            settings.push((n, name, pool));
+        }
+        report.scale_consumers = Some(
+            scale::consumers(
+                &kafka,
+                &cli.database_url,
+                &run,
+                settings,
+                cli.scale_messages,
+                cli.partitions,
+                cli.batch_size,
+                &progress,
+            )
+            .await?,
+        );
+        let topic = format!("{run}.relay");
+        ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
+        let mut relays: Vec<scale::ScaleStep> = Vec::new();
+        for instances in [1, 2] {
+            let pool = fresh_schema(
+                &args,
+                &schema(&format!("scale_relay{instances}")),
+                &mut schemas,
+            )
+            .await?;
+            let per_s =
+                relay::backlog(&kafka, &pool, &topic, cli.relay_rows, instances, &progress).await?;
+            progress.note(&format!(
+                "scale-out: {instances} relay(s): {per_s:.0} rows/s"
+            ));
+            let one = relays.first().map_or(per_s, |s| s.per_s);
+            relays.push(scale::ScaleStep {
+                instances,
+                per_s,
+                ratio: per_s / one,
+            });
+        }
+        report.scale_relays = Some(relays);
+    }
     if section("http") {
         let pool = fresh_schema(&args, &schema("http"), &mut schemas).await?;
         progress.note("http: with and without the idempotency layer");
@@ -194,6 +289,30 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.http_overhead_p50_ms = Some(w50 - o50);
         report.http_overhead_p99_ms = Some(w99 - o99);
     }
+    if section("redis") {
+        let mut pools = Vec::new();
+        for side in ["redis_http_pg", "redis_http", "redis_dup_pg", "redis_dup"] {
+            pools.push(fresh_schema(&args, &schema(side), &mut schemas).await?);
+        }
+        let mock = Broker::mock()?;
+        let mock_kafka = KafkaConfig::new(mock.brokers());
+        let topic = format!("{run}.redis.work");
+        mock.create_topics(&[topic.clone(), format!("{topic}.dlq")], cli.partitions)
+            .await?;
+        report.redis = Some(
+            saga_examples::bench::redis::figures(
+                &cli.redis_url,
+                [&pools[0], &pools[1], &pools[2], &pools[3]],
+                &mock_kafka,
+                &topic,
+                200,
+                1_000,
+                cli.messages / 2,
+                &progress,
+            )
+            .await?,
+        );
+    }
     if section("saga") {
         let names = args.all_topics();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -201,10 +320,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         let pool = args.pool(&schema("probe"), 2).await?;
         schemas.push(schema("probe"));
         progress.note("saga: end-to-end latency");
-        let (p50, p99) =
+        let latency =
             saga::latency(&args, &pool, cli.saga_orders, cli.saga_rate, &progress).await?;
-        report.saga_e2e_p50_ms = Some(p50);
-        report.saga_e2e_p99_ms = Some(p99);
+        report.saga_e2e_p50_ms = Some(latency.e2e_ms.0);
+        report.saga_e2e_p99_ms = Some(latency.e2e_ms.1);
+        report.saga_hops = Some(latency.hops);
         for service in saga_examples::service::Service::ALL {
             schemas.push(args.schema(service));
         }
@@ -212,8 +332,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 
     // The broker keeps what was produced: delete the run's topics.
-    if let Ok(admin) = saga_runtime::kafka::client_config(&kafka)
-        .create::<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>()
+    if uses_broker
+        && let Ok(admin) = saga_runtime::kafka::client_config(&kafka)
+            .create::<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>()
     {
         let names: Vec<String> = [
             "work",
@@ -224,6 +345,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "orders",
             "payments",
             "shipping",
+            "scale1",
+            "scale1.dlq",
+            "scale1.done",
+            "scale2",
+            "scale2.dlq",
+            "scale2.done",
+            "scale4",
+            "scale4.dlq",
+            "scale4.done",
         ]
         .iter()
         .map(|t| format!("{run}.{t}"))
@@ -278,7 +408,7 @@ async fn relay_figures(
 ) -> anyhow::Result<(f64, f64, f64)> {
     progress.note(&format!("{label}: backlog"));
     let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
-    let rows = relay::backlog(kafka, &pool, topic, cli.relay_rows, progress).await?;
+    let rows = relay::backlog(kafka, &pool, topic, cli.relay_rows, 1, progress).await?;
     let pool = fresh_schema(
         args,
         &format!("{}_{label}_steady", args.schema_prefix),
@@ -335,7 +465,7 @@ async fn consumer_figures(
     progress.note(&format!(
         "consumer ({label}): baseline {baseline:.0} msg/s; now the framework's consumer"
     ));
-    let framework = consumer::framework(
+    let run = consumer::framework(
         kafka,
         &pool,
         &topic,
@@ -345,6 +475,7 @@ async fn consumer_figures(
         progress,
     )
     .await?;
+    let framework = run.msgs_per_s;
     progress.note(&format!(
         "consumer ({label}): framework {framework:.0} msg/s; now the SQL ceiling"
     ));
@@ -363,6 +494,7 @@ async fn consumer_figures(
         framework,
         baseline,
         ceiling,
+        run,
     })
 }
 
@@ -374,4 +506,6 @@ struct ConsumerFigures {
     baseline: f64,
     /// The SQL the framework must do, without Kafka.
     ceiling: f64,
+    /// The framework's run in detail.
+    run: consumer::FrameworkRun,
 }
