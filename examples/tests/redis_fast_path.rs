@@ -440,6 +440,30 @@ async fn settings_refuse_a_key_ttl_longer_than_the_key_retention() {
     assert_eq!(problem.setting, "REDIS_URL");
 }
 
+/// Waits until the test group's committed offset of partition 0 of `topic` is `next`.
+async fn wait_committed(kafka: &TestKafka, topic: &str, next: i64, what: &str) {
+    wait_until(what, Duration::from_secs(60), || async {
+        let committed = kafka
+            .committed_offsets(&format!("{topic}-group"), topic)
+            .await;
+        (committed.get(&0) == Some(&next)).then_some(())
+    })
+    .await;
+}
+
+/// Waits until Redis holds `key`.
+async fn wait_known(redis: &redis::aio::MultiplexedConnection, key: &str, what: &str) {
+    wait_until(what, Duration::from_secs(60), || async {
+        let known: Option<String> = redis::cmd("GET")
+            .arg(key)
+            .query_async(&mut redis.clone())
+            .await
+            .unwrap();
+        known.map(|_| ())
+    })
+    .await;
+}
+
 /// The consumer's step: one row per message.
 struct RecordHit {
     topic: String,
@@ -520,17 +544,10 @@ async fn the_consumer_acknowledges_duplicates_redis_knows_without_a_transaction_
     let mut redis = redis().await;
 
     hit("k-1").await;
-    wait_until(
+    wait_known(
+        &redis,
+        &redis_key("k-1"),
         "k-1 recorded in Redis after its commit",
-        Duration::from_secs(60),
-        || async {
-            let known: Option<String> = redis::cmd("GET")
-                .arg(redis_key("k-1"))
-                .query_async(&mut redis.clone())
-                .await
-                .unwrap();
-            known.map(|_| ())
-        },
     )
     .await;
     assert_eq!(db.count("hits").await, 1);
@@ -538,17 +555,11 @@ async fn the_consumer_acknowledges_duplicates_redis_knows_without_a_transaction_
 
     // A duplicate Redis knows: acknowledged without a transaction.
     let (_, offset) = hit("k-1").await;
-    wait_until(
+    wait_committed(
+        &kafka,
+        &topic,
+        offset + 1,
         "the duplicate's offset committed",
-        Duration::from_secs(60),
-        || async {
-            (kafka
-                .committed_offsets(&format!("{topic}-group"), &topic)
-                .await
-                .get(&0)
-                == Some(&(offset + 1)))
-            .then_some(())
-        },
     )
     .await;
     assert_eq!(transactions(), before, "no transaction for the duplicate");
@@ -569,17 +580,11 @@ async fn the_consumer_acknowledges_duplicates_redis_knows_without_a_transaction_
         .await
         .unwrap();
     let (_, offset) = hit("k-1").await;
-    wait_until(
+    wait_committed(
+        &kafka,
+        &topic,
+        offset + 1,
         "the second duplicate's offset committed",
-        Duration::from_secs(60),
-        || async {
-            (kafka
-                .committed_offsets(&format!("{topic}-group"), &topic)
-                .await
-                .get(&0)
-                == Some(&(offset + 1)))
-            .then_some(())
-        },
     )
     .await;
     assert_eq!(
@@ -591,15 +596,7 @@ async fn the_consumer_acknowledges_duplicates_redis_knows_without_a_transaction_
         sample("saga_consumer_duplicates_total", r#"step="record-hit""#),
         2.0
     );
-    wait_until("k-1 back in Redis", Duration::from_secs(10), || async {
-        let known: Option<String> = redis::cmd("GET")
-            .arg(redis_key("k-1"))
-            .query_async(&mut redis.clone())
-            .await
-            .unwrap();
-        known.map(|_| ())
-    })
-    .await;
+    wait_known(&redis, &redis_key("k-1"), "k-1 back in Redis").await;
 
     // A key another tenant completed is not this tenant's.
     let (_, _) = kafka

@@ -26,18 +26,17 @@ pub(crate) async fn pre_check(fast: Option<&FastPath>, batch: &mut [Delivery]) {
     let Some(fast) = fast else { return };
     #[cfg(feature = "redis")]
     {
-        let keyed: Vec<usize> = (0..batch.len())
-            .filter(|i| matches!(batch[*i].route, Route::Step { .. }))
-            .collect();
-        let keys: Vec<_> = keyed
+        // (index in the batch, key) of the messages routed to a step.
+        let (keyed, keys): (Vec<usize>, Vec<_>) = batch
             .iter()
-            .filter_map(|i| match &batch[*i].route {
+            .enumerate()
+            .filter_map(|(i, d)| match &d.route {
                 Route::Step {
                     step_key, tenant, ..
-                } => Some((tenant, step_key)),
+                } => Some((i, (tenant, step_key))),
                 _ => None,
             })
-            .collect();
+            .unzip();
         let known = fast.completed(&keys).await;
         drop(keys);
         let mut skipped = 0;
@@ -47,9 +46,7 @@ pub(crate) async fn pre_check(fast: Option<&FastPath>, batch: &mut [Delivery]) {
                 skipped += 1;
             }
         }
-        for _ in 0..skipped {
-            fast.answered("duplicate");
-        }
+        fast.answered("duplicate", skipped);
     }
     #[cfg(not(feature = "redis"))]
     {

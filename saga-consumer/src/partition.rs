@@ -106,10 +106,7 @@ async fn run(
                     .executor
                     .process(&mut batch, &cancel, &mut known)
                     .await;
-                if done > 0 {
-                    let next = batch[done - 1].raw.origin.offset + 1;
-                    shared.tracker.finished(&tp, generation, next);
-                }
+                report(&shared, &tp, generation, &batch[..done]);
                 if done < batch.len() {
                     return;
                 }
@@ -138,11 +135,8 @@ async fn run(
             } else {
                 0
             };
-            if done > 0 {
-                let next = backlog[done - 1].raw.origin.offset + 1;
-                shared.tracker.finished(&tp, generation, next);
-                backlog.drain(..done);
-            }
+            report(&shared, &tp, generation, &backlog.make_contiguous()[..done]);
+            backlog.drain(..done);
             match pending.resolve().await {
                 Some(BatchStart::Normal) if done == take => continue,
                 // Cancelled (revoke or shutdown): the rest comes back to whoever owns the partition next.
@@ -214,10 +208,7 @@ async fn run(
                 .process(&mut batch, &cancel, &mut known)
                 .await
         };
-        if done > 0 {
-            let next = batch[done - 1].raw.origin.offset + 1;
-            shared.tracker.finished(&tp, generation, next);
-        }
+        report(&shared, &tp, generation, &batch[..done]);
         if done < batch.len() {
             // Cancelled (revoke or shutdown): the rest comes back to whoever owns the partition next.
             shared.executor.guard.end(&tp.0, tp.1, first, false).await;
@@ -226,5 +217,15 @@ async fn run(
         if start != BatchStart::Normal {
             shared.executor.guard.end(&tp.0, tp.1, first, true).await;
         }
+    }
+}
+
+/// Reports the `finished` deliveries (a prefix of the partition's messages, in order) to the offset
+/// tracker: the partition is done up to the last one.
+fn report(shared: &WorkerShared, tp: &TopicPartition, generation: u64, finished: &[Delivery]) {
+    if let Some(last) = finished.last() {
+        shared
+            .tracker
+            .finished(tp, generation, last.raw.origin.offset + 1);
     }
 }

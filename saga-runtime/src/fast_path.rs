@@ -22,6 +22,7 @@
 //! answered "unknown", a warning is logged (once per outage), `saga_redis_available` drops to 0, and
 //! reconnection is tried at most once per [`RECONNECT_INTERVAL`]. Everything then runs on PostgreSQL alone.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -118,7 +119,12 @@ impl FastPathSettings {
             settings.timeout = Duration::from_millis(ms);
         }
         let retention_hours = match get("SAGA_KEY_RETENTION_HOURS") {
-            None => 168.0,
+            None => {
+                crate::store::gc::GcPolicy::default()
+                    .retention
+                    .as_secs_f64()
+                    / 3600.0
+            }
             Some(v) => v.trim().parse::<f64>().map_err(|_| {
                 ConfigProblem::new(
                     "SAGA_KEY_RETENTION_HOURS",
@@ -358,7 +364,16 @@ impl FastPath {
     /// Runs `cmd`; `None` if Redis is down, fails or is slower than the timeout.
     async fn run<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Option<T> {
         let mut c = self.connection().await?;
-        match tokio::time::timeout(self.0.settings.timeout, cmd.query_async::<T>(&mut c)).await {
+        self.within_timeout(cmd.query_async::<T>(&mut c)).await
+    }
+
+    /// Awaits a Redis call for at most the timeout: a failure marks Redis down, a timeout is counted
+    /// (slow, not necessarily down: the connection is kept).
+    async fn within_timeout<T>(
+        &self,
+        call: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Option<T> {
+        match tokio::time::timeout(self.0.settings.timeout, call).await {
             Ok(Ok(v)) => Some(v),
             Ok(Err(e)) => {
                 self.down(&e.to_string());
@@ -380,7 +395,7 @@ impl FastPath {
         step_key: &StepKey,
     ) -> (LockAnswer, Option<InFlight>) {
         let key = self.key("lock", tenant, step_key);
-        let token = format!("{}-{}", std::process::id(), uuid_like());
+        let token = uuid::Uuid::new_v4().simple().to_string();
         let ttl = u64::try_from(self.0.settings.lock_ttl.as_millis()).unwrap_or(u64::MAX);
         let set: Option<Option<String>> = self
             .run(
@@ -395,7 +410,7 @@ impl FastPath {
         match set {
             Some(Some(_)) => (LockAnswer::Acquired, Some(InFlight { key, token })),
             Some(None) => {
-                self.answered("in_flight");
+                self.answered("in_flight", 1);
                 (LockAnswer::Held, None)
             }
             None => (LockAnswer::Unknown, None),
@@ -451,13 +466,15 @@ impl FastPath {
             .await;
     }
 
-    /// Counts a request answered from Redis (`replay`), for the caller that served it.
-    pub fn answered(&self, answer: &'static str) {
-        self.0
-            .metrics
-            .answered
-            .get_or_create(&UseLabels { answer })
-            .inc();
+    /// Counts `n` requests or messages answered from Redis (`replay`, `in_flight`, `duplicate`).
+    pub fn answered(&self, answer: &'static str, n: u64) {
+        if n > 0 {
+            self.0
+                .metrics
+                .answered
+                .get_or_create(&UseLabels { answer })
+                .inc_by(n);
+        }
     }
 
     /// Which of `keys` Redis knows to be completed: one `MGET`. All `false` when Redis does not answer.
@@ -495,13 +512,7 @@ impl FastPath {
         let Some(mut c) = self.connection().await else {
             return;
         };
-        match tokio::time::timeout(self.0.settings.timeout, pipe.query_async::<()>(&mut c)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => self.down(&e.to_string()),
-            Err(_) => {
-                self.0.metrics.errors.inc();
-            }
-        }
+        let _: Option<()> = self.within_timeout(pipe.query_async(&mut c)).await;
     }
 
     fn key_ttl_ms(&self) -> u64 {
@@ -511,13 +522,4 @@ impl FastPath {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// A token unique enough to tell this lock holder from the next one: time and a counter.
-fn uuid_like() -> String {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{nanos:x}-{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
 }

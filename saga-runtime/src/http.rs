@@ -683,7 +683,7 @@ mod fast {
             && cached.fingerprint == fingerprint
             && let Ok(stored) = serde_json::from_value::<StoredResponse>(cached.response)
         {
-            fast.answered("replay");
+            fast.answered("replay", 1);
             return Ok(stored.replay());
         }
         // A cached entry for another request, or one that does not decode: PostgreSQL decides.

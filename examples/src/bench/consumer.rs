@@ -162,17 +162,18 @@ pub async fn produce_keys(
     Ok(())
 }
 
-/// The framework's consumer of [`RecordWork`] over `topic`, in group `{topic}.framework`.
+/// The framework's consumer of [`RecordWork`] over `topic`, in group `{topic}.{group}`.
 pub fn measured_consumer(
     kafka: &KafkaConfig,
     pool: &PgPool,
     topic: &str,
+    group: &str,
     batch_size: usize,
     concurrency: usize,
-) -> anyhow::Result<SagaConsumer> {
-    Ok(SagaConsumer::builder()
+) -> saga_consumer::SagaConsumerBuilder {
+    SagaConsumer::builder()
         .kafka(kafka.clone())
-        .group_id(format!("{topic}.framework"))
+        .group_id(format!("{topic}.{group}"))
         .dlq_topic(format!("{topic}.dlq"))
         .pool(pool.clone())
         .batch_size(batch_size)
@@ -180,7 +181,6 @@ pub fn measured_consumer(
         .step(RecordWork {
             topic: topic.to_owned(),
         })
-        .build()?)
 }
 
 /// Rows per second written to `table`, from the first row's to the last row's timestamp, once it has
@@ -233,23 +233,19 @@ pub async fn framework(
     progress: &Progress,
 ) -> anyhow::Result<FrameworkRun> {
     let stop = CancellationToken::new();
-    let consumer = measured_consumer(kafka, pool, topic, batch_size, concurrency)?;
+    let consumer =
+        measured_consumer(kafka, pool, topic, "framework", batch_size, concurrency).build()?;
     let ops = consumer.ops();
     let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
     let result = throughput(pool, "bench_effects", count, progress).await;
     stop.cancel();
     running.await??;
-    let metrics = ops.render();
-    let value = |name: &str| {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
+    let value = |name: &str| ops.sample(name, "").unwrap_or(0.0);
     let (sum, transactions) = (
-        value("saga_consumer_batch_size_sum "),
-        value("saga_consumer_batch_size_count "),
+        value("saga_consumer_batch_size_sum"),
+        value("saga_consumer_batch_size_count"),
     );
+    let metrics = ops.render();
     let batches = transactions.max(1.0);
     let batch_phases_ms = metrics
         .lines()

@@ -136,18 +136,9 @@ async fn duplicates_side(
     .execute(pool)
     .await?;
     let stop = CancellationToken::new();
-    let consumer = saga_consumer::SagaConsumer::builder()
-        .kafka(kafka.clone())
-        .group_id(format!(
-            "{topic}.{}",
-            if fast_path.is_some() { "redis" } else { "pg" }
-        ))
-        .dlq_topic(format!("{topic}.dlq"))
-        .pool(pool.clone())
+    let group = if fast_path.is_some() { "redis" } else { "pg" };
+    let consumer = consumer::measured_consumer(kafka, pool, topic, group, 100, 4)
         .fast_path(fast_path)
-        .step(consumer::RecordWork {
-            topic: topic.to_owned(),
-        })
         .build()?;
     let ops = consumer.ops();
     let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));

@@ -22,7 +22,8 @@ pub async fn worker(
     let pool =
         saga_runtime::config::connect_postgres("DATABASE_URL", database_url, Some(schema), 8)
             .await?;
-    let consumer = consumer::measured_consumer(kafka, &pool, topic, batch_size, 4)?;
+    let consumer =
+        consumer::measured_consumer(kafka, &pool, topic, "framework", batch_size, 4).build()?;
     consumer.run(saga_consumer::shutdown_signal()).await?;
     Ok(())
 }
