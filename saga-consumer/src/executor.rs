@@ -479,18 +479,12 @@ impl Executor {
                         .await;
                 }
                 let mut slept = sleep_or_cancel(wait, cancel).await;
-                if waits_for_lease {
-                    if slept {
-                        delivery.alone = tokio::select! {
-                            biased;
-                            _ = cancel.cancelled() => None,
-                            lock = self.guard.exclusive() => Some(lock),
-                        };
-                        slept = delivery.alone.is_some();
-                    }
-                    self.guard
-                        .resume(&origin.topic, origin.partition, origin.offset)
+                if waits_for_lease && slept {
+                    delivery.alone = self
+                        .guard
+                        .alone(&origin.topic, origin.partition, origin.offset, cancel)
                         .await;
+                    slept = delivery.alone.is_some();
                 }
                 if slept {
                     ControlFlow::Continue(())
@@ -592,7 +586,7 @@ impl Executor {
     }
 
     fn finish(&self, delivery: &Delivery, outcome: ItemOutcome) {
-        delivery.span.record("outcome", outcome.as_str());
+        delivery.span.record("saga.outcome", outcome.as_str());
         let step = delivery.step_name();
         if outcome == ItemOutcome::Duplicate {
             self.metrics

@@ -6,11 +6,13 @@
 //! processed one message at a time, and a message whose isolated processing started more than `limit` times
 //! without finishing is dead-lettered.
 //!
-//! A death is charged to the isolated messages in flight when it happens. So that it is charged to the one
-//! that caused it, an isolated message runs alone in the process: ordinary batches share
-//! [`CrashGuard::shared`], an isolated message takes [`CrashGuard::exclusive`], and while it waits (for the
-//! others to finish, or for another worker's lease on its key) its start is taken back
-//! ([`CrashGuard::pause`]): a death then is not its doing.
+//! A death is charged to the isolated messages whose start is counted when it happens. So that it is charged
+//! to the one that caused it, an isolated message runs alone in the process and its start counts only
+//! while it does: ordinary batches share [`CrashGuard::shared`], an isolated message waits for the process
+//! alone and only then counts its start ([`CrashGuard::alone`]), and while it waits for another worker's
+//! lease on its key, it lets the process go and its start is taken back ([`CrashGuard::pause`]). Recording a
+//! batch's start only decides whether to isolate; it counts nothing, as the batch's transaction may already
+//! be running beside other partitions' when the record says "isolate".
 //!
 //! On the happy path the record costs no wait: a batch of transactional steps starts its transaction while
 //! its start is being recorded ([`PendingStart`]), and only its commit waits for the record. Nothing of the
@@ -63,9 +65,23 @@ impl CrashGuard {
         self.alone.clone().read_owned().await
     }
 
-    /// Held while an isolated message runs: nothing else of this consumer runs meanwhile.
-    pub(crate) async fn exclusive(&self) -> OwnedRwLockWriteGuard<()> {
-        self.alone.clone().write_owned().await
+    /// Waits until the isolated message at `offset` has the process alone (nothing else of this consumer
+    /// runs while the returned lock is held), then counts its start: a death from then on is its doing.
+    /// `None` if `cancel` fired first; nothing was counted then.
+    pub(crate) async fn alone(
+        &self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        cancel: &CancellationToken,
+    ) -> Option<OwnedRwLockWriteGuard<()>> {
+        let lock = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => None,
+            lock = self.alone.clone().write_owned() => Some(lock),
+        }?;
+        self.adjust(topic, partition, offset, 1).await;
+        Some(lock)
     }
 
     /// Whether detection is on (a limit above zero).
@@ -141,16 +157,11 @@ impl CrashGuard {
         })
     }
 
-    /// Takes back the start of the isolated message at `offset` while it waits for something outside
-    /// it (another worker's lease on its key): a death meanwhile is not its doing. [`CrashGuard::resume`]
-    /// counts the start again when its attempt resumes.
+    /// Takes back the start of the isolated message at `offset`, counted by [`CrashGuard::alone`], while
+    /// it waits for something outside it (another worker's lease on its key) with the process let go: a
+    /// death meanwhile is not its doing. [`CrashGuard::alone`] counts it again when its attempt resumes.
     pub(crate) async fn pause(&self, topic: &str, partition: i32, offset: i64) {
         self.adjust(topic, partition, offset, -1).await;
-    }
-
-    /// Counts the start of the isolated message at `offset` again, after [`CrashGuard::pause`].
-    pub(crate) async fn resume(&self, topic: &str, partition: i32, offset: i64) {
-        self.adjust(topic, partition, offset, 1).await;
     }
 
     async fn adjust(&self, topic: &str, partition: i32, offset: i64, by: i32) {

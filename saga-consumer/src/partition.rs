@@ -167,7 +167,7 @@ async fn run(
             BatchStart::Isolate | BatchStart::DeadLetter(_) => backlog.drain(..1).collect(),
         };
         // An ordinary batch shares the process; an isolated message runs alone, so that a death during its
-        // attempt is its own (its start does not count while it waits for the others to finish).
+        // attempt is its own (its start counts only from when it has the process alone).
         let mut _shared_lock = None;
         match start {
             BatchStart::Normal => {
@@ -178,13 +178,7 @@ async fn run(
                 };
             }
             BatchStart::Isolate => {
-                guard.pause(&tp.0, tp.1, first).await;
-                batch[0].alone = tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => None,
-                    lock = guard.exclusive() => Some(lock),
-                };
-                guard.resume(&tp.0, tp.1, first).await;
+                batch[0].alone = guard.alone(&tp.0, tp.1, first, &cancel).await;
                 batch[0].isolated = true;
             }
             BatchStart::DeadLetter(_) => {}
