@@ -332,7 +332,7 @@ pub async fn main(service: Service, about: &'static str) -> anyhow::Result<()> {
         Service::Shipping => "shipping-service",
     };
     let cli: Cli = saga_runtime::cli::parse_command(Cli::command().name(name).about(about));
-    saga_runtime::telemetry::init_tracing();
+    let _tracing = saga_runtime::telemetry::init_tracing();
     run(service, cli.args, saga_consumer::shutdown_signal()).await
 }
 

@@ -19,7 +19,7 @@ use crate::store::{AfterPublish, backlog};
 /// until it is done or SIGTERM / Ctrl-C, and answers bad input or configuration with one line and exit code
 /// 2.
 pub async fn main() -> ExitCode {
-    saga_runtime::telemetry::init_tracing();
+    let _tracing = saga_runtime::telemetry::init_tracing();
     let cli: Cli = saga_runtime::cli::parse();
     saga_runtime::cli::exit_code(cli.execute().await)
 }

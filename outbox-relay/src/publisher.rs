@@ -14,6 +14,7 @@ use futures::FutureExt;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use saga_runtime::kafka::{KafkaConfig, pairs_to_kafka_headers, refused_for_good};
+use saga_runtime::trace;
 use tokio_util::sync::CancellationToken;
 
 use crate::store::OutboxRow;
@@ -85,6 +86,8 @@ impl Publisher {
                 outcome.held_back += 1;
                 continue;
             }
+            // Linked to the context of the transaction that wrote the row (a disabled span without `otel`).
+            let span = trace::publish_span(&row.topic, row.partition_key.as_deref(), &row.headers);
             let headers = pairs_to_kafka_headers(&row.headers);
             let mut record = FutureRecord::<str, [u8]>::to(&row.topic).headers(headers);
             if let Some(k) = row.partition_key.as_deref() {
@@ -97,7 +100,7 @@ impl Publisher {
                 match self.producer.send_result(record) {
                     Ok(delivery) => {
                         let created = row.created_at;
-                        pending.push(delivery.map(move |r| (row, created, r, Utc::now())));
+                        pending.push(delivery.map(move |r| (row, created, r, Utc::now(), span)));
                         break;
                     }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
@@ -122,13 +125,15 @@ impl Publisher {
         // In row order: once a row of a key failed in its delivery report, the key's later rows are not
         // marked even if acknowledged (they are published again after it), so a key's rows are never marked
         // out of order.
-        for (row, created, result, acked_at) in results {
+        for (row, created, result, acked_at, span) in results {
             if !blocked.is_empty() && blocked.contains(&order_key(row)) {
                 outcome.held_back += 1;
                 continue;
             }
             let failed = match result {
-                Ok(Ok(_)) => {
+                Ok(Ok(delivery)) => {
+                    span.record("messaging.destination.partition.id", delivery.partition);
+                    span.record("messaging.kafka.offset", delivery.offset);
                     outcome.acked.push((row.id, created, acked_at));
                     continue;
                 }

@@ -19,7 +19,7 @@ use crate::{keys, lag, outbox, sagas};
 /// The `saga` binary: parses the command line (see `saga --help`), runs the command, and answers bad input
 /// or configuration with one line and exit code 2.
 pub async fn main() -> ExitCode {
-    saga_runtime::telemetry::init_tracing();
+    let _tracing = saga_runtime::telemetry::init_tracing();
     let cli: Cli = saga_runtime::cli::parse();
     saga_runtime::cli::exit_code(cli.execute().await)
 }

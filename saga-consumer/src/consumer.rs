@@ -451,7 +451,7 @@ impl SagaConsumer {
         };
         let shared = Arc::new(WorkerShared {
             executor,
-            router: Router::new(&self.steps, &self.ignored),
+            router: Router::new(&self.steps, &self.ignored, group.clone()),
             tracker: Arc::new(OffsetTracker::default()),
             permits: Arc::new(Semaphore::new(settings.concurrency)),
             batch_size: settings.batch_size,

@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use saga_core::{EnvelopeError, EventMetadata, RawMessage, StepKey, TenantId};
+use saga_runtime::trace;
 
 use crate::handler::{Decoded, RegisteredStep};
 
@@ -83,10 +84,16 @@ impl Delivery {
 pub(crate) struct Router {
     steps: HashMap<(String, String), Arc<RegisteredStep>>,
     ignored: HashSet<(String, String)>,
+    /// The consumer group, named by each message's span.
+    group: String,
 }
 
 impl Router {
-    pub(crate) fn new(steps: &[RegisteredStep], ignored: &[(String, String)]) -> Self {
+    pub(crate) fn new(
+        steps: &[RegisteredStep],
+        ignored: &[(String, String)],
+        group: String,
+    ) -> Self {
         Self {
             steps: steps
                 .iter()
@@ -98,30 +105,27 @@ impl Router {
                 })
                 .collect(),
             ignored: ignored.iter().cloned().collect(),
+            group,
         }
     }
 
-    /// Reads the headers, finds the step and decodes the payload.
+    /// Reads the headers, finds the step and decodes the payload. The message's span continues the trace
+    /// its headers carry; the events its step emits are that span's children.
     pub(crate) fn route(&self, raw: RawMessage) -> Delivery {
         let meta = EventMetadata::from_headers(&raw.headers);
-        let span = tracing::info_span!(
-            "saga.message",
-            topic = %raw.origin.topic,
-            partition = raw.origin.partition,
-            offset = raw.origin.offset,
-            step = tracing::field::Empty,
-            step_key = tracing::field::Empty,
-            tenant = tracing::field::Empty,
-            event_type = tracing::field::Empty,
-            trace_id = tracing::field::Empty,
-            parent_span_id = tracing::field::Empty,
-            outcome = tracing::field::Empty,
+        let span = trace::process_span(
+            &raw.origin.topic,
+            raw.origin.partition,
+            raw.origin.offset,
+            raw.key.as_deref(),
+            &self.group,
         );
+        trace::continue_from_message(&span, &raw.headers);
         let route = match meta {
             Err(e) => Route::Poison(e.into()),
-            Ok(meta) => {
-                span.record("tenant", meta.tenant.as_str());
-                span.record("event_type", meta.event_type.as_str());
+            Ok(mut meta) => {
+                span.record("saga.tenant", meta.tenant.as_str());
+                span.record("saga.event_type", meta.event_type.as_str());
                 if let Some(tp) = meta.traceparent {
                     span.record("trace_id", tp.trace_id_hex());
                     span.record("parent_span_id", format!("{:016x}", tp.parent_id));
@@ -130,8 +134,9 @@ impl Router {
                 if let Some(step) = self.steps.get(&id) {
                     let step_key = meta.step_key(&step.name);
                     let tenant = meta.tenant.clone();
-                    span.record("step", step.name.as_str());
-                    span.record("step_key", step_key.as_str());
+                    span.record("saga.step", step.name.as_str());
+                    span.record("saga.step_key", step_key.as_str());
+                    meta.span_context = trace::span_context(&span);
                     match step.decode(&raw, meta) {
                         Ok(decoded) => Route::Step {
                             step: step.clone(),

@@ -172,3 +172,19 @@ pub mod fast_path {
         CachedResponse, FastPath, FastPathSettings, InFlight, LockAnswer, RECONNECT_INTERVAL,
     };
 }
+
+/// Tracing set-up for a service's `main`: log lines on stderr and, with the feature `otel`, the framework's
+/// spans exported over OTLP (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME`).
+///
+/// ```no_run
+/// # async fn run() {}
+/// # async fn main_() {
+/// let _tracing = saga_consumer::telemetry::init_tracing(); // flushes the last spans when dropped
+/// run().await;
+/// # }
+/// ```
+pub mod telemetry {
+    #[cfg(feature = "otel")]
+    pub use saga_runtime::telemetry::otel_layer;
+    pub use saga_runtime::telemetry::{TracingGuard, init_tracing};
+}

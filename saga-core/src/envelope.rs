@@ -56,6 +56,10 @@ pub struct EventMetadata {
     pub causation_id: Option<String>,
     /// The W3C trace context (`traceparent`); malformed values are ignored.
     pub traceparent: Option<TraceParent>,
+    /// The context of the span the runtime processes the message in, when it traces with OpenTelemetry
+    /// (that span is the child of `traceparent`): events emitted while handling the message are its
+    /// children. `None` when read from headers.
+    pub span_context: Option<TraceParent>,
 }
 
 impl EventMetadata {
@@ -96,6 +100,7 @@ impl EventMetadata {
                 .ok()
                 .flatten()
                 .and_then(TraceParent::parse),
+            span_context: None,
         })
     }
 
@@ -211,7 +216,7 @@ pub struct Lineage {
     pub correlation_id: String,
     /// The id of the message whose handling emits the event, if any.
     pub causation_id: Option<String>,
-    /// The trace the event continues.
+    /// The trace context the event carries (its `traceparent`): the span that emitted it.
     pub traceparent: TraceParent,
 }
 
@@ -232,7 +237,8 @@ impl Lineage {
         }
     }
 
-    /// The lineage of events caused by the message described by `cause`.
+    /// The lineage of events caused by the message described by `cause`. Their trace parent is the span
+    /// that processed `cause` ([`EventMetadata::span_context`]), else a new child of `cause`'s trace.
     pub fn caused_by(cause: &EventMetadata) -> Self {
         Self {
             idempotency_key: cause.idempotency_key.clone(),
@@ -246,6 +252,17 @@ impl Lineage {
                 .traceparent
                 .map_or_else(TraceParent::new_root, |tp| tp.child()),
         }
+        .in_span(cause.span_context)
+    }
+
+    /// Makes `span_context`, if any, the events' trace parent: the context of the span emitting them, when
+    /// the runtime traces with OpenTelemetry.
+    #[must_use]
+    pub fn in_span(mut self, span_context: Option<TraceParent>) -> Self {
+        if let Some(span) = span_context {
+            self.traceparent = span;
+        }
+        self
     }
 }
 
@@ -349,7 +366,7 @@ impl OutboxMessage {
         }
         headers.push((
             names::TRACEPARENT.to_owned(),
-            lineage.traceparent.child().to_string(),
+            lineage.traceparent.to_string(),
         ));
         headers.extend(event.extra_headers);
         Self {
@@ -451,6 +468,23 @@ mod tests {
         let (in_tp, out_tp) = (cause.traceparent.unwrap(), meta.traceparent.unwrap());
         assert_eq!(in_tp.trace_id, out_tp.trace_id);
         assert_ne!(in_tp.parent_id, out_tp.parent_id);
+        assert_eq!(
+            out_tp, lineage.traceparent,
+            "the row carries the lineage's context"
+        );
+        // Traced by the runtime: the events are the children of the span that processed the cause.
+        let span = in_tp.child();
+        let traced = EventMetadata {
+            span_context: Some(span),
+            ..cause
+        };
+        let row = OutboxMessage::from_event(
+            Event::new("PaymentProcessed", "payments", "order-7", &1).unwrap(),
+            &Lineage::caused_by(&traced),
+            "process-payment",
+        );
+        let meta = EventMetadata::from_headers(&row.header_list()).unwrap();
+        assert_eq!(meta.traceparent, Some(span));
         assert_eq!(out.get_str("x-extra"), Ok(Some("1")));
         assert_eq!(row.partition_key.as_deref(), Some("order-7"));
         assert_eq!(row.tenant.as_str(), "acme");

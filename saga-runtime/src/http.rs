@@ -29,6 +29,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tower_layer::Layer;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::store::idempotency::{self, KeyStatus, TryClaim};
 use crate::store::outbox;
@@ -121,6 +122,7 @@ struct Shared {
     operation: StepName,
     tenant: TenantId,
     traceparent: Option<TraceParent>,
+    span_context: Option<TraceParent>,
     tx: Mutex<Option<Transaction<'static, Postgres>>>,
     emitted: std::sync::Mutex<Vec<OutboxMessage>>,
 }
@@ -184,13 +186,15 @@ impl IdempotentRequest {
     }
 
     /// The lineage of the saga this request starts: events it emits carry the client's key as their
-    /// `idempotency-key`, and continue the request's trace.
+    /// `idempotency-key`, and continue the request's trace (as children of the request's span, when it is
+    /// traced with OpenTelemetry).
     pub fn lineage(&self) -> Lineage {
         Lineage::root(
             self.0.key.clone(),
             self.0.tenant.clone(),
             self.0.traceparent,
         )
+        .in_span(self.0.span_context)
     }
 
     /// The open transaction, to write the request's business rows in. Hold it only while writing; do not
@@ -367,7 +371,23 @@ where
         let fast_path = self.fast_path.clone();
         #[cfg(not(feature = "redis"))]
         let fast_path = None;
-        Box::pin(handle(inner, pool, config, fast_path, request))
+        let route = request
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .map(axum::extract::MatchedPath::as_str);
+        let span = crate::trace::http_span(request.method(), route);
+        crate::trace::continue_from_http(&span, request.headers());
+        Box::pin(
+            async move {
+                let answered = handle(inner, pool, config, fast_path, request).await;
+                if let Ok(response) = &answered {
+                    tracing::Span::current()
+                        .record("http.response.status_code", response.status().as_u16());
+                }
+                answered
+            }
+            .instrument(span),
+        )
     }
 }
 
@@ -448,12 +468,15 @@ where
     };
     let hash = fingerprint(&parts.method, &parts.uri, &bytes);
     let step_key = key.step_key(&config.operation);
+    let span = tracing::Span::current();
+    span.record("saga.step_key", step_key.as_str());
     let request = Claimed {
         key,
         tenant,
         step_key,
         hash,
         traceparent,
+        span_context: crate::trace::span_context(&span),
         request: Request::from_parts(parts, B::from(bytes)),
     };
     match fast_path {
@@ -472,6 +495,8 @@ struct Claimed<B> {
     step_key: saga_core::StepKey,
     hash: Vec<u8>,
     traceparent: Option<TraceParent>,
+    /// The context of the request's span, when traced with OpenTelemetry.
+    span_context: Option<TraceParent>,
     request: Request<B>,
 }
 
@@ -497,6 +522,7 @@ where
         step_key,
         hash,
         traceparent,
+        span_context,
         mut request,
     } = claimed;
     let unavailable = |what: &str, e: &dyn std::fmt::Display| {
@@ -553,6 +579,7 @@ where
         emitted: std::sync::Mutex::default(),
         tenant: tenant.clone(),
         traceparent,
+        span_context,
         tx: Mutex::new(Some(tx)),
     }));
     request.extensions_mut().insert(handle.clone());

@@ -11,7 +11,9 @@
 //! - [`kafka`]: client configuration, the idempotent producer, topic creation, header conversion.
 //! - [`ops`]: the HTTP endpoint with Prometheus metrics, `/healthz` and `/readyz`.
 //! - [`shutdown`]: a cancellation token fired by SIGTERM or Ctrl-C.
-//! - [`telemetry`]: tracing set-up for binaries.
+//! - [`telemetry`]: tracing set-up for binaries, with OTLP export under the feature `otel`.
+//! - [`trace`]: the framework's spans and the W3C trace context they carry through HTTP, the outbox and
+//!   Kafka (OpenTelemetry spans under the feature `otel`).
 //! - [`cli`], [`config`]: exit codes and one-line configuration errors for binaries.
 //!
 //! # Examples
@@ -37,3 +39,4 @@ pub mod ops;
 pub mod shutdown;
 pub mod store;
 pub mod telemetry;
+pub mod trace;

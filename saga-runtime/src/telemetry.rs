@@ -1,12 +1,117 @@
-//! Tracing set-up for the framework's binaries.
+//! Tracing set-up for the framework's binaries: log lines on stderr and, with the feature `otel`, the
+//! framework's spans ([`crate::trace`]) exported over OTLP.
+//!
+//! OpenTelemetry is configured by its standard variables: `OTEL_EXPORTER_OTLP_ENDPOINT` (or
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) turns the export on (OTLP over HTTP with protobuf, for example
+//! `http://localhost:4318`), `OTEL_SERVICE_NAME` names the service, `OTEL_TRACES_SAMPLER` and its argument
+//! choose the sampler, `OTEL_SDK_DISABLED=true` turns it off.
+
+/// Keeps the span exporter running; dropping it flushes the spans not yet exported and shuts the exporter
+/// down. Hold it for the life of `main`.
+#[must_use = "dropping the guard shuts the span exporter down"]
+#[derive(Debug, Default)]
+pub struct TracingGuard {
+    #[cfg(feature = "otel")]
+    provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl Drop for TracingGuard {
+    fn drop(&mut self) {
+        #[cfg(feature = "otel")]
+        if let Some(provider) = self.provider.take()
+            && let Err(e) = provider.shutdown()
+        {
+            eprintln!("OpenTelemetry: could not flush the last spans: {e}");
+        }
+    }
+}
 
 /// Installs a `tracing` subscriber printing to stderr, filtered by `RUST_LOG` (default: `info`, with
-/// librdkafka's own lines at `warn`). Does nothing if one is installed already.
-pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,librdkafka=warn,sqlx=warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+/// librdkafka's own lines at `warn`), and, with the feature `otel` and an OTLP endpoint configured, an
+/// OpenTelemetry layer exporting the spans. Does nothing if a subscriber is installed already.
+pub fn init_tracing() -> TracingGuard {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    let registry = tracing_subscriber::registry()
+        .with(env_filter())
+        .with(log_lines());
+    #[cfg(feature = "otel")]
+    {
+        let provider = otlp_provider();
+        let layer = provider.as_ref().map(otel_layer);
+        if registry.with(layer).try_init().is_err() {
+            return TracingGuard::default();
+        }
+        TracingGuard { provider }
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = registry.try_init();
+        TracingGuard::default()
+    }
+}
+
+/// The filter of [`init_tracing`]: `RUST_LOG`, else `info` with librdkafka's and sqlx's own lines at
+/// `warn`.
+pub fn env_filter() -> tracing_subscriber::EnvFilter {
+    tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,librdkafka=warn,sqlx=warn"))
+}
+
+/// The log lines of [`init_tracing`], on stderr.
+pub fn log_lines<S>() -> tracing_subscriber::fmt::Layer<
+    S,
+    tracing_subscriber::fmt::format::DefaultFields,
+    tracing_subscriber::fmt::format::Format,
+    fn() -> std::io::Stderr,
+>
+where
+    S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+{
+    tracing_subscriber::fmt::layer().with_writer(std::io::stderr as fn() -> std::io::Stderr)
+}
+
+/// The layer turning the framework's `tracing` spans into OpenTelemetry spans of `provider`, for a service
+/// that installs its own subscriber.
+#[cfg(feature = "otel")]
+pub fn otel_layer<S>(
+    provider: &opentelemetry_sdk::trace::SdkTracerProvider,
+) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>
+where
+    S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+{
+    use opentelemetry::trace::TracerProvider as _;
+    tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("saga-exactly-once"))
+        .with_location(false)
+        .with_threads(false)
+}
+
+/// A provider exporting over OTLP/HTTP, if the environment asks for one (an OTLP endpoint set, the SDK not
+/// disabled). A configuration the exporter cannot use is reported on stderr, and spans stay local.
+#[cfg(feature = "otel")]
+fn otlp_provider() -> Option<opentelemetry_sdk::trace::SdkTracerProvider> {
+    let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
+    let disabled =
+        std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    if disabled
+        || !(set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    {
+        return None;
+    }
+    match opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .build()
+    {
+        Ok(exporter) => Some(
+            opentelemetry_sdk::trace::SdkTracerProvider::builder()
+                .with_batch_exporter(exporter)
+                .build(),
+        ),
+        Err(e) => {
+            eprintln!("OpenTelemetry: cannot export spans over OTLP: {e}");
+            None
+        }
+    }
 }

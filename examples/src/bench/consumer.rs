@@ -232,14 +232,10 @@ pub async fn framework(
     concurrency: usize,
     progress: &Progress,
 ) -> anyhow::Result<FrameworkRun> {
-    let stop = CancellationToken::new();
     let consumer =
         measured_consumer(kafka, pool, topic, "framework", batch_size, concurrency).build()?;
     let ops = consumer.ops();
-    let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
-    let result = throughput(pool, "bench_effects", count, progress).await;
-    stop.cancel();
-    running.await??;
+    let result = run_until(consumer, pool, count, progress).await;
     let value = |name: &str| ops.sample(name, "").unwrap_or(0.0);
     let (sum, transactions) = (
         value("saga_consumer_batch_size_sum"),
@@ -271,6 +267,40 @@ pub async fn framework(
             .join(", ")
     ));
     Ok(run)
+}
+
+/// Creates `bench_effects`, the table [`RecordWork`] writes.
+pub async fn create_effects_table(pool: &PgPool) -> Result<(), sqlx::Error> {
+    create_table(pool, "bench_effects").await
+}
+
+/// Creates `bench_baseline`, the table the baseline writes.
+pub async fn create_baseline_table(pool: &PgPool) -> Result<(), sqlx::Error> {
+    create_table(pool, "bench_baseline").await
+}
+
+async fn create_table(pool: &PgPool, table: &'static str) -> Result<(), sqlx::Error> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {table} (n BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())"
+    )))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Runs `consumer` until `bench_effects` in `pool` holds `count` rows; returns messages/s.
+pub async fn run_until(
+    consumer: SagaConsumer,
+    pool: &PgPool,
+    count: i64,
+    progress: &Progress,
+) -> anyhow::Result<f64> {
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
+    let result = throughput(pool, "bench_effects", count, progress).await;
+    stop.cancel();
+    running.await??;
+    result
 }
 
 /// Runs a plain at-least-once consumer over `topic`: per partition, batches of `batch_size` in one

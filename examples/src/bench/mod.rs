@@ -4,6 +4,7 @@
 pub mod broker;
 pub mod consumer;
 pub mod http;
+pub mod otel;
 pub mod redis;
 pub mod relay;
 pub mod saga;
@@ -102,6 +103,8 @@ pub struct Report {
     pub scale_relays: Option<Vec<scale::ScaleStep>>,
     /// The Redis fast path against PostgreSQL alone.
     pub redis: Option<redis::Figures>,
+    /// The consumer with and without an OpenTelemetry layer sampling every span out.
+    pub otel: Option<otel::Figures>,
     /// The broker alone: messages/s acknowledged from one idempotent producer, without headers.
     pub broker_produce_msgs_per_s: Option<f64>,
     /// The broker alone: the same with ten headers per message, as outbox events carry.
@@ -249,6 +252,21 @@ impl Report {
                     f.duplicates_msgs_per_s
                 );
             }
+        }
+        if let Some(o) = &self.otel {
+            let rounds = |v: &[f64]| {
+                v.iter()
+                    .map(|r| format!("{r:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            println!(
+                "(otel, spans sampled out: consumer with the layer / without = {:.3}, noise between runs without ±{:.1}%; rounds without: {} msg/s; with: {} msg/s)",
+                o.ratio,
+                o.noise * 50.0,
+                rounds(&o.without_msgs_per_s),
+                rounds(&o.with_msgs_per_s)
+            );
         }
         for hop in self.saga_hops.iter().flatten() {
             println!(

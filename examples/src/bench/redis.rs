@@ -130,11 +130,7 @@ async fn duplicates_side(
     fast_path: Option<FastPath>,
     progress: &Progress,
 ) -> anyhow::Result<f64> {
-    sqlx::query(
-        "CREATE TABLE bench_effects (n BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
-    )
-    .execute(pool)
-    .await?;
+    consumer::create_effects_table(pool).await?;
     let stop = CancellationToken::new();
     let group = if fast_path.is_some() { "redis" } else { "pg" };
     let consumer = consumer::measured_consumer(kafka, pool, topic, group, 100, 4)

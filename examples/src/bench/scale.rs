@@ -66,11 +66,7 @@ pub async fn consumers(
             "scale-out: {n} consumer process(es): producing {messages} messages"
         ));
         consumer::produce(kafka, &topic, messages, progress).await?;
-        sqlx::query(
-            "CREATE TABLE bench_effects (n BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
-        )
-        .execute(&pool)
-        .await?;
+        consumer::create_effects_table(&pool).await?;
         let exe = std::env::current_exe()?;
         let mut children = Vec::new();
         for _ in 0..n {

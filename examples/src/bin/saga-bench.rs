@@ -1,9 +1,11 @@
 //! Measures the framework on this machine: see `saga-bench --help`.
 
-use saga_examples::bench::{Progress, Report, broker, consumer, http, relay, saga, scale};
+use saga_examples::bench::{Progress, Report, broker, consumer, http, otel, relay, saga, scale};
 use saga_examples::harness::broker::Broker;
 use saga_examples::service::{ServiceArgs, quote_ident};
 use saga_runtime::kafka::{KafkaConfig, ensure_topics};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Measures, in one run: consumer throughput with dedup and outbox against an at-least-once baseline;
 /// relay throughput on a backlog and commit-to-ack latency at a steady rate; the HTTP idempotency layer's
@@ -43,9 +45,9 @@ struct Cli {
     /// framework's own cost from the broker's.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     mock_too: bool,
-    /// Only these sections (broker, consumer, consumer-mock, relay, relay-mock, scale, http, redis,
-    /// saga); all by default. The `-mock` ones and `redis` run on librdkafka's in-process mock cluster;
-    /// they, and `http`, need no broker.
+    /// Only these sections (broker, consumer, consumer-mock, relay, relay-mock, scale, http, redis, otel,
+    /// saga); all by default. The `-mock` ones, `redis` and `otel` run on librdkafka's in-process mock
+    /// cluster; they, and `http`, need no broker.
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     only: Vec<String>,
     /// PostgreSQL URL.
@@ -67,13 +69,16 @@ struct Cli {
     /// Redis, for the `redis` section.
     #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     redis_url: String,
+    /// Rounds of the `otel` section (each: one consumer run without OpenTelemetry, one with).
+    #[arg(long, default_value_t = 3)]
+    otel_rounds: usize,
     /// Where to write the figures.
     #[arg(long, default_value = "target/saga-bench.json")]
     output: std::path::PathBuf,
 }
 
 /// The sections of a run, in the order they run.
-const SECTIONS: [&str; 9] = [
+const SECTIONS: [&str; 10] = [
     "broker",
     "consumer",
     "consumer-mock",
@@ -82,11 +87,12 @@ const SECTIONS: [&str; 9] = [
     "scale",
     "http",
     "redis",
+    "otel",
     "saga",
 ];
 
 /// The sections that need no broker (the mock cluster stands in, or no Kafka at all).
-const BROKER_FREE: [&str; 4] = ["consumer-mock", "relay-mock", "http", "redis"];
+const BROKER_FREE: [&str; 5] = ["consumer-mock", "relay-mock", "http", "redis", "otel"];
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -95,7 +101,14 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    saga_runtime::telemetry::init_tracing();
+    // The framework's subscriber, plus an OpenTelemetry layer sampling everything out, off until the
+    // `otel` section turns it on.
+    let (_provider, otel_layer) = otel::layer();
+    let _ = tracing_subscriber::registry()
+        .with(saga_runtime::telemetry::env_filter())
+        .with(saga_runtime::telemetry::log_lines())
+        .with(otel_layer)
+        .try_init();
     if let Some(worker) = &cli.scale_worker {
         let [topic, schema, batch] = worker.split('|').collect::<Vec<_>>()[..] else {
             anyhow::bail!("{}: expected topic|schema|batch size", scale::WORKER_ARG);
@@ -313,6 +326,41 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             .await?,
         );
     }
+    if section("otel") {
+        let mut pools = Vec::new();
+        for i in 0..cli.otel_rounds.max(1) * 2 {
+            let pool = fresh_schema(&args, &schema(&format!("otel{i}")), &mut schemas).await?;
+            consumer::create_effects_table(&pool).await?;
+            pools.push(pool);
+        }
+        let mock = Broker::mock()?;
+        let mock_kafka = KafkaConfig::new(mock.brokers());
+        let topic = format!("{run}.otel.work");
+        mock.create_topics(
+            &[
+                topic.clone(),
+                format!("{topic}.dlq"),
+                format!("{topic}.done"),
+            ],
+            cli.partitions,
+        )
+        .await?;
+        progress
+            .note("otel: the consumer with and without an OpenTelemetry layer (spans sampled out)");
+        consumer::produce(&mock_kafka, &topic, cli.messages / 2, &progress).await?;
+        report.otel = Some(
+            otel::figures(
+                &mock_kafka,
+                &pools,
+                &topic,
+                cli.messages / 2,
+                cli.batch_size,
+                usize::try_from(cli.partitions)?,
+                &progress,
+            )
+            .await?,
+        );
+    }
     if section("saga") {
         let names = args.all_topics();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -452,13 +500,8 @@ async fn consumer_figures(
     progress.note(&format!("consumer ({label}): producing the messages"));
     consumer::produce(kafka, &topic, cli.messages, progress).await?;
     let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
-    for table in ["bench_effects", "bench_baseline"] {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "CREATE TABLE {table} (n BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())"
-        )))
-        .execute(&pool)
-        .await?;
-    }
+    consumer::create_effects_table(&pool).await?;
+    consumer::create_baseline_table(&pool).await?;
     progress.note(&format!("consumer ({label}): the at-least-once baseline"));
     let baseline =
         consumer::baseline(kafka, &pool, &topic, cli.messages, cli.batch_size, progress).await?;

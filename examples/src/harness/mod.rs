@@ -28,7 +28,7 @@ pub enum ChildCommand {
 impl ChildCommand {
     /// Runs the child until SIGTERM, or until the harness that started it is gone.
     pub async fn run(self) -> anyhow::Result<()> {
-        saga_runtime::telemetry::init_tracing();
+        let _tracing = saga_runtime::telemetry::init_tracing();
         let shutdown = saga_runtime::shutdown::on_signal();
         stop_when_orphaned(shutdown.clone());
         match self {
