@@ -84,8 +84,14 @@ where
     use opentelemetry::trace::TracerProvider as _;
     tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("saga-exactly-once"))
+        // What costs on every span and poll but no one reads: source locations, busy/idle times, the
+        // target attribute, and making the span's context the thread's current one on every entry (the
+        // framework hands contexts on explicitly).
         .with_location(false)
         .with_threads(false)
+        .with_tracked_inactivity(false)
+        .with_target(false)
+        .with_context_activation(false)
 }
 
 /// A provider exporting over OTLP/HTTP, if the environment asks for one (an OTLP endpoint set, the SDK not

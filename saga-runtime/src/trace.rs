@@ -11,8 +11,9 @@
 //! - a step's process span is the child of the message's context, and the events the step emits carry the
 //!   process span's context ([`saga_core::EventMetadata::span_context`]).
 //!
-//! Contexts are read and written by OpenTelemetry's `TraceContextPropagator`, over Kafka headers, outbox
-//! header pairs and HTTP headers. Without the feature, the functions that tie spans to traces do nothing
+//! Contexts are read by OpenTelemetry's `TraceContextPropagator`, over Kafka headers, outbox header pairs
+//! and HTTP headers, and a span's own context is handed on as the W3C `traceparent` value that propagator
+//! writes. Without the feature, the functions that tie spans to traces do nothing
 //! and [`span_context`] is `None`: `traceparent` still travels, each step passing on a new child of it.
 
 use saga_core::{Headers, TraceParent};
@@ -126,10 +127,9 @@ pub fn span_context(span: &Span) -> Option<TraceParent> {
 /// Propagation through OpenTelemetry's `TraceContextPropagator`.
 #[cfg(feature = "otel")]
 mod otel {
-    use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+    use opentelemetry::propagation::{Extractor, TextMapPropagator};
     use opentelemetry::trace::TraceContextExt;
     use opentelemetry_sdk::propagation::TraceContextPropagator;
-    use saga_core::headers::names::TRACEPARENT;
     use saga_core::{Headers, TraceParent};
     use tracing::Span;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -173,18 +173,6 @@ mod otel {
         }
     }
 
-    /// Keeps the `traceparent` the propagator injects.
-    #[derive(Default)]
-    struct Traceparent(Option<String>);
-
-    impl Injector for Traceparent {
-        fn set(&mut self, key: &str, value: String) {
-            if key == TRACEPARENT {
-                self.0 = Some(value);
-            }
-        }
-    }
-
     pub(super) fn continue_from(span: &Span, carrier: &dyn Extractor) {
         let cx = TraceContextPropagator::new().extract(carrier);
         if cx.span().span_context().is_valid() {
@@ -198,14 +186,16 @@ mod otel {
         span.add_link(cx.span().span_context().clone());
     }
 
+    /// The span's context as the `traceparent` value the propagator would inject, read directly (the
+    /// injection's text would only be parsed back).
     pub(super) fn span_context(span: &Span) -> Option<TraceParent> {
         let cx = span.context();
-        if !cx.span().span_context().is_valid() {
-            return None;
-        }
-        let mut carrier = Traceparent::default();
-        TraceContextPropagator::new().inject_context(&cx, &mut carrier);
-        carrier.0.as_deref().and_then(TraceParent::parse)
+        let context = cx.span().span_context().clone();
+        context.is_valid().then(|| TraceParent {
+            trace_id: u128::from_be_bytes(context.trace_id().to_bytes()),
+            parent_id: u64::from_be_bytes(context.span_id().to_bytes()),
+            flags: context.trace_flags().to_u8(),
+        })
     }
 }
 
