@@ -104,7 +104,7 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
     }
     assert_eq!(
         recorded(&db.pool, saga_consumer::migrate::MIGRATIONS_TABLE).await,
-        [20_261_121_000_003]
+        [20_261_121_000_003, 20_261_123_000_001]
     );
     assert_eq!(
         recorded(&db.pool, saga_orchestrator::migrate::MIGRATIONS_TABLE).await,
