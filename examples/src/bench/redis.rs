@@ -24,6 +24,8 @@ pub struct Side {
     pub storm_ms: (f64, f64),
     /// The most PostgreSQL connections the storm held at once.
     pub storm_connections: u32,
+    /// The storm's answers by status code.
+    pub storm_statuses: std::collections::BTreeMap<u16, usize>,
     /// Replays of a completed key, one after another: p50 and p99, ms.
     pub replay_ms: (f64, f64),
     /// Consumer throughput on the topic with 90% duplicates, messages/s.
@@ -91,8 +93,10 @@ async fn http_side(
         })
         .collect();
     let mut storm_ms = Vec::with_capacity(storm);
+    let mut storm_statuses = std::collections::BTreeMap::new();
     for task in tasks {
-        let (_status, elapsed) = task.await??;
+        let (status, elapsed) = task.await??;
+        *storm_statuses.entry(status.as_u16()).or_default() += 1;
         storm_ms.push(elapsed.as_secs_f64() * 1000.0);
     }
     stop_sampling.cancel();
@@ -113,6 +117,7 @@ async fn http_side(
             percentile(&mut storm_ms, 0.99),
         ),
         storm_connections: peak.load(Ordering::Relaxed),
+        storm_statuses,
         replay_ms: (
             percentile(&mut replay_ms, 0.5),
             percentile(&mut replay_ms, 0.99),
