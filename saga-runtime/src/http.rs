@@ -118,11 +118,9 @@ pub struct Idempotency<S> {
 }
 
 struct Shared {
-    key: IdempotencyKey,
+    /// The client's key, the tenant and the trace context of the events the request emits.
+    lineage: Lineage,
     operation: StepName,
-    tenant: TenantId,
-    traceparent: Option<TraceParent>,
-    span_context: Option<TraceParent>,
     tx: Mutex<Option<Transaction<'static, Postgres>>>,
     emitted: std::sync::Mutex<Vec<OutboxMessage>>,
 }
@@ -130,9 +128,9 @@ struct Shared {
 impl std::fmt::Debug for IdempotentRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotentRequest")
-            .field("key", &self.0.key)
+            .field("key", &self.0.lineage.idempotency_key)
             .field("operation", &self.0.operation)
-            .field("tenant", &self.0.tenant)
+            .field("tenant", &self.0.lineage.tenant)
             .finish_non_exhaustive()
     }
 }
@@ -168,33 +166,27 @@ pub struct IdempotentRequest(Arc<Shared>);
 impl IdempotentRequest {
     /// The client's idempotency key.
     pub fn key(&self) -> &IdempotencyKey {
-        &self.0.key
+        &self.0.lineage.idempotency_key
     }
 
     /// The tenant.
     pub fn tenant(&self) -> &TenantId {
-        &self.0.tenant
+        &self.0.lineage.tenant
     }
 
     /// The key to hand to a system outside the database that this request calls (see
     /// [`saga_core::ExternalKey`]): unique across tenants, unlike the client's key.
     pub fn external_key(&self) -> saga_core::ExternalKey {
-        self.0
-            .key
+        self.key()
             .step_key(&self.0.operation)
-            .external(&self.0.tenant)
+            .external(self.tenant())
     }
 
     /// The lineage of the saga this request starts: events it emits carry the client's key as their
     /// `idempotency-key`, and continue the request's trace (as children of the request's span, when it is
     /// traced with OpenTelemetry).
     pub fn lineage(&self) -> Lineage {
-        Lineage::root(
-            self.0.key.clone(),
-            self.0.tenant.clone(),
-            self.0.traceparent,
-        )
-        .in_span(self.0.span_context)
+        self.0.lineage.clone()
     }
 
     /// The open transaction, to write the request's business rows in. Hold it only while writing; do not
@@ -211,7 +203,7 @@ impl IdempotentRequest {
     /// request's trace). It is written to the outbox in the request's transaction if the response is not a
     /// 5xx, and discarded with everything else otherwise.
     pub fn emit(&self, event: Event) {
-        let row = OutboxMessage::from_event(event, &self.lineage(), self.0.operation.as_str());
+        let row = OutboxMessage::from_event(event, &self.0.lineage, self.0.operation.as_str());
         self.0
             .emitted
             .lock()
@@ -471,12 +463,9 @@ where
     let span = tracing::Span::current();
     span.record("saga.step_key", step_key.as_str());
     let request = Claimed {
-        key,
-        tenant,
+        lineage: Lineage::root(key, tenant, traceparent).in_span(crate::trace::span_context(&span)),
         step_key,
         hash,
-        traceparent,
-        span_context: crate::trace::span_context(&span),
         request: Request::from_parts(parts, B::from(bytes)),
     };
     match fast_path {
@@ -490,13 +479,11 @@ where
 
 /// A request whose key, tenant and fingerprint are read.
 struct Claimed<B> {
-    key: IdempotencyKey,
-    tenant: TenantId,
+    /// The client's key, the tenant, and the trace context of the events the request emits (the
+    /// request's span when traced with OpenTelemetry, else a child of the caller's `traceparent`).
+    lineage: Lineage,
     step_key: saga_core::StepKey,
     hash: Vec<u8>,
-    traceparent: Option<TraceParent>,
-    /// The context of the request's span, when traced with OpenTelemetry.
-    span_context: Option<TraceParent>,
     request: Request<B>,
 }
 
@@ -517,12 +504,9 @@ where
     RB::Error: Into<BoxError>,
 {
     let Claimed {
-        key,
-        tenant,
+        lineage,
         step_key,
         hash,
-        traceparent,
-        span_context,
         mut request,
     } = claimed;
     let unavailable = |what: &str, e: &dyn std::fmt::Display| {
@@ -537,7 +521,7 @@ where
         Err(e) => return Ok((unavailable("beginning a transaction", &e), None)),
     };
     let mut replayed = None;
-    let early = match idempotency::try_claim(&mut tx, &tenant, &step_key, &hash).await {
+    let early = match idempotency::try_claim(&mut tx, &lineage.tenant, &step_key, &hash).await {
         Err(e) => Some(unavailable("claiming an idempotency key", &e)),
         Ok(TryClaim::Claimed) => None,
         Ok(TryClaim::Busy) => Some(in_progress()),
@@ -574,12 +558,9 @@ where
     }
 
     let handle = IdempotentRequest(Arc::new(Shared {
-        key,
+        lineage,
         operation: config.operation.clone(),
         emitted: std::sync::Mutex::default(),
-        tenant: tenant.clone(),
-        traceparent,
-        span_context,
         tx: Mutex::new(Some(tx)),
     }));
     request.extensions_mut().insert(handle.clone());
@@ -641,7 +622,9 @@ where
     let outcome = StepOutcome::Completed {
         result: stored.clone(),
     };
-    if let Err(e) = idempotency::record_outcomes(&mut tx, &[(&tenant, &step_key, &outcome)]).await {
+    if let Err(e) =
+        idempotency::record_outcomes(&mut tx, &[(handle.tenant(), &step_key, &outcome)]).await
+    {
         roll_back(tx).await;
         return Ok((unavailable("storing the response", &e), None));
     }
@@ -705,7 +688,7 @@ mod fast {
     {
         let fingerprint: String = claimed.hash.iter().map(|b| format!("{b:02x}")).collect();
         if let Some(cached) = fast
-            .cached_response(&claimed.tenant, &claimed.step_key)
+            .cached_response(&claimed.lineage.tenant, &claimed.step_key)
             .await
             && cached.fingerprint == fingerprint
             && let Ok(stored) = serde_json::from_value::<StoredResponse>(cached.response)
@@ -714,7 +697,7 @@ mod fast {
             return Ok(stored.replay());
         }
         // A cached entry for another request, or one that does not decode: PostgreSQL decides.
-        let (tenant, step_key) = (claimed.tenant.clone(), claimed.step_key.clone());
+        let (tenant, step_key) = (claimed.lineage.tenant.clone(), claimed.step_key.clone());
         let mut lock = match fast.lock(&tenant, &step_key).await {
             (LockAnswer::Held, _) => return Ok(in_progress()),
             (_, lock) => Unlock(lock.map(|l| (fast.clone(), l))),

@@ -101,9 +101,20 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    // The framework's subscriber, plus an OpenTelemetry layer sampling everything out, off until the
-    // `otel` section turns it on.
-    let (_provider, otel_layer) = otel::layer();
+    // `--mock-too false` leaves out the mock-cluster sections unless they are named.
+    let section = |name: &str| {
+        let named = cli.only.iter().any(|o| o == name);
+        let mock = name.ends_with("-mock");
+        named || (cli.only.is_empty() && (!mock || cli.mock_too))
+    };
+    // The framework's subscriber; for the `otel` section, plus an OpenTelemetry layer sampling everything
+    // out, off until that section turns it on (no other section pays for it).
+    let (_provider, otel_layer) = if section("otel") && cli.scale_worker.is_none() {
+        let (provider, layer) = otel::layer();
+        (Some(provider), Some(layer))
+    } else {
+        (None, None)
+    };
     let _ = tracing_subscriber::registry()
         .with(saga_runtime::telemetry::env_filter())
         .with(saga_runtime::telemetry::log_lines())
@@ -117,12 +128,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         return scale::worker(&kafka, &cli.database_url, topic, schema, batch.parse()?).await;
     }
     let progress = Progress::new();
-    // `--mock-too false` leaves out the mock-cluster sections unless they are named.
-    let section = |name: &str| {
-        let named = cli.only.iter().any(|o| o == name);
-        let mock = name.ends_with("-mock");
-        named || (cli.only.is_empty() && (!mock || cli.mock_too))
-    };
     let run = format!(
         "bench-{:x}",
         std::time::SystemTime::now()
