@@ -13,7 +13,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
-use saga_consumer::fast_path::{FastPath, FastPathSettings};
+use saga_consumer::fast_path::{FastPath, FastPathSettings, LockAnswer};
 use saga_consumer::http::{IdempotencyLayer, IdempotentRequest, REPLAYED_HEADER};
 use saga_consumer::{
     Message, SagaConsumer, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription,
@@ -203,6 +203,43 @@ async fn a_second_request_in_flight_gets_409_without_taking_a_connection() {
     let (status, replayed, _) = first.await.unwrap();
     assert_eq!((status, replayed), (StatusCode::CREATED, false));
     assert_eq!(f.calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_first_uses_at_once_share_the_first_connection() {
+    // A fast path that has not connected yet, hit by a storm on one key: every request but the first
+    // must get Redis's "held", none may fall through to PostgreSQL for want of a connection.
+    let ops = Ops::new();
+    let fast = fast_path(&redis_url(), &namespace("first-use"), &ops);
+    let tenant = saga_core::TenantId::new("acme").unwrap();
+    let step_key = saga_core::StepKey::new("storm:create-thing").unwrap();
+    let go = Arc::new(tokio::sync::Barrier::new(100));
+    let answers = futures::future::join_all((0..100).map(|_| {
+        let (fast, tenant, step_key, go) =
+            (fast.clone(), tenant.clone(), step_key.clone(), go.clone());
+        tokio::spawn(async move {
+            go.wait().await;
+            fast.lock(&tenant, &step_key).await.0
+        })
+    }))
+    .await;
+    let count = |wanted: LockAnswer| {
+        answers
+            .iter()
+            .filter(|a| *a.as_ref().unwrap() == wanted)
+            .count()
+    };
+    assert_eq!(
+        (
+            count(LockAnswer::Acquired),
+            count(LockAnswer::Held),
+            count(LockAnswer::Unknown)
+        ),
+        (1, 99, 0)
+    );
+    let metric = |name: &str| ops.handle().sample(name, "").unwrap_or(0.0);
+    assert_eq!(metric("saga_redis_errors_total"), 0.0);
+    assert_eq!(metric("saga_redis_available"), 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -246,8 +246,15 @@ impl FastPath {
             return Ok(None);
         };
         let fast = Self::new(settings, pool).await?;
-        fast.connection().await;
+        fast.connect().await;
         Ok(Some(fast))
+    }
+
+    /// Connects now, if not connected yet, instead of on first use: whether Redis answers. A service
+    /// calls it at start (as [`FastPath::from_env`] does), so that its first requests find the connection
+    /// made.
+    pub async fn connect(&self) -> bool {
+        self.connection().await.is_some()
     }
 
     /// A fast path with keys under `namespace`.
@@ -316,10 +323,17 @@ impl FastPath {
         if lock(&self.0.failed_at).is_some_and(|at| at.elapsed() < RECONNECT_INTERVAL) {
             return None;
         }
-        // One attempt at a time; the others go to PostgreSQL meanwhile.
-        let _connecting = self.0.connecting.try_lock().ok()?;
+        // One attempt at a time. The others wait for it as long as a call may take, so that many first
+        // uses at once share the one connection; past that they go to PostgreSQL.
+        let _connecting = tokio::time::timeout(self.0.settings.timeout, self.0.connecting.lock())
+            .await
+            .ok()?;
         if let Some(c) = lock(&self.0.connection).clone() {
             return Some(c);
+        }
+        if lock(&self.0.failed_at).is_some_and(|at| at.elapsed() < RECONNECT_INTERVAL) {
+            // The attempt waited for just failed.
+            return None;
         }
         let attempt = tokio::time::timeout(
             self.0.settings.timeout.max(Duration::from_millis(500)),

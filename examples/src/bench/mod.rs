@@ -243,11 +243,13 @@ impl Report {
                 ("with Redis", &r.with_redis),
             ] {
                 println!(
-                    "(redis, {side}: 200 requests on one key p50/p99 {:.1}/{:.1} ms with at most {} connections, answers {:?}; replay p50/p99 {:.2}/{:.2} ms; consumer on 90% duplicates {:.0} msg/s)",
+                    "(redis, {side}: 200 requests on one key p50/p99 {:.1}/{:.1} ms with at most {} connections, answers {:?} ({} 409s from Redis, {} Redis errors); replay p50/p99 {:.2}/{:.2} ms; consumer on 90% duplicates {:.0} msg/s)",
                     f.storm_ms.0,
                     f.storm_ms.1,
                     f.storm_connections,
                     f.storm_statuses,
+                    f.storm_in_flight_from_redis,
+                    f.storm_redis_errors,
                     f.replay_ms.0,
                     f.replay_ms.1,
                     f.duplicates_msgs_per_s

@@ -26,6 +26,11 @@ pub struct Side {
     pub storm_connections: u32,
     /// The storm's answers by status code.
     pub storm_statuses: std::collections::BTreeMap<u16, usize>,
+    /// The storm's 409s answered by Redis, without PostgreSQL (`saga_redis_answered_total{answer="in_flight"}`).
+    pub storm_in_flight_from_redis: f64,
+    /// Redis calls of the storm that failed or timed out, each answered by PostgreSQL instead
+    /// (`saga_redis_errors_total`).
+    pub storm_redis_errors: f64,
     /// Replays of a completed key, one after another: p50 and p99, ms.
     pub replay_ms: (f64, f64),
     /// Consumer throughput on the topic with 90% duplicates, messages/s.
@@ -50,6 +55,13 @@ async fn http_side(
     label: &str,
 ) -> anyhow::Result<Side> {
     create_table(pool).await?;
+    // Connected and counted as a service's fast path is from its start (`FastPath::from_env`).
+    let ops = saga_runtime::ops::Ops::new();
+    if let Some(fast) = &fast_path {
+        fast.register(&ops);
+        anyhow::ensure!(fast.connect().await, "Redis does not answer");
+    }
+    let metric = |name: &str, labels: &str| ops.handle().sample(name, labels).unwrap_or(0.0);
     let app = Router::new().route(
         "/orders",
         post(with_layer).layer(
@@ -101,6 +113,8 @@ async fn http_side(
     }
     stop_sampling.cancel();
     sampler.await?;
+    let storm_in_flight_from_redis = metric("saga_redis_answered_total", r#"answer="in_flight""#);
+    let storm_redis_errors = metric("saga_redis_errors_total", "");
     // Let the first request's commit settle, then replay it.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut client = Client::connect(addr).await?;
@@ -118,6 +132,8 @@ async fn http_side(
         ),
         storm_connections: peak.load(Ordering::Relaxed),
         storm_statuses,
+        storm_in_flight_from_redis,
+        storm_redis_errors,
         replay_ms: (
             percentile(&mut replay_ms, 0.5),
             percentile(&mut replay_ms, 0.99),
@@ -213,7 +229,7 @@ pub async fn figures(
     progress.note(&format!(
         "redis: consumer over {messages} messages, 90% duplicates"
     ));
-    consumer::produce_keys(kafka, topic, messages, messages / 10, progress).await?;
+    consumer::produce_keys(kafka, topic, messages, messages / 10, None, progress).await?;
     postgres_only.duplicates_msgs_per_s =
         duplicates_side(kafka, pools[2], topic, messages, None, progress).await?;
     with_redis.duplicates_msgs_per_s = duplicates_side(
