@@ -112,21 +112,51 @@ pub fn figure(summary: &str, label: &str) -> i64 {
         .sum()
 }
 
+/// How long [`run_to_summary`] lets a program run: less than the test runner's own limit (nextest's
+/// 300 s), so that a hang fails with the program's output so far instead of being killed silently.
+pub const PROGRAM_DEADLINE: std::time::Duration = std::time::Duration::from_secs(270);
+
 /// Runs a harness program (`saga-demo`, `chaos`) to its end and returns what it printed; panics with its
-/// output when it failed or did not report that every invariant holds. For tests.
+/// output when it failed, ran past [`PROGRAM_DEADLINE`] or did not report that every invariant holds. Its
+/// lines are echoed as they come (the test runner shows them for a failed test), so that a hang shows
+/// where the program was. For tests.
 pub async fn run_to_summary(mut program: tokio::process::Command) -> String {
-    let output = program
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+
+    let mut child = program
         .env("RUST_BACKTRACE", "0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
-        .output()
-        .await
+        .spawn()
         .expect("the program starts");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let stderr = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text).await;
+        text
+    });
+    let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+    let mut stdout = String::new();
+    let finished = tokio::time::timeout(PROGRAM_DEADLINE, async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            println!("| {line}");
+            stdout.push_str(&line);
+            stdout.push('\n');
+        }
+        child.wait().await
+    })
+    .await;
+    let Ok(status) = finished else {
+        let _ = child.kill().await;
+        let stderr = stderr.await.unwrap_or_default();
+        panic!("the program ran past {PROGRAM_DEADLINE:?}; its output so far:\n{stdout}\n{stderr}");
+    };
+    let status = status.expect("the program's exit status");
+    let stderr = stderr.await.unwrap_or_default();
     assert!(
-        output.status.success(),
-        "the program failed ({}):\n{stdout}\n{stderr}",
-        output.status
+        status.success(),
+        "the program failed ({status}):\n{stdout}\n{stderr}"
     );
     assert!(
         stdout.contains("all hold"),
