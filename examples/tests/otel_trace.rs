@@ -3,12 +3,13 @@
 //! process-payment → arrange-shipment → complete-order (and mark-order-paid beside arrange-shipment), and
 //! the relay's publish spans linked to the span that wrote each row.
 
-use opentelemetry::trace::{SpanId, SpanKind, TraceId, TracerProvider as _};
+use opentelemetry::trace::{SpanId, SpanKind, TraceId};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use saga_core::TraceParent;
 use saga_examples::harness::client::send;
 use saga_examples::harness::local::{LocalSaga, WAIT};
 use saga_examples::harness::run::plan;
+use saga_runtime::trace::SampledOut;
 use saga_test_support::wait_until;
 use tracing_subscriber::layer::SubscriberExt;
 
@@ -32,7 +33,8 @@ async fn one_order_is_one_trace_from_the_http_request_to_the_last_step() {
     let provider = SdkTracerProvider::builder()
         .with_simple_exporter(exporter.clone())
         .build();
-    let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("otel-trace-test"));
+    // The framework's layer, told of the provider's sampler: OpenTelemetry's default, parent-based.
+    let layer = saga_runtime::telemetry::otel_layer(&provider, SampledOut::ChildrenOfSampledOut);
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer)).unwrap();
 
     let saga = LocalSaga::start("otel-trace").await;
@@ -157,6 +159,48 @@ async fn one_order_is_one_trace_from_the_http_request_to_the_last_step() {
             "a publish span with an offset links to {writer}'s span"
         );
     }
+
+    // A second order whose client sampled its trace out: the whole saga stays sampled out (every hop
+    // hands the flag on), so no span of its trace is exported, and it still completes.
+    let order = plan("otel-unsampled", 1).remove(0);
+    let unsampled = TraceParent {
+        flags: 0,
+        ..TraceParent::new_root()
+    };
+    let header = unsampled.to_string();
+    let body = serde_json::to_vec(&order.request).unwrap();
+    let answer = send(
+        saga.api(),
+        "POST",
+        "/orders",
+        &[
+            ("idempotency-key", order.key.as_str()),
+            ("traceparent", header.as_str()),
+        ],
+        Some(body),
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    saga.wait_finished(2).await;
+    // The last step's span closes just after its commit: give it the time to.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let _ = provider.force_flush();
+    let unsampled_id = TraceId::from_bytes(unsampled.trace_id.to_be_bytes());
+    let exported: Vec<SpanData> = exporter
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.span_context.trace_id() == unsampled_id)
+        .collect();
+    assert!(
+        exported.is_empty(),
+        "no span of a sampled-out saga is exported: {exported:#?}"
+    );
+    assert!(
+        step_span(&exporter.get_finished_spans().unwrap(), "complete-order").is_some(),
+        "the exporter still records sampled traces"
+    );
     saga.stop().await;
     drop(provider);
 }

@@ -119,8 +119,8 @@ impl Router {
             raw.origin.offset,
             raw.key.as_deref(),
             &self.group,
+            &raw.headers,
         );
-        trace::continue_from_message(&span, &raw.headers);
         let route = match meta {
             Err(e) => Route::Poison(e.into()),
             Ok(mut meta) => {

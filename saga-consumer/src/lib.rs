@@ -185,6 +185,8 @@ pub mod fast_path {
 /// ```
 pub mod telemetry {
     #[cfg(feature = "otel")]
-    pub use saga_runtime::telemetry::otel_layer;
+    pub use saga_runtime::telemetry::{OtelLayer, otel_layer};
     pub use saga_runtime::telemetry::{TracingGuard, init_tracing};
+    #[cfg(feature = "otel")]
+    pub use saga_runtime::trace::{SampledOut, SampledOutFilter};
 }

@@ -367,8 +367,7 @@ where
             .extensions()
             .get::<axum::extract::MatchedPath>()
             .map(axum::extract::MatchedPath::as_str);
-        let span = crate::trace::http_span(request.method(), route);
-        crate::trace::continue_from_http(&span, request.headers());
+        let span = crate::trace::http_span(request.method(), route, request.headers());
         Box::pin(
             async move {
                 let answered = handle(inner, pool, config, fast_path, request).await;

@@ -39,7 +39,9 @@ pub fn init_tracing() -> TracingGuard {
     #[cfg(feature = "otel")]
     {
         let provider = otlp_provider();
-        let layer = provider.as_ref().map(otel_layer);
+        let layer = provider
+            .as_ref()
+            .map(|p| otel_layer(p, crate::trace::SampledOut::from_env()));
         if registry.with(layer).try_init().is_err() {
             return TracingGuard::default();
         }
@@ -72,16 +74,29 @@ where
     tracing_subscriber::fmt::layer().with_writer(std::io::stderr as fn() -> std::io::Stderr)
 }
 
+/// The layer of [`otel_layer`]: tracing-opentelemetry's, behind the filter that keeps sampled-out spans
+/// away from it.
+#[cfg(feature = "otel")]
+pub type OtelLayer<S> = tracing_subscriber::filter::Filtered<
+    tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>,
+    crate::trace::SampledOutFilter,
+    S,
+>;
+
 /// The layer turning the framework's `tracing` spans into OpenTelemetry spans of `provider`, for a service
-/// that installs its own subscriber.
+/// that installs its own subscriber. `sampled_out` says which spans `provider`'s sampler drops
+/// ([`crate::trace::SampledOut::from_env`] when the sampler comes from `OTEL_TRACES_SAMPLER`): those are
+/// not built at all, which is most of what tracing costs while spans are sampled out.
 #[cfg(feature = "otel")]
 pub fn otel_layer<S>(
     provider: &opentelemetry_sdk::trace::SdkTracerProvider,
-) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>
+    sampled_out: crate::trace::SampledOut,
+) -> OtelLayer<S>
 where
     S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
 {
     use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::Layer as _;
     tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("saga-exactly-once"))
         // What costs on every span and poll but no one reads: source locations, busy/idle times, the
@@ -92,6 +107,7 @@ where
         .with_tracked_inactivity(false)
         .with_target(false)
         .with_context_activation(false)
+        .with_filter(crate::trace::SampledOutFilter(sampled_out))
 }
 
 /// A provider exporting over OTLP/HTTP, if the environment asks for one (an OTLP endpoint set, the SDK not

@@ -15,19 +15,137 @@
 //! and HTTP headers, and a span's own context is handed on as the W3C `traceparent` value that propagator
 //! writes. Without the feature, the functions that tie spans to traces do nothing
 //! and [`span_context`] is `None`: `traceparent` still travels, each step passing on a new child of it.
+//!
+//! A span the sampler would drop is not built for OpenTelemetry at all: where the layer's [`SampledOut`]
+//! says so (a sampled-out parent under a parent-based sampler, or every span under `always_off`), the span
+//! is opened under [`SAMPLED_OUT_TARGET`], which the layer of [`crate::telemetry::otel_layer`] filters out
+//! per call site. It is still log context; the `traceparent` passed on keeps its "not sampled" flag.
 
 use saga_core::{Headers, TraceParent};
 use tracing::Span;
 
+/// The W3C trace context header.
+const TRACEPARENT: &str = "traceparent";
+
+/// The target of the framework's spans that the sampler would drop: the layer of
+/// [`crate::telemetry::otel_layer`] filters it out, so that no OpenTelemetry span is built for them.
+/// `RUST_LOG` directives for `saga_runtime` still cover it.
+pub const SAMPLED_OUT_TARGET: &str = "saga_runtime::trace::sampled_out";
+
+/// Opens a span under [`SAMPLED_OUT_TARGET`] when the first argument is true, under this module's target
+/// otherwise: two call sites with one field list (`tracing` needs targets and field names at compile time).
+macro_rules! at_target {
+    ($sampled_out:expr, $($span:tt)+) => {
+        if $sampled_out {
+            tracing::info_span!(target: SAMPLED_OUT_TARGET, $($span)+)
+        } else {
+            tracing::info_span!($($span)+)
+        }
+    };
+}
+
+/// Which of the framework's spans the sampler would drop, so that they are left out of OpenTelemetry at
+/// their call site instead of being built first: what [`crate::telemetry::otel_layer`] is told about its
+/// provider's sampler ([`SampledOutFilter`]).
+#[cfg(feature = "otel")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SampledOut {
+    /// None: the sampler decides every span (a sampler that ignores the parent's decision, such as
+    /// `always_on` or `traceidratio`).
+    #[default]
+    Undecided,
+    /// The spans whose parent context is sampled out (a `traceparent` with the "sampled" flag clear): what
+    /// the parent-based samplers, OpenTelemetry's default, drop. Roots are left to the sampler.
+    ChildrenOfSampledOut,
+    /// Every span: the sampler is `always_off`.
+    Everything,
+}
+
+#[cfg(feature = "otel")]
+impl SampledOut {
+    /// What `OTEL_TRACES_SAMPLER` says, as the SDK reads it: unset or `parentbased_*` is
+    /// [`SampledOut::ChildrenOfSampledOut`], `always_off` is [`SampledOut::Everything`], anything else
+    /// [`SampledOut::Undecided`]. For a provider whose sampler is set in code, say it directly.
+    pub fn from_env() -> Self {
+        Self::for_sampler(std::env::var("OTEL_TRACES_SAMPLER").ok().as_deref())
+    }
+
+    /// What an `OTEL_TRACES_SAMPLER` value (`None`: unset) says; see [`SampledOut::from_env`].
+    pub fn for_sampler(name: Option<&str>) -> Self {
+        match name.map(str::trim) {
+            None | Some("") => Self::ChildrenOfSampledOut,
+            Some(n) if n.starts_with("parentbased_") => Self::ChildrenOfSampledOut,
+            Some("always_off") => Self::Everything,
+            Some(_) => Self::Undecided,
+        }
+    }
+}
+
+/// The per-layer filter of [`crate::telemetry::otel_layer`]: keeps the spans opened under
+/// [`SAMPLED_OUT_TARGET`] away from the OpenTelemetry layer (decided once per call site), and tells the
+/// framework's span functions, which find it through the current dispatcher, which spans to open there.
+#[cfg(feature = "otel")]
+#[derive(Debug, Clone, Copy)]
+pub struct SampledOutFilter(pub SampledOut);
+
+#[cfg(feature = "otel")]
+impl<S> tracing_subscriber::layer::Filter<S> for SampledOutFilter {
+    fn enabled(
+        &self,
+        meta: &tracing::Metadata<'_>,
+        _: &tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        meta.target() != SAMPLED_OUT_TARGET
+    }
+
+    fn callsite_enabled(
+        &self,
+        meta: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        if meta.target() == SAMPLED_OUT_TARGET {
+            tracing::subscriber::Interest::never()
+        } else {
+            tracing::subscriber::Interest::always()
+        }
+    }
+}
+
+/// Whether a span whose parent context is `parent()` (a `traceparent` value, if any) is left out of
+/// OpenTelemetry, by the [`SampledOutFilter`] of the current subscriber (none: no span is). The header is
+/// read only when the answer depends on it.
+fn sampled_out<'a>(parent: impl FnOnce() -> Option<&'a str>) -> bool {
+    #[cfg(feature = "otel")]
+    {
+        let policy = tracing::dispatcher::get_default(|dispatch| {
+            dispatch.downcast_ref::<SampledOutFilter>().map(|f| f.0)
+        });
+        match policy {
+            Some(SampledOut::ChildrenOfSampledOut) => parent()
+                .and_then(TraceParent::parse)
+                .is_some_and(|p| p.flags & 1 == 0),
+            Some(SampledOut::Everything) => true,
+            Some(SampledOut::Undecided) | None => false,
+        }
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = parent;
+        false
+    }
+}
+
 /// The span of an HTTP request served by the `Idempotency-Key` layer (kind server), named
-/// `{method} {route}` (`{method}` when the route is unknown). Records `http.response.status_code` and
-/// `saga.step_key` later.
-pub fn http_span(method: &http::Method, route: Option<&str>) -> Span {
+/// `{method} {route}` (`{method}` when the route is unknown), continuing the trace of the request's
+/// `traceparent` header. Records `http.response.status_code` and `saga.step_key` later.
+pub fn http_span(method: &http::Method, route: Option<&str>, headers: &http::HeaderMap) -> Span {
     let name = match route {
         Some(route) => format!("{method} {route}"),
         None => method.to_string(),
     };
-    tracing::info_span!(
+    let parent = || headers.get(TRACEPARENT).and_then(|v| v.to_str().ok());
+    let skip = sampled_out(parent);
+    let span = at_target!(
+        skip,
         "http.request",
         otel.name = %name,
         otel.kind = "server",
@@ -35,19 +153,29 @@ pub fn http_span(method: &http::Method, route: Option<&str>) -> Span {
         http.route = route,
         http.response.status_code = tracing::field::Empty,
         saga.step_key = tracing::field::Empty,
-    )
+    );
+    #[cfg(feature = "otel")]
+    if !skip {
+        otel::continue_from(&span, &otel::HttpHeaders(headers));
+    }
+    span
 }
 
-/// The span of a consumed message (kind consumer), named `process {topic}`. Records the step, the step
-/// key, the tenant, the event type and the outcome later.
+/// The span of a consumed message (kind consumer), named `process {topic}`, continuing the trace of the
+/// message's `traceparent` header. Records the step, the step key, the tenant, the event type and the
+/// outcome later.
 pub fn process_span(
     topic: &str,
     partition: i32,
     offset: i64,
     key: Option<&[u8]>,
     group: &str,
+    headers: &Headers,
 ) -> Span {
-    tracing::info_span!(
+    let parent = || headers.get_str(TRACEPARENT).ok().flatten();
+    let skip = sampled_out(parent);
+    let span = at_target!(
+        skip,
         "saga.message",
         otel.name = %format_args!("process {topic}"),
         otel.kind = "consumer",
@@ -65,17 +193,25 @@ pub fn process_span(
         saga.outcome = tracing::field::Empty,
         trace_id = tracing::field::Empty,
         parent_span_id = tracing::field::Empty,
-    )
+    );
+    #[cfg(feature = "otel")]
+    if !skip {
+        otel::continue_from(&span, &otel::MessageHeaders(headers));
+    }
+    span
 }
 
 /// The span of the relay publishing an outbox row (kind producer), named `publish {topic}`, linked to the
 /// context of the transaction that wrote the row (its `traceparent` header pair). Records the partition
 /// and offset once the broker acknowledges. Without the feature `otel`, a disabled span: the relay
-/// publishes thousands of rows a second and logs batches, not rows.
+/// publishes thousands of rows a second and logs batches, not rows. The span is the root of a trace of its
+/// own, so only a sampler that drops everything leaves it out before it is built.
 pub fn publish_span(topic: &str, key: Option<&str>, headers: &[(String, String)]) -> Span {
     #[cfg(feature = "otel")]
     {
-        let span = tracing::info_span!(
+        let skip = sampled_out(|| None);
+        let span = at_target!(
+            skip,
             "outbox.publish",
             otel.name = %format_args!("publish {topic}"),
             otel.kind = "producer",
@@ -86,7 +222,9 @@ pub fn publish_span(topic: &str, key: Option<&str>, headers: &[(String, String)]
             messaging.destination.partition.id = tracing::field::Empty,
             messaging.kafka.offset = tracing::field::Empty,
         );
-        otel::link(&span, &otel::Pairs(headers));
+        if !skip {
+            otel::link(&span, &otel::Pairs(headers));
+        }
         span
     }
     #[cfg(not(feature = "otel"))]
@@ -94,22 +232,6 @@ pub fn publish_span(topic: &str, key: Option<&str>, headers: &[(String, String)]
         let _ = (topic, key, headers);
         Span::none()
     }
-}
-
-/// Makes `span` the child of the trace context in a message's `headers`, if they carry one.
-pub fn continue_from_message(span: &Span, headers: &Headers) {
-    #[cfg(feature = "otel")]
-    otel::continue_from(span, &otel::MessageHeaders(headers));
-    #[cfg(not(feature = "otel"))]
-    let _ = (span, headers);
-}
-
-/// Makes `span` the child of the trace context in an HTTP request's `headers`, if they carry one.
-pub fn continue_from_http(span: &Span, headers: &http::HeaderMap) {
-    #[cfg(feature = "otel")]
-    otel::continue_from(span, &otel::HttpHeaders(headers));
-    #[cfg(not(feature = "otel"))]
-    let _ = (span, headers);
 }
 
 /// The OpenTelemetry context of `span`, as the `traceparent` its children carry; `None` without the feature
@@ -228,8 +350,7 @@ mod tests {
         let incoming = TraceParent::new_root();
         let headers = Headers::new().with("traceparent", incoming.to_string());
         let context = tracing::subscriber::with_default(subscriber, || {
-            let span = process_span("payments", 2, 41, Some(b"order-7"), "shipping");
-            continue_from_message(&span, &headers);
+            let span = process_span("payments", 2, 41, Some(b"order-7"), "shipping", &headers);
             let context = span_context(&span).expect("an OpenTelemetry span");
             span.record("saga.outcome", "processed");
             context
@@ -311,9 +432,82 @@ mod tests {
     }
 
     #[test]
+    fn a_span_the_sampler_would_drop_is_not_built_for_opentelemetry() {
+        let exporter = InMemorySpanExporter::default();
+        // OpenTelemetry's default sampler: parent-based, roots always on.
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let sampled = TraceParent::new_root();
+        let unsampled = TraceParent {
+            flags: 0,
+            ..TraceParent::new_root()
+        };
+        let open = |parent: Option<TraceParent>| {
+            let headers = match parent {
+                Some(p) => Headers::new().with("traceparent", p.to_string()),
+                None => Headers::new(),
+            };
+            let span = process_span("payments", 0, 1, None, "g", &headers);
+            let target = span.metadata().map(|m| m.target());
+            (target, span_context(&span))
+        };
+        let children = tracing_subscriber::registry().with(crate::telemetry::otel_layer(
+            &provider,
+            SampledOut::ChildrenOfSampledOut,
+        ));
+        let [of_sampled, of_unsampled, root] = tracing::subscriber::with_default(children, || {
+            [open(Some(sampled)), open(Some(unsampled)), open(None)]
+        });
+        assert_eq!(of_sampled.0, Some("saga_runtime::trace"));
+        assert_eq!(of_sampled.1.map(|c| c.trace_id), Some(sampled.trace_id));
+        assert_eq!(of_unsampled, (Some(SAMPLED_OUT_TARGET), None));
+        assert_eq!(
+            root.0,
+            Some("saga_runtime::trace"),
+            "roots are the sampler's"
+        );
+        assert!(root.1.is_some());
+        let everything = tracing_subscriber::registry().with(crate::telemetry::otel_layer(
+            &provider,
+            SampledOut::Everything,
+        ));
+        let root = tracing::subscriber::with_default(everything, || open(None));
+        assert_eq!(root, (Some(SAMPLED_OUT_TARGET), None));
+        let _ = provider.force_flush();
+        let spans = exporter.get_finished_spans().unwrap();
+        let traces: Vec<u128> = spans
+            .iter()
+            .map(|s| u128::from_be_bytes(s.span_context.trace_id().to_bytes()))
+            .collect();
+        assert_eq!(
+            traces.len(),
+            2,
+            "the sampled child and the first root: {traces:?}"
+        );
+        assert!(traces.contains(&sampled.trace_id));
+        assert!(!traces.contains(&unsampled.trace_id));
+    }
+
+    #[test]
+    fn the_sampler_variable_says_which_spans_are_sampled_out() {
+        use SampledOut::*;
+        for (value, expected) in [
+            (None, ChildrenOfSampledOut),
+            (Some(""), ChildrenOfSampledOut),
+            (Some("parentbased_always_on"), ChildrenOfSampledOut),
+            (Some("parentbased_traceidratio"), ChildrenOfSampledOut),
+            (Some("always_off"), Everything),
+            (Some("always_on"), Undecided),
+            (Some("traceidratio"), Undecided),
+        ] {
+            assert_eq!(SampledOut::for_sampler(value), expected, "{value:?}");
+        }
+    }
+
+    #[test]
     fn without_an_opentelemetry_layer_there_is_no_span_context() {
-        let span = process_span("payments", 0, 0, None, "g");
-        continue_from_message(&span, &Headers::new());
+        let span = process_span("payments", 0, 0, None, "g", &Headers::new());
         assert_eq!(span_context(&span), None);
     }
 }

@@ -104,17 +104,18 @@ pub async fn produce(
     count: i64,
     progress: &Progress,
 ) -> anyhow::Result<()> {
-    produce_keys(kafka, topic, count, count, progress).await
+    produce_keys(kafka, topic, count, count, None, progress).await
 }
 
 /// Produces `count` messages to `topic` whose idempotency keys repeat after `distinct` messages: with
 /// `distinct` a tenth of `count`, nine messages in ten are duplicates of an earlier one (in the same
-/// partition, as the key is also the Kafka key).
+/// partition, as the key is also the Kafka key). Each message carries `traceparent`, if given.
 pub async fn produce_keys(
     kafka: &KafkaConfig,
     topic: &str,
     count: i64,
     distinct: i64,
+    traceparent: Option<&str>,
     progress: &Progress,
 ) -> anyhow::Result<()> {
     let producer = saga_runtime::kafka::idempotent_producer(
@@ -139,6 +140,13 @@ pub async fn produce_keys(
                 key: "ce_id",
                 value: Some(key.as_str()),
             });
+        let headers = match traceparent {
+            Some(value) => headers.insert(Header {
+                key: "traceparent",
+                value: Some(value),
+            }),
+            None => headers,
+        };
         loop {
             let record = FutureRecord::to(topic)
                 .key(&key)

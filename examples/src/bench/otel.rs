@@ -1,40 +1,33 @@
-//! The cost of tracing with OpenTelemetry while every span is sampled out: the framework's consumer on
-//! librdkafka's mock cluster, with and without an OpenTelemetry layer whose sampler drops everything, in
-//! alternating rounds over the same messages (each round a fresh schema and consumer group).
+//! The cost of OpenTelemetry while spans are sampled out: the framework's consumer on librdkafka's mock
+//! cluster, in alternating rounds over the same messages, one process without an OpenTelemetry layer and
+//! one with (each round a fresh process, schema and consumer group).
 //!
-//! The layer is in saga-bench's subscriber from the start ([`layer`]), behind a switch ([`set_tracing`]):
-//! with it off, the layer sees no span, as if it were not installed.
+//! The messages carry a `traceparent` whose "sampled" flag is clear, as every message of a saga whose root
+//! the sampler dropped does; the traced process runs OpenTelemetry's default sampler (parent-based), so
+//! every step span is sampled out. Both processes are the same binary, built with the feature `otel`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
 use saga_runtime::kafka::KafkaConfig;
 use sqlx::PgPool;
-use tracing_subscriber::Layer;
-use tracing_subscriber::filter::FilterFn;
-use tracing_subscriber::registry::LookupSpan;
 
+use crate::bench::scale::{Worker, stop};
 use crate::bench::{Progress, consumer, percentile};
 
-/// Whether the OpenTelemetry layer sees spans.
-static TRACING: AtomicBool = AtomicBool::new(false);
+/// The `traceparent` of the benchmark's messages: a valid context, not sampled.
+pub const SAMPLED_OUT_PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
 
-/// Turns the OpenTelemetry layer of [`layer`] on or off.
-pub fn set_tracing(on: bool) {
-    TRACING.store(on, Ordering::SeqCst);
-}
-
-/// A provider whose sampler drops every span (`AlwaysOff`), and the framework's OpenTelemetry layer over
-/// it, seeing spans only while [`set_tracing`] says so. Keep the provider for the life of the program.
-pub fn layer<S>() -> (SdkTracerProvider, impl Layer<S>)
+/// A provider with OpenTelemetry's default sampler (parent-based; `OTEL_TRACES_SAMPLER` if set) and no
+/// exporter, and the framework's OpenTelemetry layer over it. Keep the provider for the life of the
+/// process.
+pub fn layer<S>() -> (
+    opentelemetry_sdk::trace::SdkTracerProvider,
+    saga_runtime::telemetry::OtelLayer<S>,
+)
 where
-    S: tracing::Subscriber + for<'span> LookupSpan<'span>,
+    S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
 {
-    let provider = SdkTracerProvider::builder()
-        .with_sampler(Sampler::AlwaysOff)
-        .build();
-    let layer = saga_runtime::telemetry::otel_layer(&provider)
-        .with_filter(FilterFn::new(|_| TRACING.load(Ordering::Relaxed)));
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+    let layer =
+        saga_runtime::telemetry::otel_layer(&provider, saga_runtime::trace::SampledOut::from_env());
     (provider, layer)
 }
 
@@ -52,12 +45,14 @@ pub struct Figures {
     pub noise: f64,
 }
 
-/// Runs `rounds` pairs of consumer runs over the `count` messages already in `topic` (one run without the
-/// layer, one with, alternating), each in its own pool from `pools` (2 × `rounds`, migrated, with a
+/// Runs `pools.len() / 2` pairs of consumer processes over the `count` messages already in `topic` (one
+/// without the layer, one with, alternating), each in its own schema from `pools` (migrated, with a
 /// `bench_effects` table).
+#[allow(clippy::too_many_arguments)]
 pub async fn figures(
     kafka: &KafkaConfig,
-    pools: &[PgPool],
+    database_url: &str,
+    pools: &[(String, PgPool)],
     topic: &str,
     count: i64,
     batch_size: usize,
@@ -65,15 +60,20 @@ pub async fn figures(
     progress: &Progress,
 ) -> anyhow::Result<Figures> {
     let mut figures = Figures::default();
-    for (i, pool) in pools.iter().enumerate() {
+    for (i, (schema, pool)) in pools.iter().enumerate() {
         let traced = i % 2 == 1;
-        set_tracing(traced);
-        let group = format!("otel{i}");
-        let consumer =
-            consumer::measured_consumer(kafka, pool, topic, &group, batch_size, concurrency)
-                .build()?;
-        let per_s = consumer::run_until(consumer, pool, count, progress).await?;
-        set_tracing(false);
+        let worker = Worker {
+            topic: topic.to_owned(),
+            schema: schema.clone(),
+            batch_size,
+            group: format!("otel{i}"),
+            concurrency,
+            traced,
+        };
+        let child = worker.spawn(kafka, database_url)?;
+        let measured = consumer::throughput(pool, "bench_effects", count, progress).await;
+        stop(vec![child]).await;
+        let per_s = measured?;
         progress.note(&format!(
             "otel round {}: {} {per_s:.0} msg/s",
             i / 2 + 1,

@@ -8,24 +8,101 @@ use sqlx::PgPool;
 
 use crate::bench::{Progress, consumer};
 
-/// The hidden `saga-bench` argument that makes a process one consumer of a scale-out run.
+/// The hidden `saga-bench` argument that makes a process one consumer of a measured run ([`Worker`]).
 pub const WORKER_ARG: &str = "--scale-worker";
 
-/// One process of a scale-out run: the measured consumer of `topic` in the schema `schema`, until killed.
-pub async fn worker(
-    kafka: &KafkaConfig,
-    database_url: &str,
-    topic: &str,
-    schema: &str,
-    batch_size: usize,
-) -> anyhow::Result<()> {
-    let pool =
-        saga_runtime::config::connect_postgres("DATABASE_URL", database_url, Some(schema), 8)
-            .await?;
-    let consumer =
-        consumer::measured_consumer(kafka, &pool, topic, "framework", batch_size, 4).build()?;
-    consumer.run(saga_consumer::shutdown_signal()).await?;
-    Ok(())
+/// One consumer process of a measured run (scale-out, tracing): the measured consumer of `topic` in the
+/// schema `schema`, until killed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Worker {
+    /// The topic consumed.
+    pub topic: String,
+    /// The schema written to.
+    pub schema: String,
+    /// Messages per transaction, at most.
+    pub batch_size: usize,
+    /// The consumer group, `{topic}.{group}`.
+    pub group: String,
+    /// Partitions worked on at once.
+    pub concurrency: usize,
+    /// Whether the process's subscriber has an OpenTelemetry layer (OpenTelemetry's default sampler).
+    pub traced: bool,
+}
+
+impl Worker {
+    /// The value of [`WORKER_ARG`]: `topic|schema|batch size|group|concurrency|traced`.
+    pub fn arg(&self) -> String {
+        format!(
+            "{}|{}|{}|{}|{}|{}",
+            self.topic, self.schema, self.batch_size, self.group, self.concurrency, self.traced
+        )
+    }
+
+    /// Reads [`Worker::arg`] back.
+    pub fn parse(arg: &str) -> anyhow::Result<Self> {
+        let [topic, schema, batch_size, group, concurrency, traced] =
+            arg.split('|').collect::<Vec<_>>()[..]
+        else {
+            anyhow::bail!(
+                "{WORKER_ARG}: expected topic|schema|batch size|group|concurrency|traced, got {arg:?}"
+            );
+        };
+        Ok(Self {
+            topic: topic.to_owned(),
+            schema: schema.to_owned(),
+            batch_size: batch_size.parse()?,
+            group: group.to_owned(),
+            concurrency: concurrency.parse()?,
+            traced: traced.parse()?,
+        })
+    }
+
+    /// Starts this worker as a child process of `saga-bench`, killed when dropped.
+    pub fn spawn(
+        &self,
+        kafka: &KafkaConfig,
+        database_url: &str,
+    ) -> anyhow::Result<tokio::process::Child> {
+        Ok(tokio::process::Command::new(std::env::current_exe()?)
+            .arg(WORKER_ARG)
+            .arg(self.arg())
+            .arg("--brokers")
+            .arg(&kafka.brokers)
+            .arg("--database-url")
+            .arg(database_url)
+            .kill_on_drop(true)
+            .spawn()?)
+    }
+
+    /// Runs the consumer (in the worker process).
+    pub async fn run(&self, kafka: &KafkaConfig, database_url: &str) -> anyhow::Result<()> {
+        let pool = saga_runtime::config::connect_postgres(
+            "DATABASE_URL",
+            database_url,
+            Some(&self.schema),
+            8,
+        )
+        .await?;
+        let consumer = consumer::measured_consumer(
+            kafka,
+            &pool,
+            &self.topic,
+            &self.group,
+            self.batch_size,
+            self.concurrency,
+        )
+        .build()?;
+        consumer.run(saga_consumer::shutdown_signal()).await?;
+        Ok(())
+    }
+}
+
+/// Stops `children` and waits for them, ten seconds at most each.
+pub async fn stop(children: Vec<tokio::process::Child>) {
+    for mut child in children {
+        let _ = child.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+    }
 }
 
 /// How one setting of a scale-out run went.
@@ -67,28 +144,19 @@ pub async fn consumers(
         ));
         consumer::produce(kafka, &topic, messages, progress).await?;
         consumer::create_effects_table(&pool).await?;
-        let exe = std::env::current_exe()?;
-        let mut children = Vec::new();
-        for _ in 0..n {
-            children.push(
-                tokio::process::Command::new(&exe)
-                    .arg(WORKER_ARG)
-                    .arg(format!("{topic}|{schema}|{batch_size}"))
-                    .arg("--brokers")
-                    .arg(&kafka.brokers)
-                    .arg("--database-url")
-                    .arg(database_url)
-                    .kill_on_drop(true)
-                    .spawn()?,
-            );
-        }
+        let worker = Worker {
+            topic: topic.clone(),
+            schema,
+            batch_size,
+            group: "framework".to_owned(),
+            concurrency: 4,
+            traced: false,
+        };
+        let children = (0..n)
+            .map(|_| worker.spawn(kafka, database_url))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let measured = consumer::throughput(&pool, "bench_effects", messages, progress).await;
-        for child in &mut children {
-            let _ = child.start_kill();
-        }
-        for mut child in children {
-            let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
-        }
+        stop(children).await;
         let per_s = measured?;
         let one = steps.first().map_or(per_s, |s| s.per_s);
         progress.note(&format!(

@@ -63,7 +63,7 @@ struct Cli {
     /// Messages per setting of the scale-out section.
     #[arg(long, default_value_t = 30_000)]
     scale_messages: i64,
-    /// Internal: run as one consumer process of a scale-out run (`topic|schema|batch size`).
+    /// Internal: run as one consumer process of a measured run (`topic|schema|batch size|group|concurrency|traced`).
     #[arg(long = "scale-worker", hide = true)]
     scale_worker: Option<String>,
     /// Redis, for the `redis` section.
@@ -107,25 +107,27 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         let mock = name.ends_with("-mock");
         named || (cli.only.is_empty() && (!mock || cli.mock_too))
     };
-    // The framework's subscriber; for the `otel` section, plus an OpenTelemetry layer sampling everything
-    // out, off until that section turns it on (no other section pays for it).
-    let (_provider, otel_layer) = if section("otel") && cli.scale_worker.is_none() {
-        let (provider, layer) = otel::layer();
-        (Some(provider), Some(layer))
-    } else {
-        (None, None)
+    // The framework's subscriber; a traced worker adds the OpenTelemetry layer of the `otel` section.
+    let worker = cli
+        .scale_worker
+        .as_deref()
+        .map(scale::Worker::parse)
+        .transpose()?;
+    let (_provider, otel_layer) = match &worker {
+        Some(w) if w.traced => {
+            let (provider, layer) = otel::layer();
+            (Some(provider), Some(layer))
+        }
+        _ => (None, None),
     };
     let _ = tracing_subscriber::registry()
         .with(saga_runtime::telemetry::env_filter())
         .with(saga_runtime::telemetry::log_lines())
         .with(otel_layer)
         .try_init();
-    if let Some(worker) = &cli.scale_worker {
-        let [topic, schema, batch] = worker.split('|').collect::<Vec<_>>()[..] else {
-            anyhow::bail!("{}: expected topic|schema|batch size", scale::WORKER_ARG);
-        };
+    if let Some(worker) = worker {
         let kafka = KafkaConfig::new(cli.brokers.clone());
-        return scale::worker(&kafka, &cli.database_url, topic, schema, batch.parse()?).await;
+        return worker.run(&kafka, &cli.database_url).await;
     }
     let progress = Progress::new();
     let run = format!(
@@ -334,9 +336,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     if section("otel") {
         let mut pools = Vec::new();
         for i in 0..cli.otel_rounds.max(1) * 2 {
-            let pool = fresh_schema(&args, &schema(&format!("otel{i}")), &mut schemas).await?;
+            let name = schema(&format!("otel{i}"));
+            let pool = fresh_schema(&args, &name, &mut schemas).await?;
             consumer::create_effects_table(&pool).await?;
-            pools.push(pool);
+            pools.push((name, pool));
         }
         let mock = Broker::mock()?;
         let mock_kafka = KafkaConfig::new(mock.brokers());
@@ -352,10 +355,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         .await?;
         progress
             .note("otel: the consumer with and without an OpenTelemetry layer (spans sampled out)");
-        consumer::produce(&mock_kafka, &topic, cli.messages / 2, &progress).await?;
+        consumer::produce_keys(
+            &mock_kafka,
+            &topic,
+            cli.messages / 2,
+            cli.messages / 2,
+            Some(otel::SAMPLED_OUT_PARENT),
+            &progress,
+        )
+        .await?;
         report.otel = Some(
             otel::figures(
                 &mock_kafka,
+                &cli.database_url,
                 &pools,
                 &topic,
                 cli.messages / 2,
