@@ -264,11 +264,13 @@ impl Report {
                     .join(", ")
             };
             println!(
-                "(otel, spans sampled out: consumer with the layer / without = {:.3}, noise between runs without ±{:.1}%; rounds without: {} msg/s; with: {} msg/s)",
+                "(otel, spans sampled out: consumer with the layer / without = {:.3}, noise between runs without ±{:.1}%; with spans built then dropped / without = {:.3}; rounds without: {} msg/s; with: {} msg/s; built: {} msg/s)",
                 o.ratio,
                 o.noise * 50.0,
+                o.built_ratio,
                 rounds(&o.without_msgs_per_s),
-                rounds(&o.with_msgs_per_s)
+                rounds(&o.with_msgs_per_s),
+                rounds(&o.built_msgs_per_s)
             );
         }
         for hop in self.saga_hops.iter().flatten() {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use saga_runtime::kafka::{KafkaConfig, ensure_topics};
 use sqlx::PgPool;
 
+use crate::bench::otel::Tracing;
 use crate::bench::{Progress, consumer};
 
 /// The hidden `saga-bench` argument that makes a process one consumer of a measured run ([`Worker`]).
@@ -25,26 +26,31 @@ pub struct Worker {
     pub group: String,
     /// Partitions worked on at once.
     pub concurrency: usize,
-    /// Whether the process's subscriber has an OpenTelemetry layer (OpenTelemetry's default sampler).
-    pub traced: bool,
+    /// Whether and how the process traces with OpenTelemetry.
+    pub tracing: Tracing,
 }
 
 impl Worker {
-    /// The value of [`WORKER_ARG`]: `topic|schema|batch size|group|concurrency|traced`.
+    /// The value of [`WORKER_ARG`]: `topic|schema|batch size|group|concurrency|tracing`.
     pub fn arg(&self) -> String {
         format!(
             "{}|{}|{}|{}|{}|{}",
-            self.topic, self.schema, self.batch_size, self.group, self.concurrency, self.traced
+            self.topic,
+            self.schema,
+            self.batch_size,
+            self.group,
+            self.concurrency,
+            self.tracing.as_str()
         )
     }
 
     /// Reads [`Worker::arg`] back.
     pub fn parse(arg: &str) -> anyhow::Result<Self> {
-        let [topic, schema, batch_size, group, concurrency, traced] =
+        let [topic, schema, batch_size, group, concurrency, tracing] =
             arg.split('|').collect::<Vec<_>>()[..]
         else {
             anyhow::bail!(
-                "{WORKER_ARG}: expected topic|schema|batch size|group|concurrency|traced, got {arg:?}"
+                "{WORKER_ARG}: expected topic|schema|batch size|group|concurrency|tracing, got {arg:?}"
             );
         };
         Ok(Self {
@@ -53,7 +59,7 @@ impl Worker {
             batch_size: batch_size.parse()?,
             group: group.to_owned(),
             concurrency: concurrency.parse()?,
-            traced: traced.parse()?,
+            tracing: Tracing::parse(tracing)?,
         })
     }
 
@@ -150,7 +156,7 @@ pub async fn consumers(
             batch_size,
             group: "framework".to_owned(),
             concurrency: 4,
-            traced: false,
+            tracing: Tracing::Off,
         };
         let children = (0..n)
             .map(|_| worker.spawn(kafka, database_url))

@@ -63,13 +63,14 @@ struct Cli {
     /// Messages per setting of the scale-out section.
     #[arg(long, default_value_t = 30_000)]
     scale_messages: i64,
-    /// Internal: run as one consumer process of a measured run (`topic|schema|batch size|group|concurrency|traced`).
+    /// Internal: run as one consumer process of a measured run (`topic|schema|batch size|group|concurrency|tracing`).
     #[arg(long = "scale-worker", hide = true)]
     scale_worker: Option<String>,
     /// Redis, for the `redis` section.
     #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     redis_url: String,
-    /// Rounds of the `otel` section (each: one consumer run without OpenTelemetry, one with).
+    /// Rounds of the `otel` section (each: a consumer process without OpenTelemetry, one with the layer, one
+    /// with spans built).
     #[arg(long, default_value_t = 3)]
     otel_rounds: usize,
     /// Where to write the figures.
@@ -113,12 +114,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         .as_deref()
         .map(scale::Worker::parse)
         .transpose()?;
-    let (_provider, otel_layer) = match &worker {
-        Some(w) if w.traced => {
-            let (provider, layer) = otel::layer();
+    let (_provider, otel_layer) = match worker.as_ref().and_then(|w| w.tracing.sampled_out()) {
+        Some(sampled_out) => {
+            let (provider, layer) = otel::layer(sampled_out);
             (Some(provider), Some(layer))
         }
-        _ => (None, None),
+        None => (None, None),
     };
     let _ = tracing_subscriber::registry()
         .with(saga_runtime::telemetry::env_filter())
@@ -335,7 +336,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     if section("otel") {
         let mut pools = Vec::new();
-        for i in 0..cli.otel_rounds.max(1) * 2 {
+        for i in 0..cli.otel_rounds.max(1) * 3 {
             let name = schema(&format!("otel{i}"));
             let pool = fresh_schema(&args, &name, &mut schemas).await?;
             consumer::create_effects_table(&pool).await?;
