@@ -91,3 +91,65 @@ pub async fn ack_latency(
         percentile(&mut samples, 0.99),
     ))
 }
+
+/// p50 and p99 in milliseconds from sending a message to a plain consumer receiving it, through the
+/// broker alone: `count` messages at `per_second` on the one partition of `topic` (fresh), with the
+/// relay's producer settings and the framework consumer's `fetch.wait.max.ms` (10 ms). What one hop of a
+/// saga spends in the broker (relay ack plus delivery) cannot be less than this.
+pub async fn delivery_latency(
+    kafka: &KafkaConfig,
+    topic: &str,
+    count: usize,
+    per_second: u32,
+) -> anyhow::Result<(f64, f64)> {
+    use rdkafka::consumer::{Consumer, StreamConsumer};
+    use rdkafka::{Message, Offset, TopicPartitionList};
+
+    let consumer: StreamConsumer = saga_runtime::kafka::client_config(kafka)
+        .set("group.id", format!("{topic}.latency"))
+        .set("enable.auto.commit", "false")
+        .set("fetch.wait.max.ms", "10")
+        .create()?;
+    let mut assignment = TopicPartitionList::new();
+    assignment.add_partition_offset(topic, 0, Offset::Beginning)?;
+    consumer.assign(&assignment)?;
+    let producer = saga_runtime::kafka::idempotent_producer(
+        kafka,
+        Duration::from_millis(1),
+        Duration::from_secs(30),
+    )?;
+    let base = Instant::now();
+    let sender = tokio::spawn({
+        let topic = topic.to_owned();
+        async move {
+            let mut ticks = tokio::time::interval(Duration::from_secs(1) / per_second.max(1));
+            for _ in 0..count {
+                ticks.tick().await;
+                // The payload is the send time, in nanoseconds since `base`.
+                let sent = base.elapsed().as_nanos().to_string();
+                producer
+                    .send(
+                        FutureRecord::to(&topic).key("k").payload(&sent),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .map_err(|(e, _)| e)?;
+            }
+            anyhow::Ok(())
+        }
+    });
+    let mut samples = Vec::with_capacity(count);
+    while samples.len() < count {
+        let message = tokio::time::timeout(Duration::from_secs(30), consumer.recv()).await??;
+        let received = base.elapsed().as_nanos();
+        let sent: u128 = std::str::from_utf8(message.payload().unwrap_or_default())?.parse()?;
+        samples.push((received - sent) as f64 / 1e6);
+    }
+    sender.await??;
+    // The first messages also wait for the consumer's first fetch.
+    let mut samples = samples.split_off(count.min(10));
+    Ok((
+        percentile(&mut samples, 0.5),
+        percentile(&mut samples, 0.99),
+    ))
+}

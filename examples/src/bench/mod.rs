@@ -111,6 +111,9 @@ pub struct Report {
     pub broker_produce_with_headers_msgs_per_s: Option<f64>,
     /// The broker alone: p50 and p99 acknowledgement latency of single messages, ms.
     pub broker_ack_ms: Option<(f64, f64)>,
+    /// The broker alone: from sending a message to a plain consumer receiving it, at 20 messages/s, p50
+    /// and p99 in ms (what one hop of a saga spends in the broker cannot be less).
+    pub broker_delivery_ms: Option<(f64, f64)>,
     /// The consumer and relay figures again on librdkafka's in-process mock cluster: the framework's own
     /// cost, without this machine's broker.
     pub mock_broker: Option<serde_json::Value>,
@@ -221,6 +224,11 @@ impl Report {
         }
         if let Some((p50, p99)) = self.broker_ack_ms {
             println!("(the broker alone: single-message ack p50 {p50:.2} ms, p99 {p99:.2} ms)");
+        }
+        if let Some((p50, p99)) = self.broker_delivery_ms {
+            println!(
+                "(the broker alone: send to a plain consumer's receipt at 20 msg/s p50 {p50:.2} ms, p99 {p99:.2} ms)"
+            );
         }
         if let Some(mock) = &self.mock_broker {
             println!("(on librdkafka's in-process mock cluster instead of the broker: {mock})");

@@ -180,6 +180,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             broker::produce_throughput(&kafka, &topic, cli.relay_rows / 4, 10, &progress).await?,
         );
         report.broker_ack_ms = Some(broker::ack_latency(&kafka, &topic, 500).await?);
+        let delivery = format!("{run}.broker-delivery");
+        ensure_topics(&kafka, &[&delivery], 1, 1).await?;
+        progress.note("broker: send-to-receive latency at 20 messages/s");
+        report.broker_delivery_ms =
+            Some(broker::delivery_latency(&kafka, &delivery, 300, 20).await?);
     }
     if section("consumer") {
         let figures =
