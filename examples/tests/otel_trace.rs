@@ -8,7 +8,7 @@ use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData
 use saga_core::TraceParent;
 use saga_examples::harness::client::send;
 use saga_examples::harness::local::{LocalSaga, WAIT};
-use saga_examples::harness::run::plan;
+use saga_examples::harness::run::{PlannedOrder, plan};
 use saga_runtime::trace::SampledOut;
 use saga_test_support::wait_until;
 use tracing_subscriber::layer::SubscriberExt;
@@ -27,6 +27,27 @@ fn step_span<'a>(spans: &'a [SpanData], step: &str) -> Option<&'a SpanData> {
         .find(|s| attribute(s, "saga.step").as_deref() == Some(step))
 }
 
+/// Places one happy-path order of run `run` as a client whose span is `client`; asserts it was accepted.
+async fn place_order(saga: &LocalSaga, run: &str, client: TraceParent) -> PlannedOrder {
+    let order = plan(run, 1).remove(0);
+    let header = client.to_string();
+    let body = serde_json::to_vec(&order.request).unwrap();
+    let answer = send(
+        saga.api(),
+        "POST",
+        "/orders",
+        &[
+            ("idempotency-key", order.key.as_str()),
+            ("traceparent", header.as_str()),
+        ],
+        Some(body),
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    order
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_order_is_one_trace_from_the_http_request_to_the_last_step() {
     let exporter = InMemorySpanExporter::default();
@@ -38,23 +59,8 @@ async fn one_order_is_one_trace_from_the_http_request_to_the_last_step() {
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer)).unwrap();
 
     let saga = LocalSaga::start("otel-trace").await;
-    let order = plan("otel", 1).remove(0);
     let client = TraceParent::new_root();
-    let client_header = client.to_string();
-    let body = serde_json::to_vec(&order.request).unwrap();
-    let answer = send(
-        saga.api(),
-        "POST",
-        "/orders",
-        &[
-            ("idempotency-key", order.key.as_str()),
-            ("traceparent", client_header.as_str()),
-        ],
-        Some(body),
-    )
-    .await
-    .unwrap();
-    assert_eq!(answer.status, 201, "{}", answer.body);
+    let order = place_order(&saga, "otel", client).await;
     saga.wait_finished(1).await;
 
     let trace_id = TraceId::from_bytes(client.trace_id.to_be_bytes());
@@ -162,26 +168,11 @@ async fn one_order_is_one_trace_from_the_http_request_to_the_last_step() {
 
     // A second order whose client sampled its trace out: the whole saga stays sampled out (every hop
     // hands the flag on), so no span of its trace is exported, and it still completes.
-    let order = plan("otel-unsampled", 1).remove(0);
     let unsampled = TraceParent {
         flags: 0,
         ..TraceParent::new_root()
     };
-    let header = unsampled.to_string();
-    let body = serde_json::to_vec(&order.request).unwrap();
-    let answer = send(
-        saga.api(),
-        "POST",
-        "/orders",
-        &[
-            ("idempotency-key", order.key.as_str()),
-            ("traceparent", header.as_str()),
-        ],
-        Some(body),
-    )
-    .await
-    .unwrap();
-    assert_eq!(answer.status, 201, "{}", answer.body);
+    place_order(&saga, "otel-unsampled", unsampled).await;
     saga.wait_finished(2).await;
     // The last step's span closes just after its commit: give it the time to.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
