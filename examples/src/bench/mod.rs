@@ -114,6 +114,8 @@ pub struct Report {
     /// The broker alone: from sending a message to a plain consumer receiving it, at 20 messages/s, p50
     /// and p99 in ms (what one hop of a saga spends in the broker cannot be less).
     pub broker_delivery_ms: Option<(f64, f64)>,
+    /// The same with the consumer also reading a second topic where nothing is sent.
+    pub broker_delivery_two_topics_ms: Option<(f64, f64)>,
     /// The consumer and relay figures again on librdkafka's in-process mock cluster: the framework's own
     /// cost, without this machine's broker.
     pub mock_broker: Option<serde_json::Value>,
@@ -228,6 +230,11 @@ impl Report {
         if let Some((p50, p99)) = self.broker_delivery_ms {
             println!(
                 "(the broker alone: send to a plain consumer's receipt at 20 msg/s p50 {p50:.2} ms, p99 {p99:.2} ms)"
+            );
+        }
+        if let Some((p50, p99)) = self.broker_delivery_two_topics_ms {
+            println!(
+                "(the broker alone: the same, the consumer also reading an idle second topic: p50 {p50:.2} ms, p99 {p99:.2} ms)"
             );
         }
         if let Some(mock) = &self.mock_broker {

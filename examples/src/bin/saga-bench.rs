@@ -180,11 +180,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             broker::produce_throughput(&kafka, &topic, cli.relay_rows / 4, 10, &progress).await?,
         );
         report.broker_ack_ms = Some(broker::ack_latency(&kafka, &topic, 500).await?);
-        let delivery = format!("{run}.broker-delivery");
-        ensure_topics(&kafka, &[&delivery], 1, 1).await?;
-        progress.note("broker: send-to-receive latency at 20 messages/s");
+        let (delivery, idle) = (
+            format!("{run}.broker-delivery"),
+            format!("{run}.broker-idle"),
+        );
+        let two = format!("{delivery}-2");
+        ensure_topics(&kafka, &[&delivery, &two, &idle], 1, 1).await?;
+        progress.note("broker: send-to-receive latency at 20 messages/s, one topic, then two");
         report.broker_delivery_ms =
-            Some(broker::delivery_latency(&kafka, &delivery, 300, 20).await?);
+            Some(broker::delivery_latency(&kafka, &delivery, None, 300, 20).await?);
+        report.broker_delivery_two_topics_ms =
+            Some(broker::delivery_latency(&kafka, &two, Some(&idle), 300, 20).await?);
     }
     if section("consumer") {
         let figures =
