@@ -56,7 +56,8 @@ pub struct FastPathSettings {
     /// longer than the PostgreSQL key retention (`SAGA_KEY_RETENTION_HOURS`), or Redis could answer for a
     /// key PostgreSQL has forgotten.
     pub key_ttl: Duration,
-    /// Longest a Redis call may take before it is answered "unknown" (`REDIS_TIMEOUT_MS`, default 50 ms).
+    /// Longest a Redis call may take before it is answered "unknown" (`REDIS_TIMEOUT_MS`, default 50 ms),
+    /// and the longest a call waits for a connection another call is making.
     pub timeout: Duration,
 }
 

@@ -93,15 +93,16 @@ pub async fn ack_latency(
 }
 
 /// p50 and p99 in milliseconds from sending a message to a plain consumer receiving it, through the
-/// broker alone: `count` messages at `per_second` on the one partition of `topic` (fresh), with the
+/// broker alone: `count` messages at `per_second` on one partition of `topic` (fresh), with the
 /// relay's producer settings and the framework consumer's `fetch.wait.max.ms` (10 ms). What one hop of a
-/// saga spends in the broker (relay ack plus delivery) cannot be less than this. With `idle_topic`, the
-/// consumer also reads the one partition of that topic, where nothing is sent, as a service whose steps
-/// subscribe to two topics does.
+/// saga spends in the broker (relay ack plus delivery) cannot be less than this. The consumer reads all
+/// `partitions` partitions of `topic` and, with `idle_topic`, of that topic too, where nothing is sent, as
+/// a service whose steps subscribe to two topics does.
 pub async fn delivery_latency(
     kafka: &KafkaConfig,
     topic: &str,
     idle_topic: Option<&str>,
+    partitions: i32,
     count: usize,
     per_second: u32,
 ) -> anyhow::Result<(f64, f64)> {
@@ -114,9 +115,10 @@ pub async fn delivery_latency(
         .set("fetch.wait.max.ms", "10")
         .create()?;
     let mut assignment = TopicPartitionList::new();
-    assignment.add_partition_offset(topic, 0, Offset::Beginning)?;
-    if let Some(idle) = idle_topic {
-        assignment.add_partition_offset(idle, 0, Offset::Beginning)?;
+    for t in std::iter::once(topic).chain(idle_topic) {
+        for partition in 0..partitions {
+            assignment.add_partition_offset(t, partition, Offset::Beginning)?;
+        }
     }
     consumer.assign(&assignment)?;
     let producer = saga_runtime::kafka::idempotent_producer(

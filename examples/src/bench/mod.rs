@@ -114,7 +114,8 @@ pub struct Report {
     /// The broker alone: from sending a message to a plain consumer receiving it, at 20 messages/s, p50
     /// and p99 in ms (what one hop of a saga spends in the broker cannot be less).
     pub broker_delivery_ms: Option<(f64, f64)>,
-    /// The same with the consumer also reading a second topic where nothing is sent.
+    /// The same with the consumer reading every partition of the topic and of a second topic where
+    /// nothing is sent, as a service with steps on two topics does.
     pub broker_delivery_two_topics_ms: Option<(f64, f64)>,
     /// The consumer and relay figures again on librdkafka's in-process mock cluster: the framework's own
     /// cost, without this machine's broker.
@@ -234,7 +235,7 @@ impl Report {
         }
         if let Some((p50, p99)) = self.broker_delivery_two_topics_ms {
             println!(
-                "(the broker alone: the same, the consumer also reading an idle second topic: p50 {p50:.2} ms, p99 {p99:.2} ms)"
+                "(the broker alone: the same, the consumer reading every partition of two topics: p50 {p50:.2} ms, p99 {p99:.2} ms)"
             );
         }
         if let Some(mock) = &self.mock_broker {

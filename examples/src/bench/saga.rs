@@ -37,29 +37,45 @@ pub struct Hop {
     pub step_ms: (f64, f64),
 }
 
-/// The saga's hops: (upstream service, event type, downstream service, step, downstream event type or
-/// `None` for the last step).
-const HOPS: [(Service, &str, Service, &str, Option<&str>); 3] = [
+/// Where a hop's step ends: at the first outbox row of that event type it wrote, or when the order reached
+/// that status in its history.
+#[derive(Clone, Copy)]
+enum StepEnd {
+    Emits(&'static str),
+    Status(&'static str),
+}
+
+/// The saga's hops: (upstream service, event type, downstream service, step, where the step ends). The
+/// last is a side branch: the order service's consumer of the event shipping also consumes, so that the
+/// same message's delivery to two services compares.
+const HOPS: [(Service, &str, Service, &str, StepEnd); 4] = [
     (
         Service::Order,
         "OrderCreated",
         Service::Payment,
         "process-payment",
-        Some("PaymentProcessed"),
+        StepEnd::Emits("PaymentProcessed"),
     ),
     (
         Service::Payment,
         "PaymentProcessed",
         Service::Shipping,
         "arrange-shipment",
-        Some("ShipmentArranged"),
+        StepEnd::Emits("ShipmentArranged"),
     ),
     (
         Service::Shipping,
         "ShipmentArranged",
         Service::Order,
         "complete-order",
-        None,
+        StepEnd::Status("COMPLETED"),
+    ),
+    (
+        Service::Payment,
+        "PaymentProcessed",
+        Service::Order,
+        "mark-order-paid",
+        StepEnd::Status("PAID"),
     ),
 ];
 
@@ -73,15 +89,15 @@ async fn hops(pool: &PgPool, args: &ServiceArgs) -> anyhow::Result<Vec<Hop>> {
             quote_ident(&args.schema(down)),
         );
         let step_end = match next {
-            Some(next) => format!(
+            StepEnd::Emits(next) => format!(
                 "(SELECT min(n.created_at) FROM {down_schema}.saga_outbox n \
                   WHERE n.headers[array_position(n.headers, 'idempotency-key') + 1] = {key} \
                     AND n.headers[array_position(n.headers, 'ce_type') + 1] = '{next}')",
                 key = header("idempotency-key")
             ),
-            None => format!(
+            StepEnd::Status(status) => format!(
                 "(SELECT h.at FROM {down_schema}.order_history h JOIN {down_schema}.orders r ON r.order_id = h.order_id \
-                  WHERE h.status = 'COMPLETED' AND r.idempotency_key = {key} LIMIT 1)",
+                  WHERE h.status = '{status}' AND r.idempotency_key = {key} LIMIT 1)",
                 key = header("idempotency-key")
             ),
         };

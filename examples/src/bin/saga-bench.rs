@@ -20,6 +20,10 @@ struct Cli {
     /// Partitions of the consumer topic (and the consumers' concurrency).
     #[arg(long, default_value_t = 4)]
     partitions: i32,
+    /// Partitions of each topic of the `saga` section. 20 orders/s need one; on the local broker a
+    /// consumer's delivery latency grows with the partitions it reads (see the broker section).
+    #[arg(long, default_value_t = 1)]
+    saga_partitions: i32,
     /// Messages per transaction, for both consumers.
     #[arg(long, default_value_t = 100)]
     batch_size: usize,
@@ -159,7 +163,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let kafka = KafkaConfig::new(cli.brokers.clone());
     let mut report = Report {
         settings: serde_json::json!({
-            "messages": cli.messages, "partitions": cli.partitions, "batch_size": cli.batch_size,
+            "messages": cli.messages, "partitions": cli.partitions, "saga_partitions": cli.saga_partitions, "batch_size": cli.batch_size,
             "relay_rows": cli.relay_rows, "steady_rate": cli.steady_rate, "steady_secs": cli.steady_secs,
             "http_requests": cli.http_requests, "saga_orders": cli.saga_orders, "saga_rate": cli.saga_rate,
             "cores": std::thread::available_parallelism().map(std::num::NonZero::get).unwrap_or(1),
@@ -185,12 +189,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             format!("{run}.broker-idle"),
         );
         let two = format!("{delivery}-2");
-        ensure_topics(&kafka, &[&delivery, &two, &idle], 1, 1).await?;
-        progress.note("broker: send-to-receive latency at 20 messages/s, one topic, then two");
+        ensure_topics(&kafka, &[&delivery], 1, 1).await?;
+        ensure_topics(&kafka, &[&two, &idle], cli.partitions, 1).await?;
+        progress.note(
+            "broker: send-to-receive latency at 20 messages/s, one partition, then two topics",
+        );
         report.broker_delivery_ms =
-            Some(broker::delivery_latency(&kafka, &delivery, None, 300, 20).await?);
-        report.broker_delivery_two_topics_ms =
-            Some(broker::delivery_latency(&kafka, &two, Some(&idle), 300, 20).await?);
+            Some(broker::delivery_latency(&kafka, &delivery, None, 1, 300, 20).await?);
+        report.broker_delivery_two_topics_ms = Some(
+            broker::delivery_latency(&kafka, &two, Some(&idle), cli.partitions, 300, 20).await?,
+        );
     }
     if section("consumer") {
         let figures =
@@ -393,7 +401,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     if section("saga") {
         let names = args.all_topics();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        ensure_topics(&kafka, &refs, cli.partitions, 1).await?;
+        ensure_topics(&kafka, &refs, cli.saga_partitions, 1).await?;
         let pool = args.pool(&schema("probe"), 2).await?;
         schemas.push(schema("probe"));
         progress.note("saga: end-to-end latency");
