@@ -188,9 +188,20 @@ async fn one_order_is_one_trace_from_the_http_request_to_the_last_step() {
         exported.is_empty(),
         "no span of a sampled-out saga is exported: {exported:#?}"
     );
+    // Meanwhile the exporter recorded the relay's publish spans of that saga's rows (roots of their own,
+    // sampled), linked to its context, which still says "not sampled".
+    let linked_unsampled = exporter
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.span_kind == SpanKind::Producer)
+        .flat_map(|s| s.links.links)
+        .filter(|l| l.span_context.trace_id() == unsampled_id)
+        .map(|l| l.span_context.is_sampled())
+        .collect::<Vec<_>>();
     assert!(
-        step_span(&exporter.get_finished_spans().unwrap(), "complete-order").is_some(),
-        "the exporter still records sampled traces"
+        !linked_unsampled.is_empty() && linked_unsampled.iter().all(|sampled| !sampled),
+        "publish spans link to the sampled-out saga's context, flag clear: {linked_unsampled:?}"
     );
     saga.stop().await;
     drop(provider);

@@ -316,25 +316,30 @@ impl FastPath {
         format!("{}:{kind}:{tenant}:{step_key}", self.0.namespace)
     }
 
+    /// What is known without a connection attempt: the connection made (`Some(Some(_))`), or Redis down
+    /// since an attempt less than [`RECONNECT_INTERVAL`] ago (`Some(None)`); `None`: an attempt is due.
+    fn settled(&self) -> Option<Option<MultiplexedConnection>> {
+        if let Some(c) = lock(&self.0.connection).clone() {
+            return Some(Some(c));
+        }
+        lock(&self.0.failed_at)
+            .is_some_and(|at| at.elapsed() < RECONNECT_INTERVAL)
+            .then_some(None)
+    }
+
     /// A connection, or `None` while Redis is down (no attempt more often than [`RECONNECT_INTERVAL`]).
     async fn connection(&self) -> Option<MultiplexedConnection> {
-        if let Some(c) = lock(&self.0.connection).clone() {
-            return Some(c);
-        }
-        if lock(&self.0.failed_at).is_some_and(|at| at.elapsed() < RECONNECT_INTERVAL) {
-            return None;
+        if let Some(known) = self.settled() {
+            return known;
         }
         // One attempt at a time. The others wait for it as long as a call may take, so that many first
         // uses at once share the one connection; past that they go to PostgreSQL.
         let _connecting = tokio::time::timeout(self.0.settings.timeout, self.0.connecting.lock())
             .await
             .ok()?;
-        if let Some(c) = lock(&self.0.connection).clone() {
-            return Some(c);
-        }
-        if lock(&self.0.failed_at).is_some_and(|at| at.elapsed() < RECONNECT_INTERVAL) {
-            // The attempt waited for just failed.
-            return None;
+        // The attempt waited for may have made the connection, or failed just now.
+        if let Some(known) = self.settled() {
+            return known;
         }
         let attempt = tokio::time::timeout(
             self.0.settings.timeout.max(Duration::from_millis(500)),

@@ -12,8 +12,8 @@ use saga_runtime::kafka::KafkaConfig;
 use saga_runtime::trace::SampledOut;
 use sqlx::PgPool;
 
-use crate::bench::scale::{Worker, stop};
-use crate::bench::{Progress, consumer, percentile};
+use crate::bench::scale::Worker;
+use crate::bench::{Progress, percentile};
 
 /// The `traceparent` of the benchmark's messages: a valid context, not sampled.
 pub const SAMPLED_OUT_PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
@@ -125,10 +125,9 @@ pub async fn figures(
             concurrency,
             tracing,
         };
-        let child = worker.spawn(kafka, database_url)?;
-        let measured = consumer::throughput(pool, "bench_effects", count, progress).await;
-        stop(vec![child]).await;
-        let per_s = measured?;
+        let per_s = worker
+            .throughput(1, kafka, database_url, pool, count, progress)
+            .await?;
         progress.note(&format!(
             "otel round {}: {} {per_s:.0} msg/s",
             i / turns.len() + 1,

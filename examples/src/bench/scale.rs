@@ -63,21 +63,38 @@ impl Worker {
         })
     }
 
-    /// Starts this worker as a child process of `saga-bench`, killed when dropped.
-    pub fn spawn(
+    /// Messages/s of `processes` processes of this worker (child processes of `saga-bench`), over the
+    /// `count` messages that `pool` (this worker's schema) holds in `bench_effects` when they are done.
+    /// The processes are stopped before it returns.
+    pub async fn throughput(
         &self,
+        processes: usize,
         kafka: &KafkaConfig,
         database_url: &str,
-    ) -> anyhow::Result<tokio::process::Child> {
-        Ok(tokio::process::Command::new(std::env::current_exe()?)
-            .arg(WORKER_ARG)
-            .arg(self.arg())
-            .arg("--brokers")
-            .arg(&kafka.brokers)
-            .arg("--database-url")
-            .arg(database_url)
-            .kill_on_drop(true)
-            .spawn()?)
+        pool: &PgPool,
+        count: i64,
+        progress: &Progress,
+    ) -> anyhow::Result<f64> {
+        let exe = std::env::current_exe()?;
+        let children = (0..processes)
+            .map(|_| {
+                tokio::process::Command::new(&exe)
+                    .arg(WORKER_ARG)
+                    .arg(self.arg())
+                    .arg("--brokers")
+                    .arg(&kafka.brokers)
+                    .arg("--database-url")
+                    .arg(database_url)
+                    .kill_on_drop(true)
+                    .spawn()
+            })
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let measured = consumer::throughput(pool, "bench_effects", count, progress).await;
+        for mut child in children {
+            let _ = child.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+        }
+        measured
     }
 
     /// Runs the consumer (in the worker process).
@@ -100,14 +117,6 @@ impl Worker {
         .build()?;
         consumer.run(saga_consumer::shutdown_signal()).await?;
         Ok(())
-    }
-}
-
-/// Stops `children` and waits for them, ten seconds at most each.
-pub async fn stop(children: Vec<tokio::process::Child>) {
-    for mut child in children {
-        let _ = child.start_kill();
-        let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
     }
 }
 
@@ -158,12 +167,9 @@ pub async fn consumers(
             concurrency: 4,
             tracing: Tracing::Off,
         };
-        let children = (0..n)
-            .map(|_| worker.spawn(kafka, database_url))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let measured = consumer::throughput(&pool, "bench_effects", messages, progress).await;
-        stop(children).await;
-        let per_s = measured?;
+        let per_s = worker
+            .throughput(n, kafka, database_url, &pool, messages, progress)
+            .await?;
         let one = steps.first().map_or(per_s, |s| s.per_s);
         progress.note(&format!(
             "scale-out: {n} consumer process(es): {per_s:.0} msg/s"
