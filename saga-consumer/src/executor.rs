@@ -20,6 +20,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::connection::WorkerConnection;
 use crate::dedup::{self, BatchError, Failure, ItemOutcome};
 use crate::delivery::{Delivery, PoisonReason, Route};
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
@@ -69,11 +70,13 @@ impl Executor {
     ///
     /// Nothing commits, and no message is dead-lettered or leased, before `start` allows it; if it does
     /// not (the batch's range turned out a suspect's, or the record was cancelled), processing stops there.
+    /// Transactions run on `connection`'s kept connection where it has one, and leave theirs there.
     pub(crate) async fn process(
         &self,
         deliveries: &mut [Delivery],
         cancel: &CancellationToken,
         start: &mut PendingStart,
+        connection: &mut WorkerConnection,
     ) -> usize {
         let mut i = 0;
         while i < deliveries.len() {
@@ -86,7 +89,7 @@ impl Executor {
                     .take_while(|d| d.is_transactional_or_ignored())
                     .count();
                 let done = self
-                    .process_run(&mut deliveries[i..i + run], cancel, start)
+                    .process_run(&mut deliveries[i..i + run], cancel, start, connection)
                     .await;
                 i += done;
                 if done < run {
@@ -94,6 +97,8 @@ impl Executor {
                 }
                 continue;
             }
+            // Dead letters and two-phase steps take connections of their own: hold none meanwhile.
+            connection.release();
             if !start.allows_commit().await {
                 return i;
             }
@@ -153,6 +158,7 @@ impl Executor {
         run: &mut [Delivery],
         cancel: &CancellationToken,
         batch_start: &mut PendingStart,
+        connection: &mut WorkerConnection,
     ) -> usize {
         let mut start = 0;
         // The first message known to have failed, at its index in `run`, with that failure.
@@ -164,7 +170,7 @@ impl Executor {
             if failed.as_ref().is_some_and(|(at, _)| *at == start) {
                 let (_, failure) = failed.take().expect("checked above");
                 if !self
-                    .retry_alone(&mut run[start], failure, cancel, batch_start)
+                    .retry_alone(&mut run[start], failure, cancel, batch_start, connection)
                     .await
                 {
                     return start;
@@ -181,7 +187,10 @@ impl Executor {
             } else {
                 limit
             };
-            match self.transact(&run[start..end], batch_start).await {
+            match self
+                .transact(&run[start..end], batch_start, connection)
+                .await
+            {
                 Ok(outcomes) => {
                     for (d, outcome) in run[start..end].iter_mut().zip(outcomes) {
                         self.finish(d, outcome);
@@ -206,6 +215,7 @@ impl Executor {
                     single_until = end;
                 }
                 Err(BatchError::Store(e)) => {
+                    self.metrics.database_unreachable.inc();
                     unavailable += 1;
                     let wait = UNAVAILABLE_BACKOFF.wait_after(unavailable);
                     tracing::warn!(error = %e, ?wait, "the database is unreachable; retrying the batch");
@@ -226,6 +236,7 @@ impl Executor {
         mut failure: Failure,
         cancel: &CancellationToken,
         batch_start: &mut PendingStart,
+        connection: &mut WorkerConnection,
     ) -> bool {
         let mut unavailable = 0;
         loop {
@@ -240,7 +251,7 @@ impl Executor {
                 return finished;
             }
             match self
-                .transact(std::slice::from_ref(delivery), batch_start)
+                .transact(std::slice::from_ref(delivery), batch_start, connection)
                 .await
             {
                 Ok(mut outcomes) => {
@@ -260,6 +271,7 @@ impl Executor {
         &self,
         batch: &[Delivery],
         start: &mut PendingStart,
+        connection: &mut WorkerConnection,
     ) -> Result<Vec<ItemOutcome>, BatchError> {
         if batch.iter().all(Delivery::needs_no_claim) {
             if !start.allows_commit().await {
@@ -279,7 +291,20 @@ impl Executor {
         }
         let phases = &self.metrics.phases;
         let began = Instant::now();
-        let mut tx = self.pool.begin().await?;
+        let (mut conn, kept) = connection.take(&self.pool).await?;
+        let mut replacement = None;
+        let mut tx = match sqlx::Connection::begin(&mut *conn).await {
+            Ok(tx) => tx,
+            // The kept connection broke since its last commit (the server restarted or ended it): the
+            // pool's ping would have caught that; take a tested one instead of waiting out a lost database.
+            // (The broken one goes back to the pool, whose ping discards it.)
+            Err(e) if kept => {
+                tracing::debug!(error = %e, "a kept connection failed to begin; taking another");
+                let fresh = replacement.insert(self.pool.acquire().await?);
+                sqlx::Connection::begin(&mut **fresh).await?
+            }
+            Err(e) => return Err(e.into()),
+        };
         observe_since(&phases.begin, began);
         let outcomes = match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics).await {
             Ok(outcomes) => outcomes,
@@ -299,6 +324,7 @@ impl Executor {
         let committing = Instant::now();
         tx.commit().await?;
         observe_since(&phases.commit, committing);
+        connection.keep(replacement.unwrap_or(conn));
         self.metrics.batch_size.observe(batch.len() as f64);
         self.after_commit(batch);
         fast::after_commit(self.fast_path.as_ref(), batch, &outcomes);
@@ -521,6 +547,7 @@ impl Executor {
             Failure::Handler(_) | Failure::Store(_) => true,
         };
         if !counted {
+            self.metrics.database_unreachable.inc();
             *unavailable += 1;
             let wait = UNAVAILABLE_BACKOFF.wait_after(*unavailable);
             tracing::warn!(parent: &delivery.span, error = %failure, ?wait, "database unavailable; waiting");

@@ -65,6 +65,11 @@ impl CrashGuard {
         self.alone.clone().read_owned().await
     }
 
+    /// [`Self::shared`] if no isolated message holds or waits for the process.
+    pub(crate) fn try_shared(&self) -> Option<OwnedRwLockReadGuard<()>> {
+        self.alone.clone().try_read_owned().ok()
+    }
+
     /// Waits until the isolated message at `offset` has the process alone (nothing else of this consumer
     /// runs while the returned lock is held), then counts its start: a death from then on is its doing.
     /// `None` if `cancel` fired first; nothing was counted then.

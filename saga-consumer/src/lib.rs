@@ -67,6 +67,7 @@
 #![deny(missing_docs)]
 
 mod config;
+mod connection;
 mod consumer;
 mod dedup;
 mod delivery;

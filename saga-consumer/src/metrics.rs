@@ -110,6 +110,8 @@ pub(crate) struct ConsumerMetrics {
     pub handler_seconds: Family<StepOnly, Histogram>,
     /// Messages per committed transaction.
     pub batch_size: Histogram,
+    /// Transactions that failed because the database could not be reached, each waited out and retried.
+    pub database_unreachable: Counter,
     /// Messages behind the partition's end, from librdkafka's statistics.
     pub lag: Family<PartitionLabels, Gauge>,
     /// Seconds per batch phase, by phase.
@@ -132,6 +134,7 @@ impl Default for ConsumerMetrics {
                 Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
             }),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
+            database_unreachable: Counter::default(),
             lag: Family::default(),
             phase_seconds,
             phases,
@@ -172,6 +175,11 @@ impl ConsumerMetrics {
             "batch_size",
             "Messages per committed transaction",
             self.batch_size.clone(),
+        );
+        r.register(
+            "database_unreachable",
+            "Transactions that failed because the database could not be reached (waited out, then retried)",
+            self.database_unreachable.clone(),
         );
         r.register(
             "batch_phase_seconds",

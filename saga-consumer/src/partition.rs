@@ -11,6 +11,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::connection::WorkerConnection;
 use crate::delivery::{Delivery, Router};
 use crate::executor::Executor;
 use crate::guard::{BatchStart, PendingStart};
@@ -61,14 +62,23 @@ async fn run(
 ) {
     // Messages received but not yet processed, in offset order.
     let mut backlog: VecDeque<Delivery> = VecDeque::new();
+    // Kept only while the worker goes from one batch straight to the next.
+    let mut connection = WorkerConnection::default();
     loop {
         let phases = &shared.executor.metrics.phases;
         if backlog.is_empty() {
             let idle = Instant::now();
-            let next = tokio::select! {
-                biased;
-                _ = cancel.cancelled() => return,
-                next = receiver.recv() => next,
+            let next = match receiver.try_recv() {
+                Ok(raw) => Some(raw),
+                Err(_) => {
+                    // Nothing to do: the connection goes back to the pool while the worker waits.
+                    connection.release();
+                    tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => return,
+                        next = receiver.recv() => next,
+                    }
+                }
             };
             match next {
                 Some(raw) => backlog.push_back(shared.router.route(raw)),
@@ -85,10 +95,18 @@ async fn run(
         }
         observe_since(&phases.route, routing);
         let waited = Instant::now();
-        let _permit = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return,
-            permit = shared.permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+        let _permit = match shared.permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                // Other partitions' turn first: no connection is held while waiting for a slot, so a
+                // consumer never holds more connections than it has slots.
+                connection.release();
+                tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => return,
+                    permit = shared.permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+                }
+            }
         };
 
         observe_since(&phases.permit, waited);
@@ -104,7 +122,7 @@ async fn run(
                 let mut known = PendingStart::known(BatchStart::Normal);
                 let done = shared
                     .executor
-                    .process(&mut batch, &cancel, &mut known)
+                    .process(&mut batch, &cancel, &mut known, &mut connection)
                     .await;
                 report(&shared, &tp, generation, &batch[..done]);
                 if done < batch.len() {
@@ -123,15 +141,31 @@ async fn run(
                 .all(Delivery::is_transactional_or_ignored);
         let start = if overlap {
             // The happy path: the transaction runs while the start is recorded; its commit waits for it.
+            // Recording takes a second connection: if the pool has none idle and may open no more, the kept
+            // one goes back first, so that workers keeping connections cannot leave none for their records.
+            let pool = &shared.executor.pool;
+            if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() {
+                connection.release();
+            }
             let mut pending = PendingStart::record(guard, &tp.0, tp.1, first, last, &cancel).await;
-            let _shared_lock = tokio::select! {
-                biased;
-                _ = cancel.cancelled() => None,
-                lock = guard.shared() => Some(lock),
+            let _shared_lock = match guard.try_shared() {
+                Some(lock) => Some(lock),
+                None => {
+                    // An isolated message has the process alone and needs a connection of its own.
+                    connection.release();
+                    tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => None,
+                        lock = guard.shared() => Some(lock),
+                    }
+                }
             };
             let done = if _shared_lock.is_some() {
                 let batch = &mut backlog.make_contiguous()[..take];
-                shared.executor.process(batch, &cancel, &mut pending).await
+                shared
+                    .executor
+                    .process(batch, &cancel, &mut pending, &mut connection)
+                    .await
             } else {
                 0
             };
@@ -152,6 +186,7 @@ async fn run(
                 }
             }
         } else {
+            connection.release();
             let guarded = Instant::now();
             let Some(start) = guard
                 .begin_until_recorded(&tp.0, tp.1, first, last, &cancel)
@@ -199,7 +234,7 @@ async fn run(
             let mut known = PendingStart::known(BatchStart::Normal);
             shared
                 .executor
-                .process(&mut batch, &cancel, &mut known)
+                .process(&mut batch, &cancel, &mut known, &mut connection)
                 .await
         };
         report(&shared, &tp, generation, &batch[..done]);

@@ -354,11 +354,7 @@ impl Running {
 }
 
 fn metric(ops: &saga_consumer::OpsHandle, name: &str, labels: &str) -> f64 {
-    let text = ops.render();
-    let prefix = format!("{name}{{{labels}}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
+    ops.sample(name, labels).unwrap_or(0.0)
 }
 
 fn ping(n: u32) -> Ping {
@@ -1031,4 +1027,147 @@ async fn dead_letter_refused_by_a_topic_of(
         "{error}"
     );
     letter
+}
+
+/// Records the database backend each message's transaction ran on: `effects.n` is `pg_backend_pid()`.
+#[derive(Clone)]
+struct RecordBackend {
+    topic: String,
+}
+
+impl SagaStep for RecordBackend {
+    type Payload = Ping;
+
+    fn name(&self) -> StepName {
+        StepName::from_static("record-backend")
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        vec![Subscription::new(&self.topic, "Ping")]
+    }
+
+    async fn handle(&self, msg: &Message<Ping>, ctx: &mut StepContext<'_>) -> StepResult {
+        tokio::time::sleep(Duration::from_millis(msg.payload.sleep_ms)).await;
+        sqlx::query("INSERT INTO effects (step_key, n) VALUES ($1, pg_backend_pid())")
+            .bind(msg.step_key.as_str())
+            .execute(ctx.conn())
+            .await?;
+        Ok(StepOutcome::completed())
+    }
+}
+
+/// Ends the backend that ran `step_key`'s transaction, and waits until it is gone.
+async fn terminate_backend_of(url: &str, step_key: &str) -> i64 {
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let pid: i64 = sqlx::query_scalar("SELECT n FROM effects WHERE step_key = $1")
+        .bind(step_key)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1::int)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(ended, "backend {pid} was ended");
+    wait_until("the backend to exit", WAIT, || async {
+        let alive: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = $1")
+            .bind(i32::try_from(pid).unwrap())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        (alive == 0).then_some(())
+    })
+    .await;
+    pool.close().await;
+    pid
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_keeps_its_connection_between_batches_and_replaces_a_broken_one_at_once() {
+    let f = Fixture::new("connection", 1).await;
+    // The first message holds its transaction open long enough for every other one to queue up behind it,
+    // so that the batches after it run back to back.
+    f.ping(
+        "k-0",
+        &Ping {
+            n: 0,
+            sleep_ms: 1000,
+            ..Ping::default()
+        },
+    )
+    .await;
+    for n in 1..=24 {
+        f.ping(&format!("k-{n}"), &ping(n)).await;
+    }
+    // Right after the first commit, while the worker keeps that transaction's connection for its next
+    // batch, the server ends the backend behind it.
+    let killed: Arc<Mutex<Option<i64>>> = Arc::default();
+    let hooks = {
+        let (killed, url, runtime) = (
+            killed.clone(),
+            f.db.url(),
+            tokio::runtime::Handle::current(),
+        );
+        Hooks::default().on_db_commit(move |_| {
+            let mut killed = killed.lock().unwrap();
+            if killed.is_none() {
+                let pid = std::thread::scope(|s| {
+                    s.spawn(|| runtime.block_on(terminate_backend_of(&url, "k-0:record-backend")))
+                        .join()
+                        .unwrap()
+                });
+                *killed = Some(pid);
+            }
+        })
+    };
+    let running = f.start(
+        f.consumer(RecordBackend {
+            topic: f.topic.clone(),
+        })
+        .batch_size(5)
+        .concurrency(1)
+        .hooks(hooks),
+    );
+    f.wait_for_committed(BTreeMap::from([(0, 25)])).await;
+    let effects = f.effects().await;
+    let keys: std::collections::BTreeSet<_> = effects.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        (effects.len(), keys.len()),
+        (25, 25),
+        "each message took effect once"
+    );
+    let killed = killed
+        .lock()
+        .unwrap()
+        .expect("the first commit ended its backend");
+    let after: std::collections::BTreeSet<i64> = effects
+        .iter()
+        .map(|(_, pid)| *pid)
+        .filter(|pid| *pid != killed)
+        .collect();
+    assert_eq!(
+        after.len(),
+        1,
+        "the batches after the first ran on one kept connection: backends {after:?}"
+    );
+    // The first batch (the slow message and whatever had arrived with it), then 24 messages or fewer in
+    // batches of 5: a batch whose BEGIN failed on the broken connection would have been waited out as a
+    // lost database or gone through one message per transaction.
+    let transactions = running
+        .ops
+        .sample("saga_consumer_batch_size_count", "")
+        .unwrap();
+    assert!(
+        transactions <= 6.0,
+        "the broken connection was replaced at once: {transactions} transactions for 25 messages"
+    );
+    assert_eq!(
+        running
+            .ops
+            .sample("saga_consumer_database_unreachable_total", ""),
+        Some(0.0),
+        "no transaction waited for the database"
+    );
+    running.stop().await;
 }

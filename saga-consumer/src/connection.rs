@@ -1,0 +1,41 @@
+//! A partition worker's database connection, kept from one transaction to the next while the worker has
+//! more to do.
+//!
+//! Taking a connection from the pool costs a round trip: sqlx pings an idle connection before handing it
+//! out (`test_before_acquire`, on by default). A worker running batch after batch keeps its connection
+//! instead, and gives it back to the pool as soon as its queue runs dry or it has to wait for its turn
+//! (see `partition`), so that it never holds a connection it is not about to use. A kept connection that
+//! turns out to be broken when its next transaction begins is replaced with one from the pool at once.
+
+use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres};
+
+/// The connection a partition worker keeps between back-to-back transactions.
+#[derive(Default)]
+pub(crate) struct WorkerConnection {
+    kept: Option<PoolConnection<Postgres>>,
+}
+
+impl WorkerConnection {
+    /// A connection for the next transaction: the kept one (`true`: not tested since its last commit),
+    /// or one from `pool`.
+    pub(crate) async fn take(
+        &mut self,
+        pool: &PgPool,
+    ) -> Result<(PoolConnection<Postgres>, bool), sqlx::Error> {
+        match self.kept.take() {
+            Some(conn) => Ok((conn, true)),
+            None => Ok((pool.acquire().await?, false)),
+        }
+    }
+
+    /// Keeps `conn`, whose transaction committed, for the worker's next transaction.
+    pub(crate) fn keep(&mut self, conn: PoolConnection<Postgres>) {
+        self.kept = Some(conn);
+    }
+
+    /// Gives the kept connection back to the pool.
+    pub(crate) fn release(&mut self) {
+        self.kept = None;
+    }
+}
