@@ -113,48 +113,51 @@ impl Router {
     /// its headers carry; the events its step emits are that span's children.
     pub(crate) fn route(&self, raw: RawMessage) -> Delivery {
         let meta = EventMetadata::from_headers(&raw.headers);
+        let id = meta
+            .as_ref()
+            .ok()
+            .map(|m| (raw.origin.topic.clone(), m.event_type.clone()));
+        let step = id.as_ref().and_then(|id| self.steps.get(id));
+        let step_key = match (&meta, step) {
+            (Ok(meta), Some(step)) => Some(meta.step_key(&step.name)),
+            _ => None,
+        };
+        let read = meta.as_ref().ok();
         let span = trace::process_span(
-            &raw.origin.topic,
-            raw.origin.partition,
-            raw.origin.offset,
-            raw.key.as_deref(),
-            &self.group,
+            &trace::MessageFields {
+                topic: &raw.origin.topic,
+                partition: raw.origin.partition,
+                offset: raw.origin.offset,
+                key: raw.key.as_deref(),
+                group: &self.group,
+                tenant: read.map(|m| m.tenant.as_str()),
+                event_type: read.map(|m| m.event_type.as_str()),
+                step: step.map(|s| s.name.as_str()),
+                step_key: step_key.as_ref().map(StepKey::as_str),
+                traceparent: read.and_then(|m| m.traceparent.as_ref()),
+            },
             &raw.headers,
         );
-        let route = match meta {
-            Err(e) => Route::Poison(e.into()),
-            Ok(mut meta) => {
-                span.record("saga.tenant", meta.tenant.as_str());
-                span.record("saga.event_type", meta.event_type.as_str());
-                if let Some(tp) = meta.traceparent {
-                    span.record("trace_id", tp.trace_id_hex());
-                    span.record("parent_span_id", format!("{:016x}", tp.parent_id));
-                }
-                let id = (raw.origin.topic.clone(), meta.event_type.clone());
-                if let Some(step) = self.steps.get(&id) {
-                    let step_key = meta.step_key(&step.name);
-                    let tenant = meta.tenant.clone();
-                    span.record("saga.step", step.name.as_str());
-                    span.record("saga.step_key", step_key.as_str());
-                    meta.span_context = trace::span_context(&span);
-                    match step.decode(&raw, meta) {
-                        Ok(decoded) => Route::Step {
-                            step: step.clone(),
-                            decoded,
-                            step_key,
-                            tenant,
-                        },
-                        Err(e) => Route::Poison(e.into()),
-                    }
-                } else if self.ignored.contains(&id) {
-                    Route::Ignored
-                } else {
-                    Route::Poison(PoisonReason::UnknownEventType {
-                        topic: id.0,
-                        event_type: id.1,
-                    })
+        let route = match (meta, id, step, step_key) {
+            (Err(e), ..) => Route::Poison(e.into()),
+            (Ok(mut meta), _, Some(step), Some(step_key)) => {
+                let tenant = meta.tenant.clone();
+                meta.span_context = trace::span_context(&span);
+                match step.decode(&raw, meta) {
+                    Ok(decoded) => Route::Step {
+                        step: step.clone(),
+                        decoded,
+                        step_key,
+                        tenant,
+                    },
+                    Err(e) => Route::Poison(e.into()),
                 }
             }
+            (Ok(_), Some(id), ..) if self.ignored.contains(&id) => Route::Ignored,
+            (Ok(meta), ..) => Route::Poison(PoisonReason::UnknownEventType {
+                topic: raw.origin.topic.clone(),
+                event_type: meta.event_type,
+            }),
         };
         Delivery {
             raw,

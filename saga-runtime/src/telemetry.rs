@@ -61,7 +61,8 @@ pub fn env_filter() -> tracing_subscriber::EnvFilter {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,librdkafka=warn,sqlx=warn"))
 }
 
-/// The log lines of [`init_tracing`], on stderr.
+/// The log lines of [`init_tracing`], on stderr; coloured only when stderr is a terminal (escape codes
+/// have no place in a log file, and formatting them costs CPU for every span).
 pub fn log_lines<S>() -> tracing_subscriber::fmt::Layer<
     S,
     tracing_subscriber::fmt::format::DefaultFields,
@@ -71,7 +72,10 @@ pub fn log_lines<S>() -> tracing_subscriber::fmt::Layer<
 where
     S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
 {
-    tracing_subscriber::fmt::layer().with_writer(std::io::stderr as fn() -> std::io::Stderr)
+    use std::io::IsTerminal as _;
+    tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr as fn() -> std::io::Stderr)
+        .with_ansi(std::io::stderr().is_terminal())
 }
 
 /// The layer of [`otel_layer`]: tracing-opentelemetry's, behind the filter that keeps sampled-out spans

@@ -110,19 +110,17 @@ impl<S> tracing_subscriber::layer::Filter<S> for SampledOutFilter {
     }
 }
 
-/// Whether a span whose parent context is `parent()` (a `traceparent` value, if any) is left out of
+/// Whether a span whose parent context is `parent()` (from a `traceparent` value, if any) is left out of
 /// OpenTelemetry, by the [`SampledOutFilter`] of the current subscriber (none: no span is). The header is
 /// read only when the answer depends on it.
-fn sampled_out<'a>(parent: impl FnOnce() -> Option<&'a str>) -> bool {
+fn sampled_out(parent: impl FnOnce() -> Option<TraceParent>) -> bool {
     #[cfg(feature = "otel")]
     {
         let policy = tracing::dispatcher::get_default(|dispatch| {
             dispatch.downcast_ref::<SampledOutFilter>().map(|f| f.0)
         });
         match policy {
-            Some(SampledOut::ChildrenOfSampledOut) => parent()
-                .and_then(TraceParent::parse)
-                .is_some_and(|p| p.flags & 1 == 0),
+            Some(SampledOut::ChildrenOfSampledOut) => parent().is_some_and(|p| p.flags & 1 == 0),
             Some(SampledOut::Everything) => true,
             Some(SampledOut::Undecided) | None => false,
         }
@@ -142,7 +140,12 @@ pub fn http_span(method: &http::Method, route: Option<&str>, headers: &http::Hea
         Some(route) => format!("{method} {route}"),
         None => method.to_string(),
     };
-    let parent = || headers.get(TRACEPARENT).and_then(|v| v.to_str().ok());
+    let parent = || {
+        headers
+            .get(TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .and_then(TraceParent::parse)
+    };
     let skip = sampled_out(parent);
     let span = at_target!(
         skip,
@@ -161,19 +164,47 @@ pub fn http_span(method: &http::Method, route: Option<&str>, headers: &http::Hea
     span
 }
 
+/// What the span of a consumed message records: where the message came from and, as far as its headers
+/// could be read, what it is.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MessageFields<'a> {
+    /// The topic.
+    pub topic: &'a str,
+    /// The partition.
+    pub partition: i32,
+    /// The offset.
+    pub offset: i64,
+    /// The Kafka key.
+    pub key: Option<&'a [u8]>,
+    /// The consumer group.
+    pub group: &'a str,
+    /// The tenant, from the headers.
+    pub tenant: Option<&'a str>,
+    /// The event type, from the headers.
+    pub event_type: Option<&'a str>,
+    /// The step the message is for.
+    pub step: Option<&'a str>,
+    /// The message's step key.
+    pub step_key: Option<&'a str>,
+    /// The message's trace context, as its headers carry it (parsed).
+    pub traceparent: Option<&'a TraceParent>,
+}
+
 /// The span of a consumed message (kind consumer), named `process {topic}`, continuing the trace of the
-/// message's `traceparent` header. Records the step, the step key, the tenant, the event type and the
-/// outcome later.
-pub fn process_span(
-    topic: &str,
-    partition: i32,
-    offset: i64,
-    key: Option<&[u8]>,
-    group: &str,
-    headers: &Headers,
-) -> Span {
-    let parent = || headers.get_str(TRACEPARENT).ok().flatten();
+/// message's `traceparent` header, with all of `fields` (recorded at once: a log layer formats a span's
+/// fields each time some are recorded). Records the outcome later.
+pub fn process_span(fields: &MessageFields<'_>, headers: &Headers) -> Span {
+    let parent = || {
+        fields.traceparent.copied().or_else(|| {
+            headers
+                .get_str(TRACEPARENT)
+                .ok()
+                .flatten()
+                .and_then(TraceParent::parse)
+        })
+    };
     let skip = sampled_out(parent);
+    let topic = fields.topic;
     let span = at_target!(
         skip,
         "saga.message",
@@ -182,17 +213,19 @@ pub fn process_span(
         messaging.system = "kafka",
         messaging.operation.type = "process",
         messaging.destination.name = %topic,
-        messaging.destination.partition.id = partition,
-        messaging.kafka.offset = offset,
-        messaging.kafka.message.key = key.map(String::from_utf8_lossy).as_deref(),
-        messaging.consumer.group.name = %group,
-        saga.step = tracing::field::Empty,
-        saga.step_key = tracing::field::Empty,
-        saga.tenant = tracing::field::Empty,
-        saga.event_type = tracing::field::Empty,
+        messaging.destination.partition.id = fields.partition,
+        messaging.kafka.offset = fields.offset,
+        messaging.kafka.message.key = fields.key.map(String::from_utf8_lossy).as_deref(),
+        messaging.consumer.group.name = %fields.group,
+        saga.step = fields.step,
+        saga.step_key = fields.step_key,
+        saga.tenant = fields.tenant,
+        saga.event_type = fields.event_type,
         saga.outcome = tracing::field::Empty,
-        trace_id = tracing::field::Empty,
-        parent_span_id = tracing::field::Empty,
+        trace_id = fields.traceparent.map(|tp| tracing::field::display(tp.trace_id_hex())),
+        parent_span_id = fields
+            .traceparent
+            .map(|tp| tracing::field::display(format!("{:016x}", tp.parent_id))),
     );
     #[cfg(feature = "otel")]
     if !skip {
@@ -350,7 +383,17 @@ mod tests {
         let incoming = TraceParent::new_root();
         let headers = Headers::new().with("traceparent", incoming.to_string());
         let context = tracing::subscriber::with_default(subscriber, || {
-            let span = process_span("payments", 2, 41, Some(b"order-7"), "shipping", &headers);
+            let span = process_span(
+                &MessageFields {
+                    topic: "payments",
+                    partition: 2,
+                    offset: 41,
+                    key: Some(b"order-7"),
+                    group: "shipping",
+                    ..MessageFields::default()
+                },
+                &headers,
+            );
             let context = span_context(&span).expect("an OpenTelemetry span");
             span.record("saga.outcome", "processed");
             context
@@ -448,7 +491,7 @@ mod tests {
                 Some(p) => Headers::new().with("traceparent", p.to_string()),
                 None => Headers::new(),
             };
-            let span = process_span("payments", 0, 1, None, "g", &headers);
+            let span = process_span(&message("payments", 1), &headers);
             let target = span.metadata().map(|m| m.target());
             (target, span_context(&span))
         };
@@ -505,9 +548,19 @@ mod tests {
         }
     }
 
+    /// A message at `offset` of partition 0 of `topic`, whose headers could not be read.
+    fn message(topic: &str, offset: i64) -> MessageFields<'_> {
+        MessageFields {
+            topic,
+            offset,
+            group: "g",
+            ..MessageFields::default()
+        }
+    }
+
     #[test]
     fn without_an_opentelemetry_layer_there_is_no_span_context() {
-        let span = process_span("payments", 0, 0, None, "g", &Headers::new());
+        let span = process_span(&message("payments", 0), &Headers::new());
         assert_eq!(span_context(&span), None);
     }
 }
