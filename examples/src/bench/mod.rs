@@ -3,6 +3,7 @@
 
 pub mod broker;
 pub mod consumer;
+pub mod cpu;
 pub mod http;
 pub mod otel;
 pub mod redis;
@@ -77,6 +78,8 @@ pub struct Report {
     pub consumer_vs_sql_ceiling_ratio: Option<f64>,
     /// The consumer's run in detail: messages per batch, milliseconds per batch by phase.
     pub consumer_run: Option<consumer::FrameworkRun>,
+    /// CPU per message of the consumer's run and of the SQL ceiling (machine, PostgreSQL, this process).
+    pub consumer_cpu: Option<serde_json::Value>,
     /// Relay on a backlog, rows/s.
     pub relay_rows_per_s: Option<f64>,
     /// Relay commit-to-ack p50 at the steady rate, ms.

@@ -1,6 +1,8 @@
 //! Measures the framework on this machine: see `saga-bench --help`.
 
-use saga_examples::bench::{Progress, Report, broker, consumer, http, otel, relay, saga, scale};
+use saga_examples::bench::{
+    Progress, Report, broker, consumer, cpu, http, otel, relay, saga, scale,
+};
 use saga_examples::harness::broker::Broker;
 use saga_examples::service::{ServiceArgs, quote_ident};
 use saga_runtime::kafka::{KafkaConfig, ensure_topics};
@@ -209,6 +211,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.sql_ceiling_msgs_per_s = Some(figures.ceiling);
         report.consumer_vs_sql_ceiling_ratio = Some(figures.framework / figures.ceiling);
         report.consumer_run = Some(figures.run);
+        report.consumer_cpu = Some(figures.cpu);
     }
     if section("consumer-mock") {
         {
@@ -230,6 +233,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 "sql_ceiling_msgs_per_s": figures.ceiling,
                 "consumer_vs_sql_ceiling_ratio": figures.framework / figures.ceiling,
                 "consumer_run": figures.run,
+                "consumer_cpu": figures.cpu,
             }));
         }
     }
@@ -545,6 +549,7 @@ async fn consumer_figures(
     progress.note(&format!(
         "consumer ({label}): baseline {baseline:.0} msg/s; now the framework's consumer"
     ));
+    let before = cpu::CpuSample::now();
     let run = consumer::framework(
         kafka,
         &pool,
@@ -555,6 +560,7 @@ async fn consumer_figures(
         progress,
     )
     .await?;
+    let after_framework = cpu::CpuSample::now();
     let framework = run.msgs_per_s;
     progress.note(&format!(
         "consumer ({label}): framework {framework:.0} msg/s; now the SQL ceiling"
@@ -567,14 +573,27 @@ async fn consumer_figures(
         progress,
     )
     .await?;
+    let after_ceiling = cpu::CpuSample::now();
     progress.note(&format!(
         "consumer ({label}): SQL ceiling {ceiling:.0} msg/s"
     ));
+    let rounds = i64::try_from(consumer::CEILING_ROUNDS)?;
+    let cpu = match (before, after_framework, after_ceiling) {
+        (Some(before), Some(middle), Some(after)) => {
+            let framework = before.until(&middle, cli.messages);
+            let ceiling = middle.until(&after, cli.messages * rounds);
+            progress.note(&format!("consumer ({label}): framework {framework}"));
+            progress.note(&format!("consumer ({label}): SQL ceiling {ceiling}"));
+            serde_json::json!({ "framework": framework, "sql_ceiling": ceiling })
+        }
+        _ => serde_json::Value::Null,
+    };
     Ok(ConsumerFigures {
         framework,
         baseline,
         ceiling,
         run,
+        cpu,
     })
 }
 
@@ -588,4 +607,6 @@ struct ConsumerFigures {
     ceiling: f64,
     /// The framework's run in detail.
     run: consumer::FrameworkRun,
+    /// CPU per message of the framework's run and of the ceiling (`null` without Linux's `/proc`).
+    cpu: serde_json::Value,
 }
