@@ -67,8 +67,8 @@ struct RunArgs {
     /// Fallback poll interval in milliseconds (notifications wake the relay sooner).
     #[arg(long, env = "RELAY_POLL_INTERVAL_MS", default_value_t = 1_000)]
     poll_interval_ms: u64,
-    /// The producer's linger in milliseconds.
-    #[arg(long, env = "RELAY_LINGER_MS", default_value_t = 1)]
+    /// The producer's linger in milliseconds (0: send at once; 1-5 trade latency for fuller requests).
+    #[arg(long, env = "RELAY_LINGER_MS", default_value_t = 0)]
     linger_ms: u64,
     /// Delete rows once published instead of marking them.
     #[arg(long, env = "RELAY_DELETE_PUBLISHED")]

@@ -31,7 +31,8 @@ pub struct RelaySettings {
     pub batch_size: i64,
     /// Fallback poll when no notification comes (`RELAY_POLL_INTERVAL_MS`, default 1 s).
     pub poll_interval: Duration,
-    /// The producer's `linger.ms` (`RELAY_LINGER_MS`, default 1 ms).
+    /// The producer's `linger.ms` (`RELAY_LINGER_MS`, default 0: a row goes out as soon as it is read;
+    /// rows read together still go in one request, and more gather while requests are in flight).
     pub linger: Duration,
     /// What to do with published rows (`RELAY_DELETE_PUBLISHED`; default: mark them).
     pub after_publish: AfterPublish,
@@ -56,7 +57,7 @@ impl Default for RelaySettings {
             kafka: None,
             batch_size: 2_000,
             poll_interval: Duration::from_secs(1),
-            linger: Duration::from_millis(1),
+            linger: Duration::ZERO,
             after_publish: AfterPublish::Mark,
             rebalance_interval: Duration::from_secs(2),
             backlog_interval: Duration::from_secs(10),

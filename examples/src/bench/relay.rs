@@ -35,13 +35,20 @@ fn start(kafka: &KafkaConfig, pool: &PgPool) -> (CancellationToken, Running) {
     (stop, relay)
 }
 
+/// Starts a relay with the default settings, except `RELAY_LINGER_MS` when set (to measure the linger's
+/// trade-off between latency and batching).
 fn start_one(kafka: &KafkaConfig, pool: &PgPool, stop: &CancellationToken) -> Running {
-    let relay = Relay::builder()
+    let mut relay = Relay::builder()
         .kafka(kafka.clone())
         .pool(pool.clone())
-        .rebalance_interval(Duration::from_millis(200))
-        .build()
-        .expect("a valid relay");
+        .rebalance_interval(Duration::from_millis(200));
+    if let Some(ms) = std::env::var("RELAY_LINGER_MS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        relay = relay.linger(Duration::from_millis(ms));
+    }
+    let relay = relay.build().expect("a valid relay");
     tokio::spawn(relay.run(stop.clone().cancelled_owned()))
 }
 
