@@ -3,9 +3,12 @@
 //!
 //! Taking a connection from the pool costs a round trip: sqlx pings an idle connection before handing it
 //! out (`test_before_acquire`, on by default). A worker running batch after batch keeps its connection
-//! instead, and gives it back to the pool as soon as its queue runs dry or it has to wait for its turn
-//! (see `partition`), so that it never holds a connection it is not about to use. A kept connection that
-//! turns out to be broken when its next transaction begins is replaced with one from the pool at once.
+//! instead, and gives it back to the pool before anything else that could make it wait (see `partition`
+//! and `executor`): its queue running dry, waiting for a slot or for an isolated message, recording a batch's
+//! end, backing off before a retry, dead-lettering, a two-phase step, or a crash-loop record when the pool
+//! has no idle connection left. So it never holds a connection it is not about to use, and workers keeping
+//! connections cannot starve each other's other statements. A kept connection that turns out to be broken
+//! when its next transaction begins is replaced with one from the pool at once.
 
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};

@@ -240,6 +240,8 @@ impl Executor {
     ) -> bool {
         let mut unavailable = 0;
         loop {
+            // No connection is held through the backoff (or a dead letter).
+            connection.release();
             // A dead letter is an effect too: not before the batch's start is recorded.
             if !batch_start.allows_commit().await {
                 return false;

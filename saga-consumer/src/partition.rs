@@ -175,6 +175,7 @@ async fn run(
                 Some(BatchStart::Normal) if done == take => continue,
                 // Cancelled (revoke or shutdown): the rest comes back to whoever owns the partition next.
                 Some(BatchStart::Normal) => {
+                    connection.release();
                     guard.end(&tp.0, tp.1, first, false).await;
                     return;
                 }
@@ -219,6 +220,7 @@ async fn run(
             BatchStart::DeadLetter(_) => {}
         }
         if cancel.is_cancelled() {
+            connection.release();
             guard.end(&tp.0, tp.1, first, false).await;
             return;
         }
@@ -240,10 +242,12 @@ async fn run(
         report(&shared, &tp, generation, &batch[..done]);
         if done < batch.len() {
             // Cancelled (revoke or shutdown): the rest comes back to whoever owns the partition next.
+            connection.release();
             shared.executor.guard.end(&tp.0, tp.1, first, false).await;
             return;
         }
         if start != BatchStart::Normal {
+            connection.release();
             shared.executor.guard.end(&tp.0, tp.1, first, true).await;
         }
     }

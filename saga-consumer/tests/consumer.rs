@@ -1171,3 +1171,33 @@ async fn a_worker_keeps_its_connection_between_batches_and_replaces_a_broken_one
     );
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn workers_keeping_connections_leave_room_in_a_pool_no_larger_than_their_number() {
+    let f = Fixture::new("small-pool", 2).await;
+    for n in 0..120 {
+        f.ping(&format!("k-{n}"), &ping(n)).await;
+    }
+    // As many connections as workers: every batch's crash-loop record needs one beside the transaction.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&f.db.url())
+        .await
+        .unwrap();
+    let running = f.start(
+        f.consumer(RecordPing::new(&f.topic))
+            .pool(pool)
+            .batch_size(10)
+            .concurrency(2),
+    );
+    f.wait_for_effects(120).await;
+    let committed = running
+        .ops
+        .sample("saga_consumer_batch_size_sum", "")
+        .unwrap();
+    assert_eq!(committed, 120.0, "every message committed once");
+    let keys: std::collections::BTreeSet<String> =
+        f.effects().await.into_iter().map(|(k, _)| k).collect();
+    assert_eq!(keys.len(), 120);
+    running.stop().await;
+}
