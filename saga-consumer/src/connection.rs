@@ -41,4 +41,12 @@ impl WorkerConnection {
     pub(crate) fn release(&mut self) {
         self.kept = None;
     }
+
+    /// Gives the kept connection back if `pool` has no idle connection and may open no more, so that a
+    /// statement about to run beside the worker's next transaction finds one.
+    pub(crate) fn make_room(&mut self, pool: &PgPool) {
+        if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() {
+            self.release();
+        }
+    }
 }

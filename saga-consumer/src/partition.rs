@@ -141,12 +141,8 @@ async fn run(
                 .all(Delivery::is_transactional_or_ignored);
         let start = if overlap {
             // The happy path: the transaction runs while the start is recorded; its commit waits for it.
-            // Recording takes a second connection: if the pool has none idle and may open no more, the kept
-            // one goes back first, so that workers keeping connections cannot leave none for their records.
-            let pool = &shared.executor.pool;
-            if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() {
-                connection.release();
-            }
+            // Recording takes a second connection: workers keeping theirs must leave one for it.
+            connection.make_room(&shared.executor.pool);
             let mut pending = PendingStart::record(guard, &tp.0, tp.1, first, last, &cancel).await;
             let _shared_lock = match guard.try_shared() {
                 Some(lock) => Some(lock),

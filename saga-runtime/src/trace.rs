@@ -564,3 +564,68 @@ mod tests {
         assert_eq!(span_context(&span), None);
     }
 }
+
+#[cfg(test)]
+mod log_context {
+    use std::sync::{Arc, Mutex};
+
+    use tracing_subscriber::layer::SubscriberExt;
+
+    use super::*;
+
+    /// A writer appending to a shared buffer.
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Shared {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_log_line_inside_a_message_names_its_step_key_tenant_and_trace() {
+        let buffer = Arc::new(Mutex::new(Vec::new()));
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::registry().with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .with_writer(move || Shared(writer.clone())),
+        );
+        let parent = TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        tracing::subscriber::with_default(subscriber, || {
+            let span = process_span(
+                &MessageFields {
+                    topic: "payments",
+                    partition: 3,
+                    offset: 17,
+                    group: "shipping",
+                    tenant: Some("acme"),
+                    event_type: Some("PaymentProcessed"),
+                    step: Some("arrange-shipment"),
+                    step_key: Some("order-7:arrange-shipment"),
+                    traceparent: parent.as_ref(),
+                    ..MessageFields::default()
+                },
+                &Headers::new(),
+            );
+            span.in_scope(|| tracing::warn!("the carrier is slow"));
+        });
+        let line = String::from_utf8(buffer.lock().unwrap().clone()).unwrap();
+        for expected in [
+            "saga.step_key=\"order-7:arrange-shipment\"",
+            "saga.tenant=\"acme\"",
+            "saga.event_type=\"PaymentProcessed\"",
+            "messaging.kafka.offset=17",
+            "trace_id=4bf92f3577b34da6a3ce929d0e0e4736",
+            "parent_span_id=00f067aa0ba902b7",
+            "the carrier is slow",
+        ] {
+            assert!(line.contains(expected), "{expected} in {line}");
+        }
+    }
+}
