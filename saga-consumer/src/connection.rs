@@ -9,14 +9,21 @@
 //! has no idle connection left. So it never holds a connection it is not about to use, and workers keeping
 //! connections cannot starve each other's other statements. A kept connection that turns out to be broken
 //! when its next transaction begins is replaced with one from the pool at once.
+//!
+//! The worker also carries from one transaction to the next which claim to run (see `dedup`): the plain
+//! claim of new keys while its batches hold none that exist, the checking claim after one did.
 
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
+
+use crate::dedup::ClaimKind;
 
 /// The connection a partition worker keeps between back-to-back transactions.
 #[derive(Default)]
 pub(crate) struct WorkerConnection {
     kept: Option<PoolConnection<Postgres>>,
+    /// Whether the worker's last claim met keys that existed.
+    met_existing_keys: bool,
 }
 
 impl WorkerConnection {
@@ -35,6 +42,20 @@ impl WorkerConnection {
     /// Keeps `conn`, whose transaction committed, for the worker's next transaction.
     pub(crate) fn keep(&mut self, conn: PoolConnection<Postgres>) {
         self.kept = Some(conn);
+    }
+
+    /// How the worker's next transaction claims its keys: as new, unless its last claim met existing ones.
+    pub(crate) fn claim_kind(&self) -> ClaimKind {
+        if self.met_existing_keys {
+            ClaimKind::Checked
+        } else {
+            ClaimKind::New
+        }
+    }
+
+    /// Notes whether the worker's last claim met keys that existed.
+    pub(crate) fn claimed(&mut self, met_existing_keys: bool) {
+        self.met_existing_keys = met_existing_keys;
     }
 
     /// Gives the kept connection back to the pool.

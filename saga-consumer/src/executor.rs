@@ -210,6 +210,9 @@ impl Executor {
                 Err(BatchError::Group) => single_until = end,
                 // The batch may not commit (see `guard::PendingStart`): nothing of it did.
                 Err(BatchError::NotStarted) => return start,
+                Err(BatchError::KeysExist) => {
+                    unreachable!("transact runs such a batch again itself")
+                }
                 Err(BatchError::Store(e)) if !e.is_connection_error() => {
                     tracing::debug!(error = %e, messages = end - start, "a batch statement failed; narrowing down");
                     single_until = end;
@@ -264,12 +267,32 @@ impl Executor {
                 Err(BatchError::Store(e)) => failure = Failure::Store(e),
                 Err(BatchError::NotStarted) => return false,
                 Err(BatchError::Group) => unreachable!("a single message is never a group"),
+                Err(BatchError::KeysExist) => {
+                    unreachable!("transact runs such a batch again itself")
+                }
             }
         }
     }
 
-    /// One transaction over `batch`: claim, handle, record, append, commit.
+    /// One transaction over `batch`: claim, handle, record, append, commit. Run a second time, claiming
+    /// with a check of each key, if the first claimed the keys as new and one existed.
     async fn transact(
+        &self,
+        batch: &[Delivery],
+        start: &mut PendingStart,
+        connection: &mut WorkerConnection,
+    ) -> Result<Vec<ItemOutcome>, BatchError> {
+        match self.transact_once(batch, start, connection).await {
+            Err(BatchError::KeysExist) => {
+                self.metrics.claims_rerun.inc();
+                self.transact_once(batch, start, connection).await
+            }
+            other => other,
+        }
+    }
+
+    /// [`Self::transact`]'s transaction, claiming as `connection` says (see `dedup::ClaimKind`).
+    async fn transact_once(
         &self,
         batch: &[Delivery],
         start: &mut PendingStart,
@@ -308,15 +331,27 @@ impl Executor {
             Err(e) => return Err(e.into()),
         };
         observe_since(&phases.begin, began);
-        let outcomes = match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics).await {
-            Ok(outcomes) => outcomes,
-            Err(e) => {
-                // Roll back now: a dropped transaction is rolled back only once the pool takes its
-                // connection back, and until then its claimed keys would hold up the retry.
-                let _ = tx.rollback().await;
-                return Err(e);
-            }
-        };
+        let claim = connection.claim_kind();
+        let outcomes =
+            match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics, claim).await {
+                Ok(run) => {
+                    connection.claimed(run.met_existing_keys);
+                    run.outcomes
+                }
+                Err(e) => {
+                    // Roll back now: a dropped transaction is rolled back only once the pool takes its
+                    // connection back, and until then its claimed keys would hold up the retry.
+                    let rolled_back = tx.rollback().await.is_ok();
+                    if matches!(e, BatchError::KeysExist) {
+                        // Nothing but the claim ran: the batch runs again at once, checking each key.
+                        connection.claimed(true);
+                        if rolled_back {
+                            connection.keep(replacement.unwrap_or(conn));
+                        }
+                    }
+                    return Err(e);
+                }
+            };
         let recording = Instant::now();
         if !start.allows_commit().await {
             let _ = tx.rollback().await;

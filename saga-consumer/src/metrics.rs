@@ -112,6 +112,8 @@ pub(crate) struct ConsumerMetrics {
     pub batch_size: Histogram,
     /// Transactions that failed because the database could not be reached, each waited out and retried.
     pub database_unreachable: Counter,
+    /// Transactions run again because their claim expected new keys and met an existing one.
+    pub claims_rerun: Counter,
     /// Messages behind the partition's end, from librdkafka's statistics.
     pub lag: Family<PartitionLabels, Gauge>,
     /// Seconds per batch phase, by phase.
@@ -135,6 +137,7 @@ impl Default for ConsumerMetrics {
             }),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
             database_unreachable: Counter::default(),
+            claims_rerun: Counter::default(),
             lag: Family::default(),
             phase_seconds,
             phases,
@@ -180,6 +183,11 @@ impl ConsumerMetrics {
             "database_unreachable",
             "Transactions that failed because the database could not be reached (waited out, then retried)",
             self.database_unreachable.clone(),
+        );
+        r.register(
+            "claims_rerun",
+            "Transactions run again because their claim expected only new step keys and met an existing one",
+            self.claims_rerun.clone(),
         );
         r.register(
             "batch_phase_seconds",

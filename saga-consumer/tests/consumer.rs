@@ -390,6 +390,40 @@ async fn duplicate_deliveries_of_one_message_have_one_effect() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicate_runs_of_redeliveries_cost_one_claim_rerun_each() {
+    let f = Fixture::new("claim-rerun", 1).await;
+    // New keys, a run of redeliveries of all of them, new keys again, and a second run of redeliveries.
+    let sends = (0..30)
+        .chain(0..30)
+        .chain(30..40)
+        .chain(0..5)
+        .collect::<Vec<u32>>();
+    for n in &sends {
+        f.ping(&format!("k-{n}"), &ping(*n)).await;
+    }
+    let running = f.start(
+        f.consumer(RecordPing::new(&f.topic))
+            .batch_size(5)
+            .concurrency(1),
+    );
+    f.wait_for_committed(BTreeMap::from([(0, 75)])).await;
+    let effects = f.effects().await;
+    let expected: Vec<(String, i64)> = (0..40).map(|n| (format!("k-{n}:record-ping"), n)).collect();
+    assert_eq!(effects, expected, "each key took effect once");
+    assert_eq!(f.db.count("saga_outbox").await, 40, "one Pong per effect");
+    assert_eq!(
+        running.metric("saga_consumer_duplicates_total", "step=\"record-ping\""),
+        35.0
+    );
+    // Batches of new keys claim them with a plain insert. The first batch meeting a redelivered key runs
+    // again with the checking claim, which the worker keeps while its batches meet existing keys, and
+    // leaves after a batch of new keys only: one rerun per run of redeliveries (at most 5 per batch, so
+    // each run spans several batches, and the new keys between them at least one batch of their own).
+    assert_eq!(running.metric("saga_consumer_claims_rerun_total", ""), 2.0);
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn dlq_receives_poison_messages_with_their_reason_and_the_partition_keeps_flowing() {
     let f = Fixture::new("dlq", 1).await;
     f.ping("k-1", &ping(1)).await;

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use saga_core::{IdempotencyKey, StepKey, StepName, StepOutcome, TenantId};
 use saga_runtime::store::idempotency::{
-    self, Claim, KeyStatus, LeaseClaim, StoreError, claim_in_transaction, claim_lease,
-    complete_lease, record_outcomes, release_lease,
+    self, Claim, KeyStatus, LeaseClaim, NewClaims, StoreError, claim_in_transaction, claim_lease,
+    claim_new_in_transaction, complete_lease, record_outcomes, release_lease,
 };
 use saga_test_support::TestDb;
 use sqlx::Connection;
@@ -106,6 +106,73 @@ async fn a_rollback_releases_the_key() {
     let mut tx = db.pool.begin().await.unwrap();
     let claims = claim_in_transaction(&mut tx, &[(t, k)]).await.unwrap();
     assert!(matches!(claims[0], Claim::Duplicate(_)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claiming_keys_as_new_writes_them_completed_and_reports_an_existing_one() {
+    let db = TestDb::new("store-claim-new").await;
+    let t = tenant("acme");
+    let (a, b, c) = (key("n-1", "s"), key("n-2", "s"), key("n-3", "s"));
+    let mut tx = db.pool.begin().await.unwrap();
+    let claimed =
+        claim_new_in_transaction(&mut tx, &[(t.clone(), a.clone()), (t.clone(), b.clone())])
+            .await
+            .unwrap();
+    assert_eq!(claimed, NewClaims::Claimed);
+    tx.commit().await.unwrap();
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT step_key, status FROM saga_idempotency_keys ORDER BY step_key")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            (a.to_string(), "completed".to_owned()),
+            (b.to_string(), "completed".to_owned())
+        ]
+    );
+    // The checking claim sees them as a duplicate.
+    let mut tx = db.pool.begin().await.unwrap();
+    let claims = claim_in_transaction(&mut tx, &[(t.clone(), a.clone())])
+        .await
+        .unwrap();
+    assert!(matches!(claims[0], Claim::Duplicate(_)), "{claims:?}");
+    tx.rollback().await.unwrap();
+
+    // One existing key among new ones: reported, and the transaction keeps nothing.
+    let mut tx = db.pool.begin().await.unwrap();
+    let claimed =
+        claim_new_in_transaction(&mut tx, &[(t.clone(), c.clone()), (t.clone(), b.clone())])
+            .await
+            .unwrap();
+    assert_eq!(claimed, NewClaims::SomeExist);
+    tx.rollback().await.unwrap();
+    assert_eq!(db.count("saga_idempotency_keys").await, 2);
+
+    // A key another transaction holds uncommitted is waited for, then reported once that one commits.
+    let mut first = db.pool.begin().await.unwrap();
+    claim_in_transaction(&mut first, &[(t.clone(), c.clone())])
+        .await
+        .unwrap();
+    let pool = db.pool.clone();
+    let (t2, c2, d) = (t.clone(), c.clone(), key("n-4", "s"));
+    let second = tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        let claimed = claim_new_in_transaction(&mut tx, &[(t2.clone(), d), (t2, c2)])
+            .await
+            .unwrap();
+        tx.rollback().await.unwrap();
+        claimed
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second claim waits for the first transaction"
+    );
+    first.commit().await.unwrap();
+    assert_eq!(second.await.unwrap(), NewClaims::SomeExist);
+    assert_eq!(db.count("saga_idempotency_keys").await, 3);
 }
 
 #[tokio::test]
