@@ -126,6 +126,15 @@ pub struct KeyRecord {
     pub updated_at: DateTime<Utc>,
 }
 
+/// The statement both transactional claims start with: the keys `$1`/`$2` inserted as `completed`, sorted,
+/// so that two transactions claiming overlapping batches, with either claim, lock keys in the same order.
+macro_rules! insert_completed_keys_sorted {
+    () => {
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) \
+         SELECT t, k, 'completed' FROM unnest($1::text[], $2::text[]) AS u(t, k) ORDER BY t, k"
+    };
+}
+
 fn columns(keys: &[(TenantId, StepKey)]) -> (Vec<String>, Vec<String>) {
     keys.iter()
         .map(|(t, k)| (t.to_string(), k.to_string()))
@@ -156,13 +165,10 @@ pub async fn claim_in_transaction(
         if tenants.is_empty() {
             break;
         }
-        // Sorted, so that two transactions claiming overlapping batches lock keys in the same order.
-        let inserted = sqlx::query(
-            "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) \
-             SELECT t, k, 'completed' FROM unnest($1::text[], $2::text[]) AS u(t, k) ORDER BY t, k \
-             ON CONFLICT (tenant_id, step_key) DO NOTHING \
-             RETURNING tenant_id, step_key",
-        )
+        let inserted = sqlx::query(concat!(
+            insert_completed_keys_sorted!(),
+            " ON CONFLICT (tenant_id, step_key) DO NOTHING RETURNING tenant_id, step_key",
+        ))
         .bind(&tenants)
         .bind(&step_keys)
         .fetch_all(&mut *conn)
@@ -270,14 +276,11 @@ pub async fn claim_new_in_transaction(
 ) -> Result<NewClaims, StoreError> {
     let tenants: Vec<&str> = keys.iter().map(|(t, _)| t.as_str()).collect();
     let step_keys: Vec<&str> = keys.iter().map(|(_, k)| k.as_str()).collect();
-    let inserted = sqlx::query(
-        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) \
-         SELECT t, k, 'completed' FROM unnest($1::text[], $2::text[]) AS u(t, k) ORDER BY t, k",
-    )
-    .bind(&tenants)
-    .bind(&step_keys)
-    .execute(conn)
-    .await;
+    let inserted = sqlx::query(insert_completed_keys_sorted!())
+        .bind(&tenants)
+        .bind(&step_keys)
+        .execute(conn)
+        .await;
     match inserted {
         Ok(_) => Ok(NewClaims::Claimed),
         Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(NewClaims::SomeExist),
