@@ -405,16 +405,18 @@ async fn baseline_worker(
 /// The SQL the framework cannot avoid, with no Kafka at all: for `count` messages, the rows the framework
 /// wrote for [`RecordWork`] in `pool`'s schema (a completed step key, the business row, an outbox row with
 /// the same topic and headers as the framework's first one), in transactions of `batch_size` messages
-/// with one multi-row statement per table, on `connections` connections at once. Run after
-/// [`framework`], whose rows it copies the shape of. Returns messages/s, the median of
-/// [`CEILING_ROUNDS`] rounds (one lasts about a second, and a single one varies by ±30%): the ceiling the
-/// consumer is measured against.
+/// with one multi-row statement per table, on `connections` connections at once, with the statements
+/// `kind` names. Run after [`framework`], whose rows it copies the shape of; `round` numbers the call
+/// (each writes keys of its own). Returns messages/s. [`Ceiling::PLAIN`] is the ceiling the consumer is
+/// measured against; a single round varies by ±30%, so callers take the median of [`CEILING_ROUNDS`],
+/// running the ceilings they compare in turns.
 pub async fn sql_ceiling(
     pool: &PgPool,
+    kind: Ceiling,
+    round: usize,
     count: i64,
     batch_size: usize,
     connections: usize,
-    progress: &Progress,
 ) -> anyhow::Result<f64> {
     let (topic, headers): (String, Vec<String>) =
         sqlx::query_as("SELECT topic, headers FROM saga_outbox ORDER BY id LIMIT 1")
@@ -425,105 +427,289 @@ pub async fn sql_ceiling(
     )
     .fetch_one(pool)
     .await?;
+    let rows = Arc::new(CeilingRows {
+        topic,
+        headers: headers
+            .chunks_exact(2)
+            .map(|pair| (pair[0].clone(), pair[1].clone()))
+            .collect(),
+        outcome,
+    });
     sqlx::query(
-        "CREATE TABLE bench_ceiling (n BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+        "CREATE TABLE IF NOT EXISTS bench_ceiling \
+         (n BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
     )
     .execute(pool)
     .await?;
-    progress.note(&format!(
-        "SQL ceiling: {count} messages, batches of {batch_size}, {connections} connections"
-    ));
     let connections = connections.max(1);
     let batch = i64::try_from(batch_size.max(1))?;
-    let mut rounds = Vec::with_capacity(CEILING_ROUNDS);
-    for round in 0..CEILING_ROUNDS {
-        let started = std::time::Instant::now();
-        let workers: Vec<_> = (0..connections)
-            .map(|worker| {
-                let (pool, topic, headers, outcome) = (
-                    pool.clone(),
-                    topic.clone(),
-                    headers.clone(),
-                    outcome.clone(),
-                );
-                let worker = i64::try_from(worker).unwrap_or_default();
-                let stride = i64::try_from(connections).unwrap_or(1);
-                tokio::spawn(async move {
-                    let mut conn = pool.acquire().await?;
-                    let mut first = worker * batch;
-                    while first < count {
-                        let ns: Vec<i64> = (first..(first + batch).min(count)).collect();
-                        write_ceiling_batch(
-                            &mut conn,
-                            round,
-                            &ns,
-                            &topic,
-                            &headers,
-                            outcome.as_ref(),
-                        )
-                        .await?;
-                        first += stride * batch;
+    let started = std::time::Instant::now();
+    let workers: Vec<_> = (0..connections)
+        .map(|worker| {
+            let (pool, rows) = (pool.clone(), rows.clone());
+            let worker = i64::try_from(worker).unwrap_or_default();
+            let stride = i64::try_from(connections).unwrap_or(1);
+            tokio::spawn(async move {
+                let mut conn = pool.acquire().await?;
+                let mut first = worker * batch;
+                while first < count {
+                    let ns: Vec<i64> = (first..(first + batch).min(count)).collect();
+                    CeilingBatch {
+                        kind,
+                        round,
+                        worker,
+                        ns: &ns,
                     }
-                    anyhow::Ok(())
-                })
+                    .write(&pool, &mut conn, &rows)
+                    .await?;
+                    first += stride * batch;
+                }
+                anyhow::Ok(())
             })
-            .collect();
-        for worker in workers {
-            worker.await??;
-        }
-        rounds.push(rate(count, started.elapsed().as_secs_f64()));
+        })
+        .collect();
+    for worker in workers {
+        worker.await??;
     }
-    progress.note(&format!(
-        "SQL ceiling rounds: {}",
-        rounds
-            .iter()
-            .map(|r| format!("{r:.0} msg/s"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    ));
-    Ok(crate::bench::percentile(&mut rounds, 0.5))
+    Ok(rate(count, started.elapsed().as_secs_f64()))
 }
 
-/// Rounds of the SQL ceiling; its figure is their median.
+/// Rounds of each SQL ceiling; its figure is their median.
 pub const CEILING_ROUNDS: usize = 3;
 
-/// One transaction of the SQL ceiling: the three rows of each message in `ns`, one statement per table.
-async fn write_ceiling_batch(
-    conn: &mut sqlx::PgConnection,
+/// Which of the statements the framework's guarantees need [`sql_ceiling`] makes, beside the plain
+/// multi-row `INSERT`s of the rows themselves. Each is called as the consumer calls it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ceiling {
+    /// The crash-loop record of each batch (`saga_consumer_begin_batch`), on a pooled connection of its
+    /// own beside the transaction, whose commit waits for it.
+    pub crash_loop_record: bool,
+    /// The step keys claimed as the consumer claims new keys (`claim_new_in_transaction`: sorted, so
+    /// that concurrent claims lock in one order) instead of a plain `INSERT`.
+    pub sorted_claim: bool,
+    /// The outbox rows through `saga_outbox_append` (a lock per partition key, each row's headers as an
+    /// array literal, a plpgsql function) instead of a plain `INSERT`.
+    pub outbox_append: bool,
+}
+
+impl Ceiling {
+    /// The rows alone, as cheaply as PostgreSQL takes them: the yardstick.
+    pub const PLAIN: Self = Self {
+        crash_loop_record: false,
+        sorted_claim: false,
+        outbox_append: false,
+    };
+    /// Every statement the guarantees need, and nothing else: what is left between this and the consumer
+    /// is the runtime and Kafka.
+    pub const WITH_GUARANTEES: Self = Self {
+        crash_loop_record: true,
+        sorted_claim: true,
+        outbox_append: true,
+    };
+    /// From [`Ceiling::PLAIN`] to [`Ceiling::WITH_GUARANTEES`], one statement added at a time.
+    pub const STEPS: [Self; 4] = [
+        Self::PLAIN,
+        Self {
+            crash_loop_record: true,
+            ..Self::PLAIN
+        },
+        Self {
+            outbox_append: false,
+            ..Self::WITH_GUARANTEES
+        },
+        Self::WITH_GUARANTEES,
+    ];
+
+    /// A short name for the JSON report.
+    pub fn id(&self) -> String {
+        let mut id = String::from("plain");
+        for (on, part) in [
+            (self.crash_loop_record, "+crash_loop_record"),
+            (self.sorted_claim, "+sorted_claim"),
+            (self.outbox_append, "+outbox_append"),
+        ] {
+            if on {
+                id.push_str(part);
+            }
+        }
+        id
+    }
+}
+
+impl std::fmt::Display for Ceiling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Self::PLAIN => f.write_str("SQL ceiling"),
+            Self::WITH_GUARANTEES => f.write_str("SQL with the guarantees"),
+            _ => write!(f, "SQL ceiling {}", self.id()),
+        }
+    }
+}
+
+/// What every batch of a ceiling writes the same way.
+struct CeilingRows {
+    topic: String,
+    headers: Vec<(String, String)>,
+    outcome: Option<serde_json::Value>,
+}
+
+/// One transaction of a ceiling: the three rows of each message in `ns`.
+struct CeilingBatch<'a> {
+    kind: Ceiling,
     round: usize,
-    ns: &[i64],
+    /// The connection's number, the batch's partition in the crash-loop record.
+    worker: i64,
+    ns: &'a [i64],
+}
+
+impl CeilingBatch<'_> {
+    async fn write(
+        &self,
+        pool: &PgPool,
+        conn: &mut sqlx::PgConnection,
+        rows: &CeilingRows,
+    ) -> anyhow::Result<()> {
+        let Self {
+            kind, round, ns, ..
+        } = *self;
+        let record = kind
+            .crash_loop_record
+            .then(|| self.record_start(pool.clone()));
+        // Keys differ between ceilings and rounds: every claim is of new keys.
+        let prefix = format!("ceiling-{}-{round}", kind.id());
+        let keys: Vec<String> = ns.iter().map(|n| format!("{prefix}-{n}")).collect();
+        let mut tx = sqlx::Connection::begin(conn).await?;
+        if kind.sorted_claim {
+            let tenant = saga_core::TenantId::default();
+            let step = StepName::from_static("record-work");
+            let claims = keys
+                .iter()
+                .map(|k| {
+                    Ok((
+                        tenant.clone(),
+                        saga_core::IdempotencyKey::new(k)?.step_key(&step),
+                    ))
+                })
+                .collect::<Result<Vec<_>, saga_core::KeyError>>()?;
+            let claimed =
+                saga_runtime::store::idempotency::claim_new_in_transaction(&mut tx, &claims)
+                    .await?;
+            anyhow::ensure!(
+                claimed == saga_runtime::store::idempotency::NewClaims::Claimed,
+                "a ceiling claims new keys only"
+            );
+        } else {
+            let step_keys: Vec<String> = keys.iter().map(|k| format!("{k}:record-work")).collect();
+            sqlx::query(
+                "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, outcome) \
+                 SELECT 'default', k, 'completed', $2 FROM unnest($1::text[]) AS k",
+            )
+            .bind(&step_keys)
+            .bind(rows.outcome.as_ref())
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query("INSERT INTO bench_ceiling (n) SELECT * FROM unnest($1::bigint[])")
+            .bind(ns)
+            .execute(&mut *tx)
+            .await?;
+        let payloads: Vec<Vec<u8>> = ns
+            .iter()
+            .map(|n| serde_json::to_vec(&Work { n: *n }).unwrap_or_default())
+            .collect();
+        if kind.outbox_append {
+            let tenant = saga_core::TenantId::default();
+            let messages: Vec<saga_core::OutboxMessage> = keys
+                .into_iter()
+                .zip(payloads)
+                .map(|(key, payload)| saga_core::OutboxMessage {
+                    tenant: tenant.clone(),
+                    topic: rows.topic.clone(),
+                    partition_key: Some(key),
+                    headers: rows.headers.clone(),
+                    payload,
+                })
+                .collect();
+            saga_runtime::store::outbox::append(&mut tx, &messages).await?;
+        } else {
+            let flat: Vec<&str> = rows
+                .headers
+                .iter()
+                .flat_map(|(name, value)| [name.as_str(), value.as_str()])
+                .collect();
+            sqlx::query(
+                "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload) \
+                 SELECT 'default', $1, k, $2, p FROM unnest($3::text[], $4::bytea[]) AS t (k, p)",
+            )
+            .bind(&rows.topic)
+            .bind(&flat)
+            .bind(&keys)
+            .bind(&payloads)
+            .execute(&mut *tx)
+            .await?;
+        }
+        if let Some(record) = record {
+            record.await??;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records the batch's start for crash-loop detection as the consumer does, in a task of its own on a
+    /// connection of its own.
+    fn record_start(
+        &self,
+        pool: PgPool,
+    ) -> tokio::task::JoinHandle<Result<sqlx::postgres::PgRow, sqlx::Error>> {
+        let group = format!("ceiling-{}-{}", self.kind.id(), self.round);
+        let partition = i32::try_from(self.worker).unwrap_or_default();
+        let (first, last) = (self.ns[0], self.ns[self.ns.len() - 1]);
+        tokio::spawn(async move {
+            let mut conn = pool.acquire().await?;
+            sqlx::query("SELECT isolate, deaths FROM saga_consumer_begin_batch($1, $2, $3, $4, $5)")
+                .bind(group)
+                .bind("bench_ceiling")
+                .bind(partition)
+                .bind(first)
+                .bind(last)
+                .fetch_one(&mut *conn)
+                .await
+        })
+    }
+}
+
+/// Consumes `count` messages of `topic` (in a group of its own, from the start) and does nothing with them
+/// but decode each payload and store its offset, then commits the offsets: what reading its messages from
+/// Kafka costs any consumer. Returns messages/s.
+pub async fn consume_only(
+    kafka: &KafkaConfig,
     topic: &str,
-    headers: &[String],
-    outcome: Option<&serde_json::Value>,
-) -> Result<(), sqlx::Error> {
-    let keys: Vec<String> = ns.iter().map(|n| format!("ceiling{round}-{n}")).collect();
-    let step_keys: Vec<String> = keys.iter().map(|k| format!("{k}:record-work")).collect();
-    let payloads: Vec<Vec<u8>> = ns
-        .iter()
-        .map(|n| serde_json::to_vec(&Work { n: *n }).unwrap_or_default())
-        .collect();
-    let mut tx = sqlx::Connection::begin(conn).await?;
-    sqlx::query(
-        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, outcome) \
-         SELECT 'default', k, 'completed', $2 FROM unnest($1::text[]) AS k",
-    )
-    .bind(&step_keys)
-    .bind(outcome)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query("INSERT INTO bench_ceiling (n) SELECT * FROM unnest($1::bigint[])")
-        .bind(ns)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(
-        "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload) \
-         SELECT 'default', $1, k, $2, p FROM unnest($3::text[], $4::bytea[]) AS t (k, p)",
-    )
-    .bind(topic)
-    .bind(headers)
-    .bind(&keys)
-    .bind(&payloads)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await
+    count: i64,
+    progress: &Progress,
+) -> anyhow::Result<f64> {
+    let consumer: StreamConsumer = saga_runtime::kafka::client_config(kafka)
+        .set("group.id", format!("{topic}.consume-only"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "true")
+        .set("enable.auto.offset.store", "false")
+        .set("fetch.wait.max.ms", "100")
+        .create()?;
+    consumer.subscribe(&[topic])?;
+    let mut started = None;
+    let mut seen = 0i64;
+    let mut sum = 0i64;
+    while seen < count {
+        let message = consumer.recv().await?;
+        started.get_or_insert_with(std::time::Instant::now);
+        let work: Work = serde_json::from_slice(message.payload().unwrap_or_default())?;
+        sum = sum.wrapping_add(work.n);
+        consumer.store_offset_from_message(&message)?;
+        seen += 1;
+    }
+    consumer.commit_consumer_state(CommitMode::Sync)?;
+    let seconds = started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    progress.note(&format!(
+        "consumed {seen} messages without processing them (sum of n {sum})"
+    ));
+    Ok(rate(count, seconds))
 }

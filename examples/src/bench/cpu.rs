@@ -87,6 +87,34 @@ impl CpuSample {
     }
 }
 
+impl CpuUse {
+    /// Several phases' use taken together, as if one phase (`None` for none).
+    pub fn sum(phases: &[Self]) -> Option<Self> {
+        let messages: i64 = phases.iter().map(|p| p.messages).sum();
+        let wall_s: f64 = phases.iter().map(|p| p.wall_s).sum();
+        if phases.is_empty() || messages == 0 {
+            return None;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let weighted = |per_message: fn(&Self) -> f64| {
+            phases
+                .iter()
+                .map(|p| per_message(p) * p.messages as f64)
+                .sum::<f64>()
+                / messages as f64
+        };
+        Some(Self {
+            messages,
+            wall_s,
+            busy_cores: phases.iter().map(|p| p.busy_cores * p.wall_s).sum::<f64>()
+                / wall_s.max(f64::EPSILON),
+            machine_us_per_msg: weighted(|p| p.machine_us_per_msg),
+            bench_process_us_per_msg: weighted(|p| p.bench_process_us_per_msg),
+            postgres_us_per_msg: weighted(|p| p.postgres_us_per_msg),
+        })
+    }
+}
+
 /// The command name and the user + system ticks of the process whose `stat` file is `path`.
 fn process_ticks(path: &std::path::Path) -> Option<(String, f64)> {
     let stat = std::fs::read_to_string(path).ok()?;
@@ -117,6 +145,26 @@ impl std::fmt::Display for CpuUse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn phases_sum_to_their_messages_and_time_weighted() {
+        let phase = |messages, wall_s, busy_cores, us| CpuUse {
+            messages,
+            wall_s,
+            busy_cores,
+            machine_us_per_msg: us,
+            bench_process_us_per_msg: us / 2.0,
+            postgres_us_per_msg: us / 4.0,
+        };
+        let sum = CpuUse::sum(&[phase(100, 1.0, 1.0, 10.0), phase(300, 3.0, 2.0, 30.0)]).unwrap();
+        assert_eq!(sum.messages, 400);
+        assert!((sum.wall_s - 4.0).abs() < 1e-9);
+        assert!((sum.busy_cores - 1.75).abs() < 1e-9, "{sum}");
+        assert!((sum.machine_us_per_msg - 25.0).abs() < 1e-9, "{sum}");
+        assert!((sum.bench_process_us_per_msg - 12.5).abs() < 1e-9, "{sum}");
+        assert!((sum.postgres_us_per_msg - 6.25).abs() < 1e-9, "{sum}");
+        assert!(CpuUse::sum(&[]).is_none());
+    }
 
     #[test]
     fn a_busy_loop_shows_in_this_process_and_the_machine() {

@@ -76,6 +76,16 @@ pub struct Report {
     pub sql_ceiling_msgs_per_s: Option<f64>,
     /// consumer / SQL ceiling.
     pub consumer_vs_sql_ceiling_ratio: Option<f64>,
+    /// The statements the framework's guarantees need (crash-loop record, sorted key claim, outbox append
+    /// with per-key locks) for the same rows, without Kafka or the runtime, messages/s.
+    pub sql_with_guarantees_msgs_per_s: Option<f64>,
+    /// consumer / SQL with the guarantees: what the runtime and Kafka leave of it.
+    pub consumer_vs_sql_with_guarantees_ratio: Option<f64>,
+    /// Consuming the same messages from the broker and doing nothing with them, messages/s.
+    pub kafka_consume_only_msgs_per_s: Option<f64>,
+    /// The SQL ceilings from the plain rows to every statement the guarantees need, one statement added
+    /// at a time: messages/s and CPU per message of each.
+    pub sql_ceiling_steps: Option<serde_json::Value>,
     /// The consumer's run in detail: messages per batch, milliseconds per batch by phase.
     pub consumer_run: Option<consumer::FrameworkRun>,
     /// CPU per message of the consumer's run and of the SQL ceiling (machine, PostgreSQL, this process).
@@ -168,6 +178,24 @@ impl Report {
                 fmt(self.consumer_vs_sql_ceiling_ratio, ""),
                 "≥ 0.8 (mock cluster)",
                 check(self.consumer_vs_sql_ceiling_ratio, |v| v >= 0.8),
+            ),
+            (
+                "SQL with the guarantees (no Kafka)",
+                fmt(self.sql_with_guarantees_msgs_per_s, "msg/s"),
+                "",
+                "",
+            ),
+            (
+                "consumer / SQL with the guarantees",
+                fmt(self.consumer_vs_sql_with_guarantees_ratio, ""),
+                "",
+                "",
+            ),
+            (
+                "Kafka consumption alone",
+                fmt(self.kafka_consume_only_msgs_per_s, "msg/s"),
+                "",
+                "",
             ),
             (
                 "relay, 100k-row backlog",

@@ -210,6 +210,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.consumer_vs_baseline_ratio = Some(figures.framework / figures.baseline);
         report.sql_ceiling_msgs_per_s = Some(figures.ceiling);
         report.consumer_vs_sql_ceiling_ratio = Some(figures.framework / figures.ceiling);
+        report.sql_with_guarantees_msgs_per_s = Some(figures.guarded);
+        report.consumer_vs_sql_with_guarantees_ratio = Some(figures.framework / figures.guarded);
+        report.kafka_consume_only_msgs_per_s = Some(figures.consume_only);
+        report.sql_ceiling_steps = Some(serde_json::to_value(&figures.ceiling_steps)?);
         report.consumer_run = Some(figures.run);
         report.consumer_cpu = Some(figures.cpu);
     }
@@ -232,6 +236,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 "consumer_vs_baseline_ratio": figures.framework / figures.baseline,
                 "sql_ceiling_msgs_per_s": figures.ceiling,
                 "consumer_vs_sql_ceiling_ratio": figures.framework / figures.ceiling,
+                "sql_with_guarantees_msgs_per_s": figures.guarded,
+                "consumer_vs_sql_with_guarantees_ratio": figures.framework / figures.guarded,
+                "kafka_consume_only_msgs_per_s": figures.consume_only,
+                "sql_ceiling_steps": figures.ceiling_steps,
                 "consumer_run": figures.run,
                 "consumer_cpu": figures.cpu,
             }));
@@ -483,7 +491,6 @@ async fn fresh_schema(
     Ok(pool)
 }
 
-/// The framework's consumer and the baseline, over `kafka`; (framework, baseline) messages/s.
 /// The relay's figures on `kafka`, each in a fresh schema (`{prefix}_{label}` and `{prefix}_{label}_steady`):
 /// rows per second through a backlog, then commit-to-ack p50 and p99 at a steady rate.
 async fn relay_figures(
@@ -517,6 +524,9 @@ async fn relay_figures(
     Ok((rows, p50, p99))
 }
 
+/// The framework's consumer over `kafka` and its yardsticks, in turn: the at-least-once baseline, the
+/// framework, the SQL ceiling, the SQL with the guarantees and Kafka consumption alone, with CPU per
+/// message around each of the last four.
 async fn consumer_figures(
     cli: &Cli,
     args: &ServiceArgs,
@@ -565,36 +575,110 @@ async fn consumer_figures(
     progress.note(&format!(
         "consumer ({label}): framework {framework:.0} msg/s; now the SQL ceiling"
     ));
-    let ceiling = consumer::sql_ceiling(
-        &pool,
-        cli.messages,
-        cli.batch_size,
-        usize::try_from(cli.partitions)?,
-        progress,
-    )
-    .await?;
-    let after_ceiling = cpu::CpuSample::now();
+    // The ceilings in turns, round by round: the machine's drift and the tables' growth fall on each alike.
+    let kinds = consumer::Ceiling::STEPS;
+    let mut rates = vec![Vec::with_capacity(consumer::CEILING_ROUNDS); kinds.len()];
+    let mut cpu_seconds = vec![Vec::new(); kinds.len()];
+    let mut last_sample = after_framework;
+    for round in 0..consumer::CEILING_ROUNDS {
+        for (i, kind) in kinds.into_iter().enumerate() {
+            let rate = consumer::sql_ceiling(
+                &pool,
+                kind,
+                round,
+                cli.messages,
+                cli.batch_size,
+                usize::try_from(cli.partitions)?,
+            )
+            .await?;
+            let sample = cpu::CpuSample::now();
+            if let (Some(from), Some(to)) = (last_sample, sample) {
+                cpu_seconds[i].push(from.until(&to, cli.messages));
+            }
+            rates[i].push(rate);
+            last_sample = sample;
+        }
+        progress.note(&format!(
+            "consumer ({label}): SQL ceilings, round {} of {}",
+            round + 1,
+            consumer::CEILING_ROUNDS
+        ));
+    }
+    let mut steps = Vec::with_capacity(kinds.len());
+    for ((kind, mut rates), used) in kinds.into_iter().zip(rates).zip(cpu_seconds) {
+        let step = CeilingStep {
+            statements: kind.id(),
+            rounds_msgs_per_s: rates.clone(),
+            msgs_per_s: saga_examples::bench::percentile(&mut rates, 0.5),
+            cpu: cpu::CpuUse::sum(&used),
+        };
+        progress.note(&format!(
+            "consumer ({label}): {kind} {:.0} msg/s (rounds {}){}",
+            step.msgs_per_s,
+            step.rounds_msgs_per_s
+                .iter()
+                .map(|r| format!("{r:.0}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            step.cpu.map(|u| format!(", {u}")).unwrap_or_default()
+        ));
+        steps.push(step);
+    }
+    let consume_only = consumer::consume_only(kafka, &topic, cli.messages, progress).await?;
+    let consumed = last_sample
+        .zip(cpu::CpuSample::now())
+        .map(|(from, to)| from.until(&to, cli.messages));
     progress.note(&format!(
-        "consumer ({label}): SQL ceiling {ceiling:.0} msg/s"
+        "consumer ({label}): Kafka consumption alone {consume_only:.0} msg/s{}",
+        consumed.map(|u| format!(", {u}")).unwrap_or_default()
     ));
-    let rounds = i64::try_from(consumer::CEILING_ROUNDS)?;
-    let cpu = match (before, after_framework, after_ceiling) {
-        (Some(before), Some(middle), Some(after)) => {
-            let framework = before.until(&middle, cli.messages);
-            let ceiling = middle.until(&after, cli.messages * rounds);
-            progress.note(&format!("consumer ({label}): framework {framework}"));
-            progress.note(&format!("consumer ({label}): SQL ceiling {ceiling}"));
-            serde_json::json!({ "framework": framework, "sql_ceiling": ceiling })
+    let (ceiling, guarded) = (&steps[0], &steps[steps.len() - 1]);
+    let framework_cpu = before
+        .zip(after_framework)
+        .map(|(from, to)| from.until(&to, cli.messages));
+    let cpu = match (framework_cpu, ceiling.cpu, guarded.cpu, consumed) {
+        (Some(framework), Some(ceiling), Some(guarded), Some(consumed)) => {
+            // The consumption phase is short and mostly the group join, so the machine's figure is
+            // mostly other processes' idle work: count this process's CPU (client and mock cluster).
+            let bound = ceiling.machine_us_per_msg
+                / (guarded.machine_us_per_msg + consumed.bench_process_us_per_msg);
+            progress.note(&format!(
+                "consumer ({label}): consumer / SQL ceiling cannot exceed {bound:.2} on these cores \
+                 with the guarantees kept (their statements' CPU and consumption's, nothing else)"
+            ));
+            serde_json::json!({
+                "framework": framework,
+                "sql_ceiling": ceiling,
+                "sql_with_guarantees": guarded,
+                "kafka_consume_only": consumed,
+                "consumer_vs_sql_ceiling_cpu_bound": bound,
+            })
         }
         _ => serde_json::Value::Null,
     };
     Ok(ConsumerFigures {
         framework,
         baseline,
-        ceiling,
+        ceiling: ceiling.msgs_per_s,
+        guarded: guarded.msgs_per_s,
+        consume_only,
         run,
         cpu,
+        ceiling_steps: steps,
     })
+}
+
+/// One of the SQL ceilings, from the plain rows to every statement the guarantees need.
+#[derive(Debug, serde::Serialize)]
+struct CeilingStep {
+    /// The statements beside the plain inserts (`plain+crash_loop_record+...`).
+    statements: String,
+    /// Messages/s, the median of its rounds.
+    msgs_per_s: f64,
+    /// Messages/s of each round.
+    rounds_msgs_per_s: Vec<f64>,
+    /// CPU per message (`None` without Linux's `/proc`).
+    cpu: Option<cpu::CpuUse>,
 }
 
 /// The consumer's figures on one broker, messages/s.
@@ -605,8 +689,15 @@ struct ConsumerFigures {
     baseline: f64,
     /// The SQL the framework must do, without Kafka.
     ceiling: f64,
+    /// The statements the framework's guarantees need, without Kafka or the runtime.
+    guarded: f64,
+    /// Kafka consumption alone.
+    consume_only: f64,
     /// The framework's run in detail.
     run: consumer::FrameworkRun,
-    /// CPU per message of the framework's run and of the ceiling (`null` without Linux's `/proc`).
+    /// CPU per message of the framework's run, the two ceilings and consumption alone, and the bound they
+    /// set on consumer / SQL ceiling (`null` without Linux's `/proc`).
     cpu: serde_json::Value,
+    /// The ceilings from the plain rows to every statement the guarantees need.
+    ceiling_steps: Vec<CeilingStep>,
 }
