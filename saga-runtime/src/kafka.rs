@@ -177,6 +177,55 @@ pub async fn ensure_topics(
     Ok(())
 }
 
+/// One partition's watermarks: the first offset the broker still keeps and the next it will write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Watermarks {
+    /// The partition.
+    pub partition: i32,
+    /// The first offset the broker keeps: above 0 once retention (or a deletion) dropped earlier messages.
+    pub low: i64,
+    /// The next offset the broker will write.
+    pub high: i64,
+}
+
+/// The watermarks of every partition of `topic`, in partition order, or `None` when the broker does not
+/// know the topic. The requests block, so they run on tokio's blocking pool.
+pub async fn watermarks(
+    config: &KafkaConfig,
+    topic: &str,
+) -> Result<Option<Vec<Watermarks>>, KafkaError> {
+    let config = client_config(config);
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let timeout = Duration::from_secs(10);
+        let client: BaseConsumer = config.create()?;
+        let metadata = client.fetch_metadata(Some(&topic), timeout)?;
+        let Some(found) = metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty())
+        else {
+            return Ok(None);
+        };
+        let mut partitions: Vec<i32> = found.partitions().iter().map(|p| p.id()).collect();
+        partitions.sort_unstable();
+        partitions
+            .into_iter()
+            .map(|partition| {
+                let (low, high) = client.fetch_watermarks(&topic, partition, timeout)?;
+                Ok(Watermarks {
+                    partition,
+                    low,
+                    high,
+                })
+            })
+            .collect::<Result<Vec<_>, KafkaError>>()
+            .map(Some)
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}
+
 /// Whether a produce error means the broker (or the client) refuses this message for good, so that
 /// producing it again cannot succeed: it is too large, or not a valid record. Other errors are transient (the
 /// producer retries those itself, or they concern the connection).

@@ -334,22 +334,14 @@ impl TestKafka {
 
     /// The end offset (the next offset to be written) of every partition of `topic`.
     pub async fn end_offsets(&self, topic: &str) -> BTreeMap<i32, i64> {
-        let partitions = self.partition_count(topic).await;
-        let config = self.config();
-        let topic = topic.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let consumer: BaseConsumer = config.create().expect("client");
-            (0..partitions)
-                .map(|p| {
-                    let (_, high) = consumer
-                        .fetch_watermarks(&topic, p, Duration::from_secs(10))
-                        .expect("watermarks");
-                    (p, high)
-                })
-                .collect()
-        })
-        .await
-        .expect("watermarks")
+        let kafka = saga_runtime::kafka::KafkaConfig::new(self.brokers.clone());
+        saga_runtime::kafka::watermarks(&kafka, topic)
+            .await
+            .expect("watermarks")
+            .unwrap_or_default()
+            .into_iter()
+            .map(|w| (w.partition, w.high))
+            .collect()
     }
 }
 

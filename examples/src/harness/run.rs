@@ -344,28 +344,18 @@ impl Run {
     /// Messages in the services' dead-letter topics. A run's messages are all valid: any dead letter is a
     /// message the framework failed to handle (a step that ran twice and hit a primary key, say).
     pub async fn dead_letters(&self) -> anyhow::Result<i64> {
-        let config = saga_runtime::kafka::client_config(&saga_runtime::kafka::KafkaConfig::new(
-            self.broker.brokers(),
-        ));
-        let topics: Vec<String> = Service::ALL.iter().map(|s| self.args.dlq(*s)).collect();
-        let counted = tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
-            use rdkafka::consumer::{BaseConsumer, Consumer};
-            let client: BaseConsumer = config.create()?;
-            let mut total = 0;
-            for topic in &topics {
-                let metadata = client.fetch_metadata(Some(topic), Duration::from_secs(10))?;
-                let partitions = metadata
-                    .topics()
-                    .first()
-                    .map_or(0, |t| t.partitions().len());
-                for p in 0..i32::try_from(partitions)? {
-                    let (low, high) = client.fetch_watermarks(topic, p, Duration::from_secs(10))?;
-                    total += high - low;
-                }
-            }
-            Ok(total)
-        });
-        counted.await?
+        let kafka = saga_runtime::kafka::KafkaConfig::new(self.broker.brokers());
+        let mut total = 0;
+        for service in Service::ALL {
+            let topic = self.args.dlq(service);
+            let partitions = saga_runtime::kafka::watermarks(&kafka, &topic).await?;
+            total += partitions
+                .iter()
+                .flatten()
+                .map(|w| w.high - w.low)
+                .sum::<i64>();
+        }
+        Ok(total)
     }
 
     /// Redelivered messages the services skipped by their step key, as their metrics report them.
