@@ -167,6 +167,22 @@ pub async fn produce_keys(
     for delivery in pending {
         delivery.await?.map_err(|(e, _)| e)?;
     }
+    ensure_kept(kafka, topic).await
+}
+
+/// Fails when the broker no longer keeps the first messages of `topic` (a partition's low watermark is
+/// above 0), as librdkafka's mock cluster does past 5 MiB per partition: a run would otherwise wait for
+/// messages nobody can read.
+pub async fn ensure_kept(kafka: &KafkaConfig, topic: &str) -> anyhow::Result<()> {
+    let partitions = saga_runtime::kafka::watermarks(kafka, topic)
+        .await?
+        .unwrap_or_default();
+    let dropped: i64 = partitions.iter().map(|w| w.low).sum();
+    anyhow::ensure!(
+        dropped == 0,
+        "{topic}: the broker dropped the first {dropped} messages before they were read (librdkafka's \
+         mock cluster keeps at most 5 MiB per partition): use fewer --messages or more --partitions"
+    );
     Ok(())
 }
 
@@ -200,16 +216,19 @@ pub(crate) async fn throughput(
     progress: &Progress,
 ) -> anyhow::Result<f64> {
     let count_sql = format!("SELECT count(*) FROM {table}");
-    loop {
-        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count_sql.clone()))
-            .fetch_one(pool)
-            .await?;
-        progress.note(&format!("{table}: {n}/{count}"));
-        if n >= count {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    super::wait_until_done(
+        table,
+        Duration::from_millis(500),
+        super::STALL_LIMIT,
+        || async {
+            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count_sql.clone()))
+                .fetch_one(pool)
+                .await?;
+            progress.note(&format!("{table}: {n}/{count}"));
+            Ok(count - n)
+        },
+    )
+    .await?;
     let seconds: f64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT extract(epoch FROM max(at) - min(at))::float8 FROM {table}"
     )))

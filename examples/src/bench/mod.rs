@@ -11,7 +11,8 @@ pub mod relay;
 pub mod saga;
 pub mod scale;
 
-use std::time::Instant;
+use std::future::Future;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -38,6 +39,40 @@ impl Progress {
     /// Prints `what` with the elapsed time.
     pub fn note(&self, what: &str) {
         eprintln!("[{:>6.1}s] {what}", self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// How long a wait may see no progress before it gives up, so that a consumer or relay that stopped
+/// moving fails the run with the count it reached instead of hanging it.
+pub const STALL_LIMIT: Duration = Duration::from_secs(120);
+
+/// Asks `left` every `every` how much of `what` is left to do, until nothing is; fails when the answer
+/// stays the same for `stall_limit` ([`STALL_LIMIT`] in a run).
+pub async fn wait_until_done<F, Fut>(
+    what: &str,
+    every: Duration,
+    stall_limit: Duration,
+    mut left: F,
+) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<i64>>,
+{
+    let mut last = (left().await?, Instant::now());
+    loop {
+        if last.0 <= 0 {
+            return Ok(());
+        }
+        tokio::time::sleep(every).await;
+        let now = left().await?;
+        if now != last.0 {
+            last = (now, Instant::now());
+        } else if last.1.elapsed() >= stall_limit {
+            anyhow::bail!(
+                "{what}: {now} left, unchanged for {:.0} s: the run stalled (see the log above)",
+                stall_limit.as_secs_f64()
+            );
+        }
     }
 }
 

@@ -53,17 +53,20 @@ fn start_one(kafka: &KafkaConfig, pool: &PgPool, stop: &CancellationToken) -> Ru
 }
 
 async fn wait_published(pool: &PgPool, progress: &Progress) -> anyhow::Result<()> {
-    loop {
-        let left: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM saga_outbox WHERE published_at IS NULL")
-                .fetch_one(pool)
-                .await?;
-        progress.note(&format!("{left} rows left to publish"));
-        if left == 0 {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    super::wait_until_done(
+        "the outbox",
+        Duration::from_millis(500),
+        super::STALL_LIMIT,
+        || async {
+            let left: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM saga_outbox WHERE published_at IS NULL")
+                    .fetch_one(pool)
+                    .await?;
+            progress.note(&format!("{left} rows left to publish"));
+            Ok(left)
+        },
+    )
+    .await
 }
 
 /// Writes a backlog of `rows` rows, then runs `instances` relays (each with its own connections and

@@ -195,14 +195,18 @@ pub async fn latency(
     for s in submissions {
         s.await??;
     }
-    loop {
-        let finished = ledger::finished_orders(pool, args).await?;
-        progress.note(&format!("{finished}/{orders} sagas finished"));
-        if finished >= i64::try_from(orders)? {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let submitted = i64::try_from(orders)?;
+    super::wait_until_done(
+        "the sagas",
+        Duration::from_millis(500),
+        super::STALL_LIMIT,
+        || async {
+            let finished = ledger::finished_orders(pool, args).await?;
+            progress.note(&format!("{finished}/{submitted} sagas finished"));
+            Ok(submitted - finished)
+        },
+    )
+    .await?;
     stop.cancel();
     for s in services {
         s.await??;

@@ -16,7 +16,8 @@ use tracing_subscriber::util::SubscriberInitExt;
 #[derive(Debug, clap::Parser)]
 #[command(name = "saga-bench", version)]
 struct Cli {
-    /// Messages for the consumer measurements.
+    /// Messages for the consumer measurements. librdkafka's mock cluster keeps at most 5 MiB per
+    /// partition: a `-mock` section given more stops with a line saying so.
     #[arg(long, default_value_t = 100_000)]
     messages: i64,
     /// Partitions of the consumer topic (and the consumers' concurrency).
