@@ -16,10 +16,11 @@
 //! writes. Without the feature, the functions that tie spans to traces do nothing
 //! and [`span_context`] is `None`: `traceparent` still travels, each step passing on a new child of it.
 //!
-//! A span the sampler would drop is not built for OpenTelemetry at all: where the layer's [`SampledOut`]
-//! says so (a sampled-out parent under a parent-based sampler, or every span under `always_off`), the span
-//! is opened under [`SAMPLED_OUT_TARGET`], which the layer of [`crate::telemetry::otel_layer`] filters out
-//! per call site. It is still log context; the `traceparent` passed on keeps its "not sampled" flag.
+//! A span the sampler would drop is not built for OpenTelemetry at all: where the layer's `SampledOut`
+//! (feature `otel`) says so (a sampled-out parent under a parent-based sampler, or every span under
+//! `always_off`), the span is opened under [`SAMPLED_OUT_TARGET`], which the layer of
+//! `telemetry::otel_layer` (feature `otel`) filters out per call site. It is still log context; the
+//! `traceparent` passed on keeps its "not sampled" flag.
 
 use saga_core::{Headers, TraceParent};
 use tracing::Span;
@@ -28,8 +29,8 @@ use tracing::Span;
 const TRACEPARENT: &str = "traceparent";
 
 /// The target of the framework's spans that the sampler would drop: the layer of
-/// [`crate::telemetry::otel_layer`] filters it out, so that no OpenTelemetry span is built for them.
-/// `RUST_LOG` directives for `saga_runtime` still cover it.
+/// `telemetry::otel_layer` (feature `otel`) filters it out, so that no OpenTelemetry span is built for
+/// them. `RUST_LOG` directives for `saga_runtime` still cover it.
 pub const SAMPLED_OUT_TARGET: &str = "saga_runtime::trace::sampled_out";
 
 /// Opens a span under [`SAMPLED_OUT_TARGET`] when the first argument is true, under this module's target
@@ -111,8 +112,8 @@ impl<S> tracing_subscriber::layer::Filter<S> for SampledOutFilter {
 }
 
 /// Whether a span whose parent context is `parent()` (from a `traceparent` value, if any) is left out of
-/// OpenTelemetry, by the [`SampledOutFilter`] of the current subscriber (none: no span is). The header is
-/// read only when the answer depends on it.
+/// OpenTelemetry, by the `SampledOutFilter` (feature `otel`) of the current subscriber (none: no span
+/// is). The header is read only when the answer depends on it.
 fn sampled_out(parent: impl FnOnce() -> Option<TraceParent>) -> bool {
     #[cfg(feature = "otel")]
     {
