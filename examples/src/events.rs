@@ -6,72 +6,14 @@
 //!                                       └▶ PaymentFailed ─────┼──▶ cancel-order        └▶ ShipmentFailed ──▶ refund-payment ──▶ PaymentRefunded ──▶ cancel-order
 //!                                                             └──▶ mark-order-paid
 //! ```
+//!
+//! Orchestrated, the order service sends the participants commands that carry the same payloads
+//! (`ProcessPayment`, `RefundPayment`, `ArrangeShipment`), so each participant's step takes a family of
+//! two event types that share a payload: the event of the choreographed saga, or the command.
 
-use saga_consumer::SagaEvent;
+use saga_consumer::{SagaEvent, Topic};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
-
-/// Event type names (`ce_type`) of the events whose payload is shared by several types; the others are
-/// typed ([`OrderCreated`], [`PaymentProcessed`], [`ShipmentArranged`]: see [`SagaEvent`]).
-pub mod types {
-    /// Its payment was declined.
-    pub const PAYMENT_FAILED: &str = "PaymentFailed";
-    /// Its payment was refunded (compensation).
-    pub const PAYMENT_REFUNDED: &str = "PaymentRefunded";
-    /// Its shipment could not be arranged.
-    pub const SHIPMENT_FAILED: &str = "ShipmentFailed";
-    /// Orchestrated mode: the command to charge an order.
-    pub const PROCESS_PAYMENT: &str = "ProcessPayment";
-    /// Orchestrated mode: the command to refund an order (the compensation of the payment).
-    pub const REFUND_PAYMENT: &str = "RefundPayment";
-    /// Orchestrated mode: the command to ship an order.
-    pub const ARRANGE_SHIPMENT: &str = "ArrangeShipment";
-}
-
-/// The saga's topics under a common prefix: one per producing service for the choreographed saga, and
-/// for the orchestrated one a command topic per participant and the orchestrator's reply topic.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Topics {
-    /// Events of the order service.
-    pub orders: String,
-    /// Events of the payment service.
-    pub payments: String,
-    /// Events of the shipping service.
-    pub shipping: String,
-    /// Commands to the payment service (orchestrated).
-    pub payment_commands: String,
-    /// Commands to the shipping service (orchestrated).
-    pub shipping_commands: String,
-    /// Replies to the order service's orchestrator (orchestrated).
-    pub order_replies: String,
-}
-
-impl Topics {
-    /// `{prefix}.orders`, `{prefix}.payments`, `{prefix}.shipping`, `{prefix}.payment-commands`,
-    /// `{prefix}.shipping-commands`, `{prefix}.order-replies`.
-    pub fn with_prefix(prefix: &str) -> Self {
-        Self {
-            orders: format!("{prefix}.orders"),
-            payments: format!("{prefix}.payments"),
-            shipping: format!("{prefix}.shipping"),
-            payment_commands: format!("{prefix}.payment-commands"),
-            shipping_commands: format!("{prefix}.shipping-commands"),
-            order_replies: format!("{prefix}.order-replies"),
-        }
-    }
-
-    /// Every topic.
-    pub fn all(&self) -> [&str; 6] {
-        [
-            &self.orders,
-            &self.payments,
-            &self.shipping,
-            &self.payment_commands,
-            &self.shipping_commands,
-            &self.order_replies,
-        ]
-    }
-}
 
 /// The order as the client submits it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -86,8 +28,8 @@ pub struct OrderRequest {
     pub ship_to: String,
 }
 
-/// An order was accepted (`orders` topic).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// An order was accepted: the saga's first event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, SagaEvent)]
 pub struct OrderCreated {
     /// The order.
     pub order_id: Uuid,
@@ -96,8 +38,8 @@ pub struct OrderCreated {
     pub request: OrderRequest,
 }
 
-/// The payment was charged (`payments` topic).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// The payment was charged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, SagaEvent)]
 pub struct PaymentProcessed {
     /// The order.
     pub order_id: Uuid,
@@ -109,18 +51,8 @@ pub struct PaymentProcessed {
     pub ship_to: String,
 }
 
-/// The saga ended or is being compensated for a reason (`PaymentFailed`, `PaymentRefunded`,
-/// `ShipmentFailed`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct OrderSetback {
-    /// The order.
-    pub order_id: Uuid,
-    /// Why.
-    pub reason: String,
-}
-
-/// The shipment was arranged (`shipping` topic).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// The shipment was arranged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, SagaEvent)]
 pub struct ShipmentArranged {
     /// The order.
     pub order_id: Uuid,
@@ -128,14 +60,176 @@ pub struct ShipmentArranged {
     pub shipment_id: Uuid,
 }
 
-impl SagaEvent for OrderCreated {
-    const TYPE: &'static str = "OrderCreated";
+/// Why an order was set back: the payload of every failure and compensation event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Setback {
+    /// The order.
+    pub order_id: Uuid,
+    /// Why.
+    pub reason: String,
 }
 
-impl SagaEvent for PaymentProcessed {
-    const TYPE: &'static str = "PaymentProcessed";
+/// The payment service's setbacks: `cancel-order` takes either, under one step key.
+#[derive(Debug, Clone, PartialEq, Eq, SagaEvent)]
+pub enum PaymentSetback {
+    /// The card was declined.
+    PaymentFailed(Setback),
+    /// The charge was refunded (the compensation of a failed shipment).
+    PaymentRefunded(Setback),
 }
 
-impl SagaEvent for ShipmentArranged {
-    const TYPE: &'static str = "ShipmentArranged";
+/// The shipping service's setback.
+#[derive(Debug, Clone, PartialEq, Eq, SagaEvent)]
+pub enum ShipmentSetback {
+    /// The address cannot be served.
+    ShipmentFailed(Setback),
+}
+
+/// What charges an order: the order itself (choreographed), or the orchestrator's command.
+#[derive(Debug, Clone, PartialEq, Eq, SagaEvent)]
+pub enum Charge {
+    /// An order was accepted.
+    OrderCreated(OrderCreated),
+    /// The orchestrator asks for the charge.
+    ProcessPayment(OrderCreated),
+}
+
+/// What refunds a charge: a failed shipment (choreographed), or the orchestrator's compensation.
+#[derive(Debug, Clone, PartialEq, Eq, SagaEvent)]
+pub enum Refund {
+    /// The shipment failed.
+    ShipmentFailed(Setback),
+    /// The orchestrator compensates the payment.
+    RefundPayment(Setback),
+}
+
+/// What ships an order: a processed payment (choreographed), or the orchestrator's command.
+#[derive(Debug, Clone, PartialEq, Eq, SagaEvent)]
+pub enum Ship {
+    /// The payment was charged.
+    PaymentProcessed(PaymentProcessed),
+    /// The orchestrator asks for the shipment.
+    ArrangeShipment(PaymentProcessed),
+}
+
+impl Charge {
+    /// The order to charge.
+    pub fn order(&self) -> &OrderCreated {
+        match self {
+            Self::OrderCreated(order) | Self::ProcessPayment(order) => order,
+        }
+    }
+}
+
+impl Refund {
+    /// Why the charge is refunded.
+    pub fn setback(&self) -> &Setback {
+        match self {
+            Self::ShipmentFailed(setback) | Self::RefundPayment(setback) => setback,
+        }
+    }
+}
+
+impl Ship {
+    /// The payment the shipment follows.
+    pub fn payment(&self) -> &PaymentProcessed {
+        match self {
+            Self::PaymentProcessed(payment) | Self::ArrangeShipment(payment) => payment,
+        }
+    }
+}
+
+/// The saga's topics under a common prefix, typed by the events each service reads from them: one topic per
+/// producing service for the choreographed saga, and for the orchestrated one a command topic per
+/// participant and the orchestrator's reply topic.
+#[derive(Debug, Clone)]
+pub struct Topics {
+    /// `{prefix}.orders`: orders accepted.
+    pub orders: Topic<OrderCreated>,
+    /// `{prefix}.orders`, as the payment service reads it.
+    pub charges: Topic<Charge>,
+    /// `{prefix}.payments`: payments charged.
+    pub payments: Topic<PaymentProcessed>,
+    /// `{prefix}.payments`: payments declined or refunded.
+    pub payment_setbacks: Topic<PaymentSetback>,
+    /// `{prefix}.payments`, as the shipping service reads it.
+    pub shipments_to_arrange: Topic<Ship>,
+    /// `{prefix}.shipping`: shipments arranged.
+    pub shipments: Topic<ShipmentArranged>,
+    /// `{prefix}.shipping`: shipments failed.
+    pub shipment_setbacks: Topic<ShipmentSetback>,
+    /// `{prefix}.shipping`, as the payment service reads it.
+    pub refunds: Topic<Refund>,
+    /// `{prefix}.payment-commands`: charges the orchestrator asks for.
+    pub payment_commands: Topic<Charge>,
+    /// `{prefix}.payment-commands`: refunds the orchestrator asks for.
+    pub refund_commands: Topic<Refund>,
+    /// `{prefix}.shipping-commands`: shipments the orchestrator asks for.
+    pub shipping_commands: Topic<Ship>,
+    /// `{prefix}.order-replies`: the participants' replies to the orchestrator.
+    pub order_replies: String,
+}
+
+impl Topics {
+    /// The topics under `prefix`.
+    pub fn with_prefix(prefix: &str) -> Self {
+        let name = |topic: &str| format!("{prefix}.{topic}");
+        Self {
+            orders: Topic::new(name("orders")),
+            charges: Topic::new(name("orders")),
+            payments: Topic::new(name("payments")),
+            payment_setbacks: Topic::new(name("payments")),
+            shipments_to_arrange: Topic::new(name("payments")),
+            shipments: Topic::new(name("shipping")),
+            shipment_setbacks: Topic::new(name("shipping")),
+            refunds: Topic::new(name("shipping")),
+            payment_commands: Topic::new(name("payment-commands")),
+            refund_commands: Topic::new(name("payment-commands")),
+            shipping_commands: Topic::new(name("shipping-commands")),
+            order_replies: name("order-replies"),
+        }
+    }
+
+    /// Every topic name.
+    pub fn all(&self) -> [&str; 6] {
+        [
+            self.orders.name(),
+            self.payments.name(),
+            self.shipments.name(),
+            self.payment_commands.name(),
+            self.shipping_commands.name(),
+            &self.order_replies,
+        ]
+    }
+
+    /// Where a participant's outcomes go: the events' topics (choreographed), or the orchestrator's reply
+    /// topic (orchestrated).
+    pub fn outcomes(&self, orchestrated: bool) -> Outcomes {
+        let or_replies = |name: &str| {
+            if orchestrated {
+                self.order_replies.clone()
+            } else {
+                name.to_owned()
+            }
+        };
+        Outcomes {
+            payments: Topic::new(or_replies(self.payments.name())),
+            payment_setbacks: Topic::new(or_replies(self.payment_setbacks.name())),
+            shipments: Topic::new(or_replies(self.shipments.name())),
+            shipment_setbacks: Topic::new(or_replies(self.shipment_setbacks.name())),
+        }
+    }
+}
+
+/// Where the participants' outcomes go (see [`Topics::outcomes`]).
+#[derive(Debug, Clone)]
+pub struct Outcomes {
+    /// Payments charged.
+    pub payments: Topic<PaymentProcessed>,
+    /// Payments declined or refunded.
+    pub payment_setbacks: Topic<PaymentSetback>,
+    /// Shipments arranged.
+    pub shipments: Topic<ShipmentArranged>,
+    /// Shipments failed.
+    pub shipment_setbacks: Topic<ShipmentSetback>,
 }

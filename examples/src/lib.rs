@@ -9,7 +9,8 @@
 //!   `refund-payment`.
 //! - [`shipping`], with the step `arrange-shipment`.
 //! - [`service`]: running a service (consumer, embedded relay, HTTP).
-//! - [`harness`]: running the whole saga with real processes, for the demo and the chaos program.
+//!
+//! The demo runner, the chaos program, the benchmark and the test harness are the lab's (`lab/`).
 
 //!
 //! # Examples
@@ -35,10 +36,8 @@
 
 #![deny(missing_docs)]
 
-pub mod bench;
 pub mod events;
 pub mod gateway;
-pub mod harness;
 pub mod order;
 pub mod payment;
 pub mod service;

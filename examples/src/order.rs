@@ -19,8 +19,7 @@ use futures::future::BoxFuture;
 use saga_consumer::fast_path::FastPath;
 use saga_consumer::http::{IdempotencyLayer, IdempotentRequest};
 use saga_consumer::{
-    Message, SagaEvent, SagaStep, StepContext, StepError, StepName, StepOutcome, StepResult,
-    Subscription,
+    Message, SagaEvent, StepContext, StepError, StepName, StepOutcome, StepResult,
 };
 use saga_orchestrator::definition::DefinitionError;
 use saga_orchestrator::{
@@ -32,7 +31,8 @@ use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 use crate::events::{
-    OrderCreated, OrderRequest, OrderSetback, PaymentProcessed, ShipmentArranged, Topics, types,
+    Charge, OrderCreated, OrderRequest, PaymentProcessed, PaymentSetback, Refund, Setback, Ship,
+    ShipmentArranged, ShipmentSetback, Topics,
 };
 
 #[derive(Clone)]
@@ -70,40 +70,47 @@ pub fn router(
 pub fn order_saga(topics: &Topics) -> Result<SagaDefinition, DefinitionError> {
     let payment = Step::new(
         "process-payment",
-        Command::new(&topics.payment_commands, types::PROCESS_PAYMENT, |data| {
-            data["input"].clone()
+        Command::to(&topics.payment_commands, |data| {
+            Charge::ProcessPayment(reply(data, "input"))
         }),
     )?
-    .succeeds_on([PaymentProcessed::TYPE])
-    .fails_on([types::PAYMENT_FAILED])
+    .succeeds_on(PaymentProcessed::TYPES)
+    .fails_on([PaymentSetback::PAYMENT_FAILED])
     .compensate_with(
-        Command::new(&topics.payment_commands, types::REFUND_PAYMENT, |data| {
-            serde_json::json!({
-                "order_id": data["input"]["order_id"],
-                "reason": data["arrange-shipment"]["reason"]
+        Command::to(&topics.refund_commands, |data| {
+            Refund::RefundPayment(Setback {
+                order_id: reply::<OrderCreated>(data, "input").order_id,
+                reason: data["arrange-shipment"]["reason"]
                     .as_str()
-                    .unwrap_or("the saga was compensated"),
+                    .unwrap_or("the saga was compensated")
+                    .to_owned(),
             })
         }),
-        [types::PAYMENT_REFUNDED],
+        [PaymentSetback::PAYMENT_REFUNDED],
         Duration::from_secs(10),
     )
     .timeout(Duration::from_secs(60), OnTimeout::Fail);
     let shipment = Step::new(
         "arrange-shipment",
-        // The payment's reply has the command's shape: order, charge, amount, address.
-        Command::new(&topics.shipping_commands, types::ARRANGE_SHIPMENT, |data| {
-            data["process-payment"].clone()
+        Command::to(&topics.shipping_commands, |data| {
+            Ship::ArrangeShipment(reply(data, "process-payment"))
         }),
     )?
-    .succeeds_on([ShipmentArranged::TYPE])
-    .fails_on([types::SHIPMENT_FAILED])
+    .succeeds_on(ShipmentArranged::TYPES)
+    .fails_on([ShipmentSetback::SHIPMENT_FAILED])
     .timeout(Duration::from_secs(60), OnTimeout::Fail);
     Ok(
         SagaDefinition::new("order-fulfillment", &topics.order_replies)?
             .step(payment)
             .step(shipment),
     )
+}
+
+/// What the saga's data holds under `at`: its input (the `OrderCreated` it started with) or a step's
+/// reply, each written there by this service from the same type.
+fn reply<T: serde::de::DeserializeOwned>(data: &serde_json::Value, at: &str) -> T {
+    serde_json::from_value(data[at].clone())
+        .unwrap_or_else(|e| panic!("the saga's {at} is not what this service wrote there: {e}"))
 }
 
 /// Keeps an order in step with its orchestrated saga: its status and its history.
@@ -233,7 +240,7 @@ async fn create_order(
                     request: body.clone(),
                 };
                 request
-                    .emit_to(&app.topics.orders, order_id.to_string(), &created)
+                    .emit(&app.topics.orders, order_id.to_string(), &created)
                     .map_err(|e| e.to_string())?;
                 Ok(None)
             }
@@ -379,147 +386,73 @@ async fn advance(
 }
 
 /// `mark-order-paid` on `PaymentProcessed`.
-#[derive(Debug)]
-pub struct MarkOrderPaid {
-    /// The topics.
-    pub topics: Topics,
-}
-
-impl SagaStep for MarkOrderPaid {
-    type Payload = PaymentProcessed;
-
-    fn name(&self) -> StepName {
-        StepName::from_static("mark-order-paid")
-    }
-
-    fn subscriptions(&self) -> Vec<Subscription> {
-        vec![Subscription::of::<PaymentProcessed>(&self.topics.payments)]
-    }
-
-    async fn handle(
-        &self,
-        msg: &Message<PaymentProcessed>,
-        ctx: &mut StepContext<'_>,
-    ) -> StepResult {
-        let note = format!("paid, charge {}", msg.payload.charge_id);
-        advance(
-            ctx.conn(),
-            msg.payload.order_id,
-            &["PENDING"],
-            "PAID",
-            None,
-            &note,
-        )
-        .await?;
-        Ok(StepOutcome::completed())
-    }
+pub async fn mark_order_paid(
+    msg: &Message<PaymentProcessed>,
+    ctx: &mut StepContext<'_>,
+) -> StepResult {
+    let paid = msg.payload();
+    let note = format!("paid, charge {}", paid.charge_id);
+    advance(ctx.conn(), paid.order_id, &["PENDING"], "PAID", None, &note).await?;
+    Ok(StepOutcome::completed())
 }
 
 /// `complete-order` on `ShipmentArranged`.
-#[derive(Debug)]
-pub struct CompleteOrder {
-    /// The topics.
-    pub topics: Topics,
-}
-
-impl SagaStep for CompleteOrder {
-    type Payload = ShipmentArranged;
-
-    fn name(&self) -> StepName {
-        StepName::from_static("complete-order")
-    }
-
-    fn subscriptions(&self) -> Vec<Subscription> {
-        vec![Subscription::of::<ShipmentArranged>(&self.topics.shipping)]
-    }
-
-    async fn handle(
-        &self,
-        msg: &Message<ShipmentArranged>,
-        ctx: &mut StepContext<'_>,
-    ) -> StepResult {
-        let note = format!("shipped, shipment {}", msg.payload.shipment_id);
-        advance(
-            ctx.conn(),
-            msg.payload.order_id,
-            &["PENDING", "PAID"],
-            "COMPLETED",
-            None,
-            &note,
-        )
-        .await?;
-        Ok(StepOutcome::completed())
-    }
+pub async fn complete_order(
+    msg: &Message<ShipmentArranged>,
+    ctx: &mut StepContext<'_>,
+) -> StepResult {
+    let shipped = msg.payload();
+    let note = format!("shipped, shipment {}", shipped.shipment_id);
+    let from = ["PENDING", "PAID"];
+    advance(
+        ctx.conn(),
+        shipped.order_id,
+        &from,
+        "COMPLETED",
+        None,
+        &note,
+    )
+    .await?;
+    Ok(StepOutcome::completed())
 }
 
 /// `note-shipment-failed` on `ShipmentFailed`: the refund is under way.
-#[derive(Debug)]
-pub struct NoteShipmentFailed {
-    /// The topics.
-    pub topics: Topics,
-}
-
-impl SagaStep for NoteShipmentFailed {
-    type Payload = OrderSetback;
-
-    fn name(&self) -> StepName {
-        StepName::from_static("note-shipment-failed")
-    }
-
-    fn subscriptions(&self) -> Vec<Subscription> {
-        vec![Subscription::new(
-            &self.topics.shipping,
-            types::SHIPMENT_FAILED,
-        )]
-    }
-
-    async fn handle(&self, msg: &Message<OrderSetback>, ctx: &mut StepContext<'_>) -> StepResult {
-        let note = format!("shipment failed ({}), refund under way", msg.payload.reason);
-        advance(
-            ctx.conn(),
-            msg.payload.order_id,
-            &["PENDING", "PAID"],
-            "COMPENSATING",
-            Some(&msg.payload.reason),
-            &note,
-        )
-        .await?;
-        Ok(StepOutcome::completed())
-    }
+pub async fn note_shipment_failed(
+    msg: &Message<ShipmentSetback>,
+    ctx: &mut StepContext<'_>,
+) -> StepResult {
+    let ShipmentSetback::ShipmentFailed(failed) = msg.payload();
+    let note = format!("shipment failed ({}), refund under way", failed.reason);
+    let (from, reason) = (["PENDING", "PAID"], Some(failed.reason.as_str()));
+    advance(
+        ctx.conn(),
+        failed.order_id,
+        &from,
+        "COMPENSATING",
+        reason,
+        &note,
+    )
+    .await?;
+    Ok(StepOutcome::completed())
 }
 
 /// `cancel-order` on `PaymentFailed` or `PaymentRefunded`: one step key, so an order is cancelled once.
-#[derive(Debug)]
-pub struct CancelOrder {
-    /// The topics.
-    pub topics: Topics,
-}
-
-impl SagaStep for CancelOrder {
-    type Payload = OrderSetback;
-
-    fn name(&self) -> StepName {
-        StepName::from_static("cancel-order")
-    }
-
-    fn subscriptions(&self) -> Vec<Subscription> {
-        vec![
-            Subscription::new(&self.topics.payments, types::PAYMENT_FAILED),
-            Subscription::new(&self.topics.payments, types::PAYMENT_REFUNDED),
-        ]
-    }
-
-    async fn handle(&self, msg: &Message<OrderSetback>, ctx: &mut StepContext<'_>) -> StepResult {
-        let note = format!("cancelled: {}", msg.payload.reason);
-        advance(
-            ctx.conn(),
-            msg.payload.order_id,
-            &["PENDING", "PAID", "COMPENSATING"],
-            "CANCELLED",
-            Some(&msg.payload.reason),
-            &note,
-        )
-        .await?;
-        Ok(StepOutcome::completed())
-    }
+pub async fn cancel_order(msg: &Message<PaymentSetback>, ctx: &mut StepContext<'_>) -> StepResult {
+    let (PaymentSetback::PaymentFailed(setback) | PaymentSetback::PaymentRefunded(setback)) =
+        msg.payload();
+    let note = format!("cancelled: {}", setback.reason);
+    let (from, reason) = (
+        ["PENDING", "PAID", "COMPENSATING"],
+        Some(setback.reason.as_str()),
+    );
+    advance(
+        ctx.conn(),
+        setback.order_id,
+        &from,
+        "CANCELLED",
+        reason,
+        &note,
+    )
+    .await?;
+    Ok(StepOutcome::completed())
 }

@@ -1,15 +1,15 @@
-//! The payment service: `process-payment` charges an order through the gateway (two-phase mode, since the
-//! gateway is outside the database) and `refund-payment` compensates a failed shipment. Each step is wired
-//! by what it consumes and where it sends its outcome, so that the same steps serve the choreographed saga
-//! (events) and the orchestrated one (commands and replies).
+//! The payment service: `process-payment` charges an order through the gateway (two-phase, since the
+//! gateway is outside the database) and `refund-payment` compensates a failed shipment. Both take a family
+//! of two event types (the choreographed saga's event, or the orchestrator's command) and send their
+//! outcome where [`Outcomes`] says, so the same steps serve both sagas.
 
 use saga_consumer::{
-    Event, Message, StepContext, StepError, StepName, StepOutcome, StepResult, Subscription,
+    Message, StepContext, StepError, StepName, StepOutcome, StepResult, Subscription, Topic,
     TwoPhaseStep,
 };
 use sqlx::PgPool;
 
-use crate::events::{OrderCreated, OrderSetback, PaymentProcessed, types};
+use crate::events::{Charge, Outcomes, PaymentProcessed, PaymentSetback, Refund, Setback};
 use crate::gateway::{ChargeResult, PaymentGateway};
 
 /// `process-payment` on `OrderCreated` (or the `ProcessPayment` command): charges the card, emits
@@ -19,13 +19,13 @@ pub struct ProcessPayment {
     /// The gateway.
     pub gateway: PaymentGateway,
     /// What it consumes.
-    pub consumes: Subscription,
+    pub charges: Topic<Charge>,
     /// Where its outcome goes.
-    pub emits_to: String,
+    pub outcomes: Outcomes,
 }
 
 impl TwoPhaseStep for ProcessPayment {
-    type Payload = OrderCreated;
+    type Payload = Charge;
     type Response = ChargeResult;
 
     fn name(&self) -> StepName {
@@ -33,14 +33,13 @@ impl TwoPhaseStep for ProcessPayment {
     }
 
     fn subscriptions(&self) -> Vec<Subscription> {
-        vec![self.consumes.clone()]
+        Subscription::to(&self.charges)
     }
 
-    async fn call(&self, msg: &Message<OrderCreated>) -> Result<ChargeResult, StepError> {
-        let order = &msg.payload;
-        // The external key (the step key with its tenant) is the gateway's idempotency key: after a crash
-        // this call repeats, the charge not; and another tenant's order with the same client key is charged
-        // on its own.
+    async fn call(&self, msg: &Message<Charge>) -> Result<ChargeResult, StepError> {
+        let order = msg.payload().order();
+        // The external key (the step's, with its tenant) is the gateway's idempotency key: after a crash
+        // this call repeats, the charge not; another tenant's order with the same client key is its own.
         self.gateway
             .charge(
                 msg.external_key().as_str(),
@@ -54,12 +53,12 @@ impl TwoPhaseStep for ProcessPayment {
 
     async fn complete(
         &self,
-        msg: &Message<OrderCreated>,
+        msg: &Message<Charge>,
         response: ChargeResult,
         ctx: &mut StepContext<'_>,
     ) -> StepResult {
-        let order = &msg.payload;
-        let order_id = order.order_id.to_string();
+        let order = msg.payload().order();
+        let key = order.order_id.to_string();
         match response {
             ChargeResult::Charged { charge_id } => {
                 sqlx::query(
@@ -71,16 +70,13 @@ impl TwoPhaseStep for ProcessPayment {
                 .bind(order.request.amount_cents)
                 .execute(ctx.conn())
                 .await?;
-                ctx.emit_to(
-                    &self.emits_to,
-                    order_id,
-                    &PaymentProcessed {
-                        order_id: order.order_id,
-                        charge_id: charge_id.clone(),
-                        amount_cents: order.request.amount_cents,
-                        ship_to: order.request.ship_to.clone(),
-                    },
-                )?;
+                let processed = PaymentProcessed {
+                    order_id: order.order_id,
+                    charge_id: charge_id.clone(),
+                    amount_cents: order.request.amount_cents,
+                    ship_to: order.request.ship_to.clone(),
+                };
+                ctx.emit(&self.outcomes.payments, key, &processed)?;
                 StepOutcome::completed_with(&serde_json::json!({ "charge_id": charge_id }))
             }
             ChargeResult::Declined { reason } => {
@@ -93,100 +89,97 @@ impl TwoPhaseStep for ProcessPayment {
                 .bind(&reason)
                 .execute(ctx.conn())
                 .await?;
-                ctx.emit(Event::new(
-                    types::PAYMENT_FAILED,
-                    &self.emits_to,
-                    order_id,
-                    &OrderSetback {
-                        order_id: order.order_id,
-                        reason: reason.clone(),
-                    },
-                )?);
+                let failed = PaymentSetback::PaymentFailed(Setback {
+                    order_id: order.order_id,
+                    reason: reason.clone(),
+                });
+                ctx.emit(&self.outcomes.payment_setbacks, key, &failed)?;
                 Ok(StepOutcome::rejected(reason))
             }
         }
     }
 }
 
-/// `refund-payment` on `ShipmentFailed` (or `compensate-process-payment` on the `RefundPayment` command):
-/// refunds the charge (its own step key, so a redelivery refunds once) and emits `PaymentRefunded`. As a
-/// compensation it tolerates a missing effect: with nothing charged there is nothing to refund, and it
-/// confirms all the same.
+/// `refund-payment` on `ShipmentFailed` (or, as `compensate-process-payment`, on the `RefundPayment`
+/// command): refunds the charge (its own step key, so a redelivery refunds once) and emits
+/// `PaymentRefunded`. As a compensation it tolerates a missing effect: with nothing charged there is
+/// nothing to refund, and it confirms all the same.
 #[derive(Debug)]
 pub struct RefundPayment {
     /// The gateway.
     pub gateway: PaymentGateway,
     /// The payment service's database, to find the charge.
     pub pool: PgPool,
-    /// The step's name.
+    /// The step's name (the orchestrator's compensation is `compensate-process-payment`).
     pub name: StepName,
     /// What it consumes.
-    pub consumes: Subscription,
+    pub refunds: Topic<Refund>,
     /// Where its outcome goes.
-    pub emits_to: String,
+    pub outcomes: Outcomes,
 }
 
 /// The charge and its refund; `None` when nothing was charged.
 #[derive(Debug)]
-pub struct Refund(Option<(String, String)>);
+pub struct Refunded(Option<(String, String)>);
 
 impl TwoPhaseStep for RefundPayment {
-    type Payload = OrderSetback;
-    type Response = Refund;
+    type Payload = Refund;
+    type Response = Refunded;
 
     fn name(&self) -> StepName {
         self.name.clone()
     }
 
     fn subscriptions(&self) -> Vec<Subscription> {
-        vec![self.consumes.clone()]
+        Subscription::to(&self.refunds)
     }
 
-    async fn call(&self, msg: &Message<OrderSetback>) -> Result<Refund, StepError> {
+    async fn call(&self, msg: &Message<Refund>) -> Result<Refunded, StepError> {
         let charge_id: Option<String> = sqlx::query_scalar(
             "SELECT charge_id FROM payments WHERE order_id = $1 AND charge_id IS NOT NULL",
         )
-        .bind(msg.payload.order_id)
+        .bind(msg.payload().setback().order_id)
         .fetch_optional(&self.pool)
         .await?;
         let Some(charge_id) = charge_id else {
-            return Ok(Refund(None));
+            return Ok(Refunded(None));
         };
         let refund_id = self
             .gateway
             .refund(msg.external_key().as_str(), &charge_id)
             .await
             .map_err(StepError::transient)?;
-        Ok(Refund(Some((charge_id, refund_id))))
+        Ok(Refunded(Some((charge_id, refund_id))))
     }
 
     async fn complete(
         &self,
-        msg: &Message<OrderSetback>,
-        refund: Refund,
+        msg: &Message<Refund>,
+        refunded: Refunded,
         ctx: &mut StepContext<'_>,
     ) -> StepResult {
-        if let Refund(Some((_, refund_id))) = &refund {
+        let setback = msg.payload().setback();
+        if let Refunded(Some((_, refund_id))) = &refunded {
             sqlx::query(
                 "UPDATE payments SET status = 'REFUNDED', refund_id = $2, reason = $3, updated_at = now() \
                  WHERE order_id = $1",
             )
-            .bind(msg.payload.order_id)
+            .bind(setback.order_id)
             .bind(refund_id)
-            .bind(&msg.payload.reason)
+            .bind(&setback.reason)
             .execute(ctx.conn())
             .await?;
         }
-        ctx.emit(Event::new(
-            types::PAYMENT_REFUNDED,
-            &self.emits_to,
-            msg.payload.order_id.to_string(),
-            &OrderSetback {
-                order_id: msg.payload.order_id,
-                reason: format!("refunded: {}", msg.payload.reason),
-            },
-        )?);
-        let (charge_id, refund_id) = refund.0.unzip();
+        let done = PaymentSetback::PaymentRefunded(Setback {
+            order_id: setback.order_id,
+            reason: format!("refunded: {}", setback.reason),
+        });
+        ctx.emit(
+            &self.outcomes.payment_setbacks,
+            setback.order_id.to_string(),
+            &done,
+        )?;
+        let (charge_id, refund_id) = refunded.0.unzip();
         StepOutcome::completed_with(&serde_json::json!({
             "charge_id": charge_id,
             "refund_id": refund_id,

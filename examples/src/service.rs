@@ -11,14 +11,15 @@ use std::future::Future;
 
 use outbox_relay::Relay;
 use saga_consumer::fast_path::FastPath;
-use saga_consumer::{Hooks, SagaEvent, SagaService, SagaServiceBuilder, StepName, Subscription};
+use saga_consumer::setup::connect_postgres;
+use saga_consumer::{
+    Hooks, KafkaConfig, SagaService, SagaServiceBuilder, StepName, step, step_with,
+};
 use saga_orchestrator::Orchestrator;
-use saga_runtime::config::connect_postgres;
-use saga_runtime::kafka::KafkaConfig;
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
-use crate::events::{OrderCreated, PaymentProcessed, ShipmentArranged, Topics, types};
+use crate::events::Topics;
 use crate::gateway::PaymentGateway;
 use crate::{order, payment, shipping};
 
@@ -129,6 +130,11 @@ impl ServiceArgs {
         format!("{}.dlq", self.group(service))
     }
 
+    /// The retry topic of `service`, where its replayed dead letters arrive.
+    pub fn retry(&self, service: Service) -> String {
+        format!("{}.retry", self.group(service))
+    }
+
     /// Every topic the saga needs.
     pub fn all_topics(&self) -> Vec<String> {
         let mut topics: Vec<String> = self
@@ -138,11 +144,12 @@ impl ServiceArgs {
             .map(|t| (*t).to_owned())
             .collect();
         topics.extend(Service::ALL.iter().map(|s| self.dlq(*s)));
+        topics.extend(Service::ALL.iter().map(|s| self.retry(*s)));
         topics
     }
 
     /// A pool on `schema` (created if missing). A bad or unreachable `DATABASE_URL` is a
-    /// [`saga_runtime::config::ConfigProblem`].
+    /// [`saga_consumer::ConfigProblem`].
     pub async fn pool(&self, schema: &str, size: u32) -> anyhow::Result<PgPool> {
         let admin = connect_postgres("DATABASE_URL", &self.database_url, None, 1).await?;
         sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -157,21 +164,20 @@ impl ServiceArgs {
     }
 
     /// Checks, before anything starts, that PostgreSQL and the broker answer: a setting that keeps the
-    /// saga from running is reported as a [`saga_runtime::config::ConfigProblem`] naming it.
+    /// saga from running is reported as a [`saga_consumer::ConfigProblem`] naming it.
     pub async fn check(&self) -> anyhow::Result<()> {
         connect_postgres("DATABASE_URL", &self.database_url, None, 1)
             .await?
             .close()
             .await;
-        saga_runtime::kafka::probe(&self.kafka(), "KAFKA_BROKERS").await?;
+        saga_consumer::setup::probe_broker(&self.kafka()).await?;
         Ok(())
     }
 
-    /// The Kafka configuration.
+    /// The Kafka configuration: the brokers, and librdkafka properties from `KAFKA_PROPERTY_*`.
     pub fn kafka(&self) -> KafkaConfig {
-        let mut kafka = KafkaConfig::new(self.brokers.clone());
-        kafka.properties = saga_runtime::kafka::properties_from_env();
-        kafka
+        KafkaConfig::with_env_properties(Some(self.brokers.clone()))
+            .unwrap_or_else(|_| KafkaConfig::new(self.brokers.clone()))
     }
 }
 
@@ -234,69 +240,56 @@ pub async fn steps(
     builder: SagaServiceBuilder,
 ) -> anyhow::Result<SagaServiceBuilder> {
     let topics = args.topics();
-    Ok(match (service, args.orchestrated) {
-        (Service::Order, false) => builder
-            .step(order::MarkOrderPaid {
-                topics: topics.clone(),
-            })
-            .step(order::CompleteOrder {
-                topics: topics.clone(),
-            })
-            .step(order::NoteShipmentFailed {
-                topics: topics.clone(),
-            })
-            .step(order::CancelOrder { topics }),
-        (Service::Order, true) => builder.with(orchestrator(args)?),
-        (Service::Payment, orchestrated) => {
-            let gateway = PaymentGateway::new(
-                gateway_pool(args).await?,
-                Duration::from_millis(args.gateway_latency_ms),
-            );
-            let (charge, refund, refund_name, emits_to) = if orchestrated {
-                (
-                    Subscription::new(&topics.payment_commands, types::PROCESS_PAYMENT),
-                    Subscription::new(&topics.payment_commands, types::REFUND_PAYMENT),
-                    "compensate-process-payment",
-                    topics.order_replies.clone(),
-                )
+    let orchestrated = args.orchestrated;
+    let outcomes = topics.outcomes(orchestrated);
+    Ok(match service {
+        Service::Order if orchestrated => builder.with(orchestrator(args)?),
+        Service::Order => builder
+            .step(step("mark-order-paid", order::mark_order_paid).on(&topics.payments))
+            .step(step("complete-order", order::complete_order).on(&topics.shipments))
+            .step(
+                step("note-shipment-failed", order::note_shipment_failed)
+                    .on(&topics.shipment_setbacks),
+            )
+            .step(step("cancel-order", order::cancel_order).on(&topics.payment_setbacks)),
+        Service::Payment => {
+            let latency = Duration::from_millis(args.gateway_latency_ms);
+            let gateway = PaymentGateway::new(gateway_pool(args).await?, latency);
+            let (charges, refunds, refund_name) = if orchestrated {
+                let (charges, refunds) = (&topics.payment_commands, &topics.refund_commands);
+                (charges, refunds, "compensate-process-payment")
             } else {
-                (
-                    Subscription::of::<OrderCreated>(&topics.orders),
-                    Subscription::new(&topics.shipping, types::SHIPMENT_FAILED),
-                    "refund-payment",
-                    topics.payments.clone(),
-                )
+                (&topics.charges, &topics.refunds, "refund-payment")
             };
             let builder = builder
                 .two_phase_step(payment::ProcessPayment {
                     gateway: gateway.clone(),
-                    consumes: charge,
-                    emits_to: emits_to.clone(),
+                    charges: charges.clone(),
+                    outcomes: outcomes.clone(),
                 })
                 .two_phase_step(payment::RefundPayment {
                     gateway,
                     pool: pool.clone(),
                     name: StepName::new(refund_name)?,
-                    consumes: refund,
-                    emits_to,
+                    refunds: refunds.clone(),
+                    outcomes,
                 });
             if orchestrated {
                 builder
             } else {
-                builder.ignore(&topics.shipping, ShipmentArranged::TYPE)
+                builder.ignore(&topics.shipments)
             }
         }
-        (Service::Shipping, false) => builder
-            .step(shipping::ArrangeShipment {
-                consumes: Subscription::of::<PaymentProcessed>(&topics.payments),
-                emits_to: topics.shipping.clone(),
-            })
-            .ignore(&topics.payments, types::PAYMENT_FAILED)
-            .ignore(&topics.payments, types::PAYMENT_REFUNDED),
-        (Service::Shipping, true) => builder.step(shipping::ArrangeShipment {
-            consumes: Subscription::new(&topics.shipping_commands, types::ARRANGE_SHIPMENT),
-            emits_to: topics.order_replies.clone(),
-        }),
+        Service::Shipping => {
+            let arrange = step_with("arrange-shipment", outcomes, shipping::arrange_shipment);
+            if orchestrated {
+                builder.step(arrange.on(&topics.shipping_commands))
+            } else {
+                builder
+                    .step(arrange.on(&topics.shipments_to_arrange))
+                    .ignore(&topics.payment_setbacks)
+            }
+        }
     })
 }
 
@@ -331,8 +324,8 @@ pub async fn main(service: Service, about: &'static str) -> anyhow::Result<()> {
         Service::Payment => "payment-service",
         Service::Shipping => "shipping-service",
     };
-    let cli: Cli = saga_runtime::cli::parse_command(Cli::command().name(name).about(about));
-    let _tracing = saga_runtime::telemetry::init_tracing();
+    let cli: Cli = saga_consumer::setup::parse_command(Cli::command().name(name).about(about));
+    let _tracing = saga_consumer::telemetry::init_tracing();
     run(service, cli.args, saga_consumer::shutdown_signal()).await
 }
 
@@ -372,7 +365,7 @@ pub async fn run(
         // Every topic of the saga: this service publishes to topics others consume.
         let names = args.all_topics();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        saga_runtime::kafka::ensure_topics(&args.kafka(), &refs, 3, 1)
+        saga_consumer::setup::ensure_topics(&args.kafka(), &refs, 3, 1)
             .await
             .context("creating topics")?;
     }

@@ -4,13 +4,10 @@
 use saga_test_support::{TestDb, expect_usage_error, free_local_addr};
 use tokio::process::Command;
 
-const BINARIES: [&str; 6] = [
+const BINARIES: [&str; 3] = [
     env!("CARGO_BIN_EXE_order-service"),
     env!("CARGO_BIN_EXE_payment-service"),
     env!("CARGO_BIN_EXE_shipping-service"),
-    env!("CARGO_BIN_EXE_saga-demo"),
-    env!("CARGO_BIN_EXE_chaos"),
-    env!("CARGO_BIN_EXE_saga-bench"),
 ];
 
 fn binary(path: &str) -> Command {
@@ -20,7 +17,7 @@ fn binary(path: &str) -> Command {
 }
 
 #[tokio::test]
-async fn a_database_url_that_does_not_parse_is_named_by_every_binary() {
+async fn a_database_url_that_does_not_parse_is_named_by_every_service() {
     for path in BINARIES {
         let mut command = binary(path);
         command.env("DATABASE_URL", "not a url");
@@ -30,7 +27,7 @@ async fn a_database_url_that_does_not_parse_is_named_by_every_binary() {
 }
 
 #[tokio::test]
-async fn a_database_that_does_not_answer_is_named_by_every_binary() {
+async fn a_database_that_does_not_answer_is_named_by_every_service() {
     let closed = free_local_addr();
     for path in BINARIES {
         let mut command = binary(path);
@@ -44,16 +41,10 @@ async fn a_database_that_does_not_answer_is_named_by_every_binary() {
 }
 
 #[tokio::test]
-async fn a_broker_that_does_not_answer_is_named_by_the_services_the_demo_and_the_bench() {
+async fn a_broker_that_does_not_answer_is_named_by_every_service() {
     let _db = TestDb::empty("cli-broker").await;
     let closed = free_local_addr().to_string();
-    for path in [
-        BINARIES[0],
-        BINARIES[1],
-        BINARIES[2],
-        BINARIES[3],
-        BINARIES[5],
-    ] {
+    for path in BINARIES {
         let mut command = binary(path);
         command
             .env("DATABASE_URL", TestDb::database_url())
@@ -70,18 +61,4 @@ async fn bad_arguments_are_one_line_with_exit_code_2() {
         command.arg("--no-such-flag");
         expect_usage_error(command, "--no-such-flag").await;
     }
-    let mut command = binary(BINARIES[4]);
-    command.args(["--orders", "many"]);
-    expect_usage_error(command, "--orders").await;
-}
-
-#[tokio::test]
-async fn chaos_without_the_broker_binary_says_how_to_install_it() {
-    let _db = TestDb::empty("cli-chaos").await;
-    let mut command = binary(BINARIES[4]);
-    command
-        .env("DATABASE_URL", TestDb::database_url())
-        .env("NISSHI_BIN", "/nonexistent/nisshi");
-    let line = expect_usage_error(command, "NISSHI_BIN").await;
-    assert!(line.contains("scripts/dev-services"), "{line}");
 }

@@ -29,6 +29,7 @@
 
 mod cli;
 mod gc;
+mod hooks;
 mod metrics;
 mod publisher;
 mod relay;
@@ -37,6 +38,7 @@ mod store;
 
 pub use cli::main;
 pub use gc::{RetentionPolicy, RetentionReport, run_retention};
+pub use hooks::{PublishAttempt, PublishHooks};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
 pub use saga_runtime::kafka::KafkaConfig;
 pub use store::{AfterPublish, Backlog, backlog};

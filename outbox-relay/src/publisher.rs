@@ -1,22 +1,33 @@
 //! Publishing a batch of rows with the idempotent producer and waiting for the broker's acknowledgements.
 //!
+//! **A key has at most one row in flight.** A key's next row is given to the producer only once the broker
+//! acknowledged the row before it. Should a row's delivery fail (at enqueueing or in its delivery report),
+//! none of its key's later rows has been sent: they are held back and published after it, so the topic
+//! never holds a key's later row before an earlier one (a row acknowledged and then published again after
+//! a crash is a later duplicate, which the consumers' step keys absorb). Rows of different keys are sent
+//! together, so a batch of distinct keys goes out at once; a key with several rows in a batch costs a round
+//! trip to the broker per row.
+//!
 //! The producer never gives up on a message by itself (`message.timeout.ms=0`): during a broker outage a
-//! batch simply waits, and nothing is marked published that the broker did not acknowledge. The idempotent
-//! producer keeps each partition's order across its retries. A row the broker refuses outright is retried
-//! with backoff, and its key's later rows are held back meanwhile; after a fatal producer error the
-//! producer is recreated and the unmarked rows are published again.
+//! batch simply waits, and nothing is marked published that the broker did not acknowledge. After a fatal
+//! producer error the producer is recreated and the unmarked rows are published again.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use futures::FutureExt;
+use futures::future::Either;
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use saga_runtime::kafka::{KafkaConfig, pairs_to_kafka_headers, refused_for_good};
 use saga_runtime::trace;
 use tokio_util::sync::CancellationToken;
+use tracing::Span;
 
+use crate::hooks::{PublishAttempt, PublishHooks};
 use crate::store::OutboxRow;
 
 /// A key whose order must be kept: topic and partition key.
@@ -25,6 +36,13 @@ pub(crate) type OrderKey = (String, Option<String>);
 /// The order key of a row.
 pub(crate) fn order_key(row: &OutboxRow) -> OrderKey {
     (row.topic.clone(), row.partition_key.clone())
+}
+
+/// A row's order key, borrowed from the row.
+type KeyRef<'a> = (&'a str, Option<&'a str>);
+
+fn key_ref(row: &OutboxRow) -> KeyRef<'_> {
+    (row.topic.as_str(), row.partition_key.as_deref())
 }
 
 /// A row whose publication failed.
@@ -41,111 +59,118 @@ pub(crate) struct Failed {
 /// How a batch went.
 #[derive(Debug, Default)]
 pub(crate) struct BatchOutcome {
-    /// Rows the broker acknowledged, with the row's write time and the acknowledgement time. Only rows all
-    /// of whose key's earlier rows in the batch were acknowledged too.
+    /// Rows the broker acknowledged, with the row's write time and the acknowledgement time. A key's rows
+    /// are acknowledged in row order: each was sent only after the one before it was acknowledged.
     pub acked: Vec<(i64, DateTime<Utc>, DateTime<Utc>)>,
     /// Rows that failed.
     pub failed: Vec<Failed>,
-    /// Rows not sent, or sent but not to be marked, because an earlier row of their key failed or waits
-    /// for a retry: they are published again after it, so that a key's rows are never marked out of order.
+    /// Rows not sent because an earlier row of their key failed: they are published after it.
     pub held_back: usize,
 }
+
+/// A row handed to the producer, or refused by an injected fault.
+enum Sent {
+    Delivery(DeliveryFuture),
+    Refused(String),
+}
+
+/// Where a row's delivery report says it went, or why it failed.
+type Report = Result<(i32, i64), Failed>;
 
 /// The relay's producer.
 pub(crate) struct Publisher {
     kafka: KafkaConfig,
     linger: Duration,
     producer: FutureProducer,
+    hooks: PublishHooks,
 }
 
 impl Publisher {
     /// An idempotent producer for `kafka` that batches for `linger`.
-    pub(crate) fn new(kafka: KafkaConfig, linger: Duration) -> Result<Self, KafkaError> {
+    pub(crate) fn new(
+        kafka: KafkaConfig,
+        linger: Duration,
+        hooks: PublishHooks,
+    ) -> Result<Self, KafkaError> {
         let producer = create(&kafka, linger)?;
         Ok(Self {
             kafka,
             linger,
             producer,
+            hooks,
         })
     }
 
-    /// Sends `rows` in order and waits for every acknowledgement. A key's rows after one that failed (at enqueueing or in its delivery report), are held back so that a key's
-    /// rows are never marked out of order.
-    /// Returns `None` if `shutdown` fired first (nothing is marked then; the rows are published again).
+    /// Sends `rows` (in id order) and waits for every acknowledgement, at most one row per key in flight
+    /// (see the module documentation). Returns `None` if `shutdown` fired first (nothing is marked then;
+    /// the rows are published again).
     pub(crate) async fn publish(
         &mut self,
         rows: &[OutboxRow],
         shutdown: &CancellationToken,
     ) -> Option<BatchOutcome> {
         let mut outcome = BatchOutcome::default();
-        let mut blocked: HashSet<OrderKey> = HashSet::new();
-        let mut pending = Vec::with_capacity(rows.len());
-        for row in rows {
-            // Most batches hold back nothing: build a row's key (two string copies) only when needed.
-            if !blocked.is_empty() && blocked.contains(&order_key(row)) {
+        // Keys with a row in flight, each with its rows waiting for it, in row order.
+        let mut waiting: HashMap<KeyRef<'_>, VecDeque<usize>> = HashMap::new();
+        // Keys whose row failed at enqueueing: their later rows are not sent in this batch.
+        let mut failed_keys: HashSet<KeyRef<'_>> = HashSet::new();
+        let mut in_flight = FuturesUnordered::new();
+        for (index, row) in rows.iter().enumerate() {
+            let key = key_ref(row);
+            if let Some(queue) = waiting.get_mut(&key) {
+                queue.push_back(index);
+                continue;
+            }
+            if !failed_keys.is_empty() && failed_keys.contains(&key) {
                 outcome.held_back += 1;
                 continue;
             }
-            // Linked to the context of the transaction that wrote the row (a disabled span without `otel`).
-            let span = trace::publish_span(&row.topic, row.partition_key.as_deref(), &row.headers);
-            let headers = pairs_to_kafka_headers(&row.headers);
-            let mut record = FutureRecord::<str, [u8]>::to(&row.topic).headers(headers);
-            if let Some(k) = row.partition_key.as_deref() {
-                record = record.key(k);
-            }
-            if let Some(p) = row.payload.as_deref() {
-                record = record.payload(p);
-            }
-            loop {
-                match self.producer.send_result(record) {
-                    Ok(delivery) => {
-                        let created = row.created_at;
-                        pending.push(delivery.map(move |r| (row, created, r, Utc::now(), span)));
-                        break;
-                    }
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                        record = back;
-                        tokio::select! {
-                            _ = shutdown.cancelled() => return None,
-                            _ = tokio::time::sleep(Duration::from_millis(5)) => {}
-                        }
-                    }
-                    Err((e, _)) => {
-                        outcome.failed.push(failure(row.id, &e));
-                        blocked.insert(order_key(row));
-                        break;
-                    }
+            match self.send(row, shutdown).await? {
+                Ok((sent, span)) => {
+                    waiting.insert(key, VecDeque::new());
+                    in_flight.push(in_flight_row(index, row.id, sent, span));
+                }
+                Err(failed) => {
+                    outcome.failed.push(failed);
+                    failed_keys.insert(key);
                 }
             }
         }
-        let results = tokio::select! {
-            _ = shutdown.cancelled() => return None,
-            results = futures::future::join_all(pending) => results,
-        };
-        // In row order: once a row of a key failed in its delivery report, the key's later rows are not
-        // marked even if acknowledged (they are published again after it), so a key's rows are never marked
-        // out of order.
-        for (row, created, result, acked_at, span) in results {
-            if !blocked.is_empty() && blocked.contains(&order_key(row)) {
-                outcome.held_back += 1;
-                continue;
-            }
-            let failed = match result {
-                Ok(Ok(delivery)) => {
-                    span.record("messaging.destination.partition.id", delivery.partition);
-                    span.record("messaging.kafka.offset", delivery.offset);
-                    outcome.acked.push((row.id, created, acked_at));
-                    continue;
-                }
-                Ok(Err((e, _))) => failure(row.id, &e),
-                Err(_) => Failed {
-                    id: row.id,
-                    error: "the producer dropped the message".into(),
-                    refused: false,
-                },
+        loop {
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                next = in_flight.next() => next,
             };
-            outcome.failed.push(failed);
-            blocked.insert(order_key(row));
+            let Some((index, report, acked_at, span)) = next else {
+                break;
+            };
+            let row = &rows[index];
+            let key = key_ref(row);
+            let mut queue = waiting.remove(&key).unwrap_or_default();
+            match report {
+                Ok((partition, offset)) => {
+                    span.record("messaging.destination.partition.id", partition);
+                    span.record("messaging.kafka.offset", offset);
+                    outcome.acked.push((row.id, row.created_at, acked_at));
+                    // The broker has this row: the key's next one may go.
+                    if let Some(next) = queue.pop_front() {
+                        match self.send(&rows[next], shutdown).await? {
+                            Ok((sent, span)) => {
+                                in_flight.push(in_flight_row(next, rows[next].id, sent, span));
+                                waiting.insert(key, queue);
+                            }
+                            Err(failed) => {
+                                outcome.failed.push(failed);
+                                outcome.held_back += queue.len();
+                            }
+                        }
+                    }
+                }
+                Err(failed) => {
+                    outcome.failed.push(failed);
+                    outcome.held_back += queue.len();
+                }
+            }
         }
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             tracing::error!(?code, %reason, "fatal producer error; recreating the producer");
@@ -157,10 +182,77 @@ impl Publisher {
         Some(outcome)
     }
 
+    /// Gives `row` to the producer, waiting while its queue is full. `None` if `shutdown` fired first;
+    /// a failure to enqueue is the row's failure.
+    async fn send(
+        &self,
+        row: &OutboxRow,
+        shutdown: &CancellationToken,
+    ) -> Option<Result<(Sent, Span), Failed>> {
+        // Linked to the context of the transaction that wrote the row (a disabled span without `otel`).
+        let span = trace::publish_span(&row.topic, row.partition_key.as_deref(), &row.headers);
+        let attempt = PublishAttempt {
+            id: row.id,
+            topic: &row.topic,
+            key: row.partition_key.as_deref(),
+            payload: row.payload.as_deref(),
+        };
+        if let Some(error) = self.hooks.injected_failure(&attempt) {
+            return Some(Ok((Sent::Refused(error), span)));
+        }
+        let headers = pairs_to_kafka_headers(&row.headers);
+        let mut record = FutureRecord::<str, [u8]>::to(&row.topic).headers(headers);
+        if let Some(k) = row.partition_key.as_deref() {
+            record = record.key(k);
+        }
+        if let Some(p) = row.payload.as_deref() {
+            record = record.payload(p);
+        }
+        loop {
+            match self.producer.send_result(record) {
+                Ok(delivery) => return Some(Ok((Sent::Delivery(delivery), span))),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return None,
+                        _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                    }
+                }
+                Err((e, _)) => return Some(Err(failure(row.id, &e))),
+            }
+        }
+    }
+
     /// Waits until queued messages are delivered, up to `timeout`.
     pub(crate) fn flush(&self, timeout: Duration) {
         let _ = self.producer.flush(timeout);
     }
+}
+
+/// The delivery report of row `id` (at `index` in its batch), with the time it came and the row's span.
+fn in_flight_row(
+    index: usize,
+    id: i64,
+    sent: Sent,
+    span: Span,
+) -> impl Future<Output = (usize, Report, DateTime<Utc>, Span)> {
+    let report = match sent {
+        Sent::Delivery(delivery) => Either::Left(delivery.map(move |result| match result {
+            Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
+            Ok(Err((e, _))) => Err(failure(id, &e)),
+            Err(_) => Err(Failed {
+                id,
+                error: "the producer dropped the message".into(),
+                refused: false,
+            }),
+        })),
+        Sent::Refused(error) => Either::Right(futures::future::ready(Err(Failed {
+            id,
+            error,
+            refused: false,
+        }))),
+    };
+    report.map(move |report| (index, report, Utc::now(), span))
 }
 
 fn failure(id: i64, e: &KafkaError) -> Failed {

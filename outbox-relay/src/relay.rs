@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::gc::{RetentionPolicy, run_retention};
 
+use crate::hooks::PublishHooks;
 use crate::metrics::RelayMetrics;
 use crate::publisher::{OrderKey, Publisher, order_key};
 use crate::shards::ShardOwner;
@@ -111,6 +112,7 @@ pub struct RelayBuilder {
     pool: Option<PgPool>,
     env_error: Option<ConfigProblem>,
     ops: Option<Ops>,
+    hooks: PublishHooks,
 }
 
 impl RelayBuilder {
@@ -236,6 +238,12 @@ impl RelayBuilder {
         self
     }
 
+    /// Fault injection for tests (see [`PublishHooks`]).
+    pub fn hooks(mut self, hooks: PublishHooks) -> Self {
+        self.hooks = hooks;
+        self
+    }
+
     /// Shares the ops state of the process (metrics and readiness) with the consumer that embeds this relay.
     #[doc(hidden)]
     pub fn with_ops(mut self, ops: Ops) -> Self {
@@ -276,6 +284,7 @@ impl RelayBuilder {
             pool,
             metrics: RelayMetrics::default(),
             ops: self.ops.unwrap_or_default(),
+            hooks: self.hooks,
         })
     }
 }
@@ -308,6 +317,7 @@ pub struct Relay {
     pool: PgPool,
     metrics: RelayMetrics,
     ops: Ops,
+    hooks: PublishHooks,
 }
 
 impl std::fmt::Debug for Relay {
@@ -428,7 +438,8 @@ impl Relay {
                 }
             });
         }
-        let mut publisher = Publisher::new(self.kafka.clone(), self.settings.linger)?;
+        let mut publisher =
+            Publisher::new(self.kafka.clone(), self.settings.linger, self.hooks.clone())?;
         let mut owner = ShardOwner::new();
         let mut retries = Retries::default();
         let mut reconnect_wait = Duration::from_millis(200);

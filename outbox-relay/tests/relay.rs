@@ -2,9 +2,11 @@
 //! covers: order, late, instance, kill, outage, refused.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use outbox_relay::{KafkaConfig, Relay, RelayBuilder, RelayProbe};
+use outbox_relay::{KafkaConfig, PublishHooks, Relay, RelayBuilder, RelayProbe};
 use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId};
 use saga_runtime::store::outbox;
 use saga_test_support::{PrivateBroker, ReadMessage, TestDb, TestKafka, unique_name, wait_until};
@@ -16,7 +18,7 @@ const WAIT: Duration = Duration::from_secs(90);
 
 /// An outbox row for `key` carrying its per-key sequence number.
 fn row(topic: &str, key: &str, seq: i64) -> OutboxMessage {
-    let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default(), None);
+    let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default());
     let event = Event::new(
         "Numbered",
         topic,
@@ -512,7 +514,7 @@ async fn refused_a_row_the_broker_refuses_is_parked_its_key_held_until_then_and_
     kafka
         .create_topic_with(&topic, 1, &[("max.message.bytes", "1000")])
         .await;
-    let lineage = Lineage::root(IdempotencyKey::new("k").unwrap(), TenantId::default(), None);
+    let lineage = Lineage::root(IdempotencyKey::new("k").unwrap(), TenantId::default());
     let big = OutboxMessage::from_event(
         Event::new(
             "Numbered",
@@ -614,5 +616,87 @@ async fn refused_a_row_the_broker_refuses_is_parked_its_key_held_until_then_and_
             .iter()
             .all(|m| m.json()["key"] != "key-big" || m.json()["seq"] == 2),
         "the refused row never reached the topic"
+    );
+}
+
+/// Checks that, per key, no row comes after a later row of its key (a later duplicate of an earlier row
+/// is allowed: it repeats, it does not reorder), and that each key's rows 1..=`expected[key]` are all
+/// there. Returns the number of duplicates.
+fn check_never_earlier_after_later(
+    messages: &[ReadMessage],
+    expected: &BTreeMap<String, i64>,
+) -> usize {
+    let mut last: BTreeMap<String, i64> = BTreeMap::new();
+    let mut seen: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
+    let mut duplicates = 0;
+    for m in messages {
+        let payload = m.json();
+        let key = payload["key"].as_str().unwrap().to_owned();
+        let seq = payload["seq"].as_i64().unwrap();
+        let highest = last.entry(key.clone()).or_insert(0);
+        assert!(
+            seq >= *highest,
+            "key {key}: row {seq} at offset {} after row {highest}",
+            m.offset
+        );
+        *highest = seq;
+        if !seen.entry(key).or_default().insert(seq) {
+            duplicates += 1;
+        }
+    }
+    for (key, count) in expected {
+        let got: Vec<i64> = seen.get(key).into_iter().flatten().copied().collect();
+        assert_eq!(
+            got,
+            (1..=*count).collect::<Vec<_>>(),
+            "key {key}: every row"
+        );
+    }
+    duplicates
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn order_a_failed_delivery_never_lets_a_later_row_of_its_key_reach_the_topic_first() {
+    let db = TestDb::new("relay-failed-delivery").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("relay-failed-delivery", 1).await;
+    // Four keys of six rows each, in one batch.
+    let expected = fill(&db, &topic, 4, 6).await;
+    // The first delivery of key-1's second row fails, as if the broker had refused it: its key's later
+    // rows are in the same batch.
+    let failed = Arc::new(AtomicUsize::new(0));
+    let hooks = {
+        let failed = failed.clone();
+        PublishHooks::default().fail_delivery(move |attempt| {
+            let payload: serde_json::Value = serde_json::from_slice(attempt.payload?).ok()?;
+            (payload["key"] == "key-1"
+                && payload["seq"] == 2
+                && failed.fetch_add(1, Ordering::SeqCst) == 0)
+                .then(|| "injected: the broker refused the row".to_owned())
+        })
+    };
+    let relay = start(builder(&kafka.brokers, db.pool.clone()).hooks(hooks));
+    wait_all_published(&db).await;
+    relay.stop().await;
+    assert!(
+        failed.load(Ordering::SeqCst) >= 2,
+        "the row failed once, then was tried again"
+    );
+    let (attempts, error): (i32, Option<String>) = sqlx::query_as(
+        "SELECT attempts, last_error FROM saga_outbox \
+         WHERE convert_from(payload, 'UTF8')::jsonb @> '{\"key\": \"key-1\", \"seq\": 2}'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 1, "one failed attempt recorded");
+    assert!(error.unwrap_or_default().contains("injected"));
+    let messages = kafka
+        .read_all(&topic, 24, Duration::from_millis(500), WAIT)
+        .await;
+    let duplicates = check_never_earlier_after_later(&messages, &expected);
+    assert_eq!(
+        duplicates, 0,
+        "no row was sent twice: the key's later rows waited for the failed one"
     );
 }

@@ -5,12 +5,13 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use saga_runtime::cli::{printable, printable_json};
 use saga_runtime::config::{ConfigProblem, connect_postgres};
 use saga_runtime::kafka::KafkaConfig;
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::dlq::{self, DlqFilter, ReplayOptions, ReplayOutcome};
+use crate::dlq::{self, DlqFilter, ReplayOptions};
 use crate::duration;
 use crate::inspect::{self, InspectOptions};
 use crate::table::Table;
@@ -47,7 +48,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Dead letters: list, show, replay.
+    /// Dead letters: list, show, replay, and the replays made.
     #[command(subcommand)]
     Dlq(DlqCommand),
     /// Step keys.
@@ -77,11 +78,28 @@ enum Command {
     /// The outbox.
     #[command(subcommand)]
     Outbox(OutboxCommand),
+    /// The Redis fast path's keys.
+    #[command(subcommand)]
+    Redis(RedisCommand),
     /// Serve the inspector page.
     Inspect {
-        /// Where to listen (localhost by default; set SAGA_ADMIN_TOKEN before listening elsewhere).
+        /// Where to listen (localhost by default). Anywhere else needs a token (SAGA_ADMIN_TOKEN, or
+        /// SAGA_ADMIN_TOKENS=name:token,…), or --insecure-no-token.
         #[arg(long, default_value = "127.0.0.1:8081")]
         listen: SocketAddr,
+        /// A name besides the listening address and localhost that requests may give as Host (the name a
+        /// proxy in front serves the page under); repeatable.
+        #[arg(long = "public-name")]
+        public_names: Vec<String>,
+        /// No replay buttons; every POST refused.
+        #[arg(long)]
+        read_only: bool,
+        /// Mark cookies Secure: the page is served over TLS by a proxy in front.
+        #[arg(long)]
+        secure_cookies: bool,
+        /// Listen beyond localhost without a token: anyone who reaches the port may replay dead letters.
+        #[arg(long)]
+        insecure_no_token: bool,
         /// Dead-letter topics to show (default: the broker's topics ending in `.dlq`).
         #[arg(long = "dlq-topic")]
         dlq_topics: Vec<String>,
@@ -113,7 +131,7 @@ enum DlqCommand {
         #[arg(long)]
         offset: i64,
     },
-    /// Replay dead letters to their original topic, once each.
+    /// Replay dead letters, once each, to the retry topic of the consumer group that gave up on them.
     Replay {
         #[command(flatten)]
         select: Select,
@@ -132,6 +150,18 @@ enum DlqCommand {
         /// Refuse a message replayed this many times already (unless --force).
         #[arg(long, default_value_t = 3)]
         max_replays: u32,
+        /// Who replays, recorded with each send (default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// The replays recorded in the schema, newest first: who sent which letter where, and when.
+    Replays {
+        /// Only those of this dead-letter topic.
+        #[arg(long)]
+        topic: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
     },
 }
 
@@ -185,7 +215,11 @@ enum SagasCommand {
         /// Only in this status (running, compensating, completed, compensated).
         #[arg(long)]
         status: Option<String>,
-        /// Only unfinished ones unmoved for this long (90s, 15m, 2h).
+        /// Only stuck ones: marked stuck (their timer found no move), or unfinished and unmoved for 5
+        /// minutes (or --stuck-for).
+        #[arg(long)]
+        stuck: bool,
+        /// Only stuck ones, counting those unmoved for this long (90s, 15m, 2h).
         #[arg(long)]
         stuck_for: Option<String>,
         /// At most this many.
@@ -196,6 +230,22 @@ enum SagasCommand {
     Show {
         /// The saga's id.
         id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum RedisCommand {
+    /// Delete every key of the fast path's namespace. Run it after the service's database was restored to
+    /// an earlier point (Redis may remember completions the restored database lost), with the services
+    /// stopped; or give the services a new REDIS_NAMESPACE instead.
+    Forget {
+        /// The Redis URL.
+        #[arg(long, env = "REDIS_URL")]
+        redis_url: Option<String>,
+        /// The namespace (default: the one the schema's services use without REDIS_NAMESPACE:
+        /// `saga:{system identifier}.{database}.{schema}`).
+        #[arg(long, env = "REDIS_NAMESPACE")]
+        namespace: Option<String>,
     },
 }
 
@@ -275,38 +325,62 @@ impl Cli {
                 dry_run,
                 force,
                 max_replays,
+                operator,
             }) => {
                 let mut filter = select.filter()?;
                 filter.position = partition.zip(*offset);
-                let options = ReplayOptions {
+                let mut options = ReplayOptions {
                     dry_run: *dry_run,
                     force: *force,
                     max_replays: *max_replays,
+                    ..ReplayOptions::default()
                 };
+                if let Some(operator) = operator.as_deref().filter(|o| !o.trim().is_empty()) {
+                    options.operator = operator.to_owned();
+                }
                 let kafka = self.kafka()?;
                 let pool = self.pool().await?;
                 let report = dlq::replay(&kafka, &pool, &select.topic, &filter, &options).await?;
                 self.print(&report, || {
-                    let mut t = Table::new(["dlq offset", "to", "key", "outcome"]);
+                    let mut t = Table::new(["dlq offset", "from", "key", "outcome"]);
                     for l in &report.letters {
                         t.row([
                             format!("{}/{}", l.partition, l.offset),
                             format!("{}/{}", l.original_topic, l.original_partition),
                             l.idempotency_key.clone().unwrap_or_default(),
-                            match &l.outcome {
-                                ReplayOutcome::Sent { offset } => format!("sent (offset {offset})"),
-                                ReplayOutcome::WouldSend => "would send (dry run)".to_owned(),
-                                ReplayOutcome::AlreadyReplayed => "already replayed".to_owned(),
-                                ReplayOutcome::RefusedReplayLimit { replays } => {
-                                    format!("refused: replayed {replays} times (--force)")
-                                }
-                                ReplayOutcome::RefusedTruncated => {
-                                    "refused: the dead letter kept no payload".to_owned()
-                                }
-                            },
+                            l.outcome.describe(),
                         ]);
                     }
-                    format!("{}{} sent", t.render(), report.sent())
+                    format!(
+                        "{}{} sent to {} (group {}) by {}",
+                        t.render(),
+                        report.sent(),
+                        report.retry_topic,
+                        report.group,
+                        report.operator
+                    )
+                })
+            }
+            Command::Dlq(DlqCommand::Replays { topic, limit }) => {
+                let pool = self.pool().await?;
+                let found = dlq::replays(&pool, topic.as_deref(), *limit).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "sent at", "operator", "letter", "group", "to", "key", "tenant", "forced",
+                    ]);
+                    for r in &found {
+                        t.row([
+                            r.sent_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            r.operator.clone(),
+                            format!("{}/{}/{}", r.dlq_topic, r.dlq_partition, r.dlq_offset),
+                            r.group.clone(),
+                            format!("{}/{}/{}", r.retry_topic, r.retry_partition, r.retry_offset),
+                            r.idempotency_key.clone().unwrap_or_default(),
+                            r.tenant.clone().unwrap_or_default(),
+                            if r.forced { "yes" } else { "" }.to_owned(),
+                        ]);
+                    }
+                    format!("{}{} replays", t.render(), found.len())
                 })
             }
             Command::Keys(KeysCommand::Show { key, tenant }) => {
@@ -321,11 +395,16 @@ impl Cli {
             }
             Command::Sagas(SagasCommand::List {
                 status,
+                stuck,
                 stuck_for,
                 limit,
             }) => {
                 let status = status.as_deref().map(sagas::parse_status).transpose()?;
-                let stuck_for = stuck_for.as_deref().map(duration::parse).transpose()?;
+                let stuck_for = stuck_for
+                    .as_deref()
+                    .or(stuck.then_some("5m"))
+                    .map(duration::parse)
+                    .transpose()?;
                 let pool = self.pool().await?;
                 let found = sagas::list(&pool, status, stuck_for, *limit).await?;
                 self.print(&found, || {
@@ -338,6 +417,7 @@ impl Cli {
                         "step",
                         "updated",
                         "timer failures",
+                        "stuck",
                     ]);
                     for s in &found {
                         t.row([
@@ -349,6 +429,7 @@ impl Cli {
                             s.step_index.to_string(),
                             s.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
                             s.timer_failures.to_string(),
+                            s.stuck_reason.clone().unwrap_or_default(),
                         ]);
                     }
                     format!("{}{} sagas", t.render(), found.len())
@@ -371,6 +452,9 @@ impl Cli {
                     );
                     if let Some(failure) = &i.failure {
                         out.push_str(&format!("failure: {failure}\n"));
+                    }
+                    if let Some(reason) = &i.stuck_reason {
+                        out.push_str(&format!("stuck: {reason}\n"));
                     }
                     out.push_str(&format!("step keys: {}\n\ntimeline:\n", i.step_keys));
                     let mut t = Table::new(["at", "version", "from", "to", "step", "cause"]);
@@ -430,20 +514,68 @@ impl Cli {
                     )
                 })
             }
+            Command::Redis(RedisCommand::Forget {
+                redis_url,
+                namespace,
+            }) => {
+                let url = redis_url
+                    .as_deref()
+                    .filter(|u| !u.is_empty())
+                    .ok_or_else(|| {
+                        ConfigProblem::new(
+                            "REDIS_URL",
+                            "is not set",
+                            "set it to redis://HOST:PORT/DB",
+                        )
+                    })?;
+                let mut settings = saga_consumer::fast_path::FastPathSettings::new(url);
+                settings.namespace = namespace.clone().filter(|n| !n.is_empty());
+                let fast = match &settings.namespace {
+                    Some(n) => {
+                        saga_consumer::fast_path::FastPath::with_namespace(settings.clone(), n)?
+                    }
+                    None => {
+                        saga_consumer::fast_path::FastPath::new(settings, &self.pool().await?)
+                            .await?
+                    }
+                };
+                let deleted = fast
+                    .forget_namespace()
+                    .await
+                    .with_context(|| format!("deleting the keys of {}", fast.namespace()))?;
+                let report =
+                    serde_json::json!({ "namespace": fast.namespace(), "deleted": deleted });
+                self.print(&report, || {
+                    format!("deleted {deleted} keys of namespace {}", fast.namespace())
+                })
+            }
             Command::Inspect {
                 listen,
+                public_names,
+                read_only,
+                secure_cookies,
+                insecure_no_token,
                 dlq_topics,
                 groups,
                 stuck_for,
             } => {
-                let options = InspectOptions {
-                    dlq_topics: dlq_topics.clone(),
-                    groups: groups.clone(),
-                    stuck_for: duration::parse(stuck_for)?,
-                    token: std::env::var("SAGA_ADMIN_TOKEN")
-                        .ok()
-                        .filter(|t| !t.is_empty()),
-                };
+                let tokens = inspector_tokens()?;
+                if tokens.is_empty() && !listen.ip().is_loopback() && !insecure_no_token {
+                    return Err(ConfigProblem::new(
+                        "SAGA_ADMIN_TOKEN",
+                        format!("is not set, and the inspector would listen beyond localhost ({listen})"),
+                        "set SAGA_ADMIN_TOKEN (or SAGA_ADMIN_TOKENS=name:token,...), or pass --insecure-no-token",
+                    )
+                    .into());
+                }
+                let mut options = InspectOptions::default();
+                options.dlq_topics.clone_from(dlq_topics);
+                options.groups.clone_from(groups);
+                options.stuck_for = duration::parse(stuck_for)?;
+                options.tokens = tokens;
+                options.public_names.clone_from(public_names);
+                options.read_only = *read_only;
+                options.secure_cookies = *secure_cookies;
                 let (kafka, pool) = (self.kafka()?, self.pool().await?);
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
@@ -464,13 +596,35 @@ impl Cli {
 
     /// Prints `value` as JSON with `--json`, else the text `human` renders.
     fn print<T: Serialize>(&self, value: &T, human: impl FnOnce() -> String) -> anyhow::Result<()> {
+        // What is printed may quote messages (keys, headers, payloads): escaped so that it cannot drive
+        // the terminal.
         if self.json {
-            println!("{}", serde_json::to_string_pretty(value)?);
+            println!("{}", printable_json(&serde_json::to_string_pretty(value)?));
         } else {
-            println!("{}", human().trim_end());
+            println!("{}", printable(human().trim_end(), true));
         }
         Ok(())
     }
+}
+
+/// The inspector's tokens: `SAGA_ADMIN_TOKENS` (`name:token,…`) and `SAGA_ADMIN_TOKEN` (named `admin`).
+fn inspector_tokens() -> Result<Vec<inspect::NamedToken>, ConfigProblem> {
+    let mut tokens = Vec::new();
+    if let Ok(list) = std::env::var("SAGA_ADMIN_TOKENS") {
+        tokens = inspect::NamedToken::parse_list(&list).map_err(|e| {
+            ConfigProblem::new("SAGA_ADMIN_TOKENS", e, "write name:token,name:token")
+        })?;
+    }
+    if let Ok(token) = std::env::var("SAGA_ADMIN_TOKEN")
+        && !token.is_empty()
+    {
+        tokens.push(
+            inspect::NamedToken::new("admin", &token).map_err(|e| {
+                ConfigProblem::new("SAGA_ADMIN_TOKEN", e, "use a longer random token")
+            })?,
+        );
+    }
+    Ok(tokens)
 }
 
 fn keys_table(found: &[keys::KeyView]) -> String {
@@ -542,21 +696,33 @@ impl RecordView {
     }
 
     fn render(&self, topic: &str) -> String {
+        // Every value on one line of its own: a newline in one is shown, not obeyed.
         let mut out = format!(
             "{topic}/{}/{}  key {}\n\nheaders:\n",
             self.partition,
             self.offset,
-            self.key.as_deref().unwrap_or("(none)")
+            self.key
+                .as_deref()
+                .map_or(std::borrow::Cow::Borrowed("(none)"), |k| printable(
+                    k, false
+                ))
         );
         let width = self.headers.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
         for (name, value) in &self.headers {
             out.push_str(&format!(
-                "  {name:<width$}  {}\n",
-                value.as_deref().unwrap_or("(no value)")
+                "  {:<width$}  {}\n",
+                printable(name, false),
+                value
+                    .as_deref()
+                    .map_or(std::borrow::Cow::Borrowed("(no value)"), |v| printable(
+                        v, false
+                    ))
             ));
         }
         out.push_str("\npayload:\n");
-        out.push_str(&serde_json::to_string_pretty(&self.payload).unwrap_or_default());
+        out.push_str(&printable_json(
+            &serde_json::to_string_pretty(&self.payload).unwrap_or_default(),
+        ));
         out
     }
 }

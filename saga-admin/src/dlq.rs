@@ -1,13 +1,20 @@
-//! Dead letters: read a dead-letter topic, select by reason, step and age, show one, and replay them to their
-//! original topic, once.
+//! Dead letters: read a dead-letter topic, select by reason, step and age, show one, and replay them to the
+//! consumer group that gave up on them, once.
 //!
-//! A replay re-produces a dead letter's key, value and headers (the `dlq-*` headers dropped, the replay
-//! counter [`REPLAY_COUNT_HEADER`] raised) to its original topic and partition with the idempotent
-//! producer, and waits for the broker's acknowledgement. The table `saga_dlq_replays` (in the schema given)
-//! records what was replayed, by dead-letter topic, partition and offset, so running the same replay again
-//! sends nothing. A message replayed [`ReplayOptions::max_replays`] times already (it was dead-lettered
-//! again after each) is refused unless forced. A replayed message that had already taken effect is a no-op
-//! at its step: its step key is done.
+//! A dead-letter topic belongs to one consumer group, as the group's consumer recorded it in the schema
+//! (`saga_consumer_groups`). A replay re-produces a dead letter's key, value and headers (the `dlq-*`
+//! headers dropped, the replay headers of [`saga_runtime::replay`] set: the count raised, the original
+//! topic, partition and offset, the operator) to **that group's retry topic**, never to the original topic:
+//! no other group reading the original topic sees a replay. The group's consumer routes it by the original
+//! topic to the same step, whose step key absorbs it if it had taken effect.
+//!
+//! Each letter is claimed before it is sent: its record in `saga_dlq_replays`, keyed by its position and
+//! its identity ([`DeadLetter::identity`]: a new letter at a reused position is a new letter), is locked
+//! until the broker acknowledged the send and the send is recorded (with the operator, in
+//! `saga_dlq_replay_log`). Two replays of the same letters started together send each letter once; running
+//! a replay again sends nothing. A letter that names another group than the topic's (a forged letter), a
+//! copy without its payload, or a message replayed [`ReplayOptions::max_replays`] times already, is
+//! refused.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -18,14 +25,16 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use rdkafka::{Offset, TopicPartitionList};
 use saga_runtime::kafka::KafkaConfig;
+use saga_runtime::replay;
 use serde::Serialize;
-use sqlx::PgPool;
+use sha2::{Digest, Sha256};
 use sqlx::migrate::Migrator;
+use sqlx::{PgPool, Row};
 
 use crate::error::AdminError;
 
 /// The header counting how often a message was replayed from a dead-letter topic.
-pub const REPLAY_COUNT_HEADER: &str = "saga-replay-count";
+pub const REPLAY_COUNT_HEADER: &str = replay::REPLAY_COUNT;
 
 /// The `dlq-*` headers the consumer writes (see `saga_consumer::dlq_headers`).
 mod names {
@@ -176,6 +185,31 @@ impl DeadLetter {
             replay_count,
             record,
         })
+    }
+}
+
+impl DeadLetter {
+    /// The letter's identity: a hash of its original coordinates, key, value and headers (the `dlq-*` ones
+    /// too, so two letters of one message dead-lettered twice differ). A replay is recorded under its
+    /// position and this, so that a new letter at a reused position (the topic deleted and recreated) is a
+    /// new letter.
+    pub fn identity(&self) -> String {
+        let mut hash = Sha256::new();
+        let mut field = |bytes: &[u8]| {
+            hash.update((bytes.len() as u64).to_be_bytes());
+            hash.update(bytes);
+        };
+        field(self.original_topic.as_bytes());
+        field(&self.original_partition.to_be_bytes());
+        field(&self.original_offset.to_be_bytes());
+        let optional = |v: Option<&[u8]>| v.map_or_else(|| vec![0], |v| [&[1u8][..], v].concat());
+        field(&optional(self.record.key.as_deref()));
+        field(&optional(self.record.payload.as_deref()));
+        for (name, value) in &self.record.headers {
+            field(name.as_bytes());
+            field(&optional(value.as_deref()));
+        }
+        hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 }
 
@@ -331,6 +365,8 @@ pub struct ReplayOptions {
     /// A message replayed this many times already (and dead-lettered again each time) is refused unless
     /// forced (default 3).
     pub max_replays: u32,
+    /// Who replays, recorded with each send (default: the OS user, see [`os_user`]).
+    pub operator: String,
 }
 
 impl Default for ReplayOptions {
@@ -339,8 +375,27 @@ impl Default for ReplayOptions {
             dry_run: false,
             force: false,
             max_replays: 3,
+            operator: os_user(),
         }
     }
+}
+
+impl ReplayOptions {
+    /// The options, recording `operator` as who replays.
+    #[must_use]
+    pub fn by(mut self, operator: impl Into<String>) -> Self {
+        self.operator = operator.into();
+        self
+    }
+}
+
+/// The user running this process, as the environment names it (`USER`, `LOGNAME`, `USERNAME`), or
+/// `unknown`.
+pub fn os_user() -> String {
+    ["USER", "LOGNAME", "USERNAME"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|u| !u.trim().is_empty()))
+        .unwrap_or_else(|| "unknown".to_owned())
 }
 
 /// What a replay did with one dead letter.
@@ -348,14 +403,18 @@ impl Default for ReplayOptions {
 #[serde(rename_all = "kebab-case")]
 #[non_exhaustive]
 pub enum ReplayOutcome {
-    /// Sent; the broker acknowledged it at this offset of the original topic.
+    /// Sent to the group's retry topic; the broker acknowledged it there.
     Sent {
-        /// The replayed message's offset.
+        /// The retry topic.
+        topic: String,
+        /// Its partition there.
+        partition: i32,
+        /// Its offset there.
         offset: i64,
     },
     /// A dry run would send it.
     WouldSend,
-    /// Replayed by an earlier run: not sent again.
+    /// Replayed by an earlier run (or by a run going on now, which sends it): not sent again.
     AlreadyReplayed,
     /// Replayed too often already (dead-lettered again each time): not sent.
     RefusedReplayLimit {
@@ -364,6 +423,37 @@ pub enum ReplayOutcome {
     },
     /// The dead-letter topic kept only a copy without its payload: there is nothing to replay.
     RefusedTruncated,
+    /// The letter says another consumer group gave up on it than the one the dead-letter topic belongs to
+    /// (or says none): it was not written by this topic's consumer, and is not replayed.
+    RefusedForeignGroup {
+        /// The group the letter names (empty: none).
+        group: String,
+    },
+}
+
+impl ReplayOutcome {
+    /// The outcome in words, for tables and pages.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Sent {
+                topic,
+                partition,
+                offset,
+            } => format!("sent to {topic}/{partition} at offset {offset}"),
+            Self::WouldSend => "would send (dry run)".to_owned(),
+            Self::AlreadyReplayed => "already replayed: not sent again".to_owned(),
+            Self::RefusedReplayLimit { replays } => {
+                format!("refused: replayed {replays} times already (--force)")
+            }
+            Self::RefusedTruncated => "refused: the dead letter kept no payload".to_owned(),
+            Self::RefusedForeignGroup { group } if group.is_empty() => {
+                "refused: the letter names no consumer group".to_owned()
+            }
+            Self::RefusedForeignGroup { group } => {
+                format!("refused: the letter names another consumer group ({group})")
+            }
+        }
+    }
 }
 
 /// One dead letter of a replay and what happened to it.
@@ -374,7 +464,7 @@ pub struct Replayed {
     pub partition: i32,
     /// Its offset in the dead-letter topic.
     pub offset: i64,
-    /// Where it went (or would go).
+    /// Where it was first consumed.
     pub original_topic: String,
     /// The original partition.
     pub original_partition: i32,
@@ -388,6 +478,12 @@ pub struct Replayed {
 #[derive(Debug, Clone, Default, Serialize)]
 #[non_exhaustive]
 pub struct ReplayReport {
+    /// The consumer group the dead-letter topic belongs to.
+    pub group: String,
+    /// That group's retry topic, where the letters were sent.
+    pub retry_topic: String,
+    /// Who replayed.
+    pub operator: String,
     /// Every selected dead letter, in order.
     pub letters: Vec<Replayed>,
 }
@@ -402,13 +498,63 @@ impl ReplayReport {
     }
 }
 
-/// The toolkit's table (`saga_dlq_replays`), recorded in `_saga_admin_migrations`.
+/// The toolkit's tables (`saga_dlq_replays`, `saga_dlq_replay_log`), recorded in `_saga_admin_migrations`.
 pub fn migrator() -> Migrator {
     saga_runtime::store::migrate::owned_by(sqlx::migrate!("./migrations"), "_saga_admin_migrations")
 }
 
-/// Replays the dead letters of `topic` that `filter` selects, recording each in `pool`'s schema (see the
-/// module documentation).
+/// The consumer group a dead-letter topic belongs to, as the group's consumer recorded it in the schema
+/// (`saga_consumer_groups`), with its retry topic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct DlqOwner {
+    /// The consumer group.
+    pub group: String,
+    /// Its retry topic.
+    pub retry_topic: String,
+}
+
+/// The group `dlq_topic` belongs to in `pool`'s schema. Bad input if no group there records it, or more
+/// than one does.
+pub async fn owner_of(pool: &PgPool, dlq_topic: &str) -> Result<DlqOwner, AdminError> {
+    let recorded: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
+         WHERE table_schema = current_schema() AND table_name = 'saga_consumer_groups')",
+    )
+    .fetch_one(pool)
+    .await?;
+    let owners: Vec<(String, String)> = if recorded {
+        sqlx::query_as(
+            "SELECT group_id, retry_topic FROM saga_consumer_groups WHERE dlq_topic = $1 ORDER BY 1",
+        )
+        .bind(dlq_topic)
+        .fetch_all(pool)
+        .await?
+    } else {
+        Vec::new()
+    };
+    match owners.as_slice() {
+        [(group, retry_topic)] => Ok(DlqOwner {
+            group: group.clone(),
+            retry_topic: retry_topic.clone(),
+        }),
+        [] => Err(AdminError::bad_input(format!(
+            "no consumer group in this schema writes dead-letter topic {dlq_topic}: replay against the \
+             schema of the service that owns it (SAGA_SCHEMA), after its consumer has run with this version"
+        ))),
+        many => Err(AdminError::bad_input(format!(
+            "several consumer groups in this schema write dead-letter topic {dlq_topic} ({}): give each \
+             group a dead-letter topic of its own",
+            many.iter()
+                .map(|(g, _)| g.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
+/// Replays the dead letters of `topic` that `filter` selects into the retry topic of the consumer group
+/// the dead-letter topic belongs to, recording each in `pool`'s schema (see the module documentation).
 pub async fn replay(
     kafka: &KafkaConfig,
     pool: &PgPool,
@@ -425,6 +571,7 @@ pub async fn replay(
             position.0, position.1
         )));
     }
+    let owner = owner_of(pool, topic).await?;
     if !options.dry_run {
         migrator()
             .run(pool)
@@ -436,9 +583,14 @@ pub async fn replay(
         Duration::from_millis(1),
         Duration::from_secs(30),
     )?;
-    let mut report = ReplayReport::default();
+    let mut report = ReplayReport {
+        group: owner.group.clone(),
+        retry_topic: owner.retry_topic.clone(),
+        operator: options.operator.clone(),
+        letters: Vec::new(),
+    };
     for letter in letters {
-        let outcome = replay_one(&producer, pool, &letter, options).await?;
+        let outcome = replay_one(&producer, pool, &owner, &letter, options).await?;
         report.letters.push(Replayed {
             partition: letter.partition,
             offset: letter.offset,
@@ -454,78 +606,148 @@ pub async fn replay(
 async fn replay_one(
     producer: &rdkafka::producer::FutureProducer,
     pool: &PgPool,
+    owner: &DlqOwner,
     letter: &DeadLetter,
     options: &ReplayOptions,
 ) -> Result<ReplayOutcome, AdminError> {
     if letter.truncated {
         return Ok(ReplayOutcome::RefusedTruncated);
     }
+    if letter.group != owner.group {
+        return Ok(ReplayOutcome::RefusedForeignGroup {
+            group: letter.group.clone(),
+        });
+    }
     if letter.replay_count >= options.max_replays && !options.force {
         return Ok(ReplayOutcome::RefusedReplayLimit {
             replays: letter.replay_count,
         });
     }
-    if !options.dry_run {
-        // Claim it first: a second run finds it; a run that stopped between the send and the record
-        // (replayed_at NULL) sends again, and the step key absorbs the duplicate.
-        sqlx::query(
-            "INSERT INTO saga_dlq_replays \
-                 (dlq_topic, dlq_partition, dlq_offset, original_topic, original_partition, original_offset) \
-             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-        )
-        .bind(&letter.topic)
-        .bind(letter.partition)
-        .bind(letter.offset)
-        .bind(&letter.original_topic)
-        .bind(letter.original_partition)
-        .bind(letter.original_offset)
-        .execute(pool)
-        .await?;
+    let identity = letter.identity();
+    if options.dry_run {
+        // Nothing is created: the table may not exist yet, and then nothing was replayed.
+        let mut conn = pool.acquire().await?;
+        let replayed = replayed_already(&mut conn, letter, &identity, false)
+            .await
+            .unwrap_or(false);
+        return Ok(if replayed && !options.force {
+            ReplayOutcome::AlreadyReplayed
+        } else {
+            ReplayOutcome::WouldSend
+        });
     }
-    let replayed: Result<Option<bool>, sqlx::Error> = sqlx::query_scalar(
-        "SELECT replayed_at IS NOT NULL FROM saga_dlq_replays \
-         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3",
+    // The claim: the letter's record, locked until the send is acknowledged and recorded. A run replaying
+    // the same letter meanwhile waits for the lock, then finds it replayed; a run that dies before its
+    // commit leaves no record, so the letter is sent again later (its step key absorbs a duplicate).
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO saga_dlq_replays (dlq_topic, dlq_partition, dlq_offset, letter_hash, consumer_group, \
+             original_topic, original_partition, original_offset) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
     )
     .bind(&letter.topic)
     .bind(letter.partition)
     .bind(letter.offset)
-    .fetch_optional(pool)
-    .await;
-    // A dry run creates nothing, so the table may not exist yet: then nothing was replayed.
-    let replayed = if options.dry_run {
-        replayed.unwrap_or(None)
-    } else {
-        replayed?
-    };
-    if replayed == Some(true) && !options.force {
+    .bind(&identity)
+    .bind(&owner.group)
+    .bind(&letter.original_topic)
+    .bind(letter.original_partition)
+    .bind(letter.original_offset)
+    .execute(&mut *tx)
+    .await?;
+    if replayed_already(&mut tx, letter, &identity, true).await? && !options.force {
+        tx.commit().await?;
         return Ok(ReplayOutcome::AlreadyReplayed);
     }
-    if options.dry_run {
-        return Ok(ReplayOutcome::WouldSend);
-    }
-    let offset = send(producer, letter).await?;
+    let (partition, offset) = send(producer, owner, letter, &options.operator).await?;
     sqlx::query(
-        "UPDATE saga_dlq_replays SET replays = replays + 1, replayed_at = now() \
-         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3",
+        "UPDATE saga_dlq_replays SET replays = replays + 1, replayed_at = now(), replayed_by = $5 \
+         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3 AND letter_hash = $4",
     )
     .bind(&letter.topic)
     .bind(letter.partition)
     .bind(letter.offset)
-    .execute(pool)
+    .bind(&identity)
+    .bind(&options.operator)
+    .execute(&mut *tx)
     .await?;
-    Ok(ReplayOutcome::Sent { offset })
+    sqlx::query(
+        "INSERT INTO saga_dlq_replay_log (dlq_topic, dlq_partition, dlq_offset, letter_hash, consumer_group, \
+             operator, forced, retry_topic, retry_partition, retry_offset, idempotency_key, tenant_id) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+    )
+    .bind(&letter.topic)
+    .bind(letter.partition)
+    .bind(letter.offset)
+    .bind(&identity)
+    .bind(&owner.group)
+    .bind(&options.operator)
+    .bind(options.force)
+    .bind(&owner.retry_topic)
+    .bind(partition)
+    .bind(offset)
+    .bind(&letter.idempotency_key)
+    .bind(&letter.tenant)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(ReplayOutcome::Sent {
+        topic: owner.retry_topic.clone(),
+        partition,
+        offset,
+    })
 }
 
-/// Produces `letter`'s message to its original topic and partition, without the `dlq-*` headers and with
-/// the replay counter raised; returns the new offset once acknowledged.
+/// Whether `letter` was replayed: its own record says so (locked with `lock`), or a record written
+/// before letters had an identity, at its position, of a replay after the letter was dead-lettered.
+async fn replayed_already(
+    conn: &mut sqlx::PgConnection,
+    letter: &DeadLetter,
+    identity: &str,
+    lock: bool,
+) -> Result<bool, sqlx::Error> {
+    let own: Option<bool> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT replayed_at IS NOT NULL FROM saga_dlq_replays \
+         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3 AND letter_hash = $4{}",
+        if lock { " FOR UPDATE" } else { "" }
+    )))
+    .bind(&letter.topic)
+    .bind(letter.partition)
+    .bind(letter.offset)
+    .bind(identity)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if own == Some(true) {
+        return Ok(true);
+    }
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM saga_dlq_replays \
+         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3 AND letter_hash = '' \
+           AND replayed_at >= $4)",
+    )
+    .bind(&letter.topic)
+    .bind(letter.partition)
+    .bind(letter.offset)
+    .bind(letter.failed_at)
+    .fetch_one(conn)
+    .await
+}
+
+/// Produces `letter`'s message to `owner`'s retry topic, without the `dlq-*` headers and with the replay
+/// headers (the count raised, the original coordinates, the operator); returns its partition and offset
+/// once acknowledged.
 async fn send(
     producer: &rdkafka::producer::FutureProducer,
+    owner: &DlqOwner,
     letter: &DeadLetter,
-) -> Result<i64, AdminError> {
+    operator: &str,
+) -> Result<(i32, i64), AdminError> {
     let count = (letter.replay_count + 1).to_string();
+    let partition = letter.original_partition.to_string();
+    let offset = letter.original_offset.to_string();
     let mut headers = OwnedHeaders::new();
     for (name, value) in &letter.record.headers {
-        if name.starts_with(names::PREFIX) || name == REPLAY_COUNT_HEADER {
+        if name.starts_with(names::PREFIX) || replay::ALL.contains(&name.as_str()) {
             continue;
         }
         headers = headers.insert(Header {
@@ -533,13 +755,19 @@ async fn send(
             value: value.as_deref(),
         });
     }
-    headers = headers.insert(Header {
-        key: REPLAY_COUNT_HEADER,
-        value: Some(count.as_str()),
-    });
-    let mut record = FutureRecord::<[u8], [u8]>::to(&letter.original_topic)
-        .partition(letter.original_partition)
-        .headers(headers);
+    for (key, value) in [
+        (replay::REPLAY_COUNT, count.as_str()),
+        (replay::ORIGINAL_TOPIC, letter.original_topic.as_str()),
+        (replay::ORIGINAL_PARTITION, partition.as_str()),
+        (replay::ORIGINAL_OFFSET, offset.as_str()),
+        (replay::OPERATOR, operator),
+    ] {
+        headers = headers.insert(Header {
+            key,
+            value: Some(value),
+        });
+    }
+    let mut record = FutureRecord::<[u8], [u8]>::to(&owner.retry_topic).headers(headers);
     if let Some(key) = letter.record.key.as_deref() {
         record = record.key(key);
     }
@@ -549,10 +777,85 @@ async fn send(
     let delivered = producer
         .send(record, Duration::from_secs(30))
         .await
-        .map_err(|(e, _)| {
-            AdminError::Kafka(format!("replaying to {}: {e}", letter.original_topic))
-        })?;
-    Ok(delivered.offset)
+        .map_err(|(e, _)| AdminError::Kafka(format!("replaying to {}: {e}", owner.retry_topic)))?;
+    Ok((delivered.partition, delivered.offset))
+}
+
+/// One send of a replay, as `saga_dlq_replay_log` records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ReplayRecord {
+    /// When it was sent.
+    pub sent_at: DateTime<Utc>,
+    /// Who sent it.
+    pub operator: String,
+    /// The dead-letter topic.
+    pub dlq_topic: String,
+    /// The letter's partition there.
+    pub dlq_partition: i32,
+    /// The letter's offset there.
+    pub dlq_offset: i64,
+    /// The consumer group it went back to.
+    pub group: String,
+    /// Where it went: the group's retry topic.
+    pub retry_topic: String,
+    /// Its partition there.
+    pub retry_partition: i32,
+    /// Its offset there.
+    pub retry_offset: i64,
+    /// The saga's key.
+    pub idempotency_key: Option<String>,
+    /// Its tenant.
+    pub tenant: Option<String>,
+    /// Whether it was forced (sent again although replayed, or over the replay limit).
+    pub forced: bool,
+}
+
+/// The replays recorded in `pool`'s schema, newest first: of dead-letter topic `topic` (all when `None`),
+/// at most `limit`.
+pub async fn replays(
+    pool: &PgPool,
+    topic: Option<&str>,
+    limit: i64,
+) -> Result<Vec<ReplayRecord>, AdminError> {
+    let recorded: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
+         WHERE table_schema = current_schema() AND table_name = 'saga_dlq_replay_log')",
+    )
+    .fetch_one(pool)
+    .await?;
+    if !recorded {
+        return Ok(Vec::new());
+    }
+    let rows = sqlx::query(
+        "SELECT sent_at, operator, dlq_topic, dlq_partition, dlq_offset, consumer_group, retry_topic, \
+                retry_partition, retry_offset, idempotency_key, tenant_id, forced \
+         FROM saga_dlq_replay_log WHERE ($1::text IS NULL OR dlq_topic = $1) \
+         ORDER BY sent_at DESC, id DESC LIMIT $2",
+    )
+    .bind(topic)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(ReplayRecord {
+                sent_at: r.try_get(0)?,
+                operator: r.try_get(1)?,
+                dlq_topic: r.try_get(2)?,
+                dlq_partition: r.try_get(3)?,
+                dlq_offset: r.try_get(4)?,
+                group: r.try_get(5)?,
+                retry_topic: r.try_get(6)?,
+                retry_partition: r.try_get(7)?,
+                retry_offset: r.try_get(8)?,
+                idempotency_key: r.try_get(9)?,
+                tenant: r.try_get(10)?,
+                forced: r.try_get(11)?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
 }
 
 /// Every message of `topic` there is now, by partition and offset.

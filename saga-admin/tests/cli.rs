@@ -199,6 +199,30 @@ async fn sagas_list_and_show_read_instances_and_their_timeline() {
         0
     );
 
+    // A saga whose timer found no move in its definition is marked stuck: `--stuck` lists it at once, with
+    // the reason, beside the one unmoved for 30 minutes.
+    let lost = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, \
+             data, step_keys, version, stuck_reason, stuck_at) \
+         VALUES ($1, 'order-fulfillment', 'acme', 'order-3', 'running', 4, '{}', '{}', 1, \
+             'its deadline passed at step 4 (running), and the definition has no move for it', now())",
+    )
+    .bind(lost)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let stuck = saga.json(&["sagas", "list", "--stuck"]).await;
+    let ids: Vec<&str> = stuck
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["saga_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [running.to_string(), lost.to_string()], "{stuck}");
+    let table = saga.text(&["sagas", "list", "--stuck"]).await;
+    assert!(table.contains("no move for it"), "{table}");
+
     let shown = saga.json(&["sagas", "show", &running.to_string()]).await;
     assert_eq!(shown["instance"]["idempotency_key"], "order-1");
     let timeline: Vec<_> = shown["timeline"]
@@ -277,4 +301,115 @@ async fn leases_lists_two_phase_steps_and_expired_shows_only_those_whose_lease_r
         table.contains("started (lease expired)") && table.contains("payments@host-a/17"),
         "{table}"
     );
+}
+
+#[tokio::test]
+async fn what_a_message_carries_is_shown_escaped_and_never_drives_the_terminal() {
+    let (_db, kafka, saga) = target("admin-cli-escape").await;
+    let producer = kafka.producer();
+    let topic = kafka.topic("admin-escape.dlq", 1).await;
+    let now = chrono::Utc::now().to_rfc3339();
+    // A title change, a screen clear, an 8-bit CSI and a right-to-left override, in the key, a header,
+    // the error and the payload.
+    let hostile = "x\u{1b}]0;pwned\u{7}\u{1b}[2J\u{9b}31m\u{202e}y";
+    let (partition, offset) = kafka
+        .produce(
+            &producer,
+            &topic,
+            Some(hostile),
+            &[
+                ("idempotency-key", "order-1"),
+                ("x-note", hostile),
+                ("dlq-original-topic", "orders"),
+                ("dlq-original-partition", "0"),
+                ("dlq-original-offset", "7"),
+                ("dlq-consumer-group", "payments"),
+                ("dlq-reason", "handler-failed"),
+                ("dlq-error", hostile),
+                ("dlq-attempts", "1"),
+                ("dlq-failed-at", &now),
+            ],
+            serde_json::json!({ "note": hostile })
+                .to_string()
+                .as_bytes(),
+        )
+        .await;
+    let unsafe_char = |c: char| (c.is_control() && c != '\n') || c == '\u{202e}';
+    for args in [
+        vec!["dlq", "list", "--topic", topic.as_str()],
+        vec![
+            "dlq",
+            "show",
+            "--topic",
+            topic.as_str(),
+            "--partition",
+            &partition.to_string(),
+            "--offset",
+            &offset.to_string(),
+        ],
+    ] {
+        for json in [false, true] {
+            let mut all = if json { vec!["--json"] } else { vec![] };
+            all.extend(args.iter().copied());
+            let text = saga.text(&all).await;
+            assert!(
+                !text.chars().any(unsafe_char),
+                "saga {all:?} printed a control character: {text:?}"
+            );
+            if json {
+                // Escaped for the terminal, the same text for a parser.
+                let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
+                assert!(parsed.to_string().contains("pwned"));
+            } else {
+                assert!(text.contains("\\u{1b}]0;pwned"), "{text}");
+                assert!(text.contains("\\u{202e}"), "{text}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn redis_forget_deletes_the_keys_of_the_schemas_namespace_only() {
+    let (db, _kafka, saga) = target("admin-cli-redis").await;
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    let settings = saga_consumer::fast_path::FastPathSettings::new(url.as_str());
+    // The namespace the schema's services use by default, and another deployment's.
+    let ours = saga_consumer::fast_path::FastPath::new(settings.clone(), &db.pool)
+        .await
+        .unwrap();
+    let theirs = saga_consumer::fast_path::FastPath::with_namespace(
+        settings,
+        format!("{}-elsewhere", ours.namespace()),
+    )
+    .unwrap();
+    let tenant = saga_core::TenantId::default();
+    let keys: Vec<saga_core::StepKey> = (0..3)
+        .map(|n| {
+            saga_core::IdempotencyKey::new(&format!("order-{n}"))
+                .unwrap()
+                .step_key(&saga_core::StepName::from_static("charge"))
+        })
+        .collect();
+    let pairs: Vec<_> = keys.iter().map(|k| (&tenant, k)).collect();
+    ours.mark_completed(&pairs).await;
+    theirs.mark_completed(&pairs).await;
+
+    let mut command = saga.command(&["--json", "redis", "forget"]);
+    command.env("REDIS_URL", &url).env_remove("REDIS_NAMESPACE");
+    let output = command.output().await.unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["namespace"], ours.namespace());
+    assert_eq!(report["deleted"], 3);
+    assert_eq!(ours.completed(&pairs).await, [false, false, false]);
+    assert_eq!(
+        theirs.completed(&pairs).await,
+        [true, true, true],
+        "another namespace's keys stay"
+    );
+    assert_eq!(theirs.forget_namespace().await.unwrap(), 3);
+
+    let mut no_url = saga.command(&["redis", "forget"]);
+    no_url.env_remove("REDIS_URL");
+    expect_usage_error(no_url, "REDIS_URL").await;
 }

@@ -1,19 +1,19 @@
 //! The inspector page in a real browser: headless Chromium, driven over WebDriver by chromedriver (the
 //! Debian packages `chromium` and `chromium-driver`, which `scripts/test` installs where missing). It
 //! renders the overview and an orchestrated saga's page from the real services' schema, the test reads
-//! the rendered DOM, and the replay button replays one dead letter. Screenshots are saved under
-//! `target/inspector/`.
+//! the rendered DOM, and the replay button replays one dead letter into its group's retry topic, as the
+//! operator its token names. Screenshots are saved under `target/inspector/`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use base64::Engine as _;
-use saga_admin::inspect::{self, InspectOptions};
-use saga_examples::harness::client::{self, send};
-use saga_examples::harness::local::{LocalSaga, WAIT};
-use saga_examples::harness::run::plan;
+use saga_admin::inspect::{self, InspectOptions, NamedToken};
 use saga_examples::service::Service;
+use saga_lab::harness::client::{self, send};
+use saga_lab::harness::local::{LocalSaga, WAIT};
+use saga_lab::harness::run::plan;
 use saga_runtime::kafka::KafkaConfig;
 use saga_test_support::{free_local_addr, wait_until};
 use serde_json::{Value, json};
@@ -212,11 +212,24 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
         .unwrap()
         .to_owned();
 
-    // A topic no service reads, and a dead letter of it.
+    // A topic no service reads, and a dead letter of it, of a group of the order service's schema (its
+    // consumer would record the group there at start).
     let original = saga.kafka.topic("admin-inspector-input", 1).await;
     let dlq_topic = format!("{original}.dlq");
+    let retry_topic = format!("{original}.retry");
     saga.kafka.create_topic(&dlq_topic, 1).await;
-    saga.kafka.delete_on_drop(&dlq_topic);
+    saga.kafka.create_topic(&retry_topic, 1).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {}.saga_consumer_groups (group_id, dlq_topic, retry_topic, topics) \
+         VALUES ('payments', $1, $2, ARRAY[$3])",
+        saga.args.schema(Service::Order)
+    )))
+    .bind(&dlq_topic)
+    .bind(&retry_topic)
+    .bind(&original)
+    .execute(&saga.db.pool)
+    .await
+    .unwrap();
     let producer = saga.kafka.producer();
     let failed_at = chrono::Utc::now().to_rfc3339();
     let (dlq_partition, dlq_offset) = saga
@@ -245,7 +258,7 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
 
     // The inspector over the order service's schema (where the orchestrator keeps its sagas).
     let kafka = KafkaConfig::new(saga.args.brokers.clone());
-    let pool = saga_runtime::config::connect_postgres(
+    let admin_pool = saga_runtime::config::connect_postgres(
         "DATABASE_URL",
         &saga.args.database_url,
         Some(&saga.args.schema(Service::Order)),
@@ -253,24 +266,34 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     )
     .await
     .unwrap();
+    let token = "alice-token-0123456789abcdef";
     let mut options = InspectOptions::default();
     options.dlq_topics = vec![dlq_topic.clone()];
     options.groups = vec![saga.args.group(Service::Order)];
+    options.tokens = vec![NamedToken::new("alice", token).unwrap()];
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let stop = tokio_util::sync::CancellationToken::new();
     let server = tokio::spawn(inspect::serve(
         listener,
         kafka,
-        pool,
+        admin_pool.clone(),
         options,
         stop.clone().cancelled_owned(),
     ));
 
     let browser = Browser::start().await;
 
+    // The token once in the address: the page comes back without it, and a cookie keeps it.
+    browser.open(&format!("{base}/?token={token}")).await;
+    let url = browser.call("GET", "/url", None).await;
+    assert_eq!(
+        url.as_str(),
+        Some(format!("{base}/").as_str()),
+        "the token left the address"
+    );
+
     // The overview: the completed saga, the dead letter's count.
-    browser.open(&format!("{base}/")).await;
     let completed = browser
         .find("#sagas-by-status tr[data-status=\"completed\"]")
         .await;
@@ -319,24 +342,35 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     );
     browser.screenshot("saga").await;
 
-    // The dead letters of the topic; Replay…, then Confirm: the message is replayed, once.
+    // The dead letters of the topic; Replay…, then Confirm: the message is replayed, once, into the retry
+    // topic of the group that gave up on it, recorded under the token's name.
     browser.open(&format!("{base}/dlq/{dlq_topic}")).await;
     let count = browser.find("#dlq-count").await;
     assert_eq!(browser.attribute(&count, "data-count").await, "1");
     browser.screenshot("dead-letters").await;
     let replay = browser.find("#letters a.replay").await;
     browser.click(&replay).await;
+    let retry = browser.find("#retry-topic").await;
+    assert_eq!(browser.text(&retry).await, retry_topic);
+    let operator = browser.find("#operator").await;
+    assert_eq!(browser.text(&operator).await, "alice");
+    browser.screenshot("confirm-replay").await;
     let confirm = browser.find("#confirm").await;
     browser.click(&confirm).await;
     let replayed = browser.find("#replayed").await;
     assert_eq!(browser.attribute(&replayed, "data-sent").await, "1");
     let messages = saga
         .kafka
-        .read_all(&original, 1, Duration::from_secs(1), WAIT)
+        .read_all(&retry_topic, 1, Duration::from_secs(1), WAIT)
         .await;
     assert_eq!(messages.len(), 1);
     let message = &messages[0];
     assert_eq!(message.header("saga-replay-count"), Some("1"));
+    assert_eq!(
+        message.header("saga-replay-original-topic"),
+        Some(original.as_str())
+    );
+    assert_eq!(message.header("saga-replay-operator"), Some("alice"));
     assert_eq!(message.header("idempotency-key"), Some("order-7"));
     assert_eq!(
         message.header("dlq-reason"),
@@ -356,11 +390,27 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     assert_eq!(browser.attribute(&replayed, "data-sent").await, "0");
     assert_eq!(
         saga.kafka
-            .end_offsets(&original)
+            .end_offsets(&retry_topic)
             .await
             .values()
             .sum::<i64>(),
         1
+    );
+    assert_eq!(
+        saga.kafka
+            .end_offsets(&original)
+            .await
+            .values()
+            .sum::<i64>(),
+        0,
+        "no group reading the original topic sees the replay"
+    );
+    let log = saga_admin::dlq::replays(&admin_pool, Some(&dlq_topic), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        log.iter().map(|r| r.operator.as_str()).collect::<Vec<_>>(),
+        ["alice"]
     );
 
     browser.quit().await;

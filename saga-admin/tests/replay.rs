@@ -11,11 +11,11 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use saga_admin::dlq::{self, DlqFilter};
-use saga_examples::harness::client;
-use saga_examples::harness::ledger::{self, Path};
-use saga_examples::harness::local::{LocalSaga, WAIT};
-use saga_examples::harness::run::plan;
 use saga_examples::service::{Service, quote_ident};
+use saga_lab::harness::client;
+use saga_lab::harness::ledger::{self, Path};
+use saga_lab::harness::local::{LocalSaga, WAIT};
+use saga_lab::harness::run::plan;
 use saga_runtime::kafka::KafkaConfig;
 use saga_test_support::wait_until;
 
@@ -23,7 +23,7 @@ use common::{Target, outcomes};
 
 /// Waits until the payment service's group committed everything there is on the orders topic.
 async fn wait_payments_caught_up(saga: &LocalSaga) {
-    let topic = saga.args.topics().orders;
+    let topic = saga.args.topics().orders.name().to_owned();
     let group = saga.args.group(Service::Payment);
     wait_until("the payment service caught up", WAIT, || async {
         let end = saga.kafka.end_offsets(&topic).await;
@@ -94,7 +94,10 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
         assert_eq!(letter.reason, "retries-exhausted", "{letter:?}");
         assert_eq!(letter.step.as_deref(), Some("process-payment"));
         assert_eq!(letter.attempts, 5, "the default retry budget");
-        assert_eq!(letter.original_topic, saga.args.topics().orders);
+        assert_eq!(
+            letter.original_topic,
+            saga.args.topics().orders.name().to_owned()
+        );
         assert!(
             letter.error.contains("gateway unavailable"),
             "{}",
@@ -175,7 +178,10 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
     let crash = crash.as_array().unwrap();
     assert_eq!(crash.len(), 1);
     assert_eq!(crash[0]["idempotency_key"], b.as_str());
-    assert_eq!(crash[0]["original_topic"], saga.args.topics().orders);
+    assert_eq!(
+        crash[0]["original_topic"],
+        saga.args.topics().orders.name().to_owned()
+    );
     let by_step = payments
         .json(&[
             "dlq",
@@ -230,7 +236,7 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
     );
 
     // A dry run says what it would send and sends nothing.
-    let orders_topic = saga.args.topics().orders;
+    let orders_topic = saga.args.topics().orders.name().to_owned();
     let before = saga.kafka.end_offsets(&orders_topic).await;
     let dry = payments
         .json(&["dlq", "replay", "--topic", &dlq_topic, "--dry-run"])

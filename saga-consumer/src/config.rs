@@ -63,6 +63,10 @@ pub struct ConsumerSettings {
     pub retry: RetryPolicy,
     /// The dead-letter topic (`SAGA_DLQ_TOPIC`, default `{group}.dlq`).
     pub dlq_topic: Option<String>,
+    /// The retry topic (`SAGA_RETRY_TOPIC`, default `{group}.retry`): where `saga dlq replay` sends this
+    /// group's dead letters back, so that no other group sees a replay. The consumer reads it with the same
+    /// steps, routing each message by the original topic its replay headers name.
+    pub retry_topic: Option<String>,
     /// How often finished offsets are committed (`SAGA_COMMIT_INTERVAL_MS`, default 1 s).
     pub commit_interval: Duration,
     /// librdkafka's `fetch.wait.max.ms` (`SAGA_FETCH_WAIT_MS`, default 10 ms): how long the broker may hold
@@ -96,6 +100,7 @@ impl Default for ConsumerSettings {
             batch_size: 100,
             retry: RetryPolicy::default(),
             dlq_topic: None,
+            retry_topic: None,
             commit_interval: Duration::from_secs(1),
             fetch_wait: Duration::from_millis(10),
             handler_timeout: Duration::from_secs(30),
@@ -159,6 +164,9 @@ impl ConsumerSettings {
         }
         if let Some(topic) = get("SAGA_DLQ_TOPIC") {
             self.dlq_topic = Some(topic);
+        }
+        if let Some(topic) = get("SAGA_RETRY_TOPIC") {
+            self.retry_topic = Some(topic);
         }
         if let Some(v) = millis("SAGA_COMMIT_INTERVAL_MS")? {
             self.commit_interval = v;
@@ -234,7 +242,20 @@ impl ConsumerSettings {
         if matches!(&self.dlq_topic, Some(t) if t.trim().is_empty()) {
             return invalid("dead-letter topic", "is empty");
         }
+        if matches!(&self.retry_topic, Some(t) if t.trim().is_empty()) {
+            return invalid("retry topic", "is empty");
+        }
+        if self.retry_topic() == self.dlq_topic() {
+            return invalid("retry topic", "is the dead-letter topic");
+        }
         Ok(())
+    }
+
+    /// The retry topic: the configured one, or `{group}.retry`.
+    pub fn retry_topic(&self) -> String {
+        self.retry_topic
+            .clone()
+            .unwrap_or_else(|| format!("{}.retry", self.group_id.as_deref().unwrap_or("saga")))
     }
 
     /// The dead-letter topic: the configured one, or `{group}.dlq`.

@@ -5,9 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use saga_core::{SagaStep, TwoPhaseStep};
+use saga_core::{SagaEvent, SagaStep, Topic, TwoPhaseStep};
 use saga_runtime::kafka::KafkaConfig;
-use saga_runtime::ops::{Ops, OpsHandle};
+use saga_runtime::ops::Ops;
+
+use crate::ops::OpsHandle;
 use sqlx::PgPool;
 use std::future::Future;
 use tokio::sync::Semaphore;
@@ -162,9 +164,18 @@ impl SagaConsumerBuilder {
         self
     }
 
-    /// Declares that events of `event_type` on `topic` are none of this service's business: they are
-    /// skipped. Any other event type no step handles is dead-lettered.
-    pub fn ignore(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
+    /// Declares that the events `topic` carries are none of this service's business: they are skipped.
+    /// Any other event type no step handles is dead-lettered.
+    pub fn ignore<E: SagaEvent>(mut self, topic: &Topic<E>) -> Self {
+        for event_type in E::TYPES {
+            self.ignored
+                .push((topic.name().to_owned(), (*event_type).to_owned()));
+        }
+        self
+    }
+
+    /// Like [`SagaConsumerBuilder::ignore`], for an event type known only at run time.
+    pub fn ignore_type(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
         self.ignored.push((topic.into(), event_type.into()));
         self
     }
@@ -190,6 +201,12 @@ impl SagaConsumerBuilder {
     /// The dead-letter topic (default `{group}.dlq`).
     pub fn dlq_topic(mut self, topic: impl Into<String>) -> Self {
         self.settings.dlq_topic = Some(topic.into());
+        self
+    }
+
+    /// The retry topic (default `{group}.retry`), where this group's replayed dead letters arrive.
+    pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
+        self.settings.retry_topic = Some(topic.into());
         self
     }
 
@@ -305,7 +322,7 @@ impl SagaConsumerBuilder {
                 });
             }
             for sub in &step.subscriptions {
-                let id = (sub.topic.as_str(), sub.event_type.as_str());
+                let id = (sub.topic(), sub.event_type());
                 if let Some(first) = by_event.insert(id, step.name.as_str()) {
                     return Err(ConfigError::DuplicateSubscription {
                         topic: id.0.to_owned(),
@@ -321,9 +338,18 @@ impl SagaConsumerBuilder {
             .steps
             .iter()
             .flat_map(|s| &s.subscriptions)
-            .any(|sub| sub.topic == dlq)
+            .any(|sub| sub.topic() == dlq)
         {
             return Err(ConfigError::DeadLetterTopicConsumed(dlq));
+        }
+        let retry = self.settings.retry_topic();
+        if self
+            .steps
+            .iter()
+            .flat_map(|s| &s.subscriptions)
+            .any(|sub| sub.topic() == retry)
+        {
+            return Err(ConfigError::RetryTopicSubscribed(retry));
         }
         // Innermost first: the handler, its timeout, panic catching, the span, then the user's layers.
         let mut service: BoxStepService = Arc::new(HandlerService);
@@ -366,13 +392,14 @@ impl SagaConsumer {
         SagaConsumerBuilder::new()
     }
 
-    /// The topics the consumer subscribes to.
+    /// The topics the consumer subscribes to: its steps', and its retry topic.
     pub fn topics(&self) -> Vec<String> {
         let mut topics: Vec<String> = self
             .steps
             .iter()
-            .flat_map(|s| s.subscriptions.iter().map(|sub| sub.topic.clone()))
+            .flat_map(|s| s.subscriptions.iter().map(|sub| sub.topic().to_owned()))
             .chain(self.ignored.iter().map(|(t, _)| t.clone()))
+            .chain([self.settings.retry_topic()])
             .collect();
         topics.sort();
         topics.dedup();
@@ -392,9 +419,14 @@ impl SagaConsumer {
         self.settings.dlq_topic()
     }
 
+    /// The retry topic, where this group's replayed dead letters arrive.
+    pub fn retry_topic(&self) -> String {
+        self.settings.retry_topic()
+    }
+
     /// The consumer's metrics (Prometheus text) and readiness, also while it runs.
     pub fn ops(&self) -> OpsHandle {
-        self.ops.handle()
+        OpsHandle::new(self.ops.handle())
     }
 
     /// The process's ops state, shared with the relay a service embeds.
@@ -418,6 +450,8 @@ impl SagaConsumer {
             .clone()
             .ok_or(ConfigError::Missing("group id"))?;
         let dlq_topic = settings.dlq_topic();
+        let retry_topic = settings.retry_topic();
+        record_group(&self.pool, &group, &dlq_topic, &retry_topic, &topics).await?;
         let metrics = ConsumerMetrics::default();
         self.ops.register(|registry| metrics.register(registry));
         #[cfg(feature = "redis")]
@@ -445,13 +479,18 @@ impl SagaConsumer {
             retry: settings.retry.clone(),
             metrics: metrics.clone(),
             hooks: self.hooks,
-            guard: CrashGuard::new(self.pool.clone(), group.clone(), settings.crash_loop_limit),
+            guard: CrashGuard::new(
+                self.pool.clone(),
+                group.clone(),
+                settings.crash_loop_limit,
+                metrics.database_unreachable.clone(),
+            ),
             lease_holder: lease_holder(&group),
             fast_path: self.fast_path,
         };
         let shared = Arc::new(WorkerShared {
             executor,
-            router: Router::new(&self.steps, &self.ignored, group.clone()),
+            router: Router::new(&self.steps, &self.ignored, group.clone(), retry_topic),
             tracker: Arc::new(OffsetTracker::default()),
             permits: Arc::new(Semaphore::new(settings.concurrency)),
             batch_size: settings.batch_size,
@@ -529,6 +568,31 @@ impl SagaConsumer {
             .await
             .map_err(|_| ConsumerError::PollThread("the poll thread panicked".into()))?
     }
+}
+
+/// Records in the schema that `group` runs here, with its dead-letter and retry topics: `saga dlq replay`
+/// reads it to find the group a dead-letter topic belongs to, and replays into that group's retry topic.
+async fn record_group(
+    pool: &PgPool,
+    group: &str,
+    dlq_topic: &str,
+    retry_topic: &str,
+    topics: &[String],
+) -> Result<(), ConsumerError> {
+    sqlx::query(
+        "INSERT INTO saga_consumer_groups (group_id, dlq_topic, retry_topic, topics) \
+         VALUES ($1, $2, $3, $4) \
+         ON CONFLICT (group_id) DO UPDATE SET dlq_topic = excluded.dlq_topic, \
+             retry_topic = excluded.retry_topic, topics = excluded.topics, started_at = now()",
+    )
+    .bind(group)
+    .bind(dlq_topic)
+    .bind(retry_topic)
+    .bind(topics)
+    .execute(pool)
+    .await
+    .map_err(|e| ConsumerError::Database(e.to_string()))?;
+    Ok(())
 }
 
 /// This process, as recorded with the two-phase leases it takes: `{group}@{host}/{pid}`.

@@ -50,9 +50,10 @@ impl ItemOutcome {
     }
 
     pub(crate) fn of(outcome: &StepOutcome) -> Self {
-        match outcome {
-            StepOutcome::Completed { .. } => Self::Completed,
-            StepOutcome::Rejected { .. } => Self::Rejected,
+        if outcome.is_completed() {
+            Self::Completed
+        } else {
+            Self::Rejected
         }
     }
 }
@@ -110,6 +111,29 @@ pub(crate) struct BatchRun {
     pub outcomes: Vec<ItemOutcome>,
     /// Whether the claim met keys that already existed (duplicates or leased keys).
     pub met_existing_keys: bool,
+}
+
+impl Failure {
+    /// Whether the failure means the database is unavailable (see `StepError::is_connection_error`):
+    /// waited out, never counted against the message.
+    pub(crate) fn is_database_unavailable(&self) -> bool {
+        match self {
+            Self::Handler(e) => e.is_database_unavailable(),
+            Self::Store(e) => e.is_connection_error(),
+            Self::Busy(_) => false,
+        }
+    }
+}
+
+impl BatchError {
+    /// Whether the batch failed because the database is unavailable.
+    pub(crate) fn is_database_unavailable(&self) -> bool {
+        match self {
+            Self::Item { failure, .. } => failure.is_database_unavailable(),
+            Self::Store(e) => e.is_connection_error(),
+            Self::Group | Self::NotStarted | Self::KeysExist => false,
+        }
+    }
 }
 
 impl From<sqlx::Error> for BatchError {
@@ -303,10 +327,14 @@ async fn handle_group(
             emitted.extend(handled.emitted);
             Ok(())
         }
-        Err(error) if group.len() == 1 => Err(BatchError::Item {
-            index: group[0].0,
-            failure: Failure::Handler(error),
-        }),
+        // A lost or read-only database is nobody's fault: the first message waits it out, costing no
+        // retry budget, instead of the range going through one message per transaction.
+        Err(error) if group.len() == 1 || error.is_database_unavailable() => {
+            Err(BatchError::Item {
+                index: group[0].0,
+                failure: Failure::Handler(error),
+            })
+        }
         Err(error) if error.message_index().is_some_and(|i| i < group.len()) => {
             let at = error.message_index().unwrap_or(0);
             Err(BatchError::Item {

@@ -4,10 +4,12 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use saga_core::{EnvelopeError, EventMetadata, RawMessage, StepKey, TenantId};
+use saga_core::{EnvelopeError, EventMetadata, Origin, RawMessage, StepKey, TenantId};
 use saga_runtime::trace;
 
+use crate::dlq::DeadLetterReason;
 use crate::handler::{Decoded, RegisteredStep};
+use crate::machine::Kind;
 
 /// Why a message can never be handled.
 #[derive(Debug, thiserror::Error)]
@@ -15,6 +17,9 @@ pub(crate) enum PoisonReason {
     /// Its headers or payload do not decode (missing or invalid key header, bad JSON, ...).
     #[error(transparent)]
     Envelope(#[from] EnvelopeError),
+    /// It arrived on the retry topic without the replay headers naming its original topic.
+    #[error(transparent)]
+    NotAReplay(#[from] saga_runtime::replay::NotAReplay),
     /// No step handles its event type on its topic, and the type is not declared ignored.
     #[error("no step handles event type {event_type:?} on topic {topic:?}")]
     UnknownEventType {
@@ -43,6 +48,9 @@ pub(crate) enum Route {
 /// A consumed message and where it goes.
 pub(crate) struct Delivery {
     pub raw: RawMessage,
+    /// For a replay read from the retry topic: where the message was first consumed (it is routed by that
+    /// topic, and a dead letter of it names these coordinates).
+    pub replayed_from: Option<Origin>,
     pub route: Route,
     pub span: tracing::Span,
     /// Attempts so far (the current one included once it has started).
@@ -57,10 +65,39 @@ pub(crate) struct Delivery {
 }
 
 impl Delivery {
+    /// Where the message was first consumed: its own position, or, for a replay, the original one.
+    pub(crate) fn original(&self) -> &Origin {
+        self.replayed_from.as_ref().unwrap_or(&self.raw.origin)
+    }
+
     pub(crate) fn step_name(&self) -> Option<&str> {
         match &self.route {
             Route::Step { step, .. } => Some(step.name.as_str()),
             _ => None,
+        }
+    }
+
+    /// How the batch machine processes it.
+    pub(crate) fn kind(&self) -> Kind {
+        match &self.route {
+            _ if self.known_done => Kind::NoClaim,
+            Route::Ignored => Kind::NoClaim,
+            Route::Poison(PoisonReason::UnknownEventType { .. }) => {
+                Kind::Poison(DeadLetterReason::UnknownEventType)
+            }
+            Route::Poison(_) => Kind::Poison(DeadLetterReason::Undecodable),
+            Route::Step { step, .. } => match step.mode {
+                crate::handler::StepMode::Transactional(_) => Kind::Transactional,
+                crate::handler::StepMode::TwoPhase(_) => Kind::TwoPhase,
+            },
+        }
+    }
+
+    /// Why a poison message can never be handled (empty for others).
+    pub(crate) fn poison_text(&self) -> String {
+        match &self.route {
+            Route::Poison(reason) => reason.to_string(),
+            _ => String::new(),
         }
     }
 
@@ -86,6 +123,8 @@ pub(crate) struct Router {
     ignored: HashSet<(String, String)>,
     /// The consumer group, named by each message's span.
     group: String,
+    /// The group's retry topic: its messages are routed by the original topic their headers name.
+    retry_topic: String,
 }
 
 impl Router {
@@ -93,30 +132,42 @@ impl Router {
         steps: &[RegisteredStep],
         ignored: &[(String, String)],
         group: String,
+        retry_topic: String,
     ) -> Self {
         Self {
             steps: steps
                 .iter()
                 .flat_map(|s| {
                     let step = Arc::new(s.clone());
-                    s.subscriptions
-                        .iter()
-                        .map(move |sub| ((sub.topic.clone(), sub.event_type.clone()), step.clone()))
+                    s.subscriptions.iter().map(move |sub| {
+                        (
+                            (sub.topic().to_owned(), sub.event_type().to_owned()),
+                            step.clone(),
+                        )
+                    })
                 })
                 .collect(),
             ignored: ignored.iter().cloned().collect(),
             group,
+            retry_topic,
         }
     }
 
     /// Reads the headers, finds the step and decodes the payload. The message's span continues the trace
     /// its headers carry; the events its step emits are that span's children.
     pub(crate) fn route(&self, raw: RawMessage) -> Delivery {
+        // A replay on the retry topic goes where a message of its original topic goes.
+        let replayed = (raw.origin.topic == self.retry_topic)
+            .then(|| saga_runtime::replay::original_of(&raw.headers));
+        let routing_topic = match &replayed {
+            Some(Ok(original)) => original.topic.as_str(),
+            _ => raw.origin.topic.as_str(),
+        };
         let meta = EventMetadata::from_headers(&raw.headers);
         let id = meta
             .as_ref()
             .ok()
-            .map(|m| (raw.origin.topic.clone(), m.event_type.clone()));
+            .map(|m| (routing_topic.to_owned(), m.event_type.clone()));
         let step = id.as_ref().and_then(|id| self.steps.get(id));
         let step_key = match (&meta, step) {
             (Ok(meta), Some(step)) => Some(meta.step_key(&step.name)),
@@ -138,12 +189,21 @@ impl Router {
             },
             &raw.headers,
         );
+        let (replayed_from, not_a_replay) = match replayed {
+            Some(Ok(original)) => (Some(original), None),
+            Some(Err(e)) => (None, Some(e)),
+            None => (None, None),
+        };
         let route = match (meta, id, step, step_key) {
+            _ if not_a_replay.is_some() => {
+                Route::Poison(not_a_replay.expect("checked by the guard").into())
+            }
             (Err(e), ..) => Route::Poison(e.into()),
             (Ok(mut meta), _, Some(step), Some(step_key)) => {
                 let tenant = meta.tenant.clone();
                 meta.span_context = trace::span_context(&span);
-                match step.decode(&raw, meta) {
+                let origin = replayed_from.as_ref().unwrap_or(&raw.origin);
+                match step.decode(&raw, meta, origin) {
                     Ok(decoded) => Route::Step {
                         step: step.clone(),
                         decoded,
@@ -155,12 +215,15 @@ impl Router {
             }
             (Ok(_), Some(id), ..) if self.ignored.contains(&id) => Route::Ignored,
             (Ok(meta), ..) => Route::Poison(PoisonReason::UnknownEventType {
-                topic: raw.origin.topic.clone(),
+                topic: replayed_from
+                    .as_ref()
+                    .map_or_else(|| raw.origin.topic.clone(), |o| o.topic.clone()),
                 event_type: meta.event_type,
             }),
         };
         Delivery {
             raw,
+            replayed_from,
             route,
             span,
             attempts: 0,

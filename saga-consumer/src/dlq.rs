@@ -6,7 +6,7 @@ use std::time::Duration;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use saga_core::RawMessage;
+use saga_core::{Origin, RawMessage};
 use saga_runtime::kafka::refused_for_good;
 use tokio_util::sync::CancellationToken;
 
@@ -33,6 +33,8 @@ pub mod headers {
     /// Present (`true`) on a copy from which the payload and the original headers other than the
     /// framework's were dropped, because the dead-letter topic refused the whole message (too large).
     pub const TRUNCATED: &str = "dlq-truncated";
+    /// The prefix of every header above.
+    pub const PREFIX: &str = "dlq-";
     /// The longest `dlq-error` value, in bytes; longer errors are cut (at a character boundary) and
     /// marked.
     pub const MAX_ERROR_BYTES: usize = 2048;
@@ -111,15 +113,18 @@ impl DeadLetters {
     /// copy (the `dlq-*` headers with a short error, the idempotency key and the tenant). A dead letter
     /// never blocks its partition for its size, and the message's identity (topic, partition, offset, key,
     /// idempotency key) is kept.
+    ///
+    /// `original` is where the message was first consumed: its own position, or a replay's original one.
     pub(crate) async fn send(
         &self,
         raw: &RawMessage,
+        original: &Origin,
         letter: &DeadLetter,
         cancel: &CancellationToken,
     ) -> bool {
         let mut copy = Copy::Full;
         loop {
-            let headers = self.record_parts(raw, letter, &copy);
+            let headers = self.record_parts(raw, original, letter, &copy);
             let payload = match copy {
                 Copy::Full => raw.payload.as_deref(),
                 Copy::Truncated(_) | Copy::Minimal(_) => None,
@@ -157,8 +162,14 @@ impl DeadLetters {
     }
 
     /// The headers of a dead letter: the original ones (only the framework's in a truncated copy, only the
-    /// key and tenant in a minimal one), then the `dlq-*` ones.
-    fn record_parts(&self, raw: &RawMessage, letter: &DeadLetter, copy: &Copy) -> OwnedHeaders {
+    /// key and tenant in a minimal one; never `dlq-*` ones a message came with), then the `dlq-*` ones.
+    fn record_parts(
+        &self,
+        raw: &RawMessage,
+        original: &Origin,
+        letter: &DeadLetter,
+        copy: &Copy,
+    ) -> OwnedHeaders {
         let kept: &[&str] = match copy {
             Copy::Full => &[],
             Copy::Truncated(_) => &FRAMEWORK_HEADERS,
@@ -169,13 +180,17 @@ impl DeadLetters {
             if !matches!(copy, Copy::Full) && !kept.contains(&h.name.as_str()) {
                 continue;
             }
+            // Only this consumer says where a dead letter comes from and which group gave up on it.
+            if h.name.starts_with(headers::PREFIX) {
+                continue;
+            }
             headers = headers.insert(Header {
                 key: &h.name,
                 value: h.value.as_deref(),
             });
         }
-        let partition = raw.origin.partition.to_string();
-        let offset = raw.origin.offset.to_string();
+        let partition = original.partition.to_string();
+        let offset = original.offset.to_string();
         let attempts = letter.attempts.to_string();
         let failed_at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
         // The note first, so that cutting a long error never cuts it.
@@ -192,7 +207,7 @@ impl DeadLetters {
             Copy::Minimal(reason) => bounded(&note(reason), 200),
         };
         let mut extra = vec![
-            (headers::ORIGINAL_TOPIC, raw.origin.topic.as_str()),
+            (headers::ORIGINAL_TOPIC, original.topic.as_str()),
             (headers::ORIGINAL_PARTITION, partition.as_str()),
             (headers::ORIGINAL_OFFSET, offset.as_str()),
             (headers::CONSUMER_GROUP, self.group.as_str()),

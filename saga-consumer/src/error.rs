@@ -50,6 +50,11 @@ pub enum ConfigError {
     /// The dead-letter topic is one the consumer reads.
     #[error("the dead-letter topic {0:?} is also consumed; dead letters would come back")]
     DeadLetterTopicConsumed(String),
+    /// A step subscribes to the retry topic, which the consumer reads for every step.
+    #[error(
+        "a step subscribes to the retry topic {0:?}; replays arrive there for every step, routed by their original topic"
+    )]
+    RetryTopicSubscribed(String),
 }
 
 /// Why the consumer stopped with an error.
@@ -82,6 +87,10 @@ pub enum ConsumerError {
     /// The poll thread could not be started or ended abnormally.
     #[error("poll thread: {0}")]
     PollThread(String),
+    /// The consumer could not record its group in the schema at start (are the consumer's migrations
+    /// applied?).
+    #[error("database: {0}")]
+    Database(String),
 }
 
 impl From<KafkaError> for ConsumerError {

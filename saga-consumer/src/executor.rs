@@ -6,9 +6,9 @@
 //! message never takes the others' effects down with it, and every message's effects still commit together
 //! with its step key, once.
 //!
-//! Poison messages are dead-lettered where they stand; two-phase steps run one message at a time.
+//! Poison messages are dead-lettered where they stand; two-phase steps run one message at a time. The
+//! decisions are the `machine`'s; this module performs them.
 
-use std::ops::ControlFlow;
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
@@ -16,18 +16,20 @@ use futures::FutureExt;
 use saga_core::{ErrorKind, StepError};
 use saga_runtime::store::idempotency::{self, LeaseClaim, StoreError};
 use saga_runtime::store::outbox;
-use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::connection::WorkerConnection;
 use crate::dedup::{self, BatchError, Failure, ItemOutcome};
-use crate::delivery::{Delivery, PoisonReason, Route};
+use crate::delivery::{Delivery, Route};
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
 use crate::fast::{self, FastPath};
-use crate::guard::{CrashGuard, PendingStart};
+use crate::guard::{CommitPermit, CrashGuard, PendingStart};
 use crate::handler::StepMode;
 use crate::hooks::{CommitInfo, Hooks};
+use crate::machine::{Action, BatchMachine, Event, Fault, Wait};
 use crate::metrics::{ConsumerMetrics, DeadLetterLabels, StepOnly, observe_since};
 use crate::retry::RetryPolicy;
 use crate::service::{BoxStepService, HandlerPanicked, HandlerTimedOut, StepItem, StepRequest};
@@ -40,14 +42,6 @@ const UNAVAILABLE_BACKOFF: RetryPolicy = RetryPolicy {
     multiplier: 2.0,
     jitter: 0.2,
 };
-
-/// What to do after a failed attempt.
-enum Next {
-    /// Try again after this wait.
-    Retry(Duration),
-    /// Give up: dead-letter the message.
-    DeadLetter(DeadLetterReason, String),
-}
 
 /// Everything a partition worker needs to process messages.
 pub(crate) struct Executor {
@@ -68,9 +62,11 @@ impl Executor {
     /// Processes one partition's `deliveries` in order. Returns how many, from the front, are finished
     /// (committed, skipped or dead-lettered): all of them unless `cancel` fired.
     ///
-    /// Nothing commits, and no message is dead-lettered or leased, before `start` allows it; if it does
-    /// not (the batch's range turned out a suspect's, or the record was cancelled), processing stops there.
-    /// Transactions run on `connection`'s kept connection where it has one, and leave theirs there.
+    /// The decisions (what runs in one transaction, narrowing, retries, dead letters) are the
+    /// [`BatchMachine`]'s; this loop performs its actions. Nothing commits, and no message is
+    /// dead-lettered or leased, without a [`CommitPermit`] from `start`; if it gives none (the batch's range
+    /// turned out a suspect's, or the record was cancelled), processing stops there. Transactions run on
+    /// `connection`'s kept connection where it has one; every other action gives it back first.
     pub(crate) async fn process(
         &self,
         deliveries: &mut [Delivery],
@@ -78,54 +74,117 @@ impl Executor {
         start: &mut PendingStart,
         connection: &mut WorkerConnection,
     ) -> usize {
-        let mut i = 0;
-        while i < deliveries.len() {
-            if cancel.is_cancelled() {
-                return i;
+        let kinds = deliveries.iter().map(Delivery::kind).collect();
+        let attempts = deliveries.iter().map(|d| d.attempts).collect();
+        let mut machine = BatchMachine::new(kinds, attempts, self.retry.max_attempts);
+        while !cancel.is_cancelled() {
+            let action = machine.next();
+            if !matches!(action, Action::Transact { .. } | Action::Done) {
+                // The kept connection serves back-to-back transactions only (the next batch's too).
+                connection.release();
             }
-            if deliveries[i].is_transactional_or_ignored() {
-                let run = deliveries[i..]
-                    .iter()
-                    .take_while(|d| d.is_transactional_or_ignored())
-                    .count();
-                let done = self
-                    .process_run(&mut deliveries[i..i + run], cancel, start, connection)
-                    .await;
-                i += done;
-                if done < run {
-                    return i;
-                }
-                continue;
-            }
-            // Dead letters and two-phase steps take connections of their own: hold none meanwhile.
-            connection.release();
-            if !start.allows_commit().await {
-                return i;
-            }
-            let finished = match &deliveries[i].route {
-                Route::Poison(reason) => {
-                    let (kind, error) = match reason {
-                        PoisonReason::Envelope(e) => (DeadLetterReason::Undecodable, e.to_string()),
-                        e @ PoisonReason::UnknownEventType { .. } => {
-                            (DeadLetterReason::UnknownEventType, e.to_string())
-                        }
-                    };
-                    self.dead_letter(&mut deliveries[i], kind, error, cancel)
+            let event = match action {
+                Action::Done => break,
+                Action::Transact { start: from, end } => {
+                    match self
+                        .transact(&deliveries[from..end], start, connection)
                         .await
+                    {
+                        Ok(outcomes) => {
+                            for (d, outcome) in deliveries[from..end].iter().zip(outcomes) {
+                                self.finish(d, outcome);
+                            }
+                            Event::Committed
+                        }
+                        Err(BatchError::Item { index, failure }) => Event::ItemFailed {
+                            index: from + index,
+                            fault: fault_of(&failure),
+                        },
+                        Err(BatchError::Group) => Event::GroupFailed {
+                            fault: Fault::Transient(
+                                "a handler call for several messages failed".into(),
+                            ),
+                        },
+                        Err(BatchError::Store(e)) => {
+                            if !e.is_connection_error() && end - from > 1 {
+                                tracing::debug!(error = %e, messages = end - from, "a batch statement failed; narrowing down");
+                            }
+                            Event::GroupFailed {
+                                fault: fault_of(&Failure::Store(e)),
+                            }
+                        }
+                        // The batch may not commit (see `guard::PendingStart`): nothing of it did.
+                        Err(BatchError::NotStarted) => break,
+                        Err(BatchError::KeysExist) => {
+                            unreachable!("transact runs such a batch again itself")
+                        }
+                    }
                 }
-                Route::Step { .. } if deliveries[i].known_done => {
-                    self.finish(&deliveries[i], ItemOutcome::Duplicate);
-                    true
+                Action::TwoPhase { index } => {
+                    let Some(permit) = start.permit().await else {
+                        break;
+                    };
+                    match self.two_phase_attempt(&deliveries[index], &permit).await {
+                        Ok(outcome) => {
+                            fast::after_commit(
+                                self.fast_path.as_ref(),
+                                std::slice::from_ref(&deliveries[index]),
+                                &[outcome],
+                            );
+                            self.finish(&deliveries[index], outcome);
+                            Event::Committed
+                        }
+                        Err(failure) => Event::ItemFailed {
+                            index,
+                            fault: fault_of(&failure),
+                        },
+                    }
                 }
-                Route::Step { .. } => self.two_phase(&mut deliveries[i], cancel).await,
-                Route::Ignored => unreachable!("ignored messages join transactional runs"),
+                Action::DeadLetter {
+                    index,
+                    reason,
+                    error,
+                    attempts,
+                } => {
+                    let Some(permit) = start.permit().await else {
+                        break;
+                    };
+                    let delivery = &mut deliveries[index];
+                    delivery.attempts = attempts;
+                    let error = if error.is_empty() {
+                        delivery.poison_text()
+                    } else {
+                        error
+                    };
+                    if !self
+                        .dead_letter(delivery, reason, error, &permit, cancel)
+                        .await
+                    {
+                        break;
+                    }
+                    Event::DeadLettered
+                }
+                Action::Wait { index, wait } => {
+                    // A retry may commit: not before the batch's start is recorded.
+                    if start.permit().await.is_none() {
+                        break;
+                    }
+                    let reason = machine.retry_reason().unwrap_or_default();
+                    if !self
+                        .wait(&mut deliveries[index], wait, &reason, cancel)
+                        .await
+                    {
+                        break;
+                    }
+                    Event::Waited
+                }
             };
-            if !finished {
-                return i;
-            }
-            i += 1;
+            machine.on(event);
         }
-        deliveries.len()
+        for (i, delivery) in deliveries.iter_mut().enumerate() {
+            delivery.attempts = machine.attempts(i);
+        }
+        machine.finished()
     }
 
     /// Dead-letters `delivery` for `reason`, as the consumer died on it repeatedly.
@@ -133,6 +192,7 @@ impl Executor {
         &self,
         delivery: &mut Delivery,
         deaths: u32,
+        permit: &CommitPermit,
         cancel: &CancellationToken,
     ) -> bool {
         delivery.attempts = deaths;
@@ -140,138 +200,60 @@ impl Executor {
             delivery,
             DeadLetterReason::CrashLoop,
             format!("the consumer died {deaths} times while processing this message"),
+            permit,
             cancel,
         )
         .await
     }
 
-    /// Processes consecutive transactional (or ignored) deliveries. Returns how many are finished.
-    ///
-    /// A failure whose message is known (`Item`) cuts the batch short before that message; the messages
-    /// before it commit as a smaller batch, then it is retried alone with the failure as its first
-    /// attempt. A failure that names no message (a `Group` error of a batch handler call, or a statement
-    /// of the framework that failed for another reason than a lost connection) makes the runtime process
-    /// the range it happened in one message per transaction, so that the culprit is found and only it is
-    /// retried or dead-lettered. A lost connection is waited out without touching any retry budget.
-    async fn process_run(
-        &self,
-        run: &mut [Delivery],
-        cancel: &CancellationToken,
-        batch_start: &mut PendingStart,
-        connection: &mut WorkerConnection,
-    ) -> usize {
-        let mut start = 0;
-        // The first message known to have failed, at its index in `run`, with that failure.
-        let mut failed: Option<(usize, Failure)> = None;
-        // Messages before this index run one per transaction (a failure named none of them).
-        let mut single_until = 0;
-        let mut unavailable = 0;
-        while start < run.len() {
-            if failed.as_ref().is_some_and(|(at, _)| *at == start) {
-                let (_, failure) = failed.take().expect("checked above");
-                if !self
-                    .retry_alone(&mut run[start], failure, cancel, batch_start, connection)
-                    .await
-                {
-                    return start;
-                }
-                start += 1;
-                continue;
-            }
-            if cancel.is_cancelled() {
-                return start;
-            }
-            let limit = failed.as_ref().map_or(run.len(), |(at, _)| *at);
-            let end = if start < single_until {
-                start + 1
-            } else {
-                limit
-            };
-            match self
-                .transact(&run[start..end], batch_start, connection)
-                .await
-            {
-                Ok(outcomes) => {
-                    for (d, outcome) in run[start..end].iter_mut().zip(outcomes) {
-                        self.finish(d, outcome);
-                    }
-                    unavailable = 0;
-                    start = end;
-                }
-                // Everything rolled back. Commit the messages before the failing one as a smaller batch.
-                Err(BatchError::Item { index, failure }) => failed = Some((start + index, failure)),
-                // A store error of a single message is that message's failure, with its retry budget.
-                Err(BatchError::Store(e)) if end - start == 1 && !e.is_connection_error() => {
-                    failed = Some((start, Failure::Store(e)));
-                }
-                // A handler call for several messages failed, or a statement over several: go through
-                // the range one message per transaction, without counting attempts against messages that
-                // did nothing wrong.
-                Err(BatchError::Group) => single_until = end,
-                // The batch may not commit (see `guard::PendingStart`): nothing of it did.
-                Err(BatchError::NotStarted) => return start,
-                Err(BatchError::KeysExist) => {
-                    unreachable!("transact runs such a batch again itself")
-                }
-                Err(BatchError::Store(e)) if !e.is_connection_error() => {
-                    tracing::debug!(error = %e, messages = end - start, "a batch statement failed; narrowing down");
-                    single_until = end;
-                }
-                Err(BatchError::Store(e)) => {
-                    self.metrics.database_unreachable.inc();
-                    unavailable += 1;
-                    let wait = UNAVAILABLE_BACKOFF.wait_after(unavailable);
-                    tracing::warn!(error = %e, ?wait, "the database is unreachable; retrying the batch");
-                    if !sleep_or_cancel(wait, cancel).await {
-                        return start;
-                    }
-                }
-            }
-        }
-        run.len()
-    }
-
-    /// Retries one failed transactional delivery alone until it commits or is dead-lettered. Returns
-    /// whether it finished (`false`: cancelled).
-    async fn retry_alone(
+    /// Waits before the next attempt of `delivery` as the machine says; returns `false` if cancelled first.
+    /// An isolated message waiting for another worker's lease lets the process go meanwhile.
+    async fn wait(
         &self,
         delivery: &mut Delivery,
-        mut failure: Failure,
+        wait: Wait,
+        reason: &str,
         cancel: &CancellationToken,
-        batch_start: &mut PendingStart,
-        connection: &mut WorkerConnection,
     ) -> bool {
-        let mut unavailable = 0;
-        loop {
-            // No connection is held through the backoff (or a dead letter).
-            connection.release();
-            // A dead letter is an effect too: not before the batch's start is recorded.
-            if !batch_start.allows_commit().await {
-                return false;
+        let step = delivery.step_name().unwrap_or_default().to_owned();
+        let duration = match wait {
+            Wait::Backoff(attempts) => {
+                self.metrics.retries.get_or_create(&StepOnly { step }).inc();
+                let wait = self.retry.wait_after(attempts);
+                tracing::warn!(parent: &delivery.span, attempt = attempts, error = %reason, ?wait, "transient failure; retrying");
+                wait
             }
-            if let ControlFlow::Break(finished) = self
-                .back_off(delivery, &failure, &mut unavailable, cancel)
-                .await
-            {
-                return finished;
+            Wait::Unavailable(times) => {
+                self.metrics.database_unreachable.inc();
+                let wait = UNAVAILABLE_BACKOFF.wait_after(times);
+                tracing::warn!(parent: &delivery.span, error = %reason, ?wait, "database unavailable; waiting");
+                wait
             }
-            match self
-                .transact(std::slice::from_ref(delivery), batch_start, connection)
-                .await
-            {
-                Ok(mut outcomes) => {
-                    self.finish(delivery, outcomes.remove(0));
-                    return true;
-                }
-                Err(BatchError::Item { failure: f, .. }) => failure = f,
-                Err(BatchError::Store(e)) => failure = Failure::Store(e),
-                Err(BatchError::NotStarted) => return false,
-                Err(BatchError::Group) => unreachable!("a single message is never a group"),
-                Err(BatchError::KeysExist) => {
-                    unreachable!("transact runs such a batch again itself")
-                }
+            Wait::Lease(left) => {
+                let wait = left.clamp(Duration::from_millis(50), Duration::from_secs(60));
+                tracing::info!(parent: &delivery.span, ?wait, "step key leased by another worker; waiting");
+                wait
             }
+        };
+        // An isolated message waiting for another worker's lease is not being processed: a death meanwhile
+        // (another partition's, or the lease holder's) must not count against it.
+        let waits_for_lease = delivery.isolated && matches!(wait, Wait::Lease(_));
+        let origin = delivery.raw.origin.clone();
+        if waits_for_lease {
+            delivery.alone = None;
+            self.guard
+                .pause(&origin.topic, origin.partition, origin.offset)
+                .await;
         }
+        let mut slept = sleep_or_cancel(duration, cancel).await;
+        if waits_for_lease && slept {
+            delivery.alone = self
+                .guard
+                .alone(&origin.topic, origin.partition, origin.offset, cancel)
+                .await;
+            slept = delivery.alone.is_some();
+        }
+        slept
     }
 
     /// One transaction over `batch`: claim, handle, record, append, commit. Run a second time, claiming
@@ -299,7 +281,7 @@ impl Executor {
         connection: &mut WorkerConnection,
     ) -> Result<Vec<ItemOutcome>, BatchError> {
         if batch.iter().all(Delivery::needs_no_claim) {
-            if !start.allows_commit().await {
+            if start.permit().await.is_none() {
                 return Err(BatchError::NotStarted);
             }
             // Nothing to claim or handle: no transaction.
@@ -317,7 +299,7 @@ impl Executor {
         let phases = &self.metrics.phases;
         let began = Instant::now();
         let (mut conn, kept) = connection.take(&self.pool).await?;
-        let mut replacement = None;
+        let mut replacement: Option<PoolConnection<Postgres>> = None;
         let mut tx = match sqlx::Connection::begin(&mut *conn).await {
             Ok(tx) => tx,
             // The kept connection broke since its last commit (the server restarted or ended it): the
@@ -328,6 +310,8 @@ impl Executor {
                 let fresh = replacement.insert(self.pool.acquire().await?);
                 sqlx::Connection::begin(&mut **fresh).await?
             }
+            // A failed BEGIN is a lost connection (a read-only server takes BEGIN): the pool's ping
+            // discards it.
             Err(e) => return Err(e.into()),
         };
         observe_since(&phases.begin, began);
@@ -348,18 +332,23 @@ impl Executor {
                         if rolled_back {
                             connection.keep(replacement.unwrap_or(conn));
                         }
+                    } else if e.is_database_unavailable() {
+                        replacement.as_mut().unwrap_or(&mut conn).close_on_drop();
                     }
                     return Err(e);
                 }
             };
         let recording = Instant::now();
-        if !start.allows_commit().await {
+        let Some(permit) = start.permit().await else {
             let _ = tx.rollback().await;
             return Err(BatchError::NotStarted);
-        }
+        };
         observe_since(&phases.guard, recording);
         let committing = Instant::now();
-        tx.commit().await?;
+        if let Err(e) = commit(tx, &permit).await {
+            discard_if_unavailable(replacement.as_mut().unwrap_or(&mut conn), &e);
+            return Err(e.into());
+        }
         observe_since(&phases.commit, committing);
         connection.keep(replacement.unwrap_or(conn));
         self.metrics.batch_size.observe(batch.len() as f64);
@@ -380,37 +369,35 @@ impl Executor {
         }
     }
 
-    /// Runs a two-phase step for `delivery` until it finishes or is dead-lettered. Returns whether it
-    /// finished (`false`: cancelled).
-    async fn two_phase(&self, delivery: &mut Delivery, cancel: &CancellationToken) -> bool {
-        let mut unavailable = 0;
-        loop {
-            if cancel.is_cancelled() {
-                return false;
-            }
-            let failure = match self.two_phase_attempt(delivery).await {
-                Ok(outcome) => {
-                    fast::after_commit(
-                        self.fast_path.as_ref(),
-                        std::slice::from_ref(delivery),
-                        &[outcome],
-                    );
-                    self.finish(delivery, outcome);
-                    return true;
-                }
-                Err(failure) => failure,
-            };
-            if let ControlFlow::Break(finished) = self
-                .back_off(delivery, &failure, &mut unavailable, cancel)
-                .await
-            {
-                return finished;
-            }
+    /// One attempt of a two-phase step: lease, external call, completing transaction. The connections it
+    /// took are closed instead of given back if the database turned out unavailable.
+    async fn two_phase_attempt(
+        &self,
+        delivery: &Delivery,
+        permit: &CommitPermit,
+    ) -> Result<ItemOutcome, Failure> {
+        let mut held = TwoPhaseConnections::default();
+        let attempt = self.two_phase_attempt_on(delivery, permit, &mut held).await;
+        if let Err(failure) = &attempt
+            && failure.is_database_unavailable()
+        {
+            held.lease
+                .iter_mut()
+                .for_each(PoolConnection::close_on_drop);
+            held.completing
+                .iter_mut()
+                .for_each(PoolConnection::close_on_drop);
         }
+        attempt
     }
 
-    /// One attempt of a two-phase step: lease, external call, completing transaction.
-    async fn two_phase_attempt(&self, delivery: &Delivery) -> Result<ItemOutcome, Failure> {
+    /// [`Self::two_phase_attempt`], on connections it keeps in `held`.
+    async fn two_phase_attempt_on(
+        &self,
+        delivery: &Delivery,
+        permit: &CommitPermit,
+        held: &mut TwoPhaseConnections,
+    ) -> Result<ItemOutcome, Failure> {
         let Route::Step {
             step,
             decoded,
@@ -424,9 +411,9 @@ impl Executor {
             unreachable!("only two-phase steps run two-phase")
         };
         let store = |e: sqlx::Error| Failure::Store(StoreError::Database(e));
-        let mut conn = self.pool.acquire().await.map_err(store)?;
+        let conn = held.lease.insert(self.pool.acquire().await.map_err(store)?);
         let lease = match idempotency::claim_lease(
-            &mut conn,
+            conn,
             tenant,
             step_key,
             two_phase.lease(),
@@ -459,13 +446,18 @@ impl Executor {
                     )),
                     Ok(Ok(Ok(_))) => unreachable!(),
                 };
-                release(&mut conn, &lease, &error).await;
+                release(conn, &lease, &error).await;
                 return Err(Failure::Handler(error));
             }
         };
 
         // Phase three: complete in a transaction fenced by the lease's attempt number.
-        let mut tx = self.pool.begin().await.map_err(store)?;
+        let completing = held
+            .completing
+            .insert(self.pool.acquire().await.map_err(store)?);
+        let mut tx = sqlx::Connection::begin(&mut **completing)
+            .await
+            .map_err(store)?;
         match idempotency::lock_lease(&mut tx, &lease).await {
             Ok(()) => {}
             Err(StoreError::Fenced { .. }) => return Ok(ItemOutcome::Superseded),
@@ -498,7 +490,7 @@ impl Executor {
             Err(error) => {
                 // Roll back before releasing: the transaction holds the lease's row lock.
                 let _ = tx.rollback().await;
-                release(&mut conn, &lease, &error).await;
+                release(conn, &lease, &error).await;
                 return Err(Failure::Handler(error));
             }
         };
@@ -511,105 +503,9 @@ impl Executor {
         outbox::append(&mut tx, &handled.emitted)
             .await
             .map_err(store)?;
-        tx.commit().await.map_err(store)?;
+        commit(tx, permit).await.map_err(store)?;
         self.after_commit(std::slice::from_ref(delivery));
         Ok(ItemOutcome::of(&outcome))
-    }
-
-    /// Acts on a failed attempt: dead-letters the delivery (`Break` with whether that finished it) or waits
-    /// out the backoff before the next attempt (`Continue`; `Break(false)` when cancelled meanwhile).
-    async fn back_off(
-        &self,
-        delivery: &mut Delivery,
-        failure: &Failure,
-        unavailable: &mut u32,
-        cancel: &CancellationToken,
-    ) -> ControlFlow<bool> {
-        match self.next_after(delivery, failure, unavailable) {
-            Next::DeadLetter(reason, error) => {
-                ControlFlow::Break(self.dead_letter(delivery, reason, error, cancel).await)
-            }
-            Next::Retry(wait) => {
-                // An isolated message waiting for another worker's lease is not being processed: a death
-                // meanwhile (another partition's, or the lease holder's) must not count against it.
-                let waits_for_lease = delivery.isolated && matches!(failure, Failure::Busy(_));
-                let origin = delivery.raw.origin.clone();
-                if waits_for_lease {
-                    // Let the rest of the consumer run meanwhile.
-                    delivery.alone = None;
-                    self.guard
-                        .pause(&origin.topic, origin.partition, origin.offset)
-                        .await;
-                }
-                let mut slept = sleep_or_cancel(wait, cancel).await;
-                if waits_for_lease && slept {
-                    delivery.alone = self
-                        .guard
-                        .alone(&origin.topic, origin.partition, origin.offset, cancel)
-                        .await;
-                    slept = delivery.alone.is_some();
-                }
-                if slept {
-                    ControlFlow::Continue(())
-                } else {
-                    ControlFlow::Break(false)
-                }
-            }
-        }
-    }
-
-    /// Decides what follows a failed attempt, counting it against the retry budget where it should count.
-    fn next_after(
-        &self,
-        delivery: &mut Delivery,
-        failure: &Failure,
-        unavailable: &mut u32,
-    ) -> Next {
-        let step = delivery.step_name().unwrap_or_default().to_owned();
-        let counted = match failure {
-            Failure::Handler(e) if e.kind() == ErrorKind::Permanent => {
-                delivery.attempts += 1;
-                return Next::DeadLetter(DeadLetterReason::HandlerFailed, e.to_string());
-            }
-            Failure::Handler(e) if e.is_database_unavailable() => false,
-            Failure::Store(e) if e.is_connection_error() => false,
-            Failure::Busy(until) => {
-                let wait = (*until - chrono::Utc::now())
-                    .to_std()
-                    .unwrap_or_default()
-                    .clamp(Duration::from_millis(50), Duration::from_secs(60));
-                tracing::info!(parent: &delivery.span, ?wait, "step key leased by another worker; waiting");
-                return Next::Retry(wait);
-            }
-            Failure::Handler(_) | Failure::Store(_) => true,
-        };
-        if !counted {
-            self.metrics.database_unreachable.inc();
-            *unavailable += 1;
-            let wait = UNAVAILABLE_BACKOFF.wait_after(*unavailable);
-            tracing::warn!(parent: &delivery.span, error = %failure, ?wait, "database unavailable; waiting");
-            return Next::Retry(wait);
-        }
-        delivery.attempts += 1;
-        if !self.retry.may_retry(delivery.attempts) {
-            return Next::DeadLetter(
-                DeadLetterReason::RetriesExhausted,
-                format!(
-                    "{} attempts failed; last error: {failure}",
-                    delivery.attempts
-                ),
-            );
-        }
-        self.metrics.retries.get_or_create(&StepOnly { step }).inc();
-        let wait = self.retry.wait_after(delivery.attempts);
-        tracing::warn!(
-            parent: &delivery.span,
-            attempt = delivery.attempts,
-            error = %failure,
-            ?wait,
-            "transient failure; retrying"
-        );
-        Next::Retry(wait)
     }
 
     /// Produces `delivery` to the dead-letter topic. Returns whether it was acknowledged (`false`:
@@ -619,6 +515,7 @@ impl Executor {
         delivery: &mut Delivery,
         reason: DeadLetterReason,
         error: String,
+        _permit: &CommitPermit,
         cancel: &CancellationToken,
     ) -> bool {
         let letter = DeadLetter {
@@ -635,7 +532,11 @@ impl Executor {
             dlq = self.dead_letters.topic(),
             "dead-lettering message"
         );
-        if !self.dead_letters.send(&delivery.raw, &letter, cancel).await {
+        if !self
+            .dead_letters
+            .send(&delivery.raw, delivery.original(), &letter, cancel)
+            .await
+        {
             return false;
         }
         self.metrics
@@ -665,10 +566,35 @@ impl Executor {
     }
 }
 
+/// The connections of a two-phase attempt: the lease's, and the completing transaction's.
+#[derive(Default)]
+struct TwoPhaseConnections {
+    lease: Option<PoolConnection<Postgres>>,
+    completing: Option<PoolConnection<Postgres>>,
+}
+
 /// Gives up a two-phase lease after a failure, so that the retry can take it over at once.
 async fn release(conn: &mut sqlx::PgConnection, lease: &idempotency::Lease, error: &StepError) {
     if let Err(e) = idempotency::release_lease(conn, lease, &error.to_string()).await {
         tracing::warn!(error = %e, "could not release a lease; it expires on its own");
+    }
+}
+
+/// Commits a worker's transaction: only with the permit of its batch's start record (see
+/// [`CommitPermit`]). The one way the executor commits.
+async fn commit(
+    tx: sqlx::Transaction<'_, Postgres>,
+    _permit: &CommitPermit,
+) -> Result<(), sqlx::Error> {
+    tx.commit().await
+}
+
+/// Closes `conn` when it is returned instead of giving it back to the pool, if `error` says the database is
+/// unavailable: a connection left on a server that shuts down, or that a switchover made read-only, would
+/// fail every transaction it is given.
+pub(crate) fn discard_if_unavailable(conn: &mut PoolConnection<Postgres>, error: &sqlx::Error) {
+    if StepError::is_connection_error(error) {
+        conn.close_on_drop();
     }
 }
 
@@ -677,5 +603,17 @@ pub(crate) async fn sleep_or_cancel(wait: Duration, cancel: &CancellationToken) 
     tokio::select! {
         _ = cancel.cancelled() => false,
         _ = tokio::time::sleep(wait) => true,
+    }
+}
+
+/// What the machine needs to know of a failure.
+fn fault_of(failure: &Failure) -> Fault {
+    match failure {
+        _ if failure.is_database_unavailable() => Fault::Unavailable(failure.to_string()),
+        Failure::Handler(e) if e.kind() == ErrorKind::Permanent => Fault::Permanent(e.to_string()),
+        Failure::Busy(until) => {
+            Fault::Leased((*until - chrono::Utc::now()).to_std().unwrap_or_default())
+        }
+        Failure::Handler(_) | Failure::Store(_) => Fault::Transient(failure.to_string()),
     }
 }

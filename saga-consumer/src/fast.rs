@@ -1,6 +1,6 @@
 //! The consumer's side of the Redis fast path (feature `redis`): a pre-check of a batch's step keys before
 //! the batch's transaction, and completed keys written to Redis after it committed. Without the feature
-//! (or without `REDIS_URL`) both do nothing. See `saga_runtime::fast_path`.
+//! (or without `REDIS_URL`) both do nothing. See `crate::fast_path`.
 //!
 //! A message whose key Redis knows to be completed is finished as a duplicate without a claim; a batch made
 //! only of such messages (and ignored ones) runs no transaction at all. Redis only ever holds keys whose
@@ -14,7 +14,7 @@ use crate::delivery::Route;
 
 /// The fast path, when the feature is on.
 #[cfg(feature = "redis")]
-pub(crate) type FastPath = saga_runtime::fast_path::FastPath;
+pub(crate) type FastPath = crate::fast_path::FastPath;
 
 /// Without the `redis` feature there is no fast path.
 #[cfg(not(feature = "redis"))]

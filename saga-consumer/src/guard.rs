@@ -22,12 +22,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use saga_core::StepError;
 use sqlx::{PgPool, Row};
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::executor::sleep_or_cancel;
+use crate::executor::{discard_if_unavailable, sleep_or_cancel};
 
 /// What to do with a batch about to start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,16 +49,20 @@ pub(crate) struct CrashGuard {
     group: String,
     limit: u32,
     alone: Arc<RwLock<()>>,
+    /// Counts each failed record that an unavailable database caused (it is retried, as in `executor`).
+    unreachable: Counter,
 }
 
 impl CrashGuard {
-    /// `limit` is the number of deaths tolerated per message; 0 turns detection off.
-    pub(crate) fn new(pool: PgPool, group: String, limit: u32) -> Self {
+    /// `limit` is the number of deaths tolerated per message; 0 turns detection off. A record that fails
+    /// because the database is unavailable is counted in `unreachable`.
+    pub(crate) fn new(pool: PgPool, group: String, limit: u32, unreachable: Counter) -> Self {
         Self {
             pool,
             group,
             limit,
             alone: Arc::default(),
+            unreachable,
         }
     }
 
@@ -108,6 +114,9 @@ impl CrashGuard {
             match self.begin(topic, partition, first, last).await {
                 Ok(start) => return Some(start),
                 Err(e) => {
+                    if StepError::is_connection_error(&e) {
+                        self.unreachable.inc();
+                    }
                     tracing::warn!(error = %e, topic, partition, "cannot record the batch start; retrying");
                     if !sleep_or_cancel(Duration::from_secs(1), cancel).await {
                         return None;
@@ -127,8 +136,13 @@ impl CrashGuard {
         last: i64,
     ) -> Result<BatchStart, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
-        self.begin_on(&mut conn, topic, partition, first, last)
-            .await
+        let begun = self
+            .begin_on(&mut conn, topic, partition, first, last)
+            .await;
+        if let Err(e) = &begun {
+            discard_if_unavailable(&mut conn, e);
+        }
+        begun
     }
 
     /// [`CrashGuard::begin`] on `conn`.
@@ -173,17 +187,19 @@ impl CrashGuard {
         if self.limit == 0 {
             return;
         }
-        let result = sqlx::query(
-            "UPDATE saga_consumer_suspects SET starts = greatest(starts + $5, 0), updated_at = now() \
-             WHERE group_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = $4",
-        )
-        .bind(&self.group)
-        .bind(topic)
-        .bind(partition)
-        .bind(offset)
-        .bind(by)
-        .execute(&self.pool)
-        .await;
+        let result = self
+            .execute(
+                sqlx::query(
+                    "UPDATE saga_consumer_suspects SET starts = greatest(starts + $5, 0), updated_at = now() \
+                     WHERE group_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = $4",
+                )
+                .bind(&self.group)
+                .bind(topic)
+                .bind(partition)
+                .bind(offset)
+                .bind(by),
+            )
+            .await;
         if let Err(e) = result {
             tracing::warn!(error = %e, topic, partition, offset, "could not adjust a suspect's starts");
         }
@@ -194,19 +210,43 @@ impl CrashGuard {
         if self.limit == 0 {
             return;
         }
-        let result = sqlx::query("SELECT saga_consumer_end_batch($1, $2, $3, $4, $5)")
-            .bind(&self.group)
-            .bind(topic)
-            .bind(partition)
-            .bind(first)
-            .bind(finished)
-            .execute(&self.pool)
+        let result = self
+            .execute(
+                sqlx::query("SELECT saga_consumer_end_batch($1, $2, $3, $4, $5)")
+                    .bind(&self.group)
+                    .bind(topic)
+                    .bind(partition)
+                    .bind(first)
+                    .bind(finished),
+            )
             .await;
         if let Err(e) = result {
             tracing::warn!(error = %e, topic, partition, first, "could not record the end of a batch");
         }
     }
 }
+
+impl CrashGuard {
+    /// Runs `query` on a pooled connection, which is closed instead of given back if the database
+    /// turned out unavailable (see `executor::discard_if_unavailable`).
+    async fn execute(
+        &self,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<(), sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        let done = query.execute(&mut *conn).await;
+        if let Err(e) = &done {
+            discard_if_unavailable(&mut conn, e);
+        }
+        done.map(drop)
+    }
+}
+
+/// Proof that a batch's start is recorded and says "normal": what every effect of a partition worker
+/// (a commit, a dead letter, a lease) takes. Only [`PendingStart::permit`] makes one, so nothing takes
+/// effect before the crash-loop record allows it.
+#[derive(Debug)]
+pub(crate) struct CommitPermit(());
 
 /// A batch's start: known, or being recorded while the batch's transaction runs. Whatever commits for the
 /// batch waits for it first ([`PendingStart::resolve`]).
@@ -236,12 +276,14 @@ impl PendingStart {
         };
         let (guard, topic, cancel) = (guard.clone(), topic.to_owned(), cancel.clone());
         Self::Recording(tokio::spawn(async move {
-            if let Some(mut conn) = conn
-                && let Ok(start) = guard
+            if let Some(mut conn) = conn {
+                match guard
                     .begin_on(&mut conn, &topic, partition, first, last)
                     .await
-            {
-                return Some(start);
+                {
+                    Ok(start) => return Some(start),
+                    Err(e) => discard_if_unavailable(&mut conn, &e),
+                }
             }
             guard
                 .begin_until_recorded(&topic, partition, first, last, &cancel)
@@ -267,8 +309,18 @@ impl PendingStart {
         }
     }
 
-    /// Whether the batch may commit: the record is in and says "normal".
-    pub(crate) async fn allows_commit(&mut self) -> bool {
-        self.resolve().await == Some(BatchStart::Normal)
+    /// The permit to commit (or dead-letter, or lease) for this batch, once the record is in and says
+    /// "normal"; `None` if it says otherwise or was cancelled.
+    pub(crate) async fn permit(&mut self) -> Option<CommitPermit> {
+        (self.resolve().await == Some(BatchStart::Normal)).then_some(CommitPermit(()))
+    }
+
+    /// The permit to dead-letter the batch's first message for a crash loop, with the deaths the record
+    /// counted, once the record is in and says so; `None` if it says otherwise or was cancelled.
+    pub(crate) async fn crash_loop_permit(&mut self) -> Option<(CommitPermit, u32)> {
+        match self.resolve().await {
+            Some(BatchStart::DeadLetter(deaths)) => Some((CommitPermit(()), deaths)),
+            _ => None,
+        }
     }
 }

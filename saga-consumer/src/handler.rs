@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use saga_core::{
-    BatchContext, EnvelopeError, EventMetadata, Message, RawMessage, SagaStep, StepContext,
-    StepError, StepName, StepOutcome, Subscription, TwoPhaseStep,
+    BatchContext, EnvelopeError, EventMetadata, FromEvent, Message, Origin, RawMessage, SagaStep,
+    StepContext, StepError, StepName, StepOutcome, Subscription, TwoPhaseStep,
 };
 
 /// A message decoded for one step, type-erased.
@@ -23,7 +23,12 @@ pub(crate) struct Handled {
 
 /// A transactional step, type-erased.
 pub(crate) trait ErasedStep: Send + Sync {
-    fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError>;
+    fn decode(
+        &self,
+        raw: &RawMessage,
+        meta: EventMetadata,
+        origin: &Origin,
+    ) -> Result<Decoded, EnvelopeError>;
     /// Handles consecutive messages of one partition, in order.
     fn handle<'a>(
         &'a self,
@@ -41,18 +46,29 @@ fn message<P: 'static>(decoded: &Decoded) -> &Message<P> {
         .expect("a message is handled by the step that decoded it")
 }
 
-/// Decodes `raw`'s payload as `P` for the step `step`.
-fn decode_as<P: serde::de::DeserializeOwned + Send + Sync + 'static>(
+/// Decodes `raw`'s payload as `P` for the step `step`, a message first consumed at `origin`.
+fn decode_as<P: FromEvent>(
     raw: &RawMessage,
     meta: EventMetadata,
     step: &StepName,
+    origin: &Origin,
 ) -> Result<Decoded, EnvelopeError> {
-    Ok(Box::new(Message::<P>::decode_with(raw, meta, step)?))
+    Ok(Box::new(Message::<P>::decode_with(
+        raw,
+        meta,
+        step,
+        origin.clone(),
+    )?))
 }
 
 impl<S: SagaStep> ErasedStep for TxAdapter<S> {
-    fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError> {
-        decode_as::<S::Payload>(raw, meta, &self.0.name())
+    fn decode(
+        &self,
+        raw: &RawMessage,
+        meta: EventMetadata,
+        origin: &Origin,
+    ) -> Result<Decoded, EnvelopeError> {
+        decode_as::<S::Payload>(raw, meta, &self.0.name(), origin)
     }
 
     fn handle<'a>(
@@ -64,7 +80,8 @@ impl<S: SagaStep> ErasedStep for TxAdapter<S> {
         Box::pin(async move {
             let msgs: Vec<&Message<S::Payload>> =
                 decoded.iter().map(|d| message::<S::Payload>(d)).collect();
-            let mut ctx = BatchContext::new(conn, source);
+            let mut emitted = Vec::new();
+            let mut ctx = BatchContext::new(conn, source, &mut emitted);
             let outcomes = self.0.handle_batch(&msgs, &mut ctx).await?;
             if outcomes.len() != msgs.len() {
                 return Err(StepError::permanent(format!(
@@ -73,17 +90,19 @@ impl<S: SagaStep> ErasedStep for TxAdapter<S> {
                     msgs.len()
                 )));
             }
-            Ok(Handled {
-                outcomes,
-                emitted: ctx.into_emitted(),
-            })
+            Ok(Handled { outcomes, emitted })
         })
     }
 }
 
 /// A two-phase step, type-erased: the external call's response travels as `dyn Any`.
 pub(crate) trait ErasedTwoPhaseStep: Send + Sync {
-    fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError>;
+    fn decode(
+        &self,
+        raw: &RawMessage,
+        meta: EventMetadata,
+        origin: &Origin,
+    ) -> Result<Decoded, EnvelopeError>;
     fn lease(&self) -> Duration;
     fn call<'a>(
         &'a self,
@@ -101,8 +120,13 @@ pub(crate) trait ErasedTwoPhaseStep: Send + Sync {
 struct TwoPhaseAdapter<S>(S);
 
 impl<S: TwoPhaseStep> ErasedTwoPhaseStep for TwoPhaseAdapter<S> {
-    fn decode(&self, raw: &RawMessage, meta: EventMetadata) -> Result<Decoded, EnvelopeError> {
-        decode_as::<S::Payload>(raw, meta, &self.0.name())
+    fn decode(
+        &self,
+        raw: &RawMessage,
+        meta: EventMetadata,
+        origin: &Origin,
+    ) -> Result<Decoded, EnvelopeError> {
+        decode_as::<S::Payload>(raw, meta, &self.0.name(), origin)
     }
 
     fn lease(&self) -> Duration {
@@ -131,11 +155,12 @@ impl<S: TwoPhaseStep> ErasedTwoPhaseStep for TwoPhaseAdapter<S> {
             let response = *response
                 .downcast::<S::Response>()
                 .expect("the response comes from the same step's call");
-            let mut ctx = StepContext::new(conn, msg.lineage(), source);
+            let mut emitted = Vec::new();
+            let mut ctx = StepContext::new(conn, msg.lineage(), source, &mut emitted);
             let outcome = self.0.complete(msg, response, &mut ctx).await?;
             Ok(Handled {
                 outcomes: vec![outcome],
-                emitted: ctx.into_emitted(),
+                emitted,
             })
         })
     }
@@ -179,10 +204,11 @@ impl RegisteredStep {
         &self,
         raw: &RawMessage,
         meta: EventMetadata,
+        origin: &Origin,
     ) -> Result<Decoded, EnvelopeError> {
         match &self.mode {
-            StepMode::Transactional(s) => s.decode(raw, meta),
-            StepMode::TwoPhase(s) => s.decode(raw, meta),
+            StepMode::Transactional(s) => s.decode(raw, meta, origin),
+            StepMode::TwoPhase(s) => s.decode(raw, meta, origin),
         }
     }
 }

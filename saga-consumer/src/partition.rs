@@ -220,13 +220,17 @@ async fn run(
             guard.end(&tp.0, tp.1, first, false).await;
             return;
         }
-        let done = if let BatchStart::DeadLetter(deaths) = start {
-            usize::from(
-                shared
-                    .executor
-                    .dead_letter_crash_loop(&mut batch[0], deaths, &cancel)
-                    .await,
-            )
+        let done = if let BatchStart::DeadLetter(_) = start {
+            let mut recorded = PendingStart::known(start);
+            match recorded.crash_loop_permit().await {
+                Some((permit, deaths)) => usize::from(
+                    shared
+                        .executor
+                        .dead_letter_crash_loop(&mut batch[0], deaths, &permit, &cancel)
+                        .await,
+                ),
+                None => unreachable!("the record said: dead-letter"),
+            }
         } else {
             // The start is recorded and acted on (an isolated message runs alone): what follows may commit.
             let mut known = PendingStart::known(BatchStart::Normal);

@@ -9,7 +9,9 @@ use outbox_relay::{Relay, RelayBuilder, RelayError};
 use saga_core::{SagaStep, TwoPhaseStep};
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
-use saga_runtime::ops::{Ops, OpsHandle};
+use saga_runtime::ops::Ops;
+
+use crate::ops::OpsHandle;
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 use tokio::task::JoinSet;
@@ -257,10 +259,16 @@ impl SagaServiceBuilder {
         self
     }
 
-    /// Declares that events of `event_type` on `topic` are none of this service's business (skipped);
-    /// any other event type no step handles is dead-lettered.
-    pub fn ignore(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
-        self.consumer = self.consumer.ignore(topic, event_type);
+    /// Declares that the events `topic` carries are none of this service's business (see
+    /// [`SagaConsumerBuilder::ignore`]).
+    pub fn ignore<E: saga_core::SagaEvent>(mut self, topic: &saga_core::Topic<E>) -> Self {
+        self.consumer = self.consumer.ignore(topic);
+        self
+    }
+
+    /// Like [`SagaServiceBuilder::ignore`], for an event type known only at run time.
+    pub fn ignore_type(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
+        self.consumer = self.consumer.ignore_type(topic, event_type);
         self
     }
 
@@ -285,6 +293,12 @@ impl SagaServiceBuilder {
     /// The dead-letter topic (default `{group}.dlq`).
     pub fn dlq_topic(mut self, topic: impl Into<String>) -> Self {
         self.consumer = self.consumer.dlq_topic(topic);
+        self
+    }
+
+    /// The retry topic (default `{group}.retry`), where this group's replayed dead letters arrive.
+    pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
+        self.consumer = self.consumer.retry_topic(topic);
         self
     }
 
@@ -468,7 +482,7 @@ impl SagaService {
 
     /// The service's metrics (Prometheus text) and readiness, also while it runs.
     pub fn ops(&self) -> OpsHandle {
-        self.ops.handle()
+        OpsHandle::new(self.ops.handle())
     }
 
     /// Applies the migrations, checks (or creates) the topics, then runs the consumer, the embedded relay
@@ -486,6 +500,7 @@ impl SagaService {
                 .map_err(|e| ServiceError::Migrations(e.to_string()))?;
         }
         if let Some((partitions, replication)) = self.create_topics {
+            // The steps' topics, the retry topic and the dead-letter topic.
             let mut topics = self.consumer.topics();
             topics.push(self.consumer.dlq_topic());
             let names: Vec<&str> = topics.iter().map(String::as_str).collect();

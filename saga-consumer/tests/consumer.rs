@@ -19,6 +19,12 @@ use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// The step key the runtime derives for `msg` and step `step`: `{idempotency-key}:{step}`, which the test
+/// steps record as their effect's identity.
+fn step_key<P>(msg: &Message<P>, step: &str) -> String {
+    format!("{}:{step}", msg.idempotency_key())
+}
+
 /// The test step's payload: what to do, and how to misbehave.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct Ping {
@@ -77,7 +83,7 @@ impl SagaStep for RecordPing {
     }
 
     async fn handle(&self, msg: &Message<Ping>, ctx: &mut StepContext<'_>) -> StepResult {
-        let ping = &msg.payload;
+        let ping = msg.payload();
         if ping.sleep_ms > 0 {
             tokio::time::sleep(Duration::from_millis(ping.sleep_ms)).await;
         }
@@ -90,7 +96,7 @@ impl SagaStep for RecordPing {
         }
         {
             let mut failures = self.failures.lock().unwrap();
-            let seen = failures.entry(msg.step_key.to_string()).or_default();
+            let seen = failures.entry(step_key(msg, "record-ping")).or_default();
             if *seen < ping.transient_failures {
                 *seen += 1;
                 return Err(StepError::transient(format!(
@@ -100,7 +106,7 @@ impl SagaStep for RecordPing {
             }
         }
         sqlx::query("INSERT INTO effects (step_key, n) VALUES ($1, $2)")
-            .bind(msg.step_key.as_str())
+            .bind(step_key(msg, "record-ping"))
             .bind(i64::from(ping.n))
             .execute(ctx.conn())
             .await?;
@@ -113,7 +119,7 @@ impl SagaStep for RecordPing {
         if ping.nul_header {
             pong = pong.with_header("x-note", "a\0b");
         }
-        ctx.emit(pong);
+        ctx.emit_event(pong);
         if ping.reject {
             return Ok(StepOutcome::rejected(format!("ping {} rejected", ping.n)));
         }
@@ -145,7 +151,7 @@ impl SagaStep for RecordPingsInBulk {
     }
 
     async fn handle(&self, msg: &Message<Ping>, ctx: &mut StepContext<'_>) -> StepResult {
-        let mut batch = BatchContext::new(ctx.conn(), "record-pings-in-bulk");
+        let mut batch = ctx.as_batch();
         let mut outcomes = self.handle_batch(&[msg], &mut batch).await?;
         Ok(outcomes.remove(0))
     }
@@ -155,11 +161,14 @@ impl SagaStep for RecordPingsInBulk {
         msgs: &[&Message<Ping>],
         ctx: &mut BatchContext<'_>,
     ) -> Result<Vec<StepOutcome>, StepError> {
-        if msgs.iter().any(|m| m.payload.permanent) {
+        if msgs.iter().any(|m| m.payload().permanent) {
             return Err(StepError::permanent("one of these pings is unprocessable"));
         }
-        let keys: Vec<&str> = msgs.iter().map(|m| m.step_key.as_str()).collect();
-        let ns: Vec<i64> = msgs.iter().map(|m| i64::from(m.payload.n)).collect();
+        let keys: Vec<String> = msgs
+            .iter()
+            .map(|m| step_key(m, "record-pings-in-bulk"))
+            .collect();
+        let ns: Vec<i64> = msgs.iter().map(|m| i64::from(m.payload().n)).collect();
         sqlx::query(
             "INSERT INTO effects (step_key, n) SELECT * FROM unnest($1::text[], $2::bigint[])",
         )
@@ -168,13 +177,13 @@ impl SagaStep for RecordPingsInBulk {
         .execute(ctx.conn())
         .await?;
         for m in msgs {
-            ctx.emit(
+            ctx.emit_event(
                 m,
                 Event::new(
                     "Pong",
                     format!("{}.out", self.topic),
-                    m.payload.n.to_string(),
-                    &serde_json::json!({ "n": m.payload.n }),
+                    m.payload().n.to_string(),
+                    &serde_json::json!({ "n": m.payload().n }),
                 )?,
             );
         }
@@ -202,7 +211,7 @@ impl SagaStep for BulkFailingOnceUnnamed {
     }
 
     async fn handle(&self, msg: &Message<Ping>, ctx: &mut StepContext<'_>) -> StepResult {
-        let mut batch = BatchContext::new(ctx.conn(), "record-pings-in-bulk");
+        let mut batch = ctx.as_batch();
         let mut outcomes = self.handle_batch(&[msg], &mut batch).await?;
         Ok(outcomes.remove(0))
     }
@@ -212,8 +221,8 @@ impl SagaStep for BulkFailingOnceUnnamed {
         msgs: &[&Message<Ping>],
         ctx: &mut BatchContext<'_>,
     ) -> Result<Vec<StepOutcome>, StepError> {
-        if let Some(i) = msgs.iter().position(|m| m.payload.permanent) {
-            let n = msgs[i].payload.n;
+        if let Some(i) = msgs.iter().position(|m| m.payload().permanent) {
+            let n = msgs[i].payload().n;
             return Err(StepError::permanent(format!("ping {n} is unprocessable")).in_message(i));
         }
         if msgs.len() > 1 {
@@ -244,6 +253,16 @@ impl Fixture {
     /// A fixture whose dead-letter topic has topic configuration `dlq_config`.
     async fn with_dlq_config(name: &str, partitions: i32, dlq_config: &[(&str, &str)]) -> Self {
         let db = TestDb::with(name, &[saga_consumer::migrate::migrator()]).await;
+        Self::on(db, name, partitions, dlq_config).await
+    }
+
+    /// A fixture whose schema is in a database of its own, for tests that change database-wide settings.
+    async fn in_own_database(name: &str, partitions: i32) -> Self {
+        let db = TestDb::with_own_database(name, &[saga_consumer::migrate::migrator()]).await;
+        Self::on(db, name, partitions, &[]).await
+    }
+
+    async fn on(db: TestDb, name: &str, partitions: i32, dlq_config: &[(&str, &str)]) -> Self {
         sqlx::query("CREATE TABLE effects (step_key TEXT NOT NULL, n BIGINT NOT NULL)")
             .execute(&db.pool)
             .await
@@ -252,6 +271,8 @@ impl Fixture {
         let topic = kafka.topic(name, partitions).await;
         let dlq = format!("{topic}.dlq");
         kafka.create_topic_with(&dlq, 1, dlq_config).await;
+        // The group's retry topic (`{group}.retry` by default).
+        kafka.create_topic(&format!("{topic}-group.retry"), 1).await;
         let producer = kafka.producer();
         Self {
             group: format!("{topic}-group"),
@@ -1081,9 +1102,9 @@ impl SagaStep for RecordBackend {
     }
 
     async fn handle(&self, msg: &Message<Ping>, ctx: &mut StepContext<'_>) -> StepResult {
-        tokio::time::sleep(Duration::from_millis(msg.payload.sleep_ms)).await;
+        tokio::time::sleep(Duration::from_millis(msg.payload().sleep_ms)).await;
         sqlx::query("INSERT INTO effects (step_key, n) VALUES ($1, pg_backend_pid())")
-            .bind(msg.step_key.as_str())
+            .bind(step_key(msg, "record-backend"))
             .execute(ctx.conn())
             .await?;
         Ok(StepOutcome::completed())
@@ -1233,5 +1254,221 @@ async fn workers_keeping_connections_leave_room_in_a_pool_no_larger_than_their_n
     let keys: std::collections::BTreeSet<String> =
         f.effects().await.into_iter().map(|(k, _)| k).collect();
     assert_eq!(keys.len(), 120);
+    running.stop().await;
+}
+
+/// A connection to the server's administrative database (`DATABASE_URL`), outside the test's database.
+async fn admin_connection() -> sqlx::PgConnection {
+    let url = saga_test_support::services().await.database_url.clone();
+    <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap()
+}
+
+/// Ends every session of `database` but the caller's, as a server going away or a switchover does.
+async fn terminate_sessions_of(admin: &mut sqlx::PgConnection, database: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(database)
+    .fetch_one(admin)
+    .await
+    .unwrap()
+}
+
+/// How many dead letters the fixture's dead-letter topic holds.
+async fn dead_letters(f: &Fixture) -> i64 {
+    f.kafka.end_offsets(&f.dlq).await.values().sum()
+}
+
+/// A consumer that would dead-letter a message at its first counted failure.
+fn with_no_retries(
+    builder: saga_consumer::SagaConsumerBuilder,
+) -> saga_consumer::SagaConsumerBuilder {
+    builder.retry(
+        RetryPolicy::default()
+            .max_attempts(1)
+            .backoff(Duration::from_millis(50), Duration::from_millis(200)),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failover_a_backend_ended_in_the_middle_of_a_slow_handler_is_waited_out_not_dead_lettered()
+{
+    let f = Fixture::new("failover-terminate", 1).await;
+    let running = f.start(with_no_retries(f.consumer(RecordPing::new(&f.topic))).batch_size(1));
+    // The first message's handler sleeps inside its transaction; meanwhile its backend is ended.
+    f.ping(
+        "k-0",
+        &Ping {
+            n: 0,
+            sleep_ms: 2_000,
+            ..Ping::default()
+        },
+    )
+    .await;
+    for n in 1..10 {
+        f.ping(&format!("k-{n}"), &ping(n)).await;
+    }
+    let url = f.db.url();
+    let schema = f.db.schema.clone();
+    let ended = wait_until("the handler's transaction to be open", WAIT, || {
+        let (url, schema) = (url.clone(), schema.clone());
+        async move {
+            let pool = sqlx::PgPool::connect(&url).await.ok()?;
+            let ended: Option<bool> = sqlx::query_scalar(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND state = 'idle in transaction' LIMIT 1",
+            )
+            .bind(&schema)
+            .fetch_optional(&pool)
+            .await
+            .ok()?;
+            pool.close().await;
+            ended.filter(|e| *e)
+        }
+    })
+    .await;
+    assert!(ended);
+    f.wait_for_committed(BTreeMap::from([(0, 10)])).await;
+    let effects = f.effects().await;
+    let keys: std::collections::BTreeSet<_> = effects.iter().map(|(k, _)| k.clone()).collect();
+    assert_eq!((effects.len(), keys.len()), (10, 10), "every effect once");
+    assert_eq!(dead_letters(&f).await, 0, "no message dead-lettered");
+    assert!(
+        running.metric("saga_consumer_database_unreachable_total", "") >= 1.0,
+        "the ended backend was waited out as an unavailable database"
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failover_a_database_read_only_for_a_while_is_waited_out_not_dead_lettered() {
+    let f = Fixture::in_own_database("failover-ro", 2).await;
+    let database = f.db.database().to_owned();
+    let running = f.start(with_no_retries(f.consumer(RecordPing::new(&f.topic))).batch_size(5));
+    for n in 0..10 {
+        f.ping(&format!("k-{n}"), &ping(n)).await;
+    }
+    f.wait_for_effects(10).await;
+
+    // A switchover: the sessions end, and new ones land on a server that is read-only for a while.
+    let mut admin = admin_connection().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {database} SET default_transaction_read_only = on"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    terminate_sessions_of(&mut admin, &database).await;
+    for n in 10..30 {
+        f.ping(&format!("k-{n}"), &ping(n)).await;
+    }
+    wait_until(
+        "the consumer to meet the read-only database",
+        WAIT,
+        || async {
+            (running.metric("saga_consumer_database_unreachable_total", "") >= 1.0).then_some(())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        f.db.count("effects").await,
+        10,
+        "nothing was written while read-only"
+    );
+    // The new primary takes writes. Connections opened meanwhile stay read-only: the consumer must not
+    // keep using them.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {database} RESET default_transaction_read_only"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+
+    f.wait_for_effects(30).await;
+    f.wait_for_committed(f.kafka.end_offsets(&f.topic).await)
+        .await;
+    let effects = f.effects().await;
+    let keys: std::collections::BTreeSet<_> = effects.iter().map(|(k, _)| k.clone()).collect();
+    assert_eq!((effects.len(), keys.len()), (30, 30), "every effect once");
+    assert_eq!(dead_letters(&f).await, 0, "no message dead-lettered");
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retry_a_replay_on_the_retry_topic_is_routed_by_its_original_topic_and_dead_lettered_under_it()
+ {
+    let f = Fixture::new("retry-topic", 1).await;
+    let retry = format!("{}.retry", f.group);
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)).batch_size(1));
+    let replay = |key: &'static str, ping: Ping, original: Option<(&'static str, &'static str)>| {
+        let (f, retry) = (&f, retry.clone());
+        async move {
+            let payload = serde_json::to_vec(&ping).unwrap();
+            let mut headers = vec![("idempotency-key", key), ("ce_type", "Ping")];
+            let topic = f.topic.clone();
+            if let Some((partition, offset)) = original {
+                headers.extend([
+                    ("saga-replay-original-topic", topic.as_str()),
+                    ("saga-replay-original-partition", partition),
+                    ("saga-replay-original-offset", offset),
+                    ("saga-replay-count", "1"),
+                ]);
+            }
+            f.kafka
+                .produce(&f.producer, &retry, Some(key), &headers, &payload)
+                .await
+        }
+    };
+    // A replay: processed by the step of the original topic.
+    replay("k-1", ping(1), Some(("0", "41"))).await;
+    // A replay that fails again: dead-lettered under its original coordinates, not the retry topic's.
+    replay(
+        "k-2",
+        Ping {
+            n: 2,
+            permanent: true,
+            ..Ping::default()
+        },
+        Some(("0", "42")),
+    )
+    .await;
+    // A message on the retry topic that is no replay: dead-lettered as undecodable, naming the header.
+    replay("k-3", ping(3), None).await;
+    f.wait_for_effects(1).await;
+    let letters = f
+        .kafka
+        .read_all(&f.dlq, 2, Duration::from_millis(500), WAIT)
+        .await;
+    assert_eq!(f.effects().await, [("k-1:record-ping".to_owned(), 1)]);
+    let again = &letters[0];
+    assert_eq!(again.header("idempotency-key"), Some("k-2"));
+    assert_eq!(again.header("dlq-original-topic"), Some(f.topic.as_str()));
+    assert_eq!(again.header("dlq-original-offset"), Some("42"));
+    assert_eq!(again.header("dlq-reason"), Some("handler-failed"));
+    assert_eq!(again.header("saga-replay-count"), Some("1"));
+    let stray = &letters[1];
+    assert_eq!(stray.header("idempotency-key"), Some("k-3"));
+    assert_eq!(stray.header("dlq-reason"), Some("undecodable"));
+    assert_eq!(stray.header("dlq-original-topic"), Some(retry.as_str()));
+    assert!(
+        stray
+            .header("dlq-error")
+            .unwrap_or_default()
+            .contains("saga-replay-original-topic"),
+        "{stray:?}"
+    );
+    wait_until(
+        "every message of the retry topic committed",
+        WAIT,
+        || async {
+            let committed = f.kafka.committed_offsets(&f.group, &retry).await;
+            (committed.get(&0) == Some(&3)).then_some(())
+        },
+    )
+    .await;
     running.stop().await;
 }

@@ -4,58 +4,42 @@
 use std::time::{Duration, Instant};
 
 use saga_consumer::{
-    ConfigError, Message, SagaEvent, SagaService, SagaStep, ServiceError, StepContext, StepName,
-    StepOutcome, StepResult, Subscription,
+    ConfigError, Message, SagaEvent, SagaService, ServiceError, StepContext, StepOutcome,
+    StepResult, Topic, step_with,
 };
 use saga_test_support::{TestDb, TestKafka, unique_name, wait_until};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
 struct Placed {
     n: i64,
 }
-impl SagaEvent for Placed {
-    const TYPE: &'static str = "Placed";
-}
 
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
 struct Reserved {
     n: i64,
 }
-impl SagaEvent for Reserved {
-    const TYPE: &'static str = "Reserved";
+
+/// Records each order and emits `Reserved` to `out`.
+async fn reserve(
+    msg: &Message<Placed>,
+    ctx: &mut StepContext<'_>,
+    out: &Topic<Reserved>,
+) -> StepResult {
+    let n = msg.payload().n;
+    sqlx::query("INSERT INTO reservations (n) VALUES ($1)")
+        .bind(n)
+        .execute(ctx.conn())
+        .await?;
+    ctx.emit(out, n.to_string(), &Reserved { n })?;
+    Ok(StepOutcome::completed())
 }
 
-/// Records each order and emits `Reserved` to `{topic}.out`.
-struct Reserve {
-    topic: String,
-}
-
-impl SagaStep for Reserve {
-    type Payload = Placed;
-
-    fn name(&self) -> StepName {
-        StepName::from_static("reserve")
-    }
-
-    fn subscriptions(&self) -> Vec<Subscription> {
-        vec![Subscription::of::<Placed>(&self.topic)]
-    }
-
-    async fn handle(&self, msg: &Message<Placed>, ctx: &mut StepContext<'_>) -> StepResult {
-        sqlx::query("INSERT INTO reservations (n) VALUES ($1)")
-            .bind(msg.payload.n)
-            .execute(ctx.conn())
-            .await?;
-        ctx.emit_to(
-            format!("{}.out", self.topic),
-            msg.payload.n.to_string(),
-            &Reserved { n: msg.payload.n },
-        )?;
-        Ok(StepOutcome::completed())
-    }
+/// The step `reserve` on `topic`, emitting to `{topic}.out`.
+fn reserve_on(topic: &str) -> impl saga_consumer::SagaStep {
+    step_with("reserve", Topic::new(format!("{topic}.out")), reserve).on(&Topic::new(topic))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -75,24 +59,24 @@ async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_s
         .brokers(&kafka.brokers)
         .group_id(&group)
         .pool(db.pool.clone())
-        .step(Reserve {
-            topic: topic.clone(),
-        })
+        .step(reserve_on(&topic))
         .create_topics(2, 1)
         .build()
         .unwrap();
     let stop = CancellationToken::new();
     let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
 
-    // Its topic and its dead-letter topic were created.
+    // Its topic, its dead-letter topic and its retry topic were created.
     wait_until("the service's topics", WAIT, || async {
         (kafka.partition_count(&topic).await == 2
-            && kafka.partition_count(&format!("{group}.dlq")).await == 2)
+            && kafka.partition_count(&format!("{group}.dlq")).await == 2
+            && kafka.partition_count(&format!("{group}.retry")).await == 2)
             .then_some(())
     })
     .await;
     kafka.delete_on_drop(&topic);
     kafka.delete_on_drop(&format!("{group}.dlq"));
+    kafka.delete_on_drop(&format!("{group}.retry"));
     let producer = kafka.producer();
     for n in 1..=5 {
         let key = format!("order-{n}");
@@ -102,7 +86,10 @@ async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_s
                 &producer,
                 &topic,
                 Some(&key),
-                &[("idempotency-key", key.as_str()), ("ce_type", Placed::TYPE)],
+                &[
+                    ("idempotency-key", key.as_str()),
+                    ("ce_type", Placed::TYPES[0]),
+                ],
                 &payload,
             )
             .await;
@@ -120,7 +107,7 @@ async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_s
     assert!(
         published
             .iter()
-            .all(|m| m.header("ce_type") == Some(Reserved::TYPE))
+            .all(|m| m.header("ce_type") == Some(Reserved::TYPES[0]))
     );
     assert_eq!(db.count("reservations").await, 5);
     stop.cancel();
@@ -137,13 +124,12 @@ async fn when_one_part_fails_the_service_stops_every_other_part_and_returns_the_
     let kafka = TestKafka::new().await;
     let topic = kafka.topic("service-stop", 1).await;
     kafka.create_topic(&format!("{topic}-group.dlq"), 1).await;
+    kafka.create_topic(&format!("{topic}-group.retry"), 1).await;
     let service = SagaService::builder()
         .brokers(&kafka.brokers)
         .group_id(format!("{topic}-group"))
         .pool(db.pool.clone())
-        .step(Reserve {
-            topic: topic.clone(),
-        })
+        .step(reserve_on(&topic))
         .task("a failing task", |ctx| async move {
             // Fail once the rest of the service is up.
             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -170,9 +156,7 @@ async fn when_one_part_fails_the_service_stops_every_other_part_and_returns_the_
 #[tokio::test]
 async fn a_missing_required_setting_is_named_never_defaulted() {
     let db = TestDb::empty("service-settings").await;
-    let step = || Reserve {
-        topic: "t".to_owned(),
-    };
+    let step = || reserve_on("t");
     let no_brokers = SagaService::builder()
         .group_id("g")
         .pool(db.pool.clone())
@@ -197,4 +181,87 @@ async fn a_missing_required_setting_is_named_never_defaulted() {
         .build()
         .unwrap_err();
     assert!(no_pool.to_string().contains("database pool"), "{no_pool}");
+}
+
+/// Charges once per message of its step, recording the external key (which names the step).
+async fn charge(msg: &Message<Placed>, ctx: &mut StepContext<'_>) -> StepResult {
+    sqlx::query("INSERT INTO charges (external_key) VALUES ($1)")
+        .bind(msg.external_key().as_str())
+        .execute(ctx.conn())
+        .await?;
+    Ok(StepOutcome::completed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn renaming_a_step_makes_every_message_it_processed_new_to_it() {
+    let db = TestDb::with("step-rename", &[saga_consumer::migrate::migrator()]).await;
+    sqlx::query("CREATE TABLE charges (external_key TEXT NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("step-rename", 1).await;
+    let producer = kafka.producer();
+    for n in 1..=3 {
+        let key = format!("order-{n}");
+        let payload = serde_json::to_vec(&Placed { n }).unwrap();
+        kafka
+            .produce(
+                &producer,
+                &topic,
+                Some(&key),
+                &[("idempotency-key", key.as_str()), ("ce_type", "Placed")],
+                &payload,
+            )
+            .await;
+    }
+    // Each run is a group of its own reading the topic from the start: the same messages delivered
+    // again, as after a replay or offsets reset.
+    let run = |group: &'static str, name: &'static str| {
+        let (kafka, topic, pool) = (&kafka, topic.clone(), db.pool.clone());
+        async move {
+            let group = format!("{topic}-{group}");
+            kafka.create_topic(&format!("{group}.dlq"), 1).await;
+            kafka.create_topic(&format!("{group}.retry"), 1).await;
+            let consumer = saga_consumer::SagaConsumer::builder()
+                .brokers(kafka.brokers.clone())
+                .group_id(&group)
+                .pool(pool)
+                .commit_interval(Duration::from_millis(100))
+                .step(saga_consumer::step(name, charge).on(&Topic::new(&topic)))
+                .build()
+                .unwrap();
+            let stop = CancellationToken::new();
+            let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
+            wait_until("the run to commit every message", WAIT, || async {
+                let committed = kafka.committed_offsets(&group, &topic).await;
+                (committed.get(&0) == Some(&3)).then_some(())
+            })
+            .await;
+            stop.cancel();
+            running.await.unwrap().unwrap();
+        }
+    };
+    let charges = || async {
+        let keys: Vec<String> =
+            sqlx::query_scalar("SELECT external_key FROM charges ORDER BY external_key")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        keys
+    };
+    run("first", "charge").await;
+    assert_eq!(charges().await.len(), 3);
+    // Delivered again to the step of the same name: absorbed by its step keys.
+    run("again", "charge").await;
+    assert_eq!(charges().await.len(), 3, "the same name: nothing ran twice");
+    // Delivered again to the step renamed: its keys are new, so every message is charged again.
+    run("renamed", "charge-v2").await;
+    let keys = charges().await;
+    assert_eq!(
+        keys.len(),
+        6,
+        "the renamed step ran every message again: {keys:?}"
+    );
+    assert_eq!(keys.iter().filter(|k| k.ends_with(":charge-v2")).count(), 3);
 }

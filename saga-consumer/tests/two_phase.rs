@@ -64,7 +64,7 @@ impl TwoPhaseStep for Charge {
     ) -> StepResult {
         sqlx::query("INSERT INTO orders_paid (tenant, client_key, charge_id) VALUES ($1, $2, $3)")
             .bind(msg.tenant().as_str())
-            .bind(msg.metadata.idempotency_key.as_str())
+            .bind(msg.idempotency_key().as_str())
             .bind(&charge_id)
             .execute(ctx.conn())
             .await?;
@@ -129,6 +129,7 @@ async fn a_message_waiting_for_a_dead_workers_lease_is_not_blamed_for_deaths_mea
     let topic = kafka.topic("two-phase-lease-wait", 1).await;
     let dlq = format!("{topic}.dlq");
     kafka.create_topic(&dlq, 1).await;
+    kafka.create_topic(&format!("{topic}-group.retry"), 1).await;
     let headers = [("idempotency-key", "order-1"), ("ce_type", "OrderPlaced")];
     kafka
         .produce(&kafka.producer(), &topic, Some("order-1"), &headers, b"{}")
@@ -224,6 +225,7 @@ async fn a_crash_between_the_external_call_and_the_completion_still_yields_one_c
     let kafka = TestKafka::new().await;
     let topic = kafka.topic("two-phase-crash", 1).await;
     kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    kafka.create_topic(&format!("{topic}-group.retry"), 1).await;
     let producer = kafka.producer();
     let place = |tenant: &'static str| {
         let (kafka, producer, topic) = (&kafka, &producer, &topic);

@@ -3,8 +3,8 @@
 
 use sqlx::PgConnection;
 
-use crate::envelope::{Event, Lineage, OutboxMessage};
-use crate::event::SagaEvent;
+use crate::envelope::{Event, Lineage, Message, OutboxMessage};
+use crate::event::{SagaEvent, Topic};
 use crate::step::StepError;
 
 /// The handler's view of the open transaction.
@@ -16,7 +16,7 @@ pub struct StepContext<'t> {
     conn: &'t mut PgConnection,
     lineage: Lineage,
     source: &'t str,
-    emitted: Vec<OutboxMessage>,
+    emitted: &'t mut Vec<OutboxMessage>,
 }
 
 impl std::fmt::Debug for StepContext<'_> {
@@ -30,14 +30,20 @@ impl std::fmt::Debug for StepContext<'_> {
 }
 
 impl<'t> StepContext<'t> {
-    /// A context over `conn` (which should be inside a transaction), for events of `lineage` emitted by
-    /// `source` (the step's name). The runtime builds these; tests of a step may too.
-    pub fn new(conn: &'t mut PgConnection, lineage: Lineage, source: &'t str) -> Self {
+    /// A context over `conn` (inside a transaction), for events of `lineage` emitted by `source` (the step's
+    /// name), collected in `emitted` (the runtime's; tests use [`crate::testing`]).
+    #[doc(hidden)]
+    pub fn new(
+        conn: &'t mut PgConnection,
+        lineage: Lineage,
+        source: &'t str,
+        emitted: &'t mut Vec<OutboxMessage>,
+    ) -> Self {
         Self {
             conn,
             lineage,
             source,
-            emitted: Vec::new(),
+            emitted,
         }
     }
 
@@ -46,23 +52,23 @@ impl<'t> StepContext<'t> {
         self.conn
     }
 
-    /// Emits a follow-up event. It is written to the outbox when the handler returns successfully, and
-    /// discarded with everything else if it returns an error.
-    pub fn emit(&mut self, event: Event) {
-        self.emitted
-            .push(OutboxMessage::from_event(event, &self.lineage, self.source));
-    }
-
-    /// Emits `event` to `topic`, keyed by `partition_key` (the aggregate id); its type comes from
-    /// [`SagaEvent::TYPE`]. See [`StepContext::emit`].
-    pub fn emit_to<E: SagaEvent>(
+    /// Emits `event` to `topic`, keyed by `partition_key` (the aggregate id, which decides the partition
+    /// and the order). It is written to the outbox when the handler returns successfully, and discarded
+    /// with everything else if it returns an error.
+    pub fn emit<E: SagaEvent>(
         &mut self,
-        topic: impl Into<String>,
+        topic: &Topic<E>,
         partition_key: impl Into<String>,
         event: &E,
     ) -> Result<(), StepError> {
-        self.emit(Event::of(topic, partition_key, event)?);
+        self.emit_event(Event::of(topic, partition_key, event)?);
         Ok(())
+    }
+
+    /// Emits an event built at run time (see [`Event::new`]); prefer [`StepContext::emit`].
+    pub fn emit_event(&mut self, event: Event) {
+        self.emitted
+            .push(OutboxMessage::from_event(event, &self.lineage, self.source));
     }
 
     /// The lineage emitted events inherit.
@@ -70,14 +76,22 @@ impl<'t> StepContext<'t> {
         &self.lineage
     }
 
-    /// The outbox rows emitted so far.
-    pub fn emitted(&self) -> &[OutboxMessage] {
-        &self.emitted
+    /// A batch context over the same transaction and events: for a step whose `handle` hands its one
+    /// message to its `handle_batch`.
+    pub fn as_batch(&mut self) -> BatchContext<'_> {
+        BatchContext::new(&mut *self.conn, self.source, &mut *self.emitted)
     }
 
-    /// Ends the context, handing back what was emitted.
-    pub fn into_emitted(self) -> Vec<OutboxMessage> {
-        self.emitted
+    /// A context over the same transaction and events, borrowed for a shorter time (the runtime's: a
+    /// function step's context).
+    #[doc(hidden)]
+    pub fn reborrow(&mut self) -> StepContext<'_> {
+        StepContext {
+            conn: &mut *self.conn,
+            lineage: self.lineage.clone(),
+            source: self.source,
+            emitted: &mut *self.emitted,
+        }
     }
 }
 
@@ -86,7 +100,7 @@ impl<'t> StepContext<'t> {
 pub struct BatchContext<'t> {
     conn: &'t mut PgConnection,
     source: &'t str,
-    emitted: Vec<OutboxMessage>,
+    emitted: &'t mut Vec<OutboxMessage>,
 }
 
 impl std::fmt::Debug for BatchContext<'_> {
@@ -99,12 +113,18 @@ impl std::fmt::Debug for BatchContext<'_> {
 }
 
 impl<'t> BatchContext<'t> {
-    /// A context over `conn` for events emitted by `source` (the step's name).
-    pub fn new(conn: &'t mut PgConnection, source: &'t str) -> Self {
+    /// A context over `conn` for events emitted by `source` (the step's name), collected in `emitted` (the
+    /// runtime's).
+    #[doc(hidden)]
+    pub fn new(
+        conn: &'t mut PgConnection,
+        source: &'t str,
+        emitted: &'t mut Vec<OutboxMessage>,
+    ) -> Self {
         Self {
             conn,
             source,
-            emitted: Vec::new(),
+            emitted,
         }
     }
 
@@ -113,8 +133,21 @@ impl<'t> BatchContext<'t> {
         self.conn
     }
 
-    /// Emits a follow-up event caused by `cause`; it inherits `cause`'s saga lineage.
-    pub fn emit<P>(&mut self, cause: &crate::Message<P>, event: Event) {
+    /// Emits `event` caused by `cause` to `topic`, keyed by `partition_key`; it inherits `cause`'s saga
+    /// lineage.
+    pub fn emit<P, E: SagaEvent>(
+        &mut self,
+        cause: &Message<P>,
+        topic: &Topic<E>,
+        partition_key: impl Into<String>,
+        event: &E,
+    ) -> Result<(), StepError> {
+        self.emit_event(cause, Event::of(topic, partition_key, event)?);
+        Ok(())
+    }
+
+    /// Emits an event built at run time, caused by `cause`; prefer [`BatchContext::emit`].
+    pub fn emit_event<P>(&mut self, cause: &Message<P>, event: Event) {
         self.emitted.push(OutboxMessage::from_event(
             event,
             &cause.lineage(),
@@ -122,32 +155,13 @@ impl<'t> BatchContext<'t> {
         ));
     }
 
-    /// Emits `event` caused by `cause` to `topic`, keyed by `partition_key`; its type comes from
-    /// [`SagaEvent::TYPE`].
-    pub fn emit_to<P, E: SagaEvent>(
-        &mut self,
-        cause: &crate::Message<P>,
-        topic: impl Into<String>,
-        partition_key: impl Into<String>,
-        event: &E,
-    ) -> Result<(), StepError> {
-        self.emit(cause, Event::of(topic, partition_key, event)?);
-        Ok(())
-    }
-
-    /// A single-message context for `cause`, sharing this batch's connection; what it emits joins the
-    /// batch's events when [`BatchContext::absorb`] takes it back.
-    pub fn for_message<P>(&mut self, cause: &crate::Message<P>) -> StepContext<'_> {
-        StepContext::new(&mut *self.conn, cause.lineage(), self.source)
-    }
-
-    /// Takes the events a single-message context emitted.
-    pub fn absorb(&mut self, emitted: Vec<OutboxMessage>) {
-        self.emitted.extend(emitted);
-    }
-
-    /// Ends the context, handing back what was emitted.
-    pub fn into_emitted(self) -> Vec<OutboxMessage> {
-        self.emitted
+    /// A single-message context for `cause`, sharing this batch's transaction and events.
+    pub fn for_message<P>(&mut self, cause: &Message<P>) -> StepContext<'_> {
+        StepContext::new(
+            &mut *self.conn,
+            cause.lineage(),
+            self.source,
+            &mut *self.emitted,
+        )
     }
 }

@@ -3,17 +3,20 @@
 //! correlation id).
 
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 
+use crate::event::{FromEvent, SagaEvent, Topic};
 use crate::headers::{CLOUDEVENTS_SPEC_VERSION, HeaderError, Headers, TraceParent, names};
-use crate::key::{IdempotencyKey, KeyError, StepKey, StepName, TenantId};
+use crate::key::{ExternalKey, IdempotencyKey, KeyError, StepKey, StepName, TenantId};
 
 /// Longest accepted event type, in bytes.
+#[doc(hidden)]
 pub const MAX_EVENT_TYPE_LEN: usize = 200;
 
 /// Why a consumed message cannot be handled. Every variant is permanent: retrying the same bytes cannot
-/// succeed, so the consumer dead-letters the message at once.
+/// succeed, so the consumer dead-letters the message at once. (The runtime's: a step never sees one.)
+#[doc(hidden)]
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EnvelopeError {
     /// A required header is absent.
     #[error("missing header {0:?}")]
@@ -37,7 +40,9 @@ pub enum EnvelopeError {
     Payload(#[from] serde_json::Error),
 }
 
-/// What the framework reads from a message's headers.
+/// What the framework reads from a message's headers (the runtime's; a step reads them through
+/// [`Message`]'s accessors).
+#[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventMetadata {
     /// The saga's original idempotency key (`idempotency-key`).
@@ -120,7 +125,8 @@ fn validate_event_type(event_type: &str) -> Result<(), EnvelopeError> {
     Ok(())
 }
 
-/// Where a consumed message came from.
+/// Where a consumed message came from (the runtime's; see [`Message::topic`]).
+#[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Origin {
     /// The topic.
@@ -131,7 +137,8 @@ pub struct Origin {
     pub offset: i64,
 }
 
-/// A consumed message as the broker delivered it, before decoding.
+/// A consumed message as the broker delivered it, before decoding (the runtime's).
+#[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RawMessage {
     /// Where it came from.
@@ -146,84 +153,179 @@ pub struct RawMessage {
     pub timestamp_ms: Option<i64>,
 }
 
-/// A decoded message, as a step's handler receives it.
+/// A decoded message, as a step's handler receives it: its payload, what its headers say about the saga,
+/// and where it came from. The step key is the runtime's; a step hands an outside system
+/// [`Message::external_key`].
 #[derive(Debug, Clone)]
 pub struct Message<P> {
-    /// The typed payload.
-    pub payload: P,
-    /// What the headers say.
-    pub metadata: EventMetadata,
-    /// This step's key: `{original-key}:{step-name}`.
-    pub step_key: StepKey,
-    /// Where the message came from.
-    pub origin: Origin,
-    /// All headers, as received.
-    pub headers: Headers,
+    payload: P,
+    metadata: EventMetadata,
+    external_key: ExternalKey,
+    origin: Origin,
+    headers: Headers,
 }
 
 impl<P> Message<P> {
+    /// The typed payload.
+    pub fn payload(&self) -> &P {
+        &self.payload
+    }
+
+    /// The payload, taking the message apart.
+    pub fn into_payload(self) -> P {
+        self.payload
+    }
+
+    /// The saga's original idempotency key (the client's, carried by every message of the saga).
+    pub fn idempotency_key(&self) -> &IdempotencyKey {
+        &self.metadata.idempotency_key
+    }
+
     /// The tenant the message belongs to.
     pub fn tenant(&self) -> &TenantId {
         &self.metadata.tenant
     }
 
+    /// Its event type (`ce_type`).
+    pub fn event_type(&self) -> &str {
+        &self.metadata.event_type
+    }
+
+    /// Its id (`ce_id`), if its producer set one (the framework's events always have one).
+    pub fn message_id(&self) -> Option<&str> {
+        self.metadata.message_id.as_deref()
+    }
+
+    /// The id shared by the saga's messages (`correlation-id`), if any.
+    pub fn correlation_id(&self) -> Option<&str> {
+        self.metadata.correlation_id.as_deref()
+    }
+
+    /// The id of the message that caused this one (`causation-id`), if any.
+    pub fn causation_id(&self) -> Option<&str> {
+        self.metadata.causation_id.as_deref()
+    }
+
+    /// Who produced it (`ce_source`), if it says.
+    pub fn source(&self) -> Option<&str> {
+        self.metadata.source.as_deref()
+    }
+
+    /// The topic it was consumed from (a replay's: its original topic's).
+    pub fn topic(&self) -> &str {
+        &self.origin.topic
+    }
+
+    /// Its partition there.
+    pub fn partition(&self) -> i32 {
+        self.origin.partition
+    }
+
+    /// Its offset there.
+    pub fn offset(&self) -> i64 {
+        self.origin.offset
+    }
+
+    /// The text value of header `name`, if present (and not repeated with different values).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get_str(name).ok().flatten()
+    }
+
     /// The key to hand to a system outside the database (a payment provider's idempotency key) for this
-    /// step: unique across tenants, unlike [`Message::step_key`], which is unique only within its tenant.
-    /// See [`crate::ExternalKey`].
-    pub fn external_key(&self) -> crate::ExternalKey {
-        self.step_key.external(&self.metadata.tenant)
+    /// step: unique across tenants, stable across attempts. See [`crate::ExternalKey`].
+    pub fn external_key(&self) -> &ExternalKey {
+        &self.external_key
     }
 
     /// The saga lineage that events emitted while handling this message inherit.
     pub fn lineage(&self) -> Lineage {
         Lineage::caused_by(&self.metadata)
     }
-}
 
-impl<P: DeserializeOwned> Message<P> {
-    /// Decodes `raw` for step `step`: reads the headers, derives the step key and parses the JSON payload.
-    pub fn decode(raw: &RawMessage, step: &StepName) -> Result<Self, EnvelopeError> {
-        let metadata = EventMetadata::from_headers(&raw.headers)?;
-        Self::decode_with(raw, metadata, step)
+    /// What the headers say (the runtime's).
+    #[doc(hidden)]
+    pub fn metadata(&self) -> &EventMetadata {
+        &self.metadata
     }
 
-    /// Like [`Message::decode`], with headers already read.
+    /// The same message, for step `step` (its external key is that step's).
+    pub(crate) fn for_step(self, step: &StepName) -> Self {
+        Self::from_parts(self.payload, self.metadata, step, self.origin, self.headers)
+    }
+
+    /// The message with `payload` and what the runtime read, for step `step` (the runtime's).
+    #[doc(hidden)]
+    pub fn from_parts(
+        payload: P,
+        metadata: EventMetadata,
+        step: &StepName,
+        origin: Origin,
+        headers: Headers,
+    ) -> Self {
+        let external_key = ExternalKey::of(&metadata.tenant, &metadata.idempotency_key, step);
+        Self {
+            payload,
+            metadata,
+            external_key,
+            origin,
+            headers,
+        }
+    }
+}
+
+impl<P: FromEvent> Message<P> {
+    /// Decodes `raw` for step `step`: reads the headers and parses the payload (the runtime's).
+    #[doc(hidden)]
+    pub fn decode(raw: &RawMessage, step: &StepName) -> Result<Self, EnvelopeError> {
+        let metadata = EventMetadata::from_headers(&raw.headers)?;
+        Self::decode_with(raw, metadata, step, raw.origin.clone())
+    }
+
+    /// Like [`Message::decode`], with headers already read, for a message first consumed at `origin` (its
+    /// own position, or a replay's original one) (the runtime's).
+    #[doc(hidden)]
     pub fn decode_with(
         raw: &RawMessage,
         metadata: EventMetadata,
         step: &StepName,
+        origin: Origin,
     ) -> Result<Self, EnvelopeError> {
-        let payload = serde_json::from_slice(raw.payload.as_deref().unwrap_or(b"null"))?;
-        Ok(Self {
+        let payload = P::from_event(
+            &metadata.event_type,
+            raw.payload.as_deref().unwrap_or(b"null"),
+        )?;
+        Ok(Self::from_parts(
             payload,
-            step_key: metadata.step_key(step),
             metadata,
-            origin: raw.origin.clone(),
-            headers: raw.headers.clone(),
-        })
+            step,
+            origin,
+            raw.headers.clone(),
+        ))
     }
 }
 
 /// What an emitted event inherits from the saga: the original key, the tenant, the correlation id, its cause
-/// and the trace.
+/// and the trace. A step gets it from [`Message::lineage`]; a saga that starts outside a message (an HTTP
+/// request, a scheduled job) begins one with [`Lineage::root`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lineage {
-    /// The saga's original idempotency key.
-    pub idempotency_key: IdempotencyKey,
-    /// The saga's tenant.
-    pub tenant: TenantId,
-    /// The saga's correlation id.
-    pub correlation_id: String,
-    /// The id of the message whose handling emits the event, if any.
-    pub causation_id: Option<String>,
-    /// The trace context the event carries (its `traceparent`): the span that emitted it.
-    pub traceparent: TraceParent,
+    idempotency_key: IdempotencyKey,
+    tenant: TenantId,
+    correlation_id: String,
+    causation_id: Option<String>,
+    traceparent: TraceParent,
 }
 
 impl Lineage {
     /// The lineage of a saga that starts here (an HTTP request, a scheduled job): the correlation id is the
-    /// idempotency key and a new trace begins unless `traceparent` continues one.
-    pub fn root(
+    /// idempotency key, and a new trace begins.
+    pub fn root(idempotency_key: IdempotencyKey, tenant: TenantId) -> Self {
+        Self::root_traced(idempotency_key, tenant, None)
+    }
+
+    /// Like [`Lineage::root`], continuing the trace of `traceparent` if any (the runtime's).
+    #[doc(hidden)]
+    pub fn root_traced(
         idempotency_key: IdempotencyKey,
         tenant: TenantId,
         traceparent: Option<TraceParent>,
@@ -239,6 +341,7 @@ impl Lineage {
 
     /// The lineage of events caused by the message described by `cause`. Their trace parent is the span
     /// that processed `cause` ([`EventMetadata::span_context`]), else a new child of `cause`'s trace.
+    #[doc(hidden)]
     pub fn caused_by(cause: &EventMetadata) -> Self {
         Self {
             idempotency_key: cause.idempotency_key.clone(),
@@ -256,7 +359,8 @@ impl Lineage {
     }
 
     /// Makes `span_context`, if any, the events' trace parent: the context of the span emitting them, when
-    /// the runtime traces with OpenTelemetry.
+    /// the runtime traces with OpenTelemetry (the runtime's).
+    #[doc(hidden)]
     #[must_use]
     pub fn in_span(mut self, span_context: Option<TraceParent>) -> Self {
         if let Some(span) = span_context {
@@ -264,36 +368,65 @@ impl Lineage {
         }
         self
     }
+
+    /// The saga's original idempotency key.
+    pub fn idempotency_key(&self) -> &IdempotencyKey {
+        &self.idempotency_key
+    }
+
+    /// The saga's tenant.
+    pub fn tenant(&self) -> &TenantId {
+        &self.tenant
+    }
+
+    /// The saga's correlation id.
+    pub fn correlation_id(&self) -> &str {
+        &self.correlation_id
+    }
+
+    /// The id of the message whose handling emits the event, if any.
+    pub fn causation_id(&self) -> Option<&str> {
+        self.causation_id.as_deref()
+    }
+
+    /// The trace context the event carries (the runtime's).
+    #[doc(hidden)]
+    pub fn traceparent(&self) -> &TraceParent {
+        &self.traceparent
+    }
 }
 
-/// A follow-up event a step emits. It becomes an outbox row carrying the saga's lineage in its headers.
+/// A follow-up event: its type, topic, key and payload. Steps emit typed events with
+/// [`crate::StepContext::emit`]; this is for events whose type is known only at run time (a command an
+/// orchestrator builds from saga data, say). It becomes an outbox row carrying the saga's lineage.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
-    /// The event type (`ce_type`).
-    pub event_type: String,
-    /// The topic it is published to.
-    pub topic: String,
-    /// The Kafka key (the aggregate id), which decides the partition and the order.
-    pub partition_key: Option<String>,
-    /// The JSON payload.
-    pub payload: Vec<u8>,
-    /// Extra headers, after the framework's own.
-    pub extra_headers: Vec<(String, String)>,
+    event_type: String,
+    topic: String,
+    partition_key: Option<String>,
+    payload: Vec<u8>,
+    extra_headers: Vec<(String, String)>,
 }
 
 impl Event {
-    /// The event `event` (its type from [`crate::SagaEvent::TYPE`]) for `topic`, keyed by `partition_key`
-    /// (the aggregate id, which decides the partition and the order).
-    pub fn of<E: crate::SagaEvent>(
-        topic: impl Into<String>,
+    /// The event `event` for `topic`, keyed by `partition_key` (the aggregate id, which decides the
+    /// partition and the order).
+    pub fn of<E: SagaEvent>(
+        topic: &Topic<E>,
         partition_key: impl Into<String>,
         event: &E,
     ) -> Result<Self, serde_json::Error> {
-        Self::new(E::TYPE, topic, partition_key, event)
+        Ok(Self {
+            event_type: event.event_type().to_owned(),
+            topic: topic.name().to_owned(),
+            partition_key: Some(partition_key.into()),
+            payload: event.to_json()?,
+            extra_headers: Vec::new(),
+        })
     }
 
-    /// An event of type `event_type` for `topic`, keyed by `partition_key`, with `payload` as JSON, for
-    /// types known only at run time. Prefer [`Event::of`].
+    /// An event of type `event_type` for topic `topic`, keyed by `partition_key`, with `payload` as JSON,
+    /// for types known only at run time. Prefer [`Event::of`].
     pub fn new(
         event_type: impl Into<String>,
         topic: impl Into<String>,
@@ -310,13 +443,35 @@ impl Event {
     }
 
     /// Adds a header of the caller's own.
+    #[must_use]
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.extra_headers.push((name.into(), value.into()));
         self
     }
+
+    /// Its event type.
+    pub fn event_type(&self) -> &str {
+        &self.event_type
+    }
+
+    /// Its topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// Its Kafka key.
+    pub fn partition_key(&self) -> Option<&str> {
+        self.partition_key.as_deref()
+    }
+
+    /// Its JSON payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
 }
 
-/// A row of the transactional outbox: a message to publish as is.
+/// A row of the transactional outbox: a message to publish as is (the runtime's).
+#[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxMessage {
     /// The tenant it belongs to.
@@ -515,7 +670,7 @@ mod tests {
             ..raw
         };
         let msg = Message::<P>::decode(&ok, &StepName::from_static("s")).unwrap();
-        assert_eq!(msg.step_key.as_str(), "k-1:s");
+        assert_eq!(msg.external_key().as_str(), "acme:k-1:s");
         assert_eq!(msg.payload.x, 5);
     }
 }

@@ -9,17 +9,22 @@
 
 use std::fmt;
 
-/// Longest accepted original idempotency key, in bytes.
+/// Longest accepted original idempotency key, in bytes ([`IdempotencyKey::MAX_LEN`]).
+#[doc(hidden)]
 pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 200;
-/// Longest accepted step name, in bytes.
+/// Longest accepted step name, in bytes ([`StepName::MAX_LEN`]).
+#[doc(hidden)]
 pub const MAX_STEP_NAME_LEN: usize = 54;
-/// Longest accepted tenant id, in bytes.
+/// Longest accepted tenant id, in bytes ([`TenantId::MAX_LEN`]).
+#[doc(hidden)]
 pub const MAX_TENANT_LEN: usize = 64;
-/// The tenant of messages and requests that carry no tenant.
+/// The tenant of messages and requests that carry no tenant ([`TenantId::DEFAULT`]).
+#[doc(hidden)]
 pub const DEFAULT_TENANT: &str = "default";
 
 /// Why a key, step name or tenant was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KeyError {
     /// The value was empty.
     #[error("{what} is empty")]
@@ -128,6 +133,8 @@ string_newtype!(
 );
 
 impl IdempotencyKey {
+    /// The longest idempotency key, in bytes.
+    pub const MAX_LEN: usize = MAX_IDEMPOTENCY_KEY_LEN;
     const ALLOWED: &'static str = "ASCII letters, digits and - _ . : ~ @ / + =";
 
     /// Validates an original idempotency key.
@@ -142,7 +149,8 @@ impl IdempotencyKey {
         Ok(Self(value.to_owned()))
     }
 
-    /// The key of this saga's step `step`: `{original-key}:{step-name}`.
+    /// The key of this saga's step `step`: `{original-key}:{step-name}` (the runtime's; see [`StepKey`]).
+    #[doc(hidden)]
     pub fn step_key(&self, step: &StepName) -> StepKey {
         StepKey(format!("{}:{}", self.0, step.0))
     }
@@ -155,6 +163,8 @@ string_newtype!(
 );
 
 impl StepName {
+    /// The longest step name, in bytes.
+    pub const MAX_LEN: usize = MAX_STEP_NAME_LEN;
     const ALLOWED: &'static str = "lowercase ASCII letters, digits and -, starting with a letter";
 
     /// Validates a step name.
@@ -186,7 +196,9 @@ impl StepName {
 }
 
 string_newtype!(
-    /// The idempotency key of one saga step: `{original-key}:{step-name}`.
+    /// The idempotency key of one saga step: `{original-key}:{step-name}`, unique only within its tenant.
+    /// The runtime's, never a step's: a step hands an outside system [`ExternalKey`] instead.
+    #[doc(hidden)]
     StepKey
 );
 
@@ -216,6 +228,7 @@ impl StepKey {
 
     /// The key to hand to a system outside the database for this step in `tenant`: see [`ExternalKey`].
     /// The step key alone is unique only within a tenant.
+    #[doc(hidden)]
     pub fn external(&self, tenant: &TenantId) -> ExternalKey {
         ExternalKey::new(tenant, self)
     }
@@ -228,6 +241,10 @@ string_newtype!(
 );
 
 impl TenantId {
+    /// The longest tenant id, in bytes.
+    pub const MAX_LEN: usize = MAX_TENANT_LEN;
+    /// The tenant of messages and requests that carry none.
+    pub const DEFAULT: &'static str = DEFAULT_TENANT;
     const ALLOWED: &'static str = "ASCII letters, digits and - _ .";
 
     /// Validates a tenant id.
@@ -245,7 +262,7 @@ impl TenantId {
 ///
 /// A step key is unique only within its tenant, and one provider account usually serves every tenant: two
 /// tenants whose clients sent the same key would otherwise share one charge. Get it with
-/// [`crate::Message::external_key`] (or [`StepKey::external`]).
+/// [`crate::Message::external_key`] (or [`ExternalKey::of`]).
 ///
 /// - [`ExternalKey::as_str`] is readable where it can be, `{tenant}:{original-key}:{step}`, when that is
 ///   at most [`ExternalKey::MAX_LEN`] bytes of ASCII letters, digits and `- _ . :`; otherwise
@@ -254,11 +271,11 @@ impl TenantId {
 /// - [`ExternalKey::compact`] is always the 36-character UUIDv5, for providers with shorter limits.
 ///
 /// ```
-/// use saga_core::{IdempotencyKey, StepName, TenantId};
+/// use saga_core::{ExternalKey, IdempotencyKey, StepName, TenantId};
 ///
-/// let step_key = IdempotencyKey::new("order-42")?.step_key(&StepName::new("process-payment")?);
-/// let acme = step_key.external(&TenantId::new("acme")?);
-/// let globex = step_key.external(&TenantId::new("globex")?);
+/// let (key, step) = (IdempotencyKey::new("order-42")?, StepName::new("process-payment")?);
+/// let acme = ExternalKey::of(&TenantId::new("acme")?, &key, &step);
+/// let globex = ExternalKey::of(&TenantId::new("globex")?, &key, &step);
 /// assert_eq!(acme.as_str(), "acme:order-42:process-payment");
 /// assert_ne!(acme, globex);
 /// assert_eq!(acme.compact().len(), 36);
@@ -277,7 +294,14 @@ impl ExternalKey {
     /// The longest [`ExternalKey::as_str`], in bytes.
     pub const MAX_LEN: usize = 255;
 
+    /// The external key of step `step` of the saga with idempotency key `key` in `tenant`: what
+    /// [`crate::Message::external_key`] gives that step.
+    pub fn of(tenant: &TenantId, key: &IdempotencyKey, step: &StepName) -> Self {
+        Self::new(tenant, &key.step_key(step))
+    }
+
     /// The external key of `step_key` in `tenant`.
+    #[doc(hidden)]
     pub fn new(tenant: &TenantId, step_key: &StepKey) -> Self {
         let (original, step) = step_key
             .as_str()

@@ -12,40 +12,52 @@ use std::future::Future;
 use std::time::Duration;
 
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 
 use crate::context::{BatchContext, StepContext};
 use crate::envelope::Message;
+use crate::event::{FromEvent, SagaEvent, Topic};
 use crate::key::StepName;
 
 /// What a step consumes: events of one type on one topic.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Subscription {
-    /// The topic.
-    pub topic: String,
-    /// The event type (`ce_type`).
-    pub event_type: String,
+    topic: String,
+    event_type: String,
 }
 
 impl Subscription {
-    /// Events of type `E` on `topic` (see [`crate::SagaEvent`]).
-    pub fn of<E: crate::SagaEvent>(topic: impl Into<String>) -> Self {
-        Self::new(topic, E::TYPE)
+    /// Every event `topic` carries: one subscription per event type of `E` (several for a family).
+    pub fn to<E: SagaEvent>(topic: &Topic<E>) -> Vec<Self> {
+        E::TYPES
+            .iter()
+            .map(|event_type| Self::new(topic.name(), *event_type))
+            .collect()
     }
 
     /// Events of type `event_type` on `topic`, for types known only at run time. Prefer
-    /// [`Subscription::of`].
+    /// [`Subscription::to`].
     pub fn new(topic: impl Into<String>, event_type: impl Into<String>) -> Self {
         Self {
             topic: topic.into(),
             event_type: event_type.into(),
         }
     }
+
+    /// The topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The event type (`ce_type`).
+    pub fn event_type(&self) -> &str {
+        &self.event_type
+    }
 }
 
 /// How a handled step ended. Both variants are final: the step key is recorded with this outcome and a
 /// redelivery is a duplicate.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum StepOutcome {
     /// The step took effect. The optional result is stored and reported to duplicates.
     Completed {
@@ -83,10 +95,32 @@ impl StepOutcome {
             details: None,
         }
     }
+
+    /// Whether the step took effect (not a rejection).
+    pub fn is_completed(&self) -> bool {
+        matches!(self, Self::Completed { .. })
+    }
+
+    /// What is stored with the key: a completion's result, or a rejection's details.
+    pub fn stored(&self) -> Option<&serde_json::Value> {
+        match self {
+            Self::Completed { result } => result.as_ref(),
+            Self::Rejected { details, .. } => details.as_ref(),
+        }
+    }
+
+    /// A rejection's reason.
+    pub fn rejection_reason(&self) -> Option<&str> {
+        match self {
+            Self::Completed { .. } => None,
+            Self::Rejected { reason, .. } => Some(reason),
+        }
+    }
 }
 
 /// Whether retrying a failed handler can help.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// Everything rolls back and the message is retried with backoff (a deadlock, a timeout, a service that is
     /// briefly down). After the retry budget is spent the message is dead-lettered.
@@ -147,23 +181,29 @@ impl StepError {
         self.message_index
     }
 
-    /// Whether a database error means the connection to the database failed (refused, lost, pool
-    /// exhausted), rather than a statement. The runtime waits those out without spending retry budgets.
+    /// Whether a database error means the database cannot take statements now, rather than that a
+    /// statement failed: the connection was refused or lost, the pool is exhausted, the server is shutting
+    /// down, starting or recovering (SQLSTATE 57P01, 57P02, 57P03, class 08, too many connections 53300),
+    /// or it is read-only (25006: a switchover left the connection on a server that is no primary any
+    /// more). The runtime waits those out without spending retry budgets, and does not reuse a connection
+    /// that reported one.
     pub fn is_connection_error(err: &sqlx::Error) -> bool {
-        matches!(
-            err,
+        match err {
             sqlx::Error::Io(_)
-                | sqlx::Error::Tls(_)
-                | sqlx::Error::PoolTimedOut
-                | sqlx::Error::PoolClosed
-                | sqlx::Error::WorkerCrashed
-                | sqlx::Error::Protocol(_)
-        )
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_) => true,
+            sqlx::Error::Database(db) => db.code().is_some_and(|code| is_unavailable_code(&code)),
+            _ => false,
+        }
     }
 
-    /// Whether the error means the database itself is unreachable (connection refused or lost, pool
-    /// exhausted). The runtime retries those without spending the message's retry budget, so a database
-    /// outage stalls consumption instead of dead-lettering every message.
+    /// Whether the error means the database itself is unavailable (see [`StepError::is_connection_error`]:
+    /// connection refused or lost, pool exhausted, server shutting down or read-only after a switchover).
+    /// The runtime retries those without spending the message's retry budget, so a database outage or a
+    /// failover stalls consumption instead of dead-lettering every message.
     pub fn is_database_unavailable(&self) -> bool {
         let mut source: Option<&(dyn std::error::Error + 'static)> = Some(self.source.as_ref());
         while let Some(err) = source {
@@ -174,6 +214,12 @@ impl StepError {
         }
         false
     }
+}
+
+/// Whether SQLSTATE `code` says the server cannot take statements now (see
+/// [`StepError::is_connection_error`]).
+fn is_unavailable_code(code: &str) -> bool {
+    code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "53300" | "25006")
 }
 
 impl From<sqlx::Error> for StepError {
@@ -199,34 +245,39 @@ pub type StepResult = Result<StepOutcome, StepError>;
 /// # Examples
 ///
 /// ```
-/// use saga_core::{Message, SagaEvent, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription};
+/// use saga_core::{Message, SagaEvent, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription, Topic};
+/// use serde::{Deserialize, Serialize};
 ///
-/// #[derive(serde::Serialize, serde::Deserialize)]
+/// #[derive(Serialize, Deserialize, SagaEvent)]
+/// #[saga(crate = "saga_core")]
 /// struct PaymentProcessed { order_id: i64 }
-/// impl SagaEvent for PaymentProcessed { const TYPE: &'static str = "PaymentProcessed"; }
 ///
-/// #[derive(serde::Serialize, serde::Deserialize)]
+/// #[derive(Serialize, Deserialize, SagaEvent)]
+/// #[saga(crate = "saga_core")]
 /// struct ShipmentArranged { order_id: i64 }
-/// impl SagaEvent for ShipmentArranged { const TYPE: &'static str = "ShipmentArranged"; }
 ///
-/// struct ArrangeShipment;
+/// struct ArrangeShipment {
+///     payments: Topic<PaymentProcessed>,
+///     shipping: Topic<ShipmentArranged>,
+/// }
 ///
 /// impl SagaStep for ArrangeShipment {
 ///     type Payload = PaymentProcessed;
 ///     fn name(&self) -> StepName { StepName::from_static("arrange-shipment") }
-///     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::of::<PaymentProcessed>("payments")] }
+///     fn subscriptions(&self) -> Vec<Subscription> { Subscription::to(&self.payments) }
 ///     async fn handle(&self, msg: &Message<PaymentProcessed>, ctx: &mut StepContext<'_>) -> StepResult {
-///         sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
-///             .bind(msg.payload.order_id).execute(ctx.conn()).await?;
-///         ctx.emit_to("shipping", msg.payload.order_id.to_string(), &ShipmentArranged { order_id: msg.payload.order_id })?;
+///         let order_id = msg.payload().order_id;
+///         sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)").bind(order_id).execute(ctx.conn()).await?;
+///         ctx.emit(&self.shipping, order_id.to_string(), &ShipmentArranged { order_id })?;
 ///         Ok(StepOutcome::completed())
 ///     }
 /// }
-/// # let _ = ArrangeShipment;
+/// # let _ = ArrangeShipment { payments: Topic::new("payments"), shipping: Topic::new("shipping") };
 /// ```
 pub trait SagaStep: Send + Sync + 'static {
-    /// The decoded payload type.
-    type Payload: DeserializeOwned + Send + Sync + 'static;
+    /// The decoded payload type: an event (see [`SagaEvent`]), a family of events, or any `Deserialize`
+    /// type.
+    type Payload: FromEvent;
 
     /// The step's name; part of every step key.
     fn name(&self) -> StepName;
@@ -265,8 +316,6 @@ pub trait SagaStep: Send + Sync + 'static {
                     .await
                     .map_err(|e| e.in_message(index))?;
                 outcomes.push(outcome);
-                let emitted = single.into_emitted();
-                ctx.absorb(emitted);
             }
             Ok(outcomes)
         }
@@ -302,7 +351,7 @@ pub trait SagaStep: Send + Sync + 'static {
 ///     fn name(&self) -> StepName { StepName::from_static("charge") }
 ///     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::new("orders", "OrderPlaced")] }
 ///     async fn call(&self, msg: &Message<serde_json::Value>) -> Result<String, StepError> {
-///         let cents = msg.payload["cents"].as_i64().unwrap_or(0);
+///         let cents = msg.payload()["cents"].as_i64().unwrap_or(0);
 ///         // The external key carries the tenant: never hand the bare step key to a provider.
 ///         self.provider.charge(msg.external_key().as_str(), cents).await.map_err(StepError::transient)
 ///     }
@@ -314,8 +363,8 @@ pub trait SagaStep: Send + Sync + 'static {
 /// # let _ = Charge { provider: Provider };
 /// ```
 pub trait TwoPhaseStep: Send + Sync + 'static {
-    /// The decoded payload type.
-    type Payload: DeserializeOwned + Send + Sync + 'static;
+    /// The decoded payload type (see [`SagaStep::Payload`]).
+    type Payload: FromEvent;
     /// What the external call returns.
     type Response: Send + 'static;
 
@@ -335,9 +384,10 @@ pub trait TwoPhaseStep: Send + Sync + 'static {
     /// or when a lease expired), so it must hand the external system [`Message::external_key`] as that
     /// system's own idempotency key: the external system then returns the first call's result.
     ///
-    /// Use the external key, never `msg.step_key` alone: a step key is unique only within its tenant,
-    /// while the external system usually serves every tenant with one account, so two tenants whose
-    /// clients sent the same key would share one effect (one tenant's order paid with the other's charge).
+    /// The external key, never the client's key or the step's name alone: a client's key is unique only
+    /// within its tenant, while the external system usually serves every tenant with one account, so two
+    /// tenants whose clients sent the same key would share one effect (one tenant's order paid with the
+    /// other's charge).
     fn call(
         &self,
         msg: &Message<Self::Payload>,

@@ -4,38 +4,34 @@
 //! # Examples
 //!
 //! ```no_run
-//! use saga_core::testing::{self, message};
-//! use saga_core::{Message, SagaEvent, SagaStep, StepContext, StepName, StepOutcome, StepResult, Subscription};
+//! use saga_core::testing::{self, event};
+//! use saga_core::{Message, SagaEvent, StepContext, StepOutcome, StepResult, Topic, step};
+//! use serde::{Deserialize, Serialize};
 //!
-//! #[derive(serde::Serialize, serde::Deserialize)]
+//! #[derive(Serialize, Deserialize, SagaEvent)]
+//! #[saga(crate = "saga_core")]
 //! struct OrderPlaced { order_id: i64 }
-//! impl SagaEvent for OrderPlaced { const TYPE: &'static str = "OrderPlaced"; }
 //!
-//! struct Reserve;
-//! impl SagaStep for Reserve {
-//!     type Payload = OrderPlaced;
-//!     fn name(&self) -> StepName { StepName::from_static("reserve") }
-//!     fn subscriptions(&self) -> Vec<Subscription> { vec![Subscription::of::<OrderPlaced>("orders")] }
-//!     async fn handle(&self, msg: &Message<OrderPlaced>, ctx: &mut StepContext<'_>) -> StepResult {
-//!         sqlx::query("INSERT INTO reservations (order_id) VALUES ($1)")
-//!             .bind(msg.payload.order_id)
-//!             .execute(ctx.conn())
-//!             .await?;
-//!         Ok(StepOutcome::completed())
-//!     }
+//! async fn reserve(msg: &Message<OrderPlaced>, ctx: &mut StepContext<'_>) -> StepResult {
+//!     sqlx::query("INSERT INTO reservations (order_id) VALUES ($1)")
+//!         .bind(msg.payload().order_id)
+//!         .execute(ctx.conn())
+//!         .await?;
+//!     Ok(StepOutcome::completed())
 //! }
 //!
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
-//! let msg = message(OrderPlaced { order_id: 7 }).key("order-7").tenant("acme").build();
+//! let msg = event(OrderPlaced { order_id: 7 }).key("order-7").tenant("acme").build();
 //! let mut tx = pool.begin().await?;
-//! let handled = testing::handle(&Reserve, msg, &mut tx).await;
+//! let handled = testing::handle(&step("reserve", reserve).on(&Topic::new("orders")), msg, &mut tx).await;
 //! assert_eq!(handled.result?, StepOutcome::completed());
 //! assert!(handled.emitted.is_empty());
 //! // Drop `tx` (or roll it back) to leave nothing behind.
 //! # Ok(()) }
 //! ```
 
+use serde::de::DeserializeOwned;
 use sqlx::PgConnection;
 
 use crate::context::StepContext;
@@ -46,8 +42,8 @@ use crate::key::StepName;
 use crate::step::{SagaStep, StepResult, TwoPhaseStep};
 
 /// Starts building a message carrying `payload`. Defaults: key `test-key`, tenant `default`, event type
-/// `E::TYPE` if the payload is a [`SagaEvent`] (else `Test`, see [`MessageBuilder::event_type`]), topic
-/// `test`, partition 0, offset 0, step `test-step` (the `testing::handle` functions use the step's own).
+/// `Test` (see [`MessageBuilder::event_type`]; [`event`] takes an event's own), topic `test`, partition 0,
+/// offset 0, step `test-step` (the `testing::handle` functions use the step's own).
 pub fn message<P>(payload: P) -> MessageBuilder<P> {
     MessageBuilder {
         payload,
@@ -66,7 +62,8 @@ pub fn message<P>(payload: P) -> MessageBuilder<P> {
 
 /// Starts building a message carrying the event `payload`, with its event type.
 pub fn event<E: SagaEvent>(payload: E) -> MessageBuilder<E> {
-    message(payload).event_type(E::TYPE)
+    let event_type = payload.event_type();
+    message(payload).event_type(event_type)
 }
 
 /// Builds a [`Message`] for tests. See [`message`].
@@ -80,7 +77,7 @@ pub fn event<E: SagaEvent>(payload: E) -> MessageBuilder<E> {
 ///     .event_type("OrderPlaced")
 ///     .step("reserve")
 ///     .build();
-/// assert_eq!(msg.step_key.as_str(), "order-7:reserve");
+/// assert_eq!(msg.event_type(), "OrderPlaced");
 /// assert_eq!(msg.external_key().as_str(), "acme:order-7:reserve");
 /// ```
 #[derive(Debug, Clone)]
@@ -160,13 +157,43 @@ impl<P> MessageBuilder<P> {
             .unwrap_or_else(|e| panic!("a test message with invalid headers: {e}"));
         let step = StepName::new(&self.step)
             .unwrap_or_else(|e| panic!("a test message for an invalid step name: {e}"));
-        Message {
-            payload: self.payload,
-            step_key: metadata.step_key(&step),
-            metadata,
-            origin: self.origin,
-            headers,
-        }
+        Message::from_parts(self.payload, metadata, &step, self.origin, headers)
+    }
+}
+
+/// An event a handler emitted, as the outbox would get it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Emitted(OutboxMessage);
+
+impl Emitted {
+    /// Its event type (`ce_type`).
+    pub fn event_type(&self) -> &str {
+        self.header(names::CE_TYPE).unwrap_or_default()
+    }
+
+    /// Its topic.
+    pub fn topic(&self) -> &str {
+        &self.0.topic
+    }
+
+    /// Its Kafka key.
+    pub fn partition_key(&self) -> Option<&str> {
+        self.0.partition_key.as_deref()
+    }
+
+    /// Its payload, decoded.
+    pub fn payload<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_slice(&self.0.payload)
+    }
+
+    /// The value of its header `name` (the framework's: `idempotency-key`, `tenant-id`, …; or the
+    /// handler's own).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.0
+            .headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 }
 
@@ -177,7 +204,7 @@ pub struct Handled {
     /// What it returned.
     pub result: StepResult,
     /// The events it emitted (written to the outbox by the runtime if the result is `Ok`).
-    pub emitted: Vec<OutboxMessage>,
+    pub emitted: Vec<Emitted>,
 }
 
 /// Runs `step`'s handler for `msg` on `conn` (open a transaction and pass it, so that the test can roll it
@@ -185,16 +212,19 @@ pub struct Handled {
 /// derived for `step`.
 pub async fn handle<S: SagaStep>(
     step: &S,
-    mut msg: Message<S::Payload>,
+    msg: Message<S::Payload>,
     conn: &mut PgConnection,
 ) -> Handled {
     let name = step.name();
-    msg.step_key = msg.metadata.step_key(&name);
-    let mut ctx = StepContext::new(conn, msg.lineage(), name.as_str());
-    let result = step.handle(&msg, &mut ctx).await;
+    let msg = msg.for_step(&name);
+    let mut emitted = Vec::new();
+    let result = {
+        let mut ctx = StepContext::new(conn, msg.lineage(), name.as_str(), &mut emitted);
+        step.handle(&msg, &mut ctx).await
+    };
     Handled {
         result,
-        emitted: ctx.into_emitted(),
+        emitted: emitted.into_iter().map(Emitted).collect(),
     }
 }
 
@@ -202,11 +232,11 @@ pub async fn handle<S: SagaStep>(
 /// would, without the lease. Returns the call's error as the result if the call fails.
 pub async fn complete<S: TwoPhaseStep>(
     step: &S,
-    mut msg: Message<S::Payload>,
+    msg: Message<S::Payload>,
     conn: &mut PgConnection,
 ) -> Handled {
     let name = step.name();
-    msg.step_key = msg.metadata.step_key(&name);
+    let msg = msg.for_step(&name);
     let response = match step.call(&msg).await {
         Ok(response) => response,
         Err(e) => {
@@ -216,11 +246,14 @@ pub async fn complete<S: TwoPhaseStep>(
             };
         }
     };
-    let mut ctx = StepContext::new(conn, msg.lineage(), name.as_str());
-    let result = step.complete(&msg, response, &mut ctx).await;
+    let mut emitted = Vec::new();
+    let result = {
+        let mut ctx = StepContext::new(conn, msg.lineage(), name.as_str(), &mut emitted);
+        step.complete(&msg, response, &mut ctx).await
+    };
     Handled {
         result,
-        emitted: ctx.into_emitted(),
+        emitted: emitted.into_iter().map(Emitted).collect(),
     }
 }
 
@@ -239,14 +272,16 @@ mod tests {
             .origin("orders", 2, 41)
             .header("x-extra", "1")
             .build();
-        assert_eq!(msg.step_key.as_str(), "order-7:reserve");
         assert_eq!(msg.tenant().as_str(), "acme");
-        assert_eq!(msg.metadata.event_type, "Placed");
-        assert_eq!(msg.origin.offset, 41);
-        assert_eq!(msg.headers.get_str("x-extra"), Ok(Some("1")));
+        assert_eq!(msg.event_type(), "Placed");
+        assert_eq!(
+            (msg.topic(), msg.partition(), msg.offset()),
+            ("orders", 2, 41)
+        );
+        assert_eq!(msg.header("x-extra"), Some("1"));
         assert_eq!(msg.external_key().as_str(), "acme:order-7:reserve");
         let plain = message(()).build();
-        assert_eq!(plain.metadata.idempotency_key.as_str(), "test-key");
+        assert_eq!(plain.idempotency_key().as_str(), "test-key");
         assert_eq!(plain.tenant(), &TenantId::default());
     }
 }

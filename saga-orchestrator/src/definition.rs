@@ -4,59 +4,84 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use saga_core::{KeyError, StepName};
+use saga_core::{KeyError, SagaEvent, StepName, Topic};
 
-/// Builds a command's payload from the saga's data (what it was started with, plus every reply so far
-/// under its step's name).
-pub type PayloadFn = Arc<dyn Fn(&serde_json::Value) -> serde_json::Value + Send + Sync>;
+/// Builds a command from the saga's data (what it was started with, plus every reply so far under its step's
+/// name): its event type and its JSON payload.
+type BuildFn = Arc<dyn Fn(&serde_json::Value) -> (String, serde_json::Value) + Send + Sync>;
 
-/// A command the orchestrator sends.
+/// A command the orchestrator sends: to a participant's command topic, built from the saga's data.
 #[derive(Clone)]
 pub struct Command {
-    /// The participant's command topic.
-    pub topic: String,
-    /// The command's event type (`ce_type`).
-    pub event_type: String,
-    /// Its payload.
-    pub payload: PayloadFn,
+    topic: String,
+    build: BuildFn,
 }
 
 impl Command {
-    /// A command of type `E` (its type from [`saga_core::SagaEvent::TYPE`]) to `topic`, with the payload
-    /// `payload` builds from the saga's data.
+    /// A command to `topic`: the event `build` makes from the saga's data (its type is the event's; on a
+    /// topic of an event family, the variant's).
     ///
     /// # Examples
     ///
     /// ```
-    /// use saga_core::SagaEvent;
+    /// use saga_core::{SagaEvent, Topic};
     /// use saga_orchestrator::Command;
+    /// use serde::{Deserialize, Serialize};
     ///
-    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// #[derive(Serialize, Deserialize, SagaEvent)]
+    /// #[saga(crate = "saga_core")]
     /// struct ProcessPayment { order_id: String }
-    /// impl SagaEvent for ProcessPayment { const TYPE: &'static str = "ProcessPayment"; }
     ///
-    /// let charge = Command::of::<ProcessPayment>("saga.payment-commands", |data| data["input"].clone());
-    /// assert_eq!(charge.event_type, "ProcessPayment");
+    /// let commands: Topic<ProcessPayment> = Topic::new("saga.payment-commands");
+    /// let charge = Command::to(&commands, |data| ProcessPayment {
+    ///     order_id: data["input"]["order_id"].as_str().unwrap_or_default().to_owned(),
+    /// });
+    /// let (event_type, payload) = charge.build(&serde_json::json!({ "input": { "order_id": "7" } }));
+    /// assert_eq!((event_type.as_str(), payload["order_id"].as_str()), ("ProcessPayment", Some("7")));
     /// ```
-    pub fn of<E: saga_core::SagaEvent>(
-        topic: impl Into<String>,
-        payload: impl Fn(&serde_json::Value) -> serde_json::Value + Send + Sync + 'static,
+    pub fn to<E: SagaEvent>(
+        topic: &Topic<E>,
+        build: impl Fn(&serde_json::Value) -> E + Send + Sync + 'static,
     ) -> Self {
-        Self::new(topic, E::TYPE, payload)
+        Self {
+            topic: topic.name().to_owned(),
+            build: Arc::new(move |data| {
+                let event = build(data);
+                let payload = event
+                    .to_json()
+                    .and_then(|json| serde_json::from_slice(&json))
+                    .unwrap_or_else(|e| {
+                        // A payload type whose Serialize fails (a map with non-string keys): said loudly.
+                        tracing::error!(error = %e, "a saga command does not serialize; sending null");
+                        serde_json::Value::Null
+                    });
+                (event.event_type().to_owned(), payload)
+            }),
+        }
     }
 
     /// A command of `event_type` on `topic`, with the payload `payload` builds from the saga's data, for
-    /// types known only at run time. Prefer [`Command::of`].
+    /// types known only at run time. Prefer [`Command::to`].
     pub fn new(
         topic: impl Into<String>,
         event_type: impl Into<String>,
         payload: impl Fn(&serde_json::Value) -> serde_json::Value + Send + Sync + 'static,
     ) -> Self {
+        let event_type = event_type.into();
         Self {
             topic: topic.into(),
-            event_type: event_type.into(),
-            payload: Arc::new(payload),
+            build: Arc::new(move |data| (event_type.clone(), payload(data))),
         }
+    }
+
+    /// The participant's command topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The command for the saga's `data`: its event type and payload.
+    pub fn build(&self, data: &serde_json::Value) -> (String, serde_json::Value) {
+        (self.build)(data)
     }
 }
 
@@ -64,7 +89,6 @@ impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Command")
             .field("topic", &self.topic)
-            .field("event_type", &self.event_type)
             .finish_non_exhaustive()
     }
 }
@@ -128,20 +152,21 @@ impl Step {
         })
     }
 
-    /// Replies that complete the step.
-    pub fn succeeds_on<I: IntoIterator<Item = S>, S: Into<String>>(mut self, types: I) -> Self {
-        self.succeeds_on = types.into_iter().map(Into::into).collect();
+    /// Replies that complete the step, by event type: `E::TYPES` of an event, or a family's variants'
+    /// constants.
+    pub fn succeeds_on<I: IntoIterator<Item = S>, S: AsRef<str>>(mut self, types: I) -> Self {
+        self.succeeds_on = types.into_iter().map(|t| t.as_ref().to_owned()).collect();
         self
     }
 
-    /// Replies that fail the step.
-    pub fn fails_on<I: IntoIterator<Item = S>, S: Into<String>>(mut self, types: I) -> Self {
-        self.fails_on = types.into_iter().map(Into::into).collect();
+    /// Replies that fail the step, by event type.
+    pub fn fails_on<I: IntoIterator<Item = S>, S: AsRef<str>>(mut self, types: I) -> Self {
+        self.fails_on = types.into_iter().map(|t| t.as_ref().to_owned()).collect();
         self
     }
 
     /// The step's compensation, confirmed by `done_on`, re-sent every `resend_after` until confirmed.
-    pub fn compensate_with<I: IntoIterator<Item = S>, S: Into<String>>(
+    pub fn compensate_with<I: IntoIterator<Item = S>, S: AsRef<str>>(
         mut self,
         command: Command,
         done_on: I,
@@ -149,7 +174,7 @@ impl Step {
     ) -> Self {
         self.compensation = Some(Compensation {
             command,
-            done_on: done_on.into_iter().map(Into::into).collect(),
+            done_on: done_on.into_iter().map(|t| t.as_ref().to_owned()).collect(),
             resend_after,
         });
         self
@@ -162,9 +187,22 @@ impl Step {
         self
     }
 
-    /// `compensate-{step}`: the name of the participant step that compensates this one.
-    pub fn compensation_name(&self) -> StepName {
-        StepName::new(&format!("compensate-{}", self.name)).unwrap_or_else(|_| self.name.clone())
+    /// `compensate-{step}`: the name of the participant step that compensates this one. Fails if that is
+    /// no valid step name (the step's name is too long for the prefix): [`SagaDefinition::validate`]
+    /// refuses such a definition, naming the step.
+    pub fn compensation_name(&self) -> Result<StepName, KeyError> {
+        StepName::new(&format!("compensate-{}", self.name))
+    }
+
+    /// The names this step needs besides its own: the reply step `on-{step}` and, with a compensation,
+    /// `compensate-{step}` and its reply step `on-compensate-{step}`. Each must be a valid step name.
+    fn derived_names(&self) -> Vec<String> {
+        let mut names = vec![format!("on-{}", self.name)];
+        if self.compensation.is_some() {
+            names.push(format!("compensate-{}", self.name));
+            names.push(format!("on-compensate-{}", self.name));
+        }
+        names
     }
 }
 
@@ -193,6 +231,22 @@ pub enum DefinitionError {
         saga: String,
         /// The reply type.
         reply: String,
+    },
+    /// A name the orchestrator derives from a step's (its compensation `compensate-{step}`, the reply
+    /// steps `on-{step}` and `on-compensate-{step}`) is no valid step name: the step's name is too long for
+    /// it, say. Never replaced by another name: a step's name is its identity, in its step keys.
+    #[error(
+        "saga {saga}: step {step} needs the step name {derived:?}, which is invalid ({reason}); shorten the step's name"
+    )]
+    DerivedName {
+        /// The saga type.
+        saga: String,
+        /// The step.
+        step: String,
+        /// The derived name.
+        derived: String,
+        /// Why it is invalid.
+        reason: KeyError,
     },
     /// A step expects no reply at all.
     #[error("saga {saga}: step {step} has no reply that completes it")]
@@ -246,6 +300,16 @@ impl SagaDefinition {
                     step: step.name.to_string(),
                 });
             }
+            for derived in step.derived_names() {
+                if let Err(reason) = StepName::new(&derived) {
+                    return Err(DefinitionError::DerivedName {
+                        saga,
+                        step: step.name.to_string(),
+                        derived,
+                        reason,
+                    });
+                }
+            }
             if step.succeeds_on.is_empty() {
                 return Err(DefinitionError::NoReply {
                     saga,
@@ -273,5 +337,72 @@ impl SagaDefinition {
     /// The index of step `name`.
     pub fn index_of(&self, name: &str) -> Option<usize> {
         self.steps.iter().position(|s| s.name.as_str() == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use saga_core::MAX_STEP_NAME_LEN;
+
+    use super::*;
+
+    fn step(name: &str) -> Step {
+        Step::new(name, Command::new("commands", "Do", |d| d["input"].clone()))
+            .unwrap()
+            .succeeds_on([format!("{name}-done")])
+    }
+
+    fn refusal(definition: &SagaDefinition) -> (String, String) {
+        match definition.validate() {
+            Err(DefinitionError::DerivedName { step, derived, .. }) => (step, derived),
+            other => panic!("expected a refused derived name, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_step_whose_derived_names_are_invalid_is_refused_naming_it_never_renamed() {
+        // 45 characters: a valid step name, but `compensate-` makes 56, over the limit of 54.
+        let long = "s".repeat(45);
+        let compensated =
+            SagaDefinition::new("orders", "replies")
+                .unwrap()
+                .step(step(&long).compensate_with(
+                    Command::new("commands", "Undo", |d| d["input"].clone()),
+                    ["undone"],
+                    Duration::from_secs(1),
+                ));
+        assert_eq!(
+            refusal(&compensated),
+            (long.clone(), format!("compensate-{long}"))
+        );
+        assert!(
+            step(&long).compensation_name().is_err(),
+            "no fallback to the step's own name"
+        );
+        let message = compensated.validate().unwrap_err().to_string();
+        assert!(message.contains(&long), "{message}");
+
+        // Without a compensation only the reply step's name `on-{step}` is derived: 52 + 3 is too long.
+        let longer = "r".repeat(52);
+        let plain = SagaDefinition::new("orders", "replies")
+            .unwrap()
+            .step(step(&longer));
+        assert_eq!(refusal(&plain), (longer.clone(), format!("on-{longer}")));
+
+        // The longest name that leaves room for every derived one.
+        let fits = "f".repeat(MAX_STEP_NAME_LEN - "on-compensate-".len());
+        let fine =
+            SagaDefinition::new("orders", "replies")
+                .unwrap()
+                .step(step(&fits).compensate_with(
+                    Command::new("commands", "Undo", |d| d["input"].clone()),
+                    ["undone"],
+                    Duration::from_secs(1),
+                ));
+        fine.validate().unwrap();
+        assert_eq!(
+            fine.steps[0].compensation_name().unwrap().as_str(),
+            format!("compensate-{fits}")
+        );
     }
 }

@@ -121,6 +121,13 @@ pub struct Decision {
     pub step: Option<String>,
 }
 
+/// `compensate-{step}`, which [`SagaDefinition::validate`] (run by `Orchestrator::new`, the only way a
+/// definition reaches `decide`) checked.
+fn compensation_name(step: &crate::definition::Step) -> StepName {
+    step.compensation_name()
+        .expect("the orchestrator validated its definition's derived names when it was built")
+}
+
 /// Decides what `event` does to an instance in `state`. `None`: nothing (a stale, duplicate or unrelated
 /// reply, or an event for an ended saga).
 pub(crate) fn decide(
@@ -200,7 +207,7 @@ pub(crate) fn decide(
                 return None;
             }
             let mut next = state.clone();
-            next.data[step.compensation_name().as_str()] = payload.clone();
+            next.data[compensation_name(step).as_str()] = payload.clone();
             Some(compensate_from(def, next, j.checked_sub(1), event_type))
         }
         (SagaStatus::Compensating, SagaEvent::Timeout) => {
@@ -213,7 +220,7 @@ pub(crate) fn decide(
                 send: Some(send),
                 deadline: Some(resend_after),
                 cause: "timeout".into(),
-                step: Some(def.steps[j].compensation_name().to_string()),
+                step: Some(compensation_name(&def.steps[j]).to_string()),
                 next,
             })
         }
@@ -234,12 +241,13 @@ fn run_step(
     next.status = SagaStatus::Running;
     next.step_index = i;
     next.attempt = attempt;
+    let (event_type, payload) = step.command.build(&next.data);
     Decision {
         send: Some(Outgoing {
             step: step.name.clone(),
-            topic: step.command.topic.clone(),
-            event_type: step.command.event_type.clone(),
-            payload: (step.command.payload)(&next.data),
+            topic: step.command.topic().to_owned(),
+            event_type,
+            payload,
         }),
         deadline: Some(step.timeout),
         cause: cause.to_owned(),
@@ -268,7 +276,7 @@ fn compensate_from(
                 send: Some(send),
                 deadline: Some(resend_after),
                 cause: cause.to_owned(),
-                step: Some(def.steps[j].compensation_name().to_string()),
+                step: Some(compensation_name(&def.steps[j]).to_string()),
                 next,
             }
         }
@@ -292,12 +300,13 @@ fn compensation_command(
 ) -> Option<(Outgoing, Duration)> {
     let step = def.steps.get(j)?;
     let compensation = step.compensation.as_ref()?;
+    let (event_type, payload) = compensation.command.build(&state.data);
     Some((
         Outgoing {
-            step: step.compensation_name(),
-            topic: compensation.command.topic.clone(),
-            event_type: compensation.command.event_type.clone(),
-            payload: (compensation.command.payload)(&state.data),
+            step: compensation_name(step),
+            topic: compensation.command.topic().to_owned(),
+            event_type,
+            payload,
         },
         compensation.resend_after,
     ))

@@ -148,8 +148,8 @@ impl Orchestrator {
         let (instance, created) = store::insert(
             conn,
             def.saga_type.as_str(),
-            &lineage.tenant,
-            &lineage.idempotency_key,
+            lineage.tenant(),
+            lineage.idempotency_key(),
             &SagaState::started(input),
         )
         .await?;
@@ -199,8 +199,10 @@ impl Orchestrator {
     /// Fires the due timers of up to `limit` instances in one transaction, skipping instances another
     /// instance of the orchestrator is handling. Each instance moves in a savepoint of its own: one whose
     /// transition fails (its hook errs, its data is unreadable) is rolled back alone, marked with the error
-    /// (`timer_failures`, `last_error`) and tried again later with backoff, while the others move. Returns
-    /// how many moved.
+    /// (`timer_failures`, `last_error`) and tried again later with backoff, while the others move. One the
+    /// definition has no move for (it was at a step the definition no longer has) is marked stuck with the
+    /// reason and its deadline cleared: it is never due again until someone moves it. Returns how many
+    /// moved.
     pub async fn fire_due(&self, pool: &PgPool, limit: i64) -> Result<usize, OrchestratorError> {
         let def = &self.inner.definition;
         let mut tx = pool.begin().await?;
@@ -209,9 +211,19 @@ impl Orchestrator {
         for instance in &due {
             let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
             match self.fire_one(&mut savepoint, instance).await {
-                Ok(fired) => {
+                Ok(true) => {
                     savepoint.commit().await?;
-                    moved += usize::from(fired);
+                    moved += 1;
+                }
+                Ok(false) => {
+                    savepoint.commit().await?;
+                    let reason = format!(
+                        "its deadline passed at step {} ({}), and the definition of {} has no move for it \
+                         (a step removed from the definition?)",
+                        instance.step_index, instance.status, instance.saga_type
+                    );
+                    tracing::error!(saga = %instance.saga_id, %reason, "a saga is stuck; its timer is cleared");
+                    store::mark_stuck(&mut tx, instance, &reason).await?;
                 }
                 Err(e) => {
                     savepoint.rollback().await?;
@@ -303,7 +315,7 @@ impl Orchestrator {
             steps.push(self.reply_step(&format!("on-{}", step.name), &types));
             if let Some(c) = &step.compensation {
                 let types: Vec<&String> = c.done_on.iter().collect();
-                steps.push(self.reply_step(&format!("on-{}", step.compensation_name()), &types));
+                steps.push(self.reply_step(&format!("on-compensate-{}", step.name), &types));
             }
         }
         steps
@@ -313,7 +325,10 @@ impl Orchestrator {
         let topic = &self.inner.definition.reply_topic;
         ReplyStep {
             orchestrator: self.clone(),
-            name: StepName::new(name).unwrap_or_else(|_| StepName::from_static("on-reply")),
+            // Checked when the orchestrator was built (`SagaDefinition::validate`): never replaced.
+            name: StepName::new(name).expect(
+                "the orchestrator validated its definition's derived names when it was built",
+            ),
             subscriptions: types
                 .iter()
                 .map(|t| Subscription::new(topic, t.as_str()))
@@ -395,7 +410,7 @@ impl SagaStep for ReplyStep {
     ) -> StepResult {
         let moved = self
             .orchestrator
-            .on_reply(ctx.conn(), &msg.metadata, &msg.payload)
+            .on_reply(ctx.conn(), msg.metadata(), msg.payload())
             .await?;
         StepOutcome::completed_with(&serde_json::json!({ "moved": moved }))
     }

@@ -44,6 +44,9 @@ pub struct SagaInstance {
     pub timer_failures: i32,
     /// The last such failure.
     pub last_error: Option<String>,
+    /// Why it is stuck: its deadline passed and the definition has no move for it. Cleared by a
+    /// transition.
+    pub stuck_reason: Option<String>,
     /// When it started.
     pub created_at: DateTime<Utc>,
     /// When it last changed.
@@ -66,7 +69,7 @@ impl SagaInstance {
 
     /// The lineage commands of this saga inherit when no message causes them (the start, a timeout).
     pub(crate) fn lineage(&self) -> Result<Lineage, OrchestratorError> {
-        Ok(Lineage::root(
+        Ok(Lineage::root_traced(
             IdempotencyKey::new(&self.idempotency_key)
                 .map_err(|e| OrchestratorError::Corrupt(e.to_string()))?,
             TenantId::new(&self.tenant).map_err(|e| OrchestratorError::Corrupt(e.to_string()))?,
@@ -94,7 +97,7 @@ pub struct Transition {
 }
 
 const COLUMNS: &str = "saga_id, saga_type, tenant_id, idempotency_key, status, step_index, attempt, step_keys, \
-     data, failure, deadline, version, created_at, updated_at, timer_failures, last_error";
+     data, failure, deadline, version, created_at, updated_at, timer_failures, last_error, stuck_reason";
 
 fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
     Ok(SagaInstance {
@@ -114,6 +117,7 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
         updated_at: row.try_get(13)?,
         timer_failures: row.try_get(14)?,
         last_error: row.try_get(15)?,
+        stuck_reason: row.try_get(16)?,
     })
 }
 
@@ -183,7 +187,8 @@ pub async fn load(pool: &PgPool, saga_id: Uuid) -> Result<Option<SagaInstance>, 
 pub struct SagaFilter {
     /// Only instances in this status.
     pub status: Option<SagaStatus>,
-    /// Only unfinished instances (running or compensating) that have not moved for this long.
+    /// Only stuck instances: unfinished ones (running or compensating) that have not moved for this long,
+    /// and those marked stuck (see [`SagaInstance::stuck_reason`]).
     pub stuck_for: Option<std::time::Duration>,
     /// At most this many (default: 100).
     pub limit: Option<i64>,
@@ -197,7 +202,7 @@ impl SagaFilter {
         self
     }
 
-    /// Unfinished instances that have not moved for `idle`.
+    /// Unfinished instances that have not moved for `idle`, and those marked stuck.
     #[must_use]
     pub fn stuck_for(mut self, idle: std::time::Duration) -> Self {
         self.stuck_for = Some(idle);
@@ -224,7 +229,8 @@ pub async fn list(
         "SELECT {COLUMNS} FROM saga_instances \
          WHERE ($1::text IS NULL OR status = $1) \
            AND ($2::bigint IS NULL OR (status IN ('running', 'compensating') \
-                                       AND updated_at < now() - $2 * interval '1 millisecond')) \
+                                       AND (updated_at < now() - $2 * interval '1 millisecond' \
+                                            OR stuck_reason IS NOT NULL))) \
          ORDER BY updated_at LIMIT $3"
     )))
     .bind(filter.status.map(SagaStatus::as_str))
@@ -308,7 +314,7 @@ pub(crate) async fn apply(
     let step_key = decision.send.as_ref().map(|s| {
         (
             s.step.to_string(),
-            lineage.idempotency_key.step_key(&s.step).to_string(),
+            lineage.idempotency_key().step_key(&s.step).to_string(),
         )
     });
     let updated = sqlx::query(
@@ -316,7 +322,8 @@ pub(crate) async fn apply(
              deadline = CASE WHEN $8::bigint IS NULL THEN NULL ELSE now() + $8 * interval '1 millisecond' END, \
              step_keys = CASE WHEN $9::text IS NULL THEN step_keys \
                               ELSE step_keys || jsonb_build_object($9::text, $10::text) END, \
-             version = version + 1, updated_at = now(), timer_failures = 0, last_error = NULL \
+             version = version + 1, updated_at = now(), timer_failures = 0, last_error = NULL, \
+             stuck_reason = NULL, stuck_at = NULL \
          WHERE saga_id = $1 AND version = $2",
     )
     .bind(instance.saga_id)
@@ -375,6 +382,25 @@ pub(crate) async fn timer_failed(
     .bind(instance.saga_id)
     .bind(instance.version)
     .bind(error)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Marks `instance` stuck for `reason` and clears its deadline: it is due, and the definition has no move
+/// for it, so firing it again could only fail the same way (see `Orchestrator::fire_due`).
+pub(crate) async fn mark_stuck(
+    conn: &mut PgConnection,
+    instance: &SagaInstance,
+    reason: &str,
+) -> Result<(), OrchestratorError> {
+    sqlx::query(
+        "UPDATE saga_instances SET deadline = NULL, stuck_reason = $3, stuck_at = now() \
+         WHERE saga_id = $1 AND version = $2",
+    )
+    .bind(instance.saga_id)
+    .bind(instance.version)
+    .bind(reason)
     .execute(conn)
     .await?;
     Ok(())

@@ -34,6 +34,7 @@ async fn each_crate_applies_only_its_own_tables() {
         [
             "_saga_consumer_migrations",
             "_saga_migrations",
+            "saga_consumer_groups",
             "saga_consumer_progress",
             "saga_consumer_suspects",
             "saga_idempotency_keys",
@@ -104,11 +105,11 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
     }
     assert_eq!(
         recorded(&db.pool, saga_consumer::migrate::MIGRATIONS_TABLE).await,
-        [20_261_121_000_003, 20_261_123_000_001]
+        [20_261_121_000_003, 20_261_123_000_001, 20_261_124_000_002]
     );
     assert_eq!(
         recorded(&db.pool, saga_orchestrator::migrate::MIGRATIONS_TABLE).await,
-        [20_261_121_000_004, 20_261_122_000_002]
+        [20_261_121_000_004, 20_261_122_000_002, 20_261_124_000_001]
     );
     // The old set's record stays, beside the core's later migrations: the core migrator tolerates the
     // versions it no longer owns.

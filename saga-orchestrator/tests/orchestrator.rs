@@ -43,7 +43,7 @@ impl SagaStep for Participant {
     }
 
     async fn handle(&self, msg: &Message<Value>, ctx: &mut StepContext<'_>) -> StepResult {
-        let input = &msg.payload;
+        let input = msg.payload();
         if input["silent"] == self.name {
             return Ok(StepOutcome::completed());
         }
@@ -55,7 +55,7 @@ impl SagaStep for Participant {
         };
         sqlx::query("INSERT INTO effects (kind, step_key) VALUES ($1, $2)")
             .bind(&kind)
-            .bind(msg.step_key.as_str())
+            .bind(format!("{}:{}", msg.idempotency_key(), self.name))
             .execute(ctx.conn())
             .await?;
         let reply = if failing {
@@ -63,10 +63,10 @@ impl SagaStep for Participant {
         } else {
             self.ok.clone()
         };
-        ctx.emit(Event::new(
+        ctx.emit_event(Event::new(
             reply,
             &self.replies,
-            msg.metadata.idempotency_key.to_string(),
+            msg.idempotency_key().to_string(),
             &json!({ "by": self.name, "reason": format!("{} says no", self.name) }),
         )?);
         Ok(StepOutcome::completed())
@@ -167,6 +167,9 @@ impl World {
             kafka
                 .create_topic(&format!("{commands}.{group}.dlq"), 1)
                 .await;
+            kafka
+                .create_topic(&format!("{commands}.{group}.retry"), 1)
+                .await;
         }
         Self {
             db,
@@ -259,7 +262,7 @@ impl World {
     }
 
     async fn start_saga(&self, orchestrator: &Orchestrator, key: &str, input: Value) -> uuid::Uuid {
-        let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default(), None);
+        let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default());
         let mut tx = self.db.pool.begin().await.unwrap();
         let (id, created) = orchestrator.start(&mut tx, &lineage, input).await.unwrap();
         tx.commit().await.unwrap();

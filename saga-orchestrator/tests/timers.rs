@@ -50,7 +50,7 @@ fn definition() -> SagaDefinition {
 
 async fn start(db: &TestDb, orchestrator: &Orchestrator, key: &str) -> Uuid {
     let mut tx = db.pool.begin().await.unwrap();
-    let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default(), None);
+    let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default());
     let (id, _) = orchestrator
         .start(&mut tx, &lineage, serde_json::json!({}))
         .await
@@ -120,4 +120,82 @@ async fn a_saga_whose_timer_fails_is_marked_and_put_off_while_the_others_fire() 
         0,
         "nothing else is due"
     );
+}
+
+#[tokio::test]
+async fn due_sagas_the_definition_has_no_move_for_are_marked_stuck_and_a_healthy_timer_still_fires()
+{
+    let db = TestDb::with(
+        "timers-stuck",
+        &[
+            saga_consumer::migrate::migrator(),
+            saga_orchestrator::migrate::migrator(),
+        ],
+    )
+    .await;
+    let orchestrator = Orchestrator::new(definition()).unwrap();
+    let healthy = start(&db, &orchestrator, "healthy").await;
+    let mut stuck = Vec::new();
+    for n in 0..200 {
+        stuck.push(start(&db, &orchestrator, &format!("lost-{n}")).await);
+    }
+    // These sagas were at a step the definition no longer has (it lost a step), and are due before the
+    // healthy one: `decide` has nothing for them.
+    sqlx::query(
+        "UPDATE saga_instances SET step_index = 3, deadline = now() - interval '20 seconds' \
+         WHERE saga_id = ANY($1)",
+    )
+    .bind(&stuck)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE saga_instances SET deadline = now() - interval '10 seconds' WHERE saga_id = $1",
+    )
+    .bind(healthy)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    // Ticks of 100, as `run_timers` fires them: the healthy timer fires by the third.
+    let mut moved = 0;
+    for _ in 0..3 {
+        moved += orchestrator.fire_due(&db.pool, 100).await.unwrap();
+    }
+    assert_eq!(moved, 1, "the healthy saga moved");
+    let healthy_now = saga_orchestrator::store::load(&db.pool, healthy)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(healthy_now.status, "running", "its timeout was applied");
+
+    let listed = saga_orchestrator::store::list(
+        &db.pool,
+        &saga_orchestrator::store::SagaFilter::default()
+            .stuck_for(Duration::from_secs(3600))
+            .limit(500),
+    )
+    .await
+    .unwrap();
+    assert_eq!(listed.len(), 200, "every lost saga is listed as stuck");
+    for saga in &listed {
+        assert_eq!(saga.deadline, None, "its timer is cleared");
+        assert_eq!(saga.version, 1, "no transition");
+        let reason = saga.stuck_reason.as_deref().unwrap_or_default();
+        assert!(
+            reason.contains("step 3") && reason.contains("no move"),
+            "{reason}"
+        );
+    }
+    assert_eq!(
+        orchestrator.fire_due(&db.pool, 100).await.unwrap(),
+        0,
+        "nothing is due any more"
+    );
+    let due: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM saga_instances WHERE deadline <= now()")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(due, 0);
 }

@@ -46,20 +46,104 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            // Errors may quote input (a header, a key): never let it drive the terminal.
             if let Some(problem) = e.chain().find_map(|c| c.downcast_ref::<ConfigProblem>()) {
-                eprintln!("error: {problem}");
+                eprintln!("error: {}", printable(&problem.to_string(), false));
                 ExitCode::from(USAGE_ERROR)
             } else if let Some(bad) = e.chain().find_map(|c| c.downcast_ref::<BadInput>()) {
-                eprintln!("error: {bad}");
+                eprintln!("error: {}", printable(&bad.to_string(), false));
                 ExitCode::from(USAGE_ERROR)
             } else {
                 let line = format!("{e:#}")
                     .split_whitespace()
                     .collect::<Vec<_>>()
                     .join(" ");
-                eprintln!("error: {line}");
+                eprintln!("error: {}", printable(&line, false));
                 ExitCode::FAILURE
             }
         }
+    }
+}
+
+/// `text` safe to print to a terminal: control characters (C0 but, with `keep_newlines`, the newline;
+/// DEL; C1, such as the 8-bit CSI) and the invisible or direction-changing format characters (bidi
+/// overrides and isolates, zero-width characters) are written as `\u{..}` escapes, so that a message's
+/// key, header or payload cannot move the cursor, rewrite the screen, set the window title or reorder what
+/// an operator reads. Everything else is left as it is.
+pub fn printable(text: &str, keep_newlines: bool) -> std::borrow::Cow<'_, str> {
+    let unsafe_char =
+        |c: char| (c.is_control() && !(keep_newlines && c == '\n')) || is_invisible_format(c);
+    if !text.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if unsafe_char(c) {
+            out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// JSON text (`serde_json`'s, which escapes C0 controls only) with DEL, C1 controls and invisible format
+/// characters escaped as `\uXXXX` too: the same value for a parser, harmless on a terminal.
+pub fn printable_json(json: &str) -> std::borrow::Cow<'_, str> {
+    let escape = |c: char| (c.is_control() && c != '\n') || is_invisible_format(c);
+    if !json.chars().any(escape) {
+        return std::borrow::Cow::Borrowed(json);
+    }
+    let mut out = String::with_capacity(json.len() + 16);
+    for c in json.chars() {
+        if escape(c) {
+            // Only inside strings: JSON's own syntax is ASCII without controls but the newline.
+            out.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Zero-width and direction-changing format characters (Trojan Source's bidi overrides among them).
+fn is_invisible_format(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061c}'
+            | '\u{200b}'..='\u{200f}'
+            | '\u{202a}'..='\u{202e}'
+            | '\u{2060}'..='\u{2064}'
+            | '\u{2066}'..='\u{2069}'
+            | '\u{feff}'
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escape_sequences_and_direction_overrides_are_shown_not_obeyed() {
+        assert_eq!(printable("order-7", false), "order-7");
+        assert_eq!(
+            printable("a\u{1b}]0;pwned\u{7}b\u{9b}2J\u{202e}c\nd", false),
+            "a\\u{1b}]0;pwned\\u{7}b\\u{9b}2J\\u{202e}c\\u{a}d"
+        );
+        assert_eq!(printable("line\nline\r", true), "line\nline\\u{d}");
+        let json =
+            serde_json::to_string(&serde_json::json!({"k": "a\u{1b}b\u{9b}c\u{202e}d"})).unwrap();
+        let shown = printable_json(&json);
+        assert!(
+            !shown
+                .chars()
+                .any(|c| c.is_control() || is_invisible_format(c)),
+            "{shown}"
+        );
+        let back: serde_json::Value = serde_json::from_str(&shown).unwrap();
+        assert_eq!(
+            back["k"], "a\u{1b}b\u{9b}c\u{202e}d",
+            "the same value for a parser"
+        );
     }
 }

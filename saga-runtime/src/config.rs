@@ -9,48 +9,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-/// A setting that keeps a process from starting: which one, what is wrong, and what to do. Binaries print
-/// it as one line and exit with code 2 (see [`crate::cli::exit_code`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigProblem {
-    /// The environment variable (or flag) at fault, such as `DATABASE_URL`.
-    pub setting: String,
-    /// What is wrong with it.
-    pub problem: String,
-    /// What to do about it.
-    pub fix: String,
-}
-
-impl ConfigProblem {
-    /// A problem with `setting`: `problem`, fixed by `fix`.
-    pub fn new(
-        setting: impl Into<String>,
-        problem: impl Into<String>,
-        fix: impl Into<String>,
-    ) -> Self {
-        Self {
-            setting: setting.into(),
-            problem: problem.into(),
-            fix: fix.into(),
-        }
-    }
-}
-
-impl fmt::Display for ConfigProblem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Errors of libraries may span lines; the report is one line.
-        let one_line = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
-        write!(
-            f,
-            "{}: {}; {}",
-            self.setting,
-            one_line(&self.problem),
-            one_line(&self.fix)
-        )
-    }
-}
-
-impl std::error::Error for ConfigProblem {}
+pub use saga_core::ConfigProblem;
 
 /// Input a command cannot act on (an unknown id, a topic that is not what it should be, a value that does
 /// not parse), said in one line. Binaries exit with code 2 on it, as on a [`ConfigProblem`].

@@ -14,70 +14,10 @@ use saga_core::Headers;
 
 use crate::config::ConfigProblem;
 
-/// Where the broker is, and extra librdkafka properties: the framework's own Kafka settings type, free of
-/// any client library's types.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct KafkaConfig {
-    /// `bootstrap.servers`.
-    pub brokers: String,
-    /// Extra librdkafka properties, applied last (security settings, tuning).
-    pub properties: Vec<(String, String)>,
-}
+pub use saga_core::KafkaConfig;
 
 /// The variable naming the brokers.
 pub const BROKERS_VAR: &str = "KAFKA_BROKERS";
-
-impl KafkaConfig {
-    /// The broker list `brokers` with no extra properties.
-    pub fn new(brokers: impl Into<String>) -> Self {
-        Self {
-            brokers: brokers.into(),
-            properties: Vec::new(),
-        }
-    }
-
-    /// Adds a librdkafka property (`security.protocol`, say), applied after the framework's own.
-    #[must_use]
-    pub fn with_property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.properties.push((name.into(), value.into()));
-        self
-    }
-
-    /// From the environment: `KAFKA_BROKERS` (required: a missing one is a [`ConfigProblem`], never a
-    /// silent default), and every `KAFKA_PROPERTY_*` variable as a librdkafka property
-    /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
-    pub fn from_env() -> Result<Self, ConfigProblem> {
-        Self::with_env_properties(std::env::var(BROKERS_VAR).ok())
-    }
-
-    /// `brokers` (read by a command line from a flag or `KAFKA_BROKERS`) with every `KAFKA_PROPERTY_*`
-    /// variable as a librdkafka property; a missing or blank one is a [`ConfigProblem`] naming
-    /// `KAFKA_BROKERS`.
-    pub fn with_env_properties(brokers: Option<String>) -> Result<Self, ConfigProblem> {
-        let brokers = brokers.filter(|b| !b.trim().is_empty()).ok_or_else(|| {
-            ConfigProblem::new(
-                BROKERS_VAR,
-                "is not set",
-                "set it to the bootstrap servers, such as 127.0.0.1:9092",
-            )
-        })?;
-        Ok(Self {
-            brokers,
-            properties: properties_from_env(),
-        })
-    }
-}
-
-/// Every `KAFKA_PROPERTY_*` variable, as a librdkafka property name and value.
-pub fn properties_from_env() -> Vec<(String, String)> {
-    std::env::vars()
-        .filter_map(|(name, value)| {
-            let property = name.strip_prefix("KAFKA_PROPERTY_")?;
-            Some((property.to_ascii_lowercase().replace('_', "."), value))
-        })
-        .collect()
-}
 
 /// A librdkafka configuration for `config` with the settings every client of the framework uses.
 pub fn client_config(config: &KafkaConfig) -> ClientConfig {

@@ -1,15 +1,15 @@
 //! # saga-runtime
 //!
-//! **An internal crate** of saga-exactly-once: what the framework's crates share, kept out of `saga-core`
-//! (the contract steps implement) so that the contract stays small and free of broker clients. Its API is not
-//! covered by semver; depend on `saga-consumer` (services) or `outbox-relay` (the relay) instead, which
-//! re-export what a service uses.
+//! **No semver guarantees.** An internal crate of saga-exactly-once: what the framework's crates share, kept
+//! out of `saga-core` (the contract steps implement) so that the contract stays small and free of broker
+//! clients. Any release may change any of it; the framework's crates depend on it with an exact version
+//! (`=0.2.0`). Depend on `saga-consumer` (services), `outbox-relay` (the relay), `saga-orchestrator` or
+//! `saga-admin` instead: they own every type a user names.
 //!
 //! - [`store`]: the PostgreSQL idempotency store, the outbox writer, garbage collection, migrations.
-//! - `fast_path` (feature `redis`): the optional Redis fast path for hot keys in front of the store.
-//! - [`http`]: the `Idempotency-Key` layer for HTTP entry points (tower, usable with axum).
 //! - [`kafka`]: client configuration, the idempotent producer, topic creation, header conversion.
 //! - [`ops`]: the HTTP endpoint with Prometheus metrics, `/healthz` and `/readyz`.
+//! - [`replay`]: the headers of a dead letter replayed into its group's retry topic.
 //! - [`shutdown`]: a cancellation token fired by SIGTERM or Ctrl-C.
 //! - [`telemetry`]: tracing set-up for binaries, with OTLP export under the feature `otel`.
 //! - [`trace`]: the framework's spans and the W3C trace context they carry through HTTP, the outbox and
@@ -31,11 +31,9 @@
 
 pub mod cli;
 pub mod config;
-#[cfg(feature = "redis")]
-pub mod fast_path;
-pub mod http;
 pub mod kafka;
 pub mod ops;
+pub mod replay;
 pub mod shutdown;
 pub mod store;
 pub mod telemetry;

@@ -33,6 +33,22 @@ const TRACEPARENT: &str = "traceparent";
 /// them. `RUST_LOG` directives for `saga_runtime` still cover it.
 pub const SAMPLED_OUT_TARGET: &str = "saga_runtime::trace::sampled_out";
 
+/// The most of a Kafka key a span carries: a key may be as long as a message, and is copied into every
+/// span (and every log line and exported span) of its message.
+pub const MAX_KEY_BYTES_IN_SPAN: usize = 256;
+
+/// A Kafka key as a span attribute: as text (invalid UTF-8 replaced), at most [`MAX_KEY_BYTES_IN_SPAN`]
+/// bytes of it, and a longer one cut at a character boundary and marked `…[truncated, N bytes]`.
+pub fn bounded_key(key: &[u8]) -> std::borrow::Cow<'_, str> {
+    if key.len() <= MAX_KEY_BYTES_IN_SPAN {
+        return String::from_utf8_lossy(key);
+    }
+    let text = String::from_utf8_lossy(&key[..MAX_KEY_BYTES_IN_SPAN]);
+    // A character cut in two at the end shows as U+FFFD: drop it.
+    let text = text.trim_end_matches('\u{fffd}');
+    std::borrow::Cow::Owned(format!("{text}…[truncated, {} bytes]", key.len()))
+}
+
 /// Opens a span under [`SAMPLED_OUT_TARGET`] when the first argument is true, under this module's target
 /// otherwise: two call sites with one field list (`tracing` needs targets and field names at compile time).
 macro_rules! at_target {
@@ -216,7 +232,7 @@ pub fn process_span(fields: &MessageFields<'_>, headers: &Headers) -> Span {
         messaging.destination.name = %topic,
         messaging.destination.partition.id = fields.partition,
         messaging.kafka.offset = fields.offset,
-        messaging.kafka.message.key = fields.key.map(String::from_utf8_lossy).as_deref(),
+        messaging.kafka.message.key = fields.key.map(bounded_key).as_deref(),
         messaging.consumer.group.name = %fields.group,
         saga.step = fields.step,
         saga.step_key = fields.step_key,
@@ -252,7 +268,7 @@ pub fn publish_span(topic: &str, key: Option<&str>, headers: &[(String, String)]
             messaging.system = "kafka",
             messaging.operation.type = "send",
             messaging.destination.name = %topic,
-            messaging.kafka.message.key = key,
+            messaging.kafka.message.key = key.map(str::as_bytes).map(bounded_key).as_deref(),
             messaging.destination.partition.id = tracing::field::Empty,
             messaging.kafka.offset = tracing::field::Empty,
         );
@@ -628,5 +644,39 @@ mod log_context {
         ] {
             assert!(line.contains(expected), "{expected} in {line}");
         }
+    }
+
+    #[test]
+    fn a_span_carries_at_most_a_bounded_prefix_of_a_long_key() {
+        let buffer = Arc::new(Mutex::new(Vec::new()));
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::registry().with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .with_writer(move || Shared(writer.clone())),
+        );
+        // A key of a megabyte, of two-byte characters, so that the cut falls inside one.
+        let key = "é".repeat(500_000) + "END";
+        tracing::subscriber::with_default(subscriber, || {
+            let span = process_span(
+                &MessageFields {
+                    topic: "payments",
+                    key: Some(key.as_bytes()),
+                    ..MessageFields::default()
+                },
+                &Headers::new(),
+            );
+            span.in_scope(|| tracing::warn!("a message with a long key"));
+        });
+        let line = String::from_utf8(buffer.lock().unwrap().clone()).unwrap();
+        let expected = format!(
+            "messaging.kafka.message.key=\"{}…[truncated, {} bytes]\"",
+            "é".repeat(MAX_KEY_BYTES_IN_SPAN / 2),
+            key.len()
+        );
+        assert!(line.contains(&expected), "{line}");
+        assert!(!line.contains("END"));
+        assert!(line.len() < 1_000, "the line holds the bounded key only");
+        assert_eq!(bounded_key(b"order-7"), "order-7", "short keys as they are");
     }
 }

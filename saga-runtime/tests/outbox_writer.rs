@@ -12,7 +12,6 @@ fn message(key: &str, n: u32) -> OutboxMessage {
     let lineage = Lineage::root(
         IdempotencyKey::new("client-key").unwrap(),
         TenantId::new("acme").unwrap(),
-        None,
     );
     let event = Event::new("Numbered", "numbers", key, &serde_json::json!({ "n": n })).unwrap();
     OutboxMessage::from_event(event, &lineage, "test")

@@ -26,6 +26,10 @@ pub struct TestDb {
     pub pool: PgPool,
     /// The schema's name.
     pub schema: String,
+    /// The database the schema is in.
+    database: String,
+    /// Set when the database is the test's own: it is dropped with the value.
+    admin_options: Option<PgConnectOptions>,
     options: PgConnectOptions,
 }
 
@@ -63,16 +67,42 @@ impl TestDb {
             .unwrap_or_else(|e| panic!("applying migrations to schema {}: {e}", self.schema));
     }
 
+    /// Like [`TestDb::with`], in a database of the test's own, for a test that changes database-wide
+    /// settings (`ALTER DATABASE .. SET default_transaction_read_only`, say) without touching other tests.
+    /// The database is dropped with the value, unless the test failed.
+    pub async fn with_own_database(test_name: &str, more: &[Migrator]) -> Self {
+        let database = format!(
+            "saga_{}",
+            crate::env::unique_name(test_name).replace('-', "_")
+        );
+        let db = Self::empty_in(test_name, Some(database)).await;
+        db.apply(&saga_runtime::store::migrate::migrator()).await;
+        for migrator in more {
+            db.apply(migrator).await;
+        }
+        db
+    }
+
     /// Creates the schema without applying any migration.
     pub async fn empty(test_name: &str) -> Self {
+        Self::empty_in(test_name, None).await
+    }
+
+    /// Creates the schema in `saga_test`, or in a new database `own`.
+    async fn empty_in(test_name: &str, own: Option<String>) -> Self {
         let url = crate::services().await.database_url.clone();
         let admin_options = PgConnectOptions::from_str(&url)
             .unwrap_or_else(|e| panic!("DATABASE_URL {url:?} is not a PostgreSQL URL: {e}"));
         let mut admin = connect(&admin_options, &url).await;
-        ensure_database(&mut admin).await;
+        ensure_database(&mut admin, TEST_DATABASE).await;
+        if let Some(own) = &own {
+            drop_stale_databases(&mut admin).await;
+            ensure_database(&mut admin, own).await;
+        }
         admin.close().await.ok();
+        let database = own.clone().unwrap_or_else(|| TEST_DATABASE.to_owned());
 
-        let options = admin_options.database(TEST_DATABASE);
+        let options = admin_options.clone().database(&database);
         let mut conn = connect(&options, &url).await;
         drop_stale_schemas(&mut conn).await;
         let schema = format!("t_{}", crate::env::unique_name(test_name).replace('-', "_"));
@@ -89,6 +119,8 @@ impl TestDb {
         let mut db = Self {
             pool: PgPool::connect_lazy_with(options.clone()),
             schema,
+            database,
+            admin_options: own.map(|_| admin_options),
             options,
         };
         db.pool = db.pool_of(16).await;
@@ -102,7 +134,12 @@ impl TestDb {
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(self.options.clone())
             .await
-            .unwrap_or_else(|e| panic!("connecting to {TEST_DATABASE}: {e}"))
+            .unwrap_or_else(|e| panic!("connecting to {}: {e}", self.database))
+    }
+
+    /// The database the schema is in (`saga_test`, or the test's own).
+    pub fn database(&self) -> &str {
+        &self.database
     }
 
     /// Connection options for this schema (for a pool of another size, or a dedicated connection).
@@ -110,12 +147,13 @@ impl TestDb {
         self.options.clone()
     }
 
-    /// A URL for this schema, for child processes: `DATABASE_URL`'s server, the `saga_test` database and the
+    /// A URL for this schema, for child processes: `DATABASE_URL`'s server, the schema's database and the
     /// schema as `search_path`.
     pub fn url(&self) -> String {
         format!(
-            "{}?options=-c%20search_path%3D{}",
-            Self::database_url(),
+            "{}/{}?options=-c%20search_path%3D{}",
+            server_url(),
+            self.database,
             self.schema
         )
     }
@@ -123,12 +161,7 @@ impl TestDb {
     /// The URL of the `saga_test` database itself (no schema chosen): `DATABASE_URL` with its database
     /// replaced.
     pub fn database_url() -> String {
-        let base = database_url();
-        let (without_query, _) = base.split_once('?').unwrap_or((&base, ""));
-        let server = without_query
-            .rsplit_once('/')
-            .map_or(without_query, |(server, _db)| server);
-        format!("{server}/{TEST_DATABASE}")
+        format!("{}/{TEST_DATABASE}", server_url())
     }
 
     /// Counts the rows of `table` (an unqualified name in the test's schema).
@@ -144,13 +177,17 @@ impl Drop for TestDb {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!(
-                "test failed: keeping schema {} in database {TEST_DATABASE} for inspection",
-                self.schema
+                "test failed: keeping schema {} in database {} for inspection",
+                self.schema, self.database
             );
             return;
         }
         let options = self.options.clone();
         let schema = self.schema.clone();
+        let own_database = self
+            .admin_options
+            .clone()
+            .map(|admin| (admin, self.database.clone()));
         // Drop runs inside the test's runtime, which may be single-threaded and is blocked here: nothing
         // may wait for it. Clean up on a thread with a runtime of its own, over a connection of its own:
         // end the test's sessions (their open transactions would block the DROP), then drop the schema.
@@ -180,6 +217,16 @@ impl Drop for TestDb {
                 )))
                 .execute(&mut conn)
                 .await;
+                conn.close().await.ok();
+                if let Some((admin, database)) = own_database
+                    && let Ok(mut admin) = PgConnection::connect_with(&admin).await
+                {
+                    let _ = sqlx::query(AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+                    )))
+                    .execute(&mut admin)
+                    .await;
+                }
             });
         });
         let _ = cleanup.join();
@@ -194,17 +241,27 @@ async fn connect(options: &PgConnectOptions, url: &str) -> PgConnection {
     }
 }
 
-async fn ensure_database(admin: &mut PgConnection) {
+/// `DATABASE_URL` without its database and query: `postgres://user@host:port`.
+fn server_url() -> String {
+    let base = database_url();
+    let (without_query, _) = base.split_once('?').unwrap_or((&base, ""));
+    without_query
+        .rsplit_once('/')
+        .map_or(without_query, |(server, _db)| server)
+        .to_owned()
+}
+
+async fn ensure_database(admin: &mut PgConnection, name: &str) {
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-            .bind(TEST_DATABASE)
+            .bind(name)
             .fetch_one(&mut *admin)
             .await
             .expect("looking up the test database");
     if exists {
         return;
     }
-    if let Err(e) = sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {TEST_DATABASE}")))
+    if let Err(e) = sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
         .execute(&mut *admin)
         .await
     {
@@ -213,8 +270,30 @@ async fn ensure_database(admin: &mut PgConnection) {
             .as_database_error()
             .and_then(|d| d.code())
             .is_some_and(|code| code == "42P04" || code == "23505");
-        assert!(raced, "creating database {TEST_DATABASE}: {e}");
+        assert!(raced, "creating database {name}: {e}");
     }
+}
+
+/// Drops the databases of tests ([`TestDb::with_own_database`]) that failed or were killed long ago.
+async fn drop_stale_databases(admin: &mut PgConnection) {
+    let databases: Vec<String> =
+        sqlx::query_scalar("SELECT datname::text FROM pg_database WHERE datname LIKE 'saga\\_%'")
+            .fetch_all(&mut *admin)
+            .await
+            .unwrap_or_default();
+    for database in databases.into_iter().filter(|d| is_stale(d)) {
+        let _ = sqlx::query(AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+        )))
+        .execute(&mut *admin)
+        .await;
+    }
+}
+
+/// Whether a generated name (`{prefix}_{epoch}_{random}`) is older than [`STALE_AFTER_SECS`].
+fn is_stale(name: &str) -> bool {
+    let created = name.rsplit('_').nth(1).and_then(|s| s.parse::<u64>().ok());
+    created.is_some_and(|c| epoch_secs().saturating_sub(c) > STALE_AFTER_SECS)
 }
 
 async fn drop_stale_schemas(conn: &mut PgConnection) {
@@ -223,14 +302,9 @@ async fn drop_stale_schemas(conn: &mut PgConnection) {
             .fetch_all(&mut *conn)
             .await
             .unwrap_or_default();
-    let now = epoch_secs();
     for schema in schemas {
         // t_{prefix}_{epoch}_{random}: the epoch is the second-to-last part.
-        let created = schema
-            .rsplit('_')
-            .nth(1)
-            .and_then(|s| s.parse::<u64>().ok());
-        if created.is_some_and(|c| now.saturating_sub(c) > STALE_AFTER_SECS) {
+        if is_stale(&schema) {
             let _ = sqlx::query(AssertSqlSafe(format!(
                 "DROP SCHEMA IF EXISTS {schema} CASCADE"
             )))

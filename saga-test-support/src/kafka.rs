@@ -147,6 +147,28 @@ impl TestKafka {
         self.topics.lock().expect("topics").push(name.to_owned());
     }
 
+    /// Deletes topic `name` now and waits until the broker no longer lists it.
+    pub async fn delete_topic(&self, name: &str) {
+        let results = self
+            .admin
+            .delete_topics(
+                &[name],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("deleting topic {name}: {e}"));
+        for result in results {
+            if let Err((topic, code)) = result {
+                panic!("deleting topic {topic}: {code}");
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.partition_count(name).await != 0 {
+            assert!(Instant::now() < deadline, "topic {name} is still listed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// How many partitions topic `name` has (0 if it does not exist).
     pub async fn partition_count(&self, name: &str) -> i32 {
         let config = self.config();

@@ -6,6 +6,7 @@
 //! - [`TestKafka`]: uniquely named topics, created explicitly and deleted afterwards, plus helpers to
 //!   produce and to read a topic back.
 //! - [`PrivateBroker`]: a broker process of the test's own, for tests that stop and restart the broker.
+//! - [`PrivatePostgres`]: a PostgreSQL cluster of the test's own, for tests that need a second server.
 //! - [`free_local_addr`]: an address for a server started (and restarted) on a port chosen in advance.
 //!
 //! The services come from `DATABASE_URL` / `KAFKA_BROKERS`, or, where those are unset and a Docker engine
@@ -34,6 +35,7 @@ mod db;
 mod env;
 mod kafka;
 mod ports;
+mod postgres;
 mod services;
 mod usage;
 
@@ -42,5 +44,6 @@ pub use db::TestDb;
 pub use env::{database_url, kafka_brokers, unique_name, wait_until};
 pub use kafka::{ReadMessage, TestKafka};
 pub use ports::free_local_addr;
+pub use postgres::PrivatePostgres;
 pub use services::{Services, services};
 pub use usage::expect_usage_error;

@@ -4,7 +4,7 @@ use saga_examples::service::Service;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    saga_runtime::cli::exit_code(saga_examples::service::main(
+    saga_consumer::setup::exit_code(saga_examples::service::main(
         Service::Order,
         "Runs the order service of the example saga (consumer, outbox relay, HTTP API) until SIGTERM or Ctrl-C.",
     )

@@ -4,7 +4,7 @@ use saga_examples::service::Service;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    saga_runtime::cli::exit_code(saga_examples::service::main(
+    saga_consumer::setup::exit_code(saga_examples::service::main(
         Service::Payment,
         "Runs the payment service of the example saga (consumer, outbox relay) until SIGTERM or Ctrl-C.",
     )

@@ -5,29 +5,32 @@
 //!   lag.
 //! - `/sagas/{id}`: a saga's timeline of transitions, its keys, its compensations.
 //! - `/dlq/{topic}`: a dead-letter topic's letters; `/dlq/{topic}/{partition}/{offset}` one of them, with
-//!   a replay button behind a confirmation (a POST).
+//!   a replay button behind a confirmation (a POST), unless the inspector is read-only.
 //!
-//! Bound to localhost by default. With a token (`SAGA_ADMIN_TOKEN`), every request needs it: as
-//! `?token=…` once (a cookie keeps it), or `Authorization: Bearer …`. A POST from another origin is refused.
+//! Who may drive it is checked by the `security` module: the `Host` a request names, a token where tokens are
+//! configured, and for a POST its origin and the session's CSRF token.
 
 mod pages;
+mod security;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
-use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::middleware::{self, Next};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
+use axum::{Extension, Router};
 use saga_runtime::kafka::KafkaConfig;
 use sqlx::PgPool;
 
 use crate::error::AdminError;
+pub use security::NamedToken;
+use security::{Caller, Guard};
 
-/// What the inspector shows and who may see it.
+/// What the inspector shows and who may drive it.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct InspectOptions {
@@ -37,8 +40,16 @@ pub struct InspectOptions {
     pub groups: Vec<String>,
     /// Unfinished sagas unmoved for this long count as stuck.
     pub stuck_for: Duration,
-    /// If set, required of every request.
-    pub token: Option<String>,
+    /// The tokens, by name, one of which every request must present; none: no token asked (then the
+    /// inspector must listen on localhost only, see the `saga inspect` command).
+    pub tokens: Vec<NamedToken>,
+    /// Names besides the listening address and localhost that requests may give as `Host` (the name a
+    /// proxy in front serves it under), with or without a port.
+    pub public_names: Vec<String>,
+    /// Shows no replay button and refuses every POST.
+    pub read_only: bool,
+    /// Marks cookies `Secure`: the inspector is served over TLS (by a proxy in front).
+    pub secure_cookies: bool,
 }
 
 impl Default for InspectOptions {
@@ -47,7 +58,10 @@ impl Default for InspectOptions {
             dlq_topics: Vec::new(),
             groups: Vec::new(),
             stuck_for: Duration::from_secs(300),
-            token: None,
+            tokens: Vec::new(),
+            public_names: Vec::new(),
+            read_only: false,
+            secure_cookies: false,
         }
     }
 }
@@ -59,8 +73,21 @@ struct App {
     options: Arc<InspectOptions>,
 }
 
-/// The inspector's routes over `pool`'s schema and the broker of `kafka`.
-pub fn router(kafka: KafkaConfig, pool: PgPool, options: InspectOptions) -> Router {
+/// The inspector's routes over `pool`'s schema and the broker of `kafka`, answering requests that name
+/// `bound` (the address it listens on), localhost at its port, or one of the options' public names.
+pub fn router(
+    kafka: KafkaConfig,
+    pool: PgPool,
+    options: InspectOptions,
+    bound: SocketAddr,
+) -> Router {
+    let guard = Arc::new(Guard::new(
+        bound,
+        &options.public_names,
+        options.tokens.clone(),
+        options.read_only,
+        options.secure_cookies,
+    ));
     let app = App {
         kafka,
         pool,
@@ -75,7 +102,7 @@ pub fn router(kafka: KafkaConfig, pool: PgPool, options: InspectOptions) -> Rout
             "/dlq/{topic}/{partition}/{offset}/replay",
             get(confirm_replay).post(replay),
         )
-        .layer(middleware::from_fn_with_state(app.clone(), guard))
+        .layer(axum::middleware::from_fn_with_state(guard, security::guard))
         .with_state(app)
 }
 
@@ -87,84 +114,13 @@ pub async fn serve(
     options: InspectOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AdminError> {
-    axum::serve(listener, router(kafka, pool, options))
+    let bound = listener
+        .local_addr()
+        .map_err(|e| AdminError::Store(format!("serving the inspector: {e}")))?;
+    axum::serve(listener, router(kafka, pool, options, bound))
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(|e| AdminError::Store(format!("serving the inspector: {e}")))
-}
-
-const TOKEN_COOKIE: &str = "saga_admin_token";
-
-/// The token check, and the refusal of a POST from another origin.
-async fn guard(State(app): State<App>, request: Request, next: Next) -> Response {
-    let headers = request.headers();
-    if request.method() == axum::http::Method::POST && !same_origin(headers) {
-        return (
-            StatusCode::FORBIDDEN,
-            Html(pages::message(
-                "Refused",
-                "A replay must come from this inspector's own page.",
-            )),
-        )
-            .into_response();
-    }
-    let Some(token) = app.options.token.as_deref() else {
-        return next.run(request).await;
-    };
-    let from_query = request
-        .uri()
-        .query()
-        .and_then(|q| {
-            q.split('&')
-                .find_map(|kv| kv.strip_prefix("token="))
-                .map(str::to_owned)
-        })
-        .is_some_and(|t| t == token);
-    let from_cookie = headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|c| c.trim().strip_prefix(&format!("{TOKEN_COOKIE}=")))
-        .any(|t| t == token);
-    let from_header = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|t| t == token);
-    if !(from_query || from_cookie || from_header) {
-        return (
-            StatusCode::UNAUTHORIZED,
-            Html(pages::message(
-                "Token required",
-                "This inspector requires SAGA_ADMIN_TOKEN: open it as /?token=… once.",
-            )),
-        )
-            .into_response();
-    }
-    let mut response = next.run(request).await;
-    if from_query
-        && let Ok(cookie) = HeaderValue::from_str(&format!(
-            "{TOKEN_COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
-        ))
-    {
-        response.headers_mut().append(header::SET_COOKIE, cookie);
-    }
-    response
-}
-
-/// Whether a request's `Origin` (if the browser sent one) is the host it was sent to.
-fn same_origin(headers: &HeaderMap) -> bool {
-    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
-        return true;
-    };
-    let host = headers
-        .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    origin
-        .split_once("://")
-        .is_some_and(|(_, authority)| authority == host)
 }
 
 /// An error as a page: bad input is the visitor's (400), the rest the service's (502).
@@ -195,35 +151,49 @@ async fn saga(State(app): State<App>, Path(id): Path<String>) -> Response {
     }
 }
 
-async fn dlq_topic(State(app): State<App>, Path(topic): Path<String>) -> Response {
+async fn dlq_topic(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    Path(topic): Path<String>,
+) -> Response {
     match crate::dlq::list(&app.kafka, &topic, &crate::dlq::DlqFilter::default()).await {
-        Ok(letters) => Html(pages::dlq_topic(&topic, &letters)).into_response(),
+        Ok(letters) => Html(pages::dlq_topic(&topic, &letters, caller.read_only)).into_response(),
         Err(e) => failure(&e),
     }
 }
 
 async fn dlq_letter(
     State(app): State<App>,
+    Extension(caller): Extension<Caller>,
     Path((topic, partition, offset)): Path<(String, i32, i64)>,
 ) -> Response {
     match one_letter(&app, &topic, partition, offset).await {
-        Ok(letter) => Html(pages::dlq_letter(&letter)).into_response(),
+        Ok(letter) => Html(pages::dlq_letter(&letter, caller.read_only)).into_response(),
         Err(e) => failure(&e),
     }
 }
 
 async fn confirm_replay(
     State(app): State<App>,
+    Extension(caller): Extension<Caller>,
     Path((topic, partition, offset)): Path<(String, i32, i64)>,
 ) -> Response {
-    match one_letter(&app, &topic, partition, offset).await {
-        Ok(letter) => Html(pages::confirm_replay(&letter)).into_response(),
+    if caller.read_only {
+        return failure(&AdminError::bad_input("this inspector is read-only"));
+    }
+    let letter = match one_letter(&app, &topic, partition, offset).await {
+        Ok(letter) => letter,
+        Err(e) => return failure(&e),
+    };
+    match crate::dlq::owner_of(&app.pool, &topic).await {
+        Ok(owner) => Html(pages::confirm_replay(&letter, &owner, &caller)).into_response(),
         Err(e) => failure(&e),
     }
 }
 
 async fn replay(
     State(app): State<App>,
+    Extension(caller): Extension<Caller>,
     Path((topic, partition, offset)): Path<(String, i32, i64)>,
 ) -> Response {
     let filter = crate::dlq::DlqFilter::at(partition, offset);
@@ -232,7 +202,7 @@ async fn replay(
         &app.pool,
         &topic,
         &filter,
-        &crate::dlq::ReplayOptions::default(),
+        &crate::dlq::ReplayOptions::default().by(caller.operator),
     )
     .await
     {

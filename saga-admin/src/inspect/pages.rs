@@ -7,7 +7,8 @@ use saga_runtime::kafka::KafkaConfig;
 use sqlx::PgPool;
 
 use super::InspectOptions;
-use crate::dlq::{DeadLetter, ReplayOutcome, ReplayReport};
+use super::security::Caller;
+use crate::dlq::{DeadLetter, DlqOwner, ReplayReport};
 use crate::duration::human;
 use crate::error::AdminError;
 use crate::sagas::SagaDetail;
@@ -96,17 +97,19 @@ pub(super) async fn overview(
             } else {
                 body.push_str(
                     "<table id=\"stuck-sagas\"><tr><th>saga</th><th>type</th><th>key</th><th>status</th>\
-                     <th>last moved</th><th>timer failures</th></tr>",
+                     <th>last moved</th><th>timer failures</th><th>why stuck</th></tr>",
                 );
                 for s in &stuck {
                     let _ = write!(
                         body,
                         "<tr><td><a href=\"/sagas/{id}\">{id}</a></td><td>{}</td><td>{}</td>\
-                         <td class=\"{st}\">{st}</td><td>{}</td><td class=\"num\">{}</td></tr>",
+                         <td class=\"{st}\">{st}</td><td>{}</td><td class=\"num\">{}</td>\
+                         <td class=\"stuck-reason\">{}</td></tr>",
                         esc(&s.saga_type),
                         esc(&s.idempotency_key),
                         s.updated_at.format("%Y-%m-%d %H:%M:%S"),
                         s.timer_failures,
+                        esc(s.stuck_reason.as_deref().unwrap_or("unmoved")),
                         id = s.saga_id,
                         st = esc(&s.status)
                     );
@@ -228,7 +231,8 @@ pub(super) fn saga(detail: &SagaDetail) -> String {
          <tr><th>tenant / key</th><td>{} / <code>{}</code></td></tr>\
          <tr><th>status</th><td class=\"{st}\">{st}</td></tr><tr><th>step</th><td>{}</td></tr>\
          <tr><th>version</th><td>{}</td></tr><tr><th>failure</th><td>{}</td></tr>\
-         <tr><th>deadline</th><td>{}</td></tr><tr><th>timer failures</th><td>{}</td></tr></table>",
+         <tr><th>deadline</th><td>{}</td></tr><tr><th>timer failures</th><td>{}</td></tr>\
+         <tr><th>stuck</th><td id=\"stuck-reason\">{}</td></tr></table>",
         esc(&i.saga_type),
         esc(&i.tenant),
         esc(&i.idempotency_key),
@@ -240,6 +244,7 @@ pub(super) fn saga(detail: &SagaDetail) -> String {
             |d| d.format("%Y-%m-%d %H:%M:%S").to_string()
         ),
         i.timer_failures,
+        esc(i.stuck_reason.as_deref().unwrap_or("-")),
         id = i.saga_id,
         st = esc(&i.status)
     );
@@ -310,8 +315,8 @@ pub(super) fn saga(detail: &SagaDetail) -> String {
     page(&format!("Saga {}", i.saga_id), &body)
 }
 
-/// A dead-letter topic's letters.
-pub(super) fn dlq_topic(topic: &str, letters: &[DeadLetter]) -> String {
+/// A dead-letter topic's letters (with replay buttons unless `read_only`).
+pub(super) fn dlq_topic(topic: &str, letters: &[DeadLetter], read_only: bool) -> String {
     let mut body = format!(
         "<p id=\"dlq-count\" data-count=\"{}\">{} dead letters.</p>",
         letters.len(),
@@ -327,7 +332,7 @@ pub(super) fn dlq_topic(topic: &str, letters: &[DeadLetter]) -> String {
             body,
             "<tr data-partition=\"{p}\" data-offset=\"{o}\"><td><a href=\"{link}\">{p}/{o}</a></td>\
              <td>{}/{}/{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td><a class=\"button replay\" href=\"{link}/replay\">Replay…</a></td></tr>",
+             <td>{}</td><td>{}</td></tr>",
             esc(&l.original_topic),
             l.original_partition,
             l.original_offset,
@@ -338,6 +343,11 @@ pub(super) fn dlq_topic(topic: &str, letters: &[DeadLetter]) -> String {
             l.failed_at.format("%Y-%m-%d %H:%M:%S"),
             esc(l.idempotency_key.as_deref().unwrap_or("")),
             esc(&l.tenant),
+            if read_only {
+                String::new()
+            } else {
+                format!("<a class=\"button replay\" href=\"{link}/replay\">Replay…</a>")
+            },
             p = l.partition,
             o = l.offset
         );
@@ -346,8 +356,8 @@ pub(super) fn dlq_topic(topic: &str, letters: &[DeadLetter]) -> String {
     page(&format!("Dead letters of {topic}"), &body)
 }
 
-/// One dead letter, its headers and payload, and the replay button.
-pub(super) fn dlq_letter(letter: &DeadLetter) -> String {
+/// One dead letter, its headers and payload, and the replay button (unless `read_only`).
+pub(super) fn dlq_letter(letter: &DeadLetter, read_only: bool) -> String {
     let mut body = format!(
         "<p>From <code>{}/{}/{}</code>, {} after {} attempts: {}</p><h2>Headers</h2><table id=\"headers\">",
         esc(&letter.original_topic),
@@ -380,13 +390,18 @@ pub(super) fn dlq_letter(letter: &DeadLetter) -> String {
         });
     let _ = write!(
         body,
-        "</table><h2>Payload</h2><pre id=\"payload\">{}</pre>\
-         <p><a class=\"button replay\" id=\"replay\" href=\"/dlq/{}/{}/{}/replay\">Replay…</a></p>",
-        esc(&payload),
-        seg(&letter.topic),
-        letter.partition,
-        letter.offset
+        "</table><h2>Payload</h2><pre id=\"payload\">{}</pre>",
+        esc(&payload)
     );
+    if !read_only {
+        let _ = write!(
+            body,
+            "<p><a class=\"button replay\" id=\"replay\" href=\"/dlq/{}/{}/{}/replay\">Replay…</a></p>",
+            seg(&letter.topic),
+            letter.partition,
+            letter.offset
+        );
+    }
     page(
         &format!(
             "Dead letter {}/{}/{}",
@@ -396,19 +411,27 @@ pub(super) fn dlq_letter(letter: &DeadLetter) -> String {
     )
 }
 
-/// The confirmation before a replay: a form that POSTs.
-pub(super) fn confirm_replay(letter: &DeadLetter) -> String {
+/// The confirmation before a replay: a form that POSTs, with the session's CSRF token.
+pub(super) fn confirm_replay(letter: &DeadLetter, owner: &DlqOwner, caller: &Caller) -> String {
     let body = format!(
-        "<p>Replay this message to <code>{}</code> partition {} (key <code>{}</code>)? Its step runs again \
-         unless its step key is done already; a dead letter is replayed once.</p>\
-         <form method=\"post\" action=\"/dlq/{}/{}/{}/replay\"><button type=\"submit\" id=\"confirm\">\
-         Confirm replay</button></form>",
+        "<p>Replay this message (from <code>{}</code> partition {}, key <code>{}</code>) to the retry topic \
+         <code id=\"retry-topic\">{}</code> of consumer group <code id=\"group\">{}</code>, as \
+         <b id=\"operator\">{}</b>? Only that group sees it; its step runs again unless its step key is done \
+         already. A dead letter is replayed once.</p>\
+         <form method=\"post\" action=\"/dlq/{}/{}/{}/replay\">\
+         <input type=\"hidden\" name=\"{}\" value=\"{}\">\
+         <button type=\"submit\" id=\"confirm\">Confirm replay</button></form>",
         esc(&letter.original_topic),
         letter.original_partition,
         esc(letter.idempotency_key.as_deref().unwrap_or("-")),
+        esc(&owner.retry_topic),
+        esc(&owner.group),
+        esc(&caller.operator),
         seg(&letter.topic),
         letter.partition,
-        letter.offset
+        letter.offset,
+        super::security::CSRF_FIELD,
+        esc(&caller.csrf)
     );
     page("Replay a dead letter?", &body)
 }
@@ -416,25 +439,20 @@ pub(super) fn confirm_replay(letter: &DeadLetter) -> String {
 /// What a replay did.
 pub(super) fn replayed(topic: &str, report: &ReplayReport) -> String {
     let mut body = format!(
-        "<p id=\"replayed\" data-sent=\"{}\">{} sent.</p><ul>",
+        "<p id=\"replayed\" data-sent=\"{}\">{} sent to {} (group {}) by {}.</p><ul>",
         report.sent(),
-        report.sent()
+        report.sent(),
+        esc(&report.retry_topic),
+        esc(&report.group),
+        esc(&report.operator)
     );
     for l in &report.letters {
-        let what = match &l.outcome {
-            ReplayOutcome::Sent { offset } => format!(
-                "sent to {}/{} at offset {offset}",
-                l.original_topic, l.original_partition
-            ),
-            ReplayOutcome::AlreadyReplayed => "already replayed: not sent again".to_owned(),
-            other => format!("not sent: {other:?}"),
-        };
         let _ = write!(
             body,
             "<li>{}/{}: {}</li>",
             l.partition,
             l.offset,
-            esc(&what)
+            esc(&l.outcome.describe())
         );
     }
     let _ = write!(

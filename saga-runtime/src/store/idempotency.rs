@@ -292,12 +292,16 @@ pub async fn claim_new_in_transaction(
 fn outcome_columns(
     outcome: &StepOutcome,
 ) -> (KeyStatus, Option<serde_json::Value>, Option<String>) {
-    match outcome {
-        StepOutcome::Completed { result } => (KeyStatus::Completed, result.clone(), None),
-        StepOutcome::Rejected { reason, details } => {
-            (KeyStatus::Failed, details.clone(), Some(reason.clone()))
-        }
-    }
+    let status = if outcome.is_completed() {
+        KeyStatus::Completed
+    } else {
+        KeyStatus::Failed
+    };
+    (
+        status,
+        outcome.stored().cloned(),
+        outcome.rejection_reason().map(str::to_owned),
+    )
 }
 
 /// Records the outcomes of keys claimed with [`claim_in_transaction`] in the same transaction, in one
@@ -308,7 +312,7 @@ pub async fn record_outcomes(
 ) -> Result<(), StoreError> {
     let needed: Vec<_> = outcomes
         .iter()
-        .filter(|(_, _, o)| !matches!(o, StepOutcome::Completed { result: None }))
+        .filter(|(_, _, o)| !(o.is_completed() && o.stored().is_none()))
         .collect();
     if needed.is_empty() {
         return Ok(());

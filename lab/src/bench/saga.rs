@@ -1,0 +1,233 @@
+//! End-to-end saga latency: from the order's acceptance (`POST /orders`) to its completion (the order
+//! service's `complete-order` step), with the three services running on the real broker.
+
+use std::time::Duration;
+
+use sqlx::{PgPool, Row};
+use tokio_util::sync::CancellationToken;
+
+use crate::bench::Progress;
+use crate::harness::client;
+use crate::harness::ledger;
+use crate::harness::run::plan;
+use saga_examples::service::{Service, ServiceArgs, quote_ident};
+
+/// What the sagas measured: end-to-end p50 and p99 in milliseconds, and each hop.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SagaLatency {
+    /// End to end, p50 and p99, ms.
+    pub e2e_ms: (f64, f64),
+    /// Each hop.
+    pub hops: Vec<Hop>,
+}
+
+/// One hop of the saga, p50 and p99 in milliseconds of each part, from the rows' own timestamps.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Hop {
+    /// `service event → service step`.
+    pub hop: String,
+    /// The outbox row's insert to the broker's acknowledgement (`published_at - created_at`): the commit,
+    /// the relay's wake-up, its read and the produce.
+    pub relay_ms: (f64, f64),
+    /// The acknowledgement to the start of the consuming step's transaction: the consumer's fetch and
+    /// hand-off to its worker.
+    pub delivery_ms: (f64, f64),
+    /// The step's transaction start to its own outbox row (the next hop's start), or to the order's
+    /// completion for the last hop.
+    pub step_ms: (f64, f64),
+}
+
+/// Where a hop's step ends: at the first outbox row of that event type it wrote, or when the order reached
+/// that status in its history.
+#[derive(Clone, Copy)]
+enum StepEnd {
+    Emits(&'static str),
+    Status(&'static str),
+}
+
+/// The saga's hops: (upstream service, event type, downstream service, step, where the step ends). The
+/// last is a side branch: the order service's consumer of the event shipping also consumes, so that the
+/// same message's delivery to two services compares.
+const HOPS: [(Service, &str, Service, &str, StepEnd); 4] = [
+    (
+        Service::Order,
+        "OrderCreated",
+        Service::Payment,
+        "process-payment",
+        StepEnd::Emits("PaymentProcessed"),
+    ),
+    (
+        Service::Payment,
+        "PaymentProcessed",
+        Service::Shipping,
+        "arrange-shipment",
+        StepEnd::Emits("ShipmentArranged"),
+    ),
+    (
+        Service::Shipping,
+        "ShipmentArranged",
+        Service::Order,
+        "complete-order",
+        StepEnd::Status("COMPLETED"),
+    ),
+    (
+        Service::Payment,
+        "PaymentProcessed",
+        Service::Order,
+        "mark-order-paid",
+        StepEnd::Status("PAID"),
+    ),
+];
+
+/// Each hop's parts, joined on the idempotency key the saga's events carry.
+async fn hops(pool: &PgPool, args: &ServiceArgs) -> anyhow::Result<Vec<Hop>> {
+    let header = |h: &str| format!("o.headers[array_position(o.headers, '{h}') + 1]");
+    let mut hops = Vec::new();
+    for (up, event, down, step, next) in HOPS {
+        let (up_schema, down_schema) = (
+            quote_ident(&args.schema(up)),
+            quote_ident(&args.schema(down)),
+        );
+        let step_end = match next {
+            StepEnd::Emits(next) => format!(
+                "(SELECT min(n.created_at) FROM {down_schema}.saga_outbox n \
+                  WHERE n.headers[array_position(n.headers, 'idempotency-key') + 1] = {key} \
+                    AND n.headers[array_position(n.headers, 'ce_type') + 1] = '{next}')",
+                key = header("idempotency-key")
+            ),
+            StepEnd::Status(status) => format!(
+                "(SELECT h.at FROM {down_schema}.order_history h JOIN {down_schema}.orders r ON r.order_id = h.order_id \
+                  WHERE h.status = '{status}' AND r.idempotency_key = {key} LIMIT 1)",
+                key = header("idempotency-key")
+            ),
+        };
+        let sql = format!(
+            "WITH parts AS ( \
+               SELECT extract(epoch FROM o.published_at - o.created_at) * 1000 AS relay, \
+                      extract(epoch FROM k.created_at - o.published_at) * 1000 AS delivery, \
+                      extract(epoch FROM {step_end} - k.created_at) * 1000 AS step \
+               FROM {up_schema}.saga_outbox o \
+               JOIN {down_schema}.saga_idempotency_keys k ON k.step_key = {key} || ':{step}' \
+               WHERE {ce} = '{event}' AND o.published_at IS NOT NULL) \
+             SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY relay), percentile_cont(0.99) WITHIN GROUP (ORDER BY relay), \
+                    percentile_cont(0.5) WITHIN GROUP (ORDER BY delivery), percentile_cont(0.99) WITHIN GROUP (ORDER BY delivery), \
+                    percentile_cont(0.5) WITHIN GROUP (ORDER BY step), percentile_cont(0.99) WITHIN GROUP (ORDER BY step) \
+             FROM parts",
+            key = header("idempotency-key"),
+            ce = header("ce_type"),
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .fetch_one(pool)
+            .await?;
+        let get = |i: usize| {
+            row.try_get::<Option<f64>, _>(i)
+                .map(|v| v.unwrap_or(f64::NAN))
+        };
+        hops.push(Hop {
+            hop: format!("{} {event} → {} {step}", up.as_str(), down.as_str()),
+            relay_ms: (get(0)?, get(1)?),
+            delivery_ms: (get(2)?, get(3)?),
+            step_ms: (get(4)?, get(5)?),
+        });
+    }
+    Ok(hops)
+}
+
+/// Submits `orders` happy-path orders at `per_second`; returns the end-to-end latency and its hops.
+pub async fn latency(
+    args: &ServiceArgs,
+    pool: &PgPool,
+    orders: usize,
+    per_second: u32,
+    progress: &Progress,
+) -> anyhow::Result<SagaLatency> {
+    let stop = CancellationToken::new();
+    let services: Vec<_> = Service::ALL
+        .iter()
+        .map(|s| {
+            tokio::spawn(saga_examples::service::run(
+                *s,
+                args.clone(),
+                stop.clone().cancelled_owned(),
+            ))
+        })
+        .collect();
+    // Wait for the API and for the consumers to have joined their groups.
+    loop {
+        if client::send(
+            args.http_addr,
+            "GET",
+            "/orders/00000000-0000-0000-0000-000000000000",
+            &[],
+            None,
+        )
+        .await
+        .is_ok_and(|a| a.status == 404)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let happy: Vec<_> = plan("bench", orders * 2)
+        .into_iter()
+        .filter(|o| o.path == crate::harness::ledger::Path::Happy)
+        .take(orders)
+        .collect();
+    let mut tick =
+        tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(per_second.max(1))));
+    let mut submissions = Vec::new();
+    for order in happy {
+        tick.tick().await;
+        let addr = args.http_addr;
+        submissions.push(tokio::spawn(async move {
+            client::submit_order(
+                addr,
+                &order.key,
+                &order.request,
+                false,
+                Duration::from_secs(60),
+            )
+            .await
+        }));
+    }
+    for s in submissions {
+        s.await??;
+    }
+    let submitted = i64::try_from(orders)?;
+    super::wait_until_done(
+        "the sagas",
+        Duration::from_millis(500),
+        super::STALL_LIMIT,
+        || async {
+            let finished = ledger::finished_orders(pool, args).await?;
+            progress.note(&format!("{finished}/{submitted} sagas finished"));
+            Ok(submitted - finished)
+        },
+    )
+    .await?;
+    stop.cancel();
+    for s in services {
+        s.await??;
+    }
+    let order = quote_ident(&args.schema(Service::Order));
+    let hops = hops(pool, args).await?;
+    for hop in &hops {
+        progress.note(&format!(
+            "hop {}: relay commit→ack p50/p99 {:.1}/{:.1} ms, ack→step's transaction p50/p99 {:.1}/{:.1} ms, step p50/p99 {:.1}/{:.1} ms",
+            hop.hop, hop.relay_ms.0, hop.relay_ms.1, hop.delivery_ms.0, hop.delivery_ms.1, hop.step_ms.0, hop.step_ms.1
+        ));
+    }
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) \
+         FROM (SELECT extract(epoch FROM h.at - o.created_at) * 1000 AS ms \
+               FROM {order}.orders o JOIN {order}.order_history h ON h.order_id = o.order_id AND h.status = 'COMPLETED') AS l"
+    )))
+    .fetch_one(pool)
+    .await?;
+    Ok(SagaLatency {
+        e2e_ms: (row.try_get(0)?, row.try_get(1)?),
+        hops,
+    })
+}

@@ -1,0 +1,725 @@
+//! Measures the framework on this machine: see `saga-bench --help`.
+
+use saga_examples::service::{ServiceArgs, quote_ident};
+use saga_lab::bench::{Progress, Report, broker, consumer, cpu, http, otel, relay, saga, scale};
+use saga_lab::harness::broker::Broker;
+use saga_runtime::kafka::{KafkaConfig, ensure_topics};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+
+/// Measures, in one run: consumer throughput with dedup and outbox against an at-least-once baseline, the
+/// SQL ceiling (plain, then with each statement the guarantees need) and Kafka consumption alone; relay throughput on a backlog and commit-to-ack latency at a steady rate; the HTTP idempotency layer's
+/// added latency; end-to-end saga latency. Prints a table and writes target/saga-bench.json. Needs
+/// PostgreSQL and a broker (scripts/dev-services). Build with --release.
+#[derive(Debug, clap::Parser)]
+#[command(name = "saga-bench", version)]
+struct Cli {
+    /// Messages for the consumer measurements. librdkafka's mock cluster keeps at most 5 MiB per
+    /// partition: a `-mock` section given more stops with a line saying so.
+    #[arg(long, default_value_t = 100_000)]
+    messages: i64,
+    /// Partitions of the consumer topic (and the consumers' concurrency).
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// Partitions of each topic of the `saga` section. 20 orders/s need one; on the local broker a
+    /// consumer's delivery latency grows with the partitions it reads (see the broker section).
+    #[arg(long, default_value_t = 1)]
+    saga_partitions: i32,
+    /// Messages per transaction, for both consumers.
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Rows in the relay backlog.
+    #[arg(long, default_value_t = 100_000)]
+    relay_rows: i64,
+    /// Rows per second for the latency measurement.
+    #[arg(long, default_value_t = 1_000)]
+    steady_rate: u32,
+    /// Seconds of steady writing.
+    #[arg(long, default_value_t = 10)]
+    steady_secs: u32,
+    /// Request pairs (with and without the layer).
+    #[arg(long, default_value_t = 2_000)]
+    http_requests: usize,
+    /// Orders for the end-to-end latency.
+    #[arg(long, default_value_t = 200)]
+    saga_orders: usize,
+    /// Orders per second for the end-to-end latency.
+    #[arg(long, default_value_t = 20)]
+    saga_rate: u32,
+    /// Also measure the consumer and the relay on librdkafka's in-process mock cluster, to tell the
+    /// framework's own cost from the broker's.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    mock_too: bool,
+    /// Only these sections (broker, consumer, consumer-mock, relay, relay-mock, scale, http, redis, otel,
+    /// saga); all by default. The `-mock` ones, `redis` and `otel` run on librdkafka's in-process mock
+    /// cluster; they, and `http`, need no broker.
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
+    only: Vec<String>,
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/saga_demo"
+    )]
+    database_url: String,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// Messages per setting of the scale-out section.
+    #[arg(long, default_value_t = 30_000)]
+    scale_messages: i64,
+    /// Internal: run as one consumer process of a measured run (`topic|schema|batch size|group|concurrency|tracing`).
+    #[arg(long = "scale-worker", hide = true)]
+    scale_worker: Option<String>,
+    /// Redis, for the `redis` section.
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// Rounds of the `otel` section (each: a consumer process without OpenTelemetry, one with the layer, one
+    /// with spans built).
+    #[arg(long, default_value_t = 3)]
+    otel_rounds: usize,
+    /// Where to write the figures.
+    #[arg(long, default_value = "target/saga-bench.json")]
+    output: std::path::PathBuf,
+}
+
+/// The sections of a run, in the order they run.
+const SECTIONS: [&str; 10] = [
+    "broker",
+    "consumer",
+    "consumer-mock",
+    "relay",
+    "relay-mock",
+    "scale",
+    "http",
+    "redis",
+    "otel",
+    "saga",
+];
+
+/// The sections that need no broker (the mock cluster stands in, or no Kafka at all).
+const BROKER_FREE: [&str; 5] = ["consumer-mock", "relay-mock", "http", "redis", "otel"];
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli: Cli = saga_runtime::cli::parse();
+    saga_runtime::cli::exit_code(run(cli).await)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    // `--mock-too false` leaves out the mock-cluster sections unless they are named.
+    let section = |name: &str| {
+        let named = cli.only.iter().any(|o| o == name);
+        let mock = name.ends_with("-mock");
+        named || (cli.only.is_empty() && (!mock || cli.mock_too))
+    };
+    // The framework's subscriber; a traced worker adds the OpenTelemetry layer of the `otel` section.
+    let worker = cli
+        .scale_worker
+        .as_deref()
+        .map(scale::Worker::parse)
+        .transpose()?;
+    let (_provider, otel_layer) = match worker.as_ref().and_then(|w| w.tracing.sampled_out()) {
+        Some(sampled_out) => {
+            let (provider, layer) = otel::layer(sampled_out);
+            (Some(provider), Some(layer))
+        }
+        None => (None, None),
+    };
+    let _ = tracing_subscriber::registry()
+        .with(saga_runtime::telemetry::env_filter())
+        .with(saga_runtime::telemetry::log_lines())
+        .with(otel_layer)
+        .try_init();
+    if let Some(worker) = worker {
+        let kafka = KafkaConfig::new(cli.brokers.clone());
+        return worker.run(&kafka, &cli.database_url).await;
+    }
+    let progress = Progress::new();
+    let run = format!(
+        "bench-{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis()
+    );
+    let args = ServiceArgs {
+        database_url: cli.database_url.clone(),
+        schema_prefix: run.replace('-', "_"),
+        brokers: cli.brokers.clone(),
+        topic_prefix: run.clone(),
+        http_addr: saga_test_support::free_local_addr(),
+        ops_addr: None,
+        crash_after_commit: 0.0,
+        create_topics: false,
+        gateway_latency_ms: 1,
+        embedded_relay: true,
+        orchestrated: false,
+    };
+    let uses_broker = SECTIONS
+        .iter()
+        .any(|name| !BROKER_FREE.contains(name) && section(name));
+    if uses_broker {
+        args.check().await?;
+    }
+    let kafka = KafkaConfig::new(cli.brokers.clone());
+    let mut report = Report {
+        settings: serde_json::json!({
+            "messages": cli.messages, "partitions": cli.partitions, "saga_partitions": cli.saga_partitions, "batch_size": cli.batch_size,
+            "relay_rows": cli.relay_rows, "steady_rate": cli.steady_rate, "steady_secs": cli.steady_secs,
+            "http_requests": cli.http_requests, "saga_orders": cli.saga_orders, "saga_rate": cli.saga_rate,
+            "cores": std::thread::available_parallelism().map(std::num::NonZero::get).unwrap_or(1),
+            "release_build": !cfg!(debug_assertions),
+        }),
+        ..Report::default()
+    };
+    let mut schemas = Vec::new();
+    let schema = |suffix: &str| format!("{}_{suffix}", args.schema_prefix);
+
+    if section("broker") {
+        let topic = format!("{run}.broker");
+        ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
+        progress.note("broker: raw produce throughput and ack latency");
+        report.broker_produce_msgs_per_s =
+            Some(broker::produce_throughput(&kafka, &topic, cli.relay_rows, 0, &progress).await?);
+        report.broker_produce_with_headers_msgs_per_s = Some(
+            broker::produce_throughput(&kafka, &topic, cli.relay_rows / 4, 10, &progress).await?,
+        );
+        report.broker_ack_ms = Some(broker::ack_latency(&kafka, &topic, 500).await?);
+        let (delivery, idle) = (
+            format!("{run}.broker-delivery"),
+            format!("{run}.broker-idle"),
+        );
+        let two = format!("{delivery}-2");
+        ensure_topics(&kafka, &[&delivery], 1, 1).await?;
+        ensure_topics(&kafka, &[&two, &idle], cli.partitions, 1).await?;
+        progress.note(
+            "broker: send-to-receive latency at 20 messages/s, one partition, then two topics",
+        );
+        report.broker_delivery_ms =
+            Some(broker::delivery_latency(&kafka, &delivery, None, 1, 300, 20).await?);
+        report.broker_delivery_two_topics_ms = Some(
+            broker::delivery_latency(&kafka, &two, Some(&idle), cli.partitions, 300, 20).await?,
+        );
+    }
+    if section("consumer") {
+        let figures =
+            consumer_figures(&cli, &args, &kafka, "consumer", &mut schemas, &progress).await?;
+        report.consumer_msgs_per_s = Some(figures.framework);
+        report.baseline_msgs_per_s = Some(figures.baseline);
+        report.consumer_vs_baseline_ratio = Some(figures.framework / figures.baseline);
+        report.sql_ceiling_msgs_per_s = Some(figures.ceiling);
+        report.consumer_vs_sql_ceiling_ratio = Some(figures.framework / figures.ceiling);
+        report.sql_with_guarantees_msgs_per_s = Some(figures.guarded);
+        report.consumer_vs_sql_with_guarantees_ratio = Some(figures.framework / figures.guarded);
+        report.kafka_consume_only_msgs_per_s = Some(figures.consume_only);
+        report.sql_ceiling_steps = Some(serde_json::to_value(&figures.ceiling_steps)?);
+        report.consumer_run = Some(figures.run);
+        report.consumer_cpu = Some(figures.cpu);
+    }
+    if section("consumer-mock") {
+        {
+            progress.note("consumer on librdkafka's mock cluster");
+            let mock = Broker::mock()?;
+            let mock_kafka = KafkaConfig::new(mock.brokers());
+            let topics = [
+                format!("{run}.mock.work"),
+                format!("{run}.mock.work.dlq"),
+                format!("{run}.mock.work.retry"),
+                format!("{run}.mock.work.done"),
+            ];
+            mock.create_topics(&topics, cli.partitions).await?;
+            let figures =
+                consumer_figures(&cli, &args, &mock_kafka, "mock", &mut schemas, &progress).await?;
+            report.mock_broker = Some(serde_json::json!({
+                "consumer_msgs_per_s": figures.framework,
+                "baseline_msgs_per_s": figures.baseline,
+                "consumer_vs_baseline_ratio": figures.framework / figures.baseline,
+                "sql_ceiling_msgs_per_s": figures.ceiling,
+                "consumer_vs_sql_ceiling_ratio": figures.framework / figures.ceiling,
+                "sql_with_guarantees_msgs_per_s": figures.guarded,
+                "consumer_vs_sql_with_guarantees_ratio": figures.framework / figures.guarded,
+                "kafka_consume_only_msgs_per_s": figures.consume_only,
+                "sql_ceiling_steps": figures.ceiling_steps,
+                "consumer_run": figures.run,
+                "consumer_cpu": figures.cpu,
+            }));
+        }
+    }
+    if section("relay") {
+        let topic = format!("{run}.relay");
+        ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
+        let (rows, p50, p99) = relay_figures(
+            &cli,
+            &args,
+            &kafka,
+            &topic,
+            "relay",
+            &mut schemas,
+            &progress,
+        )
+        .await?;
+        report.relay_rows_per_s = Some(rows);
+        report.relay_commit_to_ack_p50_ms = Some(p50);
+        report.relay_commit_to_ack_p99_ms = Some(p99);
+    }
+    if section("relay-mock") {
+        let topic = format!("{run}.relay");
+        {
+            progress.note("relay on librdkafka's mock cluster");
+            let mock = Broker::mock()?;
+            let mock_kafka = KafkaConfig::new(mock.brokers());
+            mock.create_topics(std::slice::from_ref(&topic), cli.partitions)
+                .await?;
+            let (rows, p50, p99) = relay_figures(
+                &cli,
+                &args,
+                &mock_kafka,
+                &topic,
+                "relay_mock",
+                &mut schemas,
+                &progress,
+            )
+            .await?;
+            let figures = report
+                .mock_broker
+                .get_or_insert_with(|| serde_json::json!({}));
+            figures["relay_rows_per_s"] = serde_json::json!(rows);
+            figures["relay_commit_to_ack_p50_ms"] = serde_json::json!(p50);
+            figures["relay_commit_to_ack_p99_ms"] = serde_json::json!(p99);
+        }
+    }
+    if section("scale") {
+        let mut settings = Vec::new();
+        for n in [1, 2, 4] {
+            let name = schema(&format!("scale{n}"));
+            let pool = fresh_schema(&args, &name, &mut schemas).await?;
+            settings.push((n, name, pool));
+        }
+        report.scale_consumers = Some(
+            scale::consumers(
+                &kafka,
+                &cli.database_url,
+                &run,
+                settings,
+                cli.scale_messages,
+                cli.partitions,
+                cli.batch_size,
+                &progress,
+            )
+            .await?,
+        );
+        let topic = format!("{run}.relay");
+        ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
+        let mut relays: Vec<scale::ScaleStep> = Vec::new();
+        for instances in [1, 2] {
+            let pool = fresh_schema(
+                &args,
+                &schema(&format!("scale_relay{instances}")),
+                &mut schemas,
+            )
+            .await?;
+            let per_s =
+                relay::backlog(&kafka, &pool, &topic, cli.relay_rows, instances, &progress).await?;
+            progress.note(&format!(
+                "scale-out: {instances} relay(s): {per_s:.0} rows/s"
+            ));
+            let one = relays.first().map_or(per_s, |s| s.per_s);
+            relays.push(scale::ScaleStep {
+                instances,
+                per_s,
+                ratio: per_s / one,
+            });
+        }
+        report.scale_relays = Some(relays);
+    }
+    if section("http") {
+        let pool = fresh_schema(&args, &schema("http"), &mut schemas).await?;
+        progress.note("http: with and without the idempotency layer");
+        let (w50, w99, o50, o99) = http::overhead(&pool, cli.http_requests, &progress).await?;
+        report.http_with_layer_ms = Some((w50, w99));
+        report.http_without_layer_ms = Some((o50, o99));
+        report.http_overhead_p50_ms = Some(w50 - o50);
+        report.http_overhead_p99_ms = Some(w99 - o99);
+    }
+    if section("redis") {
+        let mut pools = Vec::new();
+        for side in ["redis_http_pg", "redis_http", "redis_dup_pg", "redis_dup"] {
+            pools.push(fresh_schema(&args, &schema(side), &mut schemas).await?);
+        }
+        let mock = Broker::mock()?;
+        let mock_kafka = KafkaConfig::new(mock.brokers());
+        let topic = format!("{run}.redis.work");
+        mock.create_topics(
+            &[
+                topic.clone(),
+                format!("{topic}.dlq"),
+                format!("{topic}.retry"),
+            ],
+            cli.partitions,
+        )
+        .await?;
+        report.redis = Some(
+            saga_lab::bench::redis::figures(
+                &cli.redis_url,
+                [&pools[0], &pools[1], &pools[2], &pools[3]],
+                &mock_kafka,
+                &topic,
+                200,
+                1_000,
+                cli.messages / 2,
+                &progress,
+            )
+            .await?,
+        );
+    }
+    if section("otel") {
+        let mut pools = Vec::new();
+        for i in 0..cli.otel_rounds.max(1) * 3 {
+            let name = schema(&format!("otel{i}"));
+            let pool = fresh_schema(&args, &name, &mut schemas).await?;
+            consumer::create_effects_table(&pool).await?;
+            pools.push((name, pool));
+        }
+        let mock = Broker::mock()?;
+        let mock_kafka = KafkaConfig::new(mock.brokers());
+        let topic = format!("{run}.otel.work");
+        mock.create_topics(
+            &[
+                topic.clone(),
+                format!("{topic}.dlq"),
+                format!("{topic}.retry"),
+                format!("{topic}.done"),
+            ],
+            cli.partitions,
+        )
+        .await?;
+        progress
+            .note("otel: the consumer with and without an OpenTelemetry layer (spans sampled out)");
+        consumer::produce_keys(
+            &mock_kafka,
+            &topic,
+            cli.messages / 2,
+            cli.messages / 2,
+            Some(otel::SAMPLED_OUT_PARENT),
+            &progress,
+        )
+        .await?;
+        report.otel = Some(
+            otel::figures(
+                &mock_kafka,
+                &cli.database_url,
+                &pools,
+                &topic,
+                cli.messages / 2,
+                cli.batch_size,
+                usize::try_from(cli.partitions)?,
+                &progress,
+            )
+            .await?,
+        );
+    }
+    if section("saga") {
+        let names = args.all_topics();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        ensure_topics(&kafka, &refs, cli.saga_partitions, 1).await?;
+        let pool = args.pool(&schema("probe"), 2).await?;
+        schemas.push(schema("probe"));
+        progress.note("saga: end-to-end latency");
+        let latency =
+            saga::latency(&args, &pool, cli.saga_orders, cli.saga_rate, &progress).await?;
+        report.saga_e2e_p50_ms = Some(latency.e2e_ms.0);
+        report.saga_e2e_p99_ms = Some(latency.e2e_ms.1);
+        report.saga_hops = Some(latency.hops);
+        for service in saga_examples::service::Service::ALL {
+            schemas.push(args.schema(service));
+        }
+        schemas.push(args.gateway_schema());
+    }
+
+    // The broker keeps what was produced: delete the run's topics.
+    if uses_broker
+        && let Ok(admin) = saga_runtime::kafka::client_config(&kafka)
+            .create::<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>()
+    {
+        let names: Vec<String> = [
+            "work",
+            "work.dlq",
+            "work.retry",
+            "work.done",
+            "relay",
+            "broker",
+            "orders",
+            "payments",
+            "shipping",
+            "scale1",
+            "scale1.dlq",
+            "scale1.retry",
+            "scale1.done",
+            "scale2",
+            "scale2.dlq",
+            "scale2.retry",
+            "scale2.done",
+            "scale4",
+            "scale4.dlq",
+            "scale4.retry",
+            "scale4.done",
+        ]
+        .iter()
+        .map(|t| format!("{run}.{t}"))
+        .chain(args.all_topics())
+        .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let _ = admin
+            .delete_topics(&refs, &rdkafka::admin::AdminOptions::new())
+            .await;
+    }
+    let admin = sqlx::PgPool::connect(&cli.database_url).await?;
+    for name in schemas {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {} CASCADE",
+            quote_ident(&name)
+        )))
+        .execute(&admin)
+        .await?;
+    }
+    report.print();
+    if let Some(dir) = cli.output.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&cli.output, serde_json::to_string_pretty(&report)?)?;
+    println!("\nwritten to {}", cli.output.display());
+    Ok(())
+}
+
+/// A new schema `name` with the framework's migrations; remembered for clean-up.
+async fn fresh_schema(
+    args: &ServiceArgs,
+    name: &str,
+    schemas: &mut Vec<String>,
+) -> anyhow::Result<sqlx::PgPool> {
+    let pool = args.pool(name, 16).await?;
+    schemas.push(name.to_owned());
+    saga_consumer::migrate::migrate(&pool).await?;
+    Ok(pool)
+}
+
+/// The relay's figures on `kafka`, each in a fresh schema (`{prefix}_{label}` and `{prefix}_{label}_steady`):
+/// rows per second through a backlog, then commit-to-ack p50 and p99 at a steady rate.
+async fn relay_figures(
+    cli: &Cli,
+    args: &ServiceArgs,
+    kafka: &KafkaConfig,
+    topic: &str,
+    label: &str,
+    schemas: &mut Vec<String>,
+    progress: &Progress,
+) -> anyhow::Result<(f64, f64, f64)> {
+    progress.note(&format!("{label}: backlog"));
+    let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
+    let rows = relay::backlog(kafka, &pool, topic, cli.relay_rows, 1, progress).await?;
+    let pool = fresh_schema(
+        args,
+        &format!("{}_{label}_steady", args.schema_prefix),
+        schemas,
+    )
+    .await?;
+    progress.note(&format!("{label}: latency at a steady rate"));
+    let (p50, p99) = relay::steady(
+        kafka,
+        &pool,
+        topic,
+        cli.steady_rate,
+        cli.steady_secs,
+        progress,
+    )
+    .await?;
+    Ok((rows, p50, p99))
+}
+
+/// The framework's consumer over `kafka` and its yardsticks, in turn: the at-least-once baseline, the
+/// framework, the SQL ceiling, the SQL with the guarantees and Kafka consumption alone, with CPU per
+/// message around each of the last four.
+async fn consumer_figures(
+    cli: &Cli,
+    args: &ServiceArgs,
+    kafka: &KafkaConfig,
+    label: &str,
+    schemas: &mut Vec<String>,
+    progress: &Progress,
+) -> anyhow::Result<ConsumerFigures> {
+    let topic = if label == "mock" {
+        format!("{}.mock.work", args.topic_prefix)
+    } else {
+        let topic = format!("{}.work", args.topic_prefix);
+        ensure_topics(
+            kafka,
+            &[
+                &topic,
+                &format!("{topic}.dlq"),
+                &format!("{topic}.retry"),
+                &format!("{topic}.done"),
+            ],
+            cli.partitions,
+            1,
+        )
+        .await?;
+        topic
+    };
+    progress.note(&format!("consumer ({label}): producing the messages"));
+    consumer::produce(kafka, &topic, cli.messages, progress).await?;
+    let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
+    consumer::create_effects_table(&pool).await?;
+    consumer::create_baseline_table(&pool).await?;
+    progress.note(&format!("consumer ({label}): the at-least-once baseline"));
+    let baseline =
+        consumer::baseline(kafka, &pool, &topic, cli.messages, cli.batch_size, progress).await?;
+    progress.note(&format!(
+        "consumer ({label}): baseline {baseline:.0} msg/s; now the framework's consumer"
+    ));
+    let before = cpu::CpuSample::now();
+    let run = consumer::framework(
+        kafka,
+        &pool,
+        &topic,
+        cli.messages,
+        cli.batch_size,
+        usize::try_from(cli.partitions)?,
+        progress,
+    )
+    .await?;
+    let after_framework = cpu::CpuSample::now();
+    let framework = run.msgs_per_s;
+    progress.note(&format!(
+        "consumer ({label}): framework {framework:.0} msg/s; now the SQL ceiling"
+    ));
+    // The ceilings in turns, round by round: the machine's drift and the tables' growth fall on each alike.
+    let kinds = consumer::Ceiling::STEPS;
+    let mut rates = vec![Vec::with_capacity(consumer::CEILING_ROUNDS); kinds.len()];
+    let mut cpu_seconds = vec![Vec::new(); kinds.len()];
+    let mut last_sample = after_framework;
+    for round in 0..consumer::CEILING_ROUNDS {
+        for (i, kind) in kinds.into_iter().enumerate() {
+            let rate = consumer::sql_ceiling(
+                &pool,
+                kind,
+                round,
+                cli.messages,
+                cli.batch_size,
+                usize::try_from(cli.partitions)?,
+            )
+            .await?;
+            let sample = cpu::CpuSample::now();
+            if let (Some(from), Some(to)) = (last_sample, sample) {
+                cpu_seconds[i].push(from.until(&to, cli.messages));
+            }
+            rates[i].push(rate);
+            last_sample = sample;
+        }
+        progress.note(&format!(
+            "consumer ({label}): SQL ceilings, round {} of {}",
+            round + 1,
+            consumer::CEILING_ROUNDS
+        ));
+    }
+    let mut steps = Vec::with_capacity(kinds.len());
+    for ((kind, mut rates), used) in kinds.into_iter().zip(rates).zip(cpu_seconds) {
+        let step = CeilingStep {
+            statements: kind.id(),
+            rounds_msgs_per_s: rates.clone(),
+            msgs_per_s: saga_lab::bench::percentile(&mut rates, 0.5),
+            cpu: cpu::CpuUse::sum(&used),
+        };
+        progress.note(&format!(
+            "consumer ({label}): {kind} {:.0} msg/s (rounds {}){}",
+            step.msgs_per_s,
+            step.rounds_msgs_per_s
+                .iter()
+                .map(|r| format!("{r:.0}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            step.cpu.map(|u| format!(", {u}")).unwrap_or_default()
+        ));
+        steps.push(step);
+    }
+    let consume_only = consumer::consume_only(kafka, &topic, cli.messages, progress).await?;
+    let consumed = last_sample
+        .zip(cpu::CpuSample::now())
+        .map(|(from, to)| from.until(&to, cli.messages));
+    progress.note(&format!(
+        "consumer ({label}): Kafka consumption alone {consume_only:.0} msg/s{}",
+        consumed.map(|u| format!(", {u}")).unwrap_or_default()
+    ));
+    let (ceiling, guarded) = (&steps[0], &steps[steps.len() - 1]);
+    let framework_cpu = before
+        .zip(after_framework)
+        .map(|(from, to)| from.until(&to, cli.messages));
+    let cpu = match (framework_cpu, ceiling.cpu, guarded.cpu, consumed) {
+        (Some(framework), Some(ceiling), Some(guarded), Some(consumed)) => {
+            // The consumption phase is short and mostly the group join, so on the mock cluster the
+            // machine's figure is mostly other processes' idle work: count this process's CPU (client and
+            // mock cluster). A broker of its own is part of consumption's cost: count the machine's.
+            let consuming = if label == "mock" {
+                consumed.bench_process_us_per_msg
+            } else {
+                consumed.machine_us_per_msg
+            };
+            let bound = ceiling.machine_us_per_msg / (guarded.machine_us_per_msg + consuming);
+            progress.note(&format!(
+                "consumer ({label}): consumer / SQL ceiling cannot exceed {bound:.2} on these cores \
+                 with the guarantees kept (their statements' CPU and consumption's, nothing else)"
+            ));
+            serde_json::json!({
+                "framework": framework,
+                "sql_ceiling": ceiling,
+                "sql_with_guarantees": guarded,
+                "kafka_consume_only": consumed,
+                "consumer_vs_sql_ceiling_cpu_bound": bound,
+            })
+        }
+        _ => serde_json::Value::Null,
+    };
+    Ok(ConsumerFigures {
+        framework,
+        baseline,
+        ceiling: ceiling.msgs_per_s,
+        guarded: guarded.msgs_per_s,
+        consume_only,
+        run,
+        cpu,
+        ceiling_steps: steps,
+    })
+}
+
+/// One of the SQL ceilings, from the plain rows to every statement the guarantees need.
+#[derive(Debug, serde::Serialize)]
+struct CeilingStep {
+    /// The statements beside the plain inserts (`plain+crash_loop_record+...`).
+    statements: String,
+    /// Messages/s, the median of its rounds.
+    msgs_per_s: f64,
+    /// Messages/s of each round.
+    rounds_msgs_per_s: Vec<f64>,
+    /// CPU per message (`None` without Linux's `/proc`).
+    cpu: Option<cpu::CpuUse>,
+}
+
+/// The consumer's figures on one broker, messages/s.
+struct ConsumerFigures {
+    /// The framework's consumer.
+    framework: f64,
+    /// The at-least-once baseline.
+    baseline: f64,
+    /// The SQL the framework must do, without Kafka.
+    ceiling: f64,
+    /// The statements the framework's guarantees need, without Kafka or the runtime.
+    guarded: f64,
+    /// Kafka consumption alone.
+    consume_only: f64,
+    /// The framework's run in detail.
+    run: consumer::FrameworkRun,
+    /// CPU per message of the framework's run, the two ceilings and consumption alone, and the bound they
+    /// set on consumer / SQL ceiling (`null` without Linux's `/proc`).
+    cpu: serde_json::Value,
+    /// The ceilings from the plain rows to every statement the guarantees need.
+    ceiling_steps: Vec<CeilingStep>,
+}

@@ -1,0 +1,539 @@
+//! Who may drive the inspector, checked on every request before any page is rendered.
+//!
+//! - **Host.** A request must name this inspector: its listening address, `localhost`, `127.0.0.1` or
+//!   `[::1]` at its port, or a configured public name. A page of another site that rebinds its own name to
+//!   127.0.0.1 (DNS rebinding) sends its own name, and is refused.
+//! - **Tokens.** With tokens configured (`SAGA_ADMIN_TOKEN`, or `SAGA_ADMIN_TOKENS=name:token,…`), every
+//!   request presents one: `?token=` once (answered with a cookie and a redirect to the same page without
+//!   it, so the token leaves the address bar and the history), the cookie, or `Authorization: Bearer`.
+//!   Tokens are compared in constant time; the name of the one presented is the operator recorded with a
+//!   replay.
+//! - **State-changing requests.** A POST must come from this inspector's own page: its `Origin` (or, where
+//!   a browser sends none, its `Referer`) must name this inspector (a POST with neither is refused), and it
+//!   must carry the session's CSRF token, a value only this inspector's pages contain. A read-only
+//!   inspector refuses every POST.
+//! - **Every response** forbids framing (`frame-ancestors 'none'`, `X-Frame-Options: DENY`), loads
+//!   nothing from elsewhere, and is not cached. Cookies are `HttpOnly; SameSite=Strict`, and `Secure`
+//!   when the inspector is told it is served over TLS.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{Html, IntoResponse, Response};
+use sha2::{Digest, Sha256};
+
+use super::pages;
+
+const TOKEN_COOKIE: &str = "saga_admin_token";
+const SESSION_COOKIE: &str = "saga_admin_session";
+/// The form field carrying the CSRF token.
+pub(super) const CSRF_FIELD: &str = "csrf";
+/// The largest form a POST may carry.
+const MAX_FORM_BYTES: usize = 16 * 1024;
+
+/// A token and the name it stands for.
+#[derive(Clone)]
+pub struct NamedToken {
+    /// Who presents it: recorded as the operator of the replays made with it.
+    pub name: String,
+    token: String,
+}
+
+impl std::fmt::Debug for NamedToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NamedToken")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NamedToken {
+    /// The shortest token accepted.
+    pub const MIN_LEN: usize = 16;
+
+    /// Token `token` of `name`. Fails, saying why, if the name is empty or holds `:` or `,`, or the token
+    /// is shorter than [`NamedToken::MIN_LEN`] characters or holds anything but visible ASCII.
+    pub fn new(name: &str, token: &str) -> Result<Self, String> {
+        if name.trim().is_empty() || name.contains([':', ',']) {
+            return Err(format!("{name:?} is no token name"));
+        }
+        if token.len() < Self::MIN_LEN || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(format!(
+                "the token of {name} must be at least {} visible ASCII characters",
+                Self::MIN_LEN
+            ));
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            token: token.to_owned(),
+        })
+    }
+
+    /// Parses `name:token,name:token,…` (`SAGA_ADMIN_TOKENS`).
+    pub fn parse_list(list: &str) -> Result<Vec<Self>, String> {
+        list.split(',')
+            .filter(|item| !item.trim().is_empty())
+            .map(|item| {
+                let (name, token) = item
+                    .trim()
+                    .split_once(':')
+                    .ok_or_else(|| format!("{:?} is not name:token", redacted(item)))?;
+                Self::new(name, token)
+            })
+            .collect()
+    }
+}
+
+/// An item of a token list, shown without its token.
+fn redacted(item: &str) -> String {
+    item.split_once(':')
+        .map_or_else(|| "…".to_owned(), |(name, _)| format!("{name}:…"))
+}
+
+/// What the guard knows of the inspector.
+pub(super) struct Guard {
+    /// `host:port` values a request's `Host` may name.
+    hosts: Vec<String>,
+    /// Public names without a port: any port is accepted with them (a proxy in front decides).
+    names: Vec<String>,
+    tokens: Vec<NamedToken>,
+    read_only: bool,
+    secure_cookies: bool,
+    /// The secret the sessions' CSRF tokens are derived from, new at every start.
+    secret: String,
+    /// Who a replay is recorded as when no token names the caller.
+    local_operator: String,
+}
+
+impl Guard {
+    pub(super) fn new(
+        bound: SocketAddr,
+        public_names: &[String],
+        tokens: Vec<NamedToken>,
+        read_only: bool,
+        secure_cookies: bool,
+    ) -> Self {
+        let port = bound.port();
+        let mut hosts = vec![
+            format!("localhost:{port}"),
+            format!("127.0.0.1:{port}"),
+            format!("[::1]:{port}"),
+            bound.to_string(),
+        ];
+        let mut names = Vec::new();
+        for name in public_names {
+            let name = name.trim().to_ascii_lowercase();
+            if name.contains(':') && !name.ends_with(']') {
+                hosts.push(name);
+            } else {
+                names.push(name);
+            }
+        }
+        Self {
+            hosts,
+            names,
+            tokens,
+            read_only,
+            secure_cookies,
+            secret: random_hex(),
+            local_operator: format!("inspector:{}", crate::dlq::os_user()),
+        }
+    }
+
+    /// Whether `host` (a `Host` header, or an origin's authority) names this inspector.
+    fn knows(&self, host: &str) -> bool {
+        let host = host.trim().to_ascii_lowercase();
+        if self.hosts.contains(&host) {
+            return true;
+        }
+        let without_port = match host.rsplit_once(':') {
+            Some((h, port)) if !h.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => h,
+            _ => host.as_str(),
+        };
+        self.names.iter().any(|n| *n == host || *n == without_port)
+    }
+
+    /// The CSRF token of session `session`.
+    fn csrf_of(&self, session: &str) -> String {
+        hex(&Sha256::digest(format!("csrf\0{}\0{session}", self.secret)))
+    }
+
+    /// The token presented, by name, if it is one of the inspector's.
+    fn token_named(&self, presented: &str) -> Option<&NamedToken> {
+        // Every token is compared, in constant time, whatever matched before.
+        let mut found = None;
+        for t in &self.tokens {
+            if constant_time_eq(presented.as_bytes(), t.token.as_bytes()) {
+                found = Some(t);
+            }
+        }
+        found
+    }
+
+    fn cookie(&self, name: &str, value: &str) -> Option<HeaderValue> {
+        let secure = if self.secure_cookies { "; Secure" } else { "" };
+        HeaderValue::from_str(&format!(
+            "{name}={value}; HttpOnly; SameSite=Strict; Path=/{secure}"
+        ))
+        .ok()
+    }
+}
+
+/// What a request may do, for the pages and the replay: who it is, and its CSRF token.
+#[derive(Debug, Clone)]
+pub(super) struct Caller {
+    /// The operator a replay is recorded as.
+    pub operator: String,
+    /// The CSRF token the session's forms carry.
+    pub csrf: String,
+    /// Whether replays are off.
+    pub read_only: bool,
+}
+
+/// The guard as a middleware: see the module documentation.
+pub(super) async fn guard(
+    State(guard): State<Arc<Guard>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let mut response = match check(&guard, &mut request).await {
+        Err(refusal) => refusal,
+        Ok(Checked::Redirect(response)) => response,
+        Ok(Checked::Pass { new_session }) => {
+            let mut response = next.run(request).await;
+            if let Some(session) = new_session
+                && let Some(cookie) = guard.cookie(SESSION_COOKIE, &session)
+            {
+                response.headers_mut().append(header::SET_COOKIE, cookie);
+            }
+            response
+        }
+    };
+    harden(response.headers_mut());
+    response
+}
+
+enum Checked {
+    /// Go on; set this new session's cookie on the answer.
+    Pass { new_session: Option<String> },
+    /// Answer with this redirect (a token in the address was accepted).
+    Redirect(Response),
+}
+
+async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response> {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    if !guard.knows(&host) {
+        return Err(refused(
+            StatusCode::MISDIRECTED_REQUEST,
+            "Refused",
+            "This inspector does not answer to that host name.",
+        ));
+    }
+
+    let mut operator = None;
+    if !guard.tokens.is_empty() {
+        if let Some(presented) = query_value(request.uri().query(), "token") {
+            let Some(named) = guard.token_named(&presented) else {
+                return Err(unauthorized());
+            };
+            // Into a cookie, and out of the address.
+            let location = without_query_param(request.uri(), "token");
+            let mut response = (
+                StatusCode::SEE_OTHER,
+                [(header::LOCATION, location.as_str())],
+            )
+                .into_response();
+            if let Some(cookie) = guard.cookie(TOKEN_COOKIE, &named.token) {
+                response.headers_mut().append(header::SET_COOKIE, cookie);
+            }
+            return Ok(Checked::Redirect(response));
+        }
+        let headers = request.headers();
+        let presented = cookie_value(headers, TOKEN_COOKIE).or_else(|| {
+            headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .map(str::to_owned)
+        });
+        match presented.as_deref().and_then(|p| guard.token_named(p)) {
+            Some(named) => operator = Some(named.name.clone()),
+            None => return Err(unauthorized()),
+        }
+    }
+
+    let existing = cookie_value(request.headers(), SESSION_COOKIE)
+        .filter(|s| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()));
+    let new_session = existing.is_none().then(random_hex);
+    let session = existing.clone().or(new_session.clone()).unwrap_or_default();
+
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        if guard.read_only {
+            return Err(refused(
+                StatusCode::FORBIDDEN,
+                "Refused",
+                "This inspector is read-only.",
+            ));
+        }
+        if !same_origin(guard, request.headers()) {
+            return Err(refused(
+                StatusCode::FORBIDDEN,
+                "Refused",
+                "A replay must come from this inspector's own page.",
+            ));
+        }
+        // The body is the form: read it here, check its token, and hand the handler an empty body.
+        let body = std::mem::replace(request.body_mut(), Body::empty());
+        let form = axum::body::to_bytes(body, MAX_FORM_BYTES)
+            .await
+            .unwrap_or_default();
+        let presented = form_value(&form, CSRF_FIELD).unwrap_or_default();
+        let valid = existing.is_some()
+            && constant_time_eq(presented.as_bytes(), guard.csrf_of(&session).as_bytes());
+        if !valid {
+            return Err(refused(
+                StatusCode::FORBIDDEN,
+                "Refused",
+                "The form's token is missing or stale: open the page again and confirm from there.",
+            ));
+        }
+    }
+
+    request.extensions_mut().insert(Caller {
+        operator: operator.unwrap_or_else(|| guard.local_operator.clone()),
+        csrf: guard.csrf_of(&session),
+        read_only: guard.read_only,
+    });
+    Ok(Checked::Pass { new_session })
+}
+
+/// Whether a state-changing request comes from this inspector's own page: its `Origin`, or else its
+/// `Referer`, names a host the inspector answers to. Neither: refused.
+fn same_origin(guard: &Guard, headers: &HeaderMap) -> bool {
+    let header_value = |name| {
+        headers
+            .get(name)
+            .and_then(|v: &HeaderValue| v.to_str().ok())
+    };
+    let source = header_value(header::ORIGIN)
+        .filter(|o| *o != "null")
+        .or_else(|| header_value(header::REFERER));
+    let Some(source) = source else {
+        return false;
+    };
+    let Some((scheme, rest)) = source.split_once("://") else {
+        return false;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host = header_value(header::HOST).unwrap_or_default();
+    matches!(scheme, "http" | "https")
+        && !authority.contains('@')
+        && authority.eq_ignore_ascii_case(host)
+        && guard.knows(authority)
+}
+
+/// The headers every answer carries.
+fn harden(headers: &mut HeaderMap) {
+    for (name, value) in [
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; \
+             frame-ancestors 'none'; base-uri 'none'",
+        ),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::REFERRER_POLICY, "same-origin"),
+        (header::CACHE_CONTROL, "no-store"),
+    ] {
+        headers.insert(name, HeaderValue::from_static(value));
+    }
+}
+
+fn refused(status: StatusCode, title: &str, text: &str) -> Response {
+    (status, Html(pages::message(title, text))).into_response()
+}
+
+fn unauthorized() -> Response {
+    refused(
+        StatusCode::UNAUTHORIZED,
+        "Token required",
+        "This inspector requires a token: open it as /?token=… once.",
+    )
+}
+
+/// The value of `name` in cookie headers.
+fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| {
+            c.trim()
+                .strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix('='))
+                .map(str::to_owned)
+        })
+}
+
+/// The (percent-decoded) value of `name` in a query string.
+fn query_value(query: Option<&str>, name: &str) -> Option<String> {
+    form_value(query?.as_bytes(), name)
+}
+
+/// The (percent-decoded) value of `name` in an `application/x-www-form-urlencoded` text.
+fn form_value(form: &[u8], name: &str) -> Option<String> {
+    let text = std::str::from_utf8(form).ok()?;
+    text.split('&').find_map(|pair| {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        (percent_decode(key) == name).then(|| percent_decode(value))
+    })
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len()
+                && bytes[i + 1].is_ascii_hexdigit()
+                && bytes[i + 2].is_ascii_hexdigit() =>
+            {
+                let digit = |b: u8| match b {
+                    b'0'..=b'9' => b - b'0',
+                    b'a'..=b'f' => b - b'a' + 10,
+                    _ => b - b'A' + 10,
+                };
+                out.push(digit(bytes[i + 1]) * 16 + digit(bytes[i + 2]));
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The request's path and query without parameter `name`.
+fn without_query_param(uri: &axum::http::Uri, name: &str) -> String {
+    let kept: Vec<&str> = uri
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter(|pair| !pair.is_empty() && pair.split('=').next() != Some(name))
+        .collect();
+    let path = uri.path();
+    if kept.is_empty() {
+        path.to_owned()
+    } else {
+        format!("{path}?{}", kept.join("&"))
+    }
+}
+
+/// Whether `a` and `b` are equal, in a time that depends on their lengths only: both are hashed first, and
+/// the digests compared without stopping at the first difference.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let (a, b) = (Sha256::digest(a), Sha256::digest(b));
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
+}
+
+/// 32 random bytes as hex.
+fn random_hex() -> String {
+    let mut bytes = Vec::with_capacity(32);
+    bytes.extend_from_slice(uuid::Uuid::new_v4().as_bytes());
+    bytes.extend_from_slice(uuid::Uuid::new_v4().as_bytes());
+    hex(&bytes)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guard(public: &[&str]) -> Guard {
+        Guard::new(
+            "127.0.0.1:8081".parse().unwrap(),
+            &public.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>(),
+            Vec::new(),
+            false,
+            false,
+        )
+    }
+
+    #[test]
+    fn only_the_inspectors_own_names_are_known_hosts() {
+        let g = guard(&["inspector.example.com", "ops.internal:9000"]);
+        for ok in [
+            "127.0.0.1:8081",
+            "localhost:8081",
+            "LOCALHOST:8081",
+            "[::1]:8081",
+            "inspector.example.com",
+            "inspector.example.com:443",
+            "ops.internal:9000",
+        ] {
+            assert!(g.knows(ok), "{ok}");
+        }
+        for refused in [
+            "",
+            "evil.example:8081",
+            "127.0.0.1:8082",
+            "localhost",
+            "ops.internal:9001",
+            "inspector.example.com.evil.example",
+        ] {
+            assert!(!g.knows(refused), "{refused}");
+        }
+    }
+
+    #[test]
+    fn tokens_parse_by_name_and_short_or_malformed_ones_are_refused() {
+        let tokens =
+            NamedToken::parse_list("alice:aaaaaaaaaaaaaaaaaaaa, bob:bbbbbbbbbbbbbbbbbbbb").unwrap();
+        assert_eq!(
+            tokens.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+            ["alice", "bob"]
+        );
+        let short = NamedToken::parse_list("alice:short").unwrap_err();
+        assert!(short.contains("at least 16"), "{short}");
+        let no_name = NamedToken::parse_list("aaaaaaaaaaaaaaaaaaaaaaaa").unwrap_err();
+        assert!(
+            !no_name.contains("aaaa"),
+            "the token is not echoed: {no_name}"
+        );
+        assert!(constant_time_eq(b"same", b"same"));
+        assert!(!constant_time_eq(b"same", b"sane"));
+        assert!(!constant_time_eq(b"same", b"same-but-longer"));
+    }
+
+    #[test]
+    fn a_token_in_the_address_is_removed_from_it_and_forms_decode() {
+        let uri: axum::http::Uri = "/dlq/t?token=abc&x=1".parse().unwrap();
+        assert_eq!(without_query_param(&uri, "token"), "/dlq/t?x=1");
+        let uri: axum::http::Uri = "/?token=abc".parse().unwrap();
+        assert_eq!(without_query_param(&uri, "token"), "/");
+        assert_eq!(
+            form_value(b"a=1&csrf=ab%2Fcd+e&z", "csrf").as_deref(),
+            Some("ab/cd e")
+        );
+        assert_eq!(form_value(b"a=1", "csrf"), None);
+        assert_eq!(percent_decode("100%"), "100%");
+    }
+}

@@ -1,0 +1,507 @@
+//! Who may drive the inspector page, over HTTP with requests written by hand (every header the test's
+//! choice, as an attacker's page or tool would send them): the Host check (DNS rebinding), the origin and
+//! CSRF checks of a replay, tokens by name (constant-time, swapped for a cookie and removed from the
+//! address), the headers that forbid framing, the read-only mode, and the `saga inspect` command's refusal
+//! to listen beyond localhost without a token.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use saga_admin::inspect::{self, InspectOptions, NamedToken};
+use saga_runtime::kafka::KafkaConfig;
+use saga_test_support::{TestDb, TestKafka, expect_usage_error};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+use common::Target;
+
+/// An answer: status, headers (names lower-case), body.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn cookie(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n == "set-cookie")
+            .find_map(|(_, v)| {
+                v.strip_prefix(&format!("{name}="))
+                    .map(|rest| rest.split(';').next().unwrap_or_default().to_owned())
+            })
+    }
+
+    /// The CSRF token of the page's form.
+    fn csrf(&self) -> String {
+        let at = self
+            .body
+            .find("name=\"csrf\" value=\"")
+            .unwrap_or_else(|| panic!("no CSRF field in {}", self.body));
+        let rest = &self.body[at + "name=\"csrf\" value=\"".len()..];
+        rest[..rest.find('"').unwrap()].to_owned()
+    }
+}
+
+/// Sends `method path` to `addr` with exactly `headers` (no Host unless given) and `body`.
+async fn raw(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Answer {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut request = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if !body.is_empty() {
+        request.push_str(&format!(
+            "content-type: application/x-www-form-urlencoded\r\ncontent-length: {}\r\n",
+            body.len()
+        ));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut bytes = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut bytes))
+        .await
+        .expect("an answer within a minute")
+        .unwrap();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Answer {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
+}
+
+/// A service's schema with one dead letter of its group, and an inspector over it.
+struct Inspector {
+    db: TestDb,
+    kafka: TestKafka,
+    addr: SocketAddr,
+    dlq: String,
+    retry: String,
+    stop: CancellationToken,
+}
+
+impl Inspector {
+    async fn start(name: &str, options: InspectOptions) -> Self {
+        let db = TestDb::with(
+            name,
+            &[
+                saga_consumer::migrate::migrator(),
+                saga_admin::dlq::migrator(),
+            ],
+        )
+        .await;
+        let kafka = TestKafka::new().await;
+        let topic = kafka.topic(name, 1).await;
+        let group = format!("{topic}-group");
+        let (dlq, retry) = (format!("{group}.dlq"), format!("{group}.retry"));
+        kafka.create_topic(&dlq, 1).await;
+        kafka.create_topic(&retry, 1).await;
+        sqlx::query(
+            "INSERT INTO saga_consumer_groups (group_id, dlq_topic, retry_topic, topics) \
+             VALUES ($1, $2, $3, ARRAY[$4])",
+        )
+        .bind(&group)
+        .bind(&dlq)
+        .bind(&retry)
+        .bind(&topic)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let failed_at = chrono::Utc::now().to_rfc3339();
+        let producer = kafka.producer();
+        kafka
+            .produce(
+                &producer,
+                &dlq,
+                Some("order-7"),
+                &[
+                    ("idempotency-key", "order-7"),
+                    ("ce_type", "OrderCreated"),
+                    ("dlq-original-topic", &topic),
+                    ("dlq-original-partition", "0"),
+                    ("dlq-original-offset", "0"),
+                    ("dlq-consumer-group", &group),
+                    ("dlq-step", "process-payment"),
+                    ("dlq-reason", "handler-failed"),
+                    ("dlq-error", "card declined"),
+                    ("dlq-attempts", "1"),
+                    ("dlq-failed-at", &failed_at),
+                ],
+                b"{}",
+            )
+            .await;
+        let mut options = options;
+        options.dlq_topics = vec![dlq.clone()];
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(inspect::serve(
+            listener,
+            KafkaConfig::new(kafka.brokers.clone()),
+            db.pool.clone(),
+            options,
+            stop.clone().cancelled_owned(),
+        ));
+        Self {
+            db,
+            kafka,
+            addr,
+            dlq,
+            retry,
+            stop,
+        }
+    }
+
+    fn host(&self) -> String {
+        self.addr.to_string()
+    }
+
+    fn confirm_path(&self) -> String {
+        format!("/dlq/{}/0/0/replay", self.dlq)
+    }
+
+    async fn sent(&self) -> i64 {
+        self.kafka.end_offsets(&self.retry).await.values().sum()
+    }
+
+    async fn operators(&self) -> Vec<String> {
+        saga_admin::dlq::replays(&self.db.pool, None, 10)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.operator)
+            .collect()
+    }
+}
+
+impl Drop for Inspector {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn hardened(answer: &Answer) {
+    assert_eq!(answer.header("x-frame-options"), Some("DENY"), "{answer:?}");
+    let csp = answer.header("content-security-policy").unwrap_or_default();
+    assert!(csp.contains("frame-ancestors 'none'"), "{csp}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_page_answers_its_own_host_only_and_replays_only_from_its_own_form() {
+    let mut options = InspectOptions::default();
+    options.public_names = vec!["inspector.example.com".to_owned()];
+    let i = Inspector::start("inspect-csrf", options).await;
+    let host = i.host();
+    let origin = format!("http://{host}");
+    let port = i.addr.port();
+
+    // Another site's name, as a DNS-rebinding page sends it: refused, whatever the path or method.
+    let rebound = format!("evil.example:{port}");
+    let answer = raw(i.addr, "GET", "/", &[("host", &rebound)], "").await;
+    assert_eq!(answer.status, 421, "{answer:?}");
+    hardened(&answer);
+    let answer = raw(
+        i.addr,
+        "POST",
+        &i.confirm_path(),
+        &[("host", &rebound), ("origin", &format!("http://{rebound}"))],
+        "csrf=x",
+    )
+    .await;
+    assert_eq!(answer.status, 421);
+    assert_eq!(
+        raw(i.addr, "GET", "/", &[], "").await.status,
+        421,
+        "no Host"
+    );
+    for known in [
+        host.clone(),
+        format!("localhost:{port}"),
+        "inspector.example.com".to_owned(),
+    ] {
+        let answer = raw(i.addr, "GET", "/", &[("host", &known)], "").await;
+        assert_eq!(answer.status, 200, "{known}: {answer:?}");
+        hardened(&answer);
+    }
+
+    // A session and its form's token.
+    let first = raw(i.addr, "GET", &i.confirm_path(), &[("host", &host)], "").await;
+    assert_eq!(first.status, 200, "{first:?}");
+    let session = first
+        .cookie("saga_admin_session")
+        .expect("a session cookie");
+    let set = first
+        .headers
+        .iter()
+        .find(|(n, v)| n == "set-cookie" && v.starts_with("saga_admin_session="))
+        .unwrap()
+        .1
+        .clone();
+    assert!(
+        set.contains("HttpOnly") && set.contains("SameSite=Strict") && !set.contains("Secure"),
+        "{set}"
+    );
+    let csrf = first.csrf();
+    let cookie = format!("saga_admin_session={session}");
+
+    // Refused: no Origin and no Referer; another origin; no token; a wrong token; another session's.
+    let post = |headers: Vec<(&'static str, String)>, body: String| {
+        let (addr, path) = (i.addr, i.confirm_path());
+        async move {
+            let headers: Vec<(&str, &str)> =
+                headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+            raw(addr, "POST", &path, &headers, &body).await
+        }
+    };
+    let with = |origin: Option<&str>, cookie: &str| {
+        let mut headers = vec![("host", host.clone()), ("cookie", cookie.to_owned())];
+        if let Some(origin) = origin {
+            headers.push(("origin", origin.to_owned()));
+        }
+        headers
+    };
+    let refusals = [
+        (with(None, &cookie), format!("csrf={csrf}")),
+        (
+            with(Some("http://evil.example"), &cookie),
+            format!("csrf={csrf}"),
+        ),
+        (with(Some("null"), &cookie), format!("csrf={csrf}")),
+        (with(Some(&origin), &cookie), String::new()),
+        (
+            with(Some(&origin), &cookie),
+            "csrf=0123456789abcdef".to_owned(),
+        ),
+        (
+            with(Some(&origin), "saga_admin_session=".to_owned().as_str()),
+            format!("csrf={csrf}"),
+        ),
+        (
+            with(
+                Some(&origin),
+                &format!("saga_admin_session={}", "ab".repeat(32)),
+            ),
+            format!("csrf={csrf}"),
+        ),
+    ];
+    for (headers, body) in refusals {
+        let answer = post(headers.clone(), body.clone()).await;
+        assert_eq!(answer.status, 403, "{headers:?} {body}: {answer:?}");
+    }
+    assert_eq!(i.sent().await, 0, "nothing was replayed");
+
+    // From its own form: replayed, once, recorded as the inspector's user.
+    let answer = post(with(Some(&origin), &cookie), format!("csrf={csrf}")).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert!(answer.body.contains("data-sent=\"1\""), "{}", answer.body);
+    assert_eq!(i.sent().await, 1);
+    // A browser that sends a Referer but no Origin is accepted too; the letter is not sent again.
+    let mut headers = vec![("host", host.clone()), ("cookie", cookie.clone())];
+    headers.push(("referer", format!("{origin}{}", i.confirm_path())));
+    let answer = post(headers, format!("csrf={csrf}")).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert!(answer.body.contains("data-sent=\"0\""));
+    assert_eq!(i.sent().await, 1);
+    let operators = i.operators().await;
+    assert_eq!(operators.len(), 1);
+    assert!(operators[0].starts_with("inspector:"), "{operators:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_tokens_each_request_presents_one_and_the_replay_is_recorded_under_its_name() {
+    let alice = "alice-token-0123456789abcdef";
+    let bob = "bob-token-0123456789abcdefgh";
+    let mut options = InspectOptions::default();
+    options.tokens = NamedToken::parse_list(&format!("alice:{alice},bob:{bob}")).unwrap();
+    options.secure_cookies = true;
+    let i = Inspector::start("inspect-tokens", options).await;
+    let host = i.host();
+
+    assert_eq!(
+        raw(i.addr, "GET", "/", &[("host", &host)], "").await.status,
+        401
+    );
+    assert_eq!(
+        raw(
+            i.addr,
+            "GET",
+            "/?token=wrong-token-0123456789",
+            &[("host", &host)],
+            ""
+        )
+        .await
+        .status,
+        401
+    );
+    // A token in the address: a cookie, and the same page without it.
+    let answer = raw(
+        i.addr,
+        "GET",
+        &format!("/dlq/{}?token={alice}&x=1", i.dlq),
+        &[("host", &host)],
+        "",
+    )
+    .await;
+    assert_eq!(answer.status, 303, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some(format!("/dlq/{}?x=1", i.dlq).as_str())
+    );
+    assert_eq!(answer.cookie("saga_admin_token").as_deref(), Some(alice));
+    let set = answer
+        .headers
+        .iter()
+        .find(|(n, v)| n == "set-cookie" && v.starts_with("saga_admin_token="))
+        .unwrap()
+        .1
+        .clone();
+    assert!(
+        set.contains("HttpOnly") && set.contains("SameSite=Strict") && set.contains("Secure"),
+        "{set}"
+    );
+    let by_cookie = raw(
+        i.addr,
+        "GET",
+        "/",
+        &[
+            ("host", &host),
+            ("cookie", &format!("saga_admin_token={alice}")),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(by_cookie.status, 200);
+    hardened(&by_cookie);
+
+    // Bob replays with a bearer token: recorded under his name.
+    let bearer = format!("Bearer {bob}");
+    let page = raw(
+        i.addr,
+        "GET",
+        &i.confirm_path(),
+        &[("host", &host), ("authorization", &bearer)],
+        "",
+    )
+    .await;
+    assert_eq!(page.status, 200, "{page:?}");
+    assert!(page.body.contains(">bob<"), "the page says who will replay");
+    let session = page.cookie("saga_admin_session").unwrap();
+    let answer = raw(
+        i.addr,
+        "POST",
+        &i.confirm_path(),
+        &[
+            ("host", &host),
+            ("authorization", &bearer),
+            ("origin", &format!("http://{host}")),
+            ("cookie", &format!("saga_admin_session={session}")),
+        ],
+        &format!("csrf={}", page.csrf()),
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(i.sent().await, 1);
+    assert_eq!(i.operators().await, ["bob"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_only_inspector_shows_no_replay_button_and_refuses_every_post() {
+    let mut options = InspectOptions::default();
+    options.read_only = true;
+    let i = Inspector::start("inspect-read-only", options).await;
+    let host = i.host();
+    for path in [format!("/dlq/{}", i.dlq), format!("/dlq/{}/0/0", i.dlq)] {
+        let page = raw(i.addr, "GET", &path, &[("host", &host)], "").await;
+        assert_eq!(page.status, 200);
+        assert!(page.body.contains("order-7") || page.body.contains("card declined"));
+        assert!(!page.body.contains("Replay…"), "{}", page.body);
+    }
+    assert_eq!(
+        raw(i.addr, "GET", &i.confirm_path(), &[("host", &host)], "")
+            .await
+            .status,
+        400
+    );
+    let answer = raw(
+        i.addr,
+        "POST",
+        &i.confirm_path(),
+        &[("host", &host), ("origin", &format!("http://{host}"))],
+        "csrf=anything",
+    )
+    .await;
+    assert_eq!(answer.status, 403);
+    assert!(answer.body.contains("read-only"));
+    assert_eq!(i.sent().await, 0);
+}
+
+#[tokio::test]
+async fn saga_inspect_refuses_to_listen_beyond_localhost_without_a_token() {
+    let db = TestDb::new("inspect-cli").await;
+    let kafka = TestKafka::new().await;
+    let saga = Target {
+        database_url: TestDb::database_url(),
+        schema: db.schema.clone(),
+        brokers: kafka.brokers.clone(),
+    };
+    let mut open = saga.command(&["inspect", "--listen", "0.0.0.0:0"]);
+    open.env_remove("SAGA_ADMIN_TOKENS");
+    let line = expect_usage_error(open, "SAGA_ADMIN_TOKEN").await;
+    assert!(line.contains("--insecure-no-token"), "{line}");
+    let mut short = saga.command(&["inspect", "--listen", "0.0.0.0:0"]);
+    short.env("SAGA_ADMIN_TOKENS", "alice:short");
+    let line = expect_usage_error(short, "SAGA_ADMIN_TOKENS").await;
+    assert!(!line.contains("short"), "the token is not echoed: {line}");
+
+    // Told so, it listens; on localhost it needs nothing.
+    for args in [
+        &["inspect", "--listen", "0.0.0.0:0", "--insecure-no-token"][..],
+        &["inspect", "--listen", "127.0.0.1:0"][..],
+    ] {
+        let mut command = saga.command(args);
+        command
+            .env_remove("SAGA_ADMIN_TOKENS")
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = command.spawn().unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let mut line = vec![0u8; 200];
+        let n = tokio::time::timeout(Duration::from_secs(30), stdout.read(&mut line))
+            .await
+            .expect("the inspector starts")
+            .unwrap();
+        let line = String::from_utf8_lossy(&line[..n]);
+        assert!(line.starts_with("inspector on http://"), "{args:?}: {line}");
+        child.kill().await.unwrap();
+    }
+}

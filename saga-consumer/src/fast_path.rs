@@ -1,0 +1,607 @@
+//! The optional Redis fast path (feature `redis`): hot keys answered from Redis, PostgreSQL still the
+//! source of truth.
+//!
+//! Three uses, each one an optimisation that PostgreSQL backs:
+//!
+//! - **In-flight lock** (HTTP layer): `SET NX PX` on `{ns}:lock:{tenant}:{step key}` before any database
+//!   connection is taken. A second request with the key gets 409 at once, without a connection. The lock
+//!   expires by its TTL, so a process killed while holding it blocks the key for at most that long.
+//! - **Replay cache** (HTTP layer): the stored status and body of a completed request, with the request's
+//!   fingerprint, under `{ns}:http:{tenant}:{step key}`, written only after the request's transaction
+//!   committed. A retry is answered from it without a database round trip.
+//! - **Completed step keys** (consumer): `{ns}:step:{tenant}:{step key}`, written only after the batch's
+//!   transaction committed. A redelivered message whose key is there is acknowledged without a transaction.
+//!
+//! What is in Redis is only ever a copy of what PostgreSQL committed, and expires before PostgreSQL may
+//! forget it (the TTL may not exceed the key retention). Anything Redis does not answer, or answers with an
+//! entry that does not fit (a fingerprint that differs, an entry that does not decode), goes to PostgreSQL,
+//! whose claim inside the transaction decides. A lost entry costs a PostgreSQL round trip, never a second
+//! effect.
+//!
+//! Redis being down is not an error: every call that fails or takes longer than the operation timeout is
+//! answered "unknown", a warning is logged (once per outage), `saga_redis_available` drops to 0, and
+//! reconnection is tried at most once per [`RECONNECT_INTERVAL`]. Everything then runs on PostgreSQL alone.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use redis::aio::MultiplexedConnection;
+use saga_core::{StepKey, TenantId};
+
+use saga_core::ConfigProblem;
+use saga_runtime::ops::Ops;
+
+/// How often a lost Redis is tried again, at most.
+pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Settings of the fast path.
+#[derive(Debug, Clone)]
+pub struct FastPathSettings {
+    /// The Redis URL (`REDIS_URL`).
+    pub url: String,
+    /// Prefix of every key (`REDIS_NAMESPACE`, default `saga:{system identifier}.{database}.{schema}`,
+    /// read from the pool; see [`default_namespace`]): services that share a Redis but not a database must
+    /// not share keys.
+    pub namespace: Option<String>,
+    /// How long an in-flight lock lives if its holder never releases it (`REDIS_LOCK_TTL_MS`, default
+    /// 30 s): the longest a killed process can keep a key's retries at 409. Longer than the slowest
+    /// request, or a slow request's key is opened to a second attempt (which PostgreSQL still refuses).
+    pub lock_ttl: Duration,
+    /// How long completed keys and responses stay in Redis (`REDIS_KEY_TTL_SECS`, default 1 hour). Never
+    /// longer than the PostgreSQL key retention (`SAGA_KEY_RETENTION_HOURS`), or Redis could answer for a
+    /// key PostgreSQL has forgotten.
+    pub key_ttl: Duration,
+    /// Longest a Redis call may take before it is answered "unknown" (`REDIS_TIMEOUT_MS`, default 50 ms),
+    /// and the longest a call waits for a connection another call is making.
+    pub timeout: Duration,
+}
+
+impl FastPathSettings {
+    /// Settings with the defaults for `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            namespace: None,
+            lock_ttl: Duration::from_secs(30),
+            key_ttl: Duration::from_secs(3600),
+            timeout: Duration::from_millis(50),
+        }
+    }
+
+    /// The settings from the environment (see the fields), or `None` when `REDIS_URL` is unset: the fast
+    /// path is off.
+    pub fn from_env() -> Result<Option<Self>, ConfigProblem> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`FastPathSettings::from_env`] over any source of variables.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, ConfigProblem> {
+        let Some(url) = get("REDIS_URL").filter(|u| !u.trim().is_empty()) else {
+            return Ok(None);
+        };
+        redis::Client::open(url.as_str()).map_err(|e| {
+            ConfigProblem::new(
+                "REDIS_URL",
+                format!("is not a Redis URL: {e}"),
+                "use redis://host:port/db",
+            )
+        })?;
+        let mut settings = Self::new(url);
+        settings.namespace = get("REDIS_NAMESPACE").filter(|n| !n.is_empty());
+        let number = |name: &str| -> Result<Option<u64>, ConfigProblem> {
+            get(name)
+                .map(|v| {
+                    v.trim()
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|n| *n > 0)
+                        .ok_or_else(|| {
+                            ConfigProblem::new(
+                                name,
+                                format!("{v:?} is not a positive whole number"),
+                                "fix or unset it",
+                            )
+                        })
+                })
+                .transpose()
+        };
+        if let Some(ms) = number("REDIS_LOCK_TTL_MS")? {
+            settings.lock_ttl = Duration::from_millis(ms);
+        }
+        if let Some(secs) = number("REDIS_KEY_TTL_SECS")? {
+            settings.key_ttl = Duration::from_secs(secs);
+        }
+        if let Some(ms) = number("REDIS_TIMEOUT_MS")? {
+            settings.timeout = Duration::from_millis(ms);
+        }
+        let retention_hours = match get("SAGA_KEY_RETENTION_HOURS") {
+            None => {
+                saga_runtime::store::gc::GcPolicy::default()
+                    .retention
+                    .as_secs_f64()
+                    / 3600.0
+            }
+            Some(v) => v.trim().parse::<f64>().map_err(|_| {
+                ConfigProblem::new(
+                    "SAGA_KEY_RETENTION_HOURS",
+                    format!("{v:?} is not a number"),
+                    "fix or unset it",
+                )
+            })?,
+        };
+        if settings.key_ttl.as_secs_f64() > retention_hours * 3600.0 {
+            return Err(ConfigProblem::new(
+                "REDIS_KEY_TTL_SECS",
+                format!(
+                    "{} s is longer than the key retention ({retention_hours} h)",
+                    settings.key_ttl.as_secs()
+                ),
+                "lower it: Redis may not remember keys PostgreSQL has forgotten",
+            ));
+        }
+        Ok(Some(settings))
+    }
+}
+
+/// Labels of the fast path's hit counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UseLabels {
+    /// `replay` (HTTP response from Redis), `in_flight` (409 from Redis), `duplicate` (consumer skip).
+    answer: &'static str,
+}
+
+#[derive(Clone, Default)]
+struct Metrics {
+    available: Gauge,
+    errors: Counter,
+    answered: Family<UseLabels, Counter>,
+}
+
+struct Inner {
+    client: redis::Client,
+    settings: FastPathSettings,
+    namespace: String,
+    connection: Mutex<Option<MultiplexedConnection>>,
+    /// When the last connection attempt failed; none is made again before [`RECONNECT_INTERVAL`].
+    failed_at: Mutex<Option<Instant>>,
+    connecting: tokio::sync::Mutex<()>,
+    /// Whether the outage was logged already.
+    down_logged: AtomicBool,
+    metrics: Metrics,
+}
+
+/// A handle on the Redis fast path, cheap to clone. See the module documentation.
+#[derive(Clone)]
+pub struct FastPath(Arc<Inner>);
+
+impl std::fmt::Debug for FastPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastPath")
+            .field("namespace", &self.0.namespace)
+            .field("settings", &self.0.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A held in-flight lock; release it with [`FastPath::unlock`] (or let it expire).
+#[derive(Debug)]
+pub struct InFlight {
+    key: String,
+    token: String,
+}
+
+/// A response stored in Redis for replay, with the fingerprint of the request that produced it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CachedResponse {
+    /// The request fingerprint (hex).
+    pub fingerprint: String,
+    /// The stored response, as PostgreSQL stores it.
+    pub response: serde_json::Value,
+}
+
+/// What Redis says about an in-flight lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockAnswer {
+    /// Taken: this request holds it.
+    Acquired,
+    /// Another request holds it.
+    Held,
+    /// Redis did not answer: go on with PostgreSQL alone.
+    Unknown,
+}
+
+impl FastPath {
+    /// A fast path for `settings`, with keys under the namespace from the settings or, when unset,
+    /// [`default_namespace`] of `pool`. Redis need not be up: the connection is made on first use and again
+    /// after every outage.
+    pub async fn new(
+        settings: FastPathSettings,
+        pool: &sqlx::PgPool,
+    ) -> Result<Self, ConfigProblem> {
+        let namespace = match &settings.namespace {
+            Some(n) => n.clone(),
+            None => default_namespace(pool).await?,
+        };
+        Self::with_namespace(settings, namespace)
+    }
+
+    /// The fast path the environment asks for (see [`FastPathSettings::from_env`]): `None` when
+    /// `REDIS_URL` is unset. Tries Redis once, so that an outage at start is logged and counted at once;
+    /// Redis being down is not an error.
+    pub async fn from_env(pool: &sqlx::PgPool) -> Result<Option<Self>, ConfigProblem> {
+        let Some(settings) = FastPathSettings::from_env()? else {
+            return Ok(None);
+        };
+        let fast = Self::new(settings, pool).await?;
+        fast.connect().await;
+        Ok(Some(fast))
+    }
+
+    /// Connects now, if not connected yet, instead of on first use: whether Redis answers. A service
+    /// calls it at start (as [`FastPath::from_env`] does), so that its first requests find the connection
+    /// made.
+    pub async fn connect(&self) -> bool {
+        self.connection().await.is_some()
+    }
+
+    /// A fast path with keys under `namespace`.
+    pub fn with_namespace(
+        settings: FastPathSettings,
+        namespace: impl Into<String>,
+    ) -> Result<Self, ConfigProblem> {
+        let client = redis::Client::open(settings.url.as_str()).map_err(|e| {
+            ConfigProblem::new(
+                "REDIS_URL",
+                format!("is not a Redis URL: {e}"),
+                "use redis://host:port/db",
+            )
+        })?;
+        Ok(Self(Arc::new(Inner {
+            client,
+            settings,
+            namespace: namespace.into(),
+            connection: Mutex::new(None),
+            failed_at: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            down_logged: AtomicBool::new(false),
+            metrics: Metrics::default(),
+        })))
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &FastPathSettings {
+        &self.0.settings
+    }
+
+    /// The prefix of every key this fast path writes.
+    pub fn namespace(&self) -> &str {
+        &self.0.namespace
+    }
+
+    /// Deletes every key of the namespace (what a service must do after its database was restored to an
+    /// earlier point: Redis may remember completions the restored database does not have). Returns how
+    /// many keys were deleted. Unlike the service's calls, an unreachable Redis is an error here.
+    pub async fn forget_namespace(&self) -> Result<u64, redis::RedisError> {
+        let mut conn = self.0.client.get_multiplexed_async_connection().await?;
+        let pattern = format!("{}:*", glob_escape(&self.0.namespace));
+        let mut cursor: u64 = 0;
+        let mut deleted = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await?;
+            if !keys.is_empty() {
+                let removed: u64 = redis::cmd("UNLINK")
+                    .arg(&keys)
+                    .query_async(&mut conn)
+                    .await?;
+                deleted += removed;
+            }
+            if next == 0 {
+                return Ok(deleted);
+            }
+            cursor = next;
+        }
+    }
+
+    /// Registers `saga_redis_available`, `saga_redis_errors` and `saga_redis_answered` on `ops`.
+    pub fn register(&self, ops: &Ops) {
+        let m = self.0.metrics.clone();
+        ops.register(move |registry| {
+            let r = registry.sub_registry_with_prefix("saga_redis");
+            r.register(
+                "available",
+                "1 while Redis answers, 0 while everything runs on PostgreSQL alone",
+                m.available,
+            );
+            r.register(
+                "errors",
+                "Redis calls that failed or timed out (answered from PostgreSQL instead)",
+                m.errors,
+            );
+            r.register(
+                "answered",
+                "Requests and messages answered from Redis without PostgreSQL, by answer",
+                m.answered,
+            );
+        });
+    }
+
+    fn key(&self, kind: &str, tenant: &TenantId, step_key: &StepKey) -> String {
+        // Tenants and keys are visible ASCII without spaces; `:` may occur in a step key, never in a
+        // tenant, so the split is unambiguous.
+        format!("{}:{kind}:{tenant}:{step_key}", self.0.namespace)
+    }
+
+    /// What is known without a connection attempt: the connection made (`Some(Some(_))`), or Redis down
+    /// since an attempt less than [`RECONNECT_INTERVAL`] ago (`Some(None)`); `None`: an attempt is due.
+    fn settled(&self) -> Option<Option<MultiplexedConnection>> {
+        if let Some(c) = lock(&self.0.connection).clone() {
+            return Some(Some(c));
+        }
+        lock(&self.0.failed_at)
+            .is_some_and(|at| at.elapsed() < RECONNECT_INTERVAL)
+            .then_some(None)
+    }
+
+    /// A connection, or `None` while Redis is down (no attempt more often than [`RECONNECT_INTERVAL`]).
+    async fn connection(&self) -> Option<MultiplexedConnection> {
+        if let Some(known) = self.settled() {
+            return known;
+        }
+        // One attempt at a time. The others wait for it as long as a call may take, so that many first
+        // uses at once share the one connection; past that they go to PostgreSQL.
+        let _connecting = tokio::time::timeout(self.0.settings.timeout, self.0.connecting.lock())
+            .await
+            .ok()?;
+        // The attempt waited for may have made the connection, or failed just now.
+        if let Some(known) = self.settled() {
+            return known;
+        }
+        let attempt = tokio::time::timeout(
+            self.0.settings.timeout.max(Duration::from_millis(500)),
+            self.0.client.get_multiplexed_async_connection(),
+        )
+        .await;
+        match attempt {
+            Ok(Ok(c)) => {
+                *lock(&self.0.connection) = Some(c.clone());
+                *lock(&self.0.failed_at) = None;
+                self.0.metrics.available.set(1);
+                if self.0.down_logged.swap(false, Ordering::Relaxed) {
+                    tracing::info!(namespace = %self.0.namespace, "Redis answers again; the fast path is back");
+                }
+                Some(c)
+            }
+            Ok(Err(e)) => {
+                self.down(&e.to_string());
+                None
+            }
+            Err(_) => {
+                self.down("connection timed out");
+                None
+            }
+        }
+    }
+
+    fn down(&self, error: &str) {
+        *lock(&self.0.connection) = None;
+        *lock(&self.0.failed_at) = Some(Instant::now());
+        self.0.metrics.available.set(0);
+        self.0.metrics.errors.inc();
+        if !self.0.down_logged.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                error,
+                url = %self.0.settings.url,
+                "Redis is unavailable: running on PostgreSQL alone until it answers again"
+            );
+        }
+    }
+
+    /// Runs `cmd`; `None` if Redis is down, fails or is slower than the timeout.
+    async fn run<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Option<T> {
+        let mut c = self.connection().await?;
+        self.within_timeout(cmd.query_async::<T>(&mut c)).await
+    }
+
+    /// Awaits a Redis call for at most the timeout: a failure marks Redis down, a timeout is counted
+    /// (slow, not necessarily down: the connection is kept).
+    async fn within_timeout<T>(
+        &self,
+        call: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Option<T> {
+        match tokio::time::timeout(self.0.settings.timeout, call).await {
+            Ok(Ok(v)) => Some(v),
+            Ok(Err(e)) => {
+                self.down(&e.to_string());
+                None
+            }
+            Err(_) => {
+                // Slow, not necessarily down: count it, keep the connection.
+                self.0.metrics.errors.inc();
+                tracing::debug!("a Redis call timed out; answered from PostgreSQL");
+                None
+            }
+        }
+    }
+
+    /// Takes the in-flight lock of `step_key` for `lock_ttl`.
+    pub async fn lock(
+        &self,
+        tenant: &TenantId,
+        step_key: &StepKey,
+    ) -> (LockAnswer, Option<InFlight>) {
+        let key = self.key("lock", tenant, step_key);
+        let token = uuid::Uuid::new_v4().simple().to_string();
+        let ttl = u64::try_from(self.0.settings.lock_ttl.as_millis()).unwrap_or(u64::MAX);
+        let set: Option<Option<String>> = self
+            .run(
+                redis::cmd("SET")
+                    .arg(&key)
+                    .arg(&token)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl),
+            )
+            .await;
+        match set {
+            Some(Some(_)) => (LockAnswer::Acquired, Some(InFlight { key, token })),
+            Some(None) => {
+                self.answered("in_flight", 1);
+                (LockAnswer::Held, None)
+            }
+            None => (LockAnswer::Unknown, None),
+        }
+    }
+
+    /// Releases `lock` if it is still this request's (a lock that expired and was taken by another
+    /// request is left alone).
+    pub async fn unlock(&self, lock: InFlight) {
+        let script = redis::cmd("EVAL")
+            .arg("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end")
+            .arg(1)
+            .arg(&lock.key)
+            .arg(&lock.token)
+            .to_owned();
+        let _: Option<i64> = self.run(&script).await;
+    }
+
+    /// The cached response of `step_key`, if Redis has one that decodes.
+    pub async fn cached_response(
+        &self,
+        tenant: &TenantId,
+        step_key: &StepKey,
+    ) -> Option<CachedResponse> {
+        let value: Option<Vec<u8>> = self
+            .run(redis::cmd("GET").arg(self.key("http", tenant, step_key)))
+            .await?;
+        let cached = serde_json::from_slice(&value?).ok();
+        if cached.is_none() {
+            tracing::debug!(%step_key, "a cached response does not decode; asking PostgreSQL");
+        }
+        cached
+    }
+
+    /// Stores `response` for `step_key`: call only after the transaction that stored it committed.
+    pub async fn cache_response(
+        &self,
+        tenant: &TenantId,
+        step_key: &StepKey,
+        response: &CachedResponse,
+    ) {
+        let Ok(value) = serde_json::to_vec(response) else {
+            return;
+        };
+        let _: Option<()> = self
+            .run(
+                redis::cmd("SET")
+                    .arg(self.key("http", tenant, step_key))
+                    .arg(value)
+                    .arg("PX")
+                    .arg(self.key_ttl_ms()),
+            )
+            .await;
+    }
+
+    /// Counts `n` requests or messages answered from Redis (`replay`, `in_flight`, `duplicate`).
+    pub fn answered(&self, answer: &'static str, n: u64) {
+        if n > 0 {
+            self.0
+                .metrics
+                .answered
+                .get_or_create(&UseLabels { answer })
+                .inc_by(n);
+        }
+    }
+
+    /// Which of `keys` Redis knows to be completed: one `MGET`. All `false` when Redis does not answer.
+    pub async fn completed(&self, keys: &[(&TenantId, &StepKey)]) -> Vec<bool> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let mut cmd = redis::cmd("MGET");
+        for (tenant, step_key) in keys {
+            cmd.arg(self.key("step", tenant, step_key));
+        }
+        match self.run::<Vec<Option<Vec<u8>>>>(&cmd).await {
+            Some(values) if values.len() == keys.len() => {
+                values.iter().map(|v| v.as_deref() == Some(b"c")).collect()
+            }
+            _ => vec![false; keys.len()],
+        }
+    }
+
+    /// Records `keys` as completed: call only after the transaction that claimed them committed.
+    pub async fn mark_completed(&self, keys: &[(&TenantId, &StepKey)]) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut pipe = redis::pipe();
+        let ttl = self.key_ttl_ms();
+        for (tenant, step_key) in keys {
+            pipe.cmd("SET")
+                .arg(self.key("step", tenant, step_key))
+                .arg("c")
+                .arg("PX")
+                .arg(ttl)
+                .ignore();
+        }
+        let Some(mut c) = self.connection().await else {
+            return;
+        };
+        let _: Option<()> = self.within_timeout(pipe.query_async(&mut c)).await;
+    }
+
+    fn key_ttl_ms(&self) -> u64 {
+        u64::try_from(self.0.settings.key_ttl.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// The namespace a service's keys go under when `REDIS_NAMESPACE` is unset:
+/// `saga:{system identifier}.{database}.{schema}` of `pool`'s connections. The system identifier
+/// (`pg_control_system()`) is set when a cluster is created, so staging and production (or two regions)
+/// that share a Redis and name their databases and schemas alike still get namespaces of their own. A
+/// restored backup keeps the identifier: see [`FastPath::forget_namespace`].
+pub async fn default_namespace(pool: &sqlx::PgPool) -> Result<String, ConfigProblem> {
+    let (cluster, db, schema): (String, String, String) = sqlx::query_as(
+        "SELECT (SELECT system_identifier::text FROM pg_control_system()), \
+                current_database()::text, current_schema()::text",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(|e| {
+        ConfigProblem::new(
+            "REDIS_NAMESPACE",
+            format!("is unset, and the default cannot be read from the database ({e})"),
+            "set REDIS_NAMESPACE to a name no other deployment sharing the Redis uses",
+        )
+    })?;
+    Ok(format!("saga:{cluster}.{db}.{schema}"))
+}
+
+/// `text` with Redis glob characters escaped, for `SCAN MATCH`.
+fn glob_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\' | '^') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

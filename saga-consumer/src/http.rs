@@ -1,0 +1,780 @@
+//! An `Idempotency-Key` layer for HTTP entry points: a `tower` layer, usable with axum.
+//!
+//! - A new key runs the handler inside a transaction that also claims the key and stores the response; the
+//!   handler takes that transaction from the [`IdempotentRequest`] extension (an axum extractor), so its
+//!   writes, its outbox rows, the key and the stored response commit together.
+//! - A retry with the same key gets the stored status and body back, marked `Idempotent-Replayed: true`,
+//!   without running the handler.
+//! - The same key with a different request (method, path or body) gets 422; a key whose first request is
+//!   still running gets 409 with `Retry-After`.
+//! - Keys are scoped per tenant (`Tenant-Id` header).
+//! - A 5xx response, or a crash, rolls the transaction back: the key is free for the retry.
+//!
+//! Any non-5xx response is stored and replayed, 4xx included: a request that was invalid stays invalid.
+//! The key is stored in the same idempotency store as saga steps, as step key `{key}:{operation}`.
+//!
+//! A handler emits the saga's first events with [`IdempotentRequest::emit`] (or `emit_to`), as a step does:
+//! they are appended to the outbox in the request's transaction, just before it commits.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum_core::extract::FromRequestParts;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
+use tower_layer::Layer;
+use tower_service::Service;
+use tracing::Instrument;
+
+use saga_core::StepOutcome;
+use saga_core::TraceParent;
+use saga_core::{Event, Lineage, OutboxMessage, SagaEvent, Topic};
+use saga_core::{IdempotencyKey, StepName, TenantId};
+use saga_runtime::store::idempotency::{self, KeyStatus, TryClaim};
+use saga_runtime::store::outbox;
+
+/// The request header carrying the client's key (HTTP header names are case-insensitive).
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+/// The request header naming the tenant.
+pub const TENANT_HEADER: &str = "tenant-id";
+/// The response header marking a replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Settings of the layer.
+#[derive(Debug, Clone)]
+pub struct IdempotencyConfig {
+    /// What the route does; keys are stored as `{key}:{operation}`.
+    pub operation: StepName,
+    /// The largest request body accepted (bodies are buffered to fingerprint them).
+    pub max_body_bytes: usize,
+}
+
+/// A function reading who made a request.
+type CallerFn = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
+
+/// Reads who made a request (see [`IdempotencyLayer::with_caller`]).
+#[derive(Clone)]
+struct CallerOf(Arc<CallerFn>);
+
+impl std::fmt::Debug for CallerOf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CallerOf(..)")
+    }
+}
+
+/// The `tower` layer. See the module documentation.
+#[derive(Clone, Debug)]
+pub struct IdempotencyLayer {
+    pool: PgPool,
+    config: Arc<IdempotencyConfig>,
+    caller: Option<CallerOf>,
+    #[cfg(feature = "redis")]
+    fast_path: Option<crate::fast_path::FastPath>,
+}
+
+impl IdempotencyLayer {
+    /// A layer for routes doing `operation`, with its keys in `pool`'s idempotency store.
+    pub fn new(pool: PgPool, operation: StepName) -> Self {
+        Self {
+            pool,
+            config: Arc::new(IdempotencyConfig {
+                operation,
+                max_body_bytes: 1 << 20,
+            }),
+            caller: None,
+            #[cfg(feature = "redis")]
+            fast_path: None,
+        }
+    }
+
+    /// Replaces the settings.
+    pub fn with_config(mut self, config: IdempotencyConfig) -> Self {
+        self.config = Arc::new(config);
+        self
+    }
+
+    /// Adds the authenticated caller to each request's fingerprint: `caller` reads it from the request
+    /// (an extension the authentication in front of the layer set, say). A request with the same key,
+    /// tenant and body from another caller then gets 422, never the first caller's stored response.
+    ///
+    /// Without it, whoever presents a stored key, tenant and body gets the stored response: the layer
+    /// trusts `Tenant-Id` and the key as they come, so authenticate in front of it, and make the tenant
+    /// the authenticated one.
+    pub fn with_caller(
+        mut self,
+        caller: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.caller = Some(CallerOf(Arc::new(caller)));
+        self
+    }
+
+    /// Puts the Redis fast path in front of the store (feature `redis`): an in-flight lock taken before
+    /// any database connection, and a replay cache of completed responses. See [`crate::fast_path`].
+    #[cfg(feature = "redis")]
+    pub fn with_fast_path(mut self, fast_path: Option<crate::fast_path::FastPath>) -> Self {
+        self.fast_path = fast_path;
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency {
+            inner,
+            pool: self.pool.clone(),
+            config: self.config.clone(),
+            caller: self.caller.clone(),
+            #[cfg(feature = "redis")]
+            fast_path: self.fast_path.clone(),
+        }
+    }
+}
+
+/// The service the layer produces.
+#[derive(Clone, Debug)]
+pub struct Idempotency<S> {
+    inner: S,
+    pool: PgPool,
+    config: Arc<IdempotencyConfig>,
+    caller: Option<CallerOf>,
+    #[cfg(feature = "redis")]
+    fast_path: Option<crate::fast_path::FastPath>,
+}
+
+struct Shared {
+    /// The client's key, the tenant and the trace context of the events the request emits.
+    lineage: Lineage,
+    operation: StepName,
+    tx: Mutex<Option<Transaction<'static, Postgres>>>,
+    emitted: std::sync::Mutex<Vec<OutboxMessage>>,
+}
+
+impl std::fmt::Debug for IdempotentRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotentRequest")
+            .field("key", self.0.lineage.idempotency_key())
+            .field("operation", &self.0.operation)
+            .field("tenant", self.0.lineage.tenant())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The request's open transaction, borrowed by a handler (see [`IdempotentRequest::transaction`]): it
+/// dereferences to the connection to write with.
+pub struct RequestTransaction<'a>(MappedMutexGuard<'a, PgConnection>);
+
+impl std::ops::Deref for RequestTransaction<'_> {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for RequestTransaction<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.0
+    }
+}
+
+impl std::fmt::Debug for RequestTransaction<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RequestTransaction")
+    }
+}
+
+/// The claimed request, as the handler sees it: the client's key, the tenant, and the transaction the
+/// handler must write in. An axum extractor; rejects with 500 where the layer is not installed.
+#[derive(Clone)]
+pub struct IdempotentRequest(Arc<Shared>);
+
+impl IdempotentRequest {
+    /// The client's idempotency key.
+    pub fn key(&self) -> &IdempotencyKey {
+        self.0.lineage.idempotency_key()
+    }
+
+    /// The tenant.
+    pub fn tenant(&self) -> &TenantId {
+        self.0.lineage.tenant()
+    }
+
+    /// The key to hand to a system outside the database that this request calls (see
+    /// [`saga_core::ExternalKey`]): unique across tenants, unlike the client's key.
+    pub fn external_key(&self) -> saga_core::ExternalKey {
+        self.key()
+            .step_key(&self.0.operation)
+            .external(self.tenant())
+    }
+
+    /// The lineage of the saga this request starts: events it emits carry the client's key as their
+    /// `idempotency-key`, and continue the request's trace (as children of the request's span, when it is
+    /// traced with OpenTelemetry).
+    pub fn lineage(&self) -> Lineage {
+        self.0.lineage.clone()
+    }
+
+    /// The open transaction, to write the request's business rows in. Hold it only while writing; do not
+    /// keep it past the handler.
+    pub async fn transaction(&self) -> RequestTransaction<'_> {
+        RequestTransaction(MutexGuard::map(self.0.tx.lock().await, |tx| {
+            &mut **tx
+                .as_mut()
+                .expect("the transaction is open until the handler returns")
+        }))
+    }
+
+    /// Emits `event` to `topic`, keyed by `partition_key`: an event of the saga this request starts (it
+    /// carries the client's key, the tenant and the request's trace). It is written to the outbox in the
+    /// request's transaction if the response is not a 5xx, and discarded with everything else otherwise.
+    pub fn emit<E: SagaEvent>(
+        &self,
+        topic: &Topic<E>,
+        partition_key: impl Into<String>,
+        event: &E,
+    ) -> Result<(), serde_json::Error> {
+        self.emit_event(Event::of(topic, partition_key, event)?);
+        Ok(())
+    }
+
+    /// Emits an event built at run time (see [`Event::new`]); prefer [`IdempotentRequest::emit`].
+    pub fn emit_event(&self, event: Event) {
+        let row = OutboxMessage::from_event(event, &self.0.lineage, self.0.operation.as_str());
+        self.0
+            .emitted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(row);
+    }
+
+    fn take_emitted(&self) -> Vec<OutboxMessage> {
+        std::mem::take(
+            &mut *self
+                .0
+                .emitted
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    async fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        self.0.tx.lock().await.take()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotentRequest {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Self>().cloned().ok_or((
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "IdempotencyLayer is not installed on this route",
+        ))
+    }
+}
+
+/// A response as stored with its key.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct StoredResponse {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl StoredResponse {
+    fn capture(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Option<Self> {
+        let body = String::from_utf8(body.to_vec()).ok()?;
+        let skip = [
+            header::CONTENT_LENGTH,
+            header::TRANSFER_ENCODING,
+            header::CONNECTION,
+            header::DATE,
+        ];
+        let headers = headers
+            .iter()
+            .filter(|(name, _)| !skip.contains(name))
+            .filter_map(|(name, value)| Some((name.to_string(), value.to_str().ok()?.to_owned())))
+            .collect();
+        Some(Self {
+            status: status.as_u16(),
+            headers,
+            body,
+        })
+    }
+
+    fn replay(self) -> Response<Full<Bytes>> {
+        let mut response = Response::new(Full::new(Bytes::from(self.body)));
+        *response.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        for (name, value) in self.headers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::try_from(name.as_str()),
+                HeaderValue::try_from(value.as_str()),
+            ) {
+                response.headers_mut().append(name, value);
+            }
+        }
+        response
+            .headers_mut()
+            .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+        response
+    }
+}
+
+fn problem(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({ "error": message }).to_string();
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// 409 for a key whose first request is still running.
+fn in_progress() -> Response<Full<Bytes>> {
+    let mut response = problem(
+        StatusCode::CONFLICT,
+        "a request with this Idempotency-Key is in progress",
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+/// The fingerprint of a request: its method, path and query, and body, and its caller where the layer
+/// knows callers (see [`IdempotencyLayer::with_caller`]).
+fn fingerprint(
+    method: &http::Method,
+    uri: &http::Uri,
+    body: &[u8],
+    caller: Option<Option<&str>>,
+) -> Vec<u8> {
+    let mut hash = Sha256::new();
+    hash.update(method.as_str().as_bytes());
+    hash.update([0]);
+    hash.update(uri.path_and_query().map_or("", |p| p.as_str()).as_bytes());
+    hash.update([0]);
+    hash.update(body);
+    // Appended only where callers are known: fingerprints stored without them stay valid.
+    if let Some(caller) = caller {
+        hash.update([0]);
+        match caller {
+            None => hash.update([0]),
+            Some(who) => {
+                hash.update([1]);
+                hash.update(who.as_bytes());
+            }
+        }
+    }
+    hash.finalize().to_vec()
+}
+
+impl<S, B, RB> Service<Request<B>> for Idempotency<S>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    B: http_body::Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    type Response = Response<Full<Bytes>>;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // The clone that was polled ready serves this request; a fresh clone waits for the next one.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let pool = self.pool.clone();
+        let config = self.config.clone();
+        let caller = self.caller.clone();
+        #[cfg(feature = "redis")]
+        let fast_path = self.fast_path.clone();
+        #[cfg(not(feature = "redis"))]
+        let fast_path = None;
+        let route = request
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .map(axum::extract::MatchedPath::as_str);
+        let span = saga_runtime::trace::http_span(request.method(), route, request.headers());
+        Box::pin(
+            async move {
+                let answered = handle(inner, pool, config, caller, fast_path, request).await;
+                if let Ok(response) = &answered {
+                    tracing::Span::current()
+                        .record("http.response.status_code", response.status().as_u16());
+                }
+                answered
+            }
+            .instrument(span),
+        )
+    }
+}
+
+#[cfg(feature = "redis")]
+type FastPath = crate::fast_path::FastPath;
+/// Without the `redis` feature there is no fast path.
+#[cfg(not(feature = "redis"))]
+enum FastPath {}
+
+async fn handle<S, B, RB>(
+    inner: S,
+    pool: PgPool,
+    config: Arc<IdempotencyConfig>,
+    caller: Option<CallerOf>,
+    fast_path: Option<FastPath>,
+    request: Request<B>,
+) -> Result<Response<Full<Bytes>>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    B: http_body::Body + From<Bytes>,
+    B::Error: Into<BoxError>,
+    RB: http_body::Body<Data = Bytes>,
+    RB::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    let key = match parts
+        .headers
+        .get(IDEMPOTENCY_KEY_HEADER)
+        .map(HeaderValue::to_str)
+    {
+        None => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "missing Idempotency-Key header",
+            ));
+        }
+        Some(Err(_)) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Idempotency-Key is not visible ASCII",
+            ));
+        }
+        Some(Ok(value)) => match IdempotencyKey::new(value) {
+            Ok(key) => key,
+            Err(e) => {
+                return Ok(problem(
+                    StatusCode::BAD_REQUEST,
+                    &format!("invalid Idempotency-Key: {e}"),
+                ));
+            }
+        },
+    };
+    let tenant = match parts.headers.get(TENANT_HEADER).map(HeaderValue::to_str) {
+        None => TenantId::default(),
+        Some(Ok(value)) => match TenantId::new(value) {
+            Ok(t) => t,
+            Err(e) => {
+                return Ok(problem(
+                    StatusCode::BAD_REQUEST,
+                    &format!("invalid Tenant-Id: {e}"),
+                ));
+            }
+        },
+        Some(Err(_)) => return Ok(problem(StatusCode::BAD_REQUEST, "invalid Tenant-Id")),
+    };
+    let traceparent = parts
+        .headers
+        .get(saga_core::headers::names::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
+    let bytes = match Limited::new(body, config.max_body_bytes).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => {
+            return Ok(problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large or unreadable",
+            ));
+        }
+    };
+    let who = caller.as_ref().map(|c| (c.0)(&parts));
+    let hash = fingerprint(
+        &parts.method,
+        &parts.uri,
+        &bytes,
+        who.as_ref().map(Option::as_deref),
+    );
+    let step_key = key.step_key(&config.operation);
+    let span = tracing::Span::current();
+    span.record("saga.step_key", step_key.as_str());
+    let request = Claimed {
+        lineage: Lineage::root_traced(key, tenant, traceparent)
+            .in_span(saga_runtime::trace::span_context(&span)),
+        step_key,
+        hash,
+        request: Request::from_parts(parts, B::from(bytes)),
+    };
+    match fast_path {
+        None => Ok(in_postgres(inner, pool, config, request).await?.0),
+        #[cfg(feature = "redis")]
+        Some(fast_path) => fast::handle(inner, pool, config, &fast_path, request).await,
+        #[cfg(not(feature = "redis"))]
+        Some(never) => match never {},
+    }
+}
+
+/// A request whose key, tenant and fingerprint are read.
+struct Claimed<B> {
+    /// The client's key, the tenant, and the trace context of the events the request emits (the
+    /// request's span when traced with OpenTelemetry, else a child of the caller's `traceparent`).
+    lineage: Lineage,
+    step_key: saga_core::StepKey,
+    hash: Vec<u8>,
+    request: Request<B>,
+}
+
+/// The request's response, and the stored response PostgreSQL holds for its key once it is known to be
+/// committed (just committed, or replayed): what the fast path may cache.
+type Answered = (Response<Full<Bytes>>, Option<serde_json::Value>);
+
+/// The request served with PostgreSQL alone: the claim inside the request's transaction decides.
+async fn in_postgres<S, B, RB>(
+    mut inner: S,
+    pool: PgPool,
+    config: Arc<IdempotencyConfig>,
+    claimed: Claimed<B>,
+) -> Result<Answered, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    RB: http_body::Body<Data = Bytes>,
+    RB::Error: Into<BoxError>,
+{
+    let Claimed {
+        lineage,
+        step_key,
+        hash,
+        mut request,
+    } = claimed;
+    let unavailable = |what: &str, e: &dyn std::fmt::Display| {
+        tracing::error!(error = %e, "{what}");
+        problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "idempotency store unavailable",
+        )
+    };
+    let mut tx = match pool.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return Ok((unavailable("beginning a transaction", &e), None)),
+    };
+    let mut replayed = None;
+    let early = match idempotency::try_claim(&mut tx, lineage.tenant(), &step_key, &hash).await {
+        Err(e) => Some(unavailable("claiming an idempotency key", &e)),
+        Ok(TryClaim::Claimed) => None,
+        Ok(TryClaim::Busy) => Some(in_progress()),
+        Ok(TryClaim::Existing {
+            stored,
+            request_hash,
+        }) => Some(if request_hash.as_deref() != Some(hash.as_slice()) {
+            problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Idempotency-Key was used for a different request",
+            )
+        } else {
+            match (stored.status == KeyStatus::Completed)
+                .then_some(stored.outcome)
+                .flatten()
+                .and_then(|value| {
+                    let response = serde_json::from_value::<StoredResponse>(value.clone()).ok()?;
+                    Some((response, value))
+                }) {
+                Some((response, value)) => {
+                    replayed = Some(value);
+                    response.replay()
+                }
+                None => problem(
+                    StatusCode::CONFLICT,
+                    "the key's stored response cannot be replayed",
+                ),
+            }
+        }),
+    };
+    if let Some(response) = early {
+        roll_back(tx).await;
+        return Ok((response, replayed));
+    }
+
+    let handle = IdempotentRequest(Arc::new(Shared {
+        lineage,
+        operation: config.operation.clone(),
+        emitted: std::sync::Mutex::default(),
+        tx: Mutex::new(Some(tx)),
+    }));
+    request.extensions_mut().insert(handle.clone());
+    // Every path below that does not commit rolls the transaction back before answering.
+    let response = match inner.call(request).await {
+        Ok(response) => response,
+        Err(e) => {
+            if let Some(tx) = handle.take().await {
+                roll_back(tx).await;
+            }
+            return Err(e);
+        }
+    };
+    let Some(mut tx) = handle.take().await else {
+        return Ok((
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the handler kept the transaction",
+            ),
+            None,
+        ));
+    };
+    let (parts, body) = response.into_parts();
+    // The error is dropped before the next await: it need not be `Send`.
+    let body = match body
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .ok()
+    {
+        Some(bytes) => bytes,
+        None => {
+            roll_back(tx).await;
+            return Ok((
+                problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the handler's response body failed",
+                ),
+                None,
+            ));
+        }
+    };
+    if parts.status.is_server_error() {
+        // Rolled back: the key is free for the retry.
+        roll_back(tx).await;
+        return Ok((Response::from_parts(parts, Full::new(body)), None));
+    }
+    let Some(stored) = StoredResponse::capture(parts.status, &parts.headers, &body) else {
+        roll_back(tx).await;
+        return Ok((
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the handler's response is not UTF-8 and cannot be stored",
+            ),
+            None,
+        ));
+    };
+    let stored = serde_json::to_value(&stored).ok();
+    let outcome = StepOutcome::Completed {
+        result: stored.clone(),
+    };
+    if let Err(e) =
+        idempotency::record_outcomes(&mut tx, &[(handle.tenant(), &step_key, &outcome)]).await
+    {
+        roll_back(tx).await;
+        return Ok((unavailable("storing the response", &e), None));
+    }
+    let emitted = handle.take_emitted();
+    if let Err(e) = outbox::append(&mut tx, &emitted).await {
+        roll_back(tx).await;
+        return Ok((unavailable("writing the outbox", &e), None));
+    }
+    if let Err(e) = tx.commit().await {
+        return Ok((unavailable("committing", &e), None));
+    }
+    Ok((Response::from_parts(parts, Full::new(body)), stored))
+}
+
+/// Rolls `tx` back before the response goes out. Dropping it would also roll it back, but only once the
+/// pool takes the connection back, in a task of its own: until then the transaction keeps the key's
+/// advisory lock, and the client's next retry, arriving on another connection, would get a 409.
+async fn roll_back(tx: Transaction<'static, Postgres>) {
+    if let Err(e) = tx.rollback().await {
+        tracing::warn!(error = %e, "rolling back an idempotent request's transaction");
+    }
+}
+
+/// The Redis fast path in front of [`in_postgres`] (feature `redis`).
+#[cfg(feature = "redis")]
+mod fast {
+    use super::{
+        Answered, BoxError, Bytes, Claimed, Full, IdempotencyConfig, PgPool, Request, Response,
+        Service, StoredResponse, in_postgres, in_progress,
+    };
+    use crate::fast_path::{CachedResponse, FastPath, InFlight, LockAnswer};
+    use std::sync::Arc;
+
+    /// Releases the in-flight lock however the request ends, its future dropped included (a client that
+    /// hung up must not leave its key at 409 until the lock's TTL).
+    struct Unlock(Option<(FastPath, InFlight)>);
+
+    impl Drop for Unlock {
+        fn drop(&mut self) {
+            if let Some((fast, lock)) = self.0.take()
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            {
+                runtime.spawn(async move { fast.unlock(lock).await });
+            }
+        }
+    }
+
+    /// Answers from Redis what it can (a cached response of the same request; 409 while another request
+    /// holds the key's in-flight lock), and sends the rest to PostgreSQL, caching what it committed.
+    pub(super) async fn handle<S, B, RB>(
+        inner: S,
+        pool: PgPool,
+        config: Arc<IdempotencyConfig>,
+        fast: &FastPath,
+        claimed: Claimed<B>,
+    ) -> Result<Response<Full<Bytes>>, S::Error>
+    where
+        S: Service<Request<B>, Response = Response<RB>>,
+        RB: http_body::Body<Data = Bytes>,
+        RB::Error: Into<BoxError>,
+    {
+        let fingerprint: String = claimed.hash.iter().map(|b| format!("{b:02x}")).collect();
+        if let Some(cached) = fast
+            .cached_response(claimed.lineage.tenant(), &claimed.step_key)
+            .await
+            && cached.fingerprint == fingerprint
+            && let Ok(stored) = serde_json::from_value::<StoredResponse>(cached.response)
+        {
+            fast.answered("replay", 1);
+            return Ok(stored.replay());
+        }
+        // A cached entry for another request, or one that does not decode: PostgreSQL decides.
+        let (tenant, step_key) = (claimed.lineage.tenant().clone(), claimed.step_key.clone());
+        let mut lock = match fast.lock(&tenant, &step_key).await {
+            (LockAnswer::Held, _) => return Ok(in_progress()),
+            (_, lock) => Unlock(lock.map(|l| (fast.clone(), l))),
+        };
+        let answered: Answered = in_postgres(inner, pool, config, claimed).await?;
+        let (response, stored) = answered;
+        if let Some(response) = stored {
+            // After the commit (or a replay from PostgreSQL), before the lock goes: a retry finds either.
+            fast.cache_response(
+                &tenant,
+                &step_key,
+                &CachedResponse {
+                    fingerprint,
+                    response,
+                },
+            )
+            .await;
+        }
+        if let Some((fast, held)) = lock.0.take() {
+            fast.unlock(held).await;
+        }
+        Ok(response)
+    }
+}

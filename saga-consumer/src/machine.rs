@@ -1,0 +1,604 @@
+//! The decisions of a partition worker over one batch, as a state machine without I/O: which messages run
+//! in one transaction, how a failed batch is narrowed down, when a failing message is retried and when it
+//! is dead-lettered, and which messages are finished. The executor drives it: it asks for the next
+//! [`Action`], performs it (a transaction, a two-phase attempt, a dead letter, a wait), and hands the
+//! outcome back as an [`Event`].
+//!
+//! The rules:
+//!
+//! - Consecutive transactional (or ignored, or known-done) messages run as one transaction. Two-phase
+//!   messages run one at a time; poison messages are dead-lettered where they stand.
+//! - A failure that names its message ([`Event::ItemFailed`]) cuts the batch before it: the messages before
+//!   it commit as a smaller batch, then it is retried alone, the failure counting as its first attempt.
+//! - A failure that names none ([`Event::GroupFailed`]: a batch handler call, or a statement of the
+//!   framework over several messages) makes the range run one message per transaction, so that only the
+//!   culprit is retried or dead-lettered; no message's budget is spent meanwhile.
+//! - An unavailable database is waited out, never counted against a message; a key leased by another
+//!   worker is waited for until the lease ends; a permanent failure dead-letters at once; a transient one
+//!   is retried with backoff until the retry budget is spent, then dead-lettered.
+
+use std::time::Duration;
+
+use crate::dlq::DeadLetterReason;
+
+/// How a message of the batch is processed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Claimed, handled and recorded in a transaction, batched with its neighbours of the same kind.
+    Transactional,
+    /// Needs no claim (ignored, or known done): joins a transactional run, which needs no transaction if
+    /// it holds only such messages.
+    NoClaim,
+    /// Lease, external call, completing transaction: alone.
+    TwoPhase,
+    /// Can never be handled: dead-lettered with this reason.
+    Poison(DeadLetterReason),
+}
+
+impl Kind {
+    fn batches(self) -> bool {
+        matches!(self, Self::Transactional | Self::NoClaim)
+    }
+}
+
+/// Why an attempt failed, as far as the decisions go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Fault {
+    /// Retrying cannot help: dead-letter.
+    Permanent(String),
+    /// Retrying may help: counts against the retry budget.
+    Transient(String),
+    /// The database is unavailable: waited out, never counted.
+    Unavailable(String),
+    /// Another worker holds the key's lease for this long.
+    Leased(Duration),
+}
+
+impl Fault {
+    fn text(&self) -> String {
+        match self {
+            Self::Permanent(e) | Self::Transient(e) | Self::Unavailable(e) => e.clone(),
+            Self::Leased(wait) => format!("step key leased by another worker for {wait:?}"),
+        }
+    }
+}
+
+/// How long to wait before the next attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// The retry policy's backoff after this many counted attempts.
+    Backoff(u32),
+    /// The database's backoff after this many unavailable attempts in a row.
+    Unavailable(u32),
+    /// Until another worker's lease on the message's key ends.
+    Lease(Duration),
+}
+
+/// What the worker does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Runs messages `start..end` in one transaction (none if they all need no claim). Answered by
+    /// [`Event::Committed`], [`Event::ItemFailed`], [`Event::GroupFailed`] or [`Event::NotStarted`].
+    Transact { start: usize, end: usize },
+    /// Runs one attempt of the two-phase step of message `index`. Answered by [`Event::Committed`] or
+    /// [`Event::ItemFailed`].
+    TwoPhase { index: usize },
+    /// Dead-letters message `index` (its attempts as counted). Answered by [`Event::DeadLettered`].
+    DeadLetter {
+        index: usize,
+        reason: DeadLetterReason,
+        error: String,
+        attempts: u32,
+    },
+    /// Waits before the next attempt of message `index` (the one being retried). Answered by
+    /// [`Event::Waited`].
+    Wait { index: usize, wait: Wait },
+    /// Every message of the batch is finished.
+    Done,
+}
+
+/// What came of the last action.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// The transaction (or the two-phase attempt) committed: its messages are finished.
+    Committed,
+    /// Message `index` (absolute) failed; nothing of the attempt committed.
+    ItemFailed { index: usize, fault: Fault },
+    /// The transaction failed without naming a message; nothing of it committed.
+    GroupFailed { fault: Fault },
+    /// The dead letter was acknowledged: the message is finished.
+    DeadLettered,
+    /// The wait is over.
+    Waited,
+}
+
+/// A retry of one message that failed: its failure, counted or not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Retrying {
+    index: usize,
+    fault: Fault,
+}
+
+/// The decisions for one batch of one partition, in offset order. See the module documentation.
+#[derive(Debug, Clone)]
+pub(crate) struct BatchMachine {
+    kinds: Vec<Kind>,
+    attempts: Vec<u32>,
+    max_attempts: u32,
+    /// Messages before this are finished.
+    finished: usize,
+    /// A message known to have failed, not retried yet: the run stops before it.
+    failed: Option<(usize, Fault)>,
+    /// Messages before this run one per transaction: a failure named none of them.
+    single_until: usize,
+    /// Unavailable attempts in a row, for the database's backoff.
+    unavailable: u32,
+    /// The message being retried alone, once its wait is over.
+    retrying: Option<Retrying>,
+    /// A batch that failed for an unavailable database: waited for, then run again.
+    again: Option<(usize, usize)>,
+    /// Whether the wait for `again` is over.
+    again_waited: bool,
+    /// The action whose event is awaited.
+    pending: Option<Action>,
+}
+
+impl BatchMachine {
+    /// The machine for messages of `kinds` (in offset order), with `attempts` already made (the crash-loop
+    /// guard's count for an isolated message, else zero), dead-lettering after `max_attempts` counted
+    /// attempts.
+    pub(crate) fn new(kinds: Vec<Kind>, attempts: Vec<u32>, max_attempts: u32) -> Self {
+        debug_assert_eq!(kinds.len(), attempts.len());
+        Self {
+            kinds,
+            attempts,
+            max_attempts,
+            finished: 0,
+            failed: None,
+            single_until: 0,
+            unavailable: 0,
+            retrying: None,
+            again: None,
+            again_waited: false,
+            pending: None,
+        }
+    }
+
+    /// How many messages, from the front, are finished (committed, skipped or dead-lettered).
+    pub(crate) fn finished(&self) -> usize {
+        self.finished
+    }
+
+    /// Counted attempts of message `index` so far.
+    pub(crate) fn attempts(&self, index: usize) -> u32 {
+        self.attempts[index]
+    }
+
+    /// The next action. Panics if the previous action's event was not handed back.
+    pub(crate) fn next(&mut self) -> Action {
+        assert!(
+            self.pending.is_none(),
+            "the event of {:?} was not handed back",
+            self.pending
+        );
+        let action = self.decide();
+        if action != Action::Done {
+            self.pending = Some(action.clone());
+        }
+        action
+    }
+
+    fn decide(&mut self) -> Action {
+        if let Some((start, end)) = self.again {
+            if !self.again_waited {
+                self.again_waited = true;
+                return Action::Wait {
+                    index: start,
+                    wait: Wait::Unavailable(self.unavailable),
+                };
+            }
+            self.again = None;
+            self.again_waited = false;
+            return Action::Transact { start, end };
+        }
+        if let Some(retrying) = &self.retrying {
+            // The wait is over: the failed message runs again, alone.
+            let index = retrying.index;
+            return match self.kinds[index] {
+                Kind::TwoPhase => Action::TwoPhase { index },
+                _ => Action::Transact {
+                    start: index,
+                    end: index + 1,
+                },
+            };
+        }
+        let i = self.finished;
+        if i >= self.kinds.len() {
+            return Action::Done;
+        }
+        if let Some((at, fault)) = self.failed.take_if(|(at, _)| *at == i) {
+            return self.after_failure(at, fault);
+        }
+        match self.kinds[i] {
+            Kind::Poison(reason) => Action::DeadLetter {
+                index: i,
+                reason,
+                error: String::new(),
+                attempts: self.attempts[i].max(1),
+            },
+            Kind::TwoPhase => Action::TwoPhase { index: i },
+            Kind::Transactional | Kind::NoClaim => {
+                let run_end = i + self.kinds[i..].iter().take_while(|k| k.batches()).count();
+                let limit = self.failed.as_ref().map_or(run_end, |(at, _)| *at);
+                let end = if i < self.single_until { i + 1 } else { limit };
+                Action::Transact { start: i, end }
+            }
+        }
+    }
+
+    /// Hands back what came of the last action.
+    pub(crate) fn on(&mut self, event: Event) {
+        let action = self
+            .pending
+            .take()
+            .expect("an event answers the action asked for");
+        match (action, event) {
+            (Action::Transact { end, .. }, Event::Committed) => {
+                self.finished = end;
+                self.unavailable = 0;
+                self.retrying = None;
+            }
+            (Action::TwoPhase { index }, Event::Committed) => {
+                self.finished = index + 1;
+                self.unavailable = 0;
+                self.retrying = None;
+            }
+            (Action::DeadLetter { index, .. }, Event::DeadLettered) => {
+                self.finished = index + 1;
+                self.retrying = None;
+            }
+            (Action::Wait { .. }, Event::Waited) => {}
+            (Action::Transact { start, end }, Event::ItemFailed { index, fault }) => {
+                debug_assert!(
+                    (start..end).contains(&index),
+                    "{index} is of {start}..{end}"
+                );
+                self.retrying = None;
+                self.failed = Some((index, fault));
+            }
+            (Action::TwoPhase { index: at }, Event::ItemFailed { index, fault }) => {
+                debug_assert_eq!(at, index);
+                self.retrying = None;
+                self.failed = Some((index, fault));
+            }
+            (Action::Transact { start, end }, Event::GroupFailed { fault }) => {
+                self.retrying = None;
+                if end - start == 1 {
+                    // One message: the failure is its own.
+                    self.failed = Some((start, fault));
+                } else if matches!(fault, Fault::Unavailable(_)) {
+                    // Nobody's fault: the same batch runs again once the database is back.
+                    self.unavailable += 1;
+                    self.again = Some((start, end));
+                } else {
+                    self.single_until = end;
+                }
+            }
+            (action, event) => {
+                panic!("{event:?} does not answer {action:?}")
+            }
+        }
+    }
+
+    /// Decides what follows a failure of message `index` (its first or a later attempt): a wait before it
+    /// runs again (alone), or its dead letter.
+    fn after_failure(&mut self, index: usize, fault: Fault) -> Action {
+        let dead_letter = |this: &Self, reason, error: String| Action::DeadLetter {
+            index,
+            reason,
+            error,
+            attempts: this.attempts[index].max(1),
+        };
+        let wait = match &fault {
+            Fault::Permanent(e) => {
+                self.attempts[index] += 1;
+                return dead_letter(self, DeadLetterReason::HandlerFailed, e.clone());
+            }
+            Fault::Unavailable(_) => {
+                self.unavailable += 1;
+                Wait::Unavailable(self.unavailable)
+            }
+            Fault::Leased(until) => Wait::Lease(*until),
+            Fault::Transient(e) => {
+                self.attempts[index] += 1;
+                let attempts = self.attempts[index];
+                if attempts >= self.max_attempts {
+                    return dead_letter(
+                        self,
+                        DeadLetterReason::RetriesExhausted,
+                        format!("{attempts} attempts failed; last error: {e}"),
+                    );
+                }
+                Wait::Backoff(attempts)
+            }
+        };
+        self.retrying = Some(Retrying { index, fault });
+        Action::Wait { index, wait }
+    }
+
+    /// The failure message `index` is being retried for, if any (for logs).
+    pub(crate) fn retry_reason(&self) -> Option<String> {
+        self.retrying.as_ref().map(|r| r.fault.text())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Kind = Kind::Transactional;
+
+    fn machine(kinds: &[Kind]) -> BatchMachine {
+        BatchMachine::new(kinds.to_vec(), vec![0; kinds.len()], 3)
+    }
+
+    fn transient(n: u32) -> Fault {
+        Fault::Transient(format!("failure {n}"))
+    }
+
+    /// The answer of an action that went well.
+    fn ok(action: &Action) -> Event {
+        match action {
+            Action::Transact { .. } | Action::TwoPhase { .. } => Event::Committed,
+            Action::DeadLetter { .. } => Event::DeadLettered,
+            Action::Wait { .. } => Event::Waited,
+            Action::Done => unreachable!("Done is not answered"),
+        }
+    }
+
+    /// Drives `m`, answering each action with `answer`; returns the actions taken.
+    fn drive(m: &mut BatchMachine, mut answer: impl FnMut(&Action) -> Event) -> Vec<Action> {
+        let mut actions = Vec::new();
+        loop {
+            let action = m.next();
+            if action == Action::Done {
+                return actions;
+            }
+            let event = answer(&action);
+            actions.push(action);
+            m.on(event);
+            assert!(actions.len() < 100, "the machine does not end: {actions:?}");
+        }
+    }
+
+    #[test]
+    fn a_run_of_transactional_messages_is_one_transaction() {
+        let mut m = machine(&[T, T, Kind::NoClaim, T]);
+        let actions = drive(&mut m, ok);
+        assert_eq!(actions, [Action::Transact { start: 0, end: 4 }]);
+        assert_eq!(m.finished(), 4);
+    }
+
+    #[test]
+    fn a_named_failure_commits_the_messages_before_it_and_retries_it_alone() {
+        let mut m = machine(&[T, T, T, T]);
+        let mut failed_once = false;
+        let actions = drive(&mut m, |a| match a {
+            Action::Transact { start: 0, end: 4 } if !failed_once => {
+                failed_once = true;
+                Event::ItemFailed {
+                    index: 2,
+                    fault: transient(1),
+                }
+            }
+            a => ok(a),
+        });
+        assert_eq!(
+            actions,
+            [
+                Action::Transact { start: 0, end: 4 },
+                Action::Transact { start: 0, end: 2 },
+                Action::Wait {
+                    index: 2,
+                    wait: Wait::Backoff(1)
+                },
+                Action::Transact { start: 2, end: 3 },
+                Action::Transact { start: 3, end: 4 },
+            ]
+        );
+        assert_eq!((m.finished(), m.attempts(2), m.attempts(1)), (4, 1, 0));
+    }
+
+    #[test]
+    fn a_failure_naming_no_message_narrows_the_range_to_one_message_per_transaction() {
+        let mut m = machine(&[T, T, T, T]);
+        let actions = drive(&mut m, |a| match a {
+            Action::Transact { start: 0, end: 4 } => Event::GroupFailed {
+                fault: transient(0),
+            },
+            Action::Transact { start: 2, end: 3 } => Event::ItemFailed {
+                index: 2,
+                fault: Fault::Permanent("bad".into()),
+            },
+            a => ok(a),
+        });
+        assert_eq!(
+            actions,
+            [
+                Action::Transact { start: 0, end: 4 },
+                Action::Transact { start: 0, end: 1 },
+                Action::Transact { start: 1, end: 2 },
+                Action::Transact { start: 2, end: 3 },
+                Action::DeadLetter {
+                    index: 2,
+                    reason: DeadLetterReason::HandlerFailed,
+                    error: "bad".into(),
+                    attempts: 1
+                },
+                Action::Transact { start: 3, end: 4 },
+            ],
+            "only the culprit is dead-lettered"
+        );
+        assert_eq!(
+            (m.attempts(0), m.attempts(1), m.attempts(3)),
+            (0, 0, 0),
+            "no other message's budget spent"
+        );
+    }
+
+    #[test]
+    fn transient_failures_are_retried_until_the_budget_is_spent_then_dead_lettered() {
+        let mut m = machine(&[T]);
+        let mut n = 0;
+        let actions = drive(&mut m, |a| match a {
+            Action::Transact { .. } => {
+                n += 1;
+                Event::ItemFailed {
+                    index: 0,
+                    fault: transient(n),
+                }
+            }
+            Action::Wait { .. } => Event::Waited,
+            _ => Event::DeadLettered,
+        });
+        assert_eq!(
+            actions.last(),
+            Some(&Action::DeadLetter {
+                index: 0,
+                reason: DeadLetterReason::RetriesExhausted,
+                error: "3 attempts failed; last error: failure 3".into(),
+                attempts: 3
+            })
+        );
+        let waits: Vec<&Action> = actions
+            .iter()
+            .filter(|a| matches!(a, Action::Wait { .. }))
+            .collect();
+        assert_eq!(
+            waits,
+            [
+                &Action::Wait {
+                    index: 0,
+                    wait: Wait::Backoff(1)
+                },
+                &Action::Wait {
+                    index: 0,
+                    wait: Wait::Backoff(2)
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn an_unavailable_database_is_waited_out_without_spending_the_budget() {
+        let mut m = machine(&[T, T]);
+        let mut outages = 0;
+        let actions = drive(&mut m, |a| match a {
+            Action::Transact { .. } if outages < 5 => {
+                outages += 1;
+                Event::GroupFailed {
+                    fault: Fault::Unavailable("read-only".into()),
+                }
+            }
+            Action::Wait { .. } => Event::Waited,
+            a => ok(a),
+        });
+        assert_eq!(m.finished(), 2);
+        assert_eq!((m.attempts(0), m.attempts(1)), (0, 0), "nothing counted");
+        assert!(actions.contains(&Action::Wait {
+            index: 0,
+            wait: Wait::Unavailable(5)
+        }));
+        assert!(
+            !actions
+                .iter()
+                .any(|a| matches!(a, Action::DeadLetter { .. })),
+            "nothing dead-lettered: {actions:?}"
+        );
+    }
+
+    #[test]
+    fn poison_is_dead_lettered_where_it_stands_and_two_phase_steps_run_alone() {
+        let poison = Kind::Poison(DeadLetterReason::Undecodable);
+        let mut m = machine(&[T, poison, Kind::TwoPhase, T, T]);
+        let mut leased = false;
+        let actions = drive(&mut m, |a| match a {
+            Action::TwoPhase { index } if !leased => {
+                leased = true;
+                Event::ItemFailed {
+                    index: *index,
+                    fault: Fault::Leased(Duration::from_secs(2)),
+                }
+            }
+            Action::DeadLetter { .. } => Event::DeadLettered,
+            Action::Wait { .. } => Event::Waited,
+            a => ok(a),
+        });
+        assert_eq!(
+            actions,
+            [
+                Action::Transact { start: 0, end: 1 },
+                Action::DeadLetter {
+                    index: 1,
+                    reason: DeadLetterReason::Undecodable,
+                    error: String::new(),
+                    attempts: 1
+                },
+                Action::TwoPhase { index: 2 },
+                Action::Wait {
+                    index: 2,
+                    wait: Wait::Lease(Duration::from_secs(2))
+                },
+                Action::TwoPhase { index: 2 },
+                Action::Transact { start: 3, end: 5 },
+            ]
+        );
+        assert_eq!(m.attempts(2), 0, "waiting for a lease is no attempt");
+    }
+
+    #[test]
+    fn a_group_failure_after_an_item_failure_narrows_only_the_messages_before_it() {
+        // The batch names message 3; the smaller batch before it then fails without naming one.
+        let mut m = machine(&[T, T, T, T, T]);
+        let mut step = 0;
+        let actions = drive(&mut m, |a| {
+            step += 1;
+            match (step, a) {
+                (1, _) => Event::ItemFailed {
+                    index: 3,
+                    fault: Fault::Permanent("bad".into()),
+                },
+                (2, Action::Transact { start: 0, end: 3 }) => Event::GroupFailed {
+                    fault: transient(0),
+                },
+                (_, Action::DeadLetter { .. }) => Event::DeadLettered,
+                (_, a) => ok(a),
+            }
+        });
+        assert_eq!(
+            actions,
+            [
+                Action::Transact { start: 0, end: 5 },
+                Action::Transact { start: 0, end: 3 },
+                Action::Transact { start: 0, end: 1 },
+                Action::Transact { start: 1, end: 2 },
+                Action::Transact { start: 2, end: 3 },
+                Action::DeadLetter {
+                    index: 3,
+                    reason: DeadLetterReason::HandlerFailed,
+                    error: "bad".into(),
+                    attempts: 1
+                },
+                Action::Transact { start: 4, end: 5 },
+            ]
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "was not handed back")]
+    fn an_action_must_be_answered_before_the_next() {
+        let mut m = machine(&[T]);
+        let _ = m.next();
+        let _ = m.next();
+    }
+}

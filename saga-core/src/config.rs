@@ -1,0 +1,113 @@
+//! The settings every part of the framework shares: where the broker is, and the one-line report of a setting
+//! that keeps a process from starting.
+
+use std::fmt;
+
+/// Where the broker is, and extra librdkafka properties: the framework's own Kafka settings type, free of
+/// any client library's types. The consumer, the relay and the `saga` command take it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// Extra librdkafka properties, applied last (security settings, tuning).
+    pub properties: Vec<(String, String)>,
+}
+
+/// The variable naming the brokers.
+const BROKERS_VAR: &str = "KAFKA_BROKERS";
+
+impl KafkaConfig {
+    /// The broker list `brokers` with no extra properties.
+    pub fn new(brokers: impl Into<String>) -> Self {
+        Self {
+            brokers: brokers.into(),
+            properties: Vec::new(),
+        }
+    }
+
+    /// Adds a librdkafka property (`security.protocol`, say), applied after the framework's own.
+    #[must_use]
+    pub fn with_property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.push((name.into(), value.into()));
+        self
+    }
+
+    /// From the environment: `KAFKA_BROKERS` (required: a missing one is a [`ConfigProblem`], never a
+    /// silent default), and every `KAFKA_PROPERTY_*` variable as a librdkafka property
+    /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
+    pub fn from_env() -> Result<Self, ConfigProblem> {
+        Self::with_env_properties(std::env::var(BROKERS_VAR).ok())
+    }
+
+    /// `brokers` (read by a command line from a flag or `KAFKA_BROKERS`) with every `KAFKA_PROPERTY_*`
+    /// variable as a librdkafka property; a missing or blank one is a [`ConfigProblem`] naming
+    /// `KAFKA_BROKERS`.
+    pub fn with_env_properties(brokers: Option<String>) -> Result<Self, ConfigProblem> {
+        let brokers = brokers.filter(|b| !b.trim().is_empty()).ok_or_else(|| {
+            ConfigProblem::new(
+                BROKERS_VAR,
+                "is not set",
+                "set it to the bootstrap servers, such as 127.0.0.1:9092",
+            )
+        })?;
+        Ok(Self {
+            brokers,
+            properties: properties_from_env(),
+        })
+    }
+}
+
+/// Every `KAFKA_PROPERTY_*` variable, as a librdkafka property name and value.
+fn properties_from_env() -> Vec<(String, String)> {
+    std::env::vars()
+        .filter_map(|(name, value)| {
+            let property = name.strip_prefix("KAFKA_PROPERTY_")?;
+            Some((property.to_ascii_lowercase().replace('_', "."), value))
+        })
+        .collect()
+}
+
+/// A setting that keeps a process from starting: which one, what is wrong, and what to do. The framework's
+/// binaries print it as one line and exit with code 2.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConfigProblem {
+    /// The environment variable (or flag) at fault, such as `DATABASE_URL`.
+    pub setting: String,
+    /// What is wrong with it.
+    pub problem: String,
+    /// What to do about it.
+    pub fix: String,
+}
+
+impl ConfigProblem {
+    /// A problem with `setting`: `problem`, fixed by `fix`.
+    pub fn new(
+        setting: impl Into<String>,
+        problem: impl Into<String>,
+        fix: impl Into<String>,
+    ) -> Self {
+        Self {
+            setting: setting.into(),
+            problem: problem.into(),
+            fix: fix.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Errors of libraries may span lines; the report is one line.
+        let one_line = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+        write!(
+            f,
+            "{}: {}; {}",
+            self.setting,
+            one_line(&self.problem),
+            one_line(&self.fix)
+        )
+    }
+}
+
+impl std::error::Error for ConfigProblem {}
