@@ -21,7 +21,7 @@ use sqlx::{PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::connection::WorkerConnection;
+use crate::connection::{Released, WorkerConnection, commit, rollback};
 use crate::dedup::{self, BatchError, Failure, ItemOutcome};
 use crate::delivery::{Delivery, Route};
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
@@ -78,12 +78,9 @@ impl Executor {
         let attempts = deliveries.iter().map(|d| d.attempts).collect();
         let mut machine = BatchMachine::new(kinds, attempts, self.retry.max_attempts);
         while !cancel.is_cancelled() {
-            let action = machine.next();
-            if !matches!(action, Action::Transact { .. } | Action::Done) {
-                // The kept connection serves back-to-back transactions only (the next batch's too).
-                connection.release();
-            }
-            let event = match action {
+            // The kept connection serves back-to-back transactions only (the next batch's too): every
+            // other action releases it first, and takes the proof.
+            let event = match machine.next() {
                 Action::Done => break,
                 Action::Transact { start: from, end } => {
                     match self
@@ -121,10 +118,14 @@ impl Executor {
                     }
                 }
                 Action::TwoPhase { index } => {
+                    let released = connection.release();
                     let Some(permit) = start.permit().await else {
                         break;
                     };
-                    match self.two_phase_attempt(&deliveries[index], &permit).await {
+                    match self
+                        .two_phase_attempt(&deliveries[index], &permit, &released)
+                        .await
+                    {
                         Ok(outcome) => {
                             fast::after_commit(
                                 self.fast_path.as_ref(),
@@ -146,6 +147,7 @@ impl Executor {
                     error,
                     attempts,
                 } => {
+                    let released = connection.release();
                     let Some(permit) = start.permit().await else {
                         break;
                     };
@@ -157,7 +159,7 @@ impl Executor {
                         error
                     };
                     if !self
-                        .dead_letter(delivery, reason, error, &permit, cancel)
+                        .dead_letter(delivery, reason, error, &permit, &released, cancel)
                         .await
                     {
                         break;
@@ -165,13 +167,14 @@ impl Executor {
                     Event::DeadLettered
                 }
                 Action::Wait { index, wait } => {
+                    let released = connection.release();
                     // A retry may commit: not before the batch's start is recorded.
                     if start.permit().await.is_none() {
                         break;
                     }
                     let reason = machine.retry_reason().unwrap_or_default();
                     if !self
-                        .wait(&mut deliveries[index], wait, &reason, cancel)
+                        .wait(&mut deliveries[index], wait, &reason, &released, cancel)
                         .await
                     {
                         break;
@@ -193,6 +196,7 @@ impl Executor {
         delivery: &mut Delivery,
         deaths: u32,
         permit: &CommitPermit,
+        released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> bool {
         delivery.attempts = deaths;
@@ -201,6 +205,7 @@ impl Executor {
             DeadLetterReason::CrashLoop,
             format!("the consumer died {deaths} times while processing this message"),
             permit,
+            released,
             cancel,
         )
         .await
@@ -213,6 +218,7 @@ impl Executor {
         delivery: &mut Delivery,
         wait: Wait,
         reason: &str,
+        released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> bool {
         let step = delivery.step_name().unwrap_or_default().to_owned();
@@ -249,7 +255,13 @@ impl Executor {
         if waits_for_lease && slept {
             delivery.alone = self
                 .guard
-                .alone(&origin.topic, origin.partition, origin.offset, cancel)
+                .alone(
+                    &origin.topic,
+                    origin.partition,
+                    origin.offset,
+                    released,
+                    cancel,
+                )
                 .await;
             slept = delivery.alone.is_some();
         }
@@ -298,63 +310,48 @@ impl Executor {
         }
         let phases = &self.metrics.phases;
         let began = Instant::now();
-        let (mut conn, kept) = connection.take(&self.pool).await?;
-        let mut replacement: Option<PoolConnection<Postgres>> = None;
-        let mut tx = match sqlx::Connection::begin(&mut *conn).await {
-            Ok(tx) => tx,
-            // The kept connection broke since its last commit (the server restarted or ended it): the
-            // pool's ping would have caught that; take a tested one instead of waiting out a lost database.
-            // (The broken one goes back to the pool, whose ping discards it.)
-            Err(e) if kept => {
-                tracing::debug!(error = %e, "a kept connection failed to begin; taking another");
-                let fresh = replacement.insert(self.pool.acquire().await?);
-                sqlx::Connection::begin(&mut **fresh).await?
-            }
-            // A failed BEGIN is a lost connection (a read-only server takes BEGIN): the pool's ping
-            // discards it.
-            Err(e) => return Err(e.into()),
-        };
-        observe_since(&phases.begin, began);
         let claim = connection.claim_kind();
-        let outcomes =
-            match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics, claim).await {
-                Ok(run) => {
-                    connection.claimed(run.met_existing_keys);
-                    run.outcomes
-                }
-                Err(e) => {
-                    // Roll back now: a dropped transaction is rolled back only once the pool takes its
-                    // connection back, and until then its claimed keys would hold up the retry.
-                    let rolled_back = tx.rollback().await.is_ok();
-                    if matches!(e, BatchError::KeysExist) {
-                        // Nothing but the claim ran: the batch runs again at once, checking each key.
-                        connection.claimed(true);
-                        if rolled_back {
-                            connection.keep(replacement.unwrap_or(conn));
-                        }
-                    } else if e.is_database_unavailable() {
-                        replacement.as_mut().unwrap_or(&mut conn).close_on_drop();
+        let mut lent = connection.lend(&self.pool).await?;
+        let mut tx = lent.begin().await?;
+        observe_since(&phases.begin, began);
+        let run = match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics, claim).await
+        {
+            Ok(run) => run,
+            Err(e) => {
+                let rolled_back = rollback(tx).await;
+                if matches!(e, BatchError::KeysExist) {
+                    // Nothing but the claim ran: the batch runs again at once, checking each key.
+                    lent.claimed(true);
+                    if let Some(settled) = rolled_back {
+                        lent.keep(settled);
                     }
-                    return Err(e);
+                } else if e.is_database_unavailable() {
+                    lent.discard();
                 }
-            };
+                return Err(e);
+            }
+        };
         let recording = Instant::now();
         let Some(permit) = start.permit().await else {
-            let _ = tx.rollback().await;
+            let _ = rollback(tx).await;
             return Err(BatchError::NotStarted);
         };
         observe_since(&phases.guard, recording);
         let committing = Instant::now();
-        if let Err(e) = commit(tx, &permit).await {
-            discard_if_unavailable(replacement.as_mut().unwrap_or(&mut conn), &e);
-            return Err(e.into());
-        }
+        let settled = match commit(tx, &permit).await {
+            Ok(settled) => settled,
+            Err(e) => {
+                lent.discard_if_unavailable(&e);
+                return Err(e.into());
+            }
+        };
         observe_since(&phases.commit, committing);
-        connection.keep(replacement.unwrap_or(conn));
+        lent.claimed(run.met_existing_keys);
+        lent.keep(settled);
         self.metrics.batch_size.observe(batch.len() as f64);
         self.after_commit(batch);
-        fast::after_commit(self.fast_path.as_ref(), batch, &outcomes);
-        Ok(outcomes)
+        fast::after_commit(self.fast_path.as_ref(), batch, &run.outcomes);
+        Ok(run.outcomes)
     }
 
     fn after_commit(&self, batch: &[Delivery]) {
@@ -375,6 +372,7 @@ impl Executor {
         &self,
         delivery: &Delivery,
         permit: &CommitPermit,
+        _released: &Released<'_>,
     ) -> Result<ItemOutcome, Failure> {
         let mut held = TwoPhaseConnections::default();
         let attempt = self.two_phase_attempt_on(delivery, permit, &mut held).await;
@@ -516,6 +514,7 @@ impl Executor {
         reason: DeadLetterReason,
         error: String,
         _permit: &CommitPermit,
+        _released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> bool {
         let letter = DeadLetter {
@@ -578,15 +577,6 @@ async fn release(conn: &mut sqlx::PgConnection, lease: &idempotency::Lease, erro
     if let Err(e) = idempotency::release_lease(conn, lease, &error.to_string()).await {
         tracing::warn!(error = %e, "could not release a lease; it expires on its own");
     }
-}
-
-/// Commits a worker's transaction: only with the permit of its batch's start record (see
-/// [`CommitPermit`]). The one way the executor commits.
-async fn commit(
-    tx: sqlx::Transaction<'_, Postgres>,
-    _permit: &CommitPermit,
-) -> Result<(), sqlx::Error> {
-    tx.commit().await
 }
 
 /// Closes `conn` when it is returned instead of giving it back to the pool, if `error` says the database is

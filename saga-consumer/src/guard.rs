@@ -29,6 +29,7 @@ use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::connection::Released;
 use crate::executor::{discard_if_unavailable, sleep_or_cancel};
 
 /// What to do with a batch about to start.
@@ -66,8 +67,9 @@ impl CrashGuard {
         }
     }
 
-    /// Held while an ordinary batch runs: isolated messages wait for it.
-    pub(crate) async fn shared(&self) -> OwnedRwLockReadGuard<()> {
+    /// Held while an ordinary batch runs: isolated messages wait for it. The worker waits for it with no
+    /// connection kept.
+    pub(crate) async fn shared(&self, _released: &Released<'_>) -> OwnedRwLockReadGuard<()> {
         self.alone.clone().read_owned().await
     }
 
@@ -84,6 +86,7 @@ impl CrashGuard {
         topic: &str,
         partition: i32,
         offset: i64,
+        _released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> Option<OwnedRwLockWriteGuard<()>> {
         let lock = tokio::select! {
@@ -101,8 +104,23 @@ impl CrashGuard {
     }
 
     /// [`CrashGuard::begin`], retried every second while the database fails; `None` if `cancel` fired
-    /// first.
+    /// first. The worker waits for it with no connection kept.
     pub(crate) async fn begin_until_recorded(
+        &self,
+        topic: &str,
+        partition: i32,
+        first: i64,
+        last: i64,
+        _released: &Released<'_>,
+        cancel: &CancellationToken,
+    ) -> Option<BatchStart> {
+        self.begin_retrying(topic, partition, first, last, cancel)
+            .await
+    }
+
+    /// [`CrashGuard::begin_until_recorded`] for a record that runs beside the batch's transaction
+    /// ([`PendingStart::record`]).
+    async fn begin_retrying(
         &self,
         topic: &str,
         partition: i32,
@@ -205,8 +223,16 @@ impl CrashGuard {
         }
     }
 
-    /// Records that the batch starting at `first` ended: `finished`, or abandoned on purpose.
-    pub(crate) async fn end(&self, topic: &str, partition: i32, first: i64, finished: bool) {
+    /// Records that the batch starting at `first` ended: `finished`, or abandoned on purpose. The worker
+    /// waits for it with no connection kept.
+    pub(crate) async fn end(
+        &self,
+        topic: &str,
+        partition: i32,
+        first: i64,
+        finished: bool,
+        _released: &Released<'_>,
+    ) {
         if self.limit == 0 {
             return;
         }
@@ -286,7 +312,7 @@ impl PendingStart {
                 }
             }
             guard
-                .begin_until_recorded(&topic, partition, first, last, &cancel)
+                .begin_retrying(&topic, partition, first, last, &cancel)
                 .await
         }))
     }

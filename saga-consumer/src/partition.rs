@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use saga_core::RawMessage;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::connection::WorkerConnection;
+use crate::connection::{Released, WorkerConnection};
 use crate::delivery::{Delivery, Router};
 use crate::executor::Executor;
 use crate::guard::{BatchStart, PendingStart};
@@ -70,15 +70,8 @@ async fn run(
             let idle = Instant::now();
             let next = match receiver.try_recv() {
                 Ok(raw) => Some(raw),
-                Err(_) => {
-                    // Nothing to do: the connection goes back to the pool while the worker waits.
-                    connection.release();
-                    tokio::select! {
-                        biased;
-                        _ = cancel.cancelled() => return,
-                        next = receiver.recv() => next,
-                    }
-                }
+                // Nothing to do: the connection goes back to the pool while the worker waits.
+                Err(_) => next_message(&mut receiver, &cancel, &connection.release()).await,
             };
             match next {
                 Some(raw) => backlog.push_back(shared.router.route(raw)),
@@ -97,16 +90,12 @@ async fn run(
         let waited = Instant::now();
         let _permit = match shared.permits.clone().try_acquire_owned() {
             Ok(permit) => permit,
-            Err(_) => {
-                // Other partitions' turn first: no connection is held while waiting for a slot, so a
-                // consumer never holds more connections than it has slots.
-                connection.release();
-                tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => return,
-                    permit = shared.permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
-                }
-            }
+            // Other partitions' turn first: no connection is held while waiting for a slot, so a consumer
+            // never holds more connections than it has slots.
+            Err(_) => match slot(&shared.permits, &cancel, &connection.release()).await {
+                Some(permit) => permit,
+                None => return,
+            },
         };
 
         observe_since(&phases.permit, waited);
@@ -148,11 +137,11 @@ async fn run(
                 Some(lock) => Some(lock),
                 None => {
                     // An isolated message has the process alone and needs a connection of its own.
-                    connection.release();
+                    let released = connection.release();
                     tokio::select! {
                         biased;
                         _ = cancel.cancelled() => None,
-                        lock = guard.shared() => Some(lock),
+                        lock = guard.shared(&released) => Some(lock),
                     }
                 }
             };
@@ -171,8 +160,9 @@ async fn run(
                 Some(BatchStart::Normal) if done == take => continue,
                 // Cancelled (revoke or shutdown): the rest comes back to whoever owns the partition next.
                 Some(BatchStart::Normal) => {
-                    connection.release();
-                    guard.end(&tp.0, tp.1, first, false).await;
+                    guard
+                        .end(&tp.0, tp.1, first, false, &connection.release())
+                        .await;
                     return;
                 }
                 None => return,
@@ -183,10 +173,10 @@ async fn run(
                 }
             }
         } else {
-            connection.release();
+            let released = connection.release();
             let guarded = Instant::now();
             let Some(start) = guard
-                .begin_until_recorded(&tp.0, tp.1, first, last, &cancel)
+                .begin_until_recorded(&tp.0, tp.1, first, last, &released, &cancel)
                 .await
             else {
                 return;
@@ -203,21 +193,25 @@ async fn run(
         let mut _shared_lock = None;
         match start {
             BatchStart::Normal => {
+                let released = connection.release();
                 _shared_lock = tokio::select! {
                     biased;
                     _ = cancel.cancelled() => None,
-                    lock = guard.shared() => Some(lock),
+                    lock = guard.shared(&released) => Some(lock),
                 };
             }
             BatchStart::Isolate => {
-                batch[0].alone = guard.alone(&tp.0, tp.1, first, &cancel).await;
+                batch[0].alone = guard
+                    .alone(&tp.0, tp.1, first, &connection.release(), &cancel)
+                    .await;
                 batch[0].isolated = true;
             }
             BatchStart::DeadLetter(_) => {}
         }
         if cancel.is_cancelled() {
-            connection.release();
-            guard.end(&tp.0, tp.1, first, false).await;
+            guard
+                .end(&tp.0, tp.1, first, false, &connection.release())
+                .await;
             return;
         }
         let done = if let BatchStart::DeadLetter(_) = start {
@@ -226,7 +220,13 @@ async fn run(
                 Some((permit, deaths)) => usize::from(
                     shared
                         .executor
-                        .dead_letter_crash_loop(&mut batch[0], deaths, &permit, &cancel)
+                        .dead_letter_crash_loop(
+                            &mut batch[0],
+                            deaths,
+                            &permit,
+                            &connection.release(),
+                            &cancel,
+                        )
                         .await,
                 ),
                 None => unreachable!("the record said: dead-letter"),
@@ -242,14 +242,43 @@ async fn run(
         report(&shared, &tp, generation, &batch[..done]);
         if done < batch.len() {
             // Cancelled (revoke or shutdown): the rest comes back to whoever owns the partition next.
-            connection.release();
-            shared.executor.guard.end(&tp.0, tp.1, first, false).await;
+            guard
+                .end(&tp.0, tp.1, first, false, &connection.release())
+                .await;
             return;
         }
         if start != BatchStart::Normal {
-            connection.release();
-            shared.executor.guard.end(&tp.0, tp.1, first, true).await;
+            guard
+                .end(&tp.0, tp.1, first, true, &connection.release())
+                .await;
         }
+    }
+}
+
+/// The partition's next message, waited for with no connection kept; `None` if `cancel` fired first or
+/// the queue closed.
+async fn next_message(
+    receiver: &mut mpsc::Receiver<RawMessage>,
+    cancel: &CancellationToken,
+    _released: &Released<'_>,
+) -> Option<RawMessage> {
+    tokio::select! {
+        biased;
+        _ = cancel.cancelled() => None,
+        next = receiver.recv() => next,
+    }
+}
+
+/// A processing slot, waited for with no connection kept; `None` if `cancel` fired first.
+async fn slot(
+    permits: &Arc<Semaphore>,
+    cancel: &CancellationToken,
+    _released: &Released<'_>,
+) -> Option<OwnedSemaphorePermit> {
+    tokio::select! {
+        biased;
+        _ = cancel.cancelled() => None,
+        permit = permits.clone().acquire_owned() => Some(permit.expect("the semaphore is never closed")),
     }
 }
 
