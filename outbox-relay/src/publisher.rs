@@ -56,12 +56,27 @@ pub(crate) struct Failed {
     pub refused: bool,
 }
 
+/// A row the broker acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Acked {
+    /// The row's id.
+    pub id: i64,
+    /// When the row was written.
+    pub created_at: DateTime<Utc>,
+    /// When the broker acknowledged it.
+    pub acked_at: DateTime<Utc>,
+    /// Where the broker put it.
+    pub partition: i32,
+    /// Its offset there.
+    pub offset: i64,
+}
+
 /// How a batch went.
 #[derive(Debug, Default)]
 pub(crate) struct BatchOutcome {
-    /// Rows the broker acknowledged, with the row's write time and the acknowledgement time. A key's rows
-    /// are acknowledged in row order: each was sent only after the one before it was acknowledged.
-    pub acked: Vec<(i64, DateTime<Utc>, DateTime<Utc>)>,
+    /// Rows the broker acknowledged. A key's rows are acknowledged in row order: each was sent only after
+    /// the one before it was acknowledged.
+    pub acked: Vec<Acked>,
     /// Rows that failed.
     pub failed: Vec<Failed>,
     /// Rows not sent because an earlier row of their key failed: they are published after it.
@@ -151,7 +166,13 @@ impl Publisher {
                 Ok((partition, offset)) => {
                     span.record("messaging.destination.partition.id", partition);
                     span.record("messaging.kafka.offset", offset);
-                    outcome.acked.push((row.id, row.created_at, acked_at));
+                    outcome.acked.push(Acked {
+                        id: row.id,
+                        created_at: row.created_at,
+                        acked_at,
+                        partition,
+                        offset,
+                    });
                     // The broker has this row: the key's next one may go.
                     if let Some(next) = queue.pop_front() {
                         match self.send(&rows[next], shutdown).await? {

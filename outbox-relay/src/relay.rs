@@ -545,27 +545,27 @@ impl Relay {
                 continue; // shutdown: nothing marked, the rows are published again later
             };
             let published_in = publish_started.elapsed();
-            let acked: Vec<(i64, chrono::DateTime<chrono::Utc>)> =
-                outcome.acked.iter().map(|(id, _, at)| (*id, *at)).collect();
             let mark_started = Instant::now();
-            store::mark_published(&mut conn, &acked, self.settings.after_publish).await?;
+            store::mark_published(&mut conn, &outcome.acked, self.settings.after_publish).await?;
             tracing::debug!(
                 rows = rows.len(),
-                acked = acked.len(),
+                acked = outcome.acked.len(),
                 held_back = outcome.held_back,
                 ?fetched_in,
                 ?published_in,
                 marked_in = ?mark_started.elapsed(),
                 "batch"
             );
-            for (id, created, acked_at) in &outcome.acked {
-                retries.done(*id);
-                let latency = (*acked_at - *created).to_std().unwrap_or_default();
+            for acked in &outcome.acked {
+                retries.done(acked.id);
+                let latency = (acked.acked_at - acked.created_at)
+                    .to_std()
+                    .unwrap_or_default();
                 self.metrics
                     .commit_to_ack_seconds
                     .observe(latency.as_secs_f64());
             }
-            self.metrics.published.inc_by(acked.len() as u64);
+            self.metrics.published.inc_by(outcome.acked.len() as u64);
             for failed in &outcome.failed {
                 let parked = store::record_failure(
                     &mut conn,

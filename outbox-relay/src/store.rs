@@ -8,7 +8,7 @@ use saga_runtime::store::gc::delete_in_batches;
 use saga_runtime::store::outbox::headers_from_array;
 use sqlx::{PgConnection, PgPool, Row};
 
-use crate::publisher::OrderKey;
+use crate::publisher::{Acked, OrderKey};
 
 /// An outbox row to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,25 +77,33 @@ pub(crate) async fn fetch_unpublished(
         .collect()
 }
 
-/// Marks (or deletes) the rows `acked` as published; `published_at` is the broker's acknowledgement time.
+/// Marks (or deletes) the rows `acked` as published: `published_at` is the broker's acknowledgement time,
+/// with the partition and offset the broker gave the row.
 pub(crate) async fn mark_published(
     conn: &mut PgConnection,
-    acked: &[(i64, DateTime<Utc>)],
+    acked: &[Acked],
     after: AfterPublish,
 ) -> Result<u64, sqlx::Error> {
     if acked.is_empty() {
         return Ok(0);
     }
-    let (ids, times): (Vec<i64>, Vec<DateTime<Utc>>) = acked.iter().copied().unzip();
+    let ids: Vec<i64> = acked.iter().map(|a| a.id).collect();
     let done = match after {
         AfterPublish::Mark => {
+            let times: Vec<DateTime<Utc>> = acked.iter().map(|a| a.acked_at).collect();
+            let partitions: Vec<i32> = acked.iter().map(|a| a.partition).collect();
+            let offsets: Vec<i64> = acked.iter().map(|a| a.offset).collect();
             sqlx::query(
-                "UPDATE saga_outbox o SET published_at = a.at \
-                 FROM unnest($1::bigint[], $2::timestamptz[]) AS a(id, at) \
+                "UPDATE saga_outbox o \
+                 SET published_at = a.at, published_partition = a.partition, published_offset = a.off \
+                 FROM unnest($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[]) \
+                      AS a(id, at, partition, off) \
                  WHERE o.id = a.id AND o.published_at IS NULL",
             )
             .bind(&ids)
             .bind(&times)
+            .bind(&partitions)
+            .bind(&offsets)
             .execute(conn)
             .await?
         }

@@ -15,7 +15,7 @@ use crate::dlq::{self, DlqFilter, ReplayOptions};
 use crate::duration;
 use crate::inspect::{self, InspectOptions};
 use crate::table::Table;
-use crate::{keys, lag, outbox, sagas};
+use crate::{groups, keys, lag, operations, outbox, sagas, trace};
 
 /// The `saga` binary: parses the command line (see `saga --help`), runs the command, and answers bad input
 /// or configuration with one line and exit code 2.
@@ -81,6 +81,18 @@ enum Command {
     /// The Redis fast path's keys.
     #[command(subcommand)]
     Redis(RedisCommand),
+    /// One saga across every service schema of the database: its step keys, the events they wrote (with
+    /// where the broker put them), its dead letters and replays, its orchestrated transitions, by time.
+    Trace {
+        /// The client's idempotency key.
+        key: String,
+        /// Only this tenant's.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only these service schemas (default: every schema with saga keys).
+        #[arg(long = "in-schema")]
+        schemas: Vec<String>,
+    },
     /// Serve the inspector page.
     Inspect {
         /// Where to listen (localhost by default). Anywhere else needs a token (SAGA_ADMIN_TOKEN, or
@@ -136,7 +148,7 @@ enum DlqCommand {
         #[command(flatten)]
         select: Select,
         /// Only the dead letter at this partition (with --offset).
-        #[arg(long, requires = "offset")]
+        #[arg(long, requires = "offset", conflicts_with = "group")]
         partition: Option<i32>,
         /// Only the dead letter at this offset (with --partition).
         #[arg(long, requires = "partition")]
@@ -153,6 +165,49 @@ enum DlqCommand {
         /// Who replays, recorded with each send (default: the OS user).
         #[arg(long)]
         operator: Option<String>,
+        /// With --group: do it without asking.
+        #[arg(long, requires = "group")]
+        yes: bool,
+    },
+    /// Failure groups: dead letters grouped by a fingerprint of their cause (step, reason, and the error's
+    /// first line with numbers, ids and quoted values normalised), the most open letters first.
+    Groups {
+        /// Only these dead-letter topics (default: every one the schema's consumer groups record).
+        #[arg(long = "topic", conflicts_with = "all")]
+        topics: Vec<String>,
+        /// Every dead-letter topic the schema's consumer groups record (the default).
+        #[arg(long)]
+        all: bool,
+    },
+    /// Discard the open dead letters of a failure group: resolved without sending, recorded, reversible
+    /// (--undo). Shows what it would do and asks first (--yes for scripts).
+    Discard {
+        /// The failure group (see `saga dlq groups`).
+        #[arg(long, required_unless_present = "undo", conflicts_with = "undo")]
+        group: Option<String>,
+        /// Make the letters of discard operation N open again.
+        #[arg(long, value_name = "OPERATION")]
+        undo: Option<i64>,
+        /// The dead-letter topics to look in (default: every one the schema's consumer groups record).
+        #[arg(long = "topic")]
+        topics: Vec<String>,
+        /// Show what would be done; do nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Do it without asking.
+        #[arg(long)]
+        yes: bool,
+        /// Who discards (default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// Bulk operations (group replays, discards, undos): list them, show one, cancel or resume one.
+    Operations {
+        #[command(subcommand)]
+        command: Option<OperationsCommand>,
+        /// At most this many, newest first (listing).
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
     },
     /// The replays recorded in the schema, newest first: who sent which letter where, and when.
     Replays {
@@ -165,12 +220,37 @@ enum DlqCommand {
     },
 }
 
+/// What to do with a bulk operation.
+#[derive(Debug, Subcommand)]
+enum OperationsCommand {
+    /// One operation and what it did with each letter.
+    Show {
+        /// The operation.
+        id: i64,
+    },
+    /// Ask a running operation to stop before its next letter.
+    Cancel {
+        /// The operation.
+        id: i64,
+    },
+    /// Go on with an operation whose run stopped (the process died): the letters not done yet, none twice.
+    Resume {
+        /// The operation.
+        id: i64,
+    },
+}
+
 /// Which dead letters.
 #[derive(Debug, Args)]
 struct Select {
-    /// The dead-letter topic.
-    #[arg(long)]
-    topic: String,
+    /// The dead-letter topic (optional with --group: default, every one the schema's consumer groups
+    /// record).
+    #[arg(long, required_unless_present = "group")]
+    topic: Option<String>,
+    /// Only the letters of this failure group (see `saga dlq groups`); a replay of a group runs as a
+    /// recorded operation, after showing what it would do and asking.
+    #[arg(long, conflicts_with_all = ["reason", "step", "since", "limit"])]
+    group: Option<String>,
     /// Only this reason (undecodable, unknown-event-type, handler-failed, retries-exhausted, crash-loop).
     #[arg(long)]
     reason: Option<String>,
@@ -231,6 +311,16 @@ enum SagasCommand {
         /// The saga's id.
         id: String,
     },
+    /// Send a running or compensating saga's current command again (the same step key), instead of waiting
+    /// for its timeout to compensate it: the service's orchestrator sends it at its next timer tick and
+    /// records a `retry` transition naming you and the attempt it retries.
+    Retry {
+        /// The saga's id.
+        id: String,
+        /// Who asks (default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -277,7 +367,11 @@ impl Cli {
     async fn execute(self) -> anyhow::Result<()> {
         match &self.command {
             Command::Dlq(DlqCommand::List { select }) => {
-                let letters = dlq::list(&self.kafka()?, &select.topic, &select.filter()?).await?;
+                if let Some(group) = &select.group {
+                    return self.group_letters(select.topic.as_deref(), group).await;
+                }
+                let topic = select.topic.as_deref().unwrap_or_default();
+                let letters = dlq::list(&self.kafka()?, topic, &select.filter()?).await?;
                 self.print(&letters, || {
                     let mut t = Table::new([
                         "dlq offset",
@@ -326,6 +420,7 @@ impl Cli {
                 force,
                 max_replays,
                 operator,
+                yes,
             }) => {
                 let mut filter = select.filter()?;
                 filter.position = partition.zip(*offset);
@@ -338,9 +433,14 @@ impl Cli {
                 if let Some(operator) = operator.as_deref().filter(|o| !o.trim().is_empty()) {
                     options.operator = operator.to_owned();
                 }
+                if let Some(group) = &select.group {
+                    let topics: Vec<String> = select.topic.iter().cloned().collect();
+                    return self.bulk_replay(&topics, group, &options, *yes).await;
+                }
+                let topic = select.topic.as_deref().unwrap_or_default();
                 let kafka = self.kafka()?;
                 let pool = self.pool().await?;
-                let report = dlq::replay(&kafka, &pool, &select.topic, &filter, &options).await?;
+                let report = dlq::replay(&kafka, &pool, topic, &filter, &options).await?;
                 self.print(&report, || {
                     let mut t = Table::new(["dlq offset", "from", "key", "outcome"]);
                     for l in &report.letters {
@@ -358,6 +458,45 @@ impl Cli {
                         report.retry_topic,
                         report.group,
                         report.operator
+                    )
+                })
+            }
+            Command::Dlq(DlqCommand::Groups { topics, .. }) => self.groups(topics).await,
+            Command::Dlq(DlqCommand::Discard {
+                group,
+                undo,
+                topics,
+                dry_run,
+                yes,
+                operator,
+            }) => {
+                let operator = operator
+                    .clone()
+                    .filter(|o| !o.trim().is_empty())
+                    .unwrap_or_else(dlq::os_user);
+                self.bulk_discard(group.as_deref(), *undo, topics, *dry_run, *yes, &operator)
+                    .await
+            }
+            Command::Dlq(DlqCommand::Operations { command, limit }) => {
+                self.operations(command.as_ref(), *limit).await
+            }
+            Command::Trace {
+                key,
+                tenant,
+                schemas,
+            } => self.trace(key, tenant.as_deref(), schemas).await,
+            Command::Sagas(SagasCommand::Retry { id, operator }) => {
+                let operator = operator
+                    .clone()
+                    .filter(|o| !o.trim().is_empty())
+                    .unwrap_or_else(dlq::os_user);
+                let pool = self.pool().await?;
+                let instance = sagas::retry(&pool, id, &operator).await?;
+                self.print(&instance, || {
+                    format!(
+                        "retry of saga {} ({} at step {}, attempt {}) requested by {operator}: its service's \
+                         orchestrator sends the command again at its next timer tick",
+                        instance.saga_id, instance.status, instance.step_index, instance.attempt
                     )
                 })
             }
@@ -459,13 +598,21 @@ impl Cli {
                     out.push_str(&format!("step keys: {}\n\ntimeline:\n", i.step_keys));
                     let mut t = Table::new(["at", "version", "from", "to", "step", "cause"]);
                     for tr in &detail.timeline {
+                        let cause = match (tr.retry_of, &tr.operator) {
+                            (Some(of), operator) => format!(
+                                "{} (of v{of}, by {})",
+                                tr.cause,
+                                operator.as_deref().unwrap_or("unknown")
+                            ),
+                            (None, _) => tr.cause.clone(),
+                        };
                         t.row([
                             tr.at.format("%Y-%m-%d %H:%M:%S%.3f").to_string(),
                             tr.version.to_string(),
                             tr.from_status.clone().unwrap_or_default(),
                             tr.to_status.clone(),
                             tr.step.clone().unwrap_or_default(),
-                            tr.cause.clone(),
+                            cause,
                         ]);
                     }
                     out.push_str(&t.render());
@@ -594,6 +741,272 @@ impl Cli {
         }
     }
 
+    /// The dead-letter topics to look in: `topics`, or every one the schema's consumer groups record.
+    async fn group_topics(&self, pool: &PgPool, topics: &[String]) -> anyhow::Result<Vec<String>> {
+        if !topics.is_empty() {
+            return Ok(topics.to_vec());
+        }
+        let recorded = groups::dlq_topics_of(pool).await?;
+        if recorded.is_empty() {
+            return Err(crate::AdminError::bad_input(
+                "no consumer group in this schema records a dead-letter topic: name one with --topic, or \
+                 point SAGA_SCHEMA at the service's schema",
+            )
+            .into());
+        }
+        Ok(recorded)
+    }
+
+    async fn groups(&self, topics: &[String]) -> anyhow::Result<()> {
+        let (kafka, pool) = (self.kafka()?, self.pool().await?);
+        let topics = self.group_topics(&pool, topics).await?;
+        let found = groups::groups(&kafka, &pool, &topics).await?;
+        self.print(&found, || {
+            let mut t = Table::new([
+                "group",
+                "topic",
+                "step",
+                "reason",
+                "cause",
+                "open",
+                "all",
+                "first seen",
+                "last seen",
+            ]);
+            for g in &found {
+                t.row([
+                    g.id.clone(),
+                    g.dlq_topic.clone(),
+                    g.step.clone().unwrap_or_default(),
+                    g.reason.clone(),
+                    g.cause.clone(),
+                    g.open.to_string(),
+                    g.total.to_string(),
+                    g.first_seen.format("%Y-%m-%d %H:%M:%S").to_string(),
+                    g.last_seen.format("%Y-%m-%d %H:%M:%S").to_string(),
+                ]);
+            }
+            format!("{}{} failure groups", t.render(), found.len())
+        })
+    }
+
+    async fn group_letters(&self, topic: Option<&str>, id: &str) -> anyhow::Result<()> {
+        let (kafka, pool) = (self.kafka()?, self.pool().await?);
+        let topics: Vec<String> = topic.iter().map(|t| (*t).to_owned()).collect();
+        let topics = self.group_topics(&pool, &topics).await?;
+        let (group, letters) = groups::find(&kafka, &pool, &topics, id).await?;
+        self.print(&letters, || {
+            let mut t = Table::new([
+                "dlq offset",
+                "state",
+                "error",
+                "attempts",
+                "failed at",
+                "key",
+            ]);
+            for l in &letters {
+                t.row([
+                    format!(
+                        "{}/{}/{}",
+                        l.letter.topic, l.letter.partition, l.letter.offset
+                    ),
+                    l.state.as_str().to_owned(),
+                    l.letter.error.clone(),
+                    l.letter.attempts.to_string(),
+                    l.letter.failed_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                    l.letter.idempotency_key.clone().unwrap_or_default(),
+                ]);
+            }
+            format!(
+                "{}{} letters of failure group {} ({}: {}), {} open",
+                t.render(),
+                letters.len(),
+                group.id,
+                group.reason,
+                group.cause,
+                group.open
+            )
+        })
+    }
+
+    async fn bulk_replay(
+        &self,
+        topics: &[String],
+        group: &str,
+        options: &ReplayOptions,
+        yes: bool,
+    ) -> anyhow::Result<()> {
+        let (kafka, pool) = (self.kafka()?, self.pool().await?);
+        let topics = self.group_topics(&pool, topics).await?;
+        let plan = operations::plan_replay(&kafka, &pool, &topics, group, options).await?;
+        self.run_plan(
+            &kafka,
+            &pool,
+            &plan,
+            &options.operator,
+            options.dry_run,
+            yes,
+            options,
+        )
+        .await
+    }
+
+    async fn bulk_discard(
+        &self,
+        group: Option<&str>,
+        undo: Option<i64>,
+        topics: &[String],
+        dry_run: bool,
+        yes: bool,
+        operator: &str,
+    ) -> anyhow::Result<()> {
+        let (kafka, pool) = (self.kafka()?, self.pool().await?);
+        let plan = match (group, undo) {
+            (_, Some(undo)) => operations::plan_undo(&pool, undo).await?,
+            (Some(group), None) => {
+                let topics = self.group_topics(&pool, topics).await?;
+                operations::plan_discard(&kafka, &pool, &topics, group).await?
+            }
+            (None, None) => unreachable!("clap requires --group or --undo"),
+        };
+        let options = ReplayOptions::default().by(operator);
+        self.run_plan(&kafka, &pool, &plan, operator, dry_run, yes, &options)
+            .await
+    }
+
+    /// Shows `plan`, asks (unless `yes`), then records and runs it as an operation of `operator`.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_plan(
+        &self,
+        kafka: &KafkaConfig,
+        pool: &PgPool,
+        plan: &operations::Plan,
+        operator: &str,
+        dry_run: bool,
+        yes: bool,
+        options: &ReplayOptions,
+    ) -> anyhow::Result<()> {
+        let question = format!("{}, as {operator}", plan.describe());
+        if dry_run {
+            return self.print(plan, || format!("would {question}"));
+        }
+        if plan.would_act() == 0 {
+            return self.print(plan, || format!("nothing to do: {question}"));
+        }
+        if !confirm(&question, yes)? {
+            eprintln!("nothing done");
+            return Ok(());
+        }
+        let id = operations::start(pool, plan, operator).await?;
+        let operation = operations::run(kafka, pool, id, options).await?;
+        self.print(&operation, || operation_line(&operation))
+    }
+
+    async fn operations(
+        &self,
+        command: Option<&OperationsCommand>,
+        limit: i64,
+    ) -> anyhow::Result<()> {
+        let pool = self.pool().await?;
+        match command {
+            None => {
+                let found = operations::list(&pool, limit).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "operation",
+                        "kind",
+                        "by",
+                        "status",
+                        "selected",
+                        "done",
+                        "skipped",
+                        "refused",
+                        "started",
+                        "selection",
+                    ]);
+                    for o in &found {
+                        t.row([
+                            o.id.to_string(),
+                            o.kind.as_str().to_owned(),
+                            o.operator.clone(),
+                            o.status.clone(),
+                            o.planned.to_string(),
+                            format!("{} {}", o.done, o.kind.done_word()),
+                            o.skipped.to_string(),
+                            o.refused.to_string(),
+                            o.created_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            o.selection.to_string(),
+                        ]);
+                    }
+                    format!("{}{} operations", t.render(), found.len())
+                })
+            }
+            Some(OperationsCommand::Show { id }) => {
+                let (operation, letters) = operations::get(&pool, *id).await?;
+                let view = serde_json::json!({ "operation": operation, "letters": letters });
+                self.print(&view, || {
+                    let mut t = Table::new(["#", "letter", "outcome", "what happened"]);
+                    for l in &letters {
+                        t.row([
+                            (l.seq + 1).to_string(),
+                            format!("{}/{}/{}", l.dlq_topic, l.partition, l.offset),
+                            l.outcome.clone().unwrap_or_else(|| "pending".to_owned()),
+                            l.detail.clone().unwrap_or_default(),
+                        ]);
+                    }
+                    format!("{}\n{}", operation_line(&operation), t.render())
+                })
+            }
+            Some(OperationsCommand::Cancel { id }) => {
+                let operation = operations::cancel(&pool, *id).await?;
+                self.print(&operation, || operation_line(&operation))
+            }
+            Some(OperationsCommand::Resume { id }) => {
+                let operation =
+                    operations::run(&self.kafka()?, &pool, *id, &ReplayOptions::default()).await?;
+                self.print(&operation, || operation_line(&operation))
+            }
+        }
+    }
+
+    async fn trace(
+        &self,
+        key: &str,
+        tenant: Option<&str>,
+        schemas: &[String],
+    ) -> anyhow::Result<()> {
+        // Every service schema is read by name: the database is enough, no schema needed.
+        let url = self.database_url.as_deref().ok_or_else(|| {
+            ConfigProblem::new(
+                "DATABASE_URL",
+                "is not set",
+                "set it to postgres://USER@HOST:PORT/DATABASE",
+            )
+        })?;
+        let pool = connect_postgres("DATABASE_URL", url, None, 2).await?;
+        let found = trace::trace(&self.kafka()?, &pool, key, tenant, schemas).await?;
+        self.print(&found, || {
+            let mut t = Table::new(["at", "service", "what", "step", "status", "detail"]);
+            for e in &found.events {
+                t.row([
+                    e.at.format("%Y-%m-%d %H:%M:%S%.3f").to_string(),
+                    e.lane.clone(),
+                    e.kind.as_str().to_owned(),
+                    e.subject.clone(),
+                    e.status.clone(),
+                    e.detail.clone(),
+                ]);
+            }
+            format!(
+                "{}{} events of key {} in {} services",
+                t.render(),
+                found.events.len(),
+                found.key,
+                found.lanes.len()
+            )
+        })
+    }
+
     /// Prints `value` as JSON with `--json`, else the text `human` renders.
     fn print<T: Serialize>(&self, value: &T, human: impl FnOnce() -> String) -> anyhow::Result<()> {
         // What is printed may quote messages (keys, headers, payloads): escaped so that it cannot drive
@@ -605,6 +1018,46 @@ impl Cli {
         }
         Ok(())
     }
+}
+
+/// An operation in one line.
+fn operation_line(o: &operations::Operation) -> String {
+    format!(
+        "operation {}: {} by {}, {} ({} selected: {} {}, {} skipped, {} refused)",
+        o.id,
+        o.kind.as_str(),
+        o.operator,
+        o.status,
+        o.planned,
+        o.done,
+        o.kind.done_word(),
+        o.skipped,
+        o.refused
+    )
+}
+
+/// Asks `question` on the terminal; `yes` answers it. Bad input without a terminal to ask on.
+fn confirm(question: &str, yes: bool) -> Result<bool, crate::AdminError> {
+    use std::io::{BufRead, IsTerminal, Write};
+    if yes {
+        return Ok(true);
+    }
+    if !std::io::stdin().is_terminal() {
+        return Err(crate::AdminError::bad_input(format!(
+            "not confirmed ({question}): add --yes to do it without a terminal"
+        )));
+    }
+    eprint!("{}? [y/N] ", printable(question, false));
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    std::io::stdin()
+        .lock()
+        .read_line(&mut answer)
+        .map_err(|e| crate::AdminError::bad_input(format!("reading the answer: {e}")))?;
+    Ok(matches!(
+        answer.trim().to_ascii_lowercase().as_str(),
+        "y" | "yes"
+    ))
 }
 
 /// The inspector's tokens: `SAGA_ADMIN_TOKENS` (`name:token,…`) and `SAGA_ADMIN_TOKEN` (named `admin`).

@@ -590,7 +590,7 @@ pub async fn replay(
         letters: Vec::new(),
     };
     for letter in letters {
-        let outcome = replay_one(&producer, pool, &owner, &letter, options).await?;
+        let outcome = replay_one(&producer, pool, &owner, &letter, options, None).await?;
         report.letters.push(Replayed {
             partition: letter.partition,
             offset: letter.offset,
@@ -603,25 +603,42 @@ pub async fn replay(
     Ok(report)
 }
 
-async fn replay_one(
+/// Why a replay by `options` to `owner`'s retry topic would refuse `letter`, if it would: a copy without
+/// its payload, a letter of another group (a forged letter), or one replayed too often.
+pub(crate) fn refusal(
+    owner: &DlqOwner,
+    letter: &DeadLetter,
+    options: &ReplayOptions,
+) -> Option<ReplayOutcome> {
+    if letter.truncated {
+        return Some(ReplayOutcome::RefusedTruncated);
+    }
+    if letter.group != owner.group {
+        return Some(ReplayOutcome::RefusedForeignGroup {
+            group: letter.group.clone(),
+        });
+    }
+    if letter.replay_count >= options.max_replays && !options.force {
+        return Some(ReplayOutcome::RefusedReplayLimit {
+            replays: letter.replay_count,
+        });
+    }
+    None
+}
+
+/// Replays one letter (see [`replay`]). With `item`, the letter of a bulk operation (its id and the
+/// letter's place in it), a send is recorded there in the transaction that records the replay, so that a
+/// run that dies leaves both or neither.
+pub(crate) async fn replay_one(
     producer: &rdkafka::producer::FutureProducer,
     pool: &PgPool,
     owner: &DlqOwner,
     letter: &DeadLetter,
     options: &ReplayOptions,
+    item: Option<(i64, i32)>,
 ) -> Result<ReplayOutcome, AdminError> {
-    if letter.truncated {
-        return Ok(ReplayOutcome::RefusedTruncated);
-    }
-    if letter.group != owner.group {
-        return Ok(ReplayOutcome::RefusedForeignGroup {
-            group: letter.group.clone(),
-        });
-    }
-    if letter.replay_count >= options.max_replays && !options.force {
-        return Ok(ReplayOutcome::RefusedReplayLimit {
-            replays: letter.replay_count,
-        });
+    if let Some(refused) = refusal(owner, letter, options) {
+        return Ok(refused);
     }
     let identity = letter.identity();
     if options.dry_run {
@@ -637,8 +654,10 @@ async fn replay_one(
         });
     }
     // The claim: the letter's record, locked until the send is acknowledged and recorded. A run replaying
-    // the same letter meanwhile waits for the lock, then finds it replayed; a run that dies before its
-    // commit leaves no record, so the letter is sent again later (its step key absorbs a duplicate).
+    // the same letter meanwhile waits for the lock, then finds it replayed. A run that dies between the
+    // broker's acknowledgement and its commit leaves no record: a bulk operation, resumed, finds the letter
+    // in the retry topic by its headers and records it instead of sending it again (`record_found`); a
+    // single replay sends it again later, and its step key absorbs the duplicate.
     let mut tx = pool.begin().await?;
     sqlx::query(
         "INSERT INTO saga_dlq_replays (dlq_topic, dlq_partition, dlq_offset, letter_hash, consumer_group, \
@@ -659,7 +678,42 @@ async fn replay_one(
         tx.commit().await?;
         return Ok(ReplayOutcome::AlreadyReplayed);
     }
-    let (partition, offset) = send(producer, owner, letter, &options.operator).await?;
+    let (partition, offset) = send(
+        producer,
+        owner,
+        letter,
+        &options.operator,
+        &identity,
+        item.map(|(operation, _)| operation),
+    )
+    .await?;
+    let outcome = record_sent(
+        &mut tx,
+        owner,
+        letter,
+        &identity,
+        options,
+        (partition, offset),
+    )
+    .await?;
+    if let Some((operation, seq)) = item {
+        crate::operations::record_item(&mut tx, operation, seq, &outcome).await?;
+    }
+    tx.commit().await?;
+    Ok(outcome)
+}
+
+/// Records in `tx` that `letter` (of identity `identity`) was sent to `owner`'s retry topic at `at`
+/// (partition, offset): its claim marked replayed, the send logged with its operator. The claim row exists
+/// (see [`replay_one`]).
+pub(crate) async fn record_sent(
+    tx: &mut sqlx::PgConnection,
+    owner: &DlqOwner,
+    letter: &DeadLetter,
+    identity: &str,
+    options: &ReplayOptions,
+    (partition, offset): (i32, i64),
+) -> Result<ReplayOutcome, AdminError> {
     sqlx::query(
         "UPDATE saga_dlq_replays SET replays = replays + 1, replayed_at = now(), replayed_by = $5 \
          WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3 AND letter_hash = $4",
@@ -667,7 +721,7 @@ async fn replay_one(
     .bind(&letter.topic)
     .bind(letter.partition)
     .bind(letter.offset)
-    .bind(&identity)
+    .bind(identity)
     .bind(&options.operator)
     .execute(&mut *tx)
     .await?;
@@ -679,7 +733,7 @@ async fn replay_one(
     .bind(&letter.topic)
     .bind(letter.partition)
     .bind(letter.offset)
-    .bind(&identity)
+    .bind(identity)
     .bind(&owner.group)
     .bind(&options.operator)
     .bind(options.force)
@@ -690,12 +744,49 @@ async fn replay_one(
     .bind(&letter.tenant)
     .execute(&mut *tx)
     .await?;
-    tx.commit().await?;
     Ok(ReplayOutcome::Sent {
         topic: owner.retry_topic.clone(),
         partition,
         offset,
     })
+}
+
+/// Records that `letter` reached `owner`'s retry topic at `at` (partition, offset) in a run of operation
+/// `item.0` that died before recording it: claimed and recorded now, as [`replay_one`] would have, without
+/// sending it again. `None` if another run recorded it meanwhile.
+pub(crate) async fn record_found(
+    pool: &PgPool,
+    owner: &DlqOwner,
+    letter: &DeadLetter,
+    options: &ReplayOptions,
+    at: (i32, i64),
+    item: (i64, i32),
+) -> Result<Option<ReplayOutcome>, AdminError> {
+    let identity = letter.identity();
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO saga_dlq_replays (dlq_topic, dlq_partition, dlq_offset, letter_hash, consumer_group, \
+             original_topic, original_partition, original_offset) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+    )
+    .bind(&letter.topic)
+    .bind(letter.partition)
+    .bind(letter.offset)
+    .bind(&identity)
+    .bind(&owner.group)
+    .bind(&letter.original_topic)
+    .bind(letter.original_partition)
+    .bind(letter.original_offset)
+    .execute(&mut *tx)
+    .await?;
+    if replayed_already(&mut tx, letter, &identity, true).await? {
+        tx.commit().await?;
+        return Ok(None);
+    }
+    let outcome = record_sent(&mut tx, owner, letter, &identity, options, at).await?;
+    crate::operations::record_item(&mut tx, item.0, item.1, &outcome).await?;
+    tx.commit().await?;
+    Ok(Some(outcome))
 }
 
 /// Whether `letter` was replayed: its own record says so (locked with `lock`), or a record written
@@ -734,15 +825,18 @@ async fn replayed_already(
 }
 
 /// Produces `letter`'s message to `owner`'s retry topic, without the `dlq-*` headers and with the replay
-/// headers (the count raised, the original coordinates, the operator); returns its partition and offset
+/// headers (the count raised, the original coordinates, the operator, the letter and operation it came from);
 /// once acknowledged.
 async fn send(
     producer: &rdkafka::producer::FutureProducer,
     owner: &DlqOwner,
     letter: &DeadLetter,
     operator: &str,
+    identity: &str,
+    operation: Option<i64>,
 ) -> Result<(i32, i64), AdminError> {
     let count = (letter.replay_count + 1).to_string();
+    let operation = operation.map(|o| o.to_string()).unwrap_or_default();
     let partition = letter.original_partition.to_string();
     let offset = letter.original_offset.to_string();
     let mut headers = OwnedHeaders::new();
@@ -761,7 +855,12 @@ async fn send(
         (replay::ORIGINAL_PARTITION, partition.as_str()),
         (replay::ORIGINAL_OFFSET, offset.as_str()),
         (replay::OPERATOR, operator),
+        (replay::LETTER, identity),
+        (replay::OPERATION, operation.as_str()),
     ] {
+        if value.is_empty() {
+            continue;
+        }
         headers = headers.insert(Header {
             key,
             value: Some(value),

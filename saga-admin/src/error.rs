@@ -1,7 +1,7 @@
 //! The toolkit's errors.
 
+use saga_core::{BadInput, ConfigProblem};
 use saga_orchestrator::OrchestratorError;
-use saga_runtime::config::{BadInput, ConfigProblem};
 
 /// Why an admin operation failed. [`AdminError::Config`] and [`AdminError::BadInput`] are the caller's to
 /// fix (the `saga` command answers them in one line with exit code 2); the others are failures of the

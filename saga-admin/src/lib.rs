@@ -4,8 +4,13 @@
 //! any service's schema and dead-letter topics, configured like the rest of the framework (`DATABASE_URL`,
 //! `SAGA_SCHEMA`, `KAFKA_BROKERS`, `KAFKA_PROPERTY_*`).
 //!
-//! - [`dlq`]: list, show and replay dead letters. A replay re-produces each message to its original topic
-//!   and partition, once: the table `saga_dlq_replays` records what was replayed.
+//! - [`dlq`]: list, show and replay dead letters. A replay sends each letter, once, to the retry topic of
+//!   the consumer group that gave up on it (never to the original topic, which other groups read); the
+//!   table `saga_dlq_replays` records what was replayed and `saga_dlq_replay_log` who replayed it.
+//! - [`groups`]: dead letters grouped by a fingerprint of their cause; [`operations`]: a whole group
+//!   replayed or discarded (reversibly) as a durable, resumable, cancellable operation.
+//! - [`trace`]: one saga across every service schema: its step keys, the events they wrote, dead
+//!   letters, replays and orchestrated transitions, ordered by time.
 //! - [`keys`]: the step keys derived from a client's key, and two-phase leases that ran out.
 //! - [`sagas`]: orchestrated saga instances and their transitions as a timeline.
 //! - [`lag`]: a consumer group's committed offsets, high watermarks and lag.
@@ -21,7 +26,7 @@
 //!
 //! ```no_run
 //! use saga_admin::dlq::{self, DlqFilter, ReplayOptions};
-//! use saga_runtime::kafka::KafkaConfig;
+//! use saga_core::KafkaConfig;
 //!
 //! # async fn example(pool: sqlx::PgPool) -> Result<(), saga_admin::AdminError> {
 //! let kafka = KafkaConfig::new("127.0.0.1:9092");
@@ -39,12 +44,15 @@ pub mod cli;
 pub mod dlq;
 pub mod duration;
 mod error;
+pub mod groups;
 pub mod inspect;
 pub mod keys;
 pub mod lag;
+pub mod operations;
 pub mod outbox;
 pub mod sagas;
 mod table;
+pub mod trace;
 
 pub use cli::main;
 pub use error::AdminError;

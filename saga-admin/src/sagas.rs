@@ -75,6 +75,45 @@ pub async fn show(pool: &PgPool, id: &str) -> Result<SagaDetail, AdminError> {
     })
 }
 
+/// Asks for saga `id`'s current command to be sent again, by `operator` (see
+/// [`saga_orchestrator::store::request_retry`]): the orchestrator of the saga's service re-sends it, with
+/// the same step key, at its next timer tick, and records a `retry` transition naming the operator and the
+/// version it retries. Bad input if `id` names no saga here, or a finished one.
+pub async fn retry(pool: &PgPool, id: &str, operator: &str) -> Result<SagaInstance, AdminError> {
+    let saga_id = Uuid::parse_str(id)
+        .map_err(|_| AdminError::bad_input(format!("{id:?} is not a saga id (a UUID)")))?;
+    require_sagas(pool).await?;
+    match store::request_retry(pool, saga_id, operator).await {
+        Ok(instance) => Ok(instance),
+        Err(
+            e @ (saga_orchestrator::OrchestratorError::NotRetryable { .. }
+            | saga_orchestrator::OrchestratorError::NoSuchSaga(_)),
+        ) => Err(AdminError::bad_input(e.to_string())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Stuck sagas by type: marked stuck by their timer, or unfinished and unmoved for `stuck_for`. Empty if
+/// the schema keeps no sagas.
+pub async fn stuck_by_type(
+    pool: &PgPool,
+    stuck_for: Duration,
+) -> Result<Vec<(String, i64)>, AdminError> {
+    if require_sagas(pool).await.is_err() {
+        return Ok(Vec::new());
+    }
+    Ok(sqlx::query_as(
+        "SELECT saga_type, count(*) FROM saga_instances \
+         WHERE stuck_reason IS NOT NULL \
+            OR (status IN ('running', 'compensating') \
+                AND updated_at < now() - $1 * interval '1 millisecond') \
+         GROUP BY saga_type ORDER BY saga_type",
+    )
+    .bind(i64::try_from(stuck_for.as_millis()).unwrap_or(i64::MAX))
+    .fetch_all(pool)
+    .await?)
+}
+
 /// Bad input, saying where sagas are kept, if the schema holds none.
 async fn require_sagas(pool: &PgPool) -> Result<(), AdminError> {
     let exists: bool = sqlx::query_scalar(

@@ -111,3 +111,17 @@ impl fmt::Display for ConfigProblem {
 }
 
 impl std::error::Error for ConfigProblem {}
+
+/// Input a command cannot act on (an unknown id, a topic that is not what it should be, a value that does
+/// not parse), said in one line. The framework's binaries print it and exit with code 2, as on a
+/// [`ConfigProblem`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadInput(pub String);
+
+impl fmt::Display for BadInput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.split_whitespace().collect::<Vec<_>>().join(" "))
+    }
+}
+
+impl std::error::Error for BadInput {}

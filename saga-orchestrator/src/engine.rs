@@ -91,7 +91,12 @@ pub(crate) enum SagaEvent<'a> {
     },
     /// The current step's deadline passed.
     Timeout,
+    /// An operator asked for the current command to be sent again (`saga sagas retry`).
+    Retry,
 }
+
+/// The cause recorded for a transition an operator's retry made.
+pub(crate) const RETRY_CAUSE: &str = "retry";
 
 /// A command to send.
 #[derive(Debug, Clone, PartialEq)]
@@ -209,6 +214,31 @@ pub(crate) fn decide(
             let mut next = state.clone();
             next.data[compensation_name(step).as_str()] = payload.clone();
             Some(compensate_from(def, next, j.checked_sub(1), event_type))
+        }
+        (SagaStatus::Running, SagaEvent::Retry) => {
+            // The current step again, as a new attempt with the same key: a participant that completed
+            // it absorbs the command; one that dead-lettered it runs it.
+            def.steps.get(state.step_index)?;
+            Some(run_step(
+                def,
+                state,
+                state.step_index,
+                state.attempt + 1,
+                RETRY_CAUSE,
+            ))
+        }
+        (SagaStatus::Compensating, SagaEvent::Retry) => {
+            let j = state.step_index;
+            let mut next = state.clone();
+            next.attempt += 1;
+            let (send, resend_after) = compensation_command(def, &next, j)?;
+            Some(Decision {
+                send: Some(send),
+                deadline: Some(resend_after),
+                cause: RETRY_CAUSE.into(),
+                step: Some(compensation_name(&def.steps[j]).to_string()),
+                next,
+            })
         }
         (SagaStatus::Compensating, SagaEvent::Timeout) => {
             // Never skipped: send the compensation again, with the same key.
@@ -448,6 +478,33 @@ mod tests {
         );
         assert_eq!(sent, vec!["DoA", "DoA", "DoA", "UndoA"]);
         assert_eq!(status, SagaStatus::Compensating);
+    }
+
+    #[test]
+    fn a_retry_resends_the_current_command_as_a_new_attempt_and_a_finished_saga_has_none() {
+        let def = definition();
+        let started = decide(&def, &SagaState::started(json!({})), SagaEvent::Started).unwrap();
+        let retried = decide(&def, &started.next, SagaEvent::Retry).unwrap();
+        assert_eq!(retried.send, started.send, "the same command");
+        assert_eq!(
+            (
+                retried.next.status,
+                retried.next.step_index,
+                retried.next.attempt
+            ),
+            (SagaStatus::Running, 0, 2)
+        );
+        assert_eq!(retried.cause, RETRY_CAUSE);
+        // Compensating: the compensation again.
+        let timed_out = decide(&def, &started.next, SagaEvent::Timeout).unwrap();
+        assert_eq!(timed_out.next.status, SagaStatus::Compensating);
+        let again = decide(&def, &timed_out.next, SagaEvent::Retry).unwrap();
+        assert_eq!(again.send, timed_out.send);
+        assert_eq!(again.next.attempt, timed_out.next.attempt + 1);
+        // Finished: nothing to retry.
+        let mut done = started.next;
+        done.status = SagaStatus::Compensated;
+        assert!(decide(&def, &done, SagaEvent::Retry).is_none());
     }
 
     #[test]

@@ -28,6 +28,20 @@ pub enum OrchestratorError {
         /// The idempotency key.
         key: String,
     },
+    /// No saga has this id.
+    #[error("there is no saga {0}")]
+    NoSuchSaga(Uuid),
+    /// The saga is finished: there is nothing to retry.
+    #[error(
+        "saga {saga_id} is {status}: only a running or compensating saga can be retried (a compensated \
+         saga's completed steps were undone; start a new saga instead)"
+    )]
+    NotRetryable {
+        /// The saga.
+        saga_id: Uuid,
+        /// Its status.
+        status: String,
+    },
     /// Stored state this version cannot read.
     #[error("orchestrator: unreadable state: {0}")]
     Corrupt(String),
@@ -45,9 +59,10 @@ impl From<OrchestratorError> for StepError {
             OrchestratorError::Database(_) | OrchestratorError::VersionConflict { .. } => {
                 StepError::transient(e)
             }
-            OrchestratorError::UnknownSaga { .. } | OrchestratorError::Corrupt(_) => {
-                StepError::permanent(e)
-            }
+            OrchestratorError::UnknownSaga { .. }
+            | OrchestratorError::NoSuchSaga(_)
+            | OrchestratorError::NotRetryable { .. }
+            | OrchestratorError::Corrupt(_) => StepError::permanent(e),
         }
     }
 }

@@ -241,11 +241,13 @@ impl Orchestrator {
         conn: &mut PgConnection,
         instance: &SagaInstance,
     ) -> Result<bool, OrchestratorError> {
-        let Some(decision) = decide(
-            &self.inner.definition,
-            &instance.state()?,
-            SagaEvent::Timeout,
-        ) else {
+        // Due because an operator asked for a retry, or because its deadline passed.
+        let event = if instance.retry_requested_by.is_some() {
+            SagaEvent::Retry
+        } else {
+            SagaEvent::Timeout
+        };
+        let Some(decision) = decide(&self.inner.definition, &instance.state()?, event) else {
             return Ok(false);
         };
         self.transition(conn, instance, &decision, &instance.lineage()?)

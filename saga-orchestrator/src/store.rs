@@ -47,6 +47,8 @@ pub struct SagaInstance {
     /// Why it is stuck: its deadline passed and the definition has no move for it. Cleared by a
     /// transition.
     pub stuck_reason: Option<String>,
+    /// Who asked for its current command to be sent again ([`request_retry`]); cleared by a transition.
+    pub retry_requested_by: Option<String>,
     /// When it started.
     pub created_at: DateTime<Utc>,
     /// When it last changed.
@@ -94,10 +96,15 @@ pub struct Transition {
     pub step: Option<String>,
     /// What caused it.
     pub cause: String,
+    /// Who asked for it, for a retry (`cause` is `retry`).
+    pub operator: Option<String>,
+    /// For a retry: the version whose attempt it retries.
+    pub retry_of: Option<i32>,
 }
 
 const COLUMNS: &str = "saga_id, saga_type, tenant_id, idempotency_key, status, step_index, attempt, step_keys, \
-     data, failure, deadline, version, created_at, updated_at, timer_failures, last_error, stuck_reason";
+     data, failure, deadline, version, created_at, updated_at, timer_failures, last_error, stuck_reason, \
+     retry_requested_by";
 
 fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
     Ok(SagaInstance {
@@ -118,6 +125,7 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
         timer_failures: row.try_get(14)?,
         last_error: row.try_get(15)?,
         stuck_reason: row.try_get(16)?,
+        retry_requested_by: row.try_get(17)?,
     })
 }
 
@@ -256,7 +264,7 @@ pub async fn count_by_status(pool: &PgPool) -> Result<Vec<(String, i64)>, Orches
 /// The history of instance `saga_id`, oldest first.
 pub async fn history(pool: &PgPool, saga_id: Uuid) -> Result<Vec<Transition>, OrchestratorError> {
     let rows = sqlx::query(
-        "SELECT version, at, from_status, to_status, step, cause FROM saga_transitions \
+        "SELECT version, at, from_status, to_status, step, cause, operator, retry_of FROM saga_transitions \
          WHERE saga_id = $1 ORDER BY version",
     )
     .bind(saga_id)
@@ -271,10 +279,44 @@ pub async fn history(pool: &PgPool, saga_id: Uuid) -> Result<Vec<Transition>, Or
                 to_status: r.try_get(3)?,
                 step: r.try_get(4)?,
                 cause: r.try_get(5)?,
+                operator: r.try_get(6)?,
+                retry_of: r.try_get(7)?,
             })
         })
         .collect::<Result<_, sqlx::Error>>()
         .map_err(Into::into)
+}
+
+/// Asks for saga `saga_id`'s current command to be sent again, by `operator`: the instance is made due at
+/// once (its stuck mark and timer failures cleared), and the orchestrator of its service re-sends the
+/// command with the same step key at its next timer tick, recording a `retry` transition that names the
+/// operator and the version it retries. Returns the instance. Fails with
+/// [`OrchestratorError::NotRetryable`] if the saga is finished (a compensated saga's completed steps were
+/// undone: running one of its steps again would act on undone work; start a new saga instead).
+pub async fn request_retry(
+    pool: &PgPool,
+    saga_id: Uuid,
+    operator: &str,
+) -> Result<SagaInstance, OrchestratorError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE saga_instances SET retry_requested_by = $2, retry_requested_at = now(), deadline = now(), \
+             stuck_reason = NULL, stuck_at = NULL, timer_failures = 0 \
+         WHERE saga_id = $1 AND status IN ('running', 'compensating') RETURNING {COLUMNS}"
+    )))
+    .bind(saga_id)
+    .bind(operator)
+    .fetch_optional(pool)
+    .await?;
+    match row {
+        Some(row) => Ok(from_row(&row)?),
+        None => match load(pool, saga_id).await? {
+            Some(instance) => Err(OrchestratorError::NotRetryable {
+                saga_id,
+                status: instance.status,
+            }),
+            None => Err(OrchestratorError::NoSuchSaga(saga_id)),
+        },
+    }
 }
 
 /// Locks and returns up to `limit` instances of `saga_type` whose deadline passed, skipping those another
@@ -323,7 +365,7 @@ pub(crate) async fn apply(
              step_keys = CASE WHEN $9::text IS NULL THEN step_keys \
                               ELSE step_keys || jsonb_build_object($9::text, $10::text) END, \
              version = version + 1, updated_at = now(), timer_failures = 0, last_error = NULL, \
-             stuck_reason = NULL, stuck_at = NULL \
+             stuck_reason = NULL, stuck_at = NULL, retry_requested_by = NULL, retry_requested_at = NULL \
          WHERE saga_id = $1 AND version = $2",
     )
     .bind(instance.saga_id)
@@ -344,12 +386,20 @@ pub(crate) async fn apply(
             version: instance.version,
         });
     }
+    // A retry's transition names who asked for it and the version that sent the attempt it retries.
+    let retry = (decision.cause == crate::engine::RETRY_CAUSE).then(|| {
+        (
+            instance.retry_requested_by.as_deref().unwrap_or("unknown"),
+            instance.version,
+        )
+    });
     record(
         conn,
         instance.saga_id,
         instance.version + 1,
         Some(&instance.status),
         decision,
+        retry,
     )
     .await?;
     if let Some(send) = &decision.send {
@@ -395,7 +445,8 @@ pub(crate) async fn mark_stuck(
     reason: &str,
 ) -> Result<(), OrchestratorError> {
     sqlx::query(
-        "UPDATE saga_instances SET deadline = NULL, stuck_reason = $3, stuck_at = now() \
+        "UPDATE saga_instances SET deadline = NULL, stuck_reason = $3, stuck_at = now(), \
+             retry_requested_by = NULL, retry_requested_at = NULL \
          WHERE saga_id = $1 AND version = $2",
     )
     .bind(instance.saga_id)
@@ -413,10 +464,12 @@ pub(crate) async fn record(
     version: i32,
     from: Option<&str>,
     decision: &Decision,
+    retry: Option<(&str, i32)>,
 ) -> Result<(), OrchestratorError> {
     sqlx::query(
-        "INSERT INTO saga_transitions (saga_id, version, from_status, to_status, step, cause) \
-         VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO saga_transitions (saga_id, version, from_status, to_status, step, cause, operator, \
+             retry_of) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
     )
     .bind(saga_id)
     .bind(version)
@@ -424,6 +477,8 @@ pub(crate) async fn record(
     .bind(decision.next.status.as_str())
     .bind(&decision.step)
     .bind(&decision.cause)
+    .bind(retry.map(|(operator, _)| operator))
+    .bind(retry.map(|(_, of)| of))
     .execute(conn)
     .await?;
     Ok(())

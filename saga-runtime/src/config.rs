@@ -2,27 +2,13 @@
 //! do, and the checks that find them: a database URL that does not parse or does not answer, a schema or
 //! tables that are missing, a broker that does not answer.
 
-use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-pub use saga_core::ConfigProblem;
-
-/// Input a command cannot act on (an unknown id, a topic that is not what it should be, a value that does
-/// not parse), said in one line. Binaries exit with code 2 on it, as on a [`ConfigProblem`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BadInput(pub String);
-
-impl fmt::Display for BadInput {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0.split_whitespace().collect::<Vec<_>>().join(" "))
-    }
-}
-
-impl std::error::Error for BadInput {}
+pub use saga_core::{BadInput, ConfigProblem};
 
 /// How long start-up waits for PostgreSQL or the broker to answer before calling it a configuration problem.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(10);

@@ -19,13 +19,20 @@ pub const ORIGINAL_PARTITION: &str = "saga-replay-original-partition";
 pub const ORIGINAL_OFFSET: &str = "saga-replay-original-offset";
 /// Who replayed it.
 pub const OPERATOR: &str = "saga-replay-operator";
+/// The identity of the dead letter it was replayed from (its position's content hash).
+pub const LETTER: &str = "saga-replay-letter";
+/// The bulk operation that replayed it, if one did: a resumed operation finds what it sent before a crash
+/// by this and [`LETTER`].
+pub const OPERATION: &str = "saga-replay-operation";
 /// Every header name of a replay, which a new replay replaces.
-pub const ALL: [&str; 5] = [
+pub const ALL: [&str; 7] = [
     REPLAY_COUNT,
     ORIGINAL_TOPIC,
     ORIGINAL_PARTITION,
     ORIGINAL_OFFSET,
     OPERATOR,
+    LETTER,
+    OPERATION,
 ];
 
 /// Why a message on a retry topic cannot be routed.

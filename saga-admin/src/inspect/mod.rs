@@ -1,15 +1,25 @@
 //! The inspector page: server-rendered HTML (no JavaScript), reading only through this crate's library, as
-//! the `saga` command does.
+//! the `saga` command does, and the JSON API under it (see `api`).
 //!
-//! - `/`: sagas by status, stuck sagas, dead letters by topic and reason, the outbox's backlog, consumer
-//!   lag.
-//! - `/sagas/{id}`: a saga's timeline of transitions, its keys, its compensations.
+//! - `/`: sagas by status, stuck sagas, failure groups, dead letters by topic and reason, recent
+//!   operations, the outbox's backlog, consumer lag, and a form to find a saga by its key.
+//! - `/sagas/{id}`: a saga's timeline of transitions, its keys, its compensations, and a retry button for
+//!   an unfinished one (behind a confirmation).
+//! - `/groups`, `/groups/{id}`: failure groups and one group's letters, with replay and discard buttons
+//!   behind a preview of what they would do.
+//! - `/operations`, `/operations/{id}`: bulk operations, how far they got, cancel and undo buttons.
+//! - `/trace?key=…`: one saga across every service schema, one lane per service.
 //! - `/dlq/{topic}`: a dead-letter topic's letters; `/dlq/{topic}/{partition}/{offset}` one of them, with
-//!   a replay button behind a confirmation (a POST), unless the inspector is read-only.
+//!   a replay button behind a confirmation.
+//! - `/metrics`: the numbers to alert on, in Prometheus' text format.
+//! - `/api/…`: every view and action as JSON; the page's forms post there.
 //!
-//! Who may drive it is checked by the `security` module: the `Host` a request names, a token where tokens are
-//! configured, and for a POST its origin and the session's CSRF token.
+//! A read-only inspector shows no buttons and refuses every POST. Who may drive it is checked by the
+//! `security` module: the `Host` a request names, a token where tokens are configured, and for a POST its
+//! origin and the session's CSRF token (or a bearer token, which a browser never sends by itself).
 
+mod api;
+mod metrics;
 mod pages;
 mod security;
 
@@ -18,12 +28,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Extension;
+use axum::Router;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::get;
-use axum::{Extension, Router};
-use saga_runtime::kafka::KafkaConfig;
+use axum::routing::{get, post};
+use saga_core::KafkaConfig;
 use sqlx::PgPool;
 
 use crate::error::AdminError;
@@ -93,15 +103,49 @@ pub fn router(
         pool,
         options: Arc::new(options),
     };
-    Router::new()
-        .route("/", get(overview))
-        .route("/sagas/{id}", get(saga))
-        .route("/dlq/{topic}", get(dlq_topic))
-        .route("/dlq/{topic}/{partition}/{offset}", get(dlq_letter))
+    let pages = Router::new()
+        .route("/", get(api::overview))
+        .route("/sagas/{id}", get(api::saga))
+        .route(
+            "/sagas/{id}/retry",
+            get(confirm_retry).post(api::saga_retry),
+        )
+        .route("/groups", get(api::failure_groups))
+        .route("/groups/{id}", get(api::failure_group))
+        .route("/groups/{id}/plan", get(api::group_plan))
+        .route("/operations", get(api::operations_list))
+        .route("/operations/{id}", get(api::operation))
+        .route("/trace", get(api::trace))
+        .route("/dlq/{topic}", get(api::dlq_topic))
+        .route("/dlq/{topic}/{partition}/{offset}", get(api::dlq_letter))
         .route(
             "/dlq/{topic}/{partition}/{offset}/replay",
-            get(confirm_replay).post(replay),
+            get(confirm_replay).post(api::replay_letter),
         )
+        .route("/metrics", get(metrics::metrics));
+    let api = Router::new()
+        .route("/overview", get(api::overview))
+        .route("/sagas/{id}", get(api::saga))
+        .route("/sagas/{id}/retry", post(api::saga_retry))
+        .route("/groups", get(api::failure_groups))
+        .route("/groups/{id}", get(api::failure_group))
+        .route("/groups/{id}/plan", get(api::group_plan))
+        .route("/groups/{id}/replay", post(api::group_replay))
+        .route("/groups/{id}/discard", post(api::group_discard))
+        .route("/operations", get(api::operations_list))
+        .route("/operations/{id}", get(api::operation))
+        .route("/operations/{id}/cancel", post(api::operation_cancel))
+        .route("/operations/{id}/undo", post(api::operation_undo))
+        .route("/operations/{id}/resume", post(api::operation_resume))
+        .route("/trace", get(api::trace))
+        .route("/dlq/{topic}", get(api::dlq_topic))
+        .route("/dlq/{topic}/{partition}/{offset}", get(api::dlq_letter))
+        .route(
+            "/dlq/{topic}/{partition}/{offset}/replay",
+            post(api::replay_letter),
+        );
+    pages
+        .nest("/api", api)
         .layer(axum::middleware::from_fn_with_state(guard, security::guard))
         .with_state(app)
 }
@@ -123,108 +167,36 @@ pub async fn serve(
         .map_err(|e| AdminError::Store(format!("serving the inspector: {e}")))
 }
 
-/// An error as a page: bad input is the visitor's (400), the rest the service's (502).
-fn failure(e: &AdminError) -> Response {
-    let status = if e.is_caller_error() {
-        StatusCode::BAD_REQUEST
-    } else {
-        StatusCode::BAD_GATEWAY
-    };
-    (
-        status,
-        Html(pages::message("Cannot show this", &e.to_string())),
-    )
-        .into_response()
-}
-
-async fn overview(State(app): State<App>) -> Response {
-    match pages::overview(&app.kafka, &app.pool, &app.options).await {
-        Ok(html) => Html(html).into_response(),
-        Err(e) => failure(&e),
-    }
-}
-
-async fn saga(State(app): State<App>, Path(id): Path<String>) -> Response {
-    match crate::sagas::show(&app.pool, &id).await {
-        Ok(detail) => Html(pages::saga(&detail)).into_response(),
-        Err(e) => failure(&e),
-    }
-}
-
-async fn dlq_topic(
-    State(app): State<App>,
-    Extension(caller): Extension<Caller>,
-    Path(topic): Path<String>,
-) -> Response {
-    match crate::dlq::list(&app.kafka, &topic, &crate::dlq::DlqFilter::default()).await {
-        Ok(letters) => Html(pages::dlq_topic(&topic, &letters, caller.read_only)).into_response(),
-        Err(e) => failure(&e),
-    }
-}
-
-async fn dlq_letter(
-    State(app): State<App>,
-    Extension(caller): Extension<Caller>,
-    Path((topic, partition, offset)): Path<(String, i32, i64)>,
-) -> Response {
-    match one_letter(&app, &topic, partition, offset).await {
-        Ok(letter) => Html(pages::dlq_letter(&letter, caller.read_only)).into_response(),
-        Err(e) => failure(&e),
-    }
-}
-
+/// The confirmation before replaying one letter.
 async fn confirm_replay(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
     Path((topic, partition, offset)): Path<(String, i32, i64)>,
 ) -> Response {
     if caller.read_only {
-        return failure(&AdminError::bad_input("this inspector is read-only"));
+        return api::failure(&AdminError::bad_input("this inspector is read-only"), true);
     }
-    let letter = match one_letter(&app, &topic, partition, offset).await {
+    let letter = match api::one_letter(&app, &topic, partition, offset).await {
         Ok(letter) => letter,
-        Err(e) => return failure(&e),
+        Err(e) => return api::failure(&e, true),
     };
     match crate::dlq::owner_of(&app.pool, &topic).await {
         Ok(owner) => Html(pages::confirm_replay(&letter, &owner, &caller)).into_response(),
-        Err(e) => failure(&e),
+        Err(e) => api::failure(&e, true),
     }
 }
 
-async fn replay(
+/// The confirmation before retrying a saga.
+async fn confirm_retry(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
-    Path((topic, partition, offset)): Path<(String, i32, i64)>,
+    Path(id): Path<String>,
 ) -> Response {
-    let filter = crate::dlq::DlqFilter::at(partition, offset);
-    match crate::dlq::replay(
-        &app.kafka,
-        &app.pool,
-        &topic,
-        &filter,
-        &crate::dlq::ReplayOptions::default().by(caller.operator),
-    )
-    .await
-    {
-        Ok(report) => Html(pages::replayed(&topic, &report)).into_response(),
-        Err(e) => failure(&e),
+    if caller.read_only {
+        return api::failure(&AdminError::bad_input("this inspector is read-only"), true);
     }
-}
-
-async fn one_letter(
-    app: &App,
-    topic: &str,
-    partition: i32,
-    offset: i64,
-) -> Result<crate::dlq::DeadLetter, AdminError> {
-    let filter = crate::dlq::DlqFilter::at(partition, offset);
-    crate::dlq::list(&app.kafka, topic, &filter)
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| {
-            AdminError::bad_input(format!(
-                "{topic} has no dead letter at partition {partition} offset {offset}"
-            ))
-        })
+    match crate::sagas::show(&app.pool, &id).await {
+        Ok(detail) => Html(pages::confirm_retry(&detail, &caller)).into_response(),
+        Err(e) => api::failure(&e, true),
+    }
 }

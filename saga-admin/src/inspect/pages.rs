@@ -3,15 +3,13 @@
 
 use std::fmt::Write as _;
 
-use saga_runtime::kafka::KafkaConfig;
-use sqlx::PgPool;
-
-use super::InspectOptions;
-use super::security::Caller;
+use super::api::{GroupView, OperationView, Overview};
+use super::security::{CSRF_FIELD, Caller};
 use crate::dlq::{DeadLetter, DlqOwner, ReplayReport};
-use crate::duration::human;
-use crate::error::AdminError;
+use crate::groups::{FailureGroup, GroupedLetter};
+use crate::operations::{Operation, OperationKind, Plan};
 use crate::sagas::SagaDetail;
+use crate::trace::SagaTrace;
 
 const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2rem;color:#1d2433}\
 h1{font-size:1.5rem}h2{font-size:1.1rem;margin-top:2rem;border-bottom:1px solid #d0d7de}\
@@ -20,7 +18,11 @@ text-align:left;vertical-align:top}th{background:#f6f8fa}.num{text-align:right}\
 .running{color:#0969da}.compensating{color:#bf8700}.completed{color:#1a7f37}.compensated{color:#8250df}\
 .empty{color:#57606a}code{font-size:.9em}ol.timeline li{margin:.3rem 0}\
 form button,a.button{background:#cf222e;color:#fff;border:0;padding:.4rem .9rem;border-radius:4px;\
-text-decoration:none;font-size:.95rem}nav a{margin-right:1rem}";
+text-decoration:none;font-size:.95rem}form.inline{display:inline;margin-right:.5rem}\
+button.secondary,a.secondary{background:#57606a}nav a{margin-right:1rem}\
+table.lanes td{min-width:14rem}.lane-event{border-left:3px solid #0969da;padding-left:.4rem}\
+.lane-event.dead-letter,.lane-event.failed{border-color:#cf222e}.lane-event.replay{border-color:#bf8700}\
+.lane-event.emitted{border-color:#1a7f37}.lane-event.transition{border-color:#8250df}small{color:#57606a}";
 
 /// Escapes text for HTML.
 fn esc(text: &str) -> String {
@@ -53,7 +55,8 @@ fn seg(text: &str) -> String {
 fn page(title: &str, body: &str) -> String {
     format!(
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{} · saga inspector</title>\
-         <style>{STYLE}</style></head><body><nav><a href=\"/\">Overview</a></nav><h1>{}</h1>{body}</body></html>",
+         <style>{STYLE}</style></head><body><nav><a href=\"/\">Overview</a><a href=\"/groups\">Failure groups</a>\
+         <a href=\"/operations\">Operations</a><a href=\"/trace\">Find a saga</a></nav><h1>{}</h1>{body}</body></html>",
         esc(title),
         esc(title)
     )
@@ -64,22 +67,107 @@ pub(super) fn message(title: &str, text: &str) -> String {
     page(title, &format!("<p id=\"message\">{}</p>", esc(text)))
 }
 
-/// The overview: sagas by status, stuck sagas, dead letters, the outbox, consumer lag.
-pub(super) async fn overview(
-    kafka: &KafkaConfig,
-    pool: &PgPool,
-    options: &InspectOptions,
-) -> Result<String, AdminError> {
-    let mut body = String::new();
+/// A form that POSTs to `action`, with the session's CSRF token and one button.
+fn post_form(action: &str, caller: &Caller, button_id: &str, label: &str, class: &str) -> String {
+    format!(
+        "<form class=\"inline\" method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"{CSRF_FIELD}\" \
+         value=\"{}\"><button type=\"submit\" id=\"{}\" class=\"{}\">{}</button></form>",
+        esc(action),
+        esc(&caller.csrf),
+        esc(button_id),
+        esc(class),
+        esc(label)
+    )
+}
 
+/// The form that finds a saga by its key.
+fn trace_search(key: &str, tenant: &str) -> String {
+    format!(
+        "<form method=\"get\" action=\"/trace\" id=\"find-saga\"><label>Client key \
+         <input name=\"key\" value=\"{}\" required></label> <label>tenant \
+         <input name=\"tenant\" value=\"{}\" placeholder=\"any\"></label> \
+         <button type=\"submit\" class=\"secondary\">Find the saga</button></form>",
+        esc(key),
+        esc(tenant)
+    )
+}
+
+/// The failure groups table.
+fn groups_table(groups: &[FailureGroup]) -> String {
+    if groups.is_empty() {
+        return "<p class=\"empty\" id=\"failure-groups\">No dead letters.</p>".to_owned();
+    }
+    let mut body = String::from(
+        "<table id=\"failure-groups\"><tr><th>group</th><th>topic</th><th>step</th><th>reason</th><th>cause</th>\
+         <th>open</th><th>all</th><th>first seen</th><th>last seen</th></tr>",
+    );
+    for g in groups {
+        let _ = write!(
+            body,
+            "<tr data-group-id=\"{id}\" data-open=\"{}\" data-total=\"{}\"><td><a href=\"/groups/{id}\">{id}</a></td>\
+             <td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td><td class=\"num\">{}</td>\
+             <td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>",
+            g.open,
+            g.total,
+            esc(&g.dlq_topic),
+            esc(g.step.as_deref().unwrap_or("")),
+            esc(&g.reason),
+            esc(&g.cause),
+            g.open,
+            g.total,
+            g.first_seen.format("%Y-%m-%d %H:%M:%S"),
+            g.last_seen.format("%Y-%m-%d %H:%M:%S"),
+            id = esc(&g.id)
+        );
+    }
+    body.push_str("</table>");
+    body
+}
+
+/// The operations table.
+fn operations_table(ops: &[Operation]) -> String {
+    if ops.is_empty() {
+        return "<p class=\"empty\" id=\"operations\">No operations.</p>".to_owned();
+    }
+    let mut body = String::from(
+        "<table id=\"operations\"><tr><th>operation</th><th>kind</th><th>by</th><th>status</th><th>selected</th>\
+         <th>done</th><th>skipped</th><th>refused</th><th>started</th></tr>",
+    );
+    for o in ops {
+        let _ = write!(
+            body,
+            "<tr data-operation-id=\"{id}\" data-status=\"{st}\"><td><a href=\"/operations/{id}\">{id}</a></td>\
+             <td>{}</td><td>{}</td><td>{st}</td><td class=\"num\">{}</td><td class=\"num\">{} {}</td>\
+             <td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
+            o.kind.as_str(),
+            esc(&o.operator),
+            o.planned,
+            o.done,
+            o.kind.done_word(),
+            o.skipped,
+            o.refused,
+            o.created_at.format("%Y-%m-%d %H:%M:%S"),
+            id = o.id,
+            st = esc(&o.status)
+        );
+    }
+    body.push_str("</table>");
+    body
+}
+
+/// The overview: sagas by status, stuck sagas, failure groups, dead letters, operations, the outbox,
+/// consumer lag.
+pub(super) fn overview(o: &Overview, _caller: &Caller) -> String {
+    let mut body = trace_search("", "");
     body.push_str("<h2>Sagas by status</h2>");
-    match crate::sagas::counts(pool).await {
-        Ok(counts) if counts.is_empty() => {
-            body.push_str("<p class=\"empty\">No saga instances.</p>")
+    match &o.sagas_by_status {
+        None => body.push_str("<p class=\"empty\">This schema keeps no orchestrated sagas.</p>"),
+        Some(counts) if counts.is_empty() => {
+            body.push_str("<p class=\"empty\">No saga instances.</p>");
         }
-        Ok(counts) => {
+        Some(counts) => {
             body.push_str("<table id=\"sagas-by-status\"><tr><th>status</th><th>sagas</th></tr>");
-            for (status, n) in &counts {
+            for (status, n) in counts {
                 let _ = write!(
                     body,
                     "<tr data-status=\"{s}\"><td class=\"{s}\">{s}</td><td class=\"num\">{n}</td></tr>",
@@ -87,19 +175,19 @@ pub(super) async fn overview(
                 );
             }
             body.push_str("</table>");
-            body.push_str(&format!(
+            let _ = write!(
+                body,
                 "<h2>Stuck sagas (unmoved for {})</h2>",
-                esc(&human(options.stuck_for))
-            ));
-            let stuck = crate::sagas::list(pool, None, Some(options.stuck_for), 50).await?;
-            if stuck.is_empty() {
+                esc(&o.stuck_for)
+            );
+            if o.stuck.is_empty() {
                 body.push_str("<p class=\"empty\" id=\"stuck-sagas\">None.</p>");
             } else {
                 body.push_str(
                     "<table id=\"stuck-sagas\"><tr><th>saga</th><th>type</th><th>key</th><th>status</th>\
                      <th>last moved</th><th>timer failures</th><th>why stuck</th></tr>",
                 );
-                for s in &stuck {
+                for s in &o.stuck {
                     let _ = write!(
                         body,
                         "<tr><td><a href=\"/sagas/{id}\">{id}</a></td><td>{}</td><td>{}</td>\
@@ -117,113 +205,100 @@ pub(super) async fn overview(
                 body.push_str("</table>");
             }
         }
-        Err(AdminError::BadInput(_)) => {
-            body.push_str("<p class=\"empty\">This schema keeps no orchestrated sagas.</p>");
-        }
-        Err(e) => return Err(e),
     }
 
+    body.push_str("<h2>Failure groups</h2>");
+    body.push_str(&groups_table(&o.failure_groups));
+
     body.push_str("<h2>Dead letters</h2>");
-    let topics = if options.dlq_topics.is_empty() {
-        crate::dlq::discover_topics(kafka).await?
-    } else {
-        options.dlq_topics.clone()
-    };
-    let counts = crate::dlq::counts(kafka, &topics).await?;
     body.push_str(
-        "<table id=\"dead-letters\"><tr><th>topic</th><th>reason</th><th>letters</th></tr>",
+        "<table id=\"dead-letters\"><tr><th>topic</th><th>reason</th><th>letters</th><th>open</th></tr>",
     );
-    for topic in &topics {
-        let of_topic: Vec<_> = counts.iter().filter(|((t, _), _)| t == topic).collect();
-        let total: usize = of_topic.iter().map(|(_, n)| **n).sum();
+    for t in &o.dead_letters {
         let _ = write!(
             body,
-            "<tr data-dlq-topic=\"{t}\" data-count=\"{total}\"><td><a href=\"/dlq/{u}\">{t}</a></td><td>all</td>\
-             <td class=\"num\">{total}</td></tr>",
-            t = esc(topic),
-            u = seg(topic)
+            "<tr data-dlq-topic=\"{tt}\" data-count=\"{total}\" data-open=\"{open}\"><td><a href=\"/dlq/{u}\">{tt}</a></td>\
+             <td>all</td><td class=\"num\">{total}</td><td class=\"num\">{open}</td></tr>",
+            tt = esc(&t.topic),
+            u = seg(&t.topic),
+            total = t.total,
+            open = t.open
         );
-        for ((_, reason), n) in of_topic {
+        for (reason, n) in &t.by_reason {
             let _ = write!(
                 body,
-                "<tr data-dlq-topic=\"{t}\" data-reason=\"{r}\"><td></td><td>{r}</td><td class=\"num\">{n}</td></tr>",
-                t = esc(topic),
+                "<tr data-dlq-topic=\"{tt}\" data-reason=\"{r}\"><td></td><td>{r}</td><td class=\"num\">{n}</td><td></td></tr>",
+                tt = esc(&t.topic),
                 r = esc(reason)
             );
         }
     }
     body.push_str("</table>");
 
+    body.push_str("<h2>Recent operations</h2>");
+    body.push_str(&operations_table(&o.operations));
+
     body.push_str("<h2>Outbox</h2>");
-    match crate::outbox::status(pool).await {
-        Ok(o) => {
+    match &o.outbox {
+        Ok(ob) => {
             let _ = write!(
                 body,
                 "<table id=\"outbox\"><tr><th>unpublished</th><th>oldest</th><th>failing</th><th>parked</th></tr>\
                  <tr><td class=\"num\" data-unpublished=\"{}\">{}</td><td>{}</td><td class=\"num\">{}</td>\
                  <td class=\"num\">{}</td></tr></table>",
-                o.unpublished,
-                o.unpublished,
-                o.oldest_age_seconds
+                ob.unpublished,
+                ob.unpublished,
+                ob.oldest_age_seconds
                     .map_or_else(|| "-".to_owned(), |a| format!("{a:.1} s")),
-                o.failing,
-                o.parked
+                ob.failing,
+                ob.parked
             );
         }
         Err(e) => {
-            let _ = write!(body, "<p class=\"empty\">{}</p>", esc(&e.to_string()));
+            let _ = write!(body, "<p class=\"empty\">{}</p>", esc(e));
         }
     }
 
     body.push_str("<h2>Consumer lag</h2>");
-    let groups = if options.groups.is_empty() {
-        crate::lag::known_groups(pool).await?
-    } else {
-        options.groups.clone()
-    };
-    if groups.is_empty() {
+    if o.lag.is_empty() {
         body.push_str("<p class=\"empty\">No consumer group recorded in this schema.</p>");
     }
-    for group in &groups {
-        let topics = crate::lag::known_topics(pool, group).await?;
-        match crate::lag::lag(kafka, group, &topics).await {
-            Ok(parts) => {
-                let total: i64 = parts.iter().map(|p| p.lag).sum();
-                let _ = write!(
-                    body,
-                    "<table data-group=\"{g}\" data-lag=\"{total}\"><tr><th colspan=\"4\">group {g}: lag {total}</th></tr>\
-                     <tr><th>topic/partition</th><th>committed</th><th>high watermark</th><th>lag</th></tr>",
-                    g = esc(group)
-                );
-                for p in &parts {
-                    let _ = write!(
-                        body,
-                        "<tr><td>{}/{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
-                        esc(&p.topic),
-                        p.partition,
-                        p.committed
-                            .map_or_else(|| "-".to_owned(), |c| c.to_string()),
-                        p.high_watermark,
-                        p.lag
-                    );
-                }
-                body.push_str("</table>");
-            }
-            Err(e) => {
-                let _ = write!(
-                    body,
-                    "<p class=\"empty\">group {}: {}</p>",
-                    esc(group),
-                    esc(&e.to_string())
-                );
-            }
+    for g in &o.lag {
+        if let Some(error) = &g.error {
+            let _ = write!(
+                body,
+                "<p class=\"empty\">group {}: {}</p>",
+                esc(&g.group),
+                esc(error)
+            );
+            continue;
         }
+        let _ = write!(
+            body,
+            "<table data-group=\"{gg}\" data-lag=\"{total}\"><tr><th colspan=\"4\">group {gg}: lag {total}</th></tr>\
+             <tr><th>topic/partition</th><th>committed</th><th>high watermark</th><th>lag</th></tr>",
+            gg = esc(&g.group),
+            total = g.total
+        );
+        for p in &g.partitions {
+            let _ = write!(
+                body,
+                "<tr><td>{}/{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+                esc(&p.topic),
+                p.partition,
+                p.committed
+                    .map_or_else(|| "-".to_owned(), |c| c.to_string()),
+                p.high_watermark,
+                p.lag
+            );
+        }
+        body.push_str("</table>");
     }
-    Ok(page("Sagas at a glance", &body))
+    page("Sagas at a glance", &body)
 }
 
 /// A saga: its state, its timeline, its keys, its compensations.
-pub(super) fn saga(detail: &SagaDetail) -> String {
+pub(super) fn saga(detail: &SagaDetail, caller: &Caller) -> String {
     let i = &detail.instance;
     let mut body = format!(
         "<table id=\"saga\" data-saga-id=\"{id}\" data-status=\"{st}\">\
@@ -248,12 +323,33 @@ pub(super) fn saga(detail: &SagaDetail) -> String {
         id = i.saga_id,
         st = esc(&i.status)
     );
-    body.push_str("<h2>Timeline</h2><ol class=\"timeline\" id=\"timeline\">");
-    for t in &detail.timeline {
+    if !caller.read_only && matches!(i.status.as_str(), "running" | "compensating") {
         let _ = write!(
             body,
-            "<li data-status=\"{to}\" data-cause=\"{cause}\"><time>{}</time> <b class=\"{to}\">{to}</b> \
-             {} — {cause}</li>",
+            "<p><a class=\"button\" id=\"retry\" href=\"/sagas/{}/retry\">Retry the current step…</a>{}</p>",
+            i.saga_id,
+            i.retry_requested_by
+                .as_deref()
+                .map_or_else(String::new, |by| format!(
+                    " <small id=\"retry-requested\">retry requested by {}</small>",
+                    esc(by)
+                ))
+        );
+    }
+    body.push_str("<h2>Timeline</h2><ol class=\"timeline\" id=\"timeline\">");
+    for t in &detail.timeline {
+        let retry = match (&t.retry_of, &t.operator) {
+            (Some(of), operator) => format!(
+                " <small class=\"retry-of\" data-retry-of=\"{of}\">retry of v{of} by {}</small>",
+                esc(operator.as_deref().unwrap_or("unknown"))
+            ),
+            (None, _) => String::new(),
+        };
+        let _ = write!(
+            body,
+            "<li data-version=\"{}\" data-status=\"{to}\" data-cause=\"{cause}\"><time>{}</time> \
+             <b class=\"{to}\">{to}</b> {} — {cause}{retry}</li>",
+            t.version,
             t.at.format("%Y-%m-%d %H:%M:%S%.3f"),
             esc(t
                 .step
@@ -312,11 +408,41 @@ pub(super) fn saga(detail: &SagaDetail) -> String {
         );
     }
     body.push_str("</table>");
+    let _ = write!(
+        body,
+        "<p><a href=\"/trace?key={}&amp;tenant={}\" id=\"trace-link\">This saga across every service</a></p>",
+        query(&i.idempotency_key),
+        query(&i.tenant)
+    );
     page(&format!("Saga {}", i.saga_id), &body)
 }
 
+/// The confirmation before retrying a saga's current step.
+pub(super) fn confirm_retry(detail: &SagaDetail, caller: &Caller) -> String {
+    let i = &detail.instance;
+    let body = format!(
+        "<p>Send the current command of saga <code>{}</code> ({}, {} at step {}, attempt {}) again, as \
+         <b id=\"operator\">{}</b>? The service's orchestrator sends it at its next timer tick with the same \
+         step key: a participant that completed the step absorbs it, one that dead-lettered it runs it.</p>{}",
+        i.saga_id,
+        esc(&i.saga_type),
+        esc(&i.status),
+        i.step_index,
+        i.attempt,
+        esc(&caller.operator),
+        post_form(
+            &format!("/api/sagas/{}/retry", i.saga_id),
+            caller,
+            "confirm",
+            "Confirm retry",
+            ""
+        )
+    );
+    page("Retry a saga?", &body)
+}
+
 /// A dead-letter topic's letters (with replay buttons unless `read_only`).
-pub(super) fn dlq_topic(topic: &str, letters: &[DeadLetter], read_only: bool) -> String {
+pub(super) fn dlq_topic(topic: &str, letters: &[GroupedLetter], read_only: bool) -> String {
     let mut body = format!(
         "<p id=\"dlq-count\" data-count=\"{}\">{} dead letters.</p>",
         letters.len(),
@@ -324,15 +450,16 @@ pub(super) fn dlq_topic(topic: &str, letters: &[DeadLetter], read_only: bool) ->
     );
     body.push_str(
         "<table id=\"letters\"><tr><th>letter</th><th>original</th><th>step</th><th>reason</th><th>error</th>\
-         <th>attempts</th><th>failed at</th><th>key</th><th>tenant</th><th></th></tr>",
+         <th>attempts</th><th>failed at</th><th>key</th><th>tenant</th><th>group</th><th>state</th><th></th></tr>",
     );
-    for l in letters {
+    for grouped in letters {
+        let l = &grouped.letter;
         let link = format!("/dlq/{}/{}/{}", seg(topic), l.partition, l.offset);
         let _ = write!(
             body,
             "<tr data-partition=\"{p}\" data-offset=\"{o}\"><td><a href=\"{link}\">{p}/{o}</a></td>\
              <td>{}/{}/{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td>{}</td></tr>",
+             <td>{}</td><td><a href=\"/groups/{g}\">{g}</a></td><td class=\"state\">{}</td><td>{}</td></tr>",
             esc(&l.original_topic),
             l.original_partition,
             l.original_offset,
@@ -343,13 +470,15 @@ pub(super) fn dlq_topic(topic: &str, letters: &[DeadLetter], read_only: bool) ->
             l.failed_at.format("%Y-%m-%d %H:%M:%S"),
             esc(l.idempotency_key.as_deref().unwrap_or("")),
             esc(&l.tenant),
+            grouped.state.as_str(),
             if read_only {
                 String::new()
             } else {
                 format!("<a class=\"button replay\" href=\"{link}/replay\">Replay…</a>")
             },
             p = l.partition,
-            o = l.offset
+            o = l.offset,
+            g = esc(&grouped.group_id)
         );
     }
     body.push_str("</table>");
@@ -418,7 +547,7 @@ pub(super) fn confirm_replay(letter: &DeadLetter, owner: &DlqOwner, caller: &Cal
          <code id=\"retry-topic\">{}</code> of consumer group <code id=\"group\">{}</code>, as \
          <b id=\"operator\">{}</b>? Only that group sees it; its step runs again unless its step key is done \
          already. A dead letter is replayed once.</p>\
-         <form method=\"post\" action=\"/dlq/{}/{}/{}/replay\">\
+         <form method=\"post\" action=\"/api/dlq/{}/{}/{}/replay\">\
          <input type=\"hidden\" name=\"{}\" value=\"{}\">\
          <button type=\"submit\" id=\"confirm\">Confirm replay</button></form>",
         esc(&letter.original_topic),
@@ -430,7 +559,7 @@ pub(super) fn confirm_replay(letter: &DeadLetter, owner: &DlqOwner, caller: &Cal
         seg(&letter.topic),
         letter.partition,
         letter.offset,
-        super::security::CSRF_FIELD,
+        CSRF_FIELD,
         esc(&caller.csrf)
     );
     page("Replay a dead letter?", &body)
@@ -461,6 +590,274 @@ pub(super) fn replayed(topic: &str, report: &ReplayReport) -> String {
         seg(topic)
     );
     page("Replay", &body)
+}
+
+/// Escapes a query parameter's value.
+fn query(text: &str) -> String {
+    seg(text)
+}
+
+/// The failure groups.
+pub(super) fn groups(groups: &[FailureGroup]) -> String {
+    page("Failure groups", &groups_table(groups))
+}
+
+/// A failure group: what it is, its letters, and its replay and discard buttons.
+pub(super) fn group(view: &GroupView, caller: &Caller) -> String {
+    let g = &view.group;
+    let mut body = format!(
+        "<table id=\"group\" data-group-id=\"{id}\" data-open=\"{}\"><tr><th>topic</th><td>{}</td></tr>\
+         <tr><th>consumer group</th><td>{}</td></tr><tr><th>step</th><td>{}</td></tr>\
+         <tr><th>reason</th><td>{}</td></tr><tr><th>cause</th><td><code id=\"cause\">{}</code></td></tr>\
+         <tr><th>example</th><td><code>{}</code></td></tr><tr><th>open / all</th><td>{} / {}</td></tr>\
+         <tr><th>first / last seen</th><td>{} / {}</td></tr></table>",
+        g.open,
+        esc(&g.dlq_topic),
+        esc(&g.consumer_group),
+        esc(g.step.as_deref().unwrap_or("-")),
+        esc(&g.reason),
+        esc(&g.cause),
+        esc(&crate::table::one_line(&g.example_error, 300)),
+        g.open,
+        g.total,
+        g.first_seen.format("%Y-%m-%d %H:%M:%S"),
+        g.last_seen.format("%Y-%m-%d %H:%M:%S"),
+        id = esc(&g.id)
+    );
+    if !caller.read_only && g.open > 0 {
+        let _ = write!(
+            body,
+            "<p><a class=\"button\" id=\"replay-group\" href=\"/groups/{id}/plan?action=replay\">Replay the group…</a> \
+             <a class=\"button secondary\" id=\"discard-group\" href=\"/groups/{id}/plan?action=discard\">Discard the group…</a></p>",
+            id = seg(&g.id)
+        );
+    }
+    body.push_str(
+        "<h2>Letters</h2><table id=\"letters\"><tr><th>letter</th><th>state</th><th>error</th><th>attempts</th>\
+         <th>failed at</th><th>key</th><th>tenant</th></tr>",
+    );
+    for grouped in &view.letters {
+        let l = &grouped.letter;
+        let _ = write!(
+            body,
+            "<tr data-partition=\"{p}\" data-offset=\"{o}\" data-state=\"{st}\"><td><a href=\"/dlq/{t}/{p}/{o}\">{p}/{o}</a></td>\
+             <td>{st}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            esc(&crate::table::one_line(&l.error, 120)),
+            l.attempts,
+            l.failed_at.format("%Y-%m-%d %H:%M:%S"),
+            esc(l.idempotency_key.as_deref().unwrap_or("")),
+            esc(&l.tenant),
+            p = l.partition,
+            o = l.offset,
+            t = seg(&l.topic),
+            st = grouped.state.as_str()
+        );
+    }
+    body.push_str("</table>");
+    page(&format!("Failure group {}", g.id), &body)
+}
+
+/// The preview of a bulk operation on group `id`, and its confirmation form.
+pub(super) fn confirm_plan(plan: &Plan, id: &str, caller: &Caller) -> String {
+    let action = match plan.kind {
+        OperationKind::Replay => "replay",
+        OperationKind::Discard => "discard",
+        OperationKind::UndoDiscard => "undo",
+    };
+    let mut body = format!(
+        "<p id=\"plan\" data-action=\"{action}\" data-would-act=\"{}\" data-would-refuse=\"{}\" \
+         data-left-alone=\"{}\">{}, as <b id=\"operator\">{}</b>.</p>",
+        plan.would_act(),
+        plan.would_refuse(),
+        plan.left_alone,
+        esc(&capitalise(&plan.describe())),
+        esc(&caller.operator)
+    );
+    body.push_str("<table id=\"planned\"><tr><th>letter</th><th>key</th><th>what</th></tr>");
+    for l in &plan.letters {
+        let _ = write!(
+            body,
+            "<tr><td>{}/{}/{}</td><td>{}</td><td>{}</td></tr>",
+            esc(&l.dlq_topic),
+            l.partition,
+            l.offset,
+            esc(l.idempotency_key.as_deref().unwrap_or("")),
+            esc(l.refusal.as_deref().unwrap_or(match plan.kind {
+                OperationKind::Replay => "would be sent",
+                OperationKind::Discard => "would be discarded",
+                OperationKind::UndoDiscard => "would be open again",
+            }))
+        );
+    }
+    body.push_str("</table>");
+    if plan.would_act() > 0 && !caller.read_only {
+        body.push_str(&post_form(
+            &format!("/api/groups/{}/{action}", seg(id)),
+            caller,
+            "confirm",
+            &format!("Confirm: {action} {}", plan.would_act()),
+            "",
+        ));
+    } else {
+        body.push_str("<p class=\"empty\">Nothing to do.</p>");
+    }
+    page(&format!("{} group {id}?", capitalise(action)), &body)
+}
+
+fn capitalise(text: &str) -> String {
+    let mut chars = text.chars();
+    chars
+        .next()
+        .map_or_else(String::new, |c| c.to_uppercase().chain(chars).collect())
+}
+
+/// The operations.
+pub(super) fn operations(ops: &[Operation]) -> String {
+    page("Operations", &operations_table(ops))
+}
+
+/// One operation: how far it got, its letters, and its cancel or undo button.
+pub(super) fn operation(view: &OperationView, caller: &Caller) -> String {
+    let o = &view.operation;
+    let mut body = format!(
+        "<table id=\"operation\" data-operation-id=\"{}\" data-status=\"{st}\" data-done=\"{}\" data-skipped=\"{}\" \
+         data-refused=\"{}\"><tr><th>kind</th><td>{}</td></tr><tr><th>by</th><td id=\"operation-operator\">{}</td></tr>\
+         <tr><th>selection</th><td><code>{}</code></td></tr><tr><th>status</th><td id=\"operation-status\">{st}{}</td></tr>\
+         <tr><th>selected</th><td>{}</td></tr><tr><th>{}</th><td id=\"operation-done\">{}</td></tr>\
+         <tr><th>skipped / refused</th><td>{} / {}</td></tr><tr><th>started / ended</th><td>{} / {}</td></tr></table>",
+        o.id,
+        o.done,
+        o.skipped,
+        o.refused,
+        o.kind.as_str(),
+        esc(&o.operator),
+        esc(&o.selection.to_string()),
+        if o.cancel_requested && o.status == "running" {
+            " (cancellation asked for)"
+        } else {
+            ""
+        },
+        o.planned,
+        o.kind.done_word(),
+        o.done,
+        o.skipped,
+        o.refused,
+        o.created_at.format("%Y-%m-%d %H:%M:%S"),
+        o.finished_at.map_or_else(
+            || "-".to_owned(),
+            |f| f.format("%Y-%m-%d %H:%M:%S").to_string()
+        ),
+        st = esc(&o.status)
+    );
+    if !caller.read_only {
+        if o.status == "running" {
+            body.push_str(&post_form(
+                &format!("/api/operations/{}/cancel", o.id),
+                caller,
+                "cancel",
+                "Cancel",
+                "secondary",
+            ));
+            body.push_str(&post_form(
+                &format!("/api/operations/{}/resume", o.id),
+                caller,
+                "resume",
+                "Resume (after a crash)",
+                "secondary",
+            ));
+        }
+        if o.kind == OperationKind::Discard && o.status != "running" && o.done > 0 {
+            body.push_str(&post_form(
+                &format!("/api/operations/{}/undo", o.id),
+                caller,
+                "undo",
+                "Undo this discard",
+                "secondary",
+            ));
+        }
+    }
+    body.push_str(
+        "<h2>Letters</h2><table id=\"operation-letters\"><tr><th>#</th><th>letter</th><th>outcome</th><th>what happened</th></tr>",
+    );
+    for l in &view.letters {
+        let _ = write!(
+            body,
+            "<tr data-outcome=\"{out}\"><td class=\"num\">{}</td><td><a href=\"/dlq/{}/{p}/{o}\">{}/{p}/{o}</a></td>\
+             <td>{out}</td><td>{}</td></tr>",
+            l.seq + 1,
+            seg(&l.dlq_topic),
+            esc(&l.dlq_topic),
+            esc(l.detail.as_deref().unwrap_or("")),
+            p = l.partition,
+            o = l.offset,
+            out = esc(l.outcome.as_deref().unwrap_or("pending"))
+        );
+    }
+    body.push_str("</table>");
+    page(&format!("Operation {}", o.id), &body)
+}
+
+/// The form to find a saga.
+pub(super) fn trace_form() -> String {
+    page(
+        "Find a saga",
+        &format!(
+            "<p>Every step, event, dead letter, replay and orchestrated transition of a client's key, across \
+             every service schema of the database.</p>{}",
+            trace_search("", "")
+        ),
+    )
+}
+
+/// A saga across every service: one lane (column) per service schema, one row per event, by time.
+pub(super) fn trace(t: &SagaTrace) -> String {
+    let mut body = trace_search(&t.key, t.tenant.as_deref().unwrap_or(""));
+    if t.events.is_empty() {
+        body.push_str(
+            "<p class=\"empty\" id=\"trace-empty\">Nothing is stored for this key (any more).</p>",
+        );
+        return page(&format!("Saga {}", t.key), &body);
+    }
+    let _ = write!(
+        body,
+        "<p id=\"trace-summary\" data-events=\"{}\" data-lanes=\"{}\">{} events in {} services.</p>\
+         <table class=\"lanes\" id=\"trace\"><tr><th>time</th>",
+        t.events.len(),
+        t.lanes.len(),
+        t.events.len(),
+        t.lanes.len()
+    );
+    for lane in &t.lanes {
+        let _ = write!(body, "<th data-lane=\"{l}\">{l}</th>", l = esc(lane));
+    }
+    body.push_str("</tr>");
+    for e in &t.events {
+        let _ = write!(
+            body,
+            "<tr data-kind=\"{}\"><td><time>{}</time></td>",
+            e.kind.as_str(),
+            e.at.format("%H:%M:%S%.3f")
+        );
+        for lane in &t.lanes {
+            if *lane == e.lane {
+                let _ = write!(
+                    body,
+                    "<td><div class=\"lane-event {k} {st}\" data-lane=\"{l}\" data-kind=\"{k}\" data-subject=\"{s}\" \
+                     data-status=\"{st}\"><b>{k}</b> {s}: {st}<br><small>{}</small></div></td>",
+                    esc(&e.detail),
+                    k = e.kind.as_str(),
+                    l = esc(lane),
+                    s = esc(&e.subject),
+                    st = esc(&e.status)
+                );
+            } else {
+                body.push_str("<td></td>");
+            }
+        }
+        body.push_str("</tr>");
+    }
+    body.push_str("</table>");
+    page(&format!("Saga {}", t.key), &body)
 }
 
 #[cfg(test)]

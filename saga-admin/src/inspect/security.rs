@@ -10,8 +10,9 @@
 //!   replay.
 //! - **State-changing requests.** A POST must come from this inspector's own page: its `Origin` (or, where
 //!   a browser sends none, its `Referer`) must name this inspector (a POST with neither is refused), and it
-//!   must carry the session's CSRF token, a value only this inspector's pages contain. A read-only
-//!   inspector refuses every POST.
+//!   must carry the session's CSRF token, a value only this inspector's pages contain. A script calling the
+//!   API presents its token as `Authorization: Bearer` instead, which a browser never sends on its own:
+//!   such a POST needs neither. A read-only inspector refuses every POST.
 //! - **Every response** forbids framing (`frame-ancestors 'none'`, `X-Frame-Options: DENY`), loads
 //!   nothing from elsewhere, and is not cached. Cookies are `HttpOnly; SameSite=Strict`, and `Secure`
 //!   when the inspector is told it is served over TLS.
@@ -240,6 +241,8 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
     }
 
     let mut operator = None;
+    // Whether the token came in the Authorization header: a script's request, not a browser's.
+    let mut bearer = false;
     if !guard.tokens.is_empty() {
         if let Some(presented) = query_value(request.uri().query(), "token") {
             let Some(named) = guard.token_named(&presented) else {
@@ -258,13 +261,13 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
             return Ok(Checked::Redirect(response));
         }
         let headers = request.headers();
-        let presented = cookie_value(headers, TOKEN_COOKIE).or_else(|| {
-            headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(str::to_owned)
-        });
+        let authorization = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::to_owned);
+        bearer = authorization.is_some();
+        let presented = authorization.or_else(|| cookie_value(headers, TOKEN_COOKIE));
         match presented.as_deref().and_then(|p| guard.token_named(p)) {
             Some(named) => operator = Some(named.name.clone()),
             None => return Err(unauthorized()),
@@ -284,27 +287,10 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
                 "This inspector is read-only.",
             ));
         }
-        if !same_origin(guard, request.headers()) {
-            return Err(refused(
-                StatusCode::FORBIDDEN,
-                "Refused",
-                "A replay must come from this inspector's own page.",
-            ));
-        }
-        // The body is the form: read it here, check its token, and hand the handler an empty body.
-        let body = std::mem::replace(request.body_mut(), Body::empty());
-        let form = axum::body::to_bytes(body, MAX_FORM_BYTES)
-            .await
-            .unwrap_or_default();
-        let presented = form_value(&form, CSRF_FIELD).unwrap_or_default();
-        let valid = existing.is_some()
-            && constant_time_eq(presented.as_bytes(), guard.csrf_of(&session).as_bytes());
-        if !valid {
-            return Err(refused(
-                StatusCode::FORBIDDEN,
-                "Refused",
-                "The form's token is missing or stale: open the page again and confirm from there.",
-            ));
+        // A script with a token in the Authorization header: no browser attached it, so no other site can
+        // have made this request. Every other POST comes from this inspector's own form, or is refused.
+        if !bearer {
+            check_own_form(guard, request, existing.is_some(), &session).await?;
         }
     }
 
@@ -314,6 +300,39 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
         read_only: guard.read_only,
     });
     Ok(Checked::Pass { new_session })
+}
+
+/// Refuses a POST that does not come from this inspector's own page: its origin (see [`same_origin`]) and
+/// the session's CSRF token in its form, which is read here (the handler gets an empty body).
+async fn check_own_form(
+    guard: &Guard,
+    request: &mut Request,
+    has_session: bool,
+    session: &str,
+) -> Result<(), Response> {
+    if !same_origin(guard, request.headers()) {
+        return Err(refused(
+            StatusCode::FORBIDDEN,
+            "Refused",
+            "A replay must come from this inspector's own page.",
+        ));
+    }
+    let body = std::mem::replace(request.body_mut(), Body::empty());
+    let form = axum::body::to_bytes(body, MAX_FORM_BYTES)
+        .await
+        .unwrap_or_default();
+    let presented = form_value(&form, CSRF_FIELD).unwrap_or_default();
+    let valid =
+        has_session && constant_time_eq(presented.as_bytes(), guard.csrf_of(session).as_bytes());
+    if valid {
+        Ok(())
+    } else {
+        Err(refused(
+            StatusCode::FORBIDDEN,
+            "Refused",
+            "The form's token is missing or stale: open the page again and confirm from there.",
+        ))
+    }
 }
 
 /// Whether a state-changing request comes from this inspector's own page: its `Origin`, or else its

@@ -1,0 +1,586 @@
+//! The JSON API under the page (`/api/…`): every view and action of the page, for scripts and other
+//! dashboards. The page renders the same data, and its forms post to these actions: a request that accepts
+//! HTML (a browser's form) gets the result as a page, any other gets JSON.
+//!
+//! Reads: `GET /api/overview`, `/api/sagas/{id}`, `/api/dlq/{topic}`, `/api/dlq/{topic}/{partition}/{offset}`,
+//! `/api/groups`, `/api/groups/{id}`, `/api/groups/{id}/plan?action=replay|discard`, `/api/operations`,
+//! `/api/operations/{id}`, `/api/trace?key=…&tenant=…`.
+//!
+//! Actions (`POST`): `/api/dlq/{topic}/{partition}/{offset}/replay`, `/api/groups/{id}/replay`,
+//! `/api/groups/{id}/discard`, `/api/operations/{id}/cancel`, `/api/operations/{id}/undo`,
+//! `/api/operations/{id}/resume`, `/api/sagas/{id}/retry`. A bulk action starts a durable operation, runs it
+//! in the background and answers with it at once (`202`); follow it at `/api/operations/{id}`.
+
+use std::collections::BTreeMap;
+
+use axum::Extension;
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+
+use super::security::Caller;
+use super::{App, pages};
+use crate::dlq::{self, DeadLetter, DlqFilter, ReplayOptions};
+use crate::error::AdminError;
+use crate::groups::{self, FailureGroup, GroupedLetter};
+use crate::lag::PartitionLag;
+use crate::operations::{self, Operation, OperationLetter, Plan};
+use crate::outbox::OutboxStatus;
+use saga_orchestrator::SagaInstance;
+
+/// Whether the request wants a page (a browser) rather than JSON.
+pub(super) fn wants_html(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("text/html"))
+}
+
+/// An error, as a page or as JSON: bad input is the caller's (400), the rest the service's (502).
+pub(super) fn failure(e: &AdminError, html: bool) -> Response {
+    let status = if e.is_caller_error() {
+        StatusCode::BAD_REQUEST
+    } else {
+        StatusCode::BAD_GATEWAY
+    };
+    if html {
+        (
+            status,
+            Html(pages::message("Cannot show this", &e.to_string())),
+        )
+            .into_response()
+    } else {
+        (status, Json(serde_json::json!({ "error": e.to_string() }))).into_response()
+    }
+}
+
+/// `value` as JSON, or rendered by `render` for a browser.
+fn answer<T: Serialize>(
+    headers: &HeaderMap,
+    status: StatusCode,
+    value: Result<T, AdminError>,
+    render: impl FnOnce(&T) -> String,
+) -> Response {
+    let html = wants_html(headers);
+    match value {
+        Ok(v) if html => (status, Html(render(&v))).into_response(),
+        Ok(v) => (status, Json(v)).into_response(),
+        Err(e) => failure(&e, html),
+    }
+}
+
+// ---- Data -----------------------------------------------------------------------------------------------
+
+/// A dead-letter topic's count, by reason.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct TopicLetters {
+    pub topic: String,
+    pub total: usize,
+    pub open: usize,
+    pub by_reason: BTreeMap<String, usize>,
+}
+
+/// A consumer group's lag, or why it could not be read.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct GroupLag {
+    pub group: String,
+    pub total: i64,
+    pub partitions: Vec<PartitionLag>,
+    pub error: Option<String>,
+}
+
+/// What the overview shows.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Overview {
+    /// Sagas by status; `None` when the schema keeps no orchestrated sagas.
+    pub sagas_by_status: Option<Vec<(String, i64)>>,
+    pub stuck_for: String,
+    pub stuck: Vec<SagaInstance>,
+    pub dead_letters: Vec<TopicLetters>,
+    pub failure_groups: Vec<FailureGroup>,
+    pub outbox: Result<OutboxStatus, String>,
+    pub lag: Vec<GroupLag>,
+    pub operations: Vec<Operation>,
+}
+
+impl App {
+    /// The dead-letter topics the inspector shows: the configured ones, or the broker's `.dlq` topics.
+    pub(super) async fn dlq_topics(&self) -> Result<Vec<String>, AdminError> {
+        if self.options.dlq_topics.is_empty() {
+            dlq::discover_topics(&self.kafka).await
+        } else {
+            Ok(self.options.dlq_topics.clone())
+        }
+    }
+
+    /// Every letter of the shown topics with its failure group and state.
+    async fn letters(&self) -> Result<Vec<GroupedLetter>, AdminError> {
+        let topics = self.dlq_topics().await?;
+        groups::letters(&self.kafka, &self.pool, &topics).await
+    }
+
+    pub(super) async fn overview(&self) -> Result<Overview, AdminError> {
+        let (sagas_by_status, stuck) = match crate::sagas::counts(&self.pool).await {
+            Ok(counts) => {
+                let stuck =
+                    crate::sagas::list(&self.pool, None, Some(self.options.stuck_for), 50).await?;
+                (Some(counts), stuck)
+            }
+            Err(AdminError::BadInput(_)) => (None, Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let topics = self.dlq_topics().await?;
+        let letters = groups::letters(&self.kafka, &self.pool, &topics).await?;
+        let dead_letters = topics
+            .iter()
+            .map(|topic| {
+                let of_topic: Vec<&GroupedLetter> = letters
+                    .iter()
+                    .filter(|l| l.letter.topic == *topic)
+                    .collect();
+                let mut by_reason = BTreeMap::new();
+                for l in &of_topic {
+                    *by_reason.entry(l.letter.reason.clone()).or_default() += 1;
+                }
+                TopicLetters {
+                    topic: topic.clone(),
+                    total: of_topic.len(),
+                    open: of_topic
+                        .iter()
+                        .filter(|l| l.state == groups::LetterState::Open)
+                        .count(),
+                    by_reason,
+                }
+            })
+            .collect();
+        let outbox = crate::outbox::status(&self.pool)
+            .await
+            .map_err(|e| e.to_string());
+        let group_names = if self.options.groups.is_empty() {
+            crate::lag::known_groups(&self.pool).await?
+        } else {
+            self.options.groups.clone()
+        };
+        let mut lag = Vec::new();
+        for group in group_names {
+            let topics = crate::lag::known_topics(&self.pool, &group).await?;
+            lag.push(match crate::lag::lag(&self.kafka, &group, &topics).await {
+                Ok(partitions) => GroupLag {
+                    total: partitions.iter().map(|p| p.lag).sum(),
+                    group,
+                    partitions,
+                    error: None,
+                },
+                Err(e) => GroupLag {
+                    group,
+                    total: 0,
+                    partitions: Vec::new(),
+                    error: Some(e.to_string()),
+                },
+            });
+        }
+        Ok(Overview {
+            sagas_by_status,
+            stuck_for: crate::duration::human(self.options.stuck_for),
+            stuck,
+            dead_letters,
+            failure_groups: groups::group(&letters),
+            outbox,
+            lag,
+            operations: operations::list(&self.pool, 10).await?,
+        })
+    }
+}
+
+/// A failure group and its letters.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct GroupView {
+    pub group: FailureGroup,
+    pub letters: Vec<GroupedLetter>,
+}
+
+/// An operation and its letters.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct OperationView {
+    pub operation: Operation,
+    pub letters: Vec<OperationLetter>,
+}
+
+// ---- Reads ----------------------------------------------------------------------------------------------
+
+pub(super) async fn overview(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+) -> Response {
+    answer(&headers, StatusCode::OK, app.overview().await, |o| {
+        pages::overview(o, &caller)
+    })
+}
+
+pub(super) async fn saga(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    answer(
+        &headers,
+        StatusCode::OK,
+        crate::sagas::show(&app.pool, &id).await,
+        |d| pages::saga(d, &caller),
+    )
+}
+
+pub(super) async fn dlq_topic(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(topic): Path<String>,
+) -> Response {
+    let letters = groups::letters(&app.kafka, &app.pool, std::slice::from_ref(&topic)).await;
+    answer(&headers, StatusCode::OK, letters, |letters| {
+        pages::dlq_topic(&topic, letters, caller.read_only)
+    })
+}
+
+pub(super) async fn dlq_letter(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path((topic, partition, offset)): Path<(String, i32, i64)>,
+) -> Response {
+    answer(
+        &headers,
+        StatusCode::OK,
+        one_letter(&app, &topic, partition, offset).await,
+        |l| pages::dlq_letter(l, caller.read_only),
+    )
+}
+
+pub(super) async fn failure_groups(State(app): State<App>, headers: HeaderMap) -> Response {
+    let groups = app.letters().await.map(|l| groups::group(&l));
+    answer(&headers, StatusCode::OK, groups, |g| pages::groups(g))
+}
+
+pub(super) async fn failure_group(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let view = async {
+        let topics = app.dlq_topics().await?;
+        let (group, letters) = groups::find(&app.kafka, &app.pool, &topics, &id).await?;
+        Ok(GroupView { group, letters })
+    }
+    .await;
+    answer(&headers, StatusCode::OK, view, |v| pages::group(v, &caller))
+}
+
+/// `?action=replay|discard`.
+#[derive(Debug, Deserialize)]
+pub(super) struct PlanQuery {
+    action: String,
+}
+
+pub(super) async fn plan(app: &App, id: &str, action: &str) -> Result<Plan, AdminError> {
+    let topics = app.dlq_topics().await?;
+    match action {
+        "replay" => {
+            operations::plan_replay(
+                &app.kafka,
+                &app.pool,
+                &topics,
+                id,
+                &ReplayOptions::default(),
+            )
+            .await
+        }
+        "discard" => operations::plan_discard(&app.kafka, &app.pool, &topics, id).await,
+        other => Err(AdminError::bad_input(format!(
+            "unknown action {other:?}: replay or discard"
+        ))),
+    }
+}
+
+pub(super) async fn group_plan(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(query): Query<PlanQuery>,
+) -> Response {
+    answer(
+        &headers,
+        StatusCode::OK,
+        plan(&app, &id, &query.action).await,
+        |p| pages::confirm_plan(p, &id, &caller),
+    )
+}
+
+pub(super) async fn operations_list(State(app): State<App>, headers: HeaderMap) -> Response {
+    answer(
+        &headers,
+        StatusCode::OK,
+        operations::list(&app.pool, 100).await,
+        |ops| pages::operations(ops),
+    )
+}
+
+pub(super) async fn operation(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> Response {
+    let view = operations::get(&app.pool, id)
+        .await
+        .map(|(operation, letters)| OperationView { operation, letters });
+    answer(&headers, StatusCode::OK, view, |v| {
+        pages::operation(v, &caller)
+    })
+}
+
+/// `?key=…&tenant=…`.
+#[derive(Debug, Deserialize)]
+pub(super) struct TraceQuery {
+    key: Option<String>,
+    tenant: Option<String>,
+}
+
+pub(super) async fn trace(
+    State(app): State<App>,
+    headers: HeaderMap,
+    Query(query): Query<TraceQuery>,
+) -> Response {
+    let key = query.key.unwrap_or_default();
+    let tenant = query.tenant.filter(|t| !t.trim().is_empty());
+    if key.trim().is_empty() && wants_html(&headers) {
+        return Html(pages::trace_form()).into_response();
+    }
+    let trace =
+        crate::trace::trace(&app.kafka, &app.pool, key.trim(), tenant.as_deref(), &[]).await;
+    answer(&headers, StatusCode::OK, trace, pages::trace)
+}
+
+// ---- Actions --------------------------------------------------------------------------------------------
+
+fn read_only(caller: &Caller, headers: &HeaderMap) -> Option<Response> {
+    caller.read_only.then(|| {
+        failure(
+            &AdminError::bad_input("this inspector is read-only"),
+            wants_html(headers),
+        )
+    })
+}
+
+pub(super) async fn replay_letter(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path((topic, partition, offset)): Path<(String, i32, i64)>,
+) -> Response {
+    if let Some(refused) = read_only(&caller, &headers) {
+        return refused;
+    }
+    let report = dlq::replay(
+        &app.kafka,
+        &app.pool,
+        &topic,
+        &DlqFilter::at(partition, offset),
+        &ReplayOptions::default().by(caller.operator.clone()),
+    )
+    .await;
+    answer(&headers, StatusCode::OK, report, |r| {
+        pages::replayed(&topic, r)
+    })
+}
+
+/// Starts the operation `plan` of `caller`, runs it in the background, and answers with it (a browser:
+/// with a redirect to its page).
+async fn start_operation(
+    app: &App,
+    caller: &Caller,
+    headers: &HeaderMap,
+    plan: Result<Plan, AdminError>,
+) -> Response {
+    let html = wants_html(headers);
+    let started = async {
+        let plan = plan?;
+        let id = operations::start(&app.pool, &plan, &caller.operator).await?;
+        Ok::<_, AdminError>(id)
+    }
+    .await;
+    let id = match started {
+        Ok(id) => id,
+        Err(e) => return failure(&e, html),
+    };
+    spawn_run(app, id);
+    if html {
+        return (
+            StatusCode::SEE_OTHER,
+            [(header::LOCATION, format!("/operations/{id}"))],
+        )
+            .into_response();
+    }
+    match operations::get(&app.pool, id).await {
+        Ok((operation, letters)) => (
+            StatusCode::ACCEPTED,
+            Json(OperationView { operation, letters }),
+        )
+            .into_response(),
+        Err(e) => failure(&e, false),
+    }
+}
+
+/// Runs operation `id` in the background (its record says how far it got).
+fn spawn_run(app: &App, id: i64) {
+    let app = app.clone();
+    tokio::spawn(async move {
+        if let Err(e) = operations::run(&app.kafka, &app.pool, id, &ReplayOptions::default()).await
+        {
+            tracing::warn!(operation = id, error = %e, "a dead-letter operation stopped");
+        }
+    });
+}
+
+pub(super) async fn group_replay(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Some(refused) = read_only(&caller, &headers) {
+        return refused;
+    }
+    let plan = plan(&app, &id, "replay").await;
+    start_operation(&app, &caller, &headers, plan).await
+}
+
+pub(super) async fn group_discard(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Some(refused) = read_only(&caller, &headers) {
+        return refused;
+    }
+    let plan = plan(&app, &id, "discard").await;
+    start_operation(&app, &caller, &headers, plan).await
+}
+
+pub(super) async fn operation_undo(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> Response {
+    if let Some(refused) = read_only(&caller, &headers) {
+        return refused;
+    }
+    let plan = operations::plan_undo(&app.pool, id).await;
+    start_operation(&app, &caller, &headers, plan).await
+}
+
+pub(super) async fn operation_cancel(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> Response {
+    if let Some(refused) = read_only(&caller, &headers) {
+        return refused;
+    }
+    let cancelled = operations::cancel(&app.pool, id).await;
+    after_operation_action(&app, &headers, id, cancelled.map(drop)).await
+}
+
+pub(super) async fn operation_resume(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> Response {
+    if let Some(refused) = read_only(&caller, &headers) {
+        return refused;
+    }
+    let running = match operations::get(&app.pool, id).await {
+        Ok((operation, _)) if operation.status == "running" => Ok(()),
+        Ok((operation, _)) => Err(AdminError::bad_input(format!(
+            "operation {id} is {}: nothing left to run",
+            operation.status
+        ))),
+        Err(e) => Err(e),
+    };
+    if running.is_ok() {
+        spawn_run(&app, id);
+    }
+    after_operation_action(&app, &headers, id, running).await
+}
+
+/// Answers an action on operation `id`: a redirect to its page for a browser, the operation as JSON
+/// otherwise.
+async fn after_operation_action(
+    app: &App,
+    headers: &HeaderMap,
+    id: i64,
+    done: Result<(), AdminError>,
+) -> Response {
+    let html = wants_html(headers);
+    if let Err(e) = done {
+        return failure(&e, html);
+    }
+    if html {
+        return (
+            StatusCode::SEE_OTHER,
+            [(header::LOCATION, format!("/operations/{id}"))],
+        )
+            .into_response();
+    }
+    match operations::get(&app.pool, id).await {
+        Ok((operation, letters)) => Json(OperationView { operation, letters }).into_response(),
+        Err(e) => failure(&e, false),
+    }
+}
+
+pub(super) async fn saga_retry(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Some(refused) = read_only(&caller, &headers) {
+        return refused;
+    }
+    let html = wants_html(&headers);
+    match crate::sagas::retry(&app.pool, &id, &caller.operator).await {
+        Ok(_) if html => (
+            StatusCode::SEE_OTHER,
+            [(header::LOCATION, format!("/sagas/{id}"))],
+        )
+            .into_response(),
+        Ok(instance) => (StatusCode::ACCEPTED, Json(instance)).into_response(),
+        Err(e) => failure(&e, html),
+    }
+}
+
+pub(super) async fn one_letter(
+    app: &App,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) -> Result<DeadLetter, AdminError> {
+    dlq::list(&app.kafka, topic, &DlqFilter::at(partition, offset))
+        .await?
+        .into_iter()
+        .next()
+        .ok_or_else(|| {
+            AdminError::bad_input(format!(
+                "{topic} has no dead letter at partition {partition} offset {offset}"
+            ))
+        })
+}

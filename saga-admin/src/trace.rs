@@ -1,0 +1,485 @@
+//! One choreographed saga across every service: "where is my order?" answered from what the framework
+//! already stores.
+//!
+//! Given a client's key (and tenant), [`trace`] reads every service schema of the database (those with the
+//! framework's key table, or the ones named) and assembles, ordered by time:
+//!
+//! - each step key derived from the client's key (`{key}:{step}`): its status, attempts, outcome or error,
+//!   when it was claimed and when it last changed; a key with a stored request fingerprint is an HTTP
+//!   request through the `Idempotency-Key` layer;
+//! - the events each step wrote to its outbox (`ce_source` names the step): type, topic, when it was
+//!   written, when the relay published it and where the broker put it (partition and offset), or why it
+//!   failed;
+//! - the dead letters of the key in the dead-letter topics of each schema's consumer groups, and their
+//!   replays;
+//! - orchestrated instances of the key and their transitions.
+//!
+//! Each schema is a lane; the page draws one column per lane. Published outbox rows and finished keys
+//! leave the database after their retention (7 days by default): older sagas show what is left.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use saga_core::KafkaConfig;
+use serde::Serialize;
+use sqlx::{PgPool, Row};
+
+use crate::dlq::{self, DlqFilter};
+use crate::error::AdminError;
+
+/// What a trace event is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum EventKind {
+    /// A step key: a step ran (or is running) for the saga.
+    Step,
+    /// An HTTP request through the `Idempotency-Key` layer.
+    Http,
+    /// An event a step wrote to its outbox.
+    Emitted,
+    /// A dead letter of the saga.
+    DeadLetter,
+    /// A dead letter replayed.
+    Replay,
+    /// A transition of an orchestrated instance.
+    Transition,
+}
+
+impl EventKind {
+    /// The kind in a word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Step => "step",
+            Self::Http => "http",
+            Self::Emitted => "emitted",
+            Self::DeadLetter => "dead-letter",
+            Self::Replay => "replay",
+            Self::Transition => "transition",
+        }
+    }
+}
+
+/// One thing that happened to the saga.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct TraceEvent {
+    /// When.
+    pub at: DateTime<Utc>,
+    /// The service schema (the lane).
+    pub lane: String,
+    /// What.
+    pub kind: EventKind,
+    /// The step (or operation, or saga type) concerned.
+    pub subject: String,
+    /// Its status or outcome, in a word: `completed`, `failed`, `started`, `published`, `unpublished`, ...
+    pub status: String,
+    /// The rest, for people.
+    pub detail: String,
+}
+
+/// A saga's timeline.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct SagaTrace {
+    /// The client's key.
+    pub key: String,
+    /// The tenant, if one was named.
+    pub tenant: Option<String>,
+    /// The lanes, in the order of their first event.
+    pub lanes: Vec<String>,
+    /// Everything, ordered by time.
+    pub events: Vec<TraceEvent>,
+}
+
+/// The schemas of `pool`'s database that hold the framework's key table.
+pub async fn service_schemas(pool: &PgPool) -> Result<Vec<String>, AdminError> {
+    Ok(sqlx::query_scalar(
+        "SELECT table_schema::text FROM information_schema.tables \
+         WHERE table_name = 'saga_idempotency_keys' ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await?)
+}
+
+/// `name` quoted as an SQL identifier.
+fn ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Whether `schema` has table `table`.
+async fn has_table(pool: &PgPool, schema: &str, table: &str) -> Result<bool, AdminError> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2)",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// The timeline of the saga of client key `key` (of `tenant`, or of every tenant) over `schemas` (every
+/// service schema of the database when empty). Dead letters are read from the dead-letter topics of the
+/// schemas' consumer groups through `kafka`.
+pub async fn trace(
+    kafka: &KafkaConfig,
+    pool: &PgPool,
+    key: &str,
+    tenant: Option<&str>,
+    schemas: &[String],
+) -> Result<SagaTrace, AdminError> {
+    if key.is_empty() {
+        return Err(AdminError::bad_input("the key is empty"));
+    }
+    let known = service_schemas(pool).await?;
+    let schemas: Vec<String> = if schemas.is_empty() {
+        known
+    } else {
+        for schema in schemas {
+            if !known.contains(schema) {
+                return Err(AdminError::bad_input(format!(
+                    "schema {schema} holds no saga keys (the service schemas here: {})",
+                    known.join(", ")
+                )));
+            }
+        }
+        schemas.to_vec()
+    };
+    let mut events = Vec::new();
+    for schema in &schemas {
+        steps(pool, schema, key, tenant, &mut events).await?;
+        emitted(pool, schema, key, tenant, &mut events).await?;
+        transitions(pool, schema, key, tenant, &mut events).await?;
+        replays(pool, schema, key, tenant, &mut events).await?;
+        dead_letters(kafka, pool, schema, key, tenant, &mut events).await?;
+    }
+    events.sort_by(|a, b| a.at.cmp(&b.at).then(a.lane.cmp(&b.lane)));
+    let mut lanes: Vec<String> = Vec::new();
+    for e in &events {
+        if !lanes.contains(&e.lane) {
+            lanes.push(e.lane.clone());
+        }
+    }
+    Ok(SagaTrace {
+        key: key.to_owned(),
+        tenant: tenant.map(str::to_owned),
+        lanes,
+        events,
+    })
+}
+
+/// `LIKE` pattern of the step keys of `key`.
+fn keys_pattern(key: &str) -> String {
+    let escaped = key
+        .replace('\\', "\\\\")
+        .replace('%', "\\%")
+        .replace('_', "\\_");
+    format!("{escaped}:%")
+}
+
+async fn steps(
+    pool: &PgPool,
+    schema: &str,
+    key: &str,
+    tenant: Option<&str>,
+    events: &mut Vec<TraceEvent>,
+) -> Result<(), AdminError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT tenant_id, step_key, status, attempts, outcome::text, error, created_at, updated_at, \
+                request_hash IS NOT NULL \
+         FROM {}.saga_idempotency_keys \
+         WHERE step_key LIKE $1 ESCAPE '\\' AND ($2::text IS NULL OR tenant_id = $2)",
+        ident(schema)
+    )))
+    .bind(keys_pattern(key))
+    .bind(tenant)
+    .fetch_all(pool)
+    .await?;
+    for r in rows {
+        let step_key: String = r.try_get(1)?;
+        // A key may itself hold ':'; only `{key}:{step}` with the exact key is this saga's.
+        let Some((original, step)) = step_key.rsplit_once(':') else {
+            continue;
+        };
+        if original != key {
+            continue;
+        }
+        let tenant: String = r.try_get(0)?;
+        let status: String = r.try_get(2)?;
+        let attempts: i32 = r.try_get(3)?;
+        let outcome: Option<String> = r.try_get(4)?;
+        let error: Option<String> = r.try_get(5)?;
+        let created: DateTime<Utc> = r.try_get(6)?;
+        let updated: DateTime<Utc> = r.try_get(7)?;
+        let http: bool = r.try_get(8)?;
+        let mut detail = format!(
+            "tenant {tenant}, claimed {}",
+            created.format("%H:%M:%S%.3f")
+        );
+        if attempts > 1 {
+            detail.push_str(&format!(", {attempts} attempts"));
+        }
+        if let Some(error) = error {
+            detail.push_str(&format!(", error: {error}"));
+        } else if let Some(outcome) = outcome.filter(|o| o != "null") {
+            detail.push_str(&format!(", outcome: {outcome}"));
+        }
+        events.push(TraceEvent {
+            at: updated,
+            lane: schema.to_owned(),
+            kind: if http {
+                EventKind::Http
+            } else {
+                EventKind::Step
+            },
+            subject: step.to_owned(),
+            status,
+            detail,
+        });
+    }
+    Ok(())
+}
+
+/// The value of header `name` in a flat `[name, value, ...]` header array.
+fn header<'a>(headers: &'a [String], name: &str) -> Option<&'a str> {
+    headers
+        .chunks_exact(2)
+        .find(|pair| pair[0] == name)
+        .map(|pair| pair[1].as_str())
+}
+
+async fn emitted(
+    pool: &PgPool,
+    schema: &str,
+    key: &str,
+    tenant: Option<&str>,
+    events: &mut Vec<TraceEvent>,
+) -> Result<(), AdminError> {
+    if !has_table(pool, schema, "saga_outbox").await? {
+        return Ok(());
+    }
+    // Older schemas lack the published position: read it where it is.
+    let positioned: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+         WHERE table_schema = $1 AND table_name = 'saga_outbox' AND column_name = 'published_offset')",
+    )
+    .bind(schema)
+    .fetch_one(pool)
+    .await?;
+    let position = if positioned {
+        "published_partition, published_offset"
+    } else {
+        "NULL::int, NULL::bigint"
+    };
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT topic, partition_key, headers, created_at, published_at, {position}, last_error, attempts \
+         FROM {}.saga_outbox \
+         WHERE headers @> ARRAY['idempotency-key', $1]::text[] AND ($2::text IS NULL OR tenant_id = $2) \
+         ORDER BY id",
+        ident(schema)
+    )))
+    .bind(key)
+    .bind(tenant)
+    .fetch_all(pool)
+    .await?;
+    for r in rows {
+        let headers: Vec<String> = r.try_get(2)?;
+        if header(&headers, "idempotency-key") != Some(key) {
+            continue;
+        }
+        let topic: String = r.try_get(0)?;
+        let partition_key: Option<String> = r.try_get(1)?;
+        let created: DateTime<Utc> = r.try_get(3)?;
+        let published: Option<DateTime<Utc>> = r.try_get(4)?;
+        let partition: Option<i32> = r.try_get(5)?;
+        let offset: Option<i64> = r.try_get(6)?;
+        let error: Option<String> = r.try_get(7)?;
+        let attempts: i32 = r.try_get(8)?;
+        let event_type = header(&headers, "ce_type").unwrap_or("?");
+        let source = header(&headers, "ce_source").unwrap_or("?");
+        let mut detail = format!(
+            "{event_type} to {topic} (key {}), written {}",
+            partition_key.as_deref().unwrap_or("none"),
+            created.format("%H:%M:%S%.3f")
+        );
+        let status = match published {
+            Some(at) => {
+                detail.push_str(&format!(", published {}", at.format("%H:%M:%S%.3f")));
+                if let (Some(p), Some(o)) = (partition, offset) {
+                    detail.push_str(&format!(" at {topic}/{p}/{o}"));
+                }
+                "published"
+            }
+            None => {
+                if let Some(error) = error {
+                    detail.push_str(&format!(", {attempts} failed attempts: {error}"));
+                }
+                "unpublished"
+            }
+        };
+        events.push(TraceEvent {
+            at: created,
+            lane: schema.to_owned(),
+            kind: EventKind::Emitted,
+            subject: source.to_owned(),
+            status: status.to_owned(),
+            detail,
+        });
+    }
+    Ok(())
+}
+
+async fn transitions(
+    pool: &PgPool,
+    schema: &str,
+    key: &str,
+    tenant: Option<&str>,
+    events: &mut Vec<TraceEvent>,
+) -> Result<(), AdminError> {
+    if !has_table(pool, schema, "saga_instances").await? {
+        return Ok(());
+    }
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT i.saga_id::text, i.saga_type, t.version, t.at, t.from_status, t.to_status, t.step, t.cause \
+         FROM {s}.saga_instances i JOIN {s}.saga_transitions t USING (saga_id) \
+         WHERE i.idempotency_key = $1 AND ($2::text IS NULL OR i.tenant_id = $2) \
+         ORDER BY t.at, t.version",
+        s = ident(schema)
+    )))
+    .bind(key)
+    .bind(tenant)
+    .fetch_all(pool)
+    .await?;
+    for r in rows {
+        let saga_id: String = r.try_get(0)?;
+        let saga_type: String = r.try_get(1)?;
+        let version: i32 = r.try_get(2)?;
+        let from: Option<String> = r.try_get(4)?;
+        let to: String = r.try_get(5)?;
+        let step: Option<String> = r.try_get(6)?;
+        let cause: String = r.try_get(7)?;
+        events.push(TraceEvent {
+            at: r.try_get(3)?,
+            lane: schema.to_owned(),
+            kind: EventKind::Transition,
+            subject: saga_type,
+            status: to.clone(),
+            detail: format!(
+                "saga {saga_id} v{version}: {} → {to} on {cause}{}",
+                from.as_deref().unwrap_or("new"),
+                step.map(|s| format!(", step {s}")).unwrap_or_default()
+            ),
+        });
+    }
+    Ok(())
+}
+
+async fn replays(
+    pool: &PgPool,
+    schema: &str,
+    key: &str,
+    tenant: Option<&str>,
+    events: &mut Vec<TraceEvent>,
+) -> Result<(), AdminError> {
+    if !has_table(pool, schema, "saga_dlq_replay_log").await? {
+        return Ok(());
+    }
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT sent_at, operator, dlq_topic, dlq_partition, dlq_offset, consumer_group, retry_topic, \
+                retry_partition, retry_offset \
+         FROM {}.saga_dlq_replay_log \
+         WHERE idempotency_key = $1 AND ($2::text IS NULL OR tenant_id = $2) ORDER BY sent_at",
+        ident(schema)
+    )))
+    .bind(key)
+    .bind(tenant)
+    .fetch_all(pool)
+    .await?;
+    for r in rows {
+        let operator: String = r.try_get(1)?;
+        let (topic, p, o): (String, i32, i64) = (r.try_get(2)?, r.try_get(3)?, r.try_get(4)?);
+        let group: String = r.try_get(5)?;
+        let (retry, rp, ro): (String, i32, i64) = (r.try_get(6)?, r.try_get(7)?, r.try_get(8)?);
+        events.push(TraceEvent {
+            at: r.try_get(0)?,
+            lane: schema.to_owned(),
+            kind: EventKind::Replay,
+            subject: group,
+            status: "sent".to_owned(),
+            detail: format!("{topic}/{p}/{o} replayed by {operator} to {retry}/{rp}/{ro}"),
+        });
+    }
+    Ok(())
+}
+
+async fn dead_letters(
+    kafka: &KafkaConfig,
+    pool: &PgPool,
+    schema: &str,
+    key: &str,
+    tenant: Option<&str>,
+    events: &mut Vec<TraceEvent>,
+) -> Result<(), AdminError> {
+    if !has_table(pool, schema, "saga_consumer_groups").await? {
+        return Ok(());
+    }
+    let topics: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT DISTINCT dlq_topic, group_id FROM {}.saga_consumer_groups ORDER BY 1",
+        ident(schema)
+    )))
+    .fetch_all(pool)
+    .await?;
+    let mut seen = BTreeMap::new();
+    for (topic, group) in topics {
+        if seen.insert(topic.clone(), ()).is_some() {
+            continue;
+        }
+        let letters = match dlq::list(kafka, &topic, &DlqFilter::default()).await {
+            Ok(letters) => letters,
+            // A dead-letter topic that was never created holds nothing.
+            Err(AdminError::BadInput(_)) => continue,
+            Err(e) => return Err(e),
+        };
+        for l in letters {
+            if l.idempotency_key.as_deref() != Some(key) || tenant.is_some_and(|t| t != l.tenant) {
+                continue;
+            }
+            events.push(TraceEvent {
+                at: l.failed_at,
+                lane: schema.to_owned(),
+                kind: EventKind::DeadLetter,
+                subject: l.step.clone().unwrap_or_else(|| group.clone()),
+                status: l.reason.clone(),
+                detail: format!(
+                    "{}/{}/{} (from {}/{}/{}), {} attempts: {}",
+                    l.topic,
+                    l.partition,
+                    l.offset,
+                    l.original_topic,
+                    l.original_partition,
+                    l.original_offset,
+                    l.attempts,
+                    l.error
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_quoted_and_patterns_escaped() {
+        assert_eq!(ident("svc"), "\"svc\"");
+        assert_eq!(ident("a\"b"), "\"a\"\"b\"");
+        assert_eq!(keys_pattern("order_1%"), "order\\_1\\%:%");
+        let headers: Vec<String> = ["ce_type", "OrderCreated", "idempotency-key", "k-1"]
+            .map(str::to_owned)
+            .to_vec();
+        assert_eq!(header(&headers, "idempotency-key"), Some("k-1"));
+        assert_eq!(header(&headers, "OrderCreated"), None, "names only");
+    }
+}
