@@ -597,12 +597,16 @@ async fn run_held(
                     continue;
                 };
                 if operation.kind == OperationKind::Replay {
+                    // A replay takes a connection of its own: none is held meanwhile (the run holds
+                    // one for its lock already, and a pool of two must do).
+                    drop(conn);
                     let owner = &owners[&topic];
                     if let Some(at) = sent_before.get(&hash) {
                         let found =
                             dlq::record_found(pool, owner, letter, &replay_options, *at, (id, seq))
                                 .await?;
                         if found.is_none() {
+                            let mut conn = pool.acquire().await?;
                             record(&mut conn, id, seq, "skipped", "replayed already").await?;
                         }
                         continue;
@@ -617,6 +621,7 @@ async fn run_held(
                     )
                     .await?;
                     // A send was recorded with the replay; anything else is recorded here.
+                    let mut conn = pool.acquire().await?;
                     record_item(&mut conn, id, seq, &outcome).await?;
                 } else {
                     discard_one(&mut conn, id, seq, letter, &operation.operator).await?;

@@ -201,7 +201,11 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     let saga = LocalSaga::start_with("admin-inspector", true).await;
 
     // One orchestrated order, completed.
-    let order = plan("admin-inspector", 1).remove(0);
+    let order = plan(
+        &format!("admin-inspector-{}", uuid::Uuid::new_v4().simple()),
+        1,
+    )
+    .remove(0);
     let submitted = client::submit_order(saga.api(), &order.key, &order.request, false, WAIT)
         .await
         .unwrap();
@@ -412,6 +416,138 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
         log.iter().map(|r| r.operator.as_str()).collect::<Vec<_>>(),
         ["alice"]
     );
+
+    // Two more letters of one cause: a failure group, replayed in bulk after its preview.
+    for (offset, card) in [("42", "41"), ("43", "4242")] {
+        let error = format!("card {card} declined by the processor");
+        let failed_at = chrono::Utc::now().to_rfc3339();
+        saga.kafka
+            .produce(
+                &producer,
+                &dlq_topic,
+                Some("order-8"),
+                &[
+                    ("event-type", "OrderCreated"),
+                    ("idempotency-key", "order-8"),
+                    ("tenant-id", "acme"),
+                    ("dlq-original-topic", &original),
+                    ("dlq-original-partition", "0"),
+                    ("dlq-original-offset", offset),
+                    ("dlq-consumer-group", "payments"),
+                    ("dlq-step", "process-payment"),
+                    ("dlq-reason", "handler-failed"),
+                    ("dlq-error", &error),
+                    ("dlq-attempts", "1"),
+                    ("dlq-failed-at", &failed_at),
+                ],
+                br#"{"order_id":"8","amount_cents":900}"#,
+            )
+            .await;
+    }
+    browser.open(&format!("{base}/groups")).await;
+    let group = browser.find("#failure-groups tr[data-open=\"2\"] a").await;
+    browser.screenshot("failure-groups").await;
+    browser.click(&group).await;
+    let cause = browser.find("#cause").await;
+    assert_eq!(
+        browser.text(&cause).await,
+        "card <n> declined by the processor"
+    );
+    assert_eq!(
+        browser
+            .find_all("#letters tr[data-state=\"open\"]")
+            .await
+            .len(),
+        2
+    );
+    browser.screenshot("failure-group").await;
+    let replay_group = browser.find("#replay-group").await;
+    browser.click(&replay_group).await;
+    let plan = browser.find("#plan").await;
+    assert_eq!(browser.attribute(&plan, "data-would-act").await, "2");
+    browser.screenshot("group-replay-preview").await;
+    let confirm = browser.find("#confirm").await;
+    browser.click(&confirm).await;
+    // The operation's page, until its run ended.
+    let operation_url = wait_until("the operation's page", WAIT, || async {
+        let url = browser.call("GET", "/url", None).await;
+        let url = url.as_str()?.to_owned();
+        url.contains("/operations/").then_some(url)
+    })
+    .await;
+    let done = wait_until("the operation to end", WAIT, || async {
+        browser.open(&operation_url).await;
+        let operation = browser.find("#operation").await;
+        (browser.attribute(&operation, "data-status").await == "done").then_some(operation)
+    })
+    .await;
+    assert_eq!(browser.attribute(&done, "data-done").await, "2");
+    let who = browser.find("#operation-operator").await;
+    assert_eq!(browser.text(&who).await, "alice");
+    browser.screenshot("operation").await;
+    assert_eq!(
+        saga.kafka
+            .end_offsets(&retry_topic)
+            .await
+            .values()
+            .sum::<i64>(),
+        3,
+        "the group's two letters sent, once each"
+    );
+
+    // The saga across every service, from its page's link.
+    browser.open(&format!("{base}/sagas/{saga_id}")).await;
+    let trace_link = browser.find("#trace-link").await;
+    browser.click(&trace_link).await;
+    let summary = browser.find("#trace-summary").await;
+    let lanes: usize = browser
+        .attribute(&summary, "data-lanes")
+        .await
+        .parse()
+        .unwrap();
+    assert_eq!(lanes, 3, "the order, payment and shipping services");
+    assert!(
+        !browser
+            .find_all(".lane-event[data-kind=\"transition\"]")
+            .await
+            .is_empty(),
+        "the orchestrator's transitions"
+    );
+    assert!(
+        !browser
+            .find_all(".lane-event[data-kind=\"emitted\"][data-status=\"published\"]")
+            .await
+            .is_empty(),
+        "published events"
+    );
+    browser.screenshot("trace").await;
+
+    // An unfinished saga (of a type no orchestrator here runs): Retry…, then Confirm.
+    let stuck = uuid::Uuid::now_v7();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {}.saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, \
+             data, version, stuck_reason) VALUES ($1, 'manual-saga', 'default', 'order-9', 'running', 1, '{{}}', 2, \
+             'its deadline passed and the definition has no move for it')",
+        saga.args.schema(Service::Order)
+    )))
+    .bind(stuck)
+    .execute(&saga.db.pool)
+    .await
+    .unwrap();
+    browser.open(&format!("{base}/sagas/{stuck}")).await;
+    let retry = browser.find("#retry").await;
+    browser.click(&retry).await;
+    let confirm = browser.find("#confirm").await;
+    browser.click(&confirm).await;
+    let requested = browser.find("#retry-requested").await;
+    assert_eq!(browser.text(&requested).await, "retry requested by alice");
+    browser.screenshot("saga-retry").await;
+    let instance = saga_orchestrator::store::load(&admin_pool, stuck)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(instance.retry_requested_by.as_deref(), Some("alice"));
+    assert_eq!(instance.stuck_reason, None, "no longer stuck: due now");
 
     browser.quit().await;
     stop.cancel();

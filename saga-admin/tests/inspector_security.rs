@@ -1,8 +1,9 @@
 //! Who may drive the inspector page, over HTTP with requests written by hand (every header the test's
 //! choice, as an attacker's page or tool would send them): the Host check (DNS rebinding), the origin and
 //! CSRF checks of a replay, tokens by name (constant-time, swapped for a cookie and removed from the
-//! address), the headers that forbid framing, the read-only mode, and the `saga inspect` command's refusal
-//! to listen beyond localhost without a token.
+//! address), the headers that forbid framing, the read-only mode, the `saga inspect` command's refusal
+//! to listen beyond localhost without a token, and the JSON API and `/metrics` a script or Prometheus reads
+//! with a bearer token.
 
 mod common;
 
@@ -116,6 +117,7 @@ impl Inspector {
             name,
             &[
                 saga_consumer::migrate::migrator(),
+                saga_orchestrator::migrate::migrator(),
                 saga_admin::dlq::migrator(),
             ],
         )
@@ -504,4 +506,158 @@ async fn saga_inspect_refuses_to_listen_beyond_localhost_without_a_token() {
         assert!(line.starts_with("inspector on http://"), "{args:?}: {line}");
         child.kill().await.unwrap();
     }
+}
+
+/// `GET path` with a bearer token; the answer's JSON.
+async fn api_get(i: &Inspector, token: &str, path: &str) -> serde_json::Value {
+    let answer = raw(
+        i.addr,
+        "GET",
+        path,
+        &[
+            ("host", &i.host()),
+            ("authorization", &format!("Bearer {token}")),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{path}: {answer:?}");
+    assert_eq!(
+        answer.header("content-type"),
+        Some("application/json"),
+        "{path}"
+    );
+    serde_json::from_str(&answer.body).unwrap_or_else(|e| panic!("{path}: {e}: {}", answer.body))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_script_with_a_token_reads_the_api_and_replays_a_group_and_prometheus_reads_the_metrics()
+{
+    let token = "ops-token-0123456789abcdef";
+    let mut options = InspectOptions::default();
+    options.tokens = NamedToken::parse_list(&format!("ops:{token}")).unwrap();
+    let i = Inspector::start("inspect-api", options).await;
+    let host = i.host();
+    // A saga its timer marked stuck, for the metrics.
+    sqlx::query(
+        "INSERT INTO saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, \
+             data, stuck_reason) VALUES ($1, 'order-saga', 'default', 'k', 'running', 3, '{}', 'gone')",
+    )
+    .bind(uuid::Uuid::now_v7())
+    .execute(&i.db.pool)
+    .await
+    .unwrap();
+
+    let groups = api_get(&i, token, "/api/groups").await;
+    let group = &groups[0];
+    assert_eq!(
+        (&group["open"], &group["cause"]),
+        (&1.into(), &"card declined".into())
+    );
+    let id = group["id"].as_str().unwrap().to_owned();
+    let plan = api_get(&i, token, &format!("/api/groups/{id}/plan?action=replay")).await;
+    assert_eq!(plan["letters"].as_array().unwrap().len(), 1);
+    let metrics = |token: Option<&'static str>| {
+        let (addr, host) = (i.addr, host.clone());
+        async move {
+            let auth = token.map(|t| format!("Bearer {t}")).unwrap_or_default();
+            let mut headers = vec![("host", host.as_str())];
+            if token.is_some() {
+                headers.push(("authorization", auth.as_str()));
+            }
+            raw(addr, "GET", "/metrics", &headers, "").await
+        }
+    };
+    assert_eq!(
+        metrics(None).await.status,
+        401,
+        "the metrics need the token too"
+    );
+    let before = metrics(Some("ops-token-0123456789abcdef")).await;
+    assert_eq!(before.status, 200);
+    assert!(
+        before
+            .header("content-type")
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4"),
+        "{before:?}"
+    );
+    let open_line = |body: &str| {
+        body.lines()
+            .find(|l| {
+                l.starts_with("saga_dlq_open_letters{")
+                    && l.contains(&format!("failure_group=\"{id}\""))
+            })
+            .map(str::to_owned)
+    };
+    assert!(
+        open_line(&before.body).unwrap().ends_with(" 1"),
+        "{}",
+        before.body
+    );
+    assert!(
+        before
+            .body
+            .contains("saga_sagas_stuck{saga_type=\"order-saga\"} 1"),
+        "{}",
+        before.body
+    );
+    assert!(
+        before
+            .body
+            .contains("\nsaga_outbox_oldest_unpublished_age_seconds 0\n"),
+        "{}",
+        before.body
+    );
+
+    // A cookie is a browser's credential: without the form's CSRF token, the action is refused.
+    let refused = raw(
+        i.addr,
+        "POST",
+        &format!("/api/groups/{id}/replay"),
+        &[
+            ("host", &host),
+            ("cookie", &format!("saga_admin_token={token}")),
+            ("origin", &format!("http://{host}")),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(refused.status, 403, "{refused:?}");
+    assert_eq!(i.sent().await, 0);
+
+    // A bearer token is a script's: the replay starts, answered with the operation.
+    let started = raw(
+        i.addr,
+        "POST",
+        &format!("/api/groups/{id}/replay"),
+        &[
+            ("host", &host),
+            ("authorization", &format!("Bearer {token}")),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(started.status, 202, "{started:?}");
+    let operation: serde_json::Value = serde_json::from_str(&started.body).unwrap();
+    assert_eq!(operation["operation"]["operator"], "ops");
+    let path = format!("/api/operations/{}", operation["operation"]["id"]);
+    let done =
+        saga_test_support::wait_until("the operation to end", Duration::from_secs(60), || async {
+            let o = api_get(&i, token, &path).await;
+            (o["operation"]["status"] == "done").then_some(o)
+        })
+        .await;
+    assert_eq!(done["operation"]["done"], 1);
+    assert_eq!(i.sent().await, 1);
+    assert_eq!(i.operators().await, ["ops"]);
+    let overview = api_get(&i, token, "/api/overview").await;
+    assert_eq!(overview["failure_groups"][0]["open"], 0);
+    assert_eq!(overview["operations"][0]["kind"], "replay");
+    let after = metrics(Some("ops-token-0123456789abcdef")).await;
+    assert!(
+        open_line(&after.body).unwrap().ends_with(" 0"),
+        "{}",
+        after.body
+    );
 }

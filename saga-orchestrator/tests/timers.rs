@@ -199,3 +199,93 @@ async fn due_sagas_the_definition_has_no_move_for_are_marked_stuck_and_a_healthy
             .unwrap();
     assert_eq!(due, 0);
 }
+
+#[tokio::test]
+async fn a_retry_an_operator_asks_for_resends_the_current_command_with_its_key_and_is_recorded() {
+    let db = TestDb::with(
+        "timers-retry",
+        &[
+            saga_consumer::migrate::migrator(),
+            saga_orchestrator::migrate::migrator(),
+        ],
+    )
+    .await;
+    let orchestrator = Orchestrator::new(definition()).unwrap();
+    let id = start(&db, &orchestrator, "order-9").await;
+    let commands = || async {
+        sqlx::query_as::<_, (String, Vec<String>)>(
+            "SELECT topic, headers FROM saga_outbox ORDER BY id",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(commands().await.len(), 1, "the first command");
+    // Not due: nothing fires.
+    assert_eq!(orchestrator.fire_due(&db.pool, 100).await.unwrap(), 0);
+
+    let requested = saga_orchestrator::store::request_retry(&db.pool, id, "frank")
+        .await
+        .unwrap();
+    assert_eq!(requested.retry_requested_by.as_deref(), Some("frank"));
+    assert_eq!(orchestrator.fire_due(&db.pool, 100).await.unwrap(), 1);
+
+    let instance = saga_orchestrator::store::load(&db.pool, id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (instance.status.as_str(), instance.attempt, instance.version),
+        ("running", 2, 2),
+        "the same step, a second attempt, not compensated"
+    );
+    assert_eq!(instance.retry_requested_by, None, "the request is cleared");
+    assert!(instance.deadline.unwrap() > chrono::Utc::now() + chrono::Duration::seconds(50));
+    let sent = commands().await;
+    assert_eq!(sent.len(), 2, "the command sent again");
+    let key_of = |headers: &[String]| {
+        headers
+            .chunks(2)
+            .find(|p| p[0] == "idempotency-key")
+            .map(|p| p[1].clone())
+    };
+    assert_eq!(sent[0].0, sent[1].0);
+    assert_eq!(key_of(&sent[0].1), key_of(&sent[1].1), "with the same key");
+    let history = saga_orchestrator::store::history(&db.pool, id)
+        .await
+        .unwrap();
+    let retry = history.last().unwrap();
+    assert_eq!(
+        (
+            retry.cause.as_str(),
+            retry.operator.as_deref(),
+            retry.retry_of,
+            retry.version
+        ),
+        ("retry", Some("frank"), Some(1), 2),
+        "a retry transition naming the operator and the version it retries"
+    );
+    assert_eq!(history[0].retry_of, None);
+
+    // A finished saga cannot be retried.
+    sqlx::query(
+        "UPDATE saga_instances SET status = 'compensated', deadline = NULL WHERE saga_id = $1",
+    )
+    .bind(id)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let refused = saga_orchestrator::store::request_retry(&db.pool, id, "frank").await;
+    assert!(
+        matches!(
+            refused,
+            Err(saga_orchestrator::OrchestratorError::NotRetryable { .. })
+        ),
+        "{refused:?}"
+    );
+    let unknown = saga_orchestrator::store::request_retry(&db.pool, Uuid::now_v7(), "frank").await;
+    assert!(matches!(
+        unknown,
+        Err(saga_orchestrator::OrchestratorError::NoSuchSaga(_))
+    ));
+}

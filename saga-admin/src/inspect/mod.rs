@@ -145,6 +145,7 @@ pub fn router(
             post(api::replay_letter),
         );
     pages
+        .layer(axum::middleware::map_request(as_page))
         .nest("/api", api)
         .layer(axum::middleware::from_fn_with_state(guard, security::guard))
         .with_state(app)
@@ -165,6 +166,18 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(|e| AdminError::Store(format!("serving the inspector: {e}")))
+}
+
+/// Page routes answer pages: a request that names no `Accept` (a script, a test) gets HTML there too. (The
+/// same handlers answer JSON under `/api`.)
+async fn as_page(mut request: axum::extract::Request) -> axum::extract::Request {
+    if !request.headers().contains_key(axum::http::header::ACCEPT) {
+        request.headers_mut().insert(
+            axum::http::header::ACCEPT,
+            axum::http::HeaderValue::from_static("text/html"),
+        );
+    }
+    request
 }
 
 /// The confirmation before replaying one letter.
