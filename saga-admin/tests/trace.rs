@@ -82,7 +82,7 @@ async fn a_trace_follows_one_saga_through_every_service_its_dead_letter_and_its_
     let position = |pred: &dyn Fn(&Value) -> bool, what: &str| {
         events
             .iter()
-            .position(|e| pred(e))
+            .position(pred)
             .unwrap_or_else(|| panic!("no {what} in {events:#?}"))
     };
     let payment_lane = saga.args.schema(Service::Payment);
