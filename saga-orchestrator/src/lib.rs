@@ -62,3 +62,30 @@ pub use store::{SagaInstance, Transition};
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 mod readme {}
+
+/// The guide's code, compiled and checked as doc tests (docs/guide).
+#[cfg(doctest)]
+mod guide {
+    #[doc = include_str!("../../docs/guide/getting-started.md")]
+    mod getting_started {}
+    #[doc = include_str!("../../docs/guide/writing-steps.md")]
+    mod writing_steps {}
+    #[doc = include_str!("../../docs/guide/two-phase-steps.md")]
+    mod two_phase_steps {}
+    #[doc = include_str!("../../docs/guide/orchestrated-sagas.md")]
+    mod orchestrated_sagas {}
+    #[doc = include_str!("../../docs/guide/http-layer.md")]
+    mod http_layer {}
+    #[doc = include_str!("../../docs/guide/operating.md")]
+    mod operating {}
+    #[doc = include_str!("../../docs/guide/redis-fast-path.md")]
+    mod redis_fast_path {}
+    #[doc = include_str!("../../docs/guide/tracing.md")]
+    mod tracing_guide {}
+    #[doc = include_str!("../../docs/guide/configuration.md")]
+    mod configuration {}
+    #[doc = include_str!("../../docs/guide/deployment.md")]
+    mod deployment {}
+    #[doc = include_str!("../../docs/guide/how-it-works.md")]
+    mod how_it_works {}
+}
