@@ -13,7 +13,7 @@ use outbox_relay::Relay;
 use saga_consumer::fast_path::FastPath;
 use saga_consumer::setup::connect_postgres;
 use saga_consumer::{
-    Hooks, KafkaConfig, SagaService, SagaServiceBuilder, StepName, step, step_with,
+    Hooks, KafkaConfig, OutboxMode, SagaService, SagaServiceBuilder, StepName, step, step_with,
 };
 use saga_orchestrator::Orchestrator;
 use sqlx::PgPool;
@@ -102,6 +102,14 @@ pub struct ServiceArgs {
     /// choreographed one (each service reacts to the previous one's events).
     #[arg(long, env = "SAGA_ORCHESTRATED", default_value_t = false, action = clap::ArgAction::Set)]
     pub orchestrated: bool,
+    /// Where the outbox is written: `table` (rows) or `wal` (PostgreSQL's write-ahead log, read by the relay
+    /// through the schema's replication slot; needs wal_level = logical).
+    #[arg(long, env = "SAGA_OUTBOX_MODE", default_value = "table", value_parser = parse_outbox_mode)]
+    pub outbox_mode: OutboxMode,
+}
+
+fn parse_outbox_mode(text: &str) -> Result<OutboxMode, String> {
+    OutboxMode::parse(text).map_err(|p| p.problem)
 }
 
 impl ServiceArgs {
@@ -344,7 +352,11 @@ pub async fn run_relay(
     saga_consumer::migrate::migrate(&pool)
         .await
         .context("applying the framework's migrations")?;
-    let mut relay = Relay::builder().kafka(args.kafka()).pool(pool);
+    let mut relay = Relay::builder()
+        .kafka(args.kafka())
+        .pool(pool)
+        .mode(args.outbox_mode)
+        .replication_url(args.database_url.clone());
     if let Some(addr) = args.ops_addr {
         relay = relay.ops_addr(addr);
     }
@@ -383,7 +395,9 @@ pub async fn run(
                 .session_timeout(Duration::from_secs(6))
                 .fast_path(consumer_fast_path)
         })
-        .embedded_relay(args.embedded_relay);
+        .embedded_relay(args.embedded_relay)
+        .outbox_mode(args.outbox_mode)
+        .relay(|r| r.replication_url(args.database_url.clone()));
     if let Some(addr) = args.ops_addr {
         builder = builder.ops_addr(addr);
     }

@@ -14,6 +14,7 @@ use sqlx::PgPool;
 use crate::gc::{RetentionPolicy, run_retention};
 use crate::relay::Relay;
 use crate::store::{AfterPublish, backlog};
+use saga_core::OutboxMode;
 
 /// The `outbox-relay` binary: parses the command line (see `outbox-relay --help`), runs the subcommand
 /// until it is done or SIGTERM / Ctrl-C, and answers bad input or configuration with one line and exit code
@@ -82,9 +83,21 @@ struct RunArgs {
     /// Seconds between retention runs (0: never).
     #[arg(long, env = "RELAY_GC_INTERVAL_SECS", default_value_t = 60)]
     gc_interval_secs: u64,
+    /// Where the services write the outbox: `table` (rows of saga_outbox) or `wal` (PostgreSQL's
+    /// write-ahead log, read through the schema's replication slot; one relay reads it, others stand by).
+    #[arg(long, env = "SAGA_OUTBOX_MODE", default_value = "table", value_parser = parse_mode)]
+    mode: OutboxMode,
+    /// WAL mode: the URL of the replication connection (default: --database-url); its user needs the
+    /// REPLICATION attribute.
+    #[arg(long, env = "SAGA_REPLICATION_URL")]
+    replication_url: Option<String>,
     /// Retention settings.
     #[command(flatten)]
     retention: RetentionArgs,
+}
+
+fn parse_mode(text: &str) -> Result<OutboxMode, String> {
+    OutboxMode::parse(text).map_err(|p| p.problem)
 }
 
 /// Retention settings.
@@ -180,6 +193,27 @@ impl Cli {
                 println!("failing rows:            {}", b.failing);
                 println!("parked rows:             {}", b.parked);
                 println!("published rows kept:     {}", b.published_kept);
+                if let Some(w) = &b.wal {
+                    println!(
+                        "WAL slot:                {} ({}, log {})",
+                        w.slot,
+                        if w.reading {
+                            "read by a relay"
+                        } else {
+                            "NOT READ: no relay runs"
+                        },
+                        w.wal_status.as_deref().unwrap_or("-")
+                    );
+                    println!(
+                        "WAL lag:                 {} bytes, {}",
+                        w.lag_bytes,
+                        w.lag.map_or_else(
+                            || "caught up".to_owned(),
+                            |l| format!("{:.1} s behind", l.as_secs_f64())
+                        )
+                    );
+                    println!("WAL events parked:       {}", w.parked);
+                }
             }
             Command::Gc(args) => {
                 let policy = args.policy()?;
@@ -215,7 +249,15 @@ impl Cli {
             } else {
                 AfterPublish::Mark
             })
-            .retention(policy, Duration::from_secs(args.gc_interval_secs));
+            .retention(policy, Duration::from_secs(args.gc_interval_secs))
+            .mode(args.mode);
+        if let Some(url) = args
+            .replication_url
+            .clone()
+            .or_else(|| self.database_url.clone())
+        {
+            relay = relay.replication_url(url);
+        }
         if let Some(addr) = args.ops_addr {
             relay = relay.ops_addr(addr);
         }

@@ -14,6 +14,10 @@
 //! - **Several instances.** Instances share the key space's 64 shards through PostgreSQL advisory locks;
 //!   one key has one publisher at a time, and a dead instance's shards are taken over.
 //! - **Poison rows.** A row the broker refuses for good is parked after a few attempts, not retried forever.
+//! - **The write-ahead log.** With `SAGA_OUTBOX_MODE=wal`, services write their events as logical messages
+//!   instead of rows, and the relay reads them through the schema's replication slot in commit order,
+//!   confirming the slot's position only after the broker acknowledged everything before it. One relay
+//!   reads a slot; others stand by and take over when it dies.
 //!
 //! # Examples
 //!
@@ -35,10 +39,11 @@ mod publisher;
 mod relay;
 mod shards;
 mod store;
+mod wal;
 
 pub use cli::main;
 pub use gc::{RetentionPolicy, RetentionReport, run_retention};
 pub use hooks::{PublishAttempt, PublishHooks};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
-pub use saga_runtime::kafka::KafkaConfig;
-pub use store::{AfterPublish, Backlog, backlog};
+pub use saga_core::{KafkaConfig, OutboxMode};
+pub use store::{AfterPublish, Backlog, WalBacklog, backlog};

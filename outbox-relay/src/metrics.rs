@@ -25,6 +25,11 @@ pub(crate) struct RelayMetrics {
     /// Seconds from a row's write (its transaction's commit, for short transactions) to the broker's
     /// acknowledgement.
     pub commit_to_ack_seconds: Histogram,
+    /// WAL mode: 1 while this relay reads the slot, 0 while it stands by for another.
+    pub wal_active: Gauge,
+    /// WAL mode: bytes of write-ahead log between the server's position and what the relay confirmed
+    /// (sampled).
+    pub wal_lag_bytes: Gauge,
 }
 
 impl Default for RelayMetrics {
@@ -38,6 +43,8 @@ impl Default for RelayMetrics {
             oldest_age_seconds: Gauge::default(),
             owned_shards: Gauge::default(),
             commit_to_ack_seconds: Histogram::new(exponential_buckets(0.000_5, 2.0, 18)),
+            wal_active: Gauge::default(),
+            wal_lag_bytes: Gauge::default(),
         }
     }
 }
@@ -81,6 +88,16 @@ impl RelayMetrics {
             "commit_to_ack_seconds",
             "From a row's write to the broker's acknowledgement",
             self.commit_to_ack_seconds.clone(),
+        );
+        r.register(
+            "wal_active",
+            "WAL mode: 1 while this relay reads the slot, 0 while it stands by",
+            self.wal_active.clone(),
+        );
+        r.register(
+            "wal_lag_bytes",
+            "WAL mode: write-ahead log between the server's position and what the relay confirmed",
+            self.wal_lag_bytes.clone(),
         );
     }
 }

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
 use saga_runtime::ops::Ops;
+use saga_runtime::store::wal::OutboxMode;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -50,6 +51,15 @@ pub struct RelaySettings {
     pub retention_interval: Duration,
     /// Where to serve `/metrics`, `/healthz` and `/readyz` (`RELAY_OPS_ADDR`; off by default).
     pub ops_addr: Option<SocketAddr>,
+    /// Where the services write the outbox (`SAGA_OUTBOX_MODE`): rows of `saga_outbox` (the default), or the
+    /// write-ahead log, which this relay then reads through the schema's replication slot.
+    pub mode: OutboxMode,
+    /// WAL mode: the URL of the replication connection (`SAGA_REPLICATION_URL`, else `DATABASE_URL`); its
+    /// user needs the `REPLICATION` attribute.
+    pub replication_url: Option<String>,
+    /// WAL mode: how often a relay standing by (another reads the slot) tries to take the slot over
+    /// (default 1 s).
+    pub standby_interval: Duration,
 }
 
 impl Default for RelaySettings {
@@ -66,6 +76,9 @@ impl Default for RelaySettings {
             retention: RetentionPolicy::default(),
             retention_interval: Duration::from_secs(60),
             ops_addr: None,
+            mode: OutboxMode::Table,
+            replication_url: None,
+            standby_interval: Duration::from_secs(1),
         }
     }
 }
@@ -158,6 +171,12 @@ impl RelayBuilder {
         if let Some(v) = env_value(&get, "RELAY_OPS_ADDR")? {
             s.ops_addr = Some(v);
         }
+        if let Some(v) = get("SAGA_OUTBOX_MODE") {
+            s.mode = OutboxMode::parse(&v)?;
+        }
+        if let Some(url) = get("SAGA_REPLICATION_URL").or_else(|| get("DATABASE_URL")) {
+            s.replication_url = Some(url);
+        }
         Ok(())
     }
 
@@ -238,6 +257,18 @@ impl RelayBuilder {
         self
     }
 
+    /// Reads the write-ahead log's outbox (`mode` WAL) or `saga_outbox`'s rows (table, the default).
+    pub fn mode(mut self, mode: OutboxMode) -> Self {
+        self.settings.mode = mode;
+        self
+    }
+
+    /// WAL mode: the URL of the replication connection (a `postgres://` URL of the pool's database).
+    pub fn replication_url(mut self, url: impl Into<String>) -> Self {
+        self.settings.replication_url = Some(url.into());
+        self
+    }
+
     /// Fault injection for tests (see [`PublishHooks`]).
     pub fn hooks(mut self, hooks: PublishHooks) -> Self {
         self.hooks = hooks;
@@ -270,6 +301,14 @@ impl RelayBuilder {
                 "pass one with RelayBuilder::pool",
             )
         })?;
+        if self.settings.mode == OutboxMode::Wal && self.settings.replication_url.is_none() {
+            return Err(ConfigProblem::new(
+                "SAGA_REPLICATION_URL",
+                "the WAL relay needs a URL for its replication connection",
+                "set SAGA_REPLICATION_URL (or DATABASE_URL), or call RelayBuilder::replication_url",
+            )
+            .into());
+        }
         if self.settings.batch_size < 1 {
             return Err(ConfigProblem::new(
                 "RELAY_BATCH_SIZE",
@@ -313,10 +352,10 @@ where
 /// An outbox relay for the outbox in the pool's schema.
 pub struct Relay {
     kafka: KafkaConfig,
-    settings: RelaySettings,
-    pool: PgPool,
-    metrics: RelayMetrics,
-    ops: Ops,
+    pub(crate) settings: RelaySettings,
+    pub(crate) pool: PgPool,
+    pub(crate) metrics: RelayMetrics,
+    pub(crate) ops: Ops,
     hooks: PublishHooks,
 }
 
@@ -440,6 +479,13 @@ impl Relay {
         }
         let mut publisher =
             Publisher::new(self.kafka.clone(), self.settings.linger, self.hooks.clone())?;
+        if self.settings.mode == OutboxMode::Wal {
+            let url = self.settings.replication_url.clone().unwrap_or_default();
+            self.run_wal(&mut publisher, &url, &shutdown).await;
+            publisher.flush(Duration::from_secs(5));
+            tracing::info!("relay stopped");
+            return Ok(());
+        }
         let mut owner = ShardOwner::new();
         let mut retries = Retries::default();
         let mut reconnect_wait = Duration::from_millis(200);

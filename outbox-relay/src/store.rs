@@ -153,6 +153,27 @@ pub struct Backlog {
     pub parked: i64,
     /// Published rows kept until their retention ends.
     pub published_kept: i64,
+    /// The write-ahead log's outbox, where the schema has a slot for it.
+    pub wal: Option<WalBacklog>,
+}
+
+/// The state of a schema's outbox on the write-ahead log.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct WalBacklog {
+    /// Its replication slot.
+    pub slot: String,
+    /// Whether a relay reads it now (an abandoned slot keeps the server's log from being recycled).
+    pub reading: bool,
+    /// Bytes of write-ahead log between the server's position and what the relay confirmed.
+    pub lag_bytes: i64,
+    /// How far behind the relay's confirmations are in time, while it reads and is behind.
+    pub lag: Option<Duration>,
+    /// The server's view of the slot's log: `reserved`, `extended`, `unreserved`, or `lost` (it fell behind
+    /// `max_slot_wal_keep_size`: the events it had not read are gone).
+    pub wal_status: Option<String>,
+    /// Events the broker refused for good, set aside in `saga_outbox_wal_parked`.
+    pub parked: i64,
 }
 
 /// Reads the backlog.
@@ -176,7 +197,31 @@ pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
         failing: row.try_get(2)?,
         published_kept: row.try_get(3)?,
         parked: row.try_get(4)?,
+        wal: wal_backlog(pool).await?,
     })
+}
+
+async fn wal_backlog(pool: &PgPool) -> Result<Option<WalBacklog>, sqlx::Error> {
+    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(pool)
+        .await?;
+    let Some(lag) = saga_runtime::store::wal::slot_lag(pool, &schema).await? else {
+        return Ok(None);
+    };
+    let parked: i64 = sqlx::query_scalar(
+        "SELECT CASE WHEN to_regclass('saga_outbox_wal_parked') IS NULL THEN 0 \
+                ELSE (SELECT count(*) FROM saga_outbox_wal_parked) END",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Some(WalBacklog {
+        slot: lag.slot,
+        reading: lag.active,
+        lag_bytes: lag.lag_bytes,
+        lag: lag.lag_seconds.map(|s| Duration::from_secs_f64(s.max(0.0))),
+        wal_status: lag.wal_status,
+        parked,
+    }))
 }
 
 /// Deletes rows published longer ago than `retention`, `batch_size` per statement. Returns the rows

@@ -6,67 +6,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use outbox_relay::{KafkaConfig, PublishHooks, Relay, RelayBuilder, RelayProbe};
+use outbox_relay::{KafkaConfig, PublishHooks};
 use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId};
 use saga_runtime::store::outbox;
 use saga_test_support::{PrivateBroker, ReadMessage, TestDb, TestKafka, unique_name, wait_until};
-use sqlx::PgPool;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-const WAIT: Duration = Duration::from_secs(90);
+mod common;
 
-/// An outbox row for `key` carrying its per-key sequence number.
-fn row(topic: &str, key: &str, seq: i64) -> OutboxMessage {
-    let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default());
-    let event = Event::new(
-        "Numbered",
-        topic,
-        key,
-        &serde_json::json!({ "key": key, "seq": seq }),
-    )
-    .unwrap();
-    OutboxMessage::from_event(event, &lineage, "relay-test")
-}
-
-/// A relay for tests: quick polls and rebalances, batches of 500.
-fn builder(brokers: &str, pool: PgPool) -> RelayBuilder {
-    Relay::builder()
-        .brokers(brokers)
-        .pool(pool)
-        .batch_size(500)
-        .poll_interval(Duration::from_millis(200))
-        .rebalance_interval(Duration::from_millis(200))
-}
-
-struct RunningRelay {
-    stop: CancellationToken,
-    handle: JoinHandle<Result<(), outbox_relay::RelayError>>,
-    probe: RelayProbe,
-}
-
-fn start(builder: RelayBuilder) -> RunningRelay {
-    let relay = builder.build().expect("a valid relay");
-    let probe = relay.probe();
-    let stop = CancellationToken::new();
-    let handle = tokio::spawn(relay.run(stop.clone().cancelled_owned()));
-    RunningRelay {
-        stop,
-        handle,
-        probe,
-    }
-}
-
-impl RunningRelay {
-    async fn stop(self) {
-        self.stop.cancel();
-        tokio::time::timeout(WAIT, self.handle)
-            .await
-            .expect("the relay stops")
-            .unwrap()
-            .unwrap();
-    }
-}
+use common::{RunningRelay, WAIT, builder, check_per_key_order, relay_command, row, start};
 
 async fn unpublished(db: &TestDb) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM saga_outbox WHERE published_at IS NULL")
@@ -80,37 +28,6 @@ async fn wait_all_published(db: &TestDb) {
         (unpublished(db).await == 0).then_some(())
     })
     .await;
-}
-
-/// Checks that, per key, the first occurrence of each sequence number comes in increasing order and that
-/// every number from 1 to `expected[key]` is there. Returns the number of duplicates.
-fn check_per_key_order(messages: &[ReadMessage], expected: &BTreeMap<String, i64>) -> usize {
-    let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    let mut duplicates = 0;
-    // Same key, same partition: offset order within a partition is publication order.
-    for m in messages {
-        let payload = m.json();
-        let key = payload["key"].as_str().unwrap().to_owned();
-        assert_eq!(
-            m.key.as_deref(),
-            Some(key.as_str()),
-            "the Kafka key is the row's key"
-        );
-        let seq = payload["seq"].as_i64().unwrap();
-        let list = seen.entry(key).or_default();
-        if list.contains(&seq) {
-            duplicates += 1;
-        } else {
-            list.push(seq);
-        }
-    }
-    for (key, count) in expected {
-        let got = seen.get(key).cloned().unwrap_or_default();
-        let want: Vec<i64> = (1..=*count).collect();
-        assert_eq!(got, want, "key {key}: rows in commit order, none missing");
-    }
-    assert_eq!(seen.len(), expected.len(), "no unexpected keys");
-    duplicates
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -300,25 +217,6 @@ async fn fill(db: &TestDb, topic: &str, keys: i64, per_key: i64) -> BTreeMap<Str
         tx.commit().await.unwrap();
     }
     (0..keys).map(|k| (format!("key-{k}"), per_key)).collect()
-}
-
-fn relay_command(db: &TestDb, brokers: &str) -> tokio::process::Command {
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
-    command
-        .args(["--database-url", &db.url(), "run", "--brokers", brokers])
-        .args([
-            "--batch-size",
-            "200",
-            "--poll-interval-ms",
-            "200",
-            "--gc-interval-secs",
-            "0",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true);
-    command
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

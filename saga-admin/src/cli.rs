@@ -658,7 +658,15 @@ impl Cli {
                         status.failing,
                         status.parked,
                         status.published_kept
-                    )
+                    ) + &status.wal.as_ref().map_or_else(String::new, |w| format!(
+                        "\nWAL slot:                {} ({}, log {})\nWAL lag:                 {} bytes, {}\nWAL events parked:       {}",
+                        w.slot,
+                        if w.reading { "read by a relay" } else { "NOT READ: no relay runs" },
+                        w.wal_status.as_deref().unwrap_or("-"),
+                        w.lag_bytes,
+                        w.lag_seconds.map_or_else(|| "caught up".to_owned(), |s| format!("{s:.1} s behind")),
+                        w.parked
+                    ))
                 })
             }
             Command::Redis(RedisCommand::Forget {

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 
 use futures::future::BoxFuture;
 use outbox_relay::{Relay, RelayBuilder, RelayError};
+use saga_core::OutboxMode;
 use saga_core::{SagaStep, TwoPhaseStep};
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
@@ -159,6 +160,7 @@ pub struct SagaServiceBuilder {
     consumer: SagaConsumerBuilder,
     relay: RelayBuilder,
     embedded_relay: bool,
+    outbox_mode: OutboxMode,
     create_topics: Option<(i32, i32)>,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
@@ -186,6 +188,7 @@ impl SagaServiceBuilder {
             consumer: SagaConsumer::builder(),
             relay: Relay::builder(),
             embedded_relay: true,
+            outbox_mode: OutboxMode::Table,
             create_topics: None,
             migrators: Vec::new(),
             tasks: Vec::new(),
@@ -226,6 +229,9 @@ impl SagaServiceBuilder {
                         "fix its value",
                     )
                 })?;
+            }
+            if let Some(v) = flag("SAGA_OUTBOX_MODE") {
+                self.outbox_mode = OutboxMode::parse(&v)?;
             }
             let partitions = parse("SAGA_CREATE_TOPICS", flag("SAGA_CREATE_TOPICS"))?;
             let replication = parse("SAGA_TOPIC_REPLICATION", flag("SAGA_TOPIC_REPLICATION"))?;
@@ -346,6 +352,14 @@ impl SagaServiceBuilder {
         self
     }
 
+    /// Where the service writes its outbox (`SAGA_OUTBOX_MODE`): rows of `saga_outbox` (the default), or
+    /// PostgreSQL's write-ahead log (`wal_level = logical` needed), which the embedded relay (or
+    /// `outbox-relay run` in WAL mode) reads through the schema's replication slot. One mode per process.
+    pub fn outbox_mode(mut self, mode: OutboxMode) -> Self {
+        self.outbox_mode = mode;
+        self
+    }
+
     /// Adjusts the embedded relay's settings (its broker and pool are the service's).
     pub fn relay(mut self, configure: impl FnOnce(RelayBuilder) -> RelayBuilder) -> Self {
         self.relay = configure(self.relay);
@@ -401,6 +415,7 @@ impl SagaServiceBuilder {
                 self.relay
                     .kafka(kafka.clone())
                     .pool(pool.clone())
+                    .mode(self.outbox_mode)
                     .with_ops(ops.clone())
                     .build()?,
             )
@@ -410,6 +425,7 @@ impl SagaServiceBuilder {
         Ok(SagaService {
             consumer,
             relay,
+            outbox_mode: self.outbox_mode,
             kafka,
             create_topics: self.create_topics,
             migrators: self.migrators,
@@ -453,6 +469,7 @@ impl SagaServiceBuilder {
 pub struct SagaService {
     consumer: SagaConsumer,
     relay: Option<Relay>,
+    outbox_mode: OutboxMode,
     kafka: KafkaConfig,
     create_topics: Option<(i32, i32)>,
     migrators: Vec<Migrator>,
@@ -499,6 +516,8 @@ impl SagaService {
                 .await
                 .map_err(|e| ServiceError::Migrations(e.to_string()))?;
         }
+        // Before anything is written: in WAL mode, the slot must exist before the first event.
+        crate::setup::use_outbox(&self.pool, self.outbox_mode).await?;
         if let Some((partitions, replication)) = self.create_topics {
             // The steps' topics, the retry topic and the dead-letter topic.
             let mut topics = self.consumer.topics();

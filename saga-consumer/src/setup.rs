@@ -29,3 +29,23 @@ pub async fn ensure_topics(
         .await
         .map_err(|e| ConsumerError::Kafka(e.to_string()))
 }
+
+/// Sets where this process writes its outbox (every writer: steps, the HTTP layer, the orchestrator), and,
+/// for [`crate::OutboxMode::Wal`], checks that PostgreSQL decodes its log (`wal_level = logical`) and
+/// creates the publication and `pool`'s schema's replication slot where missing: before the process's first
+/// write, since a message written before its slot exists is never read. `SagaService` calls it at start
+/// with `SAGA_OUTBOX_MODE`; a process that runs a `SagaConsumer` on its own calls it first.
+pub async fn use_outbox(pool: &sqlx::PgPool, mode: crate::OutboxMode) -> Result<(), ConsumerError> {
+    if mode == crate::OutboxMode::Wal {
+        saga_runtime::store::wal::prepare(pool)
+            .await
+            .map_err(|e| match e {
+                saga_runtime::store::wal::PrepareError::Config(problem) => {
+                    ConsumerError::Config(crate::ConfigError::Problem(problem))
+                }
+                other => ConsumerError::Database(other.to_string()),
+            })?;
+    }
+    saga_runtime::store::wal::set_mode(mode);
+    Ok(())
+}

@@ -5,42 +5,16 @@ use std::time::{Duration, Instant};
 
 use saga_consumer::{
     ConfigError, Message, SagaEvent, SagaService, ServiceError, StepContext, StepOutcome,
-    StepResult, Topic, step_with,
+    StepResult, Topic,
 };
 use saga_test_support::{TestDb, TestKafka, unique_name, wait_until};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-#[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
-struct Placed {
-    n: i64,
-}
+mod steps;
 
-#[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
-struct Reserved {
-    n: i64,
-}
-
-/// Records each order and emits `Reserved` to `out`.
-async fn reserve(
-    msg: &Message<Placed>,
-    ctx: &mut StepContext<'_>,
-    out: &Topic<Reserved>,
-) -> StepResult {
-    let n = msg.payload().n;
-    sqlx::query("INSERT INTO reservations (n) VALUES ($1)")
-        .bind(n)
-        .execute(ctx.conn())
-        .await?;
-    ctx.emit(out, n.to_string(), &Reserved { n })?;
-    Ok(StepOutcome::completed())
-}
-
-/// The step `reserve` on `topic`, emitting to `{topic}.out`.
-fn reserve_on(topic: &str) -> impl saga_consumer::SagaStep {
-    step_with("reserve", Topic::new(format!("{topic}.out")), reserve).on(&Topic::new(topic))
-}
+use steps::{Placed, Reserved, reserve_on};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_steps_emit() {

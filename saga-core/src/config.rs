@@ -125,3 +125,42 @@ impl fmt::Display for BadInput {
 }
 
 impl std::error::Error for BadInput {}
+
+/// Where the framework writes a transaction's events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OutboxMode {
+    /// Rows of `saga_outbox`, published by the table relay (the default).
+    #[default]
+    Table,
+    /// A logical message on the write-ahead log, read by the WAL relay through a replication slot.
+    Wal,
+}
+
+impl OutboxMode {
+    /// The mode's name in `SAGA_OUTBOX_MODE`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Table => "table",
+            Self::Wal => "wal",
+        }
+    }
+
+    /// Parses `table` or `wal`.
+    pub fn parse(value: &str) -> Result<Self, ConfigProblem> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "table" | "" => Ok(Self::Table),
+            "wal" => Ok(Self::Wal),
+            other => Err(ConfigProblem::new(
+                "SAGA_OUTBOX_MODE",
+                format!("{other:?} is no outbox mode"),
+                "use table (the default) or wal",
+            )),
+        }
+    }
+
+    /// `SAGA_OUTBOX_MODE`, or the default.
+    pub fn from_env() -> Result<Self, ConfigProblem> {
+        std::env::var("SAGA_OUTBOX_MODE").map_or(Ok(Self::Table), |v| Self::parse(&v))
+    }
+}

@@ -55,7 +55,7 @@ mod key;
 mod step;
 pub mod testing;
 
-pub use config::{BadInput, ConfigProblem, KafkaConfig};
+pub use config::{BadInput, ConfigProblem, KafkaConfig, OutboxMode};
 pub use context::{BatchContext, StepContext};
 #[doc(hidden)]
 pub use envelope::{

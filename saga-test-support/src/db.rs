@@ -217,6 +217,7 @@ impl Drop for TestDb {
                 )))
                 .execute(&mut conn)
                 .await;
+                drop_wal_slot(&mut conn, &schema).await;
                 conn.close().await.ok();
                 if let Some((admin, database)) = own_database
                     && let Ok(mut admin) = PgConnection::connect_with(&admin).await
@@ -230,6 +231,32 @@ impl Drop for TestDb {
             });
         });
         let _ = cleanup.join();
+    }
+}
+
+/// Drops the WAL outbox's slot of `schema`, if it has one, ending a relay still reading it: a slot left
+/// behind would keep the server's write-ahead log from being recycled.
+async fn drop_wal_slot(conn: &mut PgConnection, schema: &str) {
+    let slot = saga_runtime::store::wal::slot_name(schema);
+    for _ in 0..50 {
+        let _ = sqlx::query(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+        )
+        .bind(&slot)
+        .execute(&mut *conn)
+        .await;
+        match sqlx::query(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(&slot)
+        .execute(&mut *conn)
+        .await
+        {
+            Ok(_) => return,
+            // Still active: its walsender is ending.
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
     }
 }
 

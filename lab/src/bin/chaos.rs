@@ -82,6 +82,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         name: name.clone(),
         separate_relays: true,
         orchestrated: cli.flags.orchestrated,
+        outbox_mode: cli.flags.outbox,
     };
     let run = Run::start(&options, external).await?;
     let args = run.args.clone();
@@ -174,6 +175,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let ledger = run.ledger(&stats.expected).await?;
     let dead_letters = run.dead_letters().await?;
     let duplicates_absorbed = run.duplicates_absorbed();
+    // Which outbox carried the events: rows of saga_outbox, or (none of them) the write-ahead log.
+    let mut outbox_rows = 0_i64;
+    for service in saga_examples::service::Service::ALL {
+        outbox_rows += sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {}.saga_outbox",
+            saga_examples::service::quote_ident(&args.schema(service))
+        )))
+        .fetch_one(&run.pool)
+        .await?;
+    }
     let deaths = run
         .supervisor
         .deaths
@@ -187,6 +198,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         .map(|(name, n)| (format!("SIGKILLs of {name}"), n.to_string()))
         .collect();
     extra.push(("broker restarts".into(), restarts.to_string()));
+    extra.push(("outbox rows written".into(), outbox_rows.to_string()));
     let summary = Summary {
         title: format!(
             "chaos {name}: every event delivered twice, {} SIGKILLs, crash after {:.1}% of database commits",

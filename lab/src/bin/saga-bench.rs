@@ -154,6 +154,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         gateway_latency_ms: 1,
         embedded_relay: true,
         orchestrated: false,
+        outbox_mode: saga_consumer::OutboxMode::Table,
     };
     let uses_broker = SECTIONS
         .iter()

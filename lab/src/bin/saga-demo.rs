@@ -67,6 +67,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         name: name.clone(),
         separate_relays: false,
         orchestrated: cli.flags.orchestrated,
+        outbox_mode: cli.flags.outbox,
     };
     let run = Run::start(&options, broker).await?;
     println!(

@@ -59,6 +59,7 @@ impl LocalSaga {
             gateway_latency_ms: 1,
             embedded_relay: true,
             orchestrated,
+            outbox_mode: saga_consumer::OutboxMode::Table,
         };
         for topic in args.all_topics() {
             kafka.create_topic(&topic, 3).await;

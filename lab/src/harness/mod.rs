@@ -53,6 +53,10 @@ pub struct RunFlags {
     /// Keep the run's schemas for inspection.
     #[arg(long)]
     pub keep: bool,
+    /// Where the services write their outbox: table (rows) or wal (PostgreSQL's write-ahead log, read
+    /// through each schema's replication slot; needs wal_level = logical).
+    #[arg(long, default_value = "table", value_parser = parse_outbox_mode)]
+    pub outbox: saga_consumer::OutboxMode,
     /// PostgreSQL URL.
     #[arg(
         long,
@@ -60,6 +64,10 @@ pub struct RunFlags {
         default_value = "postgres://postgres@127.0.0.1:5432/saga_demo"
     )]
     pub database_url: String,
+}
+
+fn parse_outbox_mode(text: &str) -> Result<saga_consumer::OutboxMode, String> {
+    saga_consumer::OutboxMode::parse(text).map_err(|p| p.problem)
 }
 
 /// A name for one run (its schemas, topics and groups): `{prefix}-{milliseconds since the epoch, in hex}`.

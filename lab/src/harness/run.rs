@@ -17,6 +17,7 @@ use crate::harness::broker::Broker;
 use crate::harness::client::{self, Submission};
 use crate::harness::ledger::{self, Ledger, Path};
 use crate::harness::processes::Supervisor;
+use saga_consumer::OutboxMode;
 use saga_examples::events::OrderRequest;
 use saga_examples::service::{Service, ServiceArgs, quote_ident};
 
@@ -38,6 +39,8 @@ pub struct RunOptions {
     pub separate_relays: bool,
     /// Run the orchestrated saga instead of the choreographed one.
     pub orchestrated: bool,
+    /// Where the services write their outbox.
+    pub outbox_mode: OutboxMode,
 }
 
 /// An order the client will submit.
@@ -194,6 +197,7 @@ impl Run {
             gateway_latency_ms: options.gateway_latency_ms,
             embedded_relay: !options.separate_relays,
             orchestrated: options.orchestrated,
+            outbox_mode: options.outbox_mode,
         };
         args.check().await?;
         broker
@@ -238,6 +242,7 @@ impl Run {
                     .env("GATEWAY_LATENCY_MS", args.gateway_latency_ms.to_string())
                     .env("SAGA_EMBEDDED_RELAY", args.embedded_relay.to_string())
                     .env("SAGA_ORCHESTRATED", args.orchestrated.to_string())
+                    .env("SAGA_OUTBOX_MODE", args.outbox_mode.as_str())
                     .env(
                         "RUST_LOG",
                         std::env::var("RUST_LOG")

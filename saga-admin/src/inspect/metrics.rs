@@ -88,6 +88,20 @@ pub(super) async fn render(app: &App) -> Result<String, AdminError> {
             "Outbox rows the broker refuses for good, set aside.",
         );
         let _ = writeln!(out, "saga_outbox_parked_rows {}", o.parked);
+        if let Some(w) = &o.wal {
+            gauge(
+                &mut out,
+                "saga_outbox_wal_lag_bytes",
+                "WAL outbox: write-ahead log the relay has not confirmed.",
+            );
+            let _ = writeln!(out, "saga_outbox_wal_lag_bytes {}", w.lag_bytes);
+            gauge(
+                &mut out,
+                "saga_outbox_wal_slot_read",
+                "WAL outbox: 1 while a relay reads the slot, 0 while none does.",
+            );
+            let _ = writeln!(out, "saga_outbox_wal_slot_read {}", u8::from(w.reading));
+        }
     }
     Ok(out)
 }

@@ -6,3 +6,4 @@ pub mod gc;
 pub mod idempotency;
 pub mod migrate;
 pub mod outbox;
+pub mod wal;

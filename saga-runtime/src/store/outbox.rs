@@ -4,15 +4,31 @@ use sqlx::PgConnection;
 
 use saga_core::OutboxMessage;
 
+/// Writes `messages` to the outbox in the caller's transaction, in order, as the process's outbox mode says
+/// ([`super::wal::mode`]): rows of `saga_outbox` ([`append_rows`], returning their ids), or one logical
+/// message on the write-ahead log ([`super::wal::emit`], returning no ids).
+///
+/// Write a transaction's events with one call where possible: in table mode, two calls that lock keys in
+/// opposite orders can deadlock with another transaction doing the same (PostgreSQL then aborts one, a
+/// transient error).
+pub async fn append(
+    conn: &mut PgConnection,
+    messages: &[OutboxMessage],
+) -> Result<Vec<i64>, sqlx::Error> {
+    if super::wal::mode() == super::wal::OutboxMode::Wal {
+        super::wal::emit(conn, messages).await?;
+        Ok(Vec::new())
+    } else {
+        append_rows(conn, messages).await
+    }
+}
+
 /// Appends `messages` to `saga_outbox` in the caller's transaction, in order, with one statement.
 ///
 /// The statement first locks each partition key for the rest of the transaction, so rows of one key get ids
 /// in the order their transactions commit; the relay publishes each key's rows in id order. An insert
 /// notifies the relay (`NOTIFY saga_outbox`) when the transaction commits. Returns the new rows' ids.
-///
-/// Append a transaction's rows with one call where possible: two calls that lock keys in opposite orders
-/// can deadlock with another transaction doing the same (PostgreSQL then aborts one, a transient error).
-pub async fn append(
+pub async fn append_rows(
     conn: &mut PgConnection,
     messages: &[OutboxMessage],
 ) -> Result<Vec<i64>, sqlx::Error> {

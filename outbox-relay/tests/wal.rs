@@ -1,0 +1,261 @@
+//! The relay in WAL mode against the real broker and PostgreSQL (`wal_level = logical`, which
+//! `scripts/dev-services` sets): events of many concurrent transactions are published in per-key commit
+//! order; a relay process killed mid-stream loses nothing, and the one standing by takes the slot over; an
+//! event the broker refuses for good is parked with its reason and the others flow; the slot's lag and
+//! reader are visible to `status`; events rolled back are never published.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use outbox_relay::{KafkaConfig, OutboxMode, RelayBuilder};
+use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId};
+use saga_runtime::store::wal;
+use saga_test_support::{ReadMessage, TestDb, TestKafka, unique_name, wait_until};
+
+use common::{WAIT, builder, check_per_key_order, relay_command, row, start};
+
+/// A relay reading `db`'s schema's slot.
+fn wal_builder(brokers: &str, db: &TestDb) -> RelayBuilder {
+    builder(brokers, db.pool.clone())
+        .mode(OutboxMode::Wal)
+        .replication_url(db.url())
+}
+
+/// Writes `messages` to the write-ahead log in a transaction of their own.
+async fn emit(db: &TestDb, messages: &[OutboxMessage]) {
+    let mut tx = db.pool.begin().await.unwrap();
+    wal::emit(&mut tx, messages).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// Whether a relay reads `db`'s schema's slot.
+async fn slot_read(db: &TestDb) -> bool {
+    sqlx::query_scalar(
+        "SELECT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(wal::slot_name(&db.schema))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+async fn read(kafka: &TestKafka, topic: &str, at_least: usize) -> Vec<ReadMessage> {
+    kafka
+        .read_all(topic, at_least, Duration::from_millis(800), WAIT)
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wal_events_of_many_concurrent_transactions_are_published_in_per_key_commit_order() {
+    let db = TestDb::new("wal-order").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("wal-order", 3).await;
+    wal::prepare(&db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE commit_order (key TEXT PRIMARY KEY, n BIGINT NOT NULL DEFAULT 0)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let keys: Vec<String> = (0..8).map(|k| format!("key-{k}")).collect();
+    for key in &keys {
+        sqlx::query("INSERT INTO commit_order (key) VALUES ($1)")
+            .bind(key)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let relay = start(wal_builder(&kafka.brokers, &db));
+
+    // Eight writers, each on every key in its own order: a key's number is taken under its row lock, in
+    // the transaction that writes the event, so per key, number order is commit order.
+    let per_writer = 25;
+    let mut writers = Vec::new();
+    for w in 0..8 {
+        let (pool, topic, keys) = (db.pool.clone(), topic.clone(), keys.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0..per_writer {
+                let key = &keys[(w + i) % keys.len()];
+                let mut tx = pool.begin().await.unwrap();
+                let n: i64 = sqlx::query_scalar(
+                    "UPDATE commit_order SET n = n + 1 WHERE key = $1 RETURNING n",
+                )
+                .bind(key)
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+                wal::emit(&mut tx, &[row(&topic, key, n)]).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    // A rolled-back transaction's event is never published.
+    let mut rolled_back = db.pool.begin().await.unwrap();
+    wal::emit(&mut rolled_back, &[row(&topic, "never", 1)])
+        .await
+        .unwrap();
+    rolled_back.rollback().await.unwrap();
+
+    let expected: BTreeMap<String, i64> = sqlx::query_as("SELECT key, n FROM commit_order")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let total = 8 * per_writer;
+    let messages = read(&kafka, &topic, total).await;
+    let duplicates = check_per_key_order(&messages, &expected);
+    assert_eq!((messages.len(), duplicates), (total, 0), "each event once");
+    assert_eq!(relay.probe.published(), total as u64);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wal_relay_killed_mid_stream_loses_nothing_and_the_one_standing_by_takes_over() {
+    let db = TestDb::new("wal-kill").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("wal-kill", 2).await;
+    wal::prepare(&db.pool).await.unwrap();
+    let relay = |name: &str| {
+        let mut command = relay_command(&db, &kafka.brokers);
+        command
+            .env("SAGA_OUTBOX_MODE", "wal")
+            .env("SAGA_REPLICATION_URL", db.url())
+            .env("RUST_LOG", format!("warn,outbox_relay=info,{name}=info"));
+        command.spawn().unwrap()
+    };
+    let mut first = relay("first");
+    wait_until("the first relay to read the slot", WAIT, || async {
+        slot_read(&db).await.then_some(())
+    })
+    .await;
+    // The second stands by: the slot is the first's.
+    let mut second = relay("second");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // 40 keys, 20 events each, one transaction per event, while the first publishes.
+    let (keys, per_key) = (40, 20);
+    let writer = {
+        let (pool, topic) = (db.pool.clone(), topic.clone());
+        tokio::spawn(async move {
+            for seq in 1..=per_key {
+                for k in 0..keys {
+                    let mut tx = pool.begin().await.unwrap();
+                    wal::emit(&mut tx, &[row(&topic, &format!("key-{k}"), seq)])
+                        .await
+                        .unwrap();
+                    tx.commit().await.unwrap();
+                }
+            }
+        })
+    };
+    let published = || async { kafka.end_offsets(&topic).await.values().sum::<i64>() };
+    wait_until("part of the events published", WAIT, || async {
+        (published().await >= 150).then_some(())
+    })
+    .await;
+    first.start_kill().unwrap(); // SIGKILL, wherever it is
+    first.wait().await.unwrap();
+    let at_kill = published().await;
+    writer.await.unwrap();
+    let total = usize::try_from(keys * per_key).unwrap();
+    assert!(at_kill < total as i64, "killed before the end ({at_kill})");
+
+    // The second takes the slot over and publishes the rest, from where the first confirmed.
+    let messages = read(&kafka, &topic, total).await;
+    let expected: BTreeMap<String, i64> =
+        (0..keys).map(|k| (format!("key-{k}"), per_key)).collect();
+    let duplicates = check_per_key_order(&messages, &expected);
+    assert!(slot_read(&db).await, "the second relay reads the slot");
+    // The first confirmed the slot's position each second, after the broker's acknowledgements: what it
+    // had published since is published again, and no more.
+    assert!(
+        duplicates < total,
+        "only what followed the first relay's last confirmation is published twice: {duplicates}"
+    );
+    second.start_kill().unwrap();
+    second.wait().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wal_event_the_broker_refuses_is_parked_with_its_reason_and_the_others_flow() {
+    let db = TestDb::new("wal-refused").await;
+    let kafka = TestKafka::new().await;
+    let topic = unique_name("wal-refused");
+    kafka
+        .create_topic_with(&topic, 1, &[("max.message.bytes", "1000")])
+        .await;
+    wal::prepare(&db.pool).await.unwrap();
+    let lineage = Lineage::root(IdempotencyKey::new("k").unwrap(), TenantId::default());
+    let big = OutboxMessage::from_event(
+        Event::new(
+            "Numbered",
+            &topic,
+            "key-big",
+            &serde_json::json!({ "key": "key-big", "seq": 1, "pad": "x".repeat(5_000) }),
+        )
+        .unwrap(),
+        &lineage,
+        "relay-test",
+    );
+    emit(&db, &[big, row(&topic, "key-big", 2)]).await;
+    for k in 0..8 {
+        emit(&db, &[row(&topic, &format!("other-{k}"), 1)]).await;
+    }
+    let kafka_config = KafkaConfig::new(&kafka.brokers)
+        .with_property("batch.num.messages", "1")
+        .with_property("max.in.flight.requests.per.connection", "1")
+        .with_property("enable.idempotence", "false");
+    let relay = start(
+        wal_builder(&kafka.brokers, &db)
+            .kafka(kafka_config)
+            .park_after(3),
+    );
+
+    let messages = read(&kafka, &topic, 9).await;
+    let keys: Vec<&str> = messages.iter().map(|m| m.key.as_deref().unwrap()).collect();
+    assert_eq!(keys.len(), 9, "{keys:?}");
+    assert!(
+        keys.iter().filter(|k| **k == "key-big").count() == 1,
+        "the big event's key goes on after it is parked: {keys:?}"
+    );
+    let parked: Vec<(String, String, i32)> =
+        sqlx::query_as("SELECT topic, error, attempts FROM saga_outbox_wal_parked")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(parked.len(), 1, "{parked:?}");
+    assert_eq!((parked[0].0.as_str(), parked[0].2), (topic.as_str(), 3));
+    assert!(!parked[0].1.is_empty());
+    assert_eq!(relay.probe.parked(), 1);
+
+    // What status says: the slot, read, caught up, one parked event.
+    wait_until("the slot to be caught up", WAIT, || async {
+        let backlog = outbox_relay::backlog(&db.pool).await.unwrap();
+        let w = backlog.wal.unwrap();
+        (w.reading && w.lag_bytes < 100_000 && w.parked == 1).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    let backlog = outbox_relay::backlog(&db.pool).await.unwrap();
+    let w = backlog.wal.unwrap();
+    assert!(!w.reading, "no relay reads it once stopped");
+    assert_eq!(w.slot, wal::slot_name(&db.schema));
+    assert_eq!(w.wal_status.as_deref(), Some("reserved"));
+}
+
+#[tokio::test]
+async fn a_relay_in_wal_mode_without_a_replication_url_is_refused_naming_the_setting() {
+    let db = TestDb::new("wal-config").await;
+    let error = builder("127.0.0.1:9", db.pool.clone())
+        .mode(OutboxMode::Wal)
+        .build()
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("SAGA_REPLICATION_URL"),
+        "{error}"
+    );
+}
