@@ -46,4 +46,6 @@ pub use gc::{RetentionPolicy, RetentionReport, run_retention};
 pub use hooks::{PublishAttempt, PublishHooks};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
 pub use saga_core::{KafkaConfig, OutboxMode};
+#[doc(hidden)]
+pub use store::drain_without_broker;
 pub use store::{AfterPublish, Backlog, WalBacklog, backlog};

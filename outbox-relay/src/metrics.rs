@@ -1,5 +1,8 @@
 //! The relay's Prometheus metrics.
 
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -30,6 +33,29 @@ pub(crate) struct RelayMetrics {
     /// WAL mode: bytes of write-ahead log between the server's position and what the relay confirmed
     /// (sampled).
     pub wal_lag_bytes: Gauge,
+    /// The latest commit-to-acknowledgement latencies in seconds (at most [`LATENCY_SAMPLES`]), for
+    /// [`crate::RelayProbe::commit_to_ack`].
+    pub latencies: Arc<Mutex<VecDeque<f64>>>,
+}
+
+/// How many latencies [`RelayMetrics::latencies`] keeps.
+pub(crate) const LATENCY_SAMPLES: usize = 200_000;
+
+impl RelayMetrics {
+    /// Records the commit-to-acknowledgement latencies of a batch.
+    pub(crate) fn observe_commit_to_ack(&self, seconds: impl Iterator<Item = f64>) {
+        let mut kept = self
+            .latencies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for s in seconds {
+            self.commit_to_ack_seconds.observe(s);
+            if kept.len() == LATENCY_SAMPLES {
+                kept.pop_front();
+            }
+            kept.push_back(s);
+        }
+    }
 }
 
 impl Default for RelayMetrics {
@@ -45,6 +71,7 @@ impl Default for RelayMetrics {
             commit_to_ack_seconds: Histogram::new(exponential_buckets(0.000_5, 2.0, 18)),
             wal_active: Gauge::default(),
             wal_lag_bytes: Gauge::default(),
+            latencies: Arc::default(),
         }
     }
 }

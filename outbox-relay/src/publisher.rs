@@ -71,6 +71,16 @@ pub(crate) struct Acked {
     pub offset: i64,
 }
 
+impl Acked {
+    /// Seconds from the row's commit (its write) to the broker's acknowledgement.
+    pub(crate) fn latency_seconds(&self) -> f64 {
+        (self.acked_at - self.created_at)
+            .to_std()
+            .unwrap_or_default()
+            .as_secs_f64()
+    }
+}
+
 /// How a batch went.
 #[derive(Debug, Default)]
 pub(crate) struct BatchOutcome {

@@ -19,7 +19,7 @@ use crate::gc::{RetentionPolicy, run_retention};
 
 use crate::hooks::PublishHooks;
 use crate::metrics::RelayMetrics;
-use crate::publisher::{OrderKey, Publisher, order_key};
+use crate::publisher::{Acked, OrderKey, Publisher, order_key};
 use crate::shards::ShardOwner;
 use crate::store::{self, AfterPublish};
 
@@ -397,6 +397,25 @@ impl RelayProbe {
     pub fn parked(&self) -> u64 {
         self.0.parked.get()
     }
+
+    /// The `quantile` (0 to 1) of the latest commit-to-acknowledgement latencies (a row's commit, or its
+    /// write for the table, to the broker's acknowledgement); `None` before the first.
+    pub fn commit_to_ack(&self, quantile: f64) -> Option<Duration> {
+        let mut seconds: Vec<f64> = self
+            .0
+            .latencies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .copied()
+            .collect();
+        if seconds.is_empty() {
+            return None;
+        }
+        seconds.sort_by(f64::total_cmp);
+        let at = ((seconds.len() - 1) as f64 * quantile.clamp(0.0, 1.0)).round() as usize;
+        Some(Duration::from_secs_f64(seconds[at].max(0.0)))
+    }
 }
 
 /// Retry bookkeeping for rows whose publication failed: until its retry is due, a failing row holds its key
@@ -523,6 +542,7 @@ impl Relay {
     ) -> Result<(), sqlx::Error> {
         // The work connection holds the shard locks: it is this instance's identity, kept out of the pool.
         let mut conn: PgConnection = self.pool.acquire().await?.detach();
+        store::pin_plans(&mut conn).await?;
         let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
             .fetch_one(&mut conn)
             .await?;
@@ -604,13 +624,9 @@ impl Relay {
             );
             for acked in &outcome.acked {
                 retries.done(acked.id);
-                let latency = (acked.acked_at - acked.created_at)
-                    .to_std()
-                    .unwrap_or_default();
-                self.metrics
-                    .commit_to_ack_seconds
-                    .observe(latency.as_secs_f64());
             }
+            self.metrics
+                .observe_commit_to_ack(outcome.acked.iter().map(Acked::latency_seconds));
             self.metrics.published.inc_by(outcome.acked.len() as u64);
             for failed in &outcome.failed {
                 let parked = store::record_failure(

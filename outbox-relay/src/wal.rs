@@ -346,16 +346,13 @@ impl Relay {
             let Some(outcome) = publisher.publish(batch, shutdown).await else {
                 return Err(WalEnd::Shutdown);
             };
-            let mut done: HashSet<i64> = HashSet::with_capacity(outcome.acked.len());
-            for acked in &outcome.acked {
-                done.insert(acked.id);
-                let latency = (acked.acked_at - acked.created_at)
-                    .to_std()
-                    .unwrap_or_default();
-                self.metrics
-                    .commit_to_ack_seconds
-                    .observe(latency.as_secs_f64());
-            }
+            let mut done: HashSet<i64> = outcome.acked.iter().map(|a| a.id).collect();
+            self.metrics.observe_commit_to_ack(
+                outcome
+                    .acked
+                    .iter()
+                    .map(crate::publisher::Acked::latency_seconds),
+            );
             self.metrics.published.inc_by(outcome.acked.len() as u64);
             let mut backoff = 0;
             for failed in &outcome.failed {

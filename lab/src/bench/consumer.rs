@@ -552,7 +552,14 @@ impl Ceiling {
         for (on, part) in [
             (self.crash_loop_record, "+crash_loop_record"),
             (self.sorted_claim, "+sorted_claim"),
-            (self.outbox_append, "+outbox_append"),
+            (
+                self.outbox_append,
+                if saga_runtime::store::wal::mode() == saga_consumer::OutboxMode::Wal {
+                    "+outbox_wal_emit"
+                } else {
+                    "+outbox_append"
+                },
+            ),
         ] {
             if on {
                 id.push_str(part);

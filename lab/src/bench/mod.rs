@@ -127,6 +127,8 @@ pub struct Report {
     pub consumer_cpu: Option<serde_json::Value>,
     /// Relay on a backlog, rows/s.
     pub relay_rows_per_s: Option<f64>,
+    /// The relay's statements alone over the same backlog (no broker), rows/s.
+    pub relay_sql_ceiling_rows_per_s: Option<f64>,
     /// Relay commit-to-ack p50 at the steady rate, ms.
     pub relay_commit_to_ack_p50_ms: Option<f64>,
     /// Relay commit-to-ack p99 at the steady rate, ms.
@@ -166,8 +168,13 @@ pub struct Report {
     /// nothing is sent, as a service with steps on two topics does.
     pub broker_delivery_two_topics_ms: Option<(f64, f64)>,
     /// The consumer and relay figures again on librdkafka's in-process mock cluster: the framework's own
-    /// cost, without this machine's broker.
+    /// cost, without this machine's broker (under `wal`, with the outbox on the write-ahead log).
     pub mock_broker: Option<serde_json::Value>,
+    /// The relay and saga figures with the outbox on the write-ahead log (the top-level ones are the
+    /// table's).
+    pub wal: Option<serde_json::Value>,
+    /// The machine the figures were measured on.
+    pub machine: Option<serde_json::Value>,
     /// The run's settings.
     pub settings: serde_json::Value,
 }
@@ -239,6 +246,12 @@ impl Report {
                 check(self.relay_rows_per_s, |v| v >= 30_000.0),
             ),
             (
+                "relay's SQL alone, same backlog",
+                fmt(self.relay_sql_ceiling_rows_per_s, "rows/s"),
+                "",
+                "",
+            ),
+            (
                 "relay commit→ack p50 at 1,000 rows/s",
                 fmt(self.relay_commit_to_ack_p50_ms, "ms"),
                 "",
@@ -306,6 +319,9 @@ impl Report {
         }
         if let Some(mock) = &self.mock_broker {
             println!("(on librdkafka's in-process mock cluster instead of the broker: {mock})");
+        }
+        if let Some(wal) = &self.wal {
+            println!("(with the outbox on the write-ahead log: {wal})");
         }
         for (what, steps) in [
             ("consumer processes", &self.scale_consumers),

@@ -212,7 +212,12 @@ pub async fn latency(
         s.await??;
     }
     let order = quote_ident(&args.schema(Service::Order));
-    let hops = hops(pool, args).await?;
+    // The hops are read from the outbox's rows: the write-ahead log keeps none.
+    let hops = if args.outbox_mode == saga_consumer::OutboxMode::Table {
+        hops(pool, args).await?
+    } else {
+        Vec::new()
+    };
     for hop in &hops {
         progress.note(&format!(
             "hop {}: relay commit→ack p50/p99 {:.1}/{:.1} ms, ack→step's transaction p50/p99 {:.1}/{:.1} ms, step p50/p99 {:.1}/{:.1} ms",

@@ -1,5 +1,6 @@
 //! Measures the framework on this machine: see `saga-bench --help`.
 
+use saga_consumer::OutboxMode;
 use saga_examples::service::{ServiceArgs, quote_ident};
 use saga_lab::bench::{Progress, Report, broker, consumer, cpu, http, otel, relay, saga, scale};
 use saga_lab::harness::broker::Broker;
@@ -78,6 +79,10 @@ struct Cli {
     /// with spans built).
     #[arg(long, default_value_t = 3)]
     otel_rounds: usize,
+    /// The outbox modes to measure the consumer, the relay and the saga with (table, wal; both by default:
+    /// wal needs wal_level = logical).
+    #[arg(long, value_delimiter = ',', default_value = "table,wal", value_parser = parse_outbox_mode)]
+    outbox_modes: Vec<OutboxMode>,
     /// Where to write the figures.
     #[arg(long, default_value = "target/saga-bench.json")]
     output: std::path::PathBuf,
@@ -99,6 +104,10 @@ const SECTIONS: [&str; 10] = [
 
 /// The sections that need no broker (the mock cluster stands in, or no Kafka at all).
 const BROKER_FREE: [&str; 5] = ["consumer-mock", "relay-mock", "http", "redis", "otel"];
+
+fn parse_outbox_mode(text: &str) -> Result<OutboxMode, String> {
+    OutboxMode::parse(text).map_err(|p| p.problem)
+}
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -173,6 +182,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }),
         ..Report::default()
     };
+    report.machine = Some(machine(&cli).await);
     let mut schemas = Vec::new();
     let schema = |suffix: &str| format!("{}_{suffix}", args.schema_prefix);
 
@@ -229,39 +239,68 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("{run}.mock.work.done"),
             ];
             mock.create_topics(&topics, cli.partitions).await?;
-            let figures =
-                consumer_figures(&cli, &args, &mock_kafka, "mock", &mut schemas, &progress).await?;
-            report.mock_broker = Some(serde_json::json!({
-                "consumer_msgs_per_s": figures.framework,
-                "baseline_msgs_per_s": figures.baseline,
-                "consumer_vs_baseline_ratio": figures.framework / figures.baseline,
-                "sql_ceiling_msgs_per_s": figures.ceiling,
-                "consumer_vs_sql_ceiling_ratio": figures.framework / figures.ceiling,
-                "sql_with_guarantees_msgs_per_s": figures.guarded,
-                "consumer_vs_sql_with_guarantees_ratio": figures.framework / figures.guarded,
-                "kafka_consume_only_msgs_per_s": figures.consume_only,
-                "sql_ceiling_steps": figures.ceiling_steps,
-                "consumer_run": figures.run,
-                "consumer_cpu": figures.cpu,
-            }));
+            for mode in &cli.outbox_modes {
+                // The consumer's and the ceiling's outbox writes follow the process's mode.
+                saga_runtime::store::wal::set_mode(*mode);
+                let label = if *mode == OutboxMode::Wal {
+                    "mock_wal"
+                } else {
+                    "mock"
+                };
+                let figures =
+                    consumer_figures(&cli, &args, &mock_kafka, label, &mut schemas, &progress)
+                        .await?;
+                let value = serde_json::json!({
+                    "consumer_msgs_per_s": figures.framework,
+                    "baseline_msgs_per_s": figures.baseline,
+                    "consumer_vs_baseline_ratio": figures.framework / figures.baseline,
+                    "sql_ceiling_msgs_per_s": figures.ceiling,
+                    "consumer_vs_sql_ceiling_ratio": figures.framework / figures.ceiling,
+                    "sql_with_guarantees_msgs_per_s": figures.guarded,
+                    "consumer_vs_sql_with_guarantees_ratio": figures.framework / figures.guarded,
+                    "kafka_consume_only_msgs_per_s": figures.consume_only,
+                    "sql_ceiling_steps": figures.ceiling_steps,
+                    "consumer_run": figures.run,
+                    "consumer_cpu": figures.cpu,
+                });
+                let mock_figures = report
+                    .mock_broker
+                    .get_or_insert_with(|| serde_json::json!({}));
+                if *mode == OutboxMode::Wal {
+                    mock_figures["wal"] = value;
+                } else if let (Some(into), Some(from)) =
+                    (mock_figures.as_object_mut(), value.as_object())
+                {
+                    into.extend(from.clone());
+                }
+            }
+            saga_runtime::store::wal::set_mode(OutboxMode::Table);
         }
     }
     if section("relay") {
         let topic = format!("{run}.relay");
         ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
-        let (rows, p50, p99) = relay_figures(
-            &cli,
-            &args,
-            &kafka,
-            &topic,
-            "relay",
-            &mut schemas,
-            &progress,
-        )
-        .await?;
-        report.relay_rows_per_s = Some(rows);
-        report.relay_commit_to_ack_p50_ms = Some(p50);
-        report.relay_commit_to_ack_p99_ms = Some(p99);
+        for mode in &cli.outbox_modes {
+            let figures = relay_figures(
+                &cli,
+                &args,
+                &kafka,
+                &topic,
+                *mode,
+                "relay",
+                &mut schemas,
+                &progress,
+            )
+            .await?;
+            if *mode == OutboxMode::Wal {
+                figures.record(report.wal.get_or_insert_with(|| serde_json::json!({})));
+            } else {
+                report.relay_rows_per_s = Some(figures.rows_per_s);
+                report.relay_commit_to_ack_p50_ms = Some(figures.p50_ms);
+                report.relay_commit_to_ack_p99_ms = Some(figures.p99_ms);
+                report.relay_sql_ceiling_rows_per_s = figures.sql_ceiling;
+            }
+        }
     }
     if section("relay-mock") {
         let topic = format!("{run}.relay");
@@ -271,22 +310,31 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let mock_kafka = KafkaConfig::new(mock.brokers());
             mock.create_topics(std::slice::from_ref(&topic), cli.partitions)
                 .await?;
-            let (rows, p50, p99) = relay_figures(
-                &cli,
-                &args,
-                &mock_kafka,
-                &topic,
-                "relay_mock",
-                &mut schemas,
-                &progress,
-            )
-            .await?;
-            let figures = report
-                .mock_broker
-                .get_or_insert_with(|| serde_json::json!({}));
-            figures["relay_rows_per_s"] = serde_json::json!(rows);
-            figures["relay_commit_to_ack_p50_ms"] = serde_json::json!(p50);
-            figures["relay_commit_to_ack_p99_ms"] = serde_json::json!(p99);
+            for mode in &cli.outbox_modes {
+                let measured = relay_figures(
+                    &cli,
+                    &args,
+                    &mock_kafka,
+                    &topic,
+                    *mode,
+                    "relay_mock",
+                    &mut schemas,
+                    &progress,
+                )
+                .await?;
+                let figures = report
+                    .mock_broker
+                    .get_or_insert_with(|| serde_json::json!({}));
+                let figures = if *mode == OutboxMode::Wal {
+                    if figures.get("wal").is_none() {
+                        figures["wal"] = serde_json::json!({});
+                    }
+                    &mut figures["wal"]
+                } else {
+                    figures
+                };
+                measured.record(figures);
+            }
         }
     }
     if section("scale") {
@@ -319,8 +367,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 &mut schemas,
             )
             .await?;
-            let per_s =
-                relay::backlog(&kafka, &pool, &topic, cli.relay_rows, instances, &progress).await?;
+            let table = relay::Outbox {
+                mode: OutboxMode::Table,
+                url: cli.database_url.clone(),
+            };
+            let per_s = relay::backlog(
+                &kafka,
+                &pool,
+                &topic,
+                cli.relay_rows,
+                instances,
+                &table,
+                &progress,
+            )
+            .await?;
             progress.note(&format!(
                 "scale-out: {instances} relay(s): {per_s:.0} rows/s"
             ));
@@ -420,21 +480,44 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
     if section("saga") {
-        let names = args.all_topics();
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        ensure_topics(&kafka, &refs, cli.saga_partitions, 1).await?;
-        let pool = args.pool(&schema("probe"), 2).await?;
-        schemas.push(schema("probe"));
-        progress.note("saga: end-to-end latency");
-        let latency =
-            saga::latency(&args, &pool, cli.saga_orders, cli.saga_rate, &progress).await?;
-        report.saga_e2e_p50_ms = Some(latency.e2e_ms.0);
-        report.saga_e2e_p99_ms = Some(latency.e2e_ms.1);
-        report.saga_hops = Some(latency.hops);
-        for service in saga_examples::service::Service::ALL {
-            schemas.push(args.schema(service));
+        for mode in &cli.outbox_modes {
+            // Each mode on saga schemas and topics of its own.
+            let mut args = args.clone();
+            args.outbox_mode = *mode;
+            if *mode == OutboxMode::Wal {
+                args.schema_prefix = format!("{}_wal", args.schema_prefix);
+                args.topic_prefix = format!("{}-wal", args.topic_prefix);
+                args.http_addr = saga_test_support::free_local_addr();
+            }
+            let names = args.all_topics();
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            ensure_topics(&kafka, &refs, cli.saga_partitions, 1).await?;
+            let probe = format!("{}_probe", args.schema_prefix);
+            let pool = args.pool(&probe, 2).await?;
+            schemas.push(probe);
+            progress.note(&format!("saga: end-to-end latency ({})", mode.as_str()));
+            let latency =
+                saga::latency(&args, &pool, cli.saga_orders, cli.saga_rate, &progress).await?;
+            progress.note(&format!(
+                "saga ({}): p50 {:.1} ms, p99 {:.1} ms",
+                mode.as_str(),
+                latency.e2e_ms.0,
+                latency.e2e_ms.1
+            ));
+            if *mode == OutboxMode::Wal {
+                let wal = report.wal.get_or_insert_with(|| serde_json::json!({}));
+                wal["saga_e2e_p50_ms"] = serde_json::json!(latency.e2e_ms.0);
+                wal["saga_e2e_p99_ms"] = serde_json::json!(latency.e2e_ms.1);
+            } else {
+                report.saga_e2e_p50_ms = Some(latency.e2e_ms.0);
+                report.saga_e2e_p99_ms = Some(latency.e2e_ms.1);
+                report.saga_hops = Some(latency.hops);
+            }
+            for service in saga_examples::service::Service::ALL {
+                schemas.push(args.schema(service));
+            }
+            schemas.push(args.gateway_schema());
         }
-        schemas.push(args.gateway_schema());
     }
 
     // The broker keeps what was produced: delete the run's topics.
@@ -504,20 +587,69 @@ async fn fresh_schema(
     Ok(pool)
 }
 
-/// The relay's figures on `kafka`, each in a fresh schema (`{prefix}_{label}` and `{prefix}_{label}_steady`):
-/// rows per second through a backlog, then commit-to-ack p50 and p99 at a steady rate.
+/// The machine of the run: CPU, cores, memory, kernel, PostgreSQL, the build's commit.
+async fn machine(cli: &Cli) -> serde_json::Value {
+    let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo").lines().find_map(|l| {
+        l.strip_prefix("model name")
+            .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+    });
+    let memory_gib = read("/proc/meminfo").lines().find_map(|l| {
+        let kib: f64 = l
+            .strip_prefix("MemTotal:")?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some((kib / 1_048_576.0 * 10.0).round() / 10.0)
+    });
+    let postgres = match sqlx::PgPool::connect(&cli.database_url).await {
+        Ok(pool) => sqlx::query_scalar::<_, String>("SELECT current_setting('server_version')")
+            .fetch_one(&pool)
+            .await
+            .ok(),
+        Err(_) => None,
+    };
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    serde_json::json!({
+        "cpu": cpu,
+        "cores": std::thread::available_parallelism().map(std::num::NonZero::get).unwrap_or(1),
+        "memory_gib": memory_gib,
+        "kernel": read("/proc/sys/kernel/osrelease").trim(),
+        "postgres": postgres,
+        "commit": commit,
+    })
+}
+
+/// The relay's figures on `kafka`, each in a fresh schema (`{prefix}_{label}`, `{prefix}_{label}_steady`
+/// and, in table mode, `{prefix}_{label}_sql`): rows per second through a backlog, commit-to-ack p50 and p99
+/// at a steady rate, and the relay's SQL ceiling (the same backlog drained by its statements alone).
+#[allow(clippy::too_many_arguments)]
 async fn relay_figures(
     cli: &Cli,
     args: &ServiceArgs,
     kafka: &KafkaConfig,
     topic: &str,
+    mode: OutboxMode,
     label: &str,
     schemas: &mut Vec<String>,
     progress: &Progress,
-) -> anyhow::Result<(f64, f64, f64)> {
+) -> anyhow::Result<RelayFigures> {
+    let label = format!("{label}_{}", mode.as_str());
+    let outbox = relay::Outbox {
+        mode,
+        url: cli.database_url.clone(),
+    };
     progress.note(&format!("{label}: backlog"));
     let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
-    let rows = relay::backlog(kafka, &pool, topic, cli.relay_rows, 1, progress).await?;
+    let rows = relay::backlog(kafka, &pool, topic, cli.relay_rows, 1, &outbox, progress).await?;
+    progress.note(&format!("{label}: backlog {rows:.0} events/s"));
     let pool = fresh_schema(
         args,
         &format!("{}_{label}_steady", args.schema_prefix),
@@ -531,10 +663,59 @@ async fn relay_figures(
         topic,
         cli.steady_rate,
         cli.steady_secs,
+        &outbox,
         progress,
     )
     .await?;
-    Ok((rows, p50, p99))
+    progress.note(&format!(
+        "{label}: commit→ack p50 {p50:.2} ms, p99 {p99:.2} ms"
+    ));
+    let sql_ceiling = if mode == OutboxMode::Table {
+        let pool = fresh_schema(
+            args,
+            &format!("{}_{label}_sql", args.schema_prefix),
+            schemas,
+        )
+        .await?;
+        let ceiling = relay::sql_ceiling(&pool, topic, cli.relay_rows, progress).await?;
+        progress.note(&format!(
+            "{label}: the relay's SQL alone {ceiling:.0} events/s"
+        ));
+        Some(ceiling)
+    } else {
+        None
+    };
+    Ok(RelayFigures {
+        rows_per_s: rows,
+        p50_ms: p50,
+        p99_ms: p99,
+        sql_ceiling,
+    })
+}
+
+/// What [`relay_figures`] measured.
+struct RelayFigures {
+    /// Events per second through the backlog.
+    rows_per_s: f64,
+    /// Commit-to-acknowledgement p50 at the steady rate, in milliseconds.
+    p50_ms: f64,
+    /// Its p99.
+    p99_ms: f64,
+    /// The relay's statements alone over the same backlog (table mode), in events per second.
+    sql_ceiling: Option<f64>,
+}
+
+impl RelayFigures {
+    /// Writes the figures into `figures` (a JSON object), under the names the report uses.
+    fn record(&self, figures: &mut serde_json::Value) {
+        figures["relay_rows_per_s"] = serde_json::json!(self.rows_per_s);
+        figures["relay_commit_to_ack_p50_ms"] = serde_json::json!(self.p50_ms);
+        figures["relay_commit_to_ack_p99_ms"] = serde_json::json!(self.p99_ms);
+        if let Some(ceiling) = self.sql_ceiling {
+            figures["relay_sql_ceiling_rows_per_s"] = serde_json::json!(ceiling);
+            figures["relay_vs_sql_ceiling_ratio"] = serde_json::json!(self.rows_per_s / ceiling);
+        }
+    }
 }
 
 /// The framework's consumer over `kafka` and its yardsticks, in turn: the at-least-once baseline, the
