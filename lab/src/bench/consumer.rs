@@ -444,10 +444,7 @@ pub async fn sql_ceiling(
     batch_size: usize,
     connections: usize,
 ) -> anyhow::Result<f64> {
-    let (topic, headers): (String, Vec<String>) =
-        sqlx::query_as("SELECT topic, headers FROM saga_outbox ORDER BY id LIMIT 1")
-            .fetch_one(pool)
-            .await?;
+    let (topic, headers) = emitted_sample(pool).await?;
     let outcome: Option<serde_json::Value> = sqlx::query_scalar(
         "SELECT outcome FROM saga_idempotency_keys WHERE step_key LIKE '%:record-work' LIMIT 1",
     )
@@ -455,10 +452,7 @@ pub async fn sql_ceiling(
     .await?;
     let rows = Arc::new(CeilingRows {
         topic,
-        headers: headers
-            .chunks_exact(2)
-            .map(|pair| (pair[0].clone(), pair[1].clone()))
-            .collect(),
+        headers,
         outcome,
     });
     sqlx::query(
@@ -502,6 +496,52 @@ pub async fn sql_ceiling(
 
 /// Rounds of each SQL ceiling; its figure is their median.
 pub const CEILING_ROUNDS: usize = 3;
+
+/// The topic and headers of an event the measured step emitted, for the ceiling's rows: the first row of
+/// the table outbox or, in WAL mode, the first outbox message in the schema's slot (peeked, not consumed).
+async fn emitted_sample(pool: &PgPool) -> anyhow::Result<(String, Vec<(String, String)>)> {
+    use saga_runtime::store::wal;
+    if wal::mode() == saga_consumer::OutboxMode::Table {
+        let (topic, headers): (String, Vec<String>) =
+            sqlx::query_as("SELECT topic, headers FROM saga_outbox ORDER BY id LIMIT 1")
+                .fetch_one(pool)
+                .await?;
+        return Ok((
+            topic,
+            saga_runtime::store::outbox::headers_from_array(headers),
+        ));
+    }
+    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(pool)
+        .await?;
+    // pgoutput's logical message: 'M', flags (1 byte), LSN (8), the prefix (NUL-terminated), the content's
+    // length (4) and the content.
+    let changes: Vec<Vec<u8>> = sqlx::query_scalar(
+        "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, 64, 'proto_version', '1', \
+         'publication_names', $2, 'messages', 'true')",
+    )
+    .bind(wal::slot_name(&schema))
+    .bind(wal::PUBLICATION)
+    .fetch_all(pool)
+    .await?;
+    let prefix = wal::prefix(&schema);
+    for data in changes {
+        let Some(rest) = data.strip_prefix(b"M").and_then(|d| d.get(9..)) else {
+            continue;
+        };
+        let Some(nul) = rest.iter().position(|b| *b == 0) else {
+            continue;
+        };
+        if rest[..nul] != *prefix.as_bytes() {
+            continue;
+        }
+        let content = rest.get(nul + 5..).unwrap_or_default();
+        if let Some(event) = wal::decode(content)?.into_iter().next() {
+            return Ok((event.topic, event.headers));
+        }
+    }
+    anyhow::bail!("no outbox message of {schema} in its slot")
+}
 
 /// Which of the statements the framework's guarantees need [`sql_ceiling`] makes, beside the plain
 /// multi-row `INSERT`s of the rows themselves. Each is called as the consumer calls it.

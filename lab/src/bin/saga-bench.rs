@@ -1,7 +1,7 @@
 //! Measures the framework on this machine: see `saga-bench --help`.
 
 use saga_consumer::OutboxMode;
-use saga_examples::service::{ServiceArgs, quote_ident};
+use saga_examples::service::ServiceArgs;
 use saga_lab::bench::{Progress, Report, broker, consumer, cpu, http, otel, relay, saga, scale};
 use saga_lab::harness::broker::Broker;
 use saga_runtime::kafka::{KafkaConfig, ensure_topics};
@@ -232,13 +232,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             progress.note("consumer on librdkafka's mock cluster");
             let mock = Broker::mock()?;
             let mock_kafka = KafkaConfig::new(mock.brokers());
-            let topics = [
-                format!("{run}.mock.work"),
-                format!("{run}.mock.work.dlq"),
-                format!("{run}.mock.work.retry"),
-                format!("{run}.mock.work.done"),
-            ];
-            mock.create_topics(&topics, cli.partitions).await?;
             for mode in &cli.outbox_modes {
                 // The consumer's and the ceiling's outbox writes follow the process's mode.
                 saga_runtime::store::wal::set_mode(*mode);
@@ -247,6 +240,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 } else {
                     "mock"
                 };
+                // Topics of the mode's own: the mock cluster has no admin API to create them on demand.
+                let work = format!("{run}.{label}.work");
+                let topics = [
+                    work.clone(),
+                    format!("{work}.dlq"),
+                    format!("{work}.retry"),
+                    format!("{work}.done"),
+                ];
+                mock.create_topics(&topics, cli.partitions).await?;
                 let figures =
                     consumer_figures(&cli, &args, &mock_kafka, label, &mut schemas, &progress)
                         .await?;
@@ -559,12 +561,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let admin = sqlx::PgPool::connect(&cli.database_url).await?;
     for name in schemas {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP SCHEMA IF EXISTS {} CASCADE",
-            quote_ident(&name)
-        )))
-        .execute(&admin)
-        .await?;
+        saga_lab::harness::drop_schema(&admin, &name).await?;
     }
     report.print();
     if let Some(dir) = cli.output.parent() {
@@ -729,8 +726,8 @@ async fn consumer_figures(
     schemas: &mut Vec<String>,
     progress: &Progress,
 ) -> anyhow::Result<ConsumerFigures> {
-    let topic = if label == "mock" {
-        format!("{}.mock.work", args.topic_prefix)
+    let topic = if label.starts_with("mock") {
+        format!("{}.{label}.work", args.topic_prefix)
     } else {
         let topic = format!("{}.work", args.topic_prefix);
         ensure_topics(
@@ -750,6 +747,10 @@ async fn consumer_figures(
     progress.note(&format!("consumer ({label}): producing the messages"));
     consumer::produce(kafka, &topic, cli.messages, progress).await?;
     let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
+    if saga_runtime::store::wal::mode() == OutboxMode::Wal {
+        // As a service in WAL mode does at start: its events are decoded only once the slot exists.
+        saga_runtime::store::wal::prepare(&pool).await?;
+    }
     consumer::create_effects_table(&pool).await?;
     consumer::create_baseline_table(&pool).await?;
     progress.note(&format!("consumer ({label}): the at-least-once baseline"));

@@ -166,11 +166,5 @@ impl LocalSaga {
 }
 
 async fn drop_schema(db: &TestDb, schema: &str) {
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {} CASCADE",
-        quote_ident(schema)
-    )))
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    super::drop_schema(&db.pool, schema).await.unwrap();
 }

@@ -10,6 +10,23 @@ pub mod processes;
 pub mod run;
 pub mod summary;
 
+use saga_examples::service::quote_ident;
+use sqlx::PgPool;
+
+/// Drops a service's schema and, first, its WAL outbox's replication slot (a slot left behind keeps the
+/// server's write-ahead log from being recycled). The slot's relay must have stopped.
+pub async fn drop_schema(pool: &PgPool, schema: &str) -> Result<(), sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    saga_runtime::store::wal::drop_slot(&mut conn, schema).await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {} CASCADE",
+        quote_ident(schema)
+    )))
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 use clap::{Args, Subcommand};
 
 use saga_examples::service::{Service, ServiceArgs};

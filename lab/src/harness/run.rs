@@ -19,7 +19,7 @@ use crate::harness::ledger::{self, Ledger, Path};
 use crate::harness::processes::Supervisor;
 use saga_consumer::OutboxMode;
 use saga_examples::events::OrderRequest;
-use saga_examples::service::{Service, ServiceArgs, quote_ident};
+use saga_examples::service::{Service, ServiceArgs};
 
 /// How to run.
 #[derive(Debug, Clone)]
@@ -397,12 +397,7 @@ impl Run {
                 .map(|s| self.args.schema(*s))
                 .chain([self.args.gateway_schema()])
             {
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP SCHEMA IF EXISTS {} CASCADE",
-                    quote_ident(&schema)
-                )))
-                .execute(&self.pool)
-                .await?;
+                super::drop_schema(&self.pool, &schema).await?;
             }
         }
         Ok(())
