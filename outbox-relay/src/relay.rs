@@ -453,6 +453,16 @@ impl Retries {
     }
 }
 
+/// How long [`Relay::run_table`] publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// Until shutdown: the table outbox is the service's.
+    Shutdown,
+    /// Until this instance's shards have nothing left (or shutdown): rows left from before a switch to the
+    /// WAL outbox.
+    Drained,
+}
+
 impl Relay {
     /// Starts building a relay.
     pub fn builder() -> RelayBuilder {
@@ -499,18 +509,34 @@ impl Relay {
         let mut publisher =
             Publisher::new(self.kafka.clone(), self.settings.linger, self.hooks.clone())?;
         if self.settings.mode == OutboxMode::Wal {
+            // Rows a table-mode writer left in `saga_outbox` (before the service switched modes) go first:
+            // a key's older events precede its events in the write-ahead log.
+            self.run_table(&mut publisher, &shutdown, Until::Drained)
+                .await;
             let url = self.settings.replication_url.clone().unwrap_or_default();
             self.run_wal(&mut publisher, &url, &shutdown).await;
-            publisher.flush(Duration::from_secs(5));
-            tracing::info!("relay stopped");
-            return Ok(());
+        } else {
+            self.run_table(&mut publisher, &shutdown, Until::Shutdown)
+                .await;
         }
+        publisher.flush(Duration::from_secs(5));
+        tracing::info!("relay stopped");
+        Ok(())
+    }
+
+    /// Publishes the table outbox until `until`, reconnecting after database failures.
+    async fn run_table(
+        &self,
+        publisher: &mut Publisher,
+        shutdown: &CancellationToken,
+        until: Until,
+    ) {
         let mut owner = ShardOwner::new();
         let mut retries = Retries::default();
         let mut reconnect_wait = Duration::from_millis(200);
         while !shutdown.is_cancelled() {
             match self
-                .session(&mut publisher, &mut owner, &mut retries, &shutdown)
+                .session(publisher, &mut owner, &mut retries, shutdown, until)
                 .await
             {
                 Ok(()) => break,
@@ -527,18 +553,17 @@ impl Relay {
                 }
             }
         }
-        publisher.flush(Duration::from_secs(5));
-        tracing::info!("relay stopped");
-        Ok(())
     }
 
-    /// One database session: returns `Ok` on shutdown, `Err` when the database failed.
+    /// One database session: returns `Ok` on shutdown (or, with [`Until::Drained`], once this instance's
+    /// shards have nothing left to publish), `Err` when the database failed.
     async fn session(
         &self,
         publisher: &mut Publisher,
         owner: &mut ShardOwner,
         retries: &mut Retries,
         shutdown: &CancellationToken,
+        until: Until,
     ) -> Result<(), sqlx::Error> {
         // The work connection holds the shard locks: it is this instance's identity, kept out of the pool.
         let mut conn: PgConnection = self.pool.acquire().await?.detach();
@@ -589,6 +614,10 @@ impl Relay {
                     .await?
             };
             let fetched_in = fetch_started.elapsed();
+            if rows.is_empty() && held.is_empty() && until == Until::Drained && !shards.is_empty() {
+                owner.leave(&mut conn).await.ok();
+                return Ok(());
+            }
             if rows.is_empty() {
                 let wait = self
                     .settings

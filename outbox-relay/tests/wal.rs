@@ -2,7 +2,8 @@
 //! `scripts/dev-services` sets): events of many concurrent transactions are published in per-key commit
 //! order; a relay process killed mid-stream loses nothing, and the one standing by takes the slot over; an
 //! event the broker refuses for good is parked with its reason and the others flow; the slot's lag and
-//! reader are visible to `status`; events rolled back are never published.
+//! reader are visible to `status`; events rolled back are never published; rows a table-mode writer left
+//! behind are published before the log's events.
 
 mod common;
 
@@ -45,6 +46,43 @@ async fn read(kafka: &TestKafka, topic: &str, at_least: usize) -> Vec<ReadMessag
     kafka
         .read_all(topic, at_least, Duration::from_millis(800), WAIT)
         .await
+}
+
+/// A service switched from the table outbox to the log: rows it left in `saga_outbox` go out first, then
+/// its events in the log, so each key's events keep their order across the switch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wal_relay_publishes_rows_left_in_the_table_first_then_the_log() {
+    let db = TestDb::new("wal-switch").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("wal-switch", 2).await;
+    let keys = ["key-a", "key-b"];
+    // Before the switch: three events per key in the table, never published.
+    for seq in 1..=3 {
+        let mut tx = db.pool.begin().await.unwrap();
+        let rows: Vec<OutboxMessage> = keys.iter().map(|k| row(&topic, k, seq)).collect();
+        saga_runtime::store::outbox::append_rows(&mut tx, &rows)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    // After it: three more per key in the log.
+    wal::prepare(&db.pool).await.unwrap();
+    for seq in 4..=6 {
+        let rows: Vec<OutboxMessage> = keys.iter().map(|k| row(&topic, k, seq)).collect();
+        emit(&db, &rows).await;
+    }
+    let relay = start(wal_builder(&kafka.brokers, &db));
+    let messages = read(&kafka, &topic, 12).await;
+    let expected: BTreeMap<String, i64> = keys.iter().map(|k| ((*k).to_owned(), 6)).collect();
+    let duplicates = check_per_key_order(&messages, &expected);
+    assert_eq!((messages.len(), duplicates), (12, 0), "each event once, in order");
+    let unpublished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM saga_outbox WHERE published_at IS NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(unpublished, 0, "the table's rows are marked published");
+    relay.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

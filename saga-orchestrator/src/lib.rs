@@ -82,6 +82,8 @@ mod guide {
     mod redis_fast_path {}
     #[doc = include_str!("../../docs/guide/tracing.md")]
     mod tracing_guide {}
+    #[doc = include_str!("../../docs/guide/wal-outbox.md")]
+    mod wal_outbox {}
     #[doc = include_str!("../../docs/guide/configuration.md")]
     mod configuration {}
     #[doc = include_str!("../../docs/guide/deployment.md")]

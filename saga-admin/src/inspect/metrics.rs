@@ -101,6 +101,12 @@ pub(super) async fn render(app: &App) -> Result<String, AdminError> {
                 "WAL outbox: 1 while a relay reads the slot, 0 while none does.",
             );
             let _ = writeln!(out, "saga_outbox_wal_slot_read {}", u8::from(w.reading));
+            gauge(
+                &mut out,
+                "saga_outbox_wal_parked_events",
+                "WAL outbox: events the broker refuses for good, set aside.",
+            );
+            let _ = writeln!(out, "saga_outbox_wal_parked_events {}", w.parked);
         }
     }
     Ok(out)
