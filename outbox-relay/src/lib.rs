@@ -34,7 +34,10 @@
 mod cli;
 mod gc;
 mod hooks;
+mod key_order;
 mod metrics;
+#[cfg(test)]
+mod model;
 mod publisher;
 mod relay;
 mod shards;

@@ -12,7 +12,6 @@
 //! batch simply waits, and nothing is marked published that the broker did not acknowledge. After a fatal
 //! producer error the producer is recreated and the unmarked rows are published again.
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::time::Duration;
 
@@ -28,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Span;
 
 use crate::hooks::{PublishAttempt, PublishHooks};
+use crate::key_order::KeyOrder;
 use crate::store::OutboxRow;
 
 /// A key whose order must be kept: topic and partition key.
@@ -135,29 +135,18 @@ impl Publisher {
         shutdown: &CancellationToken,
     ) -> Option<BatchOutcome> {
         let mut outcome = BatchOutcome::default();
-        // Keys with a row in flight, each with its rows waiting for it, in row order.
-        let mut waiting: HashMap<KeyRef<'_>, VecDeque<usize>> = HashMap::new();
-        // Keys whose row failed at enqueueing: their later rows are not sent in this batch.
-        let mut failed_keys: HashSet<KeyRef<'_>> = HashSet::new();
+        let mut order: KeyOrder<KeyRef<'_>> = KeyOrder::new();
         let mut in_flight = FuturesUnordered::new();
         for (index, row) in rows.iter().enumerate() {
             let key = key_ref(row);
-            if let Some(queue) = waiting.get_mut(&key) {
-                queue.push_back(index);
-                continue;
-            }
-            if !failed_keys.is_empty() && failed_keys.contains(&key) {
-                outcome.held_back += 1;
+            if !order.offer(index, key) {
                 continue;
             }
             match self.send(row, shutdown).await? {
-                Ok((sent, span)) => {
-                    waiting.insert(key, VecDeque::new());
-                    in_flight.push(in_flight_row(index, row.id, sent, span));
-                }
+                Ok((sent, span)) => in_flight.push(in_flight_row(index, row.id, sent, span)),
                 Err(failed) => {
                     outcome.failed.push(failed);
-                    failed_keys.insert(key);
+                    order.refused_at_send(&key);
                 }
             }
         }
@@ -171,7 +160,6 @@ impl Publisher {
             };
             let row = &rows[index];
             let key = key_ref(row);
-            let mut queue = waiting.remove(&key).unwrap_or_default();
             match report {
                 Ok((partition, offset)) => {
                     span.record("messaging.destination.partition.id", partition);
@@ -184,25 +172,25 @@ impl Publisher {
                         offset,
                     });
                     // The broker has this row: the key's next one may go.
-                    if let Some(next) = queue.pop_front() {
+                    if let Some(next) = order.acked(&key) {
                         match self.send(&rows[next], shutdown).await? {
                             Ok((sent, span)) => {
                                 in_flight.push(in_flight_row(next, rows[next].id, sent, span));
-                                waiting.insert(key, queue);
                             }
                             Err(failed) => {
                                 outcome.failed.push(failed);
-                                outcome.held_back += queue.len();
+                                order.refused_at_send(&key);
                             }
                         }
                     }
                 }
                 Err(failed) => {
                     outcome.failed.push(failed);
-                    outcome.held_back += queue.len();
+                    order.failed(&key);
                 }
             }
         }
+        outcome.held_back = order.held_back();
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             tracing::error!(?code, %reason, "fatal producer error; recreating the producer");
             match create(&self.kafka, self.linger) {

@@ -97,49 +97,34 @@ impl ShardOwner {
         .bind(members_class)
         .fetch_one(&mut *conn)
         .await?;
-        let members_u = usize::try_from(members.max(1)).unwrap_or(1);
-        let share = usize::from(SHARDS.unsigned_abs()).div_ceil(members_u);
         let mut change = Change {
             members,
             ..Change::default()
         };
-        if self.owned.len() > share {
-            let extra: Vec<i16> = self
-                .owned
-                .iter()
-                .rev()
-                .take(self.owned.len() - share)
-                .copied()
-                .collect();
-            release(conn, shards_class, &extra).await?;
-            for s in &extra {
-                self.owned.remove(s);
+        match plan(&self.owned, members, self.instance, SHARDS) {
+            Plan::Keep => {}
+            Plan::Release(extra) => {
+                release(conn, shards_class, &extra).await?;
+                for s in &extra {
+                    self.owned.remove(s);
+                }
+                change.released = extra;
             }
-            change.released = extra;
-        } else if self.owned.len() < share {
-            // The candidates exclude the owned shards here, not in SQL: a plan that evaluated the lock call
-            // before an exclusion in the WHERE clause (PostgreSQL's generic plan of a prepared statement
-            // may) would lock owned shards again, and session advisory locks stack: a later release would
-            // leave the shard locked by an instance that no longer publishes it.
-            let start = usize::try_from(self.instance % i32::from(SHARDS)).unwrap_or(0);
-            let candidates: Vec<i16> = (0..SHARDS)
-                .cycle()
-                .skip(start)
-                .take(usize::from(SHARDS.unsigned_abs()))
-                .filter(|s| !self.owned.contains(s))
-                .collect();
-            // Lazy evaluation: the lock function runs only until LIMIT rows matched (no sort in between).
-            let acquired: Vec<i16> = sqlx::query_scalar(
-                "SELECT shard FROM unnest($2::int2[]) AS c(shard) \
-                 WHERE pg_try_advisory_lock($1, shard) LIMIT $3",
-            )
-            .bind(shards_class)
-            .bind(&candidates)
-            .bind(i64::try_from(share - self.owned.len()).unwrap_or(0))
-            .fetch_all(&mut *conn)
-            .await?;
-            self.owned.extend(acquired.iter().copied());
-            change.acquired = acquired;
+            Plan::Acquire { candidates, want } => {
+                // Lazy evaluation: the lock function runs only until LIMIT rows matched (no sort in
+                // between).
+                let acquired: Vec<i16> = sqlx::query_scalar(
+                    "SELECT shard FROM unnest($2::int2[]) AS c(shard) \
+                     WHERE pg_try_advisory_lock($1, shard) LIMIT $3",
+                )
+                .bind(shards_class)
+                .bind(&candidates)
+                .bind(i64::try_from(want).unwrap_or(0))
+                .fetch_all(&mut *conn)
+                .await?;
+                self.owned.extend(acquired.iter().copied());
+                change.acquired = acquired;
+            }
         }
         Ok(change)
     }
@@ -159,6 +144,56 @@ impl ShardOwner {
     pub(crate) fn forget(&mut self) {
         self.owned.clear();
         self.classes = None;
+    }
+}
+
+/// What a rebalance does, decided without I/O.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Plan {
+    /// The instance owns its fair share.
+    Keep,
+    /// Give these up (the highest first).
+    Release(Vec<i16>),
+    /// Try to lock up to `want` of `candidates`, in order.
+    Acquire {
+        /// Shards the instance does not own, starting from a place that depends on the instance.
+        candidates: Vec<i16>,
+        /// How many more it should own.
+        want: usize,
+    },
+}
+
+/// The rebalance of an instance (`instance`) owning `owned` of `shards` shards among `members` members:
+/// its fair share is the shards divided by the members, rounded up. Free shards are tried starting from a
+/// place that depends on the instance, so that instances starting together spread out. The candidates
+/// exclude the owned shards: a plan that locked an owned shard again would stack its session lock, and a
+/// later release would leave it locked by an instance that no longer publishes it.
+pub(crate) fn plan(owned: &BTreeSet<i16>, members: i64, instance: i32, shards: i16) -> Plan {
+    let members = usize::try_from(members.max(1)).unwrap_or(1);
+    let share = usize::from(shards.unsigned_abs()).div_ceil(members);
+    if owned.len() > share {
+        Plan::Release(
+            owned
+                .iter()
+                .rev()
+                .take(owned.len() - share)
+                .copied()
+                .collect(),
+        )
+    } else if owned.len() < share {
+        let start = usize::try_from(instance % i32::from(shards)).unwrap_or(0);
+        let candidates = (0..shards)
+            .cycle()
+            .skip(start)
+            .take(usize::from(shards.unsigned_abs()))
+            .filter(|s| !owned.contains(s))
+            .collect();
+        Plan::Acquire {
+            candidates,
+            want: share - owned.len(),
+        }
+    } else {
+        Plan::Keep
     }
 }
 

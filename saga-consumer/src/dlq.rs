@@ -43,7 +43,7 @@ pub mod headers {
 use headers::MAX_ERROR_BYTES;
 
 /// Why a message was dead-lettered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DeadLetterReason {
     /// Its headers or payload do not decode.
     Undecodable,

@@ -453,59 +453,13 @@ where
     RB::Error: Into<BoxError>,
 {
     let (parts, body) = request.into_parts();
-    let key = match parts
-        .headers
-        .get(IDEMPOTENCY_KEY_HEADER)
-        .map(HeaderValue::to_str)
-    {
-        None => {
-            return Ok(problem(
-                StatusCode::BAD_REQUEST,
-                "missing Idempotency-Key header",
-            ));
-        }
-        Some(Err(_)) => {
-            return Ok(problem(
-                StatusCode::BAD_REQUEST,
-                "Idempotency-Key is not visible ASCII",
-            ));
-        }
-        Some(Ok(value)) => match IdempotencyKey::new(value) {
-            Ok(key) => key,
-            Err(e) => {
-                return Ok(problem(
-                    StatusCode::BAD_REQUEST,
-                    &format!("invalid Idempotency-Key: {e}"),
-                ));
-            }
-        },
+    let (key, tenant, traceparent) = match read_headers(&parts.headers) {
+        Ok(read) => read,
+        Err((status, message)) => return Ok(problem(status, &message)),
     };
-    let tenant = match parts.headers.get(TENANT_HEADER).map(HeaderValue::to_str) {
-        None => TenantId::default(),
-        Some(Ok(value)) => match TenantId::new(value) {
-            Ok(t) => t,
-            Err(e) => {
-                return Ok(problem(
-                    StatusCode::BAD_REQUEST,
-                    &format!("invalid Tenant-Id: {e}"),
-                ));
-            }
-        },
-        Some(Err(_)) => return Ok(problem(StatusCode::BAD_REQUEST, "invalid Tenant-Id")),
-    };
-    let traceparent = parts
-        .headers
-        .get(saga_core::headers::names::TRACEPARENT)
-        .and_then(|v| v.to_str().ok())
-        .and_then(TraceParent::parse);
-    let bytes = match Limited::new(body, config.max_body_bytes).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(_) => {
-            return Ok(problem(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "request body too large or unreadable",
-            ));
-        }
+    let bytes = match read_body(body, config.max_body_bytes).await {
+        Ok(bytes) => bytes,
+        Err((status, message)) => return Ok(problem(status, &message)),
     };
     let who = caller.as_ref().map(|c| (c.0)(&parts));
     let hash = fingerprint(
@@ -531,6 +485,81 @@ where
         #[cfg(not(feature = "redis"))]
         Some(never) => match never {},
     }
+}
+
+/// A request the layer answers itself, before any database work: the status and the problem's detail.
+type Refusal = (StatusCode, String);
+
+/// What the layer reads from a request's headers: the client's key (required), the tenant (`Tenant-Id`,
+/// else the default) and the caller's trace context (ignored when malformed, as W3C says).
+fn read_headers(
+    headers: &HeaderMap,
+) -> Result<(IdempotencyKey, TenantId, Option<TraceParent>), Refusal> {
+    let bad = |message: String| (StatusCode::BAD_REQUEST, message);
+    let key = match headers.get(IDEMPOTENCY_KEY_HEADER).map(HeaderValue::to_str) {
+        None => return Err(bad("missing Idempotency-Key header".into())),
+        Some(Err(_)) => return Err(bad("Idempotency-Key is not visible ASCII".into())),
+        Some(Ok(value)) => {
+            IdempotencyKey::new(value).map_err(|e| bad(format!("invalid Idempotency-Key: {e}")))?
+        }
+    };
+    let tenant = match headers.get(TENANT_HEADER).map(HeaderValue::to_str) {
+        None => TenantId::default(),
+        Some(Ok(value)) => {
+            TenantId::new(value).map_err(|e| bad(format!("invalid Tenant-Id: {e}")))?
+        }
+        Some(Err(_)) => return Err(bad("invalid Tenant-Id".into())),
+    };
+    let traceparent = headers
+        .get(saga_core::headers::names::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
+    Ok((key, tenant, traceparent))
+}
+
+/// The request's body, at most `max` bytes.
+async fn read_body<B>(body: B, max: usize) -> Result<Bytes, Refusal>
+where
+    B: http_body::Body,
+    B::Error: Into<BoxError>,
+{
+    Limited::new(body, max)
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .map_err(|_| {
+            (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large or unreadable".into(),
+            )
+        })
+}
+
+/// The layer's reading of a request, for the fuzz targets (`fuzz/`): its headers, then its body (at most
+/// `max_body` bytes), then the fingerprint the layer would store with the key; or the refusal it would
+/// answer with. Not part of the API.
+#[doc(hidden)]
+pub fn read_request(
+    method: &http::Method,
+    uri: &http::Uri,
+    headers: &HeaderMap,
+    body: &[u8],
+    max_body: usize,
+) -> Result<(saga_core::StepKey, Vec<u8>), (u16, String)> {
+    let refused = |(status, message): Refusal| (status.as_u16(), message);
+    let (key, _, _) = read_headers(headers).map_err(refused)?;
+    let read = read_body(Full::new(Bytes::copy_from_slice(body)), max_body);
+    // A body in memory is read at the first poll.
+    let mut read = std::pin::pin!(read);
+    let std::task::Poll::Ready(bytes) = read
+        .as_mut()
+        .poll(&mut Context::from_waker(std::task::Waker::noop()))
+    else {
+        unreachable!("a body in memory is ready at once")
+    };
+    let bytes = bytes.map_err(refused)?;
+    let step = StepName::from_static("fuzzed");
+    Ok((key.step_key(&step), fingerprint(method, uri, &bytes, None)))
 }
 
 /// A request whose key, tenant and fingerprint are read.

@@ -78,6 +78,8 @@ pub mod http;
 mod machine;
 mod metrics;
 pub mod migrate;
+#[cfg(test)]
+mod model;
 mod offsets;
 mod ops;
 mod partition;

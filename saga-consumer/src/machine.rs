@@ -22,7 +22,7 @@ use std::time::Duration;
 use crate::dlq::DeadLetterReason;
 
 /// How a message of the batch is processed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Kind {
     /// Claimed, handled and recorded in a transaction, batched with its neighbours of the same kind.
     Transactional,
@@ -42,7 +42,7 @@ impl Kind {
 }
 
 /// Why an attempt failed, as far as the decisions go.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Fault {
     /// Retrying cannot help: dead-letter.
     Permanent(String),
@@ -64,7 +64,7 @@ impl Fault {
 }
 
 /// How long to wait before the next attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Wait {
     /// The retry policy's backoff after this many counted attempts.
     Backoff(u32),
@@ -75,7 +75,7 @@ pub(crate) enum Wait {
 }
 
 /// What the worker does next.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Action {
     /// Runs messages `start..end` in one transaction (none if they all need no claim). Answered by
     /// [`Event::Committed`], [`Event::ItemFailed`], [`Event::GroupFailed`] or [`Event::NotStarted`].
@@ -98,7 +98,7 @@ pub(crate) enum Action {
 }
 
 /// What came of the last action.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Event {
     /// The transaction (or the two-phase attempt) committed: its messages are finished.
     Committed,
@@ -113,14 +113,14 @@ pub(crate) enum Event {
 }
 
 /// A retry of one message that failed: its failure, counted or not.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Retrying {
     index: usize,
     fault: Fault,
 }
 
 /// The decisions for one batch of one partition, in offset order. See the module documentation.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct BatchMachine {
     kinds: Vec<Kind>,
     attempts: Vec<u32>,

@@ -1,10 +1,11 @@
-//! Property tests: parsing keys and headers from arbitrary input never panics, and derivation round-trips.
+//! Property tests: parsing keys and headers from arbitrary input never panics, step keys round-trip, and
+//! external keys keep tenants apart, stay within their bounds and never change.
 
 use proptest::prelude::*;
 use saga_core::headers::names;
 use saga_core::{
-    EnvelopeError, EventMetadata, HeaderError, Headers, IdempotencyKey, StepKey, StepName,
-    TenantId, TraceParent,
+    EnvelopeError, EventMetadata, ExternalKey, HeaderError, Headers, IdempotencyKey, StepKey,
+    StepName, TenantId, TraceParent,
 };
 
 fn valid_key() -> impl Strategy<Value = String> {
@@ -103,3 +104,66 @@ proptest! {
         }
     }
 }
+
+fn valid_tenant() -> impl Strategy<Value = String> {
+    proptest::string::string_regex("[A-Za-z0-9._-]{1,64}").unwrap()
+}
+
+proptest! {
+    #[test]
+    fn external_keys_never_cross_tenants(
+        key in valid_key(), step in valid_step(), a in valid_tenant(), b in valid_tenant(),
+    ) {
+        prop_assume!(a != b);
+        let (key, step) = (IdempotencyKey::new(&key).unwrap(), StepName::new(&step).unwrap());
+        let (a, b) = (TenantId::new(&a).unwrap(), TenantId::new(&b).unwrap());
+        let (ka, kb) = (ExternalKey::of(&a, &key, &step), ExternalKey::of(&b, &key, &step));
+        prop_assert_ne!(ka.as_str(), kb.as_str());
+        prop_assert_ne!(ka.compact(), kb.compact());
+    }
+
+    #[test]
+    fn external_keys_are_bounded_and_safe_for_outside_systems(
+        key in valid_key(), step in valid_step(), tenant in valid_tenant(),
+    ) {
+        let (key, step) = (IdempotencyKey::new(&key).unwrap(), StepName::new(&step).unwrap());
+        let external = ExternalKey::of(&TenantId::new(&tenant).unwrap(), &key, &step);
+        prop_assert!(external.as_str().len() <= ExternalKey::MAX_LEN);
+        prop_assert!(external.as_str().bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b)));
+        prop_assert_eq!(external.compact().len(), 36);
+    }
+
+    #[test]
+    fn external_keys_are_stable_and_tell_steps_and_keys_apart(
+        key in valid_key(), other in valid_key(), step in valid_step(), other_step in valid_step(),
+        tenant in valid_tenant(),
+    ) {
+        let tenant = TenantId::new(&tenant).unwrap();
+        let (k1, s1) = (IdempotencyKey::new(&key).unwrap(), StepName::new(&step).unwrap());
+        let (k2, s2) = (IdempotencyKey::new(&other).unwrap(), StepName::new(&other_step).unwrap());
+        // The same inputs, the same key, however derived.
+        prop_assert_eq!(ExternalKey::of(&tenant, &k1, &s1), ExternalKey::new(&tenant, &k1.step_key(&s1)));
+        if (key.as_str(), step.as_str()) != (other.as_str(), other_step.as_str()) {
+            prop_assert_ne!(ExternalKey::of(&tenant, &k1, &s1).compact(), ExternalKey::of(&tenant, &k2, &s2).compact());
+        }
+    }
+}
+
+/// The external key of one saga step, written down: outside systems store these, so they never change
+/// between versions (the UUIDv5 namespace is fixed forever).
+#[test]
+fn an_external_key_is_the_same_in_every_version() {
+    let key = ExternalKey::of(
+        &TenantId::new("acme").unwrap(),
+        &IdempotencyKey::new("order-42").unwrap(),
+        &StepName::new("charge-payment").unwrap(),
+    );
+    assert_eq!(
+        key.compact(),
+        GOLDEN_COMPACT,
+        "the external key of acme/order-42/charge-payment changed"
+    );
+}
+
+/// UUIDv5 of `acme\0order-42\0charge-payment` in the external keys' namespace.
+const GOLDEN_COMPACT: &str = "3cd543ba-7532-5d2c-b8ed-177a37e20c9b";
