@@ -14,7 +14,10 @@ use tokio_util::sync::CancellationToken;
 
 mod common;
 
-use common::{RunningRelay, WAIT, builder, check_per_key_order, relay_command, row, start};
+use common::{
+    RunningRelay, WAIT, builder, check_per_key_order, commit_order_table, last_in_commit_order,
+    next_in_commit_order, relay_command, row, start,
+};
 
 async fn unpublished(db: &TestDb) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM saga_outbox WHERE published_at IS NULL")
@@ -35,18 +38,8 @@ async fn order_rows_of_many_concurrent_transactions_are_all_published_in_per_key
     let db = TestDb::new("relay-order").await;
     let kafka = TestKafka::new().await;
     let topic = kafka.topic("relay-order", 3).await;
-    sqlx::query("CREATE TABLE commit_order (key TEXT PRIMARY KEY, n BIGINT NOT NULL DEFAULT 0)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
     let keys: Vec<String> = (0..8).map(|k| format!("key-{k}")).collect();
-    for key in &keys {
-        sqlx::query("INSERT INTO commit_order (key) VALUES ($1)")
-            .bind(key)
-            .execute(&db.pool)
-            .await
-            .unwrap();
-    }
+    commit_order_table(&db, &keys).await;
     let relay = start(builder(&kafka.brokers, db.pool.clone()));
 
     // Each writer appends a row, waits a random moment, and only then learns its place in the key's commit
@@ -64,13 +57,7 @@ async fn order_rows_of_many_concurrent_transactions_are_all_published_in_per_key
                     .await
                     .unwrap();
                 tokio::time::sleep(Duration::from_micros(rand_micros(w, i))).await;
-                let n: i64 = sqlx::query_scalar(
-                    "UPDATE commit_order SET n = n + 1 WHERE key = $1 RETURNING n",
-                )
-                .bind(key)
-                .fetch_one(&mut *tx)
-                .await
-                .unwrap();
+                let n = next_in_commit_order(&mut tx, key).await;
                 sqlx::query("UPDATE saga_outbox SET payload = $2 WHERE id = $1")
                     .bind(ids[0])
                     .bind(serde_json::to_vec(&serde_json::json!({"key": key, "seq": n})).unwrap())
@@ -85,12 +72,7 @@ async fn order_rows_of_many_concurrent_transactions_are_all_published_in_per_key
         w.await.unwrap();
     }
     wait_all_published(&db).await;
-    let expected: BTreeMap<String, i64> = sqlx::query_as("SELECT key, n FROM commit_order")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
+    let expected = last_in_commit_order(&db).await;
     assert_eq!(expected.values().sum::<i64>(), 400);
     let messages = kafka
         .read_all(&topic, 400, Duration::from_millis(500), WAIT)

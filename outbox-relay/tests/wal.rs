@@ -15,7 +15,10 @@ use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId};
 use saga_runtime::store::wal;
 use saga_test_support::{ReadMessage, TestDb, TestKafka, unique_name, wait_until};
 
-use common::{WAIT, builder, check_per_key_order, relay_command, row, start};
+use common::{
+    WAIT, builder, check_per_key_order, commit_order_table, last_in_commit_order,
+    next_in_commit_order, relay_command, row, start,
+};
 
 /// A relay reading `db`'s schema's slot.
 fn wal_builder(brokers: &str, db: &TestDb) -> RelayBuilder {
@@ -75,7 +78,11 @@ async fn a_wal_relay_publishes_rows_left_in_the_table_first_then_the_log() {
     let messages = read(&kafka, &topic, 12).await;
     let expected: BTreeMap<String, i64> = keys.iter().map(|k| ((*k).to_owned(), 6)).collect();
     let duplicates = check_per_key_order(&messages, &expected);
-    assert_eq!((messages.len(), duplicates), (12, 0), "each event once, in order");
+    assert_eq!(
+        (messages.len(), duplicates),
+        (12, 0),
+        "each event once, in order"
+    );
     let unpublished: i64 =
         sqlx::query_scalar("SELECT count(*) FROM saga_outbox WHERE published_at IS NULL")
             .fetch_one(&db.pool)
@@ -91,18 +98,8 @@ async fn wal_events_of_many_concurrent_transactions_are_published_in_per_key_com
     let kafka = TestKafka::new().await;
     let topic = kafka.topic("wal-order", 3).await;
     wal::prepare(&db.pool).await.unwrap();
-    sqlx::query("CREATE TABLE commit_order (key TEXT PRIMARY KEY, n BIGINT NOT NULL DEFAULT 0)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
     let keys: Vec<String> = (0..8).map(|k| format!("key-{k}")).collect();
-    for key in &keys {
-        sqlx::query("INSERT INTO commit_order (key) VALUES ($1)")
-            .bind(key)
-            .execute(&db.pool)
-            .await
-            .unwrap();
-    }
+    commit_order_table(&db, &keys).await;
     let relay = start(wal_builder(&kafka.brokers, &db));
 
     // Eight writers, each on every key in its own order: a key's number is taken under its row lock, in
@@ -115,13 +112,7 @@ async fn wal_events_of_many_concurrent_transactions_are_published_in_per_key_com
             for i in 0..per_writer {
                 let key = &keys[(w + i) % keys.len()];
                 let mut tx = pool.begin().await.unwrap();
-                let n: i64 = sqlx::query_scalar(
-                    "UPDATE commit_order SET n = n + 1 WHERE key = $1 RETURNING n",
-                )
-                .bind(key)
-                .fetch_one(&mut *tx)
-                .await
-                .unwrap();
+                let n = next_in_commit_order(&mut tx, key).await;
                 wal::emit(&mut tx, &[row(&topic, key, n)]).await.unwrap();
                 tx.commit().await.unwrap();
             }
@@ -137,12 +128,7 @@ async fn wal_events_of_many_concurrent_transactions_are_published_in_per_key_com
         .unwrap();
     rolled_back.rollback().await.unwrap();
 
-    let expected: BTreeMap<String, i64> = sqlx::query_as("SELECT key, n FROM commit_order")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
+    let expected = last_in_commit_order(&db).await;
     let total = 8 * per_writer;
     let messages = read(&kafka, &topic, total).await;
     let duplicates = check_per_key_order(&messages, &expected);

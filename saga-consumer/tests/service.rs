@@ -53,18 +53,13 @@ async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_s
     kafka.delete_on_drop(&format!("{group}.retry"));
     let producer = kafka.producer();
     for n in 1..=5 {
-        let key = format!("order-{n}");
-        let payload = serde_json::to_vec(&Placed { n }).unwrap();
         kafka
-            .produce(
+            .produce_event(
                 &producer,
                 &topic,
-                Some(&key),
-                &[
-                    ("idempotency-key", key.as_str()),
-                    ("ce_type", Placed::TYPES[0]),
-                ],
-                &payload,
+                &format!("order-{n}"),
+                Placed::TYPES[0],
+                &Placed { n },
             )
             .await;
     }
@@ -177,15 +172,13 @@ async fn renaming_a_step_makes_every_message_it_processed_new_to_it() {
     let topic = kafka.topic("step-rename", 1).await;
     let producer = kafka.producer();
     for n in 1..=3 {
-        let key = format!("order-{n}");
-        let payload = serde_json::to_vec(&Placed { n }).unwrap();
         kafka
-            .produce(
+            .produce_event(
                 &producer,
                 &topic,
-                Some(&key),
-                &[("idempotency-key", key.as_str()), ("ce_type", "Placed")],
-                &payload,
+                &format!("order-{n}"),
+                "Placed",
+                &Placed { n },
             )
             .await;
     }

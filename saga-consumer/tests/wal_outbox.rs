@@ -59,18 +59,13 @@ async fn a_service_in_wal_mode_writes_its_events_to_the_log_and_its_relay_publis
     let producer = kafka.producer();
     for _ in 0..2 {
         for n in 1..=5 {
-            let key = format!("order-{n}");
-            let payload = serde_json::to_vec(&Placed { n }).unwrap();
             kafka
-                .produce(
+                .produce_event(
                     &producer,
                     &topic,
-                    Some(&key),
-                    &[
-                        ("idempotency-key", key.as_str()),
-                        ("ce_type", Placed::TYPES[0]),
-                    ],
-                    &payload,
+                    &format!("order-{n}"),
+                    Placed::TYPES[0],
+                    &Placed { n },
                 )
                 .await;
         }

@@ -212,6 +212,27 @@ impl TestKafka {
             .await
     }
 
+    /// Produces an event as a saga's client would: keyed and carrying `key` as its idempotency key, of type
+    /// `event_type`, with `payload` as JSON.
+    pub async fn produce_event(
+        &self,
+        producer: &FutureProducer,
+        topic: &str,
+        key: &str,
+        event_type: &str,
+        payload: &impl serde::Serialize,
+    ) -> (i32, i64) {
+        let payload = serde_json::to_vec(payload).expect("a payload that serialises");
+        self.produce(
+            producer,
+            topic,
+            Some(key),
+            &[("idempotency-key", key), ("ce_type", event_type)],
+            &payload,
+        )
+        .await
+    }
+
     /// Like [`TestKafka::produce`], to partition `partition` if given (else the partitioner's choice).
     pub async fn produce_to(
         &self,

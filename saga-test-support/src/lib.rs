@@ -46,4 +46,4 @@ pub use kafka::{ReadMessage, TestKafka};
 pub use ports::free_local_addr;
 pub use postgres::PrivatePostgres;
 pub use services::{Services, services};
-pub use usage::expect_usage_error;
+pub use usage::{expect_configuration_mistakes_named, expect_usage_error};

@@ -116,3 +116,37 @@ pub fn relay_command(db: &TestDb, brokers: &str) -> tokio::process::Command {
         .kill_on_drop(true);
     command
 }
+
+/// Per-key commit order, as the tests record it: a row per key of `keys` whose number a writer takes
+/// (`next_in_commit_order`) under the row's lock, in the transaction that writes the key's event, so per
+/// key, number order is commit order.
+pub async fn commit_order_table(db: &TestDb, keys: &[String]) {
+    sqlx::query("CREATE TABLE commit_order (key TEXT PRIMARY KEY, n BIGINT NOT NULL DEFAULT 0)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO commit_order (key) SELECT * FROM unnest($1::text[])")
+        .bind(keys)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+/// The next number of `key` in commit order, taken in `tx` (see [`commit_order_table`]).
+pub async fn next_in_commit_order(tx: &mut sqlx::PgConnection, key: &str) -> i64 {
+    sqlx::query_scalar("UPDATE commit_order SET n = n + 1 WHERE key = $1 RETURNING n")
+        .bind(key)
+        .fetch_one(tx)
+        .await
+        .unwrap()
+}
+
+/// Each key's last number: what [`check_per_key_order`] expects.
+pub async fn last_in_commit_order(db: &TestDb) -> BTreeMap<String, i64> {
+    sqlx::query_as("SELECT key, n FROM commit_order")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
