@@ -39,6 +39,7 @@ async fn each_crate_applies_only_its_own_tables() {
             "saga_consumer_suspects",
             "saga_idempotency_keys",
             "saga_outbox",
+            "saga_outbox_wal_parked",
         ],
         "a choreographed service gets no orchestrator tables"
     );
@@ -127,7 +128,8 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
             20_261_121_000_004,
             20_261_122_000_001,
             20_261_122_000_004,
-            20_261_125_000_001
+            20_261_125_000_001,
+            20_261_125_000_002
         ]
     );
     // And the upgraded functions still work.

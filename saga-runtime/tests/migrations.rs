@@ -20,7 +20,12 @@ async fn migrations_apply_to_an_empty_schema_and_a_second_run_changes_nothing() 
     // their own crates' migrations.
     assert_eq!(
         tables,
-        [MIGRATIONS_TABLE, "saga_idempotency_keys", "saga_outbox"],
+        [
+            MIGRATIONS_TABLE,
+            "saga_idempotency_keys",
+            "saga_outbox",
+            "saga_outbox_wal_parked"
+        ],
         "saga-core's tables"
     );
     let applied: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
