@@ -227,29 +227,20 @@ pub(crate) fn decide(
                 RETRY_CAUSE,
             ))
         }
-        (SagaStatus::Compensating, SagaEvent::Retry) => {
-            let j = state.step_index;
-            let mut next = state.clone();
-            next.attempt += 1;
-            let (send, resend_after) = compensation_command(def, &next, j)?;
-            Some(Decision {
-                send: Some(send),
-                deadline: Some(resend_after),
-                cause: RETRY_CAUSE.into(),
-                step: Some(compensation_name(&def.steps[j]).to_string()),
-                next,
-            })
-        }
-        (SagaStatus::Compensating, SagaEvent::Timeout) => {
+        (SagaStatus::Compensating, event @ (SagaEvent::Retry | SagaEvent::Timeout)) => {
             // Never skipped: send the compensation again, with the same key.
             let j = state.step_index;
             let mut next = state.clone();
             next.attempt += 1;
             let (send, resend_after) = compensation_command(def, &next, j)?;
+            let cause = match event {
+                SagaEvent::Retry => RETRY_CAUSE,
+                _ => "timeout",
+            };
             Some(Decision {
                 send: Some(send),
                 deadline: Some(resend_after),
-                cause: "timeout".into(),
+                cause: cause.into(),
                 step: Some(compensation_name(&def.steps[j]).to_string()),
                 next,
             })
