@@ -17,7 +17,7 @@
 //! Each schema is a lane; the page draws one column per lane. Published outbox rows and finished keys
 //! leave the database after their retention (7 days by default): older sagas show what is left.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 
 use chrono::{DateTime, Utc};
 use saga_core::KafkaConfig;
@@ -107,15 +107,15 @@ fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// Whether `schema` has table `table`.
-async fn has_table(pool: &PgPool, schema: &str, table: &str) -> Result<bool, AdminError> {
-    Ok(sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2)",
+/// The tables of `schema` (a service has those of the crates it uses).
+async fn tables_of(pool: &PgPool, schema: &str) -> Result<BTreeSet<String>, AdminError> {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1",
     )
     .bind(schema)
-    .bind(table)
-    .fetch_one(pool)
-    .await?)
+    .fetch_all(pool)
+    .await?;
+    Ok(tables.into_iter().collect())
 }
 
 /// The timeline of the saga of client key `key` (of `tenant`, or of every tenant) over `schemas` (every
@@ -149,11 +149,21 @@ pub async fn trace(
     for schema in &schemas {
         let mut of_schema = Vec::new();
         let read = async {
+            let tables = tables_of(pool, schema).await?;
             steps(pool, schema, key, tenant, &mut of_schema).await?;
-            emitted(pool, schema, key, tenant, &mut of_schema).await?;
-            transitions(pool, schema, key, tenant, &mut of_schema).await?;
-            replays(pool, schema, key, tenant, &mut of_schema).await?;
-            dead_letters(kafka, pool, schema, key, tenant, &mut of_schema).await
+            if tables.contains("saga_outbox") {
+                emitted(pool, schema, key, tenant, &mut of_schema).await?;
+            }
+            if tables.contains("saga_instances") {
+                transitions(pool, schema, key, tenant, &mut of_schema).await?;
+            }
+            if tables.contains("saga_dlq_replay_log") {
+                replays(pool, schema, key, tenant, &mut of_schema).await?;
+            }
+            if tables.contains("saga_consumer_groups") {
+                dead_letters(kafka, pool, schema, key, tenant, &mut of_schema).await?;
+            }
+            Ok(())
         }
         .await;
         match read {
@@ -269,9 +279,6 @@ async fn emitted(
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
 ) -> Result<(), AdminError> {
-    if !has_table(pool, schema, "saga_outbox").await? {
-        return Ok(());
-    }
     // Older schemas lack the published position: read it where it is.
     let positioned: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
@@ -350,9 +357,6 @@ async fn transitions(
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
 ) -> Result<(), AdminError> {
-    if !has_table(pool, schema, "saga_instances").await? {
-        return Ok(());
-    }
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT i.saga_id::text, i.saga_type, t.version, t.at, t.from_status, t.to_status, t.step, t.cause \
          FROM {s}.saga_instances i JOIN {s}.saga_transitions t USING (saga_id) \
@@ -395,9 +399,6 @@ async fn replays(
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
 ) -> Result<(), AdminError> {
-    if !has_table(pool, schema, "saga_dlq_replay_log").await? {
-        return Ok(());
-    }
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT sent_at, operator, dlq_topic, dlq_partition, dlq_offset, consumer_group, retry_topic, \
                 retry_partition, retry_offset \
@@ -434,20 +435,14 @@ async fn dead_letters(
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
 ) -> Result<(), AdminError> {
-    if !has_table(pool, schema, "saga_consumer_groups").await? {
-        return Ok(());
-    }
     let topics: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT DISTINCT dlq_topic, group_id FROM {}.saga_consumer_groups ORDER BY 1",
+        "SELECT DISTINCT ON (dlq_topic) dlq_topic, group_id FROM {}.saga_consumer_groups \
+         ORDER BY dlq_topic, group_id",
         ident(schema)
     )))
     .fetch_all(pool)
     .await?;
-    let mut seen = BTreeMap::new();
     for (topic, group) in topics {
-        if seen.insert(topic.clone(), ()).is_some() {
-            continue;
-        }
         let letters = match dlq::list(kafka, &topic, &DlqFilter::default()).await {
             Ok(letters) => letters,
             // A dead-letter topic that was never created holds nothing.

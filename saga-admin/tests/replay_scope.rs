@@ -167,6 +167,22 @@ impl Fixture {
         KafkaConfig::new(self.kafka.brokers.clone())
     }
 
+    /// Replays every letter of `dlq_topic` into the service's schema with `options`.
+    async fn replay(
+        &self,
+        dlq_topic: &str,
+        options: &ReplayOptions,
+    ) -> Result<dlq::ReplayReport, saga_admin::AdminError> {
+        dlq::replay(
+            &self.kafka_config(),
+            &self.db.pool,
+            dlq_topic,
+            &DlqFilter::default(),
+            options,
+        )
+        .await
+    }
+
     /// Records in the schema that `group` writes `dlq` and reads `retry`, as its consumer does at start.
     async fn record_group(&self, group: &str, dlq: &str, retry: &str) {
         sqlx::query(
@@ -262,15 +278,7 @@ async fn a_replay_reaches_only_the_group_that_failed_and_it_processes_the_messag
     // The step is mended; the dead letter is replayed.
     broken.store(false, Ordering::SeqCst);
     let options = ReplayOptions::default().by("alice");
-    let report = dlq::replay(
-        &kafka,
-        &f.db.pool,
-        &dlq_topic,
-        &DlqFilter::default(),
-        &options,
-    )
-    .await
-    .unwrap();
+    let report = f.replay(&dlq_topic, &options).await.unwrap();
     assert_eq!(report.group, a.group);
     assert_eq!(report.retry_topic, format!("{}.retry", a.group));
     assert!(
@@ -283,27 +291,11 @@ async fn a_replay_reaches_only_the_group_that_failed_and_it_processes_the_messag
     .await;
 
     // Again: nothing is sent. Forced: sent, and absorbed by the step key.
-    let again = dlq::replay(
-        &kafka,
-        &f.db.pool,
-        &dlq_topic,
-        &DlqFilter::default(),
-        &options,
-    )
-    .await
-    .unwrap();
+    let again = f.replay(&dlq_topic, &options).await.unwrap();
     assert_eq!(sent(&again), [(0, ReplayOutcome::AlreadyReplayed)]);
     let mut forced = options.clone();
     forced.force = true;
-    let forced = dlq::replay(
-        &kafka,
-        &f.db.pool,
-        &dlq_topic,
-        &DlqFilter::default(),
-        &forced,
-    )
-    .await
-    .unwrap();
+    let forced = f.replay(&dlq_topic, &forced).await.unwrap();
     assert_eq!(forced.sent(), 1);
     let retry_topic = report.retry_topic.clone();
     wait_until("group a committed both replays", WAIT, || async {
@@ -405,19 +397,10 @@ async fn a_new_letter_at_the_position_of_a_replayed_one_in_a_recreated_topic_is_
     f.kafka.create_topic(&dlq_topic, 1).await;
     f.kafka.create_topic(&retry_topic, 1).await;
     f.record_group(&group, &dlq_topic, &retry_topic).await;
-    let kafka = f.kafka_config();
     let options = ReplayOptions::default().by("alice");
 
     assert_eq!(f.letter(&dlq_topic, &group, "order-1", 1).await, (0, 0));
-    let first = dlq::replay(
-        &kafka,
-        &f.db.pool,
-        &dlq_topic,
-        &DlqFilter::default(),
-        &options,
-    )
-    .await
-    .unwrap();
+    let first = f.replay(&dlq_topic, &options).await.unwrap();
     assert_eq!(first.sent(), 1);
 
     // The dead-letter topic is deleted and made again: offsets start over.
@@ -428,28 +411,12 @@ async fn a_new_letter_at_the_position_of_a_replayed_one_in_a_recreated_topic_is_
         (0, 0),
         "the new letter sits where the replayed one did"
     );
-    let second = dlq::replay(
-        &kafka,
-        &f.db.pool,
-        &dlq_topic,
-        &DlqFilter::default(),
-        &options,
-    )
-    .await
-    .unwrap();
+    let second = f.replay(&dlq_topic, &options).await.unwrap();
     assert!(
         matches!(&sent(&second)[..], [(0, ReplayOutcome::Sent { .. })]),
         "{second:?}"
     );
-    let again = dlq::replay(
-        &kafka,
-        &f.db.pool,
-        &dlq_topic,
-        &DlqFilter::default(),
-        &options,
-    )
-    .await
-    .unwrap();
+    let again = f.replay(&dlq_topic, &options).await.unwrap();
     assert_eq!(sent(&again), [(0, ReplayOutcome::AlreadyReplayed)]);
     let replayed: Vec<String> = f
         .kafka
@@ -472,15 +439,10 @@ async fn a_letter_naming_another_group_or_none_is_refused_and_nothing_is_sent() 
     f.letter(&dlq_topic, "payments", "order-1", 1).await;
     f.letter(&dlq_topic, "", "order-2", 2).await;
     f.letter(&dlq_topic, &group, "order-3", 3).await;
-    let report = dlq::replay(
-        &f.kafka_config(),
-        &f.db.pool,
-        &dlq_topic,
-        &DlqFilter::default(),
-        &ReplayOptions::default(),
-    )
-    .await
-    .unwrap();
+    let report = f
+        .replay(&dlq_topic, &ReplayOptions::default())
+        .await
+        .unwrap();
     assert!(
         matches!(
             &sent(&report)[..],
@@ -497,15 +459,10 @@ async fn a_letter_naming_another_group_or_none_is_refused_and_nothing_is_sent() 
     // A topic no group of the schema writes is refused as a whole.
     let stray = f.kafka.topic("replay-stray.dlq", 1).await;
     f.letter(&stray, &group, "order-4", 4).await;
-    let refused = dlq::replay(
-        &f.kafka_config(),
-        &f.db.pool,
-        &stray,
-        &DlqFilter::default(),
-        &ReplayOptions::default(),
-    )
-    .await
-    .unwrap_err();
+    let refused = f
+        .replay(&stray, &ReplayOptions::default())
+        .await
+        .unwrap_err();
     assert!(
         refused.to_string().contains("no consumer group"),
         "{refused}"

@@ -1,12 +1,11 @@
 //! The Idempotency-Key layer against a real PostgreSQL, through an axum router.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::State;
 use axum::http::{Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
@@ -16,50 +15,9 @@ use saga_consumer::http::{IdempotencyLayer, IdempotentRequest, REPLAYED_HEADER};
 use saga_test_support::TestDb;
 use tower::ServiceExt;
 
-#[derive(Clone)]
-struct AppState {
-    /// Calls of the handler.
-    calls: Arc<AtomicU32>,
-    /// The handler answers 500 (after writing) while this is above zero, counting down.
-    failures_left: Arc<AtomicU32>,
-}
+mod things;
 
-#[derive(serde::Deserialize)]
-struct Thing {
-    name: String,
-    #[serde(default)]
-    sleep_ms: u64,
-}
-
-async fn create_thing(
-    State(state): State<AppState>,
-    request: IdempotentRequest,
-    axum::Json(thing): axum::Json<Thing>,
-) -> axum::response::Response {
-    let call = state.calls.fetch_add(1, Ordering::SeqCst) + 1;
-    {
-        let mut conn = request.transaction().await;
-        sqlx::query("INSERT INTO things (tenant, name) VALUES ($1, $2)")
-            .bind(request.tenant().as_str())
-            .bind(&thing.name)
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-    }
-    tokio::time::sleep(Duration::from_millis(thing.sleep_ms)).await;
-    let failing = state
-        .failures_left
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-        .is_ok();
-    if failing {
-        return (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response();
-    }
-    (
-        StatusCode::CREATED,
-        axum::Json(serde_json::json!({ "name": thing.name, "call": call, "tenant": request.tenant().as_str() })),
-    )
-        .into_response()
-}
+use things::{AppState, Thing, create_thing, create_things_table};
 
 /// Writes a thing and answers with a body that is not UTF-8, which the layer cannot store: a 500.
 async fn create_thing_in_binary(
@@ -85,14 +43,8 @@ struct Fixture {
 impl Fixture {
     async fn new(name: &str) -> Self {
         let db = TestDb::new(name).await;
-        sqlx::query("CREATE TABLE things (tenant TEXT NOT NULL, name TEXT NOT NULL)")
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        let state = AppState {
-            calls: Arc::default(),
-            failures_left: Arc::default(),
-        };
+        create_things_table(&db.pool).await;
+        let state = AppState::default();
         let app = Router::new()
             .route(
                 "/things",

@@ -8,13 +8,11 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::State;
 use axum::http::{Request, StatusCode};
-use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
 use saga_consumer::fast_path::{FastPath, FastPathSettings, LockAnswer};
-use saga_consumer::http::{IdempotencyLayer, IdempotentRequest, REPLAYED_HEADER};
+use saga_consumer::http::{IdempotencyLayer, REPLAYED_HEADER};
 use saga_consumer::{
     IdempotencyKey, Message, SagaConsumer, SagaStep, StepContext, StepName, StepOutcome,
     StepResult, Subscription, TenantId,
@@ -57,40 +55,9 @@ async fn redis() -> redis::aio::MultiplexedConnection {
         .expect("Redis answers at REDIS_URL (scripts/dev-services starts nothing for it: it is a machine service)")
 }
 
-#[derive(Clone)]
-struct AppState {
-    calls: Arc<AtomicU32>,
-}
+mod things;
 
-#[derive(serde::Deserialize)]
-struct Thing {
-    name: String,
-    #[serde(default)]
-    sleep_ms: u64,
-}
-
-async fn create_thing(
-    State(state): State<AppState>,
-    request: IdempotentRequest,
-    axum::Json(thing): axum::Json<Thing>,
-) -> axum::response::Response {
-    let call = state.calls.fetch_add(1, Ordering::SeqCst) + 1;
-    {
-        let mut conn = request.transaction().await;
-        sqlx::query("INSERT INTO things (tenant, name) VALUES ($1, $2)")
-            .bind(request.tenant().as_str())
-            .bind(&thing.name)
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-    }
-    tokio::time::sleep(Duration::from_millis(thing.sleep_ms)).await;
-    (
-        StatusCode::CREATED,
-        axum::Json(serde_json::json!({ "name": thing.name, "call": call })),
-    )
-        .into_response()
-}
+use things::{AppState, create_thing, create_things_table};
 
 struct Fixture {
     db: TestDb,
@@ -105,15 +72,12 @@ impl Fixture {
     /// The app on a pool of `connections`, with the fast path at `url`.
     async fn new(test: &str, url: &str, connections: u32) -> Self {
         let db = TestDb::new(test).await;
-        sqlx::query("CREATE TABLE things (tenant TEXT NOT NULL, name TEXT NOT NULL)")
-            .execute(&db.pool)
-            .await
-            .unwrap();
+        create_things_table(&db.pool).await;
         let pool = db.pool_of(connections).await;
         let ops = Ops::new();
         let namespace = namespace(test);
         let fast = fast_path(url, &namespace, &ops);
-        let calls = Arc::new(AtomicU32::new(0));
+        let state = AppState::default();
         let app = Router::new()
             .route(
                 "/things",
@@ -122,14 +86,12 @@ impl Fixture {
                         .with_fast_path(Some(fast)),
                 ),
             )
-            .with_state(AppState {
-                calls: calls.clone(),
-            });
+            .with_state(state.clone());
         Self {
             db,
             pool,
             app,
-            calls,
+            calls: state.calls,
             ops,
             namespace,
         }

@@ -14,7 +14,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 mod steps;
 
-use steps::{Placed, Reserved, reserve_on};
+use steps::{Placed, Reserved, place_orders, read_reserved, reserve_on};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_steps_emit() {
@@ -51,27 +51,9 @@ async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_s
     kafka.delete_on_drop(&topic);
     kafka.delete_on_drop(&format!("{group}.dlq"));
     kafka.delete_on_drop(&format!("{group}.retry"));
-    let producer = kafka.producer();
-    for n in 1..=5 {
-        kafka
-            .produce_event(
-                &producer,
-                &topic,
-                &format!("order-{n}"),
-                Placed::TYPES[0],
-                &Placed { n },
-            )
-            .await;
-    }
+    place_orders(&kafka, &topic, 1..=5).await;
     // The embedded relay published what the step emitted.
-    let published = kafka
-        .read_all(&out, 5, Duration::from_millis(500), WAIT)
-        .await;
-    let mut ns: Vec<i64> = published
-        .iter()
-        .map(|m| m.json()["n"].as_i64().unwrap())
-        .collect();
-    ns.sort_unstable();
+    let (published, ns) = read_reserved(&kafka, &out, 5, Duration::from_millis(500)).await;
     assert_eq!(ns, [1, 2, 3, 4, 5]);
     assert!(
         published
@@ -170,18 +152,7 @@ async fn renaming_a_step_makes_every_message_it_processed_new_to_it() {
         .unwrap();
     let kafka = TestKafka::new().await;
     let topic = kafka.topic("step-rename", 1).await;
-    let producer = kafka.producer();
-    for n in 1..=3 {
-        kafka
-            .produce_event(
-                &producer,
-                &topic,
-                &format!("order-{n}"),
-                "Placed",
-                &Placed { n },
-            )
-            .await;
-    }
+    place_orders(&kafka, &topic, 1..=3).await;
     // Each run is a group of its own reading the topic from the start: the same messages delivered
     // again, as after a replay or offsets reset.
     let run = |group: &'static str, name: &'static str| {

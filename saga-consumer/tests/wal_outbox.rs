@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 mod steps;
 
-use steps::{Placed, Reserved, reserve_on};
+use steps::{Reserved, place_orders, read_reserved, reserve_on};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -56,28 +56,8 @@ async fn a_service_in_wal_mode_writes_its_events_to_the_log_and_its_relay_publis
     assert!(slot_exists, "the slot exists before the first event");
 
     // Every order delivered twice: one effect, one event each.
-    let producer = kafka.producer();
-    for _ in 0..2 {
-        for n in 1..=5 {
-            kafka
-                .produce_event(
-                    &producer,
-                    &topic,
-                    &format!("order-{n}"),
-                    Placed::TYPES[0],
-                    &Placed { n },
-                )
-                .await;
-        }
-    }
-    let published = kafka
-        .read_all(&out, 5, Duration::from_millis(1_000), WAIT)
-        .await;
-    let mut ns: Vec<i64> = published
-        .iter()
-        .map(|m| m.json()["n"].as_i64().unwrap())
-        .collect();
-    ns.sort_unstable();
+    place_orders(&kafka, &topic, (1..=5).chain(1..=5)).await;
+    let (published, ns) = read_reserved(&kafka, &out, 5, Duration::from_millis(1_000)).await;
     assert_eq!(ns, [1, 2, 3, 4, 5], "each event once");
     assert!(
         published

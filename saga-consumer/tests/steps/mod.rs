@@ -33,3 +33,42 @@ async fn reserve(
 pub fn reserve_on(topic: &str) -> impl saga_consumer::SagaStep {
     step_with("reserve", Topic::new(format!("{topic}.out")), reserve).on(&Topic::new(topic))
 }
+
+/// Produces `Placed { n }`, keyed `order-{n}`, to `topic` for each `n` of `orders`.
+pub async fn place_orders(
+    kafka: &saga_test_support::TestKafka,
+    topic: &str,
+    orders: impl IntoIterator<Item = i64>,
+) {
+    let producer = kafka.producer();
+    for n in orders {
+        kafka
+            .produce_event(
+                &producer,
+                topic,
+                &format!("order-{n}"),
+                Placed::TYPES[0],
+                &Placed { n },
+            )
+            .await;
+    }
+}
+
+/// The `Reserved` events read from `out` (`count` of them, then `idle` without more), with their `n`
+/// sorted.
+pub async fn read_reserved(
+    kafka: &saga_test_support::TestKafka,
+    out: &str,
+    count: usize,
+    idle: std::time::Duration,
+) -> (Vec<saga_test_support::ReadMessage>, Vec<i64>) {
+    let published = kafka
+        .read_all(out, count, idle, std::time::Duration::from_secs(60))
+        .await;
+    let mut ns: Vec<i64> = published
+        .iter()
+        .map(|m| m.json()["n"].as_i64().unwrap())
+        .collect();
+    ns.sort_unstable();
+    (published, ns)
+}
