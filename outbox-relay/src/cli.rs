@@ -7,7 +7,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use saga_runtime::config::{ConfigProblem, connect_postgres, require_schema, require_tables};
+use saga_runtime::config::{
+    ConfigProblem, connect_postgres, require_schema, require_tables, required_postgres_url,
+};
 use saga_runtime::kafka::{KafkaConfig, probe};
 use sqlx::PgPool;
 
@@ -144,13 +146,7 @@ impl Cli {
     /// Connects to the database, in the chosen schema. A missing, bad or unreachable `DATABASE_URL` is a
     /// [`ConfigProblem`].
     async fn pool(&self, max_connections: u32) -> Result<PgPool, ConfigProblem> {
-        let url = self.database_url.as_deref().ok_or_else(|| {
-            ConfigProblem::new(
-                "DATABASE_URL",
-                "is not set",
-                "set it to postgres://USER@HOST:PORT/DATABASE",
-            )
-        })?;
+        let url = required_postgres_url("DATABASE_URL", self.database_url.as_deref())?;
         connect_postgres("DATABASE_URL", url, self.schema.as_deref(), max_connections).await
     }
 

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use saga_runtime::cli::{printable, printable_json};
-use saga_runtime::config::{ConfigProblem, connect_postgres};
+use saga_runtime::config::{ConfigProblem, connect_postgres, required_postgres_url};
 use saga_runtime::kafka::KafkaConfig;
 use serde::Serialize;
 use sqlx::PgPool;
@@ -351,13 +351,7 @@ impl Cli {
     }
 
     async fn pool(&self) -> Result<PgPool, ConfigProblem> {
-        let url = self.database_url.as_deref().ok_or_else(|| {
-            ConfigProblem::new(
-                "DATABASE_URL",
-                "is not set",
-                "set it to postgres://USER@HOST:PORT/DATABASE",
-            )
-        })?;
+        let url = required_postgres_url("DATABASE_URL", self.database_url.as_deref())?;
         let pool = connect_postgres("DATABASE_URL", url, self.schema.as_deref(), 4).await?;
         saga_runtime::config::require_schema(&pool, "SAGA_SCHEMA", "name the service's schema")
             .await?;
@@ -984,13 +978,7 @@ impl Cli {
         schemas: &[String],
     ) -> anyhow::Result<()> {
         // Every service schema is read by name: the database is enough, no schema needed.
-        let url = self.database_url.as_deref().ok_or_else(|| {
-            ConfigProblem::new(
-                "DATABASE_URL",
-                "is not set",
-                "set it to postgres://USER@HOST:PORT/DATABASE",
-            )
-        })?;
+        let url = required_postgres_url("DATABASE_URL", self.database_url.as_deref())?;
         let pool = connect_postgres("DATABASE_URL", url, None, 2).await?;
         let found = trace::trace(&self.kafka()?, &pool, key, tenant, schemas).await?;
         self.print(&found, || {

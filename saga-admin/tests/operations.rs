@@ -121,6 +121,20 @@ impl Fixture {
             .unwrap_or_else(|| panic!("no group with cause {cause}"))
     }
 
+    /// The plan to replay the failure group of `cause`, as the command previews it.
+    async fn plan_group_replay(&self, cause: &str) -> operations::Plan {
+        let id = self.group(cause).await["id"].as_str().unwrap().to_owned();
+        operations::plan_replay(
+            &self.kafka_config(),
+            &self.db.pool,
+            std::slice::from_ref(&self.dlq),
+            &id,
+            &ReplayOptions::default(),
+        )
+        .await
+        .unwrap()
+    }
+
     /// The messages of the retry topic, by the letter their replay came from.
     async fn sent_by_letter(&self) -> BTreeMap<String, usize> {
         let mut sent = BTreeMap::new();
@@ -387,20 +401,7 @@ async fn a_group_replay_killed_midway_is_resumed_without_sending_any_letter_twic
         format!("order {i} not found")
     }))
     .await;
-    let id = f.group("order <n> not found").await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let kafka = f.kafka_config();
-    let plan = operations::plan_replay(
-        &kafka,
-        &f.db.pool,
-        std::slice::from_ref(&f.dlq),
-        &id,
-        &ReplayOptions::default(),
-    )
-    .await
-    .unwrap();
+    let plan = f.plan_group_replay("order <n> not found").await;
     let operation = operations::start(&f.db.pool, &plan, "dave").await.unwrap();
 
     // A run, killed once it has sent a few letters.
@@ -430,14 +431,15 @@ async fn a_group_replay_killed_midway_is_resumed_without_sending_any_letter_twic
     // message is in the retry topic, its letter is still pending. (The last pending letter: the first may
     // be the one the killed run was sending.)
     let pending = letters.iter().rev().find(|l| l.outcome.is_none()).unwrap();
-    let identity = saga_admin::groups::letters(&kafka, &f.db.pool, std::slice::from_ref(&f.dlq))
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|l| l.letter.offset == pending.offset)
-        .unwrap()
-        .letter
-        .identity();
+    let identity =
+        saga_admin::groups::letters(&f.kafka_config(), &f.db.pool, std::slice::from_ref(&f.dlq))
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|l| l.letter.offset == pending.offset)
+            .unwrap()
+            .letter
+            .identity();
     let producer = f.kafka.producer();
     let operation_text = operation.to_string();
     f.kafka
@@ -484,20 +486,7 @@ async fn a_cancelled_operation_stops_between_two_letters() {
         format!("order {i} not found")
     }))
     .await;
-    let id = f.group("order <n> not found").await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let kafka = f.kafka_config();
-    let plan = operations::plan_replay(
-        &kafka,
-        &f.db.pool,
-        std::slice::from_ref(&f.dlq),
-        &id,
-        &ReplayOptions::default(),
-    )
-    .await
-    .unwrap();
+    let plan = f.plan_group_replay("order <n> not found").await;
 
     // Cancelled before any run: ended at once, nothing sent.
     let idle = operations::start(&f.db.pool, &plan, "erin").await.unwrap();

@@ -13,6 +13,17 @@ pub use saga_core::{BadInput, ConfigProblem};
 /// How long start-up waits for PostgreSQL or the broker to answer before calling it a configuration problem.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The value of `url_var`, a PostgreSQL URL a command needs: a [`ConfigProblem`] naming it when unset.
+pub fn required_postgres_url<'a>(
+    url_var: &str,
+    url: Option<&'a str>,
+) -> Result<&'a str, ConfigProblem> {
+    url.ok_or_else(|| ConfigProblem::new(url_var, "is not set", POSTGRES_URL_HINT))
+}
+
+/// How a PostgreSQL URL is written, for the problems that name one.
+const POSTGRES_URL_HINT: &str = "set it to postgres://USER@HOST:PORT/DATABASE";
+
 /// Connects a pool of `size` to the PostgreSQL at `url` (named by the variable `url_var`), with `schema`
 /// (if any) as the connections' `search_path`. A URL that does not parse or a server that does not answer
 /// within [`STARTUP_TIMEOUT`] is a [`ConfigProblem`].
@@ -26,7 +37,7 @@ pub async fn connect_postgres(
         ConfigProblem::new(
             url_var,
             format!("{url:?} is not a PostgreSQL URL ({e})"),
-            "set it to postgres://USER@HOST:PORT/DATABASE",
+            POSTGRES_URL_HINT,
         )
     })?;
     if let Some(schema) = schema {

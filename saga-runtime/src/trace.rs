@@ -604,8 +604,8 @@ mod log_context {
         }
     }
 
-    #[test]
-    fn a_log_line_inside_a_message_names_its_step_key_tenant_and_trace() {
+    /// What `f` logs, formatted as the fmt layer writes it.
+    fn logged(f: impl FnOnce()) -> String {
         let buffer = Arc::new(Mutex::new(Vec::new()));
         let writer = buffer.clone();
         let subscriber = tracing_subscriber::registry().with(
@@ -613,8 +613,15 @@ mod log_context {
                 .with_ansi(false)
                 .with_writer(move || Shared(writer.clone())),
         );
+        tracing::subscriber::with_default(subscriber, f);
+        let bytes = buffer.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    #[test]
+    fn a_log_line_inside_a_message_names_its_step_key_tenant_and_trace() {
         let parent = TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
-        tracing::subscriber::with_default(subscriber, || {
+        let line = logged(|| {
             let span = process_span(
                 &MessageFields {
                     topic: "payments",
@@ -632,7 +639,6 @@ mod log_context {
             );
             span.in_scope(|| tracing::warn!("the carrier is slow"));
         });
-        let line = String::from_utf8(buffer.lock().unwrap().clone()).unwrap();
         for expected in [
             "saga.step_key=\"order-7:arrange-shipment\"",
             "saga.tenant=\"acme\"",
@@ -648,16 +654,9 @@ mod log_context {
 
     #[test]
     fn a_span_carries_at_most_a_bounded_prefix_of_a_long_key() {
-        let buffer = Arc::new(Mutex::new(Vec::new()));
-        let writer = buffer.clone();
-        let subscriber = tracing_subscriber::registry().with(
-            tracing_subscriber::fmt::layer()
-                .with_ansi(false)
-                .with_writer(move || Shared(writer.clone())),
-        );
         // A key of a megabyte, of two-byte characters, so that the cut falls inside one.
         let key = "é".repeat(500_000) + "END";
-        tracing::subscriber::with_default(subscriber, || {
+        let line = logged(|| {
             let span = process_span(
                 &MessageFields {
                     topic: "payments",
@@ -668,7 +667,6 @@ mod log_context {
             );
             span.in_scope(|| tracing::warn!("a message with a long key"));
         });
-        let line = String::from_utf8(buffer.lock().unwrap().clone()).unwrap();
         let expected = format!(
             "messaging.kafka.message.key=\"{}…[truncated, {} bytes]\"",
             "é".repeat(MAX_KEY_BYTES_IN_SPAN / 2),
