@@ -160,7 +160,10 @@ pub struct RawMessage {
 pub struct Message<P> {
     payload: P,
     metadata: EventMetadata,
-    external_key: ExternalKey,
+    /// The step the message is decoded for: its external key is that step's.
+    step: StepName,
+    /// Worked out on first use: most steps never hand one out, and it costs a hash.
+    external_key: std::sync::OnceLock<ExternalKey>,
     origin: Origin,
     headers: Headers,
 }
@@ -234,7 +237,13 @@ impl<P> Message<P> {
     /// The key to hand to a system outside the database (a payment provider's idempotency key) for this
     /// step: unique across tenants, stable across attempts. See [`crate::ExternalKey`].
     pub fn external_key(&self) -> &ExternalKey {
-        &self.external_key
+        self.external_key.get_or_init(|| {
+            ExternalKey::of(
+                &self.metadata.tenant,
+                &self.metadata.idempotency_key,
+                &self.step,
+            )
+        })
     }
 
     /// The saga lineage that events emitted while handling this message inherit.
@@ -262,11 +271,11 @@ impl<P> Message<P> {
         origin: Origin,
         headers: Headers,
     ) -> Self {
-        let external_key = ExternalKey::of(&metadata.tenant, &metadata.idempotency_key, step);
         Self {
             payload,
             metadata,
-            external_key,
+            step: step.clone(),
+            external_key: std::sync::OnceLock::new(),
             origin,
             headers,
         }

@@ -59,8 +59,11 @@ pub struct Header {
 }
 
 /// The headers of a message, in order. Names may repeat, as in Kafka.
+///
+/// Shared when cloned: a consumed message's headers are kept both with the message the runtime holds (for a
+/// dead letter) and with the decoded message a step reads, and a copy is made only when one is changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Headers(Vec<Header>);
+pub struct Headers(std::sync::Arc<Vec<Header>>);
 
 impl Headers {
     /// No headers.
@@ -70,7 +73,7 @@ impl Headers {
 
     /// Appends a header.
     pub fn push(&mut self, name: impl Into<String>, value: Option<Vec<u8>>) {
-        self.0.push(Header {
+        std::sync::Arc::make_mut(&mut self.0).push(Header {
             name: name.into(),
             value,
         });
@@ -132,7 +135,9 @@ impl Headers {
 
     /// Removes every header named `name`.
     pub fn remove(&mut self, name: &str) {
-        self.0.retain(|h| h.name != name);
+        if self.0.iter().any(|h| h.name == name) {
+            std::sync::Arc::make_mut(&mut self.0).retain(|h| h.name != name);
+        }
     }
 
     /// Sets header `name` to `value`, replacing any previous occurrence.
@@ -144,7 +149,7 @@ impl Headers {
 
 impl FromIterator<Header> for Headers {
     fn from_iter<I: IntoIterator<Item = Header>>(iter: I) -> Self {
-        Self(iter.into_iter().collect())
+        Self(std::sync::Arc::new(iter.into_iter().collect()))
     }
 }
 
@@ -152,7 +157,7 @@ impl IntoIterator for Headers {
     type Item = Header;
     type IntoIter = std::vec::IntoIter<Header>;
     fn into_iter(self) -> Self::IntoIter {
-        self.0.into_iter()
+        std::sync::Arc::unwrap_or_clone(self.0).into_iter()
     }
 }
 
