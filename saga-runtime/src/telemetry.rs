@@ -6,6 +6,8 @@
 //! `http://localhost:4318`), `OTEL_SERVICE_NAME` names the service, `OTEL_TRACES_SAMPLER` and its argument
 //! choose the sampler, `OTEL_SDK_DISABLED=true` turns it off.
 
+use std::fmt::Write as _;
+
 /// Keeps the span exporter running; dropping it flushes the spans not yet exported and shuts the exporter
 /// down. Hold it for the life of `main`.
 #[must_use = "dropping the guard shuts the span exporter down"]
@@ -65,7 +67,7 @@ pub fn env_filter() -> tracing_subscriber::EnvFilter {
 /// have no place in a log file, and formatting them costs CPU for every span).
 pub fn log_lines<S>() -> tracing_subscriber::fmt::Layer<
     S,
-    tracing_subscriber::fmt::format::DefaultFields,
+    LogFields,
     tracing_subscriber::fmt::format::Format,
     fn() -> std::io::Stderr,
 >
@@ -74,8 +76,139 @@ where
 {
     use std::io::IsTerminal as _;
     tracing_subscriber::fmt::layer()
+        .fmt_fields(LogFields)
         .with_writer(std::io::stderr as fn() -> std::io::Stderr)
         .with_ansi(std::io::stderr().is_terminal())
+}
+
+/// How [`log_lines`] writes the fields of spans and events: `name=value`, text quoted and escaped as
+/// `Debug` writes it, the event's message first and bare, and every control character escaped wherever it
+/// comes from (a newline in a hostile key or error cannot start a forged log line). It leaves out what only OpenTelemetry reads (`otel.*`) and the semantic
+/// conventions' constants (`messaging.system`, `messaging.operation.type`), and writes plain text without
+/// going through `Debug`: the runtime opens a span per consumed message, and formatting its fields is
+/// the largest cost of a log layer.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LogFields;
+
+/// Fields a log line leaves out (see [`LogFields`]).
+fn left_out_of_log_lines(name: &str) -> bool {
+    name.starts_with("otel.") || name == "messaging.system" || name == "messaging.operation.type"
+}
+
+impl<'writer> tracing_subscriber::fmt::FormatFields<'writer> for LogFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+        &self,
+        writer: tracing_subscriber::fmt::format::Writer<'writer>,
+        fields: R,
+    ) -> std::fmt::Result {
+        let mut visitor = LogVisitor {
+            writer,
+            first: true,
+            result: Ok(()),
+        };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+}
+
+struct LogVisitor<'writer> {
+    writer: tracing_subscriber::fmt::format::Writer<'writer>,
+    first: bool,
+    result: std::fmt::Result,
+}
+
+impl LogVisitor<'_> {
+    /// Writes the separator and `name=` (nothing for the message); `false` if the field is left out.
+    fn start(&mut self, name: &str) -> bool {
+        if self.result.is_err() || left_out_of_log_lines(name) {
+            return false;
+        }
+        if !self.first {
+            self.result = self.writer.write_char(' ');
+        }
+        self.first = false;
+        if name != "message" && self.result.is_ok() {
+            self.result = self
+                .writer
+                .write_str(name)
+                .and_then(|()| self.writer.write_char('='));
+        }
+        self.result.is_ok()
+    }
+}
+
+impl tracing::field::Visit for LogVisitor<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if !self.start(field.name()) {
+            return;
+        }
+        let plain = value
+            .bytes()
+            .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\');
+        self.result = match (field.name() == "message", plain) {
+            (true, true) => self.writer.write_str(value),
+            (true, false) => EscapingControls(&mut self.writer).write_str(value),
+            (false, true) => self
+                .writer
+                .write_char('"')
+                .and_then(|()| self.writer.write_str(value))
+                .and_then(|()| self.writer.write_char('"')),
+            (false, false) => write!(self.writer, "{value:?}"),
+        };
+    }
+
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        if self.start(field.name()) {
+            self.result = write!(self.writer, "{value}");
+        }
+    }
+
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        if self.start(field.name()) {
+            self.result = write!(self.writer, "{value}");
+        }
+    }
+
+    fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
+        if self.start(field.name()) {
+            self.result = write!(self.writer, "{value}");
+        }
+    }
+
+    fn record_error(
+        &mut self,
+        field: &tracing::field::Field,
+        value: &(dyn std::error::Error + 'static),
+    ) {
+        if self.start(field.name()) {
+            self.result = write!(self.writer, "{:?}", value.to_string());
+        }
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if self.start(field.name()) {
+            self.result = write!(EscapingControls(&mut self.writer), "{value:?}");
+        }
+    }
+}
+
+/// Writes text through, control characters escaped (`\n`, `\u{1b}`): a value shown with `%` or `?` cannot
+/// break a log line or forge another.
+struct EscapingControls<'a, W>(&'a mut W);
+
+impl<W: std::fmt::Write> std::fmt::Write for EscapingControls<'_, W> {
+    fn write_str(&mut self, text: &str) -> std::fmt::Result {
+        if !text.chars().any(char::is_control) {
+            return self.0.write_str(text);
+        }
+        text.chars().try_for_each(|c| {
+            if c.is_control() {
+                write!(self.0, "{}", c.escape_debug())
+            } else {
+                self.0.write_char(c)
+            }
+        })
+    }
 }
 
 /// The layer of [`otel_layer`]: tracing-opentelemetry's, behind the filter that keeps sampled-out spans

@@ -207,6 +207,24 @@ pub struct MessageFields<'a> {
     pub traceparent: Option<&'a TraceParent>,
 }
 
+/// A trace id as W3C writes it (32 hex digits), shown without building a string first.
+struct TraceIdHex(u128);
+
+impl std::fmt::Display for TraceIdHex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// A span id as W3C writes it (16 hex digits), shown without building a string first.
+struct SpanIdHex(u64);
+
+impl std::fmt::Display for SpanIdHex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
 /// The span of a consumed message (kind consumer), named `process {topic}`, continuing the trace of the
 /// message's `traceparent` header, with all of `fields` (recorded at once: a log layer formats a span's
 /// fields each time some are recorded). Records the outcome later.
@@ -239,10 +257,12 @@ pub fn process_span(fields: &MessageFields<'_>, headers: &Headers) -> Span {
         saga.tenant = fields.tenant,
         saga.event_type = fields.event_type,
         saga.outcome = tracing::field::Empty,
-        trace_id = fields.traceparent.map(|tp| tracing::field::display(tp.trace_id_hex())),
+        trace_id = fields
+            .traceparent
+            .map(|tp| tracing::field::display(TraceIdHex(tp.trace_id))),
         parent_span_id = fields
             .traceparent
-            .map(|tp| tracing::field::display(format!("{:016x}", tp.parent_id))),
+            .map(|tp| tracing::field::display(SpanIdHex(tp.parent_id))),
     );
     #[cfg(feature = "otel")]
     if !skip {
@@ -610,6 +630,7 @@ mod log_context {
         let writer = buffer.clone();
         let subscriber = tracing_subscriber::registry().with(
             tracing_subscriber::fmt::layer()
+                .fmt_fields(crate::telemetry::LogFields)
                 .with_ansi(false)
                 .with_writer(move || Shared(writer.clone())),
         );
@@ -649,6 +670,36 @@ mod log_context {
             "the carrier is slow",
         ] {
             assert!(line.contains(expected), "{expected} in {line}");
+        }
+    }
+
+    #[test]
+    fn a_log_line_escapes_hostile_text_and_leaves_out_what_only_opentelemetry_reads() {
+        let line = logged(|| {
+            let span = process_span(
+                &MessageFields {
+                    topic: "payments",
+                    step_key: Some("k\nINFO forged:step"),
+                    ..MessageFields::default()
+                },
+                &Headers::new(),
+            );
+            span.in_scope(|| {
+                tracing::warn!(note = "a \"quoted\" word", error = %"bad\nthing", "one\rline");
+            });
+        });
+        assert_eq!(line.lines().count(), 1, "{line}");
+        for expected in [
+            "saga.step_key=\"k\\nINFO forged:step\"",
+            "messaging.destination.name=payments",
+            "one\\rline",
+            "note=\"a \\\"quoted\\\" word\"",
+            "error=bad\\nthing",
+        ] {
+            assert!(line.contains(expected), "{expected} in {line}");
+        }
+        for left_out in ["otel.", "messaging.system", "messaging.operation.type"] {
+            assert!(!line.contains(left_out), "{left_out} in {line}");
         }
     }
 
