@@ -21,6 +21,9 @@ pub fn required_postgres_url<'a>(
     url.ok_or_else(|| ConfigProblem::new(url_var, "is not set", POSTGRES_URL_HINT))
 }
 
+/// How long a pooled connection may have been idle and still be handed out without a ping.
+const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+
 /// How a PostgreSQL URL is written, for the problems that name one.
 const POSTGRES_URL_HINT: &str = "set it to postgres://USER@HOST:PORT/DATABASE";
 
@@ -46,6 +49,18 @@ pub async fn connect_postgres(
     PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(STARTUP_TIMEOUT)
+        // A connection used within the last second is handed out without a ping first: the ping is a round
+        // trip on every batch's crash-loop record and every step's lease, and a connection that died since
+        // fails its first statement, which the runtime treats as the database being unavailable anyway.
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for > PING_AFTER_IDLE {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
         .connect_with(options)
         .await
         .map_err(|e| {
