@@ -88,9 +88,7 @@ impl Executor {
                         .await
                     {
                         Ok(outcomes) => {
-                            for (d, outcome) in deliveries[from..end].iter().zip(outcomes) {
-                                self.finish(d, outcome);
-                            }
+                            self.finish_batch(&deliveries[from..end], &outcomes);
                             Event::Committed
                         }
                         Err(BatchError::Item { index, failure }) => Event::ItemFailed {
@@ -550,18 +548,36 @@ impl Executor {
     }
 
     fn finish(&self, delivery: &Delivery, outcome: ItemOutcome) {
-        delivery.span.record("saga.outcome", outcome.as_str());
-        let step = delivery.step_name();
-        if outcome == ItemOutcome::Duplicate {
-            self.metrics
-                .duplicates
-                .get_or_create(&StepOnly {
-                    step: step.unwrap_or_default().to_owned(),
-                })
-                .inc();
+        self.finish_batch(std::slice::from_ref(delivery), &[outcome]);
+    }
+
+    /// Records how each of `batch` ended: on its span, in its log line, and in the counters, which are
+    /// counted once per step and outcome of the batch rather than once per message.
+    fn finish_batch(&self, batch: &[Delivery], outcomes: &[ItemOutcome]) {
+        let mut counts: Vec<(Option<&str>, ItemOutcome, u64)> = Vec::new();
+        for (delivery, &outcome) in batch.iter().zip(outcomes) {
+            delivery.span.record("saga.outcome", outcome.as_str());
+            tracing::debug!(parent: &delivery.span, outcome = outcome.as_str(), "message finished");
+            let step = delivery.step_name();
+            match counts
+                .iter_mut()
+                .find(|(s, o, _)| *s == step && *o == outcome)
+            {
+                Some((_, _, n)) => *n += 1,
+                None => counts.push((step, outcome, 1)),
+            }
         }
-        self.metrics.finished(step, outcome.as_str());
-        tracing::debug!(parent: &delivery.span, outcome = outcome.as_str(), "message finished");
+        for (step, outcome, n) in counts {
+            if outcome == ItemOutcome::Duplicate {
+                self.metrics
+                    .duplicates
+                    .get_or_create(&StepOnly {
+                        step: step.unwrap_or_default().to_owned(),
+                    })
+                    .inc_by(n);
+            }
+            self.metrics.finished(step, outcome.as_str(), n);
+        }
     }
 }
 

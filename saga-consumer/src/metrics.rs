@@ -201,12 +201,13 @@ impl ConsumerMetrics {
         );
     }
 
-    pub(crate) fn finished(&self, step: Option<&str>, outcome: &str) {
+    /// Counts `messages` of `step` that ended with `outcome`.
+    pub(crate) fn finished(&self, step: Option<&str>, outcome: &str, messages: u64) {
         self.processed
             .get_or_create(&StepLabels {
                 step: step.unwrap_or_default().to_owned(),
                 outcome: outcome.to_owned(),
             })
-            .inc();
+            .inc_by(messages);
     }
 }
