@@ -106,6 +106,11 @@ pub struct ServiceArgs {
     /// through the schema's replication slot; needs wal_level = logical).
     #[arg(long, env = "SAGA_OUTBOX_MODE", default_value = "table", value_parser = parse_outbox_mode)]
     pub outbox_mode: OutboxMode,
+    /// How long the broker may hold a consumer's fetch while it has nothing new, in milliseconds (the
+    /// framework's default when unset). A broker that looks for new records at intervals within this wait
+    /// instead of answering when they arrive delivers them up to half of it later.
+    #[arg(long, env = "SAGA_FETCH_WAIT_MS")]
+    pub fetch_wait_ms: Option<u64>,
 }
 
 fn parse_outbox_mode(text: &str) -> Result<OutboxMode, String> {
@@ -391,9 +396,14 @@ pub async fn run(
         .dlq_topic(args.dlq(service))
         .pool(pool.clone())
         .consumer(|c| {
-            c.commit_interval(Duration::from_millis(250))
+            let c = c
+                .commit_interval(Duration::from_millis(250))
                 .session_timeout(Duration::from_secs(6))
-                .fast_path(consumer_fast_path)
+                .fast_path(consumer_fast_path);
+            match args.fetch_wait_ms {
+                Some(ms) => c.fetch_wait(Duration::from_millis(ms)),
+                None => c,
+            }
         })
         .embedded_relay(args.embedded_relay)
         .outbox_mode(args.outbox_mode)

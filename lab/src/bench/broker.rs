@@ -94,7 +94,7 @@ pub async fn ack_latency(
 
 /// p50 and p99 in milliseconds from sending a message to a plain consumer receiving it, through the
 /// broker alone: `count` messages at `per_second` on one partition of `topic` (fresh), with the
-/// relay's producer settings and the framework consumer's `fetch.wait.max.ms` (10 ms). What one hop of a
+/// relay's producer settings and the saga services' `fetch.wait.max.ms` (`fetch_wait`). What one hop of a
 /// saga spends in the broker (relay ack plus delivery) cannot be less than this. The consumer reads all
 /// `partitions` partitions of `topic` and, with `idle_topic`, of that topic too, where nothing is sent, as
 /// a service whose steps subscribe to two topics does.
@@ -103,6 +103,7 @@ pub async fn delivery_latency(
     topic: &str,
     idle_topic: Option<&str>,
     partitions: i32,
+    fetch_wait: Duration,
     count: usize,
     per_second: u32,
 ) -> anyhow::Result<(f64, f64)> {
@@ -112,7 +113,7 @@ pub async fn delivery_latency(
     let consumer: StreamConsumer = saga_runtime::kafka::client_config(kafka)
         .set("group.id", format!("{topic}.latency"))
         .set("enable.auto.commit", "false")
-        .set("fetch.wait.max.ms", "10")
+        .set("fetch.wait.max.ms", fetch_wait.as_millis().to_string())
         .create()?;
     let mut assignment = TopicPartitionList::new();
     for t in std::iter::once(topic).chain(idle_topic) {

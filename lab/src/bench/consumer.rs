@@ -40,6 +40,9 @@ pub struct WorkDone {
 /// The measured step: one INSERT and one emitted event.
 #[derive(Debug)]
 pub struct RecordWork {
+    /// `record-work`, or `record-work-{round}` for a later round over the same messages (its step keys are
+    /// new again).
+    pub name: StepName,
     /// The consumed topic.
     pub work: Topic<Work>,
     /// Where it emits: `{topic}.done`.
@@ -49,7 +52,17 @@ pub struct RecordWork {
 impl RecordWork {
     /// The step consuming `topic`.
     pub fn on(topic: &str) -> Self {
+        Self::in_round(topic, 0)
+    }
+
+    /// The step consuming `topic` in round `round` of a measurement that reads the same messages again.
+    pub fn in_round(topic: &str, round: usize) -> Self {
         Self {
+            name: if round == 0 {
+                StepName::from_static("record-work")
+            } else {
+                StepName::new(&format!("record-work-{round}")).expect("a valid step name")
+            },
             work: Topic::new(topic),
             done: Topic::new(format!("{topic}.done")),
         }
@@ -60,7 +73,7 @@ impl SagaStep for RecordWork {
     type Payload = Work;
 
     fn name(&self) -> StepName {
-        StepName::from_static("record-work")
+        self.name.clone()
     }
 
     fn subscriptions(&self) -> Vec<Subscription> {
@@ -194,12 +207,13 @@ pub async fn ensure_kept(kafka: &KafkaConfig, topic: &str) -> anyhow::Result<()>
     Ok(())
 }
 
-/// The framework's consumer of [`RecordWork`] over `topic`, in group `{topic}.{group}`.
+/// The framework's consumer of [`RecordWork`] (of `round`) over `topic`, in group `{topic}.{group}`.
 pub fn measured_consumer(
     kafka: &KafkaConfig,
     pool: &PgPool,
     topic: &str,
     group: &str,
+    round: usize,
     batch_size: usize,
     concurrency: usize,
 ) -> saga_consumer::SagaConsumerBuilder {
@@ -211,7 +225,7 @@ pub fn measured_consumer(
         .pool(pool.clone())
         .batch_size(batch_size)
         .concurrency(concurrency)
-        .step(RecordWork::on(topic))
+        .step(RecordWork::in_round(topic, round))
 }
 
 /// Rows per second written to `table`, from the first row's to the last row's timestamp, once it has
@@ -256,18 +270,22 @@ pub struct FrameworkRun {
     pub batch_phases_ms: std::collections::BTreeMap<String, f64>,
 }
 
-/// Runs the framework's consumer over `topic` until it processed `count` messages.
+/// Runs the framework's consumer over `topic` until it processed `count` messages. Round `round` reads the
+/// topic from the start in a group of its own, with step keys of its own, into an emptied `bench_effects`.
 pub async fn framework(
     kafka: &KafkaConfig,
     pool: &PgPool,
     topic: &str,
+    round: usize,
     count: i64,
     batch_size: usize,
     concurrency: usize,
     progress: &Progress,
 ) -> anyhow::Result<FrameworkRun> {
+    sqlx::query("TRUNCATE bench_effects").execute(pool).await?;
+    let group = format!("framework{round}");
     let consumer =
-        measured_consumer(kafka, pool, topic, "framework", batch_size, concurrency).build()?;
+        measured_consumer(kafka, pool, topic, &group, round, batch_size, concurrency).build()?;
     let ops = consumer.ops();
     let result = run_until(consumer, pool, count, progress).await;
     let value = |name: &str| ops.sample(name, "").unwrap_or(0.0);

@@ -154,7 +154,7 @@ async fn duplicates_side(
     consumer::create_effects_table(pool).await?;
     let stop = CancellationToken::new();
     let group = if fast_path.is_some() { "redis" } else { "pg" };
-    let consumer = consumer::measured_consumer(kafka, pool, topic, group, 100, 4)
+    let consumer = consumer::measured_consumer(kafka, pool, topic, group, 0, 100, 4)
         .fast_path(fast_path)
         .build()?;
     let ops = consumer.ops();

@@ -3,13 +3,14 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
 use crate::bench::Progress;
 use crate::harness::client;
 use crate::harness::ledger;
-use crate::harness::run::plan;
+use crate::harness::run::{PlannedOrder, plan};
 use saga_examples::service::{Service, ServiceArgs, quote_ident};
 
 /// What the sagas measured: end-to-end p50 and p99 in milliseconds, and each hop.
@@ -80,7 +81,7 @@ const HOPS: [(Service, &str, Service, &str, StepEnd); 4] = [
 ];
 
 /// Each hop's parts, joined on the idempotency key the saga's events carry.
-async fn hops(pool: &PgPool, args: &ServiceArgs) -> anyhow::Result<Vec<Hop>> {
+async fn hops(pool: &PgPool, args: &ServiceArgs, from: DateTime<Utc>) -> anyhow::Result<Vec<Hop>> {
     let header = |h: &str| format!("o.headers[array_position(o.headers, '{h}') + 1]");
     let mut hops = Vec::new();
     for (up, event, down, step, next) in HOPS {
@@ -108,7 +109,7 @@ async fn hops(pool: &PgPool, args: &ServiceArgs) -> anyhow::Result<Vec<Hop>> {
                       extract(epoch FROM {step_end} - k.created_at) * 1000 AS step \
                FROM {up_schema}.saga_outbox o \
                JOIN {down_schema}.saga_idempotency_keys k ON k.step_key = {key} || ':{step}' \
-               WHERE {ce} = '{event}' AND o.published_at IS NOT NULL) \
+               WHERE {ce} = '{event}' AND o.published_at IS NOT NULL AND o.created_at >= $1) \
              SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY relay), percentile_cont(0.99) WITHIN GROUP (ORDER BY relay), \
                     percentile_cont(0.5) WITHIN GROUP (ORDER BY delivery), percentile_cont(0.99) WITHIN GROUP (ORDER BY delivery), \
                     percentile_cont(0.5) WITHIN GROUP (ORDER BY step), percentile_cont(0.99) WITHIN GROUP (ORDER BY step) \
@@ -117,6 +118,7 @@ async fn hops(pool: &PgPool, args: &ServiceArgs) -> anyhow::Result<Vec<Hop>> {
             ce = header("ce_type"),
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(from)
             .fetch_one(pool)
             .await?;
         let get = |i: usize| {
@@ -133,10 +135,13 @@ async fn hops(pool: &PgPool, args: &ServiceArgs) -> anyhow::Result<Vec<Hop>> {
     Ok(hops)
 }
 
-/// Submits `orders` happy-path orders at `per_second`; returns the end-to-end latency and its hops.
+/// Submits `warmup` happy-path orders, then `orders` more, at `per_second`; returns the end-to-end latency
+/// and its hops of the `orders` (the first sagas also pay for connections, plans and producers' metadata,
+/// once per process).
 pub async fn latency(
     args: &ServiceArgs,
     pool: &PgPool,
+    warmup: usize,
     orders: usize,
     per_second: u32,
     progress: &Progress,
@@ -170,15 +175,65 @@ pub async fn latency(
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
 
-    let happy: Vec<_> = plan("bench", orders * 2)
+    let mut happy = plan("bench", (warmup + orders) * 2)
         .into_iter()
-        .filter(|o| o.path == crate::harness::ledger::Path::Happy)
-        .take(orders)
-        .collect();
+        .filter(|o| o.path == crate::harness::ledger::Path::Happy);
+    submit(
+        args,
+        pool,
+        happy.by_ref().take(warmup),
+        per_second,
+        progress,
+    )
+    .await?;
+    let from: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(pool)
+        .await?;
+    submit(args, pool, happy.take(orders), per_second, progress).await?;
+    stop.cancel();
+    for s in services {
+        s.await??;
+    }
+    let order = quote_ident(&args.schema(Service::Order));
+    // The hops are read from the outbox's rows: the write-ahead log keeps none.
+    let hops = if args.outbox_mode == saga_consumer::OutboxMode::Table {
+        hops(pool, args, from).await?
+    } else {
+        Vec::new()
+    };
+    for hop in &hops {
+        progress.note(&format!(
+            "hop {}: relay commit→ack p50/p99 {:.1}/{:.1} ms, ack→step's transaction p50/p99 {:.1}/{:.1} ms, step p50/p99 {:.1}/{:.1} ms",
+            hop.hop, hop.relay_ms.0, hop.relay_ms.1, hop.delivery_ms.0, hop.delivery_ms.1, hop.step_ms.0, hop.step_ms.1
+        ));
+    }
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) \
+         FROM (SELECT extract(epoch FROM h.at - o.created_at) * 1000 AS ms \
+               FROM {order}.orders o JOIN {order}.order_history h ON h.order_id = o.order_id AND h.status = 'COMPLETED' \
+               WHERE o.created_at >= $1) AS l"
+    )))
+    .bind(from)
+    .fetch_one(pool)
+    .await?;
+    Ok(SagaLatency {
+        e2e_ms: (row.try_get(0)?, row.try_get(1)?),
+        hops,
+    })
+}
+
+/// Submits `orders` at `per_second` and waits until every saga of the schema finished.
+async fn submit(
+    args: &ServiceArgs,
+    pool: &PgPool,
+    orders: impl Iterator<Item = PlannedOrder>,
+    per_second: u32,
+    progress: &Progress,
+) -> anyhow::Result<()> {
     let mut tick =
         tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(per_second.max(1))));
     let mut submissions = Vec::new();
-    for order in happy {
+    for order in orders {
         tick.tick().await;
         let addr = args.http_addr;
         submissions.push(tokio::spawn(async move {
@@ -195,7 +250,7 @@ pub async fn latency(
     for s in submissions {
         s.await??;
     }
-    let submitted = i64::try_from(orders)?;
+    let submitted = ledger::submitted_orders(pool, args).await?;
     super::wait_until_done(
         "the sagas",
         Duration::from_millis(500),
@@ -207,32 +262,5 @@ pub async fn latency(
         },
     )
     .await?;
-    stop.cancel();
-    for s in services {
-        s.await??;
-    }
-    let order = quote_ident(&args.schema(Service::Order));
-    // The hops are read from the outbox's rows: the write-ahead log keeps none.
-    let hops = if args.outbox_mode == saga_consumer::OutboxMode::Table {
-        hops(pool, args).await?
-    } else {
-        Vec::new()
-    };
-    for hop in &hops {
-        progress.note(&format!(
-            "hop {}: relay commit→ack p50/p99 {:.1}/{:.1} ms, ack→step's transaction p50/p99 {:.1}/{:.1} ms, step p50/p99 {:.1}/{:.1} ms",
-            hop.hop, hop.relay_ms.0, hop.relay_ms.1, hop.delivery_ms.0, hop.delivery_ms.1, hop.step_ms.0, hop.step_ms.1
-        ));
-    }
-    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) \
-         FROM (SELECT extract(epoch FROM h.at - o.created_at) * 1000 AS ms \
-               FROM {order}.orders o JOIN {order}.order_history h ON h.order_id = o.order_id AND h.status = 'COMPLETED') AS l"
-    )))
-    .fetch_one(pool)
-    .await?;
-    Ok(SagaLatency {
-        e2e_ms: (row.try_get(0)?, row.try_get(1)?),
-        hops,
-    })
+    Ok(())
 }

@@ -111,6 +111,7 @@ impl Worker {
             &pool,
             &self.topic,
             &self.group,
+            0,
             self.batch_size,
             self.concurrency,
         )

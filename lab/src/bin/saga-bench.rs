@@ -44,6 +44,14 @@ struct Cli {
     /// Orders for the end-to-end latency.
     #[arg(long, default_value_t = 200)]
     saga_orders: usize,
+    /// Orders run first and left out of the end-to-end latency (the first sagas also open connections,
+    /// prepare statements and fetch the producers' metadata).
+    #[arg(long, default_value_t = 20)]
+    saga_warmup: usize,
+    /// The saga services' and the broker section's consumer fetch wait in milliseconds
+    /// (`fetch.wait.max.ms`; the framework's default when unset).
+    #[arg(long)]
+    fetch_wait_ms: Option<u64>,
     /// Orders per second for the end-to-end latency.
     #[arg(long, default_value_t = 20)]
     saga_rate: u32,
@@ -164,6 +172,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         embedded_relay: true,
         orchestrated: false,
         outbox_mode: saga_consumer::OutboxMode::Table,
+        fetch_wait_ms: cli.fetch_wait_ms,
     };
     let uses_broker = SECTIONS
         .iter()
@@ -206,10 +215,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         progress.note(
             "broker: send-to-receive latency at 20 messages/s, one partition, then two topics",
         );
+        let fetch_wait = cli.fetch_wait_ms.map_or(
+            saga_consumer::ConsumerSettings::default().fetch_wait,
+            std::time::Duration::from_millis,
+        );
         report.broker_delivery_ms =
-            Some(broker::delivery_latency(&kafka, &delivery, None, 1, 300, 20).await?);
+            Some(broker::delivery_latency(&kafka, &delivery, None, 1, fetch_wait, 300, 20).await?);
         report.broker_delivery_two_topics_ms = Some(
-            broker::delivery_latency(&kafka, &two, Some(&idle), cli.partitions, 300, 20).await?,
+            broker::delivery_latency(
+                &kafka,
+                &two,
+                Some(&idle),
+                cli.partitions,
+                fetch_wait,
+                300,
+                20,
+            )
+            .await?,
         );
     }
     if section("consumer") {
@@ -219,9 +241,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.baseline_msgs_per_s = Some(figures.baseline);
         report.consumer_vs_baseline_ratio = Some(figures.framework / figures.baseline);
         report.sql_ceiling_msgs_per_s = Some(figures.ceiling);
-        report.consumer_vs_sql_ceiling_ratio = Some(figures.framework / figures.ceiling);
+        report.consumer_vs_sql_ceiling_ratio = Some(figures.vs_ceiling);
         report.sql_with_guarantees_msgs_per_s = Some(figures.guarded);
-        report.consumer_vs_sql_with_guarantees_ratio = Some(figures.framework / figures.guarded);
+        report.consumer_vs_sql_with_guarantees_ratio = Some(figures.vs_guarded);
         report.kafka_consume_only_msgs_per_s = Some(figures.consume_only);
         report.sql_ceiling_steps = Some(serde_json::to_value(&figures.ceiling_steps)?);
         report.consumer_run = Some(figures.run);
@@ -257,9 +279,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     "baseline_msgs_per_s": figures.baseline,
                     "consumer_vs_baseline_ratio": figures.framework / figures.baseline,
                     "sql_ceiling_msgs_per_s": figures.ceiling,
-                    "consumer_vs_sql_ceiling_ratio": figures.framework / figures.ceiling,
+                    "consumer_vs_sql_ceiling_ratio": figures.vs_ceiling,
                     "sql_with_guarantees_msgs_per_s": figures.guarded,
-                    "consumer_vs_sql_with_guarantees_ratio": figures.framework / figures.guarded,
+                    "consumer_vs_sql_with_guarantees_ratio": figures.vs_guarded,
                     "kafka_consume_only_msgs_per_s": figures.consume_only,
                     "sql_ceiling_steps": figures.ceiling_steps,
                     "consumer_run": figures.run,
@@ -498,8 +520,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let pool = args.pool(&probe, 2).await?;
             schemas.push(probe);
             progress.note(&format!("saga: end-to-end latency ({})", mode.as_str()));
-            let latency =
-                saga::latency(&args, &pool, cli.saga_orders, cli.saga_rate, &progress).await?;
+            let latency = saga::latency(
+                &args,
+                &pool,
+                cli.saga_warmup,
+                cli.saga_orders,
+                cli.saga_rate,
+                &progress,
+            )
+            .await?;
             progress.note(&format!(
                 "saga ({}): p50 {:.1} ms, p99 {:.1} ms",
                 mode.as_str(),
@@ -759,28 +788,37 @@ async fn consumer_figures(
     progress.note(&format!(
         "consumer ({label}): baseline {baseline:.0} msg/s; now the framework's consumer"
     ));
-    let before = cpu::CpuSample::now();
-    let run = consumer::framework(
-        kafka,
-        &pool,
-        &topic,
-        cli.messages,
-        cli.batch_size,
-        usize::try_from(cli.partitions)?,
-        progress,
-    )
-    .await?;
-    let after_framework = cpu::CpuSample::now();
-    let framework = run.msgs_per_s;
-    progress.note(&format!(
-        "consumer ({label}): framework {framework:.0} msg/s; now the SQL ceiling"
-    ));
-    // The ceilings in turns, round by round: the machine's drift and the tables' growth fall on each alike.
+    // The framework's rounds and the ceilings in turns, round by round: the machine's drift and the tables'
+    // growth fall on each alike.
     let kinds = consumer::Ceiling::STEPS;
     let mut rates = vec![Vec::with_capacity(consumer::CEILING_ROUNDS); kinds.len()];
     let mut cpu_seconds = vec![Vec::new(); kinds.len()];
-    let mut last_sample = after_framework;
+    let (mut runs, mut framework_cpu) = (Vec::new(), Vec::new());
+    let mut last_sample = cpu::CpuSample::now();
     for round in 0..consumer::CEILING_ROUNDS {
+        let run = consumer::framework(
+            kafka,
+            &pool,
+            &topic,
+            round,
+            cli.messages,
+            cli.batch_size,
+            usize::try_from(cli.partitions)?,
+            progress,
+        )
+        .await?;
+        let sample = cpu::CpuSample::now();
+        if let (Some(from), Some(to)) = (last_sample, sample) {
+            framework_cpu.push(from.until(&to, cli.messages));
+        }
+        last_sample = sample;
+        progress.note(&format!(
+            "consumer ({label}): framework {:.0} msg/s; now the SQL ceilings, round {} of {}",
+            run.msgs_per_s,
+            round + 1,
+            consumer::CEILING_ROUNDS
+        ));
+        runs.push(run);
         for (i, kind) in kinds.into_iter().enumerate() {
             let rate = consumer::sql_ceiling(
                 &pool,
@@ -798,12 +836,28 @@ async fn consumer_figures(
             rates[i].push(rate);
             last_sample = sample;
         }
-        progress.note(&format!(
-            "consumer ({label}): SQL ceilings, round {} of {}",
-            round + 1,
-            consumer::CEILING_ROUNDS
-        ));
     }
+    // Each round's framework against the ceilings of the same round, which ran right after it: the
+    // median of those ratios is the figure, so that the machine's drift between rounds cancels out.
+    let round_ratios = |ceiling: &[f64]| {
+        let mut ratios: Vec<f64> = runs
+            .iter()
+            .zip(ceiling)
+            .map(|(run, ceiling)| run.msgs_per_s / ceiling)
+            .collect();
+        saga_lab::bench::percentile(&mut ratios, 0.5)
+    };
+    let (vs_ceiling, vs_guarded) = (
+        round_ratios(&rates[0]),
+        round_ratios(&rates[kinds.len() - 1]),
+    );
+    // The median round's run stands for the framework.
+    runs.sort_by(|a, b| a.msgs_per_s.total_cmp(&b.msgs_per_s));
+    let run = runs.swap_remove(runs.len() / 2);
+    let framework = run.msgs_per_s;
+    progress.note(&format!(
+        "consumer ({label}): framework {framework:.0} msg/s, the median of its rounds"
+    ));
     let mut steps = Vec::with_capacity(kinds.len());
     for ((kind, mut rates), used) in kinds.into_iter().zip(rates).zip(cpu_seconds) {
         let step = CeilingStep {
@@ -833,10 +887,12 @@ async fn consumer_figures(
         consumed.map(|u| format!(", {u}")).unwrap_or_default()
     ));
     let (ceiling, guarded) = (&steps[0], &steps[steps.len() - 1]);
-    let framework_cpu = before
-        .zip(after_framework)
-        .map(|(from, to)| from.until(&to, cli.messages));
-    let cpu = match (framework_cpu, ceiling.cpu, guarded.cpu, consumed) {
+    let cpu = match (
+        cpu::CpuUse::sum(&framework_cpu),
+        ceiling.cpu,
+        guarded.cpu,
+        consumed,
+    ) {
         (Some(framework), Some(ceiling), Some(guarded), Some(consumed)) => {
             // The consumption phase is short and mostly the group join, so on the mock cluster the
             // machine's figure is mostly other processes' idle work: count this process's CPU (client and
@@ -863,6 +919,8 @@ async fn consumer_figures(
     };
     Ok(ConsumerFigures {
         framework,
+        vs_ceiling,
+        vs_guarded,
         baseline,
         ceiling: ceiling.msgs_per_s,
         guarded: guarded.msgs_per_s,
@@ -888,8 +946,12 @@ struct CeilingStep {
 
 /// The consumer's figures on one broker, messages/s.
 struct ConsumerFigures {
-    /// The framework's consumer.
+    /// The framework's consumer (the median of its rounds).
     framework: f64,
+    /// Framework / plain SQL ceiling: the median of the rounds' ratios.
+    vs_ceiling: f64,
+    /// Framework / SQL with the guarantees: the median of the rounds' ratios.
+    vs_guarded: f64,
     /// The at-least-once baseline.
     baseline: f64,
     /// The SQL the framework must do, without Kafka.

@@ -151,6 +151,16 @@ pub async fn finished_orders(pool: &PgPool, args: &ServiceArgs) -> Result<i64, s
     .await
 }
 
+/// Counts the orders the order service accepted.
+pub async fn submitted_orders(pool: &PgPool, args: &ServiceArgs) -> Result<i64, sqlx::Error> {
+    let order = quote_ident(&args.schema(Service::Order));
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {order}.orders"
+    )))
+    .fetch_one(pool)
+    .await
+}
+
 /// Checks the invariants, given the path the client chose for each key it got an order for.
 pub fn check(facts: &HashMap<Uuid, OrderFacts>, expected: &HashMap<String, Path>) -> Ledger {
     let mut ledger = Ledger {

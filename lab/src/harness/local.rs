@@ -60,6 +60,7 @@ impl LocalSaga {
             embedded_relay: true,
             orchestrated,
             outbox_mode: saga_consumer::OutboxMode::Table,
+            fetch_wait_ms: None,
         };
         for topic in args.all_topics() {
             kafka.create_topic(&topic, 3).await;

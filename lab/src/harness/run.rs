@@ -198,6 +198,7 @@ impl Run {
             embedded_relay: !options.separate_relays,
             orchestrated: options.orchestrated,
             outbox_mode: options.outbox_mode,
+            fetch_wait_ms: None,
         };
         args.check().await?;
         broker
