@@ -272,6 +272,7 @@ pub struct FrameworkRun {
 
 /// Runs the framework's consumer over `topic` until it processed `count` messages. Round `round` reads the
 /// topic from the start in a group of its own, with step keys of its own, into an emptied `bench_effects`.
+#[allow(clippy::too_many_arguments)]
 pub async fn framework(
     kafka: &KafkaConfig,
     pool: &PgPool,

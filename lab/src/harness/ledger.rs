@@ -143,19 +143,22 @@ pub async fn steps_run_twice(
 
 /// Counts finished orders (COMPLETED or CANCELLED).
 pub async fn finished_orders(pool: &PgPool, args: &ServiceArgs) -> Result<i64, sqlx::Error> {
-    let order = quote_ident(&args.schema(Service::Order));
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM {order}.orders WHERE status IN ('COMPLETED', 'CANCELLED')"
-    )))
-    .fetch_one(pool)
-    .await
+    count_orders(pool, args, "WHERE status IN ('COMPLETED', 'CANCELLED')").await
 }
 
 /// Counts the orders the order service accepted.
 pub async fn submitted_orders(pool: &PgPool, args: &ServiceArgs) -> Result<i64, sqlx::Error> {
+    count_orders(pool, args, "").await
+}
+
+async fn count_orders(
+    pool: &PgPool,
+    args: &ServiceArgs,
+    filter: &'static str,
+) -> Result<i64, sqlx::Error> {
     let order = quote_ident(&args.schema(Service::Order));
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM {order}.orders"
+        "SELECT count(*) FROM {order}.orders {filter}"
     )))
     .fetch_one(pool)
     .await
