@@ -82,31 +82,53 @@ async fn rows_of_one_key_are_numbered_in_commit_order() {
     // A second transaction appending the same key waits for the first to commit, so its row is numbered
     // after it; one appending another key does not wait.
     let pool = db.pool.clone();
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel::<i32>();
     let same_key = tokio::spawn(async move {
         let mut tx = pool.begin().await.unwrap();
-        let started = Instant::now();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        pid_tx.send(pid).unwrap();
         let ids = outbox::append(&mut tx, &[message("k", 2)]).await.unwrap();
-        let waited = started.elapsed();
         tx.commit().await.unwrap();
-        (ids, waited)
+        ids
     });
-    let mut other = db.pool.begin().await.unwrap();
-    let started = Instant::now();
-    outbox::append(&mut other, &[message("other", 3)])
+    // The second transaction is seen waiting on a lock (not merely not yet scheduled).
+    let pid = pid_rx.await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(pid)
+        .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert!(
-        started.elapsed() < Duration::from_millis(200),
-        "another key is not blocked"
-    );
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second transaction never waited for the key"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut other = db.pool.begin().await.unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        outbox::append(&mut other, &[message("other", 3)]),
+    )
+    .await
+    .expect("another key is not blocked by the open transaction")
+    .unwrap();
     other.commit().await.unwrap();
-
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    first.commit().await.unwrap();
-    let (second_ids, waited) = same_key.await.unwrap();
     assert!(
-        waited >= Duration::from_millis(250),
-        "waited only {waited:?}"
+        !same_key.is_finished(),
+        "the same key waits while the first transaction is open; another key did not"
     );
+
+    first.commit().await.unwrap();
+    let second_ids = same_key.await.unwrap();
     assert!(second_ids[0] > first_ids[0]);
 }

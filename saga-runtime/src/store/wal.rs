@@ -316,11 +316,52 @@ pub async fn prepare(pool: &PgPool) -> Result<WalOutbox, PrepareError> {
         )?;
         tracing::info!(%schema, %slot, "created the WAL outbox's replication slot");
     }
+    wait_until_consistent(&mut conn, &slot).await?;
     Ok(WalOutbox {
         prefix: prefix(&schema),
         schema,
         slot,
     })
+}
+
+/// How long [`prepare`] waits for a slot that another process is creating.
+const SLOT_CREATION_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Waits until `slot` is usable: another process (a relay and its service starting together) may be creating
+/// it, and a slot exists by name from the start of its creation, while PostgreSQL waits for the transactions
+/// running then to end before it decodes anything. A message written before that point is never decoded, so
+/// a process may write only once the slot has its start (`confirmed_flush_lsn`).
+async fn wait_until_consistent(conn: &mut PgConnection, slot: &str) -> Result<(), PrepareError> {
+    let deadline = std::time::Instant::now() + SLOT_CREATION_WAIT;
+    loop {
+        let ready: Option<bool> = sqlx::query_scalar(
+            "SELECT confirmed_flush_lsn IS NOT NULL FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(slot)
+        .fetch_optional(&mut *conn)
+        .await?;
+        match ready {
+            Some(true) => return Ok(()),
+            None => {
+                return Err(PrepareError::Database(sqlx::Error::Protocol(format!(
+                    "the WAL outbox's slot {slot} was dropped while it was being created"
+                ))));
+            }
+            Some(false) if std::time::Instant::now() >= deadline => {
+                return Err(ConfigProblem::new(
+                    "SAGA_OUTBOX_MODE",
+                    format!(
+                        "is wal, but the slot {slot} is still being created after {}s: PostgreSQL waits \
+                         for the transactions that were running when it began to end",
+                        SLOT_CREATION_WAIT.as_secs()
+                    ),
+                    "end the long-running transactions (pg_stat_activity), then start again",
+                )
+                .into());
+            }
+            Some(false) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+        }
+    }
 }
 
 /// `result`, with "it exists already" (another process created it meanwhile) as success.
