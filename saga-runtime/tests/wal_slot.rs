@@ -24,14 +24,7 @@ async fn a_process_finding_the_slot_being_created_waits_until_it_decodes() {
     let slot = wal::slot_name(&db.schema);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let named: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
-        )
-        .bind(&slot)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if named {
+        if slot_decodes(&db, &slot).await.is_some() {
             break;
         }
         assert!(Instant::now() < deadline, "the slot's creation never began");
@@ -51,14 +44,18 @@ async fn a_process_finding_the_slot_being_created_waits_until_it_decodes() {
     let created = creating.await.unwrap().unwrap();
     let found = finding.await.unwrap().unwrap();
     assert_eq!(created.slot, found.slot);
-    let decodes: bool = sqlx::query_scalar(
-        "SELECT confirmed_flush_lsn IS NOT NULL FROM pg_replication_slots WHERE slot_name = $1",
-    )
-    .bind(&slot)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert!(decodes);
+    assert_eq!(slot_decodes(&db, &slot).await, Some(true));
     let mut conn = db.pool.acquire().await.unwrap();
     assert!(wal::drop_slot(&mut conn, &db.schema).await.unwrap());
+}
+
+/// Whether `slot` decodes yet (`None`: no such slot).
+async fn slot_decodes(db: &TestDb, slot: &str) -> Option<bool> {
+    sqlx::query_scalar(
+        "SELECT confirmed_flush_lsn IS NOT NULL FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(&db.pool)
+    .await
+    .unwrap()
 }
