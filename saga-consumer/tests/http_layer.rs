@@ -17,20 +17,14 @@ use tower::ServiceExt;
 
 mod things;
 
-use things::{AppState, Thing, create_thing, create_things_table};
+use things::{AppState, Thing, create_thing, create_things_table, insert_thing};
 
 /// Writes a thing and answers with a body that is not UTF-8, which the layer cannot store: a 500.
 async fn create_thing_in_binary(
     request: IdempotentRequest,
     axum::Json(thing): axum::Json<Thing>,
 ) -> axum::response::Response {
-    let mut conn = request.transaction().await;
-    sqlx::query("INSERT INTO things (tenant, name) VALUES ($1, $2)")
-        .bind(request.tenant().as_str())
-        .bind(&thing.name)
-        .execute(&mut *conn)
-        .await
-        .unwrap();
+    insert_thing(&request, &thing).await;
     (StatusCode::OK, vec![0xff_u8, 0xfe, 0xfd]).into_response()
 }
 

@@ -83,10 +83,10 @@ where
 
 /// How [`log_lines`] writes the fields of spans and events: `name=value`, text quoted and escaped as
 /// `Debug` writes it, the event's message first and bare, and every control character escaped wherever it
-/// comes from (a newline in a hostile key or error cannot start a forged log line). It leaves out what only OpenTelemetry reads (`otel.*`) and the semantic
-/// conventions' constants (`messaging.system`, `messaging.operation.type`), and writes plain text without
-/// going through `Debug`: the runtime opens a span per consumed message, and formatting its fields is
-/// the largest cost of a log layer.
+/// comes from (a newline in a hostile key or error cannot start a forged log line). It leaves out what only
+/// OpenTelemetry reads (`otel.*`) and the semantic conventions' constants (`messaging.system`,
+/// `messaging.operation.type`), and writes plain text without going through `Debug`: the runtime opens a span
+/// per consumed message, and formatting its fields is the largest cost of a log layer.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LogFields;
 
@@ -118,6 +118,13 @@ struct LogVisitor<'writer> {
 }
 
 impl LogVisitor<'_> {
+    /// Writes a number or a flag as it is.
+    fn record_number(&mut self, field: &tracing::field::Field, value: impl std::fmt::Display) {
+        if self.start(field.name()) {
+            self.result = write!(self.writer, "{value}");
+        }
+    }
+
     /// Writes the separator and `name=` (nothing for the message); `false` if the field is left out.
     fn start(&mut self, name: &str) -> bool {
         if self.result.is_err() || left_out_of_log_lines(name) {
@@ -145,34 +152,28 @@ impl tracing::field::Visit for LogVisitor<'_> {
         let plain = value
             .bytes()
             .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\');
-        self.result = match (field.name() == "message", plain) {
-            (true, true) => self.writer.write_str(value),
-            (true, false) => EscapingControls(&mut self.writer).write_str(value),
-            (false, true) => self
-                .writer
+        self.result = if field.name() == "message" {
+            EscapingControls(&mut self.writer).write_str(value)
+        } else if plain {
+            self.writer
                 .write_char('"')
                 .and_then(|()| self.writer.write_str(value))
-                .and_then(|()| self.writer.write_char('"')),
-            (false, false) => write!(self.writer, "{value:?}"),
+                .and_then(|()| self.writer.write_char('"'))
+        } else {
+            write!(self.writer, "{value:?}")
         };
     }
 
     fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
-        if self.start(field.name()) {
-            self.result = write!(self.writer, "{value}");
-        }
+        self.record_number(field, value);
     }
 
     fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
-        if self.start(field.name()) {
-            self.result = write!(self.writer, "{value}");
-        }
+        self.record_number(field, value);
     }
 
     fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
-        if self.start(field.name()) {
-            self.result = write!(self.writer, "{value}");
-        }
+        self.record_number(field, value);
     }
 
     fn record_error(

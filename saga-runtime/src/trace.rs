@@ -207,21 +207,16 @@ pub struct MessageFields<'a> {
     pub traceparent: Option<&'a TraceParent>,
 }
 
-/// A trace id as W3C writes it (32 hex digits), shown without building a string first.
-struct TraceIdHex(u128);
-
-impl std::fmt::Display for TraceIdHex {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:032x}", self.0)
-    }
+/// An id as W3C trace context writes it (lower-case hex, zero-padded to `digits`: 32 for a trace id, 16 for a
+/// span id), shown without building a string first.
+struct Hex {
+    id: u128,
+    digits: usize,
 }
 
-/// A span id as W3C writes it (16 hex digits), shown without building a string first.
-struct SpanIdHex(u64);
-
-impl std::fmt::Display for SpanIdHex {
+impl std::fmt::Display for Hex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:016x}", self.0)
+        write!(f, "{:0digits$x}", self.id, digits = self.digits)
     }
 }
 
@@ -259,10 +254,10 @@ pub fn process_span(fields: &MessageFields<'_>, headers: &Headers) -> Span {
         saga.outcome = tracing::field::Empty,
         trace_id = fields
             .traceparent
-            .map(|tp| tracing::field::display(TraceIdHex(tp.trace_id))),
+            .map(|tp| tracing::field::display(Hex { id: tp.trace_id, digits: 32 })),
         parent_span_id = fields
             .traceparent
-            .map(|tp| tracing::field::display(SpanIdHex(tp.parent_id))),
+            .map(|tp| tracing::field::display(Hex { id: u128::from(tp.parent_id), digits: 16 })),
     );
     #[cfg(feature = "otel")]
     if !skip {

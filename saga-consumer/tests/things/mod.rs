@@ -37,6 +37,17 @@ pub async fn create_things_table(pool: &sqlx::PgPool) {
         .unwrap();
 }
 
+/// Writes `thing` for the request's tenant, in the request's transaction.
+pub async fn insert_thing(request: &IdempotentRequest, thing: &Thing) {
+    let mut conn = request.transaction().await;
+    sqlx::query("INSERT INTO things (tenant, name) VALUES ($1, $2)")
+        .bind(request.tenant().as_str())
+        .bind(&thing.name)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+}
+
 /// Writes `thing` in the request's transaction, sleeps as asked, and answers 201 with the thing, the call's
 /// number and the tenant (or 500 while `failures_left` is above zero).
 pub async fn create_thing(
@@ -45,15 +56,7 @@ pub async fn create_thing(
     axum::Json(thing): axum::Json<Thing>,
 ) -> axum::response::Response {
     let call = state.calls.fetch_add(1, Ordering::SeqCst) + 1;
-    {
-        let mut conn = request.transaction().await;
-        sqlx::query("INSERT INTO things (tenant, name) VALUES ($1, $2)")
-            .bind(request.tenant().as_str())
-            .bind(&thing.name)
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-    }
+    insert_thing(&request, &thing).await;
     tokio::time::sleep(Duration::from_millis(thing.sleep_ms)).await;
     let failing = state
         .failures_left

@@ -301,22 +301,7 @@ pub async fn prepare(pool: &PgPool) -> Result<WalOutbox, PrepareError> {
             .await,
         )?;
     }
-    let has_slot: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
-    )
-    .bind(&slot)
-    .fetch_one(&mut *conn)
-    .await?;
-    if !has_slot {
-        ignore_duplicate(
-            sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-                .bind(&slot)
-                .execute(&mut *conn)
-                .await,
-        )?;
-        tracing::info!(%schema, %slot, "created the WAL outbox's replication slot");
-    }
-    wait_until_consistent(&mut conn, &slot).await?;
+    wait_until_decoding(&mut conn, &schema, &slot).await?;
     Ok(WalOutbox {
         prefix: prefix(&schema),
         schema,
@@ -327,25 +312,36 @@ pub async fn prepare(pool: &PgPool) -> Result<WalOutbox, PrepareError> {
 /// How long [`prepare`] waits for a slot that another process is creating.
 const SLOT_CREATION_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
-/// Waits until `slot` is usable: another process (a relay and its service starting together) may be creating
-/// it, and a slot exists by name from the start of its creation, while PostgreSQL waits for the transactions
-/// running then to end before it decodes anything. A message written before that point is never decoded, so
-/// a process may write only once the slot has its start (`confirmed_flush_lsn`).
-async fn wait_until_consistent(conn: &mut PgConnection, slot: &str) -> Result<(), PrepareError> {
+/// Creates `slot` where missing and waits until it decodes. Another process (a service and its relay start
+/// together) may be creating it: a slot exists by name from the start of its creation, while PostgreSQL
+/// waits for the transactions running then to end before it decodes anything, and a message written before
+/// that point is never decoded. So a process may write only once the slot has its start
+/// (`confirmed_flush_lsn`); should the slot vanish meanwhile (its creator died), it creates it itself.
+async fn wait_until_decoding(
+    conn: &mut PgConnection,
+    schema: &str,
+    slot: &str,
+) -> Result<(), PrepareError> {
     let deadline = std::time::Instant::now() + SLOT_CREATION_WAIT;
     loop {
-        let ready: Option<bool> = sqlx::query_scalar(
+        let decodes: Option<bool> = sqlx::query_scalar(
             "SELECT confirmed_flush_lsn IS NOT NULL FROM pg_replication_slots WHERE slot_name = $1",
         )
         .bind(slot)
         .fetch_optional(&mut *conn)
         .await?;
-        match ready {
+        match decodes {
             Some(true) => return Ok(()),
             None => {
-                return Err(PrepareError::Database(sqlx::Error::Protocol(format!(
-                    "the WAL outbox's slot {slot} was dropped while it was being created"
-                ))));
+                let created = ignore_duplicate(
+                    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+                        .bind(slot)
+                        .execute(&mut *conn)
+                        .await,
+                )?;
+                if created {
+                    tracing::info!(%schema, %slot, "created the WAL outbox's replication slot");
+                }
             }
             Some(false) if std::time::Instant::now() >= deadline => {
                 return Err(ConfigProblem::new(
@@ -364,14 +360,15 @@ async fn wait_until_consistent(conn: &mut PgConnection, slot: &str) -> Result<()
     }
 }
 
-/// `result`, with "it exists already" (another process created it meanwhile) as success.
+/// `result`, with "it exists already" (another process created it meanwhile) as success: whether this call
+/// created it.
 fn ignore_duplicate(
     result: Result<sqlx::postgres::PgQueryResult, sqlx::Error>,
-) -> Result<(), sqlx::Error> {
+) -> Result<bool, sqlx::Error> {
     match result {
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(true),
         Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42710" | "23505")) => {
-            Ok(())
+            Ok(false)
         }
         Err(e) => Err(e),
     }
