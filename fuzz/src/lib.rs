@@ -91,7 +91,11 @@ pub fn wal_decode(data: &[u8]) {
                 tenant: TenantId::new(&e.tenant).ok()?,
                 topic: e.topic.clone(),
                 partition_key: e.partition_key.clone(),
-                headers: e.headers.clone(),
+                headers: e
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.clone().into(), v.clone().into()))
+                    .collect(),
                 payload: e.payload.clone(),
             })
         })

@@ -25,7 +25,10 @@ async fn each_ceiling_writes_the_rows_and_the_statements_it_names() {
             tenant: TenantId::default(),
             topic: "work.done".to_owned(),
             partition_key: Some("0".to_owned()),
-            headers: headers.clone(),
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.clone().into(), v.clone().into()))
+                .collect(),
             payload: b"{}".to_vec(),
         }],
     )

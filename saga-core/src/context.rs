@@ -148,9 +148,9 @@ impl<'t> BatchContext<'t> {
 
     /// Emits an event built at run time, caused by `cause`; prefer [`BatchContext::emit`].
     pub fn emit_event<P>(&mut self, cause: &Message<P>, event: Event) {
-        self.emitted.push(OutboxMessage::from_event(
+        self.emitted.push(OutboxMessage::caused_by(
             event,
-            &cause.lineage(),
+            cause.metadata(),
             self.source,
         ));
     }

@@ -2,6 +2,8 @@
 //! message a step receives, and the follow-up events a step emits (which inherit the saga's key, tenant and
 //! correlation id).
 
+use std::borrow::Cow;
+
 use serde::Serialize;
 
 use crate::event::{FromEvent, SagaEvent, Topic};
@@ -352,19 +354,14 @@ impl Lineage {
     /// that processed `cause` ([`EventMetadata::span_context`]), else a new child of `cause`'s trace.
     #[doc(hidden)]
     pub fn caused_by(cause: &EventMetadata) -> Self {
+        let of = LineageOf::cause(cause);
         Self {
-            idempotency_key: cause.idempotency_key.clone(),
-            tenant: cause.tenant.clone(),
-            correlation_id: cause
-                .correlation_id
-                .clone()
-                .unwrap_or_else(|| cause.idempotency_key.to_string()),
-            causation_id: cause.message_id.clone(),
-            traceparent: cause
-                .traceparent
-                .map_or_else(TraceParent::new_root, |tp| tp.child()),
+            idempotency_key: of.idempotency_key.clone(),
+            tenant: of.tenant.clone(),
+            correlation_id: of.correlation_id().to_owned(),
+            causation_id: of.causation_id.map(str::to_owned),
+            traceparent: of.traceparent,
         }
-        .in_span(cause.span_context)
     }
 
     /// Makes `span_context`, if any, the events' trace parent: the context of the span emitting them, when
@@ -479,6 +476,52 @@ impl Event {
     }
 }
 
+/// What an emitted event inherits, borrowed from a [`Lineage`] or straight from the metadata of the message
+/// that caused it (the consumer's path, which so builds no `Lineage` per event).
+struct LineageOf<'a> {
+    idempotency_key: &'a IdempotencyKey,
+    tenant: &'a TenantId,
+    /// `None`: the saga's correlation id is its idempotency key.
+    correlation_id: Option<&'a str>,
+    causation_id: Option<&'a str>,
+    traceparent: TraceParent,
+}
+
+impl<'a> LineageOf<'a> {
+    fn lineage(lineage: &'a Lineage) -> Self {
+        Self {
+            idempotency_key: &lineage.idempotency_key,
+            tenant: &lineage.tenant,
+            correlation_id: Some(&lineage.correlation_id),
+            causation_id: lineage.causation_id.as_deref(),
+            traceparent: lineage.traceparent,
+        }
+    }
+
+    /// See [`Lineage::caused_by`].
+    fn cause(cause: &'a EventMetadata) -> Self {
+        Self {
+            idempotency_key: &cause.idempotency_key,
+            tenant: &cause.tenant,
+            correlation_id: cause.correlation_id.as_deref(),
+            causation_id: cause.message_id.as_deref(),
+            traceparent: cause.span_context.unwrap_or_else(|| {
+                cause
+                    .traceparent
+                    .map_or_else(TraceParent::new_root, |tp| tp.child())
+            }),
+        }
+    }
+
+    fn correlation_id(&self) -> &'a str {
+        self.correlation_id
+            .unwrap_or_else(|| self.idempotency_key.as_str())
+    }
+}
+
+/// A header of an outbox row: its name (the framework's own are static) and its text value.
+pub type OutboxHeader = (Cow<'static, str>, Cow<'static, str>);
+
 /// A row of the transactional outbox: a message to publish as is (the runtime's).
 #[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -490,7 +533,7 @@ pub struct OutboxMessage {
     /// The Kafka key.
     pub partition_key: Option<String>,
     /// The headers, in order (text values only).
-    pub headers: Vec<(String, String)>,
+    pub headers: Vec<OutboxHeader>,
     /// The payload.
     pub payload: Vec<u8>,
 }
@@ -498,41 +541,65 @@ pub struct OutboxMessage {
 impl OutboxMessage {
     /// The outbox row for `event`, emitted by `source` within `lineage`. Gives the event a new message id.
     pub fn from_event(event: Event, lineage: &Lineage, source: &str) -> Self {
-        let message_id = uuid::Uuid::now_v7().to_string();
-        let mut headers = vec![
+        Self::inheriting(event, &LineageOf::lineage(lineage), source)
+    }
+
+    /// The outbox row for `event`, emitted by `source` while handling the message described by `cause`:
+    /// the same row as [`OutboxMessage::from_event`] with `cause`'s [`Lineage::caused_by`], built without
+    /// it.
+    pub fn caused_by(event: Event, cause: &EventMetadata, source: &str) -> Self {
+        Self::inheriting(event, &LineageOf::cause(cause), source)
+    }
+
+    fn inheriting(event: Event, lineage: &LineageOf<'_>, source: &str) -> Self {
+        let text = |value: &str| Cow::Owned(value.to_owned());
+        let mut message_id = [0u8; uuid::fmt::Hyphenated::LENGTH];
+        let message_id = uuid::Uuid::now_v7()
+            .hyphenated()
+            .encode_lower(&mut message_id);
+        let mut headers: Vec<OutboxHeader> = Vec::with_capacity(11 + event.extra_headers.len());
+        headers.extend([
             (
-                names::CE_SPECVERSION.to_owned(),
-                CLOUDEVENTS_SPEC_VERSION.to_owned(),
+                Cow::Borrowed(names::CE_SPECVERSION),
+                Cow::Borrowed(CLOUDEVENTS_SPEC_VERSION),
             ),
-            (names::CE_ID.to_owned(), message_id),
-            (names::CE_TYPE.to_owned(), event.event_type),
-            (names::CE_SOURCE.to_owned(), source.to_owned()),
+            (Cow::Borrowed(names::CE_ID), text(message_id)),
+            (Cow::Borrowed(names::CE_TYPE), Cow::Owned(event.event_type)),
+            (Cow::Borrowed(names::CE_SOURCE), text(source)),
             (
-                names::CE_TIME.to_owned(),
-                chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-            ),
-            (
-                names::CONTENT_TYPE.to_owned(),
-                "application/json".to_owned(),
+                Cow::Borrowed(names::CE_TIME),
+                Cow::Owned(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true)),
             ),
             (
-                names::IDEMPOTENCY_KEY.to_owned(),
-                lineage.idempotency_key.to_string(),
+                Cow::Borrowed(names::CONTENT_TYPE),
+                Cow::Borrowed("application/json"),
             ),
-            (names::TENANT_ID.to_owned(), lineage.tenant.to_string()),
             (
-                names::CORRELATION_ID.to_owned(),
-                lineage.correlation_id.clone(),
+                Cow::Borrowed(names::IDEMPOTENCY_KEY),
+                text(lineage.idempotency_key.as_str()),
             ),
-        ];
-        if let Some(causation) = &lineage.causation_id {
-            headers.push((names::CAUSATION_ID.to_owned(), causation.clone()));
+            (
+                Cow::Borrowed(names::TENANT_ID),
+                text(lineage.tenant.as_str()),
+            ),
+            (
+                Cow::Borrowed(names::CORRELATION_ID),
+                text(lineage.correlation_id()),
+            ),
+        ]);
+        if let Some(causation) = lineage.causation_id {
+            headers.push((Cow::Borrowed(names::CAUSATION_ID), text(causation)));
         }
         headers.push((
-            names::TRACEPARENT.to_owned(),
-            lineage.traceparent.to_string(),
+            Cow::Borrowed(names::TRACEPARENT),
+            Cow::Owned(lineage.traceparent.to_string()),
         ));
-        headers.extend(event.extra_headers);
+        headers.extend(
+            event
+                .extra_headers
+                .into_iter()
+                .map(|(name, value)| (Cow::Owned(name), Cow::Owned(value))),
+        );
         Self {
             tenant: lineage.tenant.clone(),
             topic: event.topic,
@@ -546,7 +613,7 @@ impl OutboxMessage {
     pub fn header_list(&self) -> Headers {
         self.headers
             .iter()
-            .fold(Headers::new(), |h, (n, v)| h.with(n.clone(), v.clone()))
+            .fold(Headers::new(), |h, (n, v)| h.with(n.as_ref(), v.as_ref()))
     }
 }
 
@@ -652,6 +719,58 @@ mod tests {
         assert_eq!(out.get_str("x-extra"), Ok(Some("1")));
         assert_eq!(row.partition_key.as_deref(), Some("order-7"));
         assert_eq!(row.tenant.as_str(), "acme");
+    }
+
+    #[test]
+    fn an_event_caused_by_a_message_gets_the_row_its_lineage_gives() {
+        let event = || {
+            Event::new("PaymentProcessed", "payments", "order-7", &1)
+                .unwrap()
+                .with_header("x-extra", "1")
+        };
+        // Ids and times differ from row to row: compare everything else.
+        let stable = |row: OutboxMessage| {
+            let headers: Vec<(String, String)> = row
+                .headers
+                .iter()
+                .filter(|(n, _)| *n != names::CE_ID && *n != names::CE_TIME)
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect();
+            (
+                row.tenant,
+                row.topic,
+                row.partition_key,
+                headers,
+                row.payload,
+            )
+        };
+        let cause = EventMetadata::from_headers(&headers()).unwrap();
+        let span = cause.traceparent.unwrap().child();
+        let without_correlation = EventMetadata {
+            span_context: Some(span),
+            ..cause.clone()
+        };
+        let with_correlation = EventMetadata {
+            correlation_id: Some("c-9".into()),
+            message_id: None,
+            ..without_correlation.clone()
+        };
+        for cause in [without_correlation, with_correlation] {
+            assert_eq!(
+                stable(OutboxMessage::caused_by(event(), &cause, "process-payment")),
+                stable(OutboxMessage::from_event(
+                    event(),
+                    &Lineage::caused_by(&cause),
+                    "process-payment"
+                )),
+            );
+        }
+        // Without a span, a new child of the cause's trace.
+        let row = OutboxMessage::caused_by(event(), &cause, "process-payment");
+        let meta = EventMetadata::from_headers(&row.header_list()).unwrap();
+        let (in_tp, out_tp) = (cause.traceparent.unwrap(), meta.traceparent.unwrap());
+        assert_eq!(out_tp.trace_id, in_tp.trace_id);
+        assert_ne!(out_tp.parent_id, in_tp.parent_id);
     }
 
     #[test]

@@ -59,7 +59,8 @@ pub use config::{BadInput, ConfigProblem, KafkaConfig, OutboxMode};
 pub use context::{BatchContext, StepContext};
 #[doc(hidden)]
 pub use envelope::{
-    EnvelopeError, EventMetadata, MAX_EVENT_TYPE_LEN, Origin, OutboxMessage, RawMessage,
+    EnvelopeError, EventMetadata, MAX_EVENT_TYPE_LEN, Origin, OutboxHeader, OutboxMessage,
+    RawMessage,
 };
 pub use envelope::{Event, Lineage, Message};
 pub use event::{FromEvent, SagaEvent, Topic};

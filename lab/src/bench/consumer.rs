@@ -718,7 +718,11 @@ impl CeilingBatch<'_> {
                     tenant: tenant.clone(),
                     topic: rows.topic.clone(),
                     partition_key: Some(key),
-                    headers: rows.headers.clone(),
+                    headers: rows
+                        .headers
+                        .iter()
+                        .map(|(n, v)| (n.clone().into(), v.clone().into()))
+                        .collect(),
                     payload,
                 })
                 .collect();

@@ -60,10 +60,14 @@ pub async fn append_rows(
 }
 
 /// The headers as a PostgreSQL array literal, flattened: `{"name","value",...}`.
-fn array_literal(headers: &[(String, String)]) -> String {
+fn array_literal<N: AsRef<str>, V: AsRef<str>>(headers: &[(N, V)]) -> String {
     let mut literal = String::with_capacity(16 + headers.len() * 48);
     literal.push('{');
-    for (i, value) in headers.iter().flat_map(|(n, v)| [n, v]).enumerate() {
+    for (i, value) in headers
+        .iter()
+        .flat_map(|(n, v)| [n.as_ref(), v.as_ref()])
+        .enumerate()
+    {
         if i > 0 {
             literal.push(',');
         }

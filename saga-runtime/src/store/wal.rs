@@ -447,7 +447,7 @@ mod tests {
             partition_key: key.map(str::to_owned),
             headers: headers
                 .iter()
-                .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+                .map(|(n, v)| ((*n).to_owned().into(), (*v).to_owned().into()))
                 .collect(),
             payload: payload.to_vec(),
         }
@@ -471,7 +471,9 @@ mod tests {
             assert_eq!(d.tenant, m.tenant.as_str());
             assert_eq!(d.topic, m.topic);
             assert_eq!(d.partition_key, m.partition_key);
-            assert_eq!(d.headers, m.headers);
+            let sent: Vec<(&str, &str)> = m.headers.iter().map(|(n, v)| (&**n, &**v)).collect();
+            let received: Vec<(&str, &str)> = d.headers.iter().map(|(n, v)| (&**n, &**v)).collect();
+            assert_eq!(received, sent);
             assert_eq!(d.payload, m.payload);
         }
         assert_eq!(decode(&encode(&[])).unwrap(), []);
