@@ -11,6 +11,11 @@ use saga_consumer::{
 };
 use serde::{Deserialize, Serialize};
 
+/// mimalloc, not the system's allocator: with glibc's malloc, allocation was about a quarter of the
+/// consumer's own CPU (docs/guide/deployment.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Serialize, Deserialize, SagaEvent)]
 struct PaymentProcessed {
     order_id: i64,

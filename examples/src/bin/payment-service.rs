@@ -2,6 +2,11 @@
 
 use saga_examples::service::Service;
 
+/// mimalloc, not the system's allocator: with glibc's malloc, allocation was about a quarter of the
+/// consumer's own CPU (docs/guide/deployment.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     saga_consumer::setup::exit_code(saga_examples::service::main(

@@ -11,6 +11,11 @@ use saga_lab::harness::{ChildCommand, RunFlags, duplicator, ledger, run_name};
 use saga_test_support::PrivateBroker;
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc, not the system's allocator: with glibc's malloc, allocation was about a quarter of the
+/// consumer's own CPU (docs/guide/deployment.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Runs the example saga with thousands of orders while every event is delivered twice, service
 /// (consumer) and relay processes are killed with SIGKILL at random moments, services also crash right
 /// after database commits (before committing offsets), and the broker is restarted once. Then checks the

@@ -8,6 +8,11 @@ use saga_runtime::kafka::{KafkaConfig, ensure_topics};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
+/// mimalloc, not the system's allocator: with glibc's malloc, allocation was about a quarter of the
+/// consumer's own CPU (docs/guide/deployment.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Measures, in one run: consumer throughput with dedup and outbox against an at-least-once baseline, the
 /// SQL ceiling (plain, then with each statement the guarantees need) and Kafka consumption alone; relay throughput on a backlog and commit-to-ack latency at a steady rate; the HTTP idempotency layer's
 /// added latency; end-to-end saga latency. Prints a table and writes target/saga-bench.json. Needs
@@ -650,6 +655,7 @@ async fn machine(cli: &Cli) -> serde_json::Value {
         "kernel": read("/proc/sys/kernel/osrelease").trim(),
         "postgres": postgres,
         "commit": commit,
+        "allocator": "mimalloc",
     })
 }
 

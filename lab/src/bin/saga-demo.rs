@@ -8,6 +8,11 @@ use saga_lab::harness::summary::Summary;
 use saga_lab::harness::{ChildCommand, RunFlags, duplicator, run_name};
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc, not the system's allocator: with glibc's malloc, allocation was about a quarter of the
+/// consumer's own CPU (docs/guide/deployment.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Runs the order → payment → shipping saga: starts the three services, submits orders (some retried with
 /// the same key, some with declined cards, some whose shipment fails), waits for every saga to finish, and
 /// prints what happened. With KAFKA_BROKERS unset it runs on librdkafka's built-in mock cluster.
