@@ -1,5 +1,6 @@
 //! End-to-end saga latency: from the order's acceptance (`POST /orders`) to its completion (the order
-//! service's `complete-order` step), with the three services running on the real broker.
+//! service's `complete-order` step), with the three services running in this process on a broker (the
+//! local one, or librdkafka's mock cluster).
 
 use std::time::Duration;
 

@@ -65,8 +65,8 @@ struct Cli {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     mock_too: bool,
     /// Only these sections (broker, consumer, consumer-mock, relay, relay-mock, scale, http, redis, otel,
-    /// saga); all by default. The `-mock` ones, `redis` and `otel` run on librdkafka's in-process mock
-    /// cluster; they, and `http`, need no broker.
+    /// saga, saga-mock); all by default. The `-mock` ones, `redis` and `otel` run on librdkafka's
+    /// in-process mock cluster; they, and `http`, need no broker.
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     only: Vec<String>,
     /// PostgreSQL URL.
@@ -102,7 +102,7 @@ struct Cli {
 }
 
 /// The sections of a run, in the order they run.
-const SECTIONS: [&str; 10] = [
+const SECTIONS: [&str; 11] = [
     "broker",
     "consumer",
     "consumer-mock",
@@ -113,10 +113,18 @@ const SECTIONS: [&str; 10] = [
     "redis",
     "otel",
     "saga",
+    "saga-mock",
 ];
 
 /// The sections that need no broker (the mock cluster stands in, or no Kafka at all).
-const BROKER_FREE: [&str; 5] = ["consumer-mock", "relay-mock", "http", "redis", "otel"];
+const BROKER_FREE: [&str; 6] = [
+    "consumer-mock",
+    "relay-mock",
+    "saga-mock",
+    "http",
+    "redis",
+    "otel",
+];
 
 fn parse_outbox_mode(text: &str) -> Result<OutboxMode, String> {
     OutboxMode::parse(text).map_err(|p| p.problem)
@@ -509,37 +517,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
     if section("saga") {
+        let broker = Broker::External(cli.brokers.clone());
         for mode in &cli.outbox_modes {
-            // Each mode on saga schemas and topics of its own.
-            let mut args = args.clone();
-            args.outbox_mode = *mode;
-            if *mode == OutboxMode::Wal {
-                args.schema_prefix = format!("{}_wal", args.schema_prefix);
-                args.topic_prefix = format!("{}-wal", args.topic_prefix);
-                args.http_addr = saga_test_support::free_local_addr();
-            }
-            let names = args.all_topics();
-            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-            ensure_topics(&kafka, &refs, cli.saga_partitions, 1).await?;
-            let probe = format!("{}_probe", args.schema_prefix);
-            let pool = args.pool(&probe, 2).await?;
-            schemas.push(probe);
-            progress.note(&format!("saga: end-to-end latency ({})", mode.as_str()));
-            let latency = saga::latency(
-                &args,
-                &pool,
-                cli.saga_warmup,
-                cli.saga_orders,
-                cli.saga_rate,
-                &progress,
-            )
-            .await?;
-            progress.note(&format!(
-                "saga ({}): p50 {:.1} ms, p99 {:.1} ms",
-                mode.as_str(),
-                latency.e2e_ms.0,
-                latency.e2e_ms.1
-            ));
+            let latency = saga_pass(&cli, &args, &broker, *mode, &mut schemas, &progress).await?;
             if *mode == OutboxMode::Wal {
                 let wal = report.wal.get_or_insert_with(|| serde_json::json!({}));
                 wal["saga_e2e_p50_ms"] = serde_json::json!(latency.e2e_ms.0);
@@ -549,10 +529,31 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 report.saga_e2e_p99_ms = Some(latency.e2e_ms.1);
                 report.saga_hops = Some(latency.hops);
             }
-            for service in saga_examples::service::Service::ALL {
-                schemas.push(args.schema(service));
-            }
-            schemas.push(args.gateway_schema());
+        }
+    }
+    if section("saga-mock") {
+        // The same sagas on the mock cluster: what the framework and PostgreSQL take without the broker's time.
+        let mock = Broker::mock()?;
+        let mut args = args.clone();
+        args.brokers = mock.brokers();
+        args.schema_prefix = format!("{}_mock", args.schema_prefix);
+        args.topic_prefix = format!("{}-mock", args.topic_prefix);
+        for mode in &cli.outbox_modes {
+            let latency = saga_pass(&cli, &args, &mock, *mode, &mut schemas, &progress).await?;
+            let figures = report
+                .mock_broker
+                .get_or_insert_with(|| serde_json::json!({}));
+            let figures = if *mode == OutboxMode::Wal {
+                if figures.get("wal").is_none() {
+                    figures["wal"] = serde_json::json!({});
+                }
+                &mut figures["wal"]
+            } else {
+                figures["saga_hops"] = serde_json::json!(latency.hops);
+                figures
+            };
+            figures["saga_e2e_p50_ms"] = serde_json::json!(latency.e2e_ms.0);
+            figures["saga_e2e_p99_ms"] = serde_json::json!(latency.e2e_ms.1);
         }
     }
 
@@ -657,6 +658,56 @@ async fn machine(cli: &Cli) -> serde_json::Value {
         "commit": commit,
         "allocator": "mimalloc",
     })
+}
+
+/// One pass of the `saga` section: the example's services in outbox mode `mode` on `broker`, each mode on
+/// schemas, topics and an HTTP address of its own; the schemas it used are added to `schemas`.
+async fn saga_pass(
+    cli: &Cli,
+    args: &ServiceArgs,
+    broker: &Broker,
+    mode: OutboxMode,
+    schemas: &mut Vec<String>,
+    progress: &Progress,
+) -> anyhow::Result<saga::SagaLatency> {
+    let mut args = args.clone();
+    args.outbox_mode = mode;
+    if mode == OutboxMode::Wal {
+        args.schema_prefix = format!("{}_wal", args.schema_prefix);
+        args.topic_prefix = format!("{}-wal", args.topic_prefix);
+    }
+    args.http_addr = saga_test_support::free_local_addr();
+    broker
+        .create_topics(&args.all_topics(), cli.saga_partitions)
+        .await?;
+    let probe = format!("{}_probe", args.schema_prefix);
+    let pool = args.pool(&probe, 2).await?;
+    schemas.push(probe);
+    progress.note(&format!(
+        "saga: end-to-end latency ({}, {})",
+        mode.as_str(),
+        broker.describe()
+    ));
+    let latency = saga::latency(
+        &args,
+        &pool,
+        cli.saga_warmup,
+        cli.saga_orders,
+        cli.saga_rate,
+        progress,
+    )
+    .await?;
+    progress.note(&format!(
+        "saga ({}): p50 {:.1} ms, p99 {:.1} ms",
+        mode.as_str(),
+        latency.e2e_ms.0,
+        latency.e2e_ms.1
+    ));
+    for service in saga_examples::service::Service::ALL {
+        schemas.push(args.schema(service));
+    }
+    schemas.push(args.gateway_schema());
+    Ok(latency)
 }
 
 /// The relay's figures on `kafka`, each in a fresh schema (`{prefix}_{label}`, `{prefix}_{label}_steady`
