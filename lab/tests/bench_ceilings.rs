@@ -14,7 +14,7 @@ const CONNECTIONS: usize = 2;
 async fn each_ceiling_writes_the_rows_and_the_statements_it_names() {
     let db = TestDb::with("bench-ceilings", &[saga_consumer::migrate::migrator()]).await;
     // What the framework's run left, whose shape the ceilings copy: an outbox row and a step key.
-    let headers = vec![
+    let headers = [
         ("ce_type".to_owned(), "WorkDone".to_owned()),
         ("note".to_owned(), r#"a "quoted" \ value"#.to_owned()),
     ];
