@@ -519,7 +519,8 @@ impl<'a> LineageOf<'a> {
     }
 }
 
-/// A header of an outbox row: its name (the framework's own are static) and its text value.
+/// A header of an outbox row: its name (the framework's own are static) and its text value (the runtime's).
+#[doc(hidden)]
 pub type OutboxHeader = (Cow<'static, str>, Cow<'static, str>);
 
 /// A row of the transactional outbox: a message to publish as is (the runtime's).

@@ -527,8 +527,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     if section("saga-mock") {
-        // The same sagas on the mock cluster, whose delivery is its fetch wait: what the framework and PostgreSQL
-        // take without the broker's time.
+        // The same sagas on the mock cluster, whose delivery is its fetch wait: what the framework and
+        // PostgreSQL take without the broker's time.
         let mock = Broker::mock()?;
         let mut args = args.clone();
         args.brokers = mock.brokers();
