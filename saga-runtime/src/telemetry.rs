@@ -149,12 +149,14 @@ impl tracing::field::Visit for LogVisitor<'_> {
         if !self.start(field.name()) {
             return;
         }
-        let plain = value
-            .bytes()
-            .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\');
+        let plain = || {
+            value
+                .bytes()
+                .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
+        };
         self.result = if field.name() == "message" {
             EscapingControls(&mut self.writer).write_str(value)
-        } else if plain {
+        } else if plain() {
             self.writer
                 .write_char('"')
                 .and_then(|()| self.writer.write_str(value))
