@@ -38,15 +38,18 @@ mod key_order;
 mod metrics;
 #[cfg(test)]
 mod model;
+mod parked;
 mod publisher;
 mod relay;
 mod shards;
 mod store;
 mod wal;
+mod wal_batch;
 
 pub use cli::main;
 pub use gc::{RetentionPolicy, RetentionReport, run_retention};
 pub use hooks::{PublishAttempt, PublishHooks};
+pub use parked::{ParkedEvent, discard_parked, parked_events, retry_parked};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
 pub use saga_core::{KafkaConfig, OutboxMode};
 #[doc(hidden)]

@@ -33,6 +33,11 @@ pub(crate) struct RelayMetrics {
     /// WAL mode: bytes of write-ahead log between the server's position and what the relay confirmed
     /// (sampled).
     pub wal_lag_bytes: Gauge,
+    /// WAL mode: 1 while this relay waits at the switch's fence (rows of the table outbox unpublished, or a
+    /// writer in table mode running) before it reads the slot.
+    pub wal_fenced: Gauge,
+    /// WAL mode: keys held behind parked events (their later events are parked behind them).
+    pub wal_held_keys: Gauge,
     /// The latest commit-to-acknowledgement latencies in seconds (at most [`LATENCY_SAMPLES`]), for
     /// [`crate::RelayProbe::commit_to_ack`].
     pub latencies: Arc<Mutex<VecDeque<f64>>>,
@@ -71,6 +76,8 @@ impl Default for RelayMetrics {
             commit_to_ack_seconds: Histogram::new(exponential_buckets(0.000_5, 2.0, 18)),
             wal_active: Gauge::default(),
             wal_lag_bytes: Gauge::default(),
+            wal_fenced: Gauge::default(),
+            wal_held_keys: Gauge::default(),
             latencies: Arc::default(),
         }
     }
@@ -125,6 +132,16 @@ impl RelayMetrics {
             "wal_lag_bytes",
             "WAL mode: write-ahead log between the server's position and what the relay confirmed",
             self.wal_lag_bytes.clone(),
+        );
+        r.register(
+            "wal_fenced",
+            "WAL mode: 1 while the relay waits for the table outbox to drain and its table-mode writers to go",
+            self.wal_fenced.clone(),
+        );
+        r.register(
+            "wal_held_keys",
+            "WAL mode: keys held behind parked events",
+            self.wal_held_keys.clone(),
         );
     }
 }

@@ -12,6 +12,7 @@
 //! batch simply waits, and nothing is marked published that the broker did not acknowledge. After a fatal
 //! producer error the producer is recreated and the unmarked rows are published again.
 
+use std::borrow::Borrow;
 use std::future::Future;
 use std::time::Duration;
 
@@ -129,15 +130,15 @@ impl Publisher {
     /// Sends `rows` (in id order) and waits for every acknowledgement, at most one row per key in flight
     /// (see the module documentation). Returns `None` if `shutdown` fired first (nothing is marked then;
     /// the rows are published again).
-    pub(crate) async fn publish(
+    pub(crate) async fn publish<R: Borrow<OutboxRow>>(
         &mut self,
-        rows: &[OutboxRow],
+        rows: &[R],
         shutdown: &CancellationToken,
     ) -> Option<BatchOutcome> {
         let mut outcome = BatchOutcome::default();
         let mut order: KeyOrder<KeyRef<'_>> = KeyOrder::new();
         let mut in_flight = FuturesUnordered::new();
-        for (index, row) in rows.iter().enumerate() {
+        for (index, row) in rows.iter().map(Borrow::borrow).enumerate() {
             let key = key_ref(row);
             if !order.offer(index, key) {
                 continue;
@@ -158,7 +159,7 @@ impl Publisher {
             let Some((index, report, acked_at, span)) = next else {
                 break;
             };
-            let row = &rows[index];
+            let row = rows[index].borrow();
             let key = key_ref(row);
             match report {
                 Ok((partition, offset)) => {
@@ -173,9 +174,10 @@ impl Publisher {
                     });
                     // The broker has this row: the key's next one may go.
                     if let Some(next) = order.acked(&key) {
-                        match self.send(&rows[next], shutdown).await? {
+                        let next_row = rows[next].borrow();
+                        match self.send(next_row, shutdown).await? {
                             Ok((sent, span)) => {
-                                in_flight.push(in_flight_row(next, rows[next].id, sent, span));
+                                in_flight.push(in_flight_row(next, next_row.id, sent, span));
                             }
                             Err(failed) => {
                                 outcome.failed.push(failed);

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
-use saga_runtime::ops::Ops;
+use saga_runtime::ops::{Ops, ReadyFlag};
 use saga_runtime::store::wal::OutboxMode;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
@@ -60,6 +60,13 @@ pub struct RelaySettings {
     /// WAL mode: how often a relay standing by (another reads the slot) tries to take the slot over
     /// (default 1 s).
     pub standby_interval: Duration,
+    /// WAL mode: how long an event that keeps failing (whatever the error) is tried again before it is
+    /// parked with its key's later events, so that the slot moves on for the other keys
+    /// (`RELAY_PARK_AFTER_SECS`, default 30 s).
+    pub park_after_time: Duration,
+    /// WAL mode: a batch is published, at a commit, once the messages read into it take this many bytes
+    /// (default 16 MiB, the writers' default largest transaction): what the relay holds at once.
+    pub max_batch_bytes: usize,
 }
 
 impl Default for RelaySettings {
@@ -79,6 +86,8 @@ impl Default for RelaySettings {
             mode: OutboxMode::Table,
             replication_url: None,
             standby_interval: Duration::from_secs(1),
+            park_after_time: Duration::from_secs(30),
+            max_batch_bytes: saga_runtime::store::outbox::DEFAULT_MAX_TRANSACTION_BYTES,
         }
     }
 }
@@ -165,6 +174,9 @@ impl RelayBuilder {
         if let Some(v) = env_value(&get, "RELAY_PARK_AFTER_ATTEMPTS")? {
             s.park_after = v;
         }
+        if let Some(v) = env_value(&get, "RELAY_PARK_AFTER_SECS")? {
+            s.park_after_time = Duration::from_secs(v);
+        }
         if let Some(v) = env_value(&get, "RELAY_GC_INTERVAL_SECS")? {
             s.retention_interval = Duration::from_secs(v);
         }
@@ -235,6 +247,12 @@ impl RelayBuilder {
     /// Failed attempts after which a row the broker refuses for good is parked.
     pub fn park_after(mut self, attempts: u32) -> Self {
         self.settings.park_after = attempts;
+        self
+    }
+
+    /// WAL mode: how long a failing event is tried again before it is parked with its key's later events.
+    pub fn park_after_time(mut self, time: Duration) -> Self {
+        self.settings.park_after_time = time;
         self
     }
 
@@ -317,12 +335,18 @@ impl RelayBuilder {
             )
             .into());
         }
+        // Embedded in a service, the relay's readiness is its own check, which does not gate the service's:
+        // while it stands by or reconnects, the consumers and HTTP entry points carry on.
+        let embedded = self.ops.is_some();
+        let ops = self.ops.unwrap_or_default();
+        let ready = ops.check("relay", !embedded);
         Ok(Relay {
             kafka,
             settings: self.settings,
             pool,
             metrics: RelayMetrics::default(),
-            ops: self.ops.unwrap_or_default(),
+            ops,
+            ready,
             hooks: self.hooks,
         })
     }
@@ -356,6 +380,8 @@ pub struct Relay {
     pub(crate) pool: PgPool,
     pub(crate) metrics: RelayMetrics,
     pub(crate) ops: Ops,
+    /// This relay's readiness check (`relay`).
+    pub(crate) ready: ReadyFlag,
     hooks: PublishHooks,
 }
 
@@ -453,14 +479,14 @@ impl Retries {
     }
 }
 
-/// How long [`Relay::run_table`] publishes.
+/// What [`Relay::run_table`] is to its relay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Until {
-    /// Until shutdown: the table outbox is the service's.
-    Shutdown,
-    /// Until this instance's shards have nothing left (or shutdown): rows left from before a switch to the
-    /// WAL outbox.
-    Drained,
+enum Role {
+    /// The table outbox is the service's: its state is the relay's readiness.
+    Outbox,
+    /// The relay reads the write-ahead log's outbox, whose loop owns the readiness; the table holds rows
+    /// from before the switch, and any a writer of an older version adds.
+    BesideTheLog,
 }
 
 impl Relay {
@@ -509,14 +535,19 @@ impl Relay {
         let mut publisher =
             Publisher::new(self.kafka.clone(), self.settings.linger, self.hooks.clone())?;
         if self.settings.mode == OutboxMode::Wal {
-            // Rows a table-mode writer left in `saga_outbox` (before the service switched modes) go first:
-            // a key's older events precede its events in the write-ahead log.
-            self.run_table(&mut publisher, &shutdown, Until::Drained)
-                .await;
+            // The table is published beside the log: rows a table-mode writer left in `saga_outbox` before
+            // the switch (the WAL loop reads the slot only once the whole table is published, see
+            // `fence`), and rows written late by a writer of an older version.
+            let mut table_publisher =
+                Publisher::new(self.kafka.clone(), self.settings.linger, self.hooks.clone())?;
             let url = self.settings.replication_url.clone().unwrap_or_default();
-            self.run_wal(&mut publisher, &url, &shutdown).await;
+            tokio::join!(
+                self.run_table(&mut table_publisher, &shutdown, Role::BesideTheLog),
+                self.run_wal(&mut publisher, &url, &shutdown),
+            );
+            table_publisher.flush(Duration::from_secs(5));
         } else {
-            self.run_table(&mut publisher, &shutdown, Until::Shutdown)
+            self.run_table(&mut publisher, &shutdown, Role::Outbox)
                 .await;
         }
         publisher.flush(Duration::from_secs(5));
@@ -524,25 +555,22 @@ impl Relay {
         Ok(())
     }
 
-    /// Publishes the table outbox until `until`, reconnecting after database failures.
-    async fn run_table(
-        &self,
-        publisher: &mut Publisher,
-        shutdown: &CancellationToken,
-        until: Until,
-    ) {
+    /// Publishes the table outbox until shutdown, reconnecting after database failures.
+    async fn run_table(&self, publisher: &mut Publisher, shutdown: &CancellationToken, role: Role) {
         let mut owner = ShardOwner::new();
         let mut retries = Retries::default();
         let mut reconnect_wait = Duration::from_millis(200);
         while !shutdown.is_cancelled() {
             match self
-                .session(publisher, &mut owner, &mut retries, shutdown, until)
+                .session(publisher, &mut owner, &mut retries, shutdown, role)
                 .await
             {
                 Ok(()) => break,
                 Err(e) => {
                     owner.forget();
-                    self.ops.set_ready(false);
+                    if role == Role::Outbox {
+                        self.ready.set(false);
+                    }
                     self.metrics.owned_shards.set(0);
                     tracing::warn!(error = %e, wait = ?reconnect_wait, "relay lost the database; reconnecting");
                     tokio::select! {
@@ -555,15 +583,14 @@ impl Relay {
         }
     }
 
-    /// One database session: returns `Ok` on shutdown (or, with [`Until::Drained`], once this instance's
-    /// shards have nothing left to publish), `Err` when the database failed.
+    /// One database session: returns `Ok` on shutdown, `Err` when the database failed.
     async fn session(
         &self,
         publisher: &mut Publisher,
         owner: &mut ShardOwner,
         retries: &mut Retries,
         shutdown: &CancellationToken,
-        until: Until,
+        role: Role,
     ) -> Result<(), sqlx::Error> {
         // The work connection holds the shard locks: it is this instance's identity, kept out of the pool.
         let mut conn: PgConnection = self.pool.acquire().await?.detach();
@@ -574,7 +601,9 @@ impl Relay {
         let mut listener = PgListener::connect_with(&self.pool).await?;
         listener.listen("saga_outbox").await?;
         owner.join(&mut conn).await?;
-        self.ops.set_ready(true);
+        if role == Role::Outbox {
+            self.ready.set(true);
+        }
         tracing::info!(%schema, "relay connected");
 
         let mut next_rebalance = Instant::now();
@@ -614,10 +643,6 @@ impl Relay {
                     .await?
             };
             let fetched_in = fetch_started.elapsed();
-            if rows.is_empty() && held.is_empty() && until == Until::Drained && !shards.is_empty() {
-                owner.leave(&mut conn).await.ok();
-                return Ok(());
-            }
             if rows.is_empty() {
                 let wait = self
                     .settings

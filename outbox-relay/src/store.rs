@@ -232,7 +232,8 @@ pub struct WalBacklog {
     /// The server's view of the slot's log: `reserved`, `extended`, `unreserved`, or `lost` (it fell behind
     /// `max_slot_wal_keep_size`: the events it had not read are gone).
     pub wal_status: Option<String>,
-    /// Events the broker refused for good, set aside in `saga_outbox_wal_parked`.
+    /// Events set aside in `saga_outbox_wal_parked` (refused, failing too long, or waiting behind such an
+    /// event of their key), not yet published or discarded.
     pub parked: i64,
 }
 
@@ -262,15 +263,13 @@ pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
 }
 
 async fn wal_backlog(pool: &PgPool) -> Result<Option<WalBacklog>, sqlx::Error> {
-    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
-        .fetch_one(pool)
-        .await?;
-    let Some(lag) = saga_runtime::store::wal::slot_lag(pool, &schema).await? else {
+    let Some(lag) = saga_runtime::store::wal::slot_lag(pool).await? else {
         return Ok(None);
     };
     let parked: i64 = sqlx::query_scalar(
         "SELECT CASE WHEN to_regclass('saga_outbox_wal_parked') IS NULL THEN 0 \
-                ELSE (SELECT count(*) FROM saga_outbox_wal_parked) END",
+                ELSE (SELECT count(*) FROM saga_outbox_wal_parked \
+                      WHERE published_at IS NULL AND discarded_at IS NULL) END",
     )
     .fetch_one(pool)
     .await?;

@@ -3,21 +3,32 @@
 //!
 //! It reads the schema's replication slot through the `pgoutput` plugin with logical messages on, keeps the
 //! messages of its schema's prefix, and publishes their events in the order their transactions committed:
-//! per-key order holds by construction. The slot's position is confirmed only after the broker acknowledged
-//! every event before it, so a relay that dies republishes from the last confirmed commit (the consumers'
-//! step keys absorb the duplicates) and never skips one.
+//! per-key order holds by construction. The slot's position is confirmed only once every event before it
+//! was acknowledged by the broker or parked, so a relay that dies republishes from the last confirmed commit
+//! (the consumers' step keys absorb the duplicates) and never skips one.
 //!
+//! - **The switch from the table.** Before it first reads the slot, a relay waits at the schema's fence
+//!   (`saga_runtime::store::wal::fence`): every row of `saga_outbox` published and no table-mode writer
+//!   left. It publishes the table meanwhile, and goes on publishing it beside the log (rows a writer of an
+//!   older version adds late are still published).
 //! - **One relay per slot.** PostgreSQL lets one connection read a slot at a time. A second relay finds it
 //!   active, stands by, and tries again every second: when the first dies, its connection ends and the
 //!   second takes over where the slot was confirmed.
-//! - **Refused events.** An event the broker refuses for good (too large, not a valid record), after
-//!   `RELAY_PARK_AFTER_ATTEMPTS` attempts, and a message that does not decode, are parked in
-//!   `saga_outbox_wal_parked` with the reason, so that the slot moves on.
+//! - **A failing key holds back only itself** (`wal_batch`): an event that keeps failing, whatever the
+//!   error, is parked after a bounded time (sooner if the broker refuses it for good) with its key's later
+//!   events, in `saga_outbox_wal_parked`, so that the slot moves on for every other key; the key is held
+//!   (its later events are parked behind it) until its parked events are published again, in order
+//!   (`parked`). A message that does not decode is parked whole.
+//! - **A lost slot is never made again here.** The relay prepares the slot like any writer
+//!   (`saga_runtime::store::wal::prepare`): a recorded slot that is gone or lost is refused, loudly, until an
+//!   operator recovers it.
 //! - **Idle schemas.** When nothing of its own is pending, the relay confirms the positions the server says
 //!   it has read up to, so that another schema's traffic does not keep the write-ahead log from being
 //!   recycled.
+//! - **Memory.** A batch is published once it holds `RELAY_BATCH_SIZE` events or a writer's largest
+//!   transaction (`SAGA_OUTBOX_MAX_TRANSACTION_BYTES`) in bytes, at a commit.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -25,12 +36,14 @@ use pgwire_replication::{
     Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig,
 };
 use saga_runtime::config::ConfigProblem;
-use saga_runtime::store::wal::{self, WalOutbox};
+use saga_runtime::store::wal::{self, WalOutbox, fence};
 use tokio_util::sync::CancellationToken;
 
-use crate::publisher::Publisher;
+use crate::parked::{self, ToPark};
+use crate::publisher::{OrderKey, Publisher, order_key};
 use crate::relay::Relay;
 use crate::store::OutboxRow;
+use crate::wal_batch::{Failure, Holds, WalBatch};
 
 /// How a session with the slot ended.
 enum WalEnd {
@@ -42,10 +55,12 @@ enum WalEnd {
     Shutdown,
 }
 
-/// Where a published event came from, for parking it.
+/// Where an event read from the slot came from: for parking it, once.
 struct Origin {
     tenant: String,
     commit_lsn: Lsn,
+    message_lsn: Lsn,
+    index: i32,
 }
 
 /// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
@@ -130,6 +145,80 @@ fn classify(e: &PgWireError) -> WalEnd {
     }
 }
 
+/// The events read from the slot and not yet settled, with what is decided about them (row `i`'s id is
+/// `i`).
+struct Batch {
+    rows: Vec<OutboxRow>,
+    origins: Vec<Origin>,
+    decisions: WalBatch<OrderKey>,
+    /// When each event was first handed to the producer.
+    first_sent: Vec<Option<Instant>>,
+    /// Each event's last error.
+    errors: Vec<String>,
+    /// The size of the messages read into it.
+    bytes: usize,
+    park_after: u32,
+}
+
+impl Batch {
+    fn new(park_after: u32) -> Self {
+        Self {
+            rows: Vec::new(),
+            origins: Vec::new(),
+            decisions: WalBatch::new(park_after),
+            first_sent: Vec::new(),
+            errors: Vec::new(),
+            bytes: 0,
+            park_after,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    fn push(
+        &mut self,
+        event: wal::WalEvent,
+        origin: Origin,
+        commit_time: DateTime<Utc>,
+        holds: &Holds<OrderKey>,
+    ) {
+        let row = OutboxRow {
+            id: i64::try_from(self.rows.len()).unwrap_or(i64::MAX),
+            topic: event.topic,
+            partition_key: event.partition_key,
+            headers: event.headers,
+            payload: Some(event.payload),
+            created_at: commit_time,
+        };
+        self.decisions.push(order_key(&row), holds);
+        self.rows.push(row);
+        self.origins.push(origin);
+        self.first_sent.push(None);
+        self.errors.push(String::new());
+    }
+
+    fn clear(&mut self) {
+        *self = Self::new(self.park_after);
+    }
+}
+
+/// The last position confirmed to the server, to be recorded in the schema (`confirmed_lsn`), at most once a
+/// second: where a lost slot's losses begin.
+#[derive(Default)]
+struct Confirmations {
+    latest: Option<(Lsn, DateTime<Utc>)>,
+    recorded: Option<Lsn>,
+    next: Option<Instant>,
+}
+
+impl Confirmations {
+    fn note(&mut self, lsn: Lsn, at: DateTime<Utc>) {
+        self.latest = Some((lsn, at));
+    }
+}
+
 impl Relay {
     /// The WAL relay's loop: sessions with the slot, standing by while another relay reads it, reconnecting
     /// after a failure, until `shutdown`.
@@ -141,6 +230,7 @@ impl Relay {
     ) {
         let mut wait = Duration::from_millis(200);
         let mut standing_by = false;
+        let mut last_failure = String::new();
         while !shutdown.is_cancelled() {
             let end = self.wal_session(publisher, url, shutdown).await;
             self.metrics.wal_active.set(0);
@@ -151,15 +241,19 @@ impl Relay {
                         tracing::info!(%holder, "another relay reads the outbox's slot; standing by");
                     }
                     standing_by = true;
+                    last_failure.clear();
                     // A relay standing by is healthy: it takes over when the other dies.
-                    self.ops.set_ready(true);
+                    self.ready.set(true);
                     wait = Duration::from_millis(200);
                     self.settings.standby_interval
                 }
                 WalEnd::Failed(e) => {
                     standing_by = false;
-                    self.ops.set_ready(false);
-                    tracing::warn!(error = %e, ?wait, "the WAL relay lost its slot; reconnecting");
+                    self.ready.set(false);
+                    if e != last_failure {
+                        tracing::error!(error = %e, ?wait, "the WAL relay cannot read its slot; trying again");
+                        last_failure = e;
+                    }
                     let pause = wait;
                     wait = (wait * 2).min(Duration::from_secs(10));
                     pause
@@ -183,6 +277,11 @@ impl Relay {
             Ok(outbox) => outbox,
             Err(e) => return WalEnd::Failed(e.to_string()),
         };
+        match self.wait_at_fence(shutdown).await {
+            Ok(true) => {}
+            Ok(false) => return WalEnd::Shutdown,
+            Err(e) => return WalEnd::Failed(e.to_string()),
+        }
         let cfg = match replication_config(url, &outbox.slot) {
             Ok(cfg) => cfg,
             Err(e) => return WalEnd::Failed(e.to_string()),
@@ -196,6 +295,43 @@ impl Relay {
         end
     }
 
+    /// Waits until the schema's fence lets this relay read the slot (see `fence`): `Ok(false)` on shutdown.
+    /// The table outbox is published meanwhile, beside this loop.
+    async fn wait_at_fence(&self, shutdown: &CancellationToken) -> Result<bool, sqlx::Error> {
+        let mut said = false;
+        loop {
+            let view = {
+                let mut conn = self.pool.acquire().await?;
+                fence::pass(&mut conn).await?
+            };
+            if fence::may_read_slot(&view) {
+                self.metrics.wal_fenced.set(0);
+                if said {
+                    tracing::info!(
+                        "the table outbox is drained and no table-mode writer is left: reading the slot"
+                    );
+                }
+                return Ok(true);
+            }
+            self.metrics.wal_fenced.set(1);
+            // Publishing the table is this relay's work meanwhile: it is ready.
+            self.ready.set(true);
+            if !said {
+                tracing::info!(
+                    table_writers = view.table_writers,
+                    unpublished_rows = view.unpublished_rows,
+                    "switching to the WAL outbox: waiting until the table outbox is drained and no table-mode \
+                     writer is left before reading the slot"
+                );
+                said = true;
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(false),
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
     async fn stream(
         &self,
         client: &mut ReplicationClient,
@@ -204,32 +340,55 @@ impl Relay {
         shutdown: &CancellationToken,
     ) -> WalEnd {
         let batch_size = usize::try_from(self.settings.batch_size).unwrap_or(usize::MAX);
-        let mut batch: Vec<OutboxRow> = Vec::new();
-        let mut origins: HashMap<i64, Origin> = HashMap::new();
-        let mut next_id = 0_i64;
+        let batch_bytes = self.settings.max_batch_bytes;
+        let mut holds: Holds<OrderKey> = Holds::default();
+        match parked::held_keys(&self.pool).await {
+            Ok(keys) => holds.reset(keys),
+            Err(e) => return WalEnd::Failed(e.to_string()),
+        }
+        self.metrics.wal_held_keys.set(holds.len() as i64);
+        let mut batch = Batch::new(self.settings.park_after);
         let mut in_transaction = false;
         let mut commit_time = Utc::now();
         let mut commit_lsn = Lsn::from_u64(0);
-        let mut last_commit_end: Option<Lsn> = None;
+        let mut last_commit: Option<(Lsn, DateTime<Utc>)> = None;
+        let mut confirmations = Confirmations::default();
         let mut started = false;
         let mut next_lag = Instant::now();
+        let mut next_release = Instant::now();
         loop {
+            let idle = batch.is_empty() && !in_transaction;
+            if idle && Instant::now() >= next_release {
+                // Between transactions, with nothing pending: parked events that are due, and what to record.
+                next_release = Instant::now() + Duration::from_secs(1);
+                if let Err(end) = self.release(publisher, &mut holds, shutdown).await {
+                    return end;
+                }
+                self.record_confirmations(outbox, &mut confirmations).await;
+            }
             // Publish what was read once nothing more is waiting (or the batch is full), at a commit.
             let received = if !batch.is_empty() && !in_transaction {
                 match tokio::time::timeout(Duration::ZERO, client.recv()).await {
                     Ok(received) => received,
                     Err(_) => {
                         if let Err(end) = self
-                            .publish_all(publisher, &mut batch, &mut origins, shutdown)
+                            .settle(publisher, &mut batch, &mut holds, shutdown)
                             .await
                         {
                             return end;
                         }
-                        if let Some(lsn) = last_commit_end {
+                        if let Some((lsn, at)) = last_commit {
                             client.update_applied_lsn(lsn);
+                            confirmations.note(lsn, at);
                         }
                         continue;
                     }
+                }
+            } else if idle {
+                tokio::select! {
+                    () = shutdown.cancelled() => return WalEnd::Shutdown,
+                    received = client.recv() => received,
+                    () = tokio::time::sleep_until(next_release.into()) => continue,
                 }
             } else {
                 tokio::select! {
@@ -245,7 +404,7 @@ impl Relay {
             if !started {
                 started = true;
                 self.metrics.wal_active.set(1);
-                self.ops.set_ready(true);
+                self.ready.set(true);
                 tracing::info!(slot = %outbox.slot, schema = %outbox.schema, "the WAL relay reads the outbox's slot");
             }
             match event {
@@ -260,52 +419,57 @@ impl Relay {
                 }
                 ReplicationEvent::Message {
                     transactional: true,
+                    lsn,
                     prefix,
                     content,
-                    ..
                 } if prefix == outbox.prefix => match wal::decode(&content) {
                     Ok(events) => {
-                        for event in events {
-                            origins.insert(
-                                next_id,
-                                Origin {
-                                    tenant: event.tenant,
-                                    commit_lsn,
-                                },
-                            );
-                            batch.push(OutboxRow {
-                                id: next_id,
-                                topic: event.topic,
-                                partition_key: event.partition_key,
-                                headers: event.headers,
-                                payload: Some(event.payload),
-                                created_at: commit_time,
-                            });
-                            next_id += 1;
+                        batch.bytes += content.len();
+                        for (index, event) in events.into_iter().enumerate() {
+                            let origin = Origin {
+                                tenant: event.tenant.clone(),
+                                commit_lsn,
+                                message_lsn: lsn,
+                                index: i32::try_from(index).unwrap_or(i32::MAX),
+                            };
+                            batch.push(event, origin, commit_time, &holds);
                         }
                     }
                     Err(e) => {
                         // Never held forever: set aside, visible, with the reason.
                         tracing::error!(error = %e, lsn = %commit_lsn, "an outbox message does not decode; parking it");
-                        if let Err(e) = self.park_raw(commit_lsn, &content, &e.to_string()).await {
-                            return WalEnd::Failed(e.to_string());
+                        match parked::park_undecodable(
+                            &self.pool,
+                            &commit_lsn.to_pg_string(),
+                            &lsn.to_pg_string(),
+                            &content,
+                            &e.to_string(),
+                        )
+                        .await
+                        {
+                            Ok(new) => {
+                                self.metrics.parked.inc_by(new);
+                            }
+                            Err(e) => return WalEnd::Failed(e.to_string()),
                         }
                     }
                 },
                 ReplicationEvent::Commit { end_lsn, .. } => {
                     in_transaction = false;
-                    last_commit_end = Some(end_lsn);
+                    last_commit = Some((end_lsn, commit_time));
                     if batch.is_empty() {
                         // Nothing of this schema is pending: the transaction is done with.
                         client.update_applied_lsn(end_lsn);
-                    } else if batch.len() >= batch_size {
+                        confirmations.note(end_lsn, commit_time);
+                    } else if batch.rows.len() >= batch_size || batch.bytes >= batch_bytes {
                         if let Err(end) = self
-                            .publish_all(publisher, &mut batch, &mut origins, shutdown)
+                            .settle(publisher, &mut batch, &mut holds, shutdown)
                             .await
                         {
                             return end;
                         }
                         client.update_applied_lsn(end_lsn);
+                        confirmations.note(end_lsn, commit_time);
                     }
                 }
                 // The server read the log up to here, and sent everything it decoded before: with nothing
@@ -314,6 +478,7 @@ impl Relay {
                     if batch.is_empty() && !in_transaction =>
                 {
                     client.update_applied_lsn(wal_end);
+                    confirmations.note(wal_end, Utc::now());
                 }
                 ReplicationEvent::StoppedAt { .. } => {
                     return WalEnd::Failed("the replication stream stopped".into());
@@ -322,7 +487,7 @@ impl Relay {
             }
             if Instant::now() >= next_lag {
                 next_lag = Instant::now() + self.settings.backlog_interval;
-                if let Ok(Some(lag)) = wal::slot_lag(&self.pool, &outbox.schema).await {
+                if let Ok(Some(lag)) = wal::slot_lag(&self.pool).await {
                     self.metrics.wal_lag_bytes.set(lag.lag_bytes);
                     self.metrics
                         .oldest_age_seconds
@@ -332,21 +497,54 @@ impl Relay {
         }
     }
 
-    /// Publishes `batch` until every event is acknowledged or parked; clears it. A refused event is tried
-    /// again with backoff, then parked after `park_after` attempts; its key's later events wait for it.
-    async fn publish_all(
+    /// Records the last confirmed position in the schema, at most once a second (best effort: it only
+    /// says where a lost slot's losses begin).
+    async fn record_confirmations(&self, outbox: &WalOutbox, confirmations: &mut Confirmations) {
+        let Some((lsn, at)) = confirmations.latest else {
+            return;
+        };
+        if confirmations.recorded == Some(lsn)
+            || confirmations.next.is_some_and(|next| Instant::now() < next)
+        {
+            return;
+        }
+        confirmations.next = Some(Instant::now() + Duration::from_secs(1));
+        match wal::slot::record_confirmed(&self.pool, &outbox.slot, &lsn.to_pg_string(), at).await {
+            Ok(()) => confirmations.recorded = Some(lsn),
+            Err(e) => tracing::debug!(error = %e, "cannot record the slot's confirmed position"),
+        }
+    }
+
+    /// Publishes `batch` until every event is acknowledged or parked (see `wal_batch`), then clears it: the
+    /// slot may be confirmed past it.
+    async fn settle(
         &self,
         publisher: &mut Publisher,
-        batch: &mut Vec<OutboxRow>,
-        origins: &mut HashMap<i64, Origin>,
+        batch: &mut Batch,
+        holds: &mut Holds<OrderKey>,
         shutdown: &CancellationToken,
     ) -> Result<(), WalEnd> {
-        let mut attempts: HashMap<i64, u32> = HashMap::new();
-        while !batch.is_empty() {
-            let Some(outcome) = publisher.publish(batch, shutdown).await else {
+        let mut round: u32 = 0;
+        loop {
+            let to_park = batch.decisions.to_park();
+            if !to_park.is_empty() {
+                self.park(batch, &to_park)
+                    .await
+                    .map_err(|e| WalEnd::Failed(e.to_string()))?;
+                batch.decisions.parked();
+            }
+            let pending = batch.decisions.pending();
+            if pending.is_empty() {
+                break;
+            }
+            let rows: Vec<&OutboxRow> = pending.iter().map(|i| &batch.rows[*i]).collect();
+            let sent_at = Instant::now();
+            for i in &pending {
+                batch.first_sent[*i].get_or_insert(sent_at);
+            }
+            let Some(outcome) = publisher.publish(&rows, shutdown).await else {
                 return Err(WalEnd::Shutdown);
             };
-            let mut done: HashSet<i64> = outcome.acked.iter().map(|a| a.id).collect();
             self.metrics.observe_commit_to_ack(
                 outcome
                     .acked
@@ -354,90 +552,125 @@ impl Relay {
                     .map(crate::publisher::Acked::latency_seconds),
             );
             self.metrics.published.inc_by(outcome.acked.len() as u64);
-            let mut backoff = 0;
+            for acked in &outcome.acked {
+                batch.decisions.acked(index_of(acked.id));
+            }
+            let now = Instant::now();
             for failed in &outcome.failed {
                 self.metrics.failures.inc();
-                let tried = attempts.entry(failed.id).or_default();
-                *tried += 1;
-                backoff = backoff.max(*tried);
-                if failed.refused && *tried >= self.settings.park_after {
-                    let row = batch.iter().find(|r| r.id == failed.id);
-                    let origin = origins.get(&failed.id);
-                    if let (Some(row), Some(origin)) = (row, origin) {
-                        self.park(row, origin, &failed.error, *tried)
-                            .await
-                            .map_err(|e| WalEnd::Failed(e.to_string()))?;
-                        self.metrics.parked.inc();
-                        tracing::error!(topic = %row.topic, error = %failed.error, "an outbox event the broker refuses is parked");
-                    }
-                    done.insert(failed.id);
-                } else {
-                    tracing::warn!(error = %failed.error, attempts = *tried, "publishing an outbox event failed; retrying");
-                }
+                let i = index_of(failed.id);
+                batch.errors[i].clone_from(&failed.error);
+                let expired = batch.first_sent[i].is_some_and(|first| {
+                    now.duration_since(first) >= self.settings.park_after_time
+                });
+                batch.decisions.failed(
+                    i,
+                    Failure {
+                        refused: failed.refused,
+                        expired,
+                    },
+                    holds,
+                );
+                tracing::warn!(
+                    topic = %batch.rows[i].topic,
+                    error = %failed.error,
+                    attempts = batch.decisions.attempts(i),
+                    "publishing an outbox event failed; retrying"
+                );
             }
-            batch.retain(|r| !done.contains(&r.id));
-            for id in &done {
-                origins.remove(id);
-            }
-            if !batch.is_empty() {
-                let wait = Duration::from_millis(100) * 2u32.saturating_pow(backoff.min(7));
+            if !outcome.failed.is_empty() && batch.decisions.to_park().is_empty() {
+                round += 1;
+                let wait = (Duration::from_millis(100) * 2u32.saturating_pow(round.min(4)))
+                    .min(Duration::from_secs(1));
                 tokio::select! {
                     () = shutdown.cancelled() => return Err(WalEnd::Shutdown),
                     () = tokio::time::sleep(wait) => {}
                 }
             }
         }
-        origins.clear();
+        self.metrics.wal_held_keys.set(holds.len() as i64);
+        batch.clear();
         Ok(())
     }
 
-    async fn park(
-        &self,
-        row: &OutboxRow,
-        origin: &Origin,
-        error: &str,
-        attempts: u32,
-    ) -> Result<(), sqlx::Error> {
-        let headers: Vec<&str> = row
-            .headers
+    /// Parks events `indices` of `batch`, in order, each with its reason.
+    async fn park(&self, batch: &Batch, indices: &[usize]) -> Result<(), sqlx::Error> {
+        let events: Vec<ToPark<'_>> = indices
             .iter()
-            .flat_map(|(n, v)| [n.as_str(), v.as_str()])
+            .map(|&i| {
+                let origin = &batch.origins[i];
+                let error = if batch.errors[i].is_empty() {
+                    "waits behind an earlier event of its key that could not be published"
+                        .to_owned()
+                } else {
+                    batch.errors[i].clone()
+                };
+                ToPark {
+                    row: &batch.rows[i],
+                    tenant: &origin.tenant,
+                    commit_lsn: origin.commit_lsn.to_pg_string(),
+                    message_lsn: origin.message_lsn.to_pg_string(),
+                    index: origin.index,
+                    error,
+                    attempts: batch.decisions.attempts(i),
+                }
+            })
             .collect();
-        sqlx::query(
-            "INSERT INTO saga_outbox_wal_parked (commit_lsn, tenant_id, topic, partition_key, headers, payload, \
-                 error, attempts) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        )
-        .bind(origin.commit_lsn.to_pg_string())
-        .bind(&origin.tenant)
-        .bind(&row.topic)
-        .bind(&row.partition_key)
-        .bind(&headers)
-        .bind(&row.payload)
-        .bind(error)
-        .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
-        .execute(&self.pool)
-        .await?;
+        let new = parked::park(&self.pool, &events).await?;
+        self.metrics.parked.inc_by(new);
+        for e in events.iter().filter(|e| e.attempts > 0) {
+            tracing::error!(
+                topic = %e.row.topic,
+                error = %e.error,
+                attempts = e.attempts,
+                "an outbox event cannot be published; parked with its key's later events (the other keys go on)"
+            );
+        }
         Ok(())
     }
 
-    async fn park_raw(
+    /// Publishes the parked events that are due, in order per key, and lets go of the keys whose parked
+    /// events are all published or discarded.
+    async fn release(
         &self,
-        commit_lsn: Lsn,
-        content: &[u8],
-        error: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO saga_outbox_wal_parked (commit_lsn, tenant_id, topic, payload, error, attempts) \
-             VALUES ($1, '', '', $2, $3, 0)",
-        )
-        .bind(commit_lsn.to_pg_string())
-        .bind(content)
-        .bind(error)
-        .execute(&self.pool)
-        .await?;
-        self.metrics.parked.inc();
+        publisher: &mut Publisher,
+        holds: &mut Holds<OrderKey>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), WalEnd> {
+        let failed = |e: sqlx::Error| WalEnd::Failed(e.to_string());
+        holds.reset(parked::held_keys(&self.pool).await.map_err(failed)?);
+        if holds.len() > 0 {
+            let rows = parked::due(&self.pool, self.settings.batch_size)
+                .await
+                .map_err(failed)?;
+            if !rows.is_empty() {
+                let Some(outcome) = publisher.publish(&rows, shutdown).await else {
+                    return Err(WalEnd::Shutdown);
+                };
+                let ids: Vec<i64> = outcome.acked.iter().map(|a| a.id).collect();
+                parked::published(&self.pool, &ids).await.map_err(failed)?;
+                self.metrics.published.inc_by(ids.len() as u64);
+                for f in &outcome.failed {
+                    self.metrics.failures.inc();
+                    parked::failed_again(&self.pool, f.id, &f.error)
+                        .await
+                        .map_err(failed)?;
+                    tracing::warn!(id = f.id, error = %f.error, "a parked outbox event failed again; its key waits");
+                }
+                if !ids.is_empty() {
+                    tracing::info!(published = ids.len(), "parked outbox events published");
+                }
+                holds.reset(parked::held_keys(&self.pool).await.map_err(failed)?);
+            }
+        }
+        self.metrics.wal_held_keys.set(holds.len() as i64);
         Ok(())
     }
+}
+
+/// The batch index a row id of the WAL relay stands for.
+fn index_of(id: i64) -> usize {
+    usize::try_from(id).unwrap_or(usize::MAX)
 }
 
 #[cfg(test)]

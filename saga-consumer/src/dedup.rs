@@ -257,7 +257,9 @@ pub(crate) async fn run_batch(
     record_outcomes(conn, &records)
         .await
         .map_err(BatchError::Store)?;
-    outbox::append(conn, &emitted).await?;
+    outbox::append(conn, &emitted)
+        .await
+        .map_err(|e| BatchError::Store(e.into()))?;
     observe_since(&metrics.phases.record, recording);
     Ok(BatchRun {
         outcomes: results

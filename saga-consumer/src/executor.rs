@@ -274,6 +274,10 @@ impl Executor {
         start: &mut PendingStart,
         connection: &mut WorkerConnection,
     ) -> Result<Vec<ItemOutcome>, BatchError> {
+        // An outbox that may not be written (its WAL slot lost): nothing commits, the batch waits intact.
+        outbox::current()
+            .check_writable()
+            .map_err(|e| BatchError::Store(e.into()))?;
         match self.transact_once(batch, start, connection).await {
             Err(BatchError::KeysExist) => {
                 self.metrics.claims_rerun.inc();
@@ -372,6 +376,10 @@ impl Executor {
         permit: &CommitPermit,
         _released: &Released<'_>,
     ) -> Result<ItemOutcome, Failure> {
+        // Not even the external call while the outbox may not be written: its completion could not commit.
+        outbox::current()
+            .check_writable()
+            .map_err(|e| Failure::Store(e.into()))?;
         let mut held = TwoPhaseConnections::default();
         let attempt = self.two_phase_attempt_on(delivery, permit, &mut held).await;
         if let Err(failure) = &attempt
@@ -498,7 +506,7 @@ impl Executor {
             .map_err(Failure::Store)?;
         outbox::append(&mut tx, &handled.emitted)
             .await
-            .map_err(store)?;
+            .map_err(|e| Failure::Store(e.into()))?;
         commit(tx, permit).await.map_err(store)?;
         self.after_commit(std::slice::from_ref(delivery));
         Ok(ItemOutcome::of(&outcome))
@@ -617,6 +625,7 @@ fn fault_of(failure: &Failure) -> Fault {
     match failure {
         _ if failure.is_database_unavailable() => Fault::Unavailable(failure.to_string()),
         Failure::Handler(e) if e.kind() == ErrorKind::Permanent => Fault::Permanent(e.to_string()),
+        Failure::Store(e) if e.is_permanent() => Fault::Permanent(e.to_string()),
         Failure::Busy(until) => {
             Fault::Leased((*until - chrono::Utc::now()).to_std().unwrap_or_default())
         }

@@ -601,6 +601,10 @@ where
             "idempotency store unavailable",
         )
     };
+    // An outbox that may not be written (its WAL slot lost): the request does not run at all.
+    if let Err(e) = outbox::current().check_writable() {
+        return Ok((unavailable("the outbox is not writable", &e), None));
+    }
     let mut tx = match pool.begin().await {
         Ok(tx) => tx,
         Err(e) => return Ok((unavailable("beginning a transaction", &e), None)),
@@ -716,6 +720,16 @@ where
     let emitted = handle.take_emitted();
     if let Err(e) = outbox::append(&mut tx, &emitted).await {
         roll_back(tx).await;
+        if matches!(e, outbox::OutboxError::TooLarge { .. }) {
+            tracing::error!(error = %e, "the request's events are refused");
+            return Ok((
+                problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the request's events are larger than the outbox accepts",
+                ),
+                None,
+            ));
+        }
         return Ok((unavailable("writing the outbox", &e), None));
     }
     if let Err(e) = tx.commit().await {

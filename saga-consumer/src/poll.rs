@@ -73,6 +73,8 @@ impl Dispatcher {
         metrics: ConsumerMetrics,
         ops: Ops,
     ) -> Self {
+        // Not ready until partitions are assigned.
+        ops.check("consumer", true).set(false);
         Self {
             shared,
             runtime,
@@ -348,7 +350,7 @@ impl ConsumerContext for PollContext {
             let assigned = partitions(tpl);
             tracing::info!(partitions = ?assigned, "partitions assigned");
             lock(&self.dispatcher.assigned).extend(assigned);
-            self.dispatcher.ops.set_ready(true);
+            self.dispatcher.ops.check("consumer", true).set(true);
         }
     }
 }
@@ -407,7 +409,7 @@ pub(crate) fn poll_loop(
         }
     }
     tracing::info!("stopping: draining partition workers");
-    dispatcher.ops.set_ready(false);
+    dispatcher.ops.check("consumer", true).set(false);
     let all = dispatcher.all_partitions();
     dispatcher.release(&consumer, &all, shutdown_timeout);
     // Dropping the consumer closes it: it leaves the group (its revoke callback finds nothing left to do).

@@ -161,6 +161,7 @@ pub struct SagaServiceBuilder {
     relay: RelayBuilder,
     embedded_relay: bool,
     outbox_mode: OutboxMode,
+    outbox_max_bytes: usize,
     create_topics: Option<(i32, i32)>,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
@@ -189,6 +190,7 @@ impl SagaServiceBuilder {
             relay: Relay::builder(),
             embedded_relay: true,
             outbox_mode: OutboxMode::Table,
+            outbox_max_bytes: saga_runtime::store::outbox::DEFAULT_MAX_TRANSACTION_BYTES,
             create_topics: None,
             migrators: Vec::new(),
             tasks: Vec::new(),
@@ -232,6 +234,16 @@ impl SagaServiceBuilder {
             }
             if let Some(v) = flag("SAGA_OUTBOX_MODE") {
                 self.outbox_mode = OutboxMode::parse(&v)?;
+            }
+            if let Some(v) = flag("SAGA_OUTBOX_MAX_TRANSACTION_BYTES") {
+                self.outbox_max_bytes =
+                    v.parse::<usize>().ok().filter(|b| *b > 0).ok_or_else(|| {
+                        ConfigProblem::new(
+                            "SAGA_OUTBOX_MAX_TRANSACTION_BYTES",
+                            format!("{v:?} is not a positive number of bytes"),
+                            "fix its value",
+                        )
+                    })?;
             }
             let partitions = parse("SAGA_CREATE_TOPICS", flag("SAGA_CREATE_TOPICS"))?;
             let replication = parse("SAGA_TOPIC_REPLICATION", flag("SAGA_TOPIC_REPLICATION"))?;
@@ -360,6 +372,14 @@ impl SagaServiceBuilder {
         self
     }
 
+    /// The largest size of one transaction's events, in bytes (`SAGA_OUTBOX_MAX_TRANSACTION_BYTES`, default
+    /// 16 MiB): a step whose events are larger fails for good (a dead letter saying so), and the relay never
+    /// holds more than this of one transaction.
+    pub fn outbox_max_transaction_bytes(mut self, bytes: usize) -> Self {
+        self.outbox_max_bytes = bytes;
+        self
+    }
+
     /// Adjusts the embedded relay's settings (its broker and pool are the service's).
     pub fn relay(mut self, configure: impl FnOnce(RelayBuilder) -> RelayBuilder) -> Self {
         self.relay = configure(self.relay);
@@ -426,6 +446,7 @@ impl SagaServiceBuilder {
             consumer,
             relay,
             outbox_mode: self.outbox_mode,
+            outbox_max_bytes: self.outbox_max_bytes,
             kafka,
             create_topics: self.create_topics,
             migrators: self.migrators,
@@ -470,6 +491,7 @@ pub struct SagaService {
     consumer: SagaConsumer,
     relay: Option<Relay>,
     outbox_mode: OutboxMode,
+    outbox_max_bytes: usize,
     kafka: KafkaConfig,
     create_topics: Option<(i32, i32)>,
     migrators: Vec<Migrator>,
@@ -517,7 +539,12 @@ impl SagaService {
                 .map_err(|e| ServiceError::Migrations(e.to_string()))?;
         }
         // Before anything is written: in WAL mode, the slot must exist before the first event.
-        crate::setup::use_outbox(&self.pool, self.outbox_mode).await?;
+        let outbox =
+            crate::setup::open_outbox(&self.pool, self.outbox_mode, self.outbox_max_bytes).await?;
+        // Writers stop when the outbox may not be written (a lost slot): so does readiness.
+        let health = outbox.health().clone();
+        self.ops.register(|r| health.register(r));
+        self.ops.probe("outbox", true, move || health.is_writable());
         if let Some((partitions, replication)) = self.create_topics {
             // The steps' topics, the retry topic and the dead-letter topic.
             let mut topics = self.consumer.topics();

@@ -49,7 +49,10 @@ async fn a_service_in_wal_mode_writes_its_events_to_the_log_and_its_relay_publis
     let slot_exists: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
     )
-    .bind(saga_runtime::store::wal::slot_name(&db.schema))
+    .bind(saga_runtime::store::wal::slot_name(
+        db.database(),
+        &db.schema,
+    ))
     .fetch_one(&db.pool)
     .await
     .unwrap();

@@ -48,6 +48,25 @@ pub enum OrchestratorError {
     /// A hook failed.
     #[error("orchestrator hook: {0}")]
     Hook(#[from] StepError),
+    /// The outbox may not be written now (in WAL mode, its slot is lost): the transition is tried again
+    /// once it may.
+    #[error("orchestrator: {0}")]
+    OutboxUnavailable(String),
+    /// The outbox refuses the transition's events for good (larger than it accepts).
+    #[error("orchestrator: {0}")]
+    OutboxRefused(String),
+}
+
+impl OrchestratorError {
+    /// The orchestrator's error for what the outbox said.
+    pub(crate) fn of_outbox(e: saga_runtime::store::outbox::OutboxError) -> Self {
+        use saga_runtime::store::outbox::OutboxError;
+        match e {
+            OutboxError::Database(e) => Self::Database(e),
+            OutboxError::TooLarge { .. } => Self::OutboxRefused(e.to_string()),
+            other => Self::OutboxUnavailable(other.to_string()),
+        }
+    }
 }
 
 impl From<OrchestratorError> for StepError {
@@ -56,10 +75,11 @@ impl From<OrchestratorError> for StepError {
     fn from(e: OrchestratorError) -> Self {
         match e {
             OrchestratorError::Hook(inner) => inner,
-            OrchestratorError::Database(_) | OrchestratorError::VersionConflict { .. } => {
-                StepError::transient(e)
-            }
+            OrchestratorError::Database(_)
+            | OrchestratorError::VersionConflict { .. }
+            | OrchestratorError::OutboxUnavailable(_) => StepError::transient(e),
             OrchestratorError::UnknownSaga { .. }
+            | OrchestratorError::OutboxRefused(_)
             | OrchestratorError::NoSuchSaga(_)
             | OrchestratorError::NotRetryable { .. }
             | OrchestratorError::Corrupt(_) => StepError::permanent(e),

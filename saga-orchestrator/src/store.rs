@@ -412,7 +412,9 @@ pub(crate) async fn apply(
         .map_err(|e| OrchestratorError::Corrupt(e.to_string()))?
         .with_header("saga-id", instance.saga_id.to_string());
         let source = format!("orchestrator/{}", instance.saga_type);
-        outbox::append(conn, &[OutboxMessage::from_event(event, lineage, &source)]).await?;
+        outbox::append(conn, &[OutboxMessage::from_event(event, lineage, &source)])
+            .await
+            .map_err(OrchestratorError::of_outbox)?;
     }
     Ok(())
 }

@@ -39,7 +39,9 @@ async fn each_crate_applies_only_its_own_tables() {
             "saga_consumer_suspects",
             "saga_idempotency_keys",
             "saga_outbox",
+            "saga_outbox_wal_incidents",
             "saga_outbox_wal_parked",
+            "saga_outbox_wal_slot",
         ],
         "a choreographed service gets no orchestrator tables"
     );

@@ -1,6 +1,13 @@
 //! The ops endpoint: `/metrics` (Prometheus text format), `/healthz` (the process serves requests) and
-//! `/readyz` (the component says it is ready, for example a consumer with its partitions assigned).
+//! `/readyz` (the process's components say they are ready).
+//!
+//! Readiness is a set of named checks ([`Ops::check`]): a consumer with its partitions assigned, an outbox
+//! its writers may write, a relay connected. `/readyz` answers 200 when every *gating* check passes (503
+//! naming those that do not); `/readyz/{check}` answers for one. A relay embedded in a service is not
+//! gating: while it stands by or reconnects, the service's consumers and HTTP entry points carry on, so it
+//! must not take them out of a load balancer; its own state is at `/readyz/relay`.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,11 +21,49 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
-/// Shared state of the ops endpoint: the metrics registry and the readiness flag.
+/// A readiness check's state: a flag its component sets, or a probe read when asked.
+#[derive(Clone)]
+enum CheckState {
+    Flag(Arc<AtomicBool>),
+    Probe(Arc<dyn Fn() -> bool + Send + Sync>),
+}
+
+impl CheckState {
+    fn passes(&self) -> bool {
+        match self {
+            Self::Flag(flag) => flag.load(Ordering::Relaxed),
+            Self::Probe(probe) => probe(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Check {
+    gates: bool,
+    state: CheckState,
+}
+
+/// One readiness check of a component, set by it (see [`Ops::check`]).
+#[derive(Clone, Debug, Default)]
+pub struct ReadyFlag(Arc<AtomicBool>);
+
+impl ReadyFlag {
+    /// Sets the check's state.
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Relaxed);
+    }
+
+    /// Its state.
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Shared state of the ops endpoint: the metrics registry and the readiness checks.
 #[derive(Clone, Default)]
 pub struct Ops {
     registry: Arc<Mutex<Registry>>,
-    ready: Arc<AtomicBool>,
+    checks: Arc<Mutex<BTreeMap<&'static str, Check>>>,
 }
 
 impl std::fmt::Debug for Ops {
@@ -40,14 +85,60 @@ impl Ops {
         f(&mut self.registry.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
-    /// Sets readiness.
-    pub fn set_ready(&self, ready: bool) {
-        self.ready.store(ready, Ordering::Relaxed);
+    fn checks(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, Check>> {
+        self.checks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether ready.
+    /// The readiness check `name` (registered, not passing, on first use; the same flag after): whether
+    /// `/readyz` waits for it is `gates`.
+    pub fn check(&self, name: &'static str, gates: bool) -> ReadyFlag {
+        let mut checks = self.checks();
+        let check = checks.entry(name).or_insert_with(|| Check {
+            gates,
+            state: CheckState::Flag(Arc::default()),
+        });
+        check.gates = gates;
+        match &check.state {
+            CheckState::Flag(flag) => ReadyFlag(flag.clone()),
+            CheckState::Probe(_) => ReadyFlag::default(),
+        }
+    }
+
+    /// A readiness check `name` read from `probe` when asked.
+    pub fn probe(
+        &self,
+        name: &'static str,
+        gates: bool,
+        probe: impl Fn() -> bool + Send + Sync + 'static,
+    ) {
+        self.checks().insert(
+            name,
+            Check {
+                gates,
+                state: CheckState::Probe(Arc::new(probe)),
+            },
+        );
+    }
+
+    /// Whether ready: at least one gating check, and every one passes.
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed)
+        let checks = self.checks();
+        let mut gating = checks.values().filter(|c| c.gates).peekable();
+        gating.peek().is_some() && gating.all(|c| c.state.passes())
+    }
+
+    /// The gating checks that do not pass, by name.
+    pub fn not_ready(&self) -> Vec<&'static str> {
+        self.checks()
+            .iter()
+            .filter(|(_, c)| c.gates && !c.state.passes())
+            .map(|(name, _)| *name)
+            .collect()
+    }
+
+    /// Whether check `name` passes (`None`: no such check).
+    pub fn is_check_ready(&self, name: &str) -> Option<bool> {
+        self.checks().get(name).map(|c| c.state.passes())
     }
 
     /// The metrics in Prometheus text format.
@@ -70,6 +161,7 @@ impl Ops {
             .route("/metrics", get(metrics))
             .route("/healthz", get(|| async { "ok" }))
             .route("/readyz", get(readyz))
+            .route("/readyz/{check}", get(readyz_check))
             .with_state(self.clone())
     }
 
@@ -106,9 +198,14 @@ impl OpsHandle {
         self.0.render()
     }
 
-    /// Whether ready (a consumer with its partitions assigned, a relay connected).
+    /// Whether ready (a consumer with its partitions assigned, an outbox writable, a relay connected).
     pub fn is_ready(&self) -> bool {
         self.0.is_ready()
+    }
+
+    /// Whether readiness check `name` passes (`consumer`, `outbox`, `relay`); `None`: no such check.
+    pub fn is_check_ready(&self, name: &str) -> Option<bool> {
+        self.0.is_check_ready(name)
     }
 
     /// The value of the sample `name{labels}` (labels as in the text format, `step="charge"`; empty for
@@ -137,8 +234,56 @@ async fn metrics(State(ops): State<Ops>) -> impl IntoResponse {
 
 async fn readyz(State(ops): State<Ops>) -> impl IntoResponse {
     if ops.is_ready() {
-        (StatusCode::OK, "ready")
+        (StatusCode::OK, "ready".to_owned())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+        let failing = ops.not_ready();
+        let body = if failing.is_empty() {
+            "not ready: starting".to_owned()
+        } else {
+            format!("not ready: {}", failing.join(", "))
+        };
+        (StatusCode::SERVICE_UNAVAILABLE, body)
+    }
+}
+
+async fn readyz_check(
+    State(ops): State<Ops>,
+    axum::extract::Path(check): axum::extract::Path<String>,
+) -> impl IntoResponse {
+    match ops.is_check_ready(&check) {
+        Some(true) => (StatusCode::OK, "ready"),
+        Some(false) => (StatusCode::SERVICE_UNAVAILABLE, "not ready"),
+        None => (StatusCode::NOT_FOUND, "no such check"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_waits_for_every_gating_check_and_only_those() {
+        let ops = Ops::new();
+        assert!(!ops.is_ready(), "no check yet: starting");
+        let consumer = ops.check("consumer", true);
+        let relay = ops.check("relay", false);
+        consumer.set(true);
+        assert!(
+            ops.is_ready(),
+            "an embedded relay standing by does not gate"
+        );
+        assert_eq!(ops.is_check_ready("relay"), Some(false));
+        relay.set(true);
+        let writable = Arc::new(AtomicBool::new(false));
+        let probe = writable.clone();
+        ops.probe("outbox", true, move || probe.load(Ordering::Relaxed));
+        assert!(!ops.is_ready());
+        assert_eq!(ops.not_ready(), ["outbox"]);
+        writable.store(true, Ordering::Relaxed);
+        assert!(ops.is_ready());
+        assert_eq!(ops.is_check_ready("nothing"), None);
+        // The same name gives the same flag.
+        ops.check("consumer", true).set(false);
+        assert!(!consumer.get());
     }
 }

@@ -24,7 +24,9 @@ async fn migrations_apply_to_an_empty_schema_and_a_second_run_changes_nothing() 
             MIGRATIONS_TABLE,
             "saga_idempotency_keys",
             "saga_outbox",
-            "saga_outbox_wal_parked"
+            "saga_outbox_wal_incidents",
+            "saga_outbox_wal_parked",
+            "saga_outbox_wal_slot"
         ],
         "saga-core's tables"
     );

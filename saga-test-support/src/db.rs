@@ -28,6 +28,8 @@ pub struct TestDb {
     pub schema: String,
     /// The database the schema is in.
     database: String,
+    /// The application name of the test's sessions.
+    tag: String,
     /// Set when the database is the test's own: it is dropped with the value.
     admin_options: Option<PgConnectOptions>,
     options: PgConnectOptions,
@@ -83,6 +85,19 @@ impl TestDb {
         db
     }
 
+    /// The schema `public` of a database of the test's own, with the framework's migrations applied: for
+    /// what two services in two databases of one cluster share (both on `public`, the usual layout), such as
+    /// replication slots. The database is dropped with the value, unless the test failed.
+    pub async fn public_of_own_database(test_name: &str) -> Self {
+        let database = format!(
+            "saga_{}",
+            crate::env::unique_name(test_name).replace('-', "_")
+        );
+        let db = Self::empty_in_schema(test_name, Some(database), Some("public")).await;
+        db.apply(&saga_runtime::store::migrate::migrator()).await;
+        db
+    }
+
     /// Creates the schema without applying any migration.
     pub async fn empty(test_name: &str) -> Self {
         Self::empty_in(test_name, None).await
@@ -90,6 +105,12 @@ impl TestDb {
 
     /// Creates the schema in `saga_test`, or in a new database `own`.
     async fn empty_in(test_name: &str, own: Option<String>) -> Self {
+        Self::empty_in_schema(test_name, own, None).await
+    }
+
+    /// Creates a schema of the test's own (or uses `existing`, in a database of its own) in `saga_test`, or
+    /// in a new database `own`.
+    async fn empty_in_schema(test_name: &str, own: Option<String>, existing: Option<&str>) -> Self {
         let url = crate::services().await.database_url.clone();
         let admin_options = PgConnectOptions::from_str(&url)
             .unwrap_or_else(|e| panic!("DATABASE_URL {url:?} is not a PostgreSQL URL: {e}"));
@@ -105,21 +126,34 @@ impl TestDb {
         let options = admin_options.clone().database(&database);
         let mut conn = connect(&options, &url).await;
         drop_stale_schemas(&mut conn).await;
-        let schema = format!("t_{}", crate::env::unique_name(test_name).replace('-', "_"));
-        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-            .execute(&mut conn)
-            .await
-            .unwrap_or_else(|e| panic!("creating schema {schema}: {e}"));
+        let schema = match existing {
+            Some(schema) => schema.to_owned(),
+            None => {
+                let schema = format!("t_{}", crate::env::unique_name(test_name).replace('-', "_"));
+                sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+                    .execute(&mut conn)
+                    .await
+                    .unwrap_or_else(|e| panic!("creating schema {schema}: {e}"));
+                schema
+            }
+        };
         conn.close().await.ok();
 
-        // The application name tags the test's sessions, so that clean-up can end them.
+        // The application name tags the test's sessions, so that clean-up can end them (the database's name
+        // where the schema is not the test's own).
+        let tag = if existing.is_some() {
+            database.clone()
+        } else {
+            schema.clone()
+        };
         let options = options
             .options([("search_path", schema.as_str())])
-            .application_name(&schema);
+            .application_name(&tag);
         let mut db = Self {
             pool: PgPool::connect_lazy_with(options.clone()),
             schema,
             database,
+            tag,
             admin_options: own.map(|_| admin_options),
             options,
         };
@@ -184,6 +218,8 @@ impl Drop for TestDb {
         }
         let options = self.options.clone();
         let schema = self.schema.clone();
+        let database = self.database.clone();
+        let tag = self.tag.clone();
         let own_database = self
             .admin_options
             .clone()
@@ -209,7 +245,7 @@ impl Drop for TestDb {
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                      WHERE application_name = $1 AND pid <> pg_backend_pid()",
                 )
-                .bind(&schema)
+                .bind(&tag)
                 .execute(&mut conn)
                 .await;
                 let _ = sqlx::query(AssertSqlSafe(format!(
@@ -217,7 +253,7 @@ impl Drop for TestDb {
                 )))
                 .execute(&mut conn)
                 .await;
-                drop_wal_slot(&mut conn, &schema).await;
+                drop_wal_slot(&mut conn, &database, &schema).await;
                 conn.close().await.ok();
                 if let Some((admin, database)) = own_database
                     && let Ok(mut admin) = PgConnection::connect_with(&admin).await
@@ -234,22 +270,26 @@ impl Drop for TestDb {
     }
 }
 
-/// Drops the WAL outbox's slot of `schema`, if it has one, ending a relay still reading it: a slot left
-/// behind would keep the server's write-ahead log from being recycled.
-async fn drop_wal_slot(conn: &mut PgConnection, schema: &str) {
-    let slot = saga_runtime::store::wal::slot_name(schema);
+/// Drops the WAL outbox's slot of `schema` in `database` (by either of its names), if it has one, ending a
+/// relay still reading it: a slot left behind would keep the server's write-ahead log from being recycled.
+async fn drop_wal_slot(conn: &mut PgConnection, database: &str, schema: &str) {
+    let slots = [
+        saga_runtime::store::wal::slot_name(database, schema),
+        saga_runtime::store::wal::legacy_slot_name(schema),
+    ];
     for _ in 0..50 {
         let _ = sqlx::query(
             "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
-             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+             WHERE slot_name = ANY($1) AND database = current_database() AND active_pid IS NOT NULL",
         )
-        .bind(&slot)
+        .bind(&slots[..])
         .execute(&mut *conn)
         .await;
         match sqlx::query(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+             WHERE slot_name = ANY($1) AND database = current_database()",
         )
-        .bind(&slot)
+        .bind(&slots[..])
         .execute(&mut *conn)
         .await
         {

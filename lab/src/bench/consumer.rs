@@ -520,7 +520,7 @@ pub const CEILING_ROUNDS: usize = 3;
 /// the table outbox or, in WAL mode, the first outbox message in the schema's slot (peeked, not consumed).
 async fn emitted_sample(pool: &PgPool) -> anyhow::Result<(String, Vec<(String, String)>)> {
     use saga_runtime::store::wal;
-    if wal::mode() == saga_consumer::OutboxMode::Table {
+    if saga_runtime::store::outbox::current().mode() == saga_consumer::OutboxMode::Table {
         let (topic, headers): (String, Vec<String>) =
             sqlx::query_as("SELECT topic, headers FROM saga_outbox ORDER BY id LIMIT 1")
                 .fetch_one(pool)
@@ -530,16 +530,17 @@ async fn emitted_sample(pool: &PgPool) -> anyhow::Result<(String, Vec<(String, S
             saga_runtime::store::outbox::headers_from_array(headers),
         ));
     }
-    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
-        .fetch_one(pool)
-        .await?;
+    let (database, schema): (String, String) =
+        sqlx::query_as("SELECT current_database()::text, current_schema()::text")
+            .fetch_one(pool)
+            .await?;
     // pgoutput's logical message: 'M', flags (1 byte), LSN (8), the prefix (NUL-terminated), the content's
     // length (4) and the content.
     let changes: Vec<Vec<u8>> = sqlx::query_scalar(
         "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, 64, 'proto_version', '1', \
          'publication_names', $2, 'messages', 'true')",
     )
-    .bind(wal::slot_name(&schema))
+    .bind(wal::slot_name(&database, &schema))
     .bind(wal::PUBLICATION)
     .fetch_all(pool)
     .await?;
@@ -613,7 +614,7 @@ impl Ceiling {
             (self.sorted_claim, "+sorted_claim"),
             (
                 self.outbox_append,
-                if saga_runtime::store::wal::mode() == saga_consumer::OutboxMode::Wal {
+                if saga_runtime::store::outbox::current().mode() == saga_consumer::OutboxMode::Wal {
                     "+outbox_wal_emit"
                 } else {
                     "+outbox_append"

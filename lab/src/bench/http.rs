@@ -42,7 +42,11 @@ async fn write(conn: &mut PgConnection, lineage: &Lineage, body: &Body) -> Resul
         conn,
         &[OutboxMessage::from_event(event, lineage, "saga-bench")],
     )
-    .await?;
+    .await
+    .map_err(|e| match e {
+        outbox::OutboxError::Database(e) => e,
+        other => sqlx::Error::Protocol(other.to_string()),
+    })?;
     Ok(())
 }
 

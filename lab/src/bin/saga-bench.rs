@@ -275,7 +275,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let mock_kafka = KafkaConfig::new(mock.brokers());
             for mode in &cli.outbox_modes {
                 // The consumer's and the ceiling's outbox writes follow the process's mode.
-                saga_runtime::store::wal::set_mode(*mode);
+                saga_runtime::store::outbox::install(saga_runtime::store::outbox::Outbox::new(
+                    *mode,
+                ));
                 let label = if *mode == OutboxMode::Wal {
                     "mock_wal"
                 } else {
@@ -317,7 +319,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     into.extend(from.clone());
                 }
             }
-            saga_runtime::store::wal::set_mode(OutboxMode::Table);
+            saga_runtime::store::outbox::install(saga_runtime::store::outbox::Outbox::new(
+                OutboxMode::Table,
+            ));
         }
     }
     if section("relay") {
@@ -836,7 +840,7 @@ async fn consumer_figures(
     progress.note(&format!("consumer ({label}): producing the messages"));
     consumer::produce(kafka, &topic, cli.messages, progress).await?;
     let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
-    if saga_runtime::store::wal::mode() == OutboxMode::Wal {
+    if saga_runtime::store::outbox::current().mode() == OutboxMode::Wal {
         // As a service in WAL mode does at start: its events are decoded only once the slot exists.
         saga_runtime::store::wal::prepare(&pool).await?;
     }

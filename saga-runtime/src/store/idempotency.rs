@@ -92,12 +92,28 @@ pub enum StoreError {
     /// The row holds a status this version does not know.
     #[error("idempotency store: unknown status {0:?}")]
     UnknownStatus(String),
+    /// The outbox refused the transaction's events (not writable now, or too large).
+    #[error(transparent)]
+    Outbox(#[from] super::outbox::OutboxError),
 }
 
 impl StoreError {
-    /// Whether the error means the database is unreachable (as opposed to a failed statement).
+    /// Whether the error means the database is unreachable, or the outbox may not be written now (as
+    /// opposed to a failed statement): waited out, never counted against a message.
     pub fn is_connection_error(&self) -> bool {
-        matches!(self, Self::Database(e) if saga_core::StepError::is_connection_error(e))
+        match self {
+            Self::Database(e) => saga_core::StepError::is_connection_error(e),
+            Self::Outbox(e) => e.is_unavailable(),
+            Self::Fenced { .. } | Self::UnknownStatus(_) => false,
+        }
+    }
+
+    /// Whether running the same work again cannot succeed (events larger than the outbox accepts).
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            Self::Outbox(super::outbox::OutboxError::TooLarge { .. })
+        )
     }
 }
 

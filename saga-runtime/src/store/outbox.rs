@@ -1,26 +1,311 @@
-//! The outbox writer: rows written into the caller's transaction, published by `outbox-relay` after commit.
+//! The outbox writer: events written into the caller's transaction, published by `outbox-relay` after
+//! commit.
+//!
+//! An [`Outbox`] is what a process writes with: its mode (rows of `saga_outbox`, or one logical message on
+//! the write-ahead log), the largest transaction it accepts, and its health, which the process's monitor
+//! keeps (in WAL mode, a lost slot makes the outbox unwritable within seconds: nothing is committed whose
+//! events would never be published). A service sets its outbox up once, at start (`setup::use_outbox`),
+//! and every writer of the framework appends through it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use sqlx::PgConnection;
 
-use saga_core::OutboxMessage;
+use saga_core::{OutboxMessage, OutboxMode};
 
-/// Writes `messages` to the outbox in the caller's transaction, in order, as the process's outbox mode says
-/// ([`super::wal::mode`]): rows of `saga_outbox` ([`append_rows`], returning their ids), or one logical
-/// message on the write-ahead log ([`super::wal::emit`], returning no ids).
+use super::wal;
+
+/// The default of [`Outbox::max_transaction_bytes`]: 16 MiB, sixteen of the broker's default largest
+/// messages. What a relay holds in memory at once is bounded by it.
+pub const DEFAULT_MAX_TRANSACTION_BYTES: usize = 16 * 1024 * 1024;
+
+/// Why events could not be written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OutboxError {
+    /// The database failed.
+    #[error("writing the outbox: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The outbox may not be written now (in WAL mode: its slot is lost or gone): committing would lose the
+    /// events. Waited out like an unavailable database, never dead-lettered.
+    #[error("the outbox is not writable: {0}")]
+    Unwritable(String),
+    /// A transaction's events are larger than the outbox accepts.
+    #[error(
+        "the transaction's events take {bytes} bytes, over the outbox's limit of {limit} \
+         (SAGA_OUTBOX_MAX_TRANSACTION_BYTES)"
+    )]
+    TooLarge {
+        /// Their size, as written.
+        bytes: usize,
+        /// The limit.
+        limit: usize,
+    },
+}
+
+impl OutboxError {
+    /// Whether the error is the database's or the outbox's unavailability (to be waited out), rather than
+    /// something wrong with the events.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            Self::Database(e) => saga_core::StepError::is_connection_error(e),
+            Self::Unwritable(_) => true,
+            Self::TooLarge { .. } => false,
+        }
+    }
+}
+
+/// Whether a process's outbox may be written, shared by its writers and kept by its monitor: an atomic
+/// read per transaction, no query.
+#[derive(Clone, Debug)]
+pub struct OutboxHealth(Arc<HealthState>);
+
+#[derive(Debug)]
+pub(crate) struct HealthState {
+    writable: AtomicBool,
+    problem: Mutex<Option<String>>,
+    gauge: Gauge,
+}
+
+impl Default for OutboxHealth {
+    fn default() -> Self {
+        let gauge = Gauge::default();
+        gauge.set(1);
+        Self(Arc::new(HealthState {
+            writable: AtomicBool::new(true),
+            problem: Mutex::new(None),
+            gauge,
+        }))
+    }
+}
+
+impl OutboxHealth {
+    /// Whether writers may commit events.
+    pub fn is_writable(&self) -> bool {
+        self.0.writable.load(Ordering::Acquire)
+    }
+
+    /// Why not, when not.
+    pub fn problem(&self) -> Option<String> {
+        self.0
+            .problem
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Sets the state: writable, or not because of `problem`. Returns whether it changed.
+    pub fn set(&self, problem: Option<String>) -> bool {
+        let writable = problem.is_none();
+        *self
+            .0
+            .problem
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = problem;
+        self.0.gauge.set(i64::from(writable));
+        self.0.writable.swap(writable, Ordering::AcqRel) != writable
+    }
+
+    /// Registers the gauge `saga_outbox_writable` (1: writable; 0: writers are stopped).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "saga_outbox_writable",
+            "Whether this process may write its outbox (0: the WAL outbox's slot is lost or gone, or the \
+             schema's outbox moved; writers are stopped)",
+            self.0.gauge.clone(),
+        );
+    }
+
+    /// A handle that does not keep the state alive (for the monitor, which ends with the last writer).
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<HealthState> {
+        Arc::downgrade(&self.0)
+    }
+
+    pub(crate) fn upgrade(weak: &std::sync::Weak<HealthState>) -> Option<Self> {
+        weak.upgrade().map(Self)
+    }
+}
+
+/// What a process writes its outbox with. See the module documentation.
+#[derive(Clone, Debug)]
+pub struct Outbox {
+    mode: OutboxMode,
+    max_transaction_bytes: usize,
+    health: OutboxHealth,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Self::new(OutboxMode::Table)
+    }
+}
+
+impl Outbox {
+    /// An outbox of `mode`, writable, with the default size limit.
+    pub fn new(mode: OutboxMode) -> Self {
+        Self {
+            mode,
+            max_transaction_bytes: DEFAULT_MAX_TRANSACTION_BYTES,
+            health: OutboxHealth::default(),
+        }
+    }
+
+    /// The largest size of one write's events (as [`wal::encoded_len`] measures them, in both modes).
+    #[must_use]
+    pub fn with_max_transaction_bytes(mut self, bytes: usize) -> Self {
+        self.max_transaction_bytes = bytes;
+        self
+    }
+
+    /// Where it writes.
+    pub fn mode(&self) -> OutboxMode {
+        self.mode
+    }
+
+    /// The largest size of one write's events.
+    pub fn max_transaction_bytes(&self) -> usize {
+        self.max_transaction_bytes
+    }
+
+    /// Its health, shared with the process's monitor.
+    pub fn health(&self) -> &OutboxHealth {
+        &self.health
+    }
+
+    /// `Err(Unwritable)` when the outbox may not be written now: writers check before they start work.
+    pub fn check_writable(&self) -> Result<(), OutboxError> {
+        if self.health.is_writable() {
+            Ok(())
+        } else {
+            Err(OutboxError::Unwritable(
+                self.health
+                    .problem()
+                    .unwrap_or_else(|| "its monitor says so".to_owned()),
+            ))
+        }
+    }
+
+    /// Writes `messages` in the caller's transaction, in order: rows of `saga_outbox` ([`append_rows`],
+    /// returning their ids), or one logical message on the write-ahead log ([`wal::emit`], returning no
+    /// ids). Refuses when the outbox is not writable, and events larger than the limit.
+    ///
+    /// Write a transaction's events with one call where possible: in table mode, two calls that lock keys
+    /// in opposite orders can deadlock with another transaction doing the same (PostgreSQL then aborts one,
+    /// a transient error).
+    pub async fn append(
+        &self,
+        conn: &mut PgConnection,
+        messages: &[OutboxMessage],
+    ) -> Result<Vec<i64>, OutboxError> {
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.check_writable()?;
+        let bytes = wal::encoded_len(messages);
+        if bytes > self.max_transaction_bytes {
+            return Err(OutboxError::TooLarge {
+                bytes,
+                limit: self.max_transaction_bytes,
+            });
+        }
+        if self.mode == OutboxMode::Wal {
+            wal::emit(conn, messages).await?;
+            Ok(Vec::new())
+        } else {
+            Ok(append_rows(conn, messages).await?)
+        }
+    }
+}
+
+/// Why a process's outbox could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// A setting, the slot's state or the schema's switch keeps it from starting (names what to do).
+    #[error(transparent)]
+    Config(#[from] saga_core::ConfigProblem),
+    /// The database failed.
+    #[error("opening the outbox: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Opens the outbox of `pool`'s schema in `mode`, before the process's first write, with its watch:
 ///
-/// Write a transaction's events with one call where possible: in table mode, two calls that lock keys in
-/// opposite orders can deadlock with another transaction doing the same (PostgreSQL then aborts one, a
-/// transient error).
+/// - **WAL**: checks that PostgreSQL decodes its log and sets up the publication and the schema's slot
+///   ([`wal::prepare`]: a message written before its slot exists is never read), then checks the slot every
+///   `check_every` ([`wal::monitor`]): the outbox turns unwritable within seconds of the slot being lost.
+/// - **Table**: says that this process writes the table ([`wal::fence::enter_table_mode`], which relays in WAL
+///   mode wait for) for as long as the returned outbox lives; refuses when the schema's outbox moved to the
+///   log.
+pub async fn open(
+    pool: &sqlx::PgPool,
+    mode: OutboxMode,
+    max_transaction_bytes: usize,
+    check_every: std::time::Duration,
+) -> Result<Outbox, OpenError> {
+    let outbox = Outbox::new(mode).with_max_transaction_bytes(max_transaction_bytes);
+    match mode {
+        OutboxMode::Wal => {
+            let prepared = wal::prepare(pool).await.map_err(|e| match e {
+                wal::PrepareError::Config(problem) => OpenError::Config(problem),
+                wal::PrepareError::Database(e) => OpenError::Database(e),
+            })?;
+            wal::monitor::spawn(pool.clone(), prepared.slot, outbox.health(), check_every);
+        }
+        _ => {
+            let mut conn = pool.acquire().await?.detach();
+            match wal::fence::enter_table_mode(&mut conn).await {
+                Ok(()) => {
+                    wal::fence::spawn_table_presence(pool.clone(), conn, outbox.health());
+                }
+                Err(wal::fence::TableModeError::Switched(at)) => {
+                    return Err(saga_core::ConfigProblem::new(
+                        "SAGA_OUTBOX_MODE",
+                        format!(
+                            "is table, but this schema's outbox moved to the write-ahead log (a relay read \
+                             its slot at {at}): table rows written now would not be ordered with its events"
+                        ),
+                        "set SAGA_OUTBOX_MODE=wal, or take the WAL outbox down first (`saga outbox wal \
+                         retire`, after it is drained)",
+                    )
+                    .into());
+                }
+                Err(wal::fence::TableModeError::Database(e)) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(outbox)
+}
+
+/// The process's outbox, set once at start by [`install`].
+static PROCESS_OUTBOX: RwLock<Option<Outbox>> = RwLock::new(None);
+
+/// Makes `outbox` the one the process's writers use ([`append`]).
+pub fn install(outbox: Outbox) {
+    *PROCESS_OUTBOX
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(outbox);
+}
+
+/// The process's outbox: the one [`install`]ed, else a writable table outbox.
+pub fn current() -> Outbox {
+    PROCESS_OUTBOX
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+        .unwrap_or_default()
+}
+
+/// Writes `messages` in the caller's transaction with the process's outbox ([`current`]): see
+/// [`Outbox::append`].
 pub async fn append(
     conn: &mut PgConnection,
     messages: &[OutboxMessage],
-) -> Result<Vec<i64>, sqlx::Error> {
-    if super::wal::mode() == super::wal::OutboxMode::Wal {
-        super::wal::emit(conn, messages).await?;
-        Ok(Vec::new())
-    } else {
-        append_rows(conn, messages).await
-    }
+) -> Result<Vec<i64>, OutboxError> {
+    current().append(conn, messages).await
 }
 
 /// Appends `messages` to `saga_outbox` in the caller's transaction, in order, with one statement.
@@ -44,7 +329,7 @@ pub async fn append_rows(
         tenants.push(m.tenant.as_str());
         topics.push(m.topic.as_str());
         keys.push(m.partition_key.as_deref());
-        headers.push(array_literal(&m.headers));
+        headers.push(headers_literal(&m.headers));
         payloads.push(m.payload.as_slice());
     }
     sqlx::query_scalar(
@@ -60,7 +345,7 @@ pub async fn append_rows(
 }
 
 /// The headers as a PostgreSQL array literal, flattened: `{"name","value",...}`.
-fn array_literal<N: AsRef<str>, V: AsRef<str>>(headers: &[(N, V)]) -> String {
+pub fn headers_literal<N: AsRef<str>, V: AsRef<str>>(headers: &[(N, V)]) -> String {
     let mut literal = String::with_capacity(16 + headers.len() * 48);
     literal.push('{');
     for (i, value) in headers
@@ -110,7 +395,7 @@ mod tests {
             ("c".to_owned(), String::new()),
         ];
         assert_eq!(
-            array_literal(&headers),
+            headers_literal(&headers),
             r#"{"a","plain","b","say \"hi\" \\ bye","c",""}"#
         );
     }

@@ -1,0 +1,88 @@
+//! The process's watch over its WAL outbox's slot: one statement every couple of seconds, shared by every
+//! writer of the process through its [`OutboxHealth`] (an atomic read per transaction, no query).
+//!
+//! When the slot is lost (`wal_status = 'lost'`: it fell behind `max_slot_wal_keep_size`) or gone (dropped,
+//! a failover to a replica, a restore), a transaction that commits events now commits them to a log nobody
+//! will read: the step's key says done, its events are never published. So from the first check that finds
+//! it so, the outbox is unwritable: writers refuse (the consumer waits, as for an unavailable database;
+//! HTTP entry points answer 503), readiness fails, `saga_outbox_writable` drops to 0, and the schema
+//! records the loss (`lost_at`), which only `saga outbox wal recover` clears.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::task::JoinHandle;
+
+use super::slot::{self, SlotState};
+use crate::store::outbox::OutboxHealth;
+
+/// How often the slot is checked by default.
+pub const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// What makes the outbox unwritable in `state`, for `slot`; `None` when it is usable.
+fn problem(state: &SlotState, slot: &str) -> Option<String> {
+    let why = match state {
+        SlotState::Healthy => return None,
+        SlotState::Unrecorded => {
+            "is no longer recorded by the schema (its WAL outbox was taken down)"
+        }
+        SlotState::Gone => "is gone (dropped, a failover or a restore)",
+        SlotState::Lost => {
+            "is lost (it fell behind max_slot_wal_keep_size, or was found lost before)"
+        }
+    };
+    Some(format!(
+        "the WAL outbox's slot {slot} {why}: events committed now would never be published; \
+         run `saga outbox wal recover`"
+    ))
+}
+
+/// Checks the current schema's slot once and sets `health` from it; records a loss in the schema. Database
+/// errors leave `health` as it was (an unavailable database stops writers by itself).
+pub async fn check(pool: &PgPool, slot: &str, health: &OutboxHealth) -> Result<(), sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    let state = slot::state(&mut conn).await?;
+    if matches!(state, SlotState::Gone | SlotState::Lost) {
+        slot::mark_lost(&mut conn).await?;
+    }
+    let problem = problem(&state, slot);
+    if health.set(problem.clone()) {
+        match problem {
+            Some(problem) => {
+                tracing::error!(%slot, %problem, "the outbox is not writable: writers stop")
+            }
+            None => tracing::info!(%slot, "the WAL outbox's slot is usable again: writers go on"),
+        }
+    }
+    Ok(())
+}
+
+/// Checks `slot` every `every` (see [`check`]) until the last clone of `health` is dropped.
+pub fn spawn(pool: PgPool, slot: String, health: &OutboxHealth, every: Duration) -> JoinHandle<()> {
+    let weak = health.downgrade();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            let Some(health) = OutboxHealth::upgrade(&weak) else {
+                return;
+            };
+            if let Err(e) = check(&pool, &slot, &health).await {
+                tracing::debug!(error = %e, "cannot check the WAL outbox's slot");
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_healthy_slot_leaves_the_outbox_writable() {
+        assert_eq!(problem(&SlotState::Healthy, "s"), None);
+        for state in [SlotState::Unrecorded, SlotState::Gone, SlotState::Lost] {
+            let problem = problem(&state, "s").unwrap();
+            assert!(problem.contains("saga outbox wal recover"), "{problem}");
+        }
+    }
+}
