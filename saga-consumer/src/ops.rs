@@ -23,9 +23,16 @@ impl OpsHandle {
         self.0.render()
     }
 
-    /// Whether the service is ready (connected and consuming), as `/readyz` says.
+    /// Whether the service is ready (connected and consuming, its outbox writable), as `/readyz` says.
     pub fn is_ready(&self) -> bool {
         self.0.is_ready()
+    }
+
+    /// Whether readiness check `name` passes, as `/readyz/{name}` says: `consumer` (partitions assigned),
+    /// `outbox` (its writers may write: in WAL mode, its slot is there), `relay` (the embedded relay reads
+    /// or stands by; it does not gate `/readyz`). `None`: no such check.
+    pub fn is_check_ready(&self, name: &str) -> Option<bool> {
+        self.0.is_check_ready(name)
     }
 
     /// The value of metric `name` with label set `labels` (as in the Prometheus text: `step="charge"`, or

@@ -81,3 +81,166 @@ async fn a_service_in_wal_mode_writes_its_events_to_the_log_and_its_relay_publis
         .unwrap()
         .unwrap();
 }
+
+/// The service's slot is dropped (a failover, an operator's mistake) while it runs: within seconds its
+/// consumer stops committing (a message arriving then is not processed, and not dead-lettered), its
+/// readiness fails with the `outbox` check, `saga_outbox_writable` drops to 0, and nothing makes the slot
+/// again; an operator's recovery lets it go on, and the waiting message is processed then, its event
+/// published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_service_whose_slot_is_lost_stops_committing_until_an_operator_recovers_it() {
+    let db = TestDb::empty("service-wal-lost").await;
+    sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let kafka = TestKafka::new().await;
+    let topic = unique_name("service-wal-lost");
+    let out = format!("{topic}.out");
+    kafka.create_topic(&out, 1).await;
+    let group = format!("{topic}-group");
+    let service = SagaService::builder()
+        .brokers(&kafka.brokers)
+        .group_id(&group)
+        .pool(db.pool.clone())
+        .step(reserve_on(&topic))
+        .create_topics(1, 1)
+        .outbox_mode(OutboxMode::Wal)
+        .relay(|r| r.replication_url(db.url()))
+        .build()
+        .unwrap();
+    let ops = service.ops();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
+    kafka.delete_on_drop(&topic);
+    kafka.delete_on_drop(&format!("{group}.dlq"));
+    kafka.delete_on_drop(&format!("{group}.retry"));
+    place_orders(&kafka, &topic, [1]).await;
+    let (_, ns) = read_reserved(&kafka, &out, 1, Duration::from_millis(300)).await;
+    assert_eq!(ns, [1]);
+    assert!(ops.is_ready());
+
+    // The slot goes (the relay reading it is ended first, as a failover would).
+    let slot = saga_runtime::store::wal::slot_name(db.database(), &db.schema);
+    wait_until("the slot dropped", WAIT, || async {
+        sqlx::query(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+        )
+        .bind(&slot)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(&slot)
+            .execute(&db.pool)
+            .await
+            .is_ok()
+            .then_some(())
+    })
+    .await;
+    wait_until("the service to notice", Duration::from_secs(10), || async {
+        (ops.is_check_ready("outbox") == Some(false)).then_some(())
+    })
+    .await;
+    assert!(!ops.is_ready());
+    assert_eq!(ops.sample("saga_outbox_writable", ""), Some(0.0));
+    place_orders(&kafka, &topic, [2]).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        db.count("reservations").await,
+        1,
+        "nothing committed meanwhile"
+    );
+    let slot_back: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+    )
+    .bind(&slot)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(!slot_back, "nothing made the slot again");
+    assert_eq!(
+        kafka
+            .end_offsets(&format!("{group}.dlq"))
+            .await
+            .values()
+            .sum::<i64>(),
+        0,
+        "nothing dead-lettered"
+    );
+
+    let recovery = saga_runtime::store::wal::recover(&db.pool, "tester")
+        .await
+        .unwrap();
+    assert_eq!(recovery.what, "gone");
+    let (_, ns) = read_reserved(&kafka, &out, 2, Duration::from_millis(300)).await;
+    assert_eq!(
+        ns,
+        [1, 2],
+        "the waiting message processed, its event published"
+    );
+    assert_eq!(db.count("reservations").await, 2);
+    wait_until("ready again", WAIT, || async {
+        ops.is_ready().then_some(())
+    })
+    .await;
+    stop.cancel();
+    tokio::time::timeout(WAIT, running)
+        .await
+        .expect("the service stops")
+        .unwrap()
+        .unwrap();
+}
+
+/// An embedded relay that cannot read its slot (here: its replication connection is refused) is the
+/// relay's readiness check, not the service's: the consumers and HTTP entry points carry on and `/readyz`
+/// stays ready while `/readyz/relay` says not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_embedded_relay_that_cannot_read_does_not_make_the_service_unready() {
+    let db = TestDb::empty("service-wal-relay-ready").await;
+    sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let kafka = TestKafka::new().await;
+    let topic = unique_name("service-wal-relay-ready");
+    let group = format!("{topic}-group");
+    let service = SagaService::builder()
+        .brokers(&kafka.brokers)
+        .group_id(&group)
+        .pool(db.pool.clone())
+        .step(reserve_on(&topic))
+        .create_topics(1, 1)
+        .outbox_mode(OutboxMode::Wal)
+        .relay(|r| r.replication_url("postgres://postgres@127.0.0.1:9/nowhere"))
+        .build()
+        .unwrap();
+    let ops = service.ops();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
+    kafka.delete_on_drop(&topic);
+    kafka.delete_on_drop(&format!("{group}.dlq"));
+    kafka.delete_on_drop(&format!("{group}.retry"));
+    place_orders(&kafka, &topic, [1]).await;
+    wait_until("the step to run", WAIT, || async {
+        (db.count("reservations").await == 1).then_some(())
+    })
+    .await;
+    wait_until("the service ready", WAIT, || async {
+        ops.is_ready().then_some(())
+    })
+    .await;
+    assert_eq!(
+        ops.is_check_ready("relay"),
+        Some(false),
+        "the relay says it is not"
+    );
+    assert_eq!(ops.is_check_ready("consumer"), Some(true));
+    stop.cancel();
+    tokio::time::timeout(WAIT, running)
+        .await
+        .expect("the service stops")
+        .unwrap()
+        .unwrap();
+}
