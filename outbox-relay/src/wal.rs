@@ -588,6 +588,7 @@ impl Relay {
                 }
             }
         }
+        debug_assert!(batch.decisions.settled());
         self.metrics.wal_held_keys.set(holds.len() as i64);
         batch.clear();
         Ok(())

@@ -11,6 +11,7 @@ use saga_runtime::kafka::KafkaConfig;
 use serde::Serialize;
 use sqlx::PgPool;
 
+use crate::AdminError;
 use crate::dlq::{self, DlqFilter, ReplayOptions};
 use crate::duration;
 use crate::inspect::{self, InspectOptions};
@@ -343,6 +344,72 @@ enum RedisCommand {
 enum OutboxCommand {
     /// The relay's backlog: unpublished, failing and parked rows, the oldest one's age.
     Status,
+    /// The WAL outbox's parked events: those the relay could not publish, and their keys' later events
+    /// waiting behind them, oldest first.
+    Parked {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Publish parked events again at the relay's next round (after fixing the cause): event ID's key, in
+    /// order, or every parked key.
+    Retry {
+        /// The parked event whose key to retry.
+        #[arg(long, required_unless_present = "all", conflicts_with = "all")]
+        id: Option<i64>,
+        /// Every parked key.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Discard a parked event: it is never published, and its key's later events go on. Asks first.
+    Discard {
+        /// The parked event.
+        #[arg(long)]
+        id: i64,
+        /// Do it without asking.
+        #[arg(long)]
+        yes: bool,
+        /// Who discards (default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// The WAL outbox's replication slot.
+    #[command(subcommand)]
+    Wal(WalCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum WalCommand {
+    /// After the slot was lost or gone (its writers stopped, services refuse to start): make a new one, and
+    /// record and print what was lost and how to re-drive it. Asks first.
+    Recover {
+        /// Do it without asking.
+        #[arg(long)]
+        yes: bool,
+        /// Who recovers (default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// The recorded losses of the slot; with --keys, the step keys completed in one's window (their
+    /// follow-up events may never have been published).
+    Incidents {
+        /// The incident whose step keys to list.
+        #[arg(long, value_name = "INCIDENT")]
+        keys: Option<i64>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Take the WAL outbox down, to go back to the table: drop its slot and forget it. Refused while a relay
+    /// reads it or it holds unpublished events. Asks first.
+    Retire {
+        /// Drop it even though it holds unpublished events (they are lost).
+        #[arg(long)]
+        force: bool,
+        /// Do it without asking.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 impl Cli {
@@ -661,6 +728,125 @@ impl Cli {
                         w.lag_seconds.map_or_else(|| "caught up".to_owned(), |s| format!("{s:.1} s behind")),
                         w.parked
                     ))
+                })
+            }
+            Command::Outbox(OutboxCommand::Parked { limit }) => {
+                let pool = self.pool().await?;
+                let found = outbox::parked(&pool, *limit).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "id",
+                        "topic",
+                        "key",
+                        "attempts",
+                        "parked at",
+                        "next try",
+                        "holds key",
+                        "bytes",
+                        "error",
+                    ]);
+                    for p in &found {
+                        t.row([
+                            p.id.to_string(),
+                            p.topic.clone(),
+                            p.key.clone().unwrap_or_default(),
+                            p.attempts.to_string(),
+                            p.parked_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            p.next_attempt_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            if p.holds_key { "yes" } else { "no" }.to_owned(),
+                            p.payload_bytes.to_string(),
+                            p.error.clone(),
+                        ]);
+                    }
+                    format!("{}{} parked events", t.render(), found.len())
+                })
+            }
+            Command::Outbox(OutboxCommand::Retry { id, all: _ }) => {
+                let pool = self.pool().await?;
+                let n = outbox::retry(&pool, *id).await?;
+                let report = serde_json::json!({ "events": n });
+                self.print(&report, || {
+                    format!("{n} parked events to be published again, in order, at the relay's next round")
+                })
+            }
+            Command::Outbox(OutboxCommand::Discard { id, yes, operator }) => {
+                let operator = operator
+                    .clone()
+                    .filter(|o| !o.trim().is_empty())
+                    .unwrap_or_else(dlq::os_user);
+                let pool = self.pool().await?;
+                if !confirm(
+                    &format!(
+                        "discard parked event {id} (it is never published; its key's later events go on)"
+                    ),
+                    *yes,
+                )? {
+                    return Err(AdminError::bad_input("not confirmed: nothing done").into());
+                }
+                outbox::discard(&pool, *id, &operator).await?;
+                let report = serde_json::json!({ "discarded": id, "operator": operator });
+                self.print(&report, || {
+                    format!("parked event {id} discarded by {operator}")
+                })
+            }
+            Command::Outbox(OutboxCommand::Wal(WalCommand::Recover { yes, operator })) => {
+                let operator = operator
+                    .clone()
+                    .filter(|o| !o.trim().is_empty())
+                    .unwrap_or_else(dlq::os_user);
+                let pool = self.pool().await?;
+                if !confirm(
+                    "make the WAL outbox's slot again (the events its loss took are not brought back)",
+                    *yes,
+                )? {
+                    return Err(AdminError::bad_input("not confirmed: nothing done").into());
+                }
+                let r = outbox::recover(&pool, &operator).await?;
+                self.print(&r, || recovery_text(&r))
+            }
+            Command::Outbox(OutboxCommand::Wal(WalCommand::Incidents { keys, limit })) => {
+                let pool = self.pool().await?;
+                if let Some(id) = keys {
+                    let steps = outbox::lost_steps(&pool, *id, *limit).await?;
+                    return self.print(&steps, || {
+                        let mut t = Table::new(["completed at", "tenant", "step key"]);
+                        for s in &steps {
+                            t.row([
+                                s.completed_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                                s.tenant.clone(),
+                                s.step_key.clone(),
+                            ]);
+                        }
+                        format!(
+                            "{}{} step keys completed in incident {id}'s window",
+                            t.render(),
+                            steps.len()
+                        )
+                    });
+                }
+                let found = outbox::incidents(&pool, *limit).await?;
+                self.print(&found, || {
+                    found
+                        .iter()
+                        .map(recovery_text)
+                        .collect::<Vec<_>>()
+                        .join("\n\n")
+                })
+            }
+            Command::Outbox(OutboxCommand::Wal(WalCommand::Retire { force, yes })) => {
+                let pool = self.pool().await?;
+                if !confirm(
+                    "drop the WAL outbox's slot (services of this schema must then run in table mode)",
+                    *yes,
+                )? {
+                    return Err(AdminError::bad_input("not confirmed: nothing done").into());
+                }
+                let r = outbox::retire(&pool, *force).await?;
+                self.print(&r, || {
+                    format!(
+                        "dropped the slot {} ({} unpublished events with it); start the services in table mode",
+                        r.slot, r.unpublished_events
+                    )
                 })
             }
             Command::Redis(RedisCommand::Forget {
@@ -1014,6 +1200,28 @@ impl Cli {
         }
         Ok(())
     }
+}
+
+/// What a recovery did and what was lost, for people.
+fn recovery_text(r: &outbox::Recovery) -> String {
+    format!(
+        "incident {}: the slot {} was {}; {} made it again\n\
+         lost:     events committed after LSN {} ({}) and before LSN {} ({}) may never have been published\n\
+         steps:    {} step keys completed in that window: `saga outbox wal incidents --keys {}` lists them\n\
+         re-drive: orchestrated sagas that stopped: `saga sagas list --stuck`, then `saga sagas retry ID`; \
+         choreographed steps: re-emit their follow-up events from the listed keys (their steps will not run \
+         again); see the WAL outbox guide",
+        r.incident,
+        r.slot,
+        r.what,
+        r.recovered_by,
+        r.lost_from_lsn.as_deref().unwrap_or("(never confirmed)"),
+        r.lost_from.format("%Y-%m-%d %H:%M:%S UTC"),
+        r.lost_to_lsn,
+        r.lost_to.format("%Y-%m-%d %H:%M:%S UTC"),
+        r.steps_in_window,
+        r.incident,
+    )
 }
 
 /// An operation in one line.

@@ -61,3 +61,187 @@ pub async fn status(pool: &PgPool) -> Result<OutboxStatus, AdminError> {
         }),
     })
 }
+
+/// A parked event of the WAL outbox: set aside by the relay because it could not be published (or because
+/// an earlier event of its key was), with its key's later events behind it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Parked {
+    /// Its id (`saga outbox retry --id`, `saga outbox discard --id`).
+    pub id: i64,
+    /// The topic.
+    pub topic: String,
+    /// The Kafka key.
+    pub key: Option<String>,
+    /// Why.
+    pub error: String,
+    /// Failed attempts.
+    pub attempts: i32,
+    /// When it was parked.
+    pub parked_at: chrono::DateTime<chrono::Utc>,
+    /// When the relay tries it again.
+    pub next_attempt_at: chrono::DateTime<chrono::Utc>,
+    /// Whether its key's later events wait behind it.
+    pub holds_key: bool,
+    /// The payload's size.
+    pub payload_bytes: i64,
+}
+
+/// The parked events of the WAL outbox not yet published or discarded, oldest first.
+pub async fn parked(pool: &PgPool, limit: i64) -> Result<Vec<Parked>, AdminError> {
+    Ok(outbox_relay::parked_events(pool, limit)
+        .await?
+        .into_iter()
+        .map(|p| Parked {
+            id: p.id,
+            topic: p.topic,
+            key: p.partition_key,
+            error: p.error,
+            attempts: p.attempts,
+            parked_at: p.parked_at,
+            next_attempt_at: p.next_attempt_at,
+            holds_key: p.holds_key,
+            payload_bytes: p.payload_bytes,
+        })
+        .collect())
+}
+
+/// Asks the relay to publish parked events again at its next round: event `id`'s key, or all of them.
+/// Returns the events concerned; none is bad input.
+pub async fn retry(pool: &PgPool, id: Option<i64>) -> Result<u64, AdminError> {
+    let n = outbox_relay::retry_parked(pool, id).await?;
+    if n == 0 {
+        return Err(AdminError::bad_input(match id {
+            Some(id) => format!("there is no open parked event {id}"),
+            None => "there is no open parked event".to_owned(),
+        }));
+    }
+    Ok(n)
+}
+
+/// Discards parked event `id`: it is never published, and its key's later events go on. Recorded with
+/// `operator`.
+pub async fn discard(pool: &PgPool, id: i64, operator: &str) -> Result<(), AdminError> {
+    if outbox_relay::discard_parked(pool, id, operator).await? {
+        Ok(())
+    } else {
+        Err(AdminError::bad_input(format!(
+            "there is no open parked event {id}"
+        )))
+    }
+}
+
+/// What `saga outbox wal recover` did, and what was lost.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Recovery {
+    /// The incident's id (`saga outbox wal incidents --keys ID` lists its step keys).
+    pub incident: i64,
+    /// The slot made again.
+    pub slot: String,
+    /// `lost` or `gone`.
+    pub what: String,
+    /// Events committed after this position ...
+    pub lost_from_lsn: Option<String>,
+    /// ... at this time ...
+    pub lost_from: chrono::DateTime<chrono::Utc>,
+    /// ... and before this one may never have been published.
+    pub lost_to_lsn: String,
+    /// When the new slot started.
+    pub lost_to: chrono::DateTime<chrono::Utc>,
+    /// Step keys completed in that window.
+    pub steps_in_window: i64,
+    /// Who recovered.
+    pub recovered_by: String,
+}
+
+/// Recovers the schema's WAL outbox after its slot was lost or gone (see `outbox_relay::recover_slot`).
+pub async fn recover(pool: &PgPool, operator: &str) -> Result<Recovery, AdminError> {
+    let r = outbox_relay::recover_slot(pool, operator)
+        .await
+        .map_err(slot_error)?;
+    Ok(Recovery {
+        incident: r.incident,
+        slot: r.slot,
+        what: r.what,
+        lost_from_lsn: r.lost_from_lsn,
+        lost_from: r.lost_from,
+        lost_to_lsn: r.lost_to_lsn,
+        lost_to: r.lost_to,
+        steps_in_window: r.steps_in_window,
+        recovered_by: operator.to_owned(),
+    })
+}
+
+/// The recorded losses of the schema's slot, newest first.
+pub async fn incidents(pool: &PgPool, limit: i64) -> Result<Vec<Recovery>, AdminError> {
+    Ok(outbox_relay::slot_incidents(pool, limit)
+        .await?
+        .into_iter()
+        .map(|i| Recovery {
+            incident: i.id,
+            slot: i.slot,
+            what: i.what,
+            lost_from_lsn: i.lost_from_lsn,
+            lost_from: i.lost_from,
+            lost_to_lsn: i.lost_to_lsn,
+            lost_to: i.lost_to,
+            steps_in_window: i.steps_in_window,
+            recovered_by: i.recovered_by,
+        })
+        .collect())
+}
+
+/// A step key completed in an incident's window: its follow-up events may never have been published.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct LostStep {
+    /// The tenant.
+    pub tenant: String,
+    /// The step key (`{client key}:{step}`).
+    pub step_key: String,
+    /// When it completed.
+    pub completed_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// The step keys completed in incident `id`'s window, oldest first.
+pub async fn lost_steps(pool: &PgPool, id: i64, limit: i64) -> Result<Vec<LostStep>, AdminError> {
+    Ok(outbox_relay::lost_step_keys(pool, id, limit)
+        .await
+        .map_err(slot_error)?
+        .into_iter()
+        .map(|(tenant, step_key, completed_at)| LostStep {
+            tenant,
+            step_key,
+            completed_at,
+        })
+        .collect())
+}
+
+/// What `saga outbox wal retire` dropped.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Retired {
+    /// The slot.
+    pub slot: String,
+    /// Unpublished events of the schema dropped with it (only with --force).
+    pub unpublished_events: i64,
+}
+
+/// Takes the schema's WAL outbox down (see `outbox_relay::retire_slot`).
+pub async fn retire(pool: &PgPool, force: bool) -> Result<Retired, AdminError> {
+    let r = outbox_relay::retire_slot(pool, force)
+        .await
+        .map_err(slot_error)?;
+    Ok(Retired {
+        slot: r.slot,
+        unpublished_events: r.unpublished_events,
+    })
+}
+
+fn slot_error(e: outbox_relay::SlotError) -> AdminError {
+    match e {
+        outbox_relay::SlotError::Database(e) => AdminError::Database(e),
+        other => AdminError::bad_input(other.to_string()),
+    }
+}

@@ -413,3 +413,117 @@ async fn redis_forget_deletes_the_keys_of_the_schemas_namespace_only() {
     no_url.env_remove("REDIS_URL");
     expect_usage_error(no_url, "REDIS_URL").await;
 }
+
+/// The WAL outbox's operators' commands: parked events listed (oldest first, with their reason), retried,
+/// discarded (asked, recorded); a lost slot recovered with what was lost said; wrong ids and a healthy slot
+/// refused in one line with exit code 2.
+#[tokio::test]
+async fn the_wal_outbox_commands_list_retry_discard_and_recover() {
+    let (db, _kafka, saga) = target("admin-cli-wal").await;
+    saga_runtime::store::wal::prepare(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO saga_outbox_wal_parked (commit_lsn, message_lsn, event_index, tenant_id, topic, \
+             partition_key, payload, error, attempts, holds_key, next_attempt_at) \
+         VALUES ('0/1', '0/10', 0, 'default', 'orders', 'k', '\\x7b7d', 'Broker: Topic authorization failed', 4, \
+                 true, now() + interval '1 hour'), \
+                ('0/2', '0/20', 0, 'default', 'orders', 'k', '\\x7b7d', \
+                 'waits behind an earlier event of its key that could not be published', 0, true, \
+                 now() + interval '1 hour')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let listed = saga.json(&["outbox", "parked"]).await;
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(
+        listed[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("authorization")
+    );
+    let text = saga.text(&["outbox", "parked"]).await;
+    assert!(text.contains("2 parked events"), "{text}");
+
+    let retried = saga
+        .json(&["outbox", "retry", "--id", &listed[0]["id"].to_string()])
+        .await;
+    assert_eq!(retried["events"], 2, "the key's events");
+    let due: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM saga_outbox_wal_parked WHERE next_attempt_at <= now()",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(due, 2);
+    expect_usage_error(
+        saga.command(&["outbox", "retry", "--id", "999999"]),
+        "999999",
+    )
+    .await;
+    expect_usage_error(saga.command(&["outbox", "discard", "--id", "1"]), "--yes").await;
+
+    let head = listed[0]["id"].to_string();
+    saga.json(&[
+        "outbox",
+        "discard",
+        "--id",
+        &head,
+        "--yes",
+        "--operator",
+        "ops-1",
+    ])
+    .await;
+    let (discarded_by,): (String,) = sqlx::query_as(
+        "SELECT discarded_by FROM saga_outbox_wal_parked WHERE discarded_at IS NOT NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(discarded_by, "ops-1");
+    assert_eq!(
+        saga.json(&["outbox", "parked"])
+            .await
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // A healthy slot: nothing to recover.
+    let line = expect_usage_error(
+        saga.command(&["outbox", "wal", "recover", "--yes"]),
+        "nothing to recover",
+    )
+    .await;
+    assert!(line.contains("healthy"), "{line}");
+    // The slot goes: recovered, with what was lost said.
+    let slot = saga_runtime::store::wal::slot_name(db.database(), &db.schema);
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(&slot)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let text = saga
+        .text(&["outbox", "wal", "recover", "--yes", "--operator", "ops-2"])
+        .await;
+    assert!(
+        text.contains("was gone; ops-2 made it again")
+            && text.contains("may never have been published")
+            && text.contains("saga outbox wal incidents --keys"),
+        "{text}"
+    );
+    let incidents = saga.json(&["outbox", "wal", "incidents"]).await;
+    assert_eq!(incidents.as_array().unwrap().len(), 1);
+    assert_eq!(incidents[0]["recovered_by"], "ops-2");
+    let keys = saga
+        .json(&[
+            "outbox",
+            "wal",
+            "incidents",
+            "--keys",
+            &incidents[0]["incident"].to_string(),
+        ])
+        .await;
+    assert!(keys.as_array().unwrap().is_empty());
+}
