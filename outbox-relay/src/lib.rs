@@ -42,6 +42,7 @@ mod parked;
 mod publisher;
 mod relay;
 mod shards;
+mod slot_admin;
 mod store;
 mod wal;
 mod wal_batch;
@@ -52,6 +53,10 @@ pub use hooks::{PublishAttempt, PublishHooks};
 pub use parked::{ParkedEvent, discard_parked, parked_events, retry_parked};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
 pub use saga_core::{KafkaConfig, OutboxMode};
+pub use slot_admin::{
+    RetiredSlot, SlotError, SlotIncident, SlotRecovery, lost_step_keys, recover_slot, retire_slot,
+    slot_incidents,
+};
 #[doc(hidden)]
 pub use store::drain_without_broker;
 pub use store::{AfterPublish, Backlog, WalBacklog, backlog};
