@@ -79,6 +79,10 @@ struct RunArgs {
     /// Failed attempts after which a row the broker refuses for good is parked.
     #[arg(long, env = "RELAY_PARK_AFTER_ATTEMPTS", default_value_t = 3)]
     park_after_attempts: u32,
+    /// WAL mode: seconds a failing event is tried again before it is parked with its key's later events
+    /// (the other keys go on meanwhile only once it is).
+    #[arg(long, env = "RELAY_PARK_AFTER_SECS", default_value_t = 30)]
+    park_after_secs: u64,
     /// Where to serve /metrics and /healthz.
     #[arg(long, env = "RELAY_OPS_ADDR")]
     ops_addr: Option<SocketAddr>,
@@ -240,6 +244,7 @@ impl Cli {
             .poll_interval(Duration::from_millis(args.poll_interval_ms.max(1)))
             .linger(Duration::from_millis(args.linger_ms))
             .park_after(args.park_after_attempts.max(1))
+            .park_after_time(Duration::from_secs(args.park_after_secs))
             .after_publish(if args.delete_published {
                 AfterPublish::Delete
             } else {

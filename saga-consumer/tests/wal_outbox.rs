@@ -244,3 +244,61 @@ async fn an_embedded_relay_that_cannot_read_does_not_make_the_service_unready() 
         .unwrap()
         .unwrap();
 }
+
+/// A step whose events are larger than `SAGA_OUTBOX_MAX_TRANSACTION_BYTES` fails for good: its message is
+/// dead-lettered at once with the limit named, nothing of it is committed, and the next message goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_step_whose_events_are_over_the_size_limit_is_dead_lettered_naming_it() {
+    let db = TestDb::empty("service-wal-too-large").await;
+    sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let kafka = TestKafka::new().await;
+    let topic = unique_name("service-wal-too-large");
+    let group = format!("{topic}-group");
+    let service = SagaService::builder()
+        .brokers(&kafka.brokers)
+        .group_id(&group)
+        .pool(db.pool.clone())
+        .step(reserve_on(&topic))
+        .create_topics(1, 1)
+        .outbox_mode(OutboxMode::Wal)
+        .outbox_max_transaction_bytes(64)
+        .relay(|r| r.replication_url(db.url()))
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
+    kafka.delete_on_drop(&topic);
+    kafka.delete_on_drop(&format!("{group}.dlq"));
+    kafka.delete_on_drop(&format!("{group}.retry"));
+    place_orders(&kafka, &topic, [1, 2]).await;
+    let letters = kafka
+        .read_all(&format!("{group}.dlq"), 2, Duration::from_millis(500), WAIT)
+        .await;
+    assert_eq!(letters.len(), 2);
+    for letter in &letters {
+        let error = letter.header("dlq-error").unwrap_or_default();
+        assert!(
+            error.contains("SAGA_OUTBOX_MAX_TRANSACTION_BYTES"),
+            "{error}"
+        );
+        assert_eq!(
+            letter.header("dlq-attempts"),
+            Some("1"),
+            "dead-lettered at once"
+        );
+    }
+    assert_eq!(
+        db.count("reservations").await,
+        0,
+        "nothing of them committed"
+    );
+    stop.cancel();
+    tokio::time::timeout(WAIT, running)
+        .await
+        .expect("the service stops")
+        .unwrap()
+        .unwrap();
+}
