@@ -281,3 +281,73 @@ pub async fn discard_parked(pool: &PgPool, id: i64, operator: &str) -> Result<bo
     .await?;
     Ok(done.rows_affected() == 1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(key: &str) -> OutboxRow {
+        OutboxRow {
+            id: 0,
+            topic: "orders".to_owned(),
+            partition_key: Some(key.to_owned()),
+            headers: vec![("ce_type".to_owned(), "X".to_owned())],
+            payload: Some(b"{}".to_vec()),
+            created_at: Utc::now(),
+        }
+    }
+
+    /// A relay that parked events and died before confirming the slot reads them again: parking them again
+    /// adds nothing, and what it parks after them comes after them.
+    #[tokio::test]
+    async fn parking_the_same_events_again_after_a_crash_adds_nothing() {
+        let db = saga_test_support::TestDb::new("relay-park-once").await;
+        let (first, second, third) = (row("k"), row("k"), row("k"));
+        let event = |row, message_lsn: &str, index| ToPark {
+            row,
+            tenant: "default",
+            commit_lsn: "0/100".to_owned(),
+            message_lsn: message_lsn.to_owned(),
+            index,
+            error: "refused".to_owned(),
+            attempts: 1,
+        };
+        let before_crash = [event(&first, "0/10", 0), event(&second, "0/10", 1)];
+        assert_eq!(park(&db.pool, &before_crash).await.unwrap(), 2);
+        // Read again after the crash, with the key's next event.
+        let after = [
+            event(&first, "0/10", 0),
+            event(&second, "0/10", 1),
+            event(&third, "0/20", 0),
+        ];
+        assert_eq!(park(&db.pool, &after).await.unwrap(), 1, "only the new one");
+        let positions: Vec<(String, i32)> = sqlx::query_as(
+            "SELECT message_lsn::text, event_index FROM saga_outbox_wal_parked ORDER BY id",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            positions,
+            [
+                ("0/10".to_owned(), 0),
+                ("0/10".to_owned(), 1),
+                ("0/20".to_owned(), 0)
+            ],
+            "each once, in commit order"
+        );
+        assert_eq!(
+            held_keys(&db.pool).await.unwrap(),
+            [("orders".to_owned(), Some("k".to_owned()))]
+        );
+        assert_eq!(
+            park_undecodable(&db.pool, "0/100", "0/30", b"junk", "bad")
+                .await
+                .unwrap()
+                + park_undecodable(&db.pool, "0/100", "0/30", b"junk", "bad")
+                    .await
+                    .unwrap(),
+            1
+        );
+    }
+}
