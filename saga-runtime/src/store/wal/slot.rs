@@ -280,7 +280,9 @@ async fn server_slots(
     conn: &mut PgConnection,
     names: &[String],
 ) -> Result<Vec<ServerSlot>, sqlx::Error> {
-    let rows: Vec<(String, Option<String>, Option<String>, Option<String>)> = sqlx::query_as(
+    /// Name, database, plugin, the log's status.
+    type Row = (String, Option<String>, Option<String>, Option<String>);
+    let rows: Vec<Row> = sqlx::query_as(
         "SELECT slot_name::text, database::text, plugin::text, wal_status FROM pg_replication_slots \
          WHERE slot_name = ANY($1)",
     )
