@@ -109,21 +109,24 @@ pub(crate) async fn park_undecodable(
     Ok(done.rows_affected())
 }
 
-/// The keys held: those with parked events not yet published or discarded, and those with parked rows of
-/// the table outbox (their events in the log must not overtake them).
+/// The keys held: those with parked events not yet published or discarded, and those with rows of the
+/// table outbox not yet published, parked or not (their events in the log must not overtake them: a parked
+/// row an operator lets go is published by the table's loop, after which its key's events follow).
 pub(crate) async fn held_keys(pool: &PgPool) -> Result<Vec<OrderKey>, sqlx::Error> {
     sqlx::query_as(
         "SELECT topic, partition_key FROM saga_outbox_wal_parked \
          WHERE published_at IS NULL AND discarded_at IS NULL AND holds_key \
          UNION \
-         SELECT topic, partition_key FROM saga_outbox WHERE parked_at IS NOT NULL AND published_at IS NULL",
+         SELECT topic, partition_key FROM saga_outbox WHERE parked_at IS NOT NULL AND published_at IS NULL \
+         UNION \
+         SELECT topic, partition_key FROM saga_outbox WHERE published_at IS NULL AND parked_at IS NULL",
     )
     .fetch_all(pool)
     .await
 }
 
 /// Up to `limit` parked events to publish again, in order: every open event of each key whose next attempt
-/// is due and that no parked row of the table outbox holds. A row's id is its id in the table.
+/// is due and that no unpublished row of the table outbox holds. A row's id is its id in the table.
 pub(crate) async fn due(pool: &PgPool, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
     let rows = sqlx::query(
         "WITH open AS ( \
@@ -135,6 +138,9 @@ pub(crate) async fn due(pool: &PgPool, limit: i64) -> Result<Vec<OutboxRow>, sql
          SELECT o.id, o.topic, o.partition_key, o.headers, o.payload, o.parked_at \
          FROM open o JOIN due d ON d.topic = o.topic AND d.partition_key IS NOT DISTINCT FROM o.partition_key \
          WHERE NOT EXISTS (SELECT 1 FROM saga_outbox t \
+                           WHERE t.published_at IS NULL AND t.parked_at IS NULL \
+                             AND t.topic = o.topic AND t.partition_key IS NOT DISTINCT FROM o.partition_key) \
+           AND NOT EXISTS (SELECT 1 FROM saga_outbox t \
                            WHERE t.parked_at IS NOT NULL AND t.published_at IS NULL \
                              AND t.topic = o.topic AND t.partition_key IS NOT DISTINCT FROM o.partition_key) \
          ORDER BY o.id LIMIT $1",

@@ -107,24 +107,42 @@ type Report = Result<(i32, i64), Failed>;
 pub(crate) struct Publisher {
     kafka: KafkaConfig,
     linger: Duration,
+    message_timeout: Duration,
     producer: FutureProducer,
     hooks: PublishHooks,
 }
 
 impl Publisher {
-    /// An idempotent producer for `kafka` that batches for `linger`.
+    /// An idempotent producer for `kafka` that batches for `linger` and gives a message up after
+    /// `message_timeout` (zero: never; a delivery then fails only when the broker refuses it).
     pub(crate) fn new(
         kafka: KafkaConfig,
         linger: Duration,
+        message_timeout: Duration,
         hooks: PublishHooks,
     ) -> Result<Self, KafkaError> {
-        let producer = create(&kafka, linger)?;
+        let producer = create(&kafka, linger, message_timeout)?;
         Ok(Self {
             kafka,
             linger,
+            message_timeout,
             producer,
             hooks,
         })
+    }
+
+    /// Whether a broker answers a metadata request within a few seconds: a failure that comes while none
+    /// does is the outage's, not the event's.
+    pub(crate) async fn broker_answers(&self) -> bool {
+        let producer = self.producer.clone();
+        tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(None, Duration::from_secs(5))
+                .is_ok()
+        })
+        .await
+        .unwrap_or(false)
     }
 
     /// Sends `rows` (in id order) and waits for every acknowledgement, at most one row per key in flight
@@ -195,7 +213,7 @@ impl Publisher {
         outcome.held_back = order.held_back();
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             tracing::error!(?code, %reason, "fatal producer error; recreating the producer");
-            match create(&self.kafka, self.linger) {
+            match create(&self.kafka, self.linger, self.message_timeout) {
                 Ok(producer) => self.producer = producer,
                 Err(e) => tracing::error!(error = %e, "cannot recreate the producer"),
             }
@@ -284,9 +302,15 @@ fn failure(id: i64, e: &KafkaError) -> Failed {
     }
 }
 
-fn create(kafka: &KafkaConfig, linger: Duration) -> Result<FutureProducer, KafkaError> {
-    // `message.timeout.ms=0`: wait for the broker forever rather than fail a row.
-    let mut config = saga_runtime::kafka::producer_config(kafka, linger, Duration::ZERO);
+fn create(
+    kafka: &KafkaConfig,
+    linger: Duration,
+    message_timeout: Duration,
+) -> Result<FutureProducer, KafkaError> {
+    // The table relay: `message.timeout.ms=0`, wait for the broker forever rather than fail a row. The WAL
+    // relay: a delivery that never comes back (a partition without a leader) fails after its bound, and
+    // what it does about that depends on whether the broker answers at all.
+    let mut config = saga_runtime::kafka::producer_config(kafka, linger, message_timeout);
     config
         .set("reconnect.backoff.max.ms", "2000")
         .set("queue.buffering.max.messages", "1000000");

@@ -448,7 +448,8 @@ impl RelayProbe {
 /// back, so that none of the key's later rows is published before it.
 #[derive(Default)]
 struct Retries {
-    failures: HashMap<i64, (u32, Instant, OrderKey)>,
+    /// Per failing row: its failures, when its retry is due, its key, when it first failed.
+    failures: HashMap<i64, (u32, Instant, OrderKey, Instant)>,
 }
 
 impl Retries {
@@ -461,14 +462,15 @@ impl Retries {
         let held: HashSet<&OrderKey> = self
             .failures
             .values()
-            .filter(|(_, due, _)| *due > now)
-            .map(|(_, _, key)| key)
+            .filter(|(_, due, _, _)| *due > now)
+            .map(|(_, _, key, _)| key)
             .collect();
         held.into_iter().cloned().collect()
     }
 
     fn failed(&mut self, id: i64, key: OrderKey) {
-        let entry = self.failures.entry(id).or_insert((0, Instant::now(), key));
+        let now = Instant::now();
+        let entry = self.failures.entry(id).or_insert((0, now, key, now));
         entry.0 += 1;
         let wait = Duration::from_millis(100) * 2u32.saturating_pow(entry.0.min(9));
         entry.1 = Instant::now() + wait.min(Duration::from_secs(60));
@@ -476,6 +478,13 @@ impl Retries {
 
     fn done(&mut self, id: i64) {
         self.failures.remove(&id);
+    }
+
+    /// How long row `id` has been failing.
+    fn failing_for(&self, id: i64) -> Duration {
+        self.failures
+            .get(&id)
+            .map_or(Duration::ZERO, |(_, _, _, first)| first.elapsed())
     }
 }
 
@@ -532,25 +541,43 @@ impl Relay {
                 }
             });
         }
-        let mut publisher =
-            Publisher::new(self.kafka.clone(), self.settings.linger, self.hooks.clone())?;
         if self.settings.mode == OutboxMode::Wal {
             // The table is published beside the log: rows a table-mode writer left in `saga_outbox` before
             // the switch (the WAL loop reads the slot only once the whole table is published, see
             // `fence`), and rows written late by a writer of an older version.
-            let mut table_publisher =
-                Publisher::new(self.kafka.clone(), self.settings.linger, self.hooks.clone())?;
+            // A delivery that never comes back must not hold the slot: both give up after the park bound.
+            let bound = self.settings.park_after_time.max(Duration::from_secs(1));
+            let mut table_publisher = Publisher::new(
+                self.kafka.clone(),
+                self.settings.linger,
+                bound,
+                self.hooks.clone(),
+            )?;
+            let mut publisher = Publisher::new(
+                self.kafka.clone(),
+                self.settings.linger,
+                bound,
+                self.hooks.clone(),
+            )?;
             let url = self.settings.replication_url.clone().unwrap_or_default();
             tokio::join!(
                 self.run_table(&mut table_publisher, &shutdown, Role::BesideTheLog),
                 self.run_wal(&mut publisher, &url, &shutdown),
             );
             table_publisher.flush(Duration::from_secs(5));
+            publisher.flush(Duration::from_secs(5));
         } else {
+            // `message.timeout.ms=0`: the table relay waits for the broker forever rather than fail a row.
+            let mut publisher = Publisher::new(
+                self.kafka.clone(),
+                self.settings.linger,
+                Duration::ZERO,
+                self.hooks.clone(),
+            )?;
             self.run_table(&mut publisher, &shutdown, Role::Outbox)
                 .await;
+            publisher.flush(Duration::from_secs(5));
         }
-        publisher.flush(Duration::from_secs(5));
         tracing::info!("relay stopped");
         Ok(())
     }
@@ -682,20 +709,30 @@ impl Relay {
             self.metrics
                 .observe_commit_to_ack(outcome.acked.iter().map(Acked::latency_seconds));
             self.metrics.published.inc_by(outcome.acked.len() as u64);
+            // Beside the log, a row failing for longer than the park bound is parked (its key's events in
+            // the log wait behind it): a failing row must not keep the relays off the slot for good.
+            let mut broker_answers = None;
             for failed in &outcome.failed {
+                let expired = role == Role::BesideTheLog
+                    && retries.failing_for(failed.id) >= self.settings.park_after_time
+                    && match broker_answers {
+                        Some(answers) => answers,
+                        None => *broker_answers.insert(publisher.broker_answers().await),
+                    };
                 let parked = store::record_failure(
                     &mut conn,
                     failed.id,
                     &failed.error,
                     failed.refused,
                     self.settings.park_after,
+                    expired,
                 )
                 .await?;
                 if parked {
                     tracing::error!(
                         id = failed.id,
                         error = %failed.error,
-                        "the broker refuses this outbox row for good; parked (its key's later rows go on)"
+                        "this outbox row cannot be published; parked (its key's later rows go on)"
                     );
                     retries.done(failed.id);
                     self.metrics.parked.inc();

@@ -178,23 +178,25 @@ pub(crate) async fn mark_published(
 }
 
 /// Records a failed publication of row `id`; a row refused for good (`refused`) is parked once it has
-/// failed `park_after` times. Returns whether it was parked.
+/// failed `park_after` times, and any row when `park_now`. Returns whether it was parked.
 pub(crate) async fn record_failure(
     conn: &mut PgConnection,
     id: i64,
     error: &str,
     refused: bool,
     park_after: u32,
+    park_now: bool,
 ) -> Result<bool, sqlx::Error> {
     let parked: Option<bool> = sqlx::query_scalar(
         "UPDATE saga_outbox SET attempts = attempts + 1, last_error = $2, \
-             parked_at = CASE WHEN $3 AND attempts + 1 >= $4 THEN now() END \
+             parked_at = CASE WHEN ($3 AND attempts + 1 >= $4) OR $5 THEN now() END \
          WHERE id = $1 RETURNING parked_at IS NOT NULL",
     )
     .bind(id)
     .bind(error)
     .bind(refused)
     .bind(i32::try_from(park_after).unwrap_or(i32::MAX))
+    .bind(park_now)
     .fetch_optional(conn)
     .await?;
     Ok(parked == Some(true))

@@ -151,7 +151,7 @@ struct Batch {
     rows: Vec<OutboxRow>,
     origins: Vec<Origin>,
     decisions: WalBatch<OrderKey>,
-    /// When each event was first handed to the producer.
+    /// When the attempt of each event's first failure was sent: its park bound runs from there.
     first_sent: Vec<Option<Instant>>,
     /// Each event's last error.
     errors: Vec<String>,
@@ -539,9 +539,6 @@ impl Relay {
             }
             let rows: Vec<&OutboxRow> = pending.iter().map(|i| &batch.rows[*i]).collect();
             let sent_at = Instant::now();
-            for i in &pending {
-                batch.first_sent[*i].get_or_insert(sent_at);
-            }
             let Some(outcome) = publisher.publish(&rows, shutdown).await else {
                 return Err(WalEnd::Shutdown);
             };
@@ -556,13 +553,19 @@ impl Relay {
                 batch.decisions.acked(index_of(acked.id));
             }
             let now = Instant::now();
+            // Asked once per round, and only when a failure would park: a failure while no broker answers
+            // is the outage's, and parking every key through an outage would only slow the way back.
+            let mut broker_answers = None;
             for failed in &outcome.failed {
                 self.metrics.failures.inc();
                 let i = index_of(failed.id);
                 batch.errors[i].clone_from(&failed.error);
-                let expired = batch.first_sent[i].is_some_and(|first| {
-                    now.duration_since(first) >= self.settings.park_after_time
-                });
+                let first = *batch.first_sent[i].get_or_insert(sent_at);
+                let expired = now.duration_since(first) >= self.settings.park_after_time
+                    && match broker_answers {
+                        Some(answers) => answers,
+                        None => *broker_answers.insert(publisher.broker_answers().await),
+                    };
                 batch.decisions.failed(
                     i,
                     Failure {
