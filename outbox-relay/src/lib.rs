@@ -46,6 +46,8 @@ mod slot_admin;
 mod store;
 mod wal;
 mod wal_batch;
+#[cfg(test)]
+mod wal_model;
 
 pub use cli::main;
 pub use gc::{RetentionPolicy, RetentionReport, run_retention};

@@ -1,6 +1,7 @@
 //! The WAL relay's decisions over the events it read, without I/O: which are published, which are parked
 //! behind their key, when an event that keeps failing is parked, and when the slot may be confirmed. The
-//! relay (`wal.rs`) performs them; the model of the relay's protocol (`model.rs`) drives the same code.
+//! relay (`wal.rs`) performs them; the model of the WAL relays' protocol (`wal_model.rs`) drives the same
+//! code.
 //!
 //! - **A failing key holds back only itself.** An event whose publication keeps failing (refused for good
 //!   `park_after` times, or failing for longer than the relay's bound, whatever the error) is parked, and
@@ -59,17 +60,13 @@ impl<K: Ord + Clone> Holds<K> {
         self.held.contains(key)
     }
 
-    /// Lets `key` go: its parked events are all published (or discarded).
-    pub(crate) fn release(&mut self, key: &K) {
-        self.held.remove(key);
-    }
-
     /// Replaces the held keys with `keys` (read from the database).
     pub(crate) fn reset(&mut self, keys: impl IntoIterator<Item = K>) {
         self.held = keys.into_iter().collect();
     }
 
-    /// The held keys.
+    /// The held keys (test only: the model of the WAL relays compares them with the database's).
+    #[cfg(test)]
     pub(crate) fn keys(&self) -> impl Iterator<Item = &K> {
         self.held.iter()
     }
@@ -136,22 +133,20 @@ impl<K: Ord + Clone> WalBatch<K> {
         self.keys.len() - 1
     }
 
-    /// How many events it holds.
+    /// How many events it holds (test only: the model of the WAL relays).
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.keys.len()
     }
 
-    /// Whether it holds none.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.keys.is_empty()
-    }
-
-    /// The fate of event `index`.
+    /// The fate of event `index` (test only: the model of the WAL relays).
+    #[cfg(test)]
     pub(crate) fn fate(&self, index: usize) -> Fate {
         self.fates[index]
     }
 
-    /// The key of event `index`.
+    /// The key of event `index` (test only: the model of the WAL relays).
+    #[cfg(test)]
     pub(crate) fn key(&self, index: usize) -> &K {
         &self.keys[index]
     }
@@ -268,7 +263,7 @@ mod tests {
         assert_eq!(next.push('a', &holds), 0);
         next.push('b', &holds);
         assert_eq!((next.to_park(), next.pending()), (vec![0], vec![1]));
-        holds.release(&'a');
+        holds.reset([]);
         next.push('a', &holds);
         assert_eq!(next.pending(), [1, 2], "released: published again");
     }
