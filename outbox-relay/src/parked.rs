@@ -258,9 +258,20 @@ pub async fn parked_events(pool: &PgPool, limit: i64) -> Result<Vec<ParkedEvent>
 }
 
 /// Asks the relay to publish parked events again at its next round (within a second or so): event `id`'s
-/// key, or every key with `None`. Events parked before 0.3, which hold no key, are made to (their key's
-/// later events then wait for them). Returns the events concerned.
+/// key, or every key with `None`, with the parked rows of the table outbox of the same keys (unparked: a
+/// relay publishes them at its next fetch). Events parked before 0.3, which hold no key, are made to (their
+/// key's later events then wait for them). Returns the events and rows concerned.
 pub async fn retry_parked(pool: &PgPool, id: Option<i64>) -> Result<u64, sqlx::Error> {
+    let rows = sqlx::query(
+        "UPDATE saga_outbox t SET parked_at = NULL \
+         WHERE t.parked_at IS NOT NULL AND t.published_at IS NULL \
+           AND ($1::bigint IS NULL OR EXISTS ( \
+                SELECT 1 FROM saga_outbox_wal_parked h WHERE h.id = $1 \
+                  AND h.topic = t.topic AND h.partition_key IS NOT DISTINCT FROM t.partition_key))",
+    )
+    .bind(id)
+    .execute(pool)
+    .await?;
     let done = sqlx::query(
         "UPDATE saga_outbox_wal_parked p SET next_attempt_at = now(), holds_key = true \
          WHERE p.published_at IS NULL AND p.discarded_at IS NULL AND p.event_index IS DISTINCT FROM -1 \
@@ -271,7 +282,7 @@ pub async fn retry_parked(pool: &PgPool, id: Option<i64>) -> Result<u64, sqlx::E
     .bind(id)
     .execute(pool)
     .await?;
-    Ok(done.rows_affected())
+    Ok(done.rows_affected() + rows.rows_affected())
 }
 
 /// Discards parked event `id` (never published; recorded with `operator`): its key's later events go on.

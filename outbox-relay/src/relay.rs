@@ -655,6 +655,12 @@ impl Relay {
                     .owned_shards
                     .set(i64::try_from(owner.owned().len()).unwrap_or(0));
                 next_rebalance = Instant::now() + self.settings.rebalance_interval;
+                if role == Role::BesideTheLog {
+                    let unparked = store::unpark_due(&mut conn, &owner.owned()).await?;
+                    if unparked > 0 {
+                        tracing::info!(unparked, "parked outbox rows tried again");
+                    }
+                }
             }
             if Instant::now() >= next_backlog {
                 self.sample_backlog().await;
@@ -666,8 +672,14 @@ impl Relay {
             let rows = if shards.is_empty() {
                 Vec::new()
             } else {
-                store::fetch_unpublished(&mut conn, &shards, &held, self.settings.batch_size)
-                    .await?
+                store::fetch_unpublished(
+                    &mut conn,
+                    &shards,
+                    &held,
+                    self.settings.batch_size,
+                    role == Role::BesideTheLog,
+                )
+                .await?
             };
             let fetched_in = fetch_started.elapsed();
             if rows.is_empty() {

@@ -45,6 +45,26 @@ const FETCH_UNPUBLISHED: &str = "SELECT id, topic, partition_key, headers, paylo
                        WHERE h.topic = o.topic AND h.key IS NOT DISTINCT FROM o.partition_key) \
      ORDER BY id LIMIT $2";
 
+/// The fetch beside the write-ahead log's outbox: as [`FETCH_UNPUBLISHED`], and a parked row holds its key's
+/// later rows (it is unparked and tried again on its own, see [`UNPARK_DUE`]): in WAL mode a row is parked
+/// for any lasting failure, not only a refusal for good, and must not be overtaken.
+const FETCH_UNPUBLISHED_BEHIND_PARKED: &str = "SELECT id, topic, partition_key, headers, payload, created_at \
+     FROM saga_outbox o \
+     WHERE published_at IS NULL AND parked_at IS NULL AND shard = ANY($1) \
+       AND NOT EXISTS (SELECT 1 FROM unnest($3::text[], $4::text[]) AS h(topic, key) \
+                       WHERE h.topic = o.topic AND h.key IS NOT DISTINCT FROM o.partition_key) \
+       AND NOT EXISTS (SELECT 1 FROM saga_outbox p \
+                       WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL AND p.id < o.id \
+                         AND p.topic = o.topic AND p.partition_key IS NOT DISTINCT FROM o.partition_key) \
+     ORDER BY id LIMIT $2";
+
+/// Beside the write-ahead log's outbox: parked rows of some shards (`$1`) whose pause is over (1 s doubling
+/// with their attempts, up to 5 minutes) are tried again.
+const UNPARK_DUE: &str = "UPDATE saga_outbox SET parked_at = NULL \
+     WHERE parked_at IS NOT NULL AND published_at IS NULL AND shard = ANY($1) \
+       AND parked_at < now() - least(interval '1 second' * power(2, least(attempts, 12)), \
+                                     interval '5 minutes')";
+
 /// The mark: ids `$1` acknowledged at `$2` in partitions `$3` at offsets `$4`.
 ///
 /// A row published twice (by two relays across a rebalance) keeps its first acknowledgement.
@@ -86,12 +106,18 @@ pub(crate) async fn fetch_unpublished(
     shards: &[i16],
     held: &[OrderKey],
     limit: i64,
+    behind_parked: bool,
 ) -> Result<Vec<OutboxRow>, sqlx::Error> {
     let (held_topics, held_keys): (Vec<&str>, Vec<Option<&str>>) = held
         .iter()
         .map(|(topic, key)| (topic.as_str(), key.as_deref()))
         .unzip();
-    let rows = sqlx::query(FETCH_UNPUBLISHED)
+    let fetch = if behind_parked {
+        FETCH_UNPUBLISHED_BEHIND_PARKED
+    } else {
+        FETCH_UNPUBLISHED
+    };
+    let rows = sqlx::query(fetch)
         .bind(shards)
         .bind(limit)
         .bind(&held_topics)
@@ -123,7 +149,7 @@ pub async fn drain_without_broker(pool: &PgPool, batch: i64) -> Result<u64, sqlx
     let shards: Vec<i16> = (0..crate::shards::SHARDS).collect();
     let mut marked = 0;
     loop {
-        let rows = fetch_unpublished(&mut conn, &shards, &[], batch).await?;
+        let rows = fetch_unpublished(&mut conn, &shards, &[], batch, false).await?;
         if rows.is_empty() {
             return Ok(marked);
         }
@@ -175,6 +201,22 @@ pub(crate) async fn mark_published(
         }
     };
     Ok(done.rows_affected())
+}
+
+/// Beside the write-ahead log's outbox: unparks the parked rows of `shards` whose pause is over, so that the
+/// fetch tries them again. Returns how many.
+pub(crate) async fn unpark_due(
+    conn: &mut PgConnection,
+    shards: &[i16],
+) -> Result<u64, sqlx::Error> {
+    if shards.is_empty() {
+        return Ok(0);
+    }
+    Ok(sqlx::query(UNPARK_DUE)
+        .bind(shards)
+        .execute(conn)
+        .await?
+        .rows_affected())
 }
 
 /// Records a failed publication of row `id`; a row refused for good (`refused`) is parked once it has

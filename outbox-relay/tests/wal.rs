@@ -574,3 +574,73 @@ async fn a_transaction_at_the_size_limit_is_published() {
     assert_eq!(check_per_key_order(&messages, &expected), 0);
     relay.stop().await;
 }
+
+/// Switching with a key whose table row keeps failing: beside the log, the row is parked after the bound
+/// (so the fence opens for every other key), its key's later table row waits behind it, and its key's event
+/// in the log is parked behind both; once the cause is gone the row is tried again on its own, and the key's
+/// three events go out in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_table_row_failing_at_the_switch_holds_only_its_key_across_the_table_and_the_log() {
+    let db = TestDb::new("wal-switch-failing-row").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("wal-switch-failing-row", 1).await;
+    for seq in 1..=2 {
+        let mut tx = db.pool.begin().await.unwrap();
+        saga_runtime::store::outbox::append_rows(
+            &mut tx,
+            &[row(&topic, "stuck", seq), row(&topic, "fine", seq)],
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    wal::prepare(&db.pool).await.unwrap();
+    emit(&db, &[row(&topic, "stuck", 3), row(&topic, "fine", 3)]).await;
+    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let hooks = {
+        let refusing = refusing.clone();
+        outbox_relay::PublishHooks::default().fail_delivery(move |attempt| {
+            (attempt.key == Some("stuck") && refusing.load(std::sync::atomic::Ordering::SeqCst))
+                .then(|| "Broker: Topic authorization failed (injected)".to_owned())
+        })
+    };
+    let relay = start(
+        wal_builder(&kafka.brokers, &db)
+            .hooks(hooks)
+            .park_after_time(Duration::from_secs(1)),
+    );
+    // The other key goes through the switch: its table rows, then its event in the log.
+    let messages = read(&kafka, &topic, 3).await;
+    let expected: BTreeMap<String, i64> = [("fine".to_owned(), 3)].into();
+    assert_eq!(check_per_key_order(&messages, &expected), 0);
+    let parked_row: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM saga_outbox WHERE parked_at IS NOT NULL AND published_at IS NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(parked_row, 1, "the failing row is parked");
+    wait_until(
+        "the stuck key's event in the log parked behind its rows",
+        WAIT,
+        || async {
+            (outbox_relay::parked_events(&db.pool, 10)
+                .await
+                .unwrap()
+                .len()
+                == 1)
+                .then_some(())
+        },
+    )
+    .await;
+
+    refusing.store(false, std::sync::atomic::Ordering::SeqCst);
+    let messages = read(&kafka, &topic, 6).await;
+    let expected: BTreeMap<String, i64> = [("fine".to_owned(), 3), ("stuck".to_owned(), 3)].into();
+    assert_eq!(
+        check_per_key_order(&messages, &expected),
+        0,
+        "in commit order"
+    );
+    relay.stop().await;
+}

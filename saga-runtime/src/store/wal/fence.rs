@@ -28,7 +28,8 @@ pub struct FenceView {
     pub switched: bool,
     /// A process writing the table outbox is running.
     pub table_writers: bool,
-    /// `saga_outbox` holds rows not yet published (parked rows aside: their keys wait in the WAL relay).
+    /// `saga_outbox` holds rows not yet published (parked rows aside, and the rows of their keys behind
+    /// them: those keys wait in the WAL relay).
     pub unpublished_rows: bool,
 }
 
@@ -51,7 +52,11 @@ pub async fn pass(conn: &mut PgConnection) -> Result<FenceView, sqlx::Error> {
                           AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
                           AND classid = $1::oid AND objid = hashtext(current_schema()::text)::oid \
                           AND objsubid = 2), \
-                EXISTS (SELECT 1 FROM saga_outbox WHERE published_at IS NULL AND parked_at IS NULL)",
+                EXISTS (SELECT 1 FROM saga_outbox o WHERE published_at IS NULL AND parked_at IS NULL \
+                          AND NOT EXISTS (SELECT 1 FROM saga_outbox p \
+                                          WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL \
+                                            AND p.id < o.id AND p.topic = o.topic \
+                                            AND p.partition_key IS NOT DISTINCT FROM o.partition_key))",
     )
     .bind(TABLE_WRITER_CLASS)
     .fetch_one(&mut *tx)
