@@ -33,6 +33,9 @@ pub(crate) struct RelayMetrics {
     /// WAL mode: bytes of write-ahead log between the server's position and what the relay confirmed
     /// (sampled).
     pub wal_lag_bytes: Gauge,
+    /// WAL mode: how far behind the relay's confirmations are, in seconds (the server's `replay_lag`;
+    /// sampled).
+    pub wal_lag_seconds: Gauge,
     /// WAL mode: 1 while this relay waits at the switch's fence (rows of the table outbox unpublished, or a
     /// writer in table mode running) before it reads the slot.
     pub wal_fenced: Gauge,
@@ -76,6 +79,7 @@ impl Default for RelayMetrics {
             commit_to_ack_seconds: Histogram::new(exponential_buckets(0.000_5, 2.0, 18)),
             wal_active: Gauge::default(),
             wal_lag_bytes: Gauge::default(),
+            wal_lag_seconds: Gauge::default(),
             wal_fenced: Gauge::default(),
             wal_held_keys: Gauge::default(),
             latencies: Arc::default(),
@@ -132,6 +136,11 @@ impl RelayMetrics {
             "wal_lag_bytes",
             "WAL mode: write-ahead log between the server's position and what the relay confirmed",
             self.wal_lag_bytes.clone(),
+        );
+        r.register(
+            "wal_lag_seconds",
+            "WAL mode: how far behind the relay's confirmations are, in seconds",
+            self.wal_lag_seconds.clone(),
         );
         r.register(
             "wal_fenced",

@@ -129,15 +129,15 @@ pub(crate) async fn held_keys(pool: &PgPool) -> Result<Vec<OrderKey>, sqlx::Erro
 /// is due and that no unpublished row of the table outbox holds. A row's id is its id in the table.
 pub(crate) async fn due(pool: &PgPool, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
     let rows = sqlx::query(
-        "WITH open AS ( \
-             SELECT * FROM saga_outbox_wal_parked \
-             WHERE published_at IS NULL AND discarded_at IS NULL AND holds_key), \
-         due AS ( \
-             SELECT topic, partition_key FROM open GROUP BY topic, partition_key \
-             HAVING min(next_attempt_at) <= now()) \
+        "WITH due AS ( \
+             SELECT topic, partition_key FROM saga_outbox_wal_parked \
+             WHERE published_at IS NULL AND discarded_at IS NULL AND holds_key \
+             GROUP BY topic, partition_key HAVING min(next_attempt_at) <= now()) \
          SELECT o.id, o.topic, o.partition_key, o.headers, o.payload, o.parked_at \
-         FROM open o JOIN due d ON d.topic = o.topic AND d.partition_key IS NOT DISTINCT FROM o.partition_key \
-         WHERE NOT EXISTS (SELECT 1 FROM saga_outbox t \
+         FROM saga_outbox_wal_parked o \
+         JOIN due d ON d.topic = o.topic AND d.partition_key IS NOT DISTINCT FROM o.partition_key \
+         WHERE o.published_at IS NULL AND o.discarded_at IS NULL AND o.holds_key \
+           AND NOT EXISTS (SELECT 1 FROM saga_outbox t \
                            WHERE t.published_at IS NULL AND t.parked_at IS NULL \
                              AND t.topic = o.topic AND t.partition_key IS NOT DISTINCT FROM o.partition_key) \
            AND NOT EXISTS (SELECT 1 FROM saga_outbox t \

@@ -121,8 +121,8 @@ pub async fn slot_incidents(pool: &PgPool, limit: i64) -> Result<Vec<SlotInciden
         .collect()
 }
 
-/// The step keys completed in incident `id`'s window, at most `limit`, oldest first: `(tenant, step key,
-/// completed at)`. Their steps ran and committed, and their follow-up events may never have been
+/// The step keys completed in incident `id`'s window (from a minute before its start: a key's time is its
+/// transaction's start), at most `limit`, oldest first: `(tenant, step key, completed at)`. Their steps ran and committed, and their follow-up events may never have been
 /// published: what a team re-drives (see the WAL outbox guide).
 pub async fn lost_step_keys(
     pool: &PgPool,
@@ -140,11 +140,13 @@ pub async fn lost_step_keys(
     };
     Ok(sqlx::query_as(
         "SELECT tenant_id, step_key, updated_at FROM saga_idempotency_keys \
-         WHERE status <> 'started' AND updated_at >= $1 AND updated_at <= $2 ORDER BY updated_at LIMIT $3",
+         WHERE status <> 'started' AND updated_at >= $1 - $4::interval AND updated_at <= $2 \
+         ORDER BY updated_at LIMIT $3",
     )
     .bind(from)
     .bind(to)
     .bind(limit)
+    .bind(wal::slot::WINDOW_MARGIN)
     .fetch_all(pool)
     .await?)
 }
@@ -170,13 +172,25 @@ pub async fn retire_slot(pool: &PgPool, force: bool) -> Result<RetiredSlot, Slot
             "this schema has no WAL outbox (no slot recorded)".into(),
         ));
     };
-    let active: Option<bool> = sqlx::query_scalar(
-        "SELECT active FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()",
+    let parked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM saga_outbox_wal_parked WHERE published_at IS NULL AND discarded_at IS NULL",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    if parked > 0 {
+        return Err(SlotError::Refused(format!(
+            "{parked} parked events of the WAL outbox are neither published nor discarded, and only a relay \
+             in WAL mode publishes them: `saga outbox parked`, then retry or discard them first"
+        )));
+    }
+    let slot: Option<(bool, Option<String>)> = sqlx::query_as(
+        "SELECT active, wal_status FROM pg_replication_slots \
+         WHERE slot_name = $1 AND database = current_database()",
     )
     .bind(&record.slot_name)
     .fetch_optional(&mut *conn)
     .await?;
-    if active == Some(true) {
+    if slot.as_ref().is_some_and(|(active, _)| *active) {
         return Err(SlotError::Refused(format!(
             "a relay reads the slot {}: stop the schema's relays first",
             record.slot_name
@@ -185,7 +199,11 @@ pub async fn retire_slot(pool: &PgPool, force: bool) -> Result<RetiredSlot, Slot
     let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
         .fetch_one(&mut *conn)
         .await?;
-    let unpublished = if active.is_some() {
+    // A lost slot cannot be read (what it held is gone already).
+    let readable = slot
+        .as_ref()
+        .is_some_and(|(_, status)| status.as_deref() != Some("lost"));
+    let unpublished = if readable {
         pending_messages(&mut conn, &record.slot_name, &wal::prefix(&schema)).await?
     } else {
         0
@@ -197,7 +215,16 @@ pub async fn retire_slot(pool: &PgPool, force: bool) -> Result<RetiredSlot, Slot
             record.slot_name
         )));
     }
-    wal::drop_slot(&mut conn, &schema).await?;
+    if slot.is_some() {
+        // Fails, and nothing is forgotten, should a relay have started reading it meanwhile.
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(&record.slot_name)
+            .execute(&mut *conn)
+            .await?;
+    }
+    sqlx::query("DELETE FROM saga_outbox_wal_slot")
+        .execute(&mut *conn)
+        .await?;
     Ok(RetiredSlot {
         slot: record.slot_name,
         unpublished_events: unpublished,

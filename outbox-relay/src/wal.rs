@@ -63,6 +63,9 @@ struct Origin {
     index: i32,
 }
 
+/// How many events of the replication stream the client reads ahead of the relay.
+const READ_AHEAD_MESSAGES: usize = 1024;
+
 /// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
 const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
 
@@ -113,6 +116,10 @@ pub(crate) fn replication_config(
     cfg.status_interval = Duration::from_secs(1);
     cfg.idle_wakeup_interval = Duration::from_secs(1);
     cfg.application_name = Some("saga-outbox-relay".to_owned());
+    // What the client reads ahead while a batch is published: at most this many stream events (a
+    // transaction is a begin, its messages and a commit; a message is bounded by the writers'
+    // SAGA_OUTBOX_MAX_TRANSACTION_BYTES), not the library's 8,192.
+    cfg.buffer_events = READ_AHEAD_MESSAGES;
     Ok(cfg)
 }
 
@@ -204,17 +211,50 @@ impl Batch {
     }
 }
 
+/// Topics whose events failed for longer than the park bound while the broker answered (a missing topic, an
+/// authorization failure: every key of the topic fails alike). While one is marked, an event of it that
+/// fails is parked at once, without waiting the bound again for each of its keys, and the release of its
+/// parked events tries one key of it at a time until one goes through.
+#[derive(Default)]
+struct FailingTopics(HashMap<String, Instant>);
+
+impl FailingTopics {
+    /// How long a topic stays marked without a success.
+    const MARK: Duration = Duration::from_secs(300);
+
+    fn mark(&mut self, topic: &str) {
+        self.0.insert(topic.to_owned(), Instant::now() + Self::MARK);
+    }
+
+    fn is_failing(&mut self, topic: &str) -> bool {
+        match self.0.get(topic) {
+            Some(until) if *until > Instant::now() => true,
+            Some(_) => {
+                self.0.remove(topic);
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn succeeded(&mut self, topic: &str) {
+        self.0.remove(topic);
+    }
+}
+
 /// The last position confirmed to the server, to be recorded in the schema (`confirmed_lsn`), at most once a
 /// second: where a lost slot's losses begin.
 #[derive(Default)]
 struct Confirmations {
-    latest: Option<(Lsn, DateTime<Utc>)>,
+    /// The position, and the commit time of the transaction that ended there (`None`: the server's clock,
+    /// for an idle schema confirmed).
+    latest: Option<(Lsn, Option<DateTime<Utc>>)>,
     recorded: Option<Lsn>,
     next: Option<Instant>,
 }
 
 impl Confirmations {
-    fn note(&mut self, lsn: Lsn, at: DateTime<Utc>) {
+    fn note(&mut self, lsn: Lsn, at: Option<DateTime<Utc>>) {
         self.latest = Some((lsn, at));
     }
 }
@@ -231,8 +271,13 @@ impl Relay {
         let mut wait = Duration::from_millis(200);
         let mut standing_by = false;
         let mut last_failure = String::new();
+        // Prepared and past the fence: a relay standing by tries the slot again every second without
+        // setting it up again (a failure, such as a slot gone meanwhile, prepares afresh).
+        let mut prepared: Option<WalOutbox> = None;
         while !shutdown.is_cancelled() {
-            let end = self.wal_session(publisher, url, shutdown).await;
+            let end = self
+                .wal_session(publisher, url, &mut prepared, shutdown)
+                .await;
             self.metrics.wal_active.set(0);
             let pause = match end {
                 WalEnd::Shutdown => break,
@@ -248,6 +293,7 @@ impl Relay {
                     self.settings.standby_interval
                 }
                 WalEnd::Failed(e) => {
+                    prepared = None;
                     standing_by = false;
                     self.ready.set(false);
                     if e != last_failure {
@@ -271,17 +317,24 @@ impl Relay {
         &self,
         publisher: &mut Publisher,
         url: &str,
+        prepared: &mut Option<WalOutbox>,
         shutdown: &CancellationToken,
     ) -> WalEnd {
-        let outbox = match wal::prepare(&self.pool).await {
-            Ok(outbox) => outbox,
-            Err(e) => return WalEnd::Failed(e.to_string()),
+        let outbox = match prepared {
+            Some(outbox) => outbox.clone(),
+            None => {
+                let outbox = match wal::prepare(&self.pool).await {
+                    Ok(outbox) => outbox,
+                    Err(e) => return WalEnd::Failed(e.to_string()),
+                };
+                match self.wait_at_fence(shutdown).await {
+                    Ok(true) => {}
+                    Ok(false) => return WalEnd::Shutdown,
+                    Err(e) => return WalEnd::Failed(e.to_string()),
+                }
+                prepared.insert(outbox).clone()
+            }
         };
-        match self.wait_at_fence(shutdown).await {
-            Ok(true) => {}
-            Ok(false) => return WalEnd::Shutdown,
-            Err(e) => return WalEnd::Failed(e.to_string()),
-        }
         let cfg = match replication_config(url, &outbox.slot) {
             Ok(cfg) => cfg,
             Err(e) => return WalEnd::Failed(e.to_string()),
@@ -342,6 +395,7 @@ impl Relay {
         let batch_size = usize::try_from(self.settings.batch_size).unwrap_or(usize::MAX);
         let batch_bytes = self.settings.max_batch_bytes;
         let mut holds: Holds<OrderKey> = Holds::default();
+        let mut failing = FailingTopics::default();
         match parked::held_keys(&self.pool).await {
             Ok(keys) => holds.reset(keys),
             Err(e) => return WalEnd::Failed(e.to_string()),
@@ -361,7 +415,10 @@ impl Relay {
             if idle && Instant::now() >= next_release {
                 // Between transactions, with nothing pending: parked events that are due, and what to record.
                 next_release = Instant::now() + Duration::from_secs(1);
-                if let Err(end) = self.release(publisher, &mut holds, shutdown).await {
+                if let Err(end) = self
+                    .release(publisher, &mut holds, &mut failing, shutdown)
+                    .await
+                {
                     return end;
                 }
                 self.record_confirmations(outbox, &mut confirmations).await;
@@ -372,14 +429,14 @@ impl Relay {
                     Ok(received) => received,
                     Err(_) => {
                         if let Err(end) = self
-                            .settle(publisher, &mut batch, &mut holds, shutdown)
+                            .settle(publisher, &mut batch, &mut holds, &mut failing, shutdown)
                             .await
                         {
                             return end;
                         }
                         if let Some((lsn, at)) = last_commit {
                             client.update_applied_lsn(lsn);
-                            confirmations.note(lsn, at);
+                            confirmations.note(lsn, Some(at));
                         }
                         continue;
                     }
@@ -460,16 +517,16 @@ impl Relay {
                     if batch.is_empty() {
                         // Nothing of this schema is pending: the transaction is done with.
                         client.update_applied_lsn(end_lsn);
-                        confirmations.note(end_lsn, commit_time);
+                        confirmations.note(end_lsn, Some(commit_time));
                     } else if batch.rows.len() >= batch_size || batch.bytes >= batch_bytes {
                         if let Err(end) = self
-                            .settle(publisher, &mut batch, &mut holds, shutdown)
+                            .settle(publisher, &mut batch, &mut holds, &mut failing, shutdown)
                             .await
                         {
                             return end;
                         }
                         client.update_applied_lsn(end_lsn);
-                        confirmations.note(end_lsn, commit_time);
+                        confirmations.note(end_lsn, Some(commit_time));
                     }
                 }
                 // The server read the log up to here, and sent everything it decoded before: with nothing
@@ -478,7 +535,7 @@ impl Relay {
                     if batch.is_empty() && !in_transaction =>
                 {
                     client.update_applied_lsn(wal_end);
-                    confirmations.note(wal_end, Utc::now());
+                    confirmations.note(wal_end, None);
                 }
                 ReplicationEvent::StoppedAt { .. } => {
                     return WalEnd::Failed("the replication stream stopped".into());
@@ -490,7 +547,7 @@ impl Relay {
                 if let Ok(Some(lag)) = wal::slot_lag(&self.pool).await {
                     self.metrics.wal_lag_bytes.set(lag.lag_bytes);
                     self.metrics
-                        .oldest_age_seconds
+                        .wal_lag_seconds
                         .set(lag.lag_seconds.unwrap_or(0.0).round() as i64);
                 }
             }
@@ -522,6 +579,7 @@ impl Relay {
         publisher: &mut Publisher,
         batch: &mut Batch,
         holds: &mut Holds<OrderKey>,
+        failing: &mut FailingTopics,
         shutdown: &CancellationToken,
     ) -> Result<(), WalEnd> {
         let mut round: u32 = 0;
@@ -561,7 +619,9 @@ impl Relay {
                 let i = index_of(failed.id);
                 batch.errors[i].clone_from(&failed.error);
                 let first = *batch.first_sent[i].get_or_insert(sent_at);
-                let expired = now.duration_since(first) >= self.settings.park_after_time
+                let topic_failing = failing.is_failing(&batch.rows[i].topic);
+                let expired = (topic_failing
+                    || now.duration_since(first) >= self.settings.park_after_time)
                     && match broker_answers {
                         Some(answers) => answers,
                         None => *broker_answers.insert(publisher.broker_answers().await),
@@ -574,6 +634,9 @@ impl Relay {
                     },
                     holds,
                 );
+                if expired && !failed.refused && !topic_failing {
+                    failing.mark(&batch.rows[i].topic);
+                }
                 tracing::warn!(
                     topic = %batch.rows[i].topic,
                     error = %failed.error,
@@ -639,19 +702,36 @@ impl Relay {
         &self,
         publisher: &mut Publisher,
         holds: &mut Holds<OrderKey>,
+        failing: &mut FailingTopics,
         shutdown: &CancellationToken,
     ) -> Result<(), WalEnd> {
         let failed = |e: sqlx::Error| WalEnd::Failed(e.to_string());
         holds.reset(parked::held_keys(&self.pool).await.map_err(failed)?);
         if holds.len() > 0 {
-            let rows = parked::due(&self.pool, self.settings.batch_size)
+            let mut rows = parked::due(&self.pool, self.settings.batch_size)
                 .await
                 .map_err(failed)?;
+            // Of a failing topic, one key at a time (its first due), until one goes through: every key of
+            // it fails alike, and each attempt may wait the whole bound.
+            let mut probe: HashMap<String, OrderKey> = HashMap::new();
+            rows.retain(|row| {
+                if !failing.is_failing(&row.topic) {
+                    return true;
+                }
+                let key = order_key(row);
+                probe
+                    .entry(row.topic.clone())
+                    .or_insert_with(|| key.clone())
+                    == &key
+            });
             if !rows.is_empty() {
                 let Some(outcome) = publisher.publish(&rows, shutdown).await else {
                     return Err(WalEnd::Shutdown);
                 };
                 let ids: Vec<i64> = outcome.acked.iter().map(|a| a.id).collect();
+                for row in rows.iter().filter(|r| ids.contains(&r.id)) {
+                    failing.succeeded(&row.topic);
+                }
                 parked::published(&self.pool, &ids).await.map_err(failed)?;
                 self.metrics.published.inc_by(ids.len() as u64);
                 for f in &outcome.failed {

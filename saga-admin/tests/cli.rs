@@ -490,6 +490,13 @@ async fn the_wal_outbox_commands_list_retry_discard_and_recover() {
         1
     );
 
+    // Retiring the WAL outbox with a parked event open would strand it: refused.
+    let line = expect_usage_error(
+        saga.command(&["outbox", "wal", "retire", "--yes"]),
+        "parked events",
+    )
+    .await;
+    assert!(line.contains("retry or discard them first"), "{line}");
     // A healthy slot: nothing to recover.
     let line = expect_usage_error(
         saga.command(&["outbox", "wal", "recover", "--yes"]),
@@ -516,6 +523,21 @@ async fn the_wal_outbox_commands_list_retry_discard_and_recover() {
     let incidents = saga.json(&["outbox", "wal", "incidents"]).await;
     assert_eq!(incidents.as_array().unwrap().len(), 1);
     assert_eq!(incidents[0]["recovered_by"], "ops-2");
+    let remaining = saga.json(&["outbox", "parked"]).await;
+    let remaining_id = remaining[0]["id"].to_string();
+    saga.json(&["outbox", "discard", "--id", &remaining_id, "--yes"])
+        .await;
+    let retired = saga.json(&["outbox", "wal", "retire", "--yes"]).await;
+    assert_eq!(retired["unpublished_events"], 0);
+    let slots: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_replication_slots WHERE database = current_database() AND slot_name = $1",
+    )
+    .bind(retired["slot"].as_str().unwrap())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(slots, 0, "dropped");
+    assert_eq!(db.count("saga_outbox_wal_slot").await, 0, "forgotten");
     let keys = saga
         .json(&[
             "outbox",

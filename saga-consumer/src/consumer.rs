@@ -359,6 +359,9 @@ impl SagaConsumerBuilder {
         for layer in &self.layers {
             service = layer(service);
         }
+        let ops = self.ops.unwrap_or_default();
+        // Not ready until partitions are assigned: registered now, before anything can serve `/readyz`.
+        ops.check("consumer", true).set(false);
         Ok(SagaConsumer {
             settings: self.settings,
             pool,
@@ -366,7 +369,7 @@ impl SagaConsumerBuilder {
             ignored: self.ignored,
             service,
             hooks: self.hooks,
-            ops: self.ops.unwrap_or_default(),
+            ops,
             fast_path: self.fast_path,
         })
     }

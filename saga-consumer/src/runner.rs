@@ -372,9 +372,9 @@ impl SagaServiceBuilder {
         self
     }
 
-    /// The largest size of one transaction's events, in bytes (`SAGA_OUTBOX_MAX_TRANSACTION_BYTES`, default
-    /// 16 MiB): a step whose events are larger fails for good (a dead letter saying so), and the relay never
-    /// holds more than this of one transaction.
+    /// The largest size of one write of a transaction's events, in bytes (`SAGA_OUTBOX_MAX_TRANSACTION_BYTES`,
+    /// default 16 MiB): a step whose events are larger fails for good (a dead letter saying so). A consumer's
+    /// batch writes once, the orchestrator once per transition; the WAL relay's memory is bounded by it.
     pub fn outbox_max_transaction_bytes(mut self, bytes: usize) -> Self {
         self.outbox_max_bytes = bytes;
         self

@@ -292,11 +292,12 @@ pub fn install(outbox: Outbox) {
 
 /// The process's outbox: the one [`install`]ed, else a writable table outbox.
 pub fn current() -> Outbox {
+    static TABLE: std::sync::OnceLock<Outbox> = std::sync::OnceLock::new();
     PROCESS_OUTBOX
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone()
-        .unwrap_or_default()
+        .unwrap_or_else(|| TABLE.get_or_init(Outbox::default).clone())
 }
 
 /// Writes `messages` in the caller's transaction with the process's outbox ([`current`]): see

@@ -41,6 +41,18 @@ pub fn may_read_slot(view: &FenceView) -> bool {
 /// Looks at the schema and, when [`may_read_slot`], records the switch, in one transaction holding the
 /// schema's slot record: a table-mode writer entering meanwhile waits for it, then sees the switch.
 pub async fn pass(conn: &mut PgConnection) -> Result<FenceView, sqlx::Error> {
+    // Switched once, switched for good: no lock, no look at the table.
+    let switched: Option<bool> =
+        sqlx::query_scalar("SELECT switched_at IS NOT NULL FROM saga_outbox_wal_slot")
+            .fetch_optional(&mut *conn)
+            .await?;
+    if switched == Some(true) {
+        return Ok(FenceView {
+            switched: true,
+            table_writers: false,
+            unpublished_rows: false,
+        });
+    }
     let mut tx = conn.begin().await?;
     let switched: Option<bool> =
         sqlx::query_scalar("SELECT switched_at IS NOT NULL FROM saga_outbox_wal_slot FOR UPDATE")

@@ -39,12 +39,14 @@ fn problem(state: &SlotState, slot: &str) -> Option<String> {
 
 /// Checks the current schema's slot once and sets `health` from it; records a loss in the schema. Database
 /// errors leave `health` as it was (an unavailable database stops writers by itself).
-pub async fn check(pool: &PgPool, slot: &str, health: &OutboxHealth) -> Result<(), sqlx::Error> {
-    let mut conn = pool.acquire().await?;
-    let state = slot::state(&mut conn).await?;
-    if matches!(state, SlotState::Gone | SlotState::Lost) {
-        slot::mark_lost(&mut conn).await?;
-    }
+pub async fn check(
+    conn: &mut sqlx::PgConnection,
+    slot: &str,
+    health: &OutboxHealth,
+) -> Result<(), sqlx::Error> {
+    // Marked in one statement that sees a recovery committing meanwhile; then read.
+    slot::mark_lost(conn).await?;
+    let state = slot::state(conn).await?;
     let problem = problem(&state, slot);
     if health.set(problem.clone()) {
         match problem {
@@ -57,17 +59,34 @@ pub async fn check(pool: &PgPool, slot: &str, health: &OutboxHealth) -> Result<(
     Ok(())
 }
 
-/// Checks `slot` every `every` (see [`check`]) until the last clone of `health` is dropped.
+/// Checks `slot` every `every` (see [`check`]) on a connection of its own (a busy pool must not delay it),
+/// until the last clone of `health` is dropped.
 pub fn spawn(pool: PgPool, slot: String, health: &OutboxHealth, every: Duration) -> JoinHandle<()> {
     let weak = health.downgrade();
     tokio::spawn(async move {
+        let mut conn: Option<sqlx::PgConnection> = None;
         loop {
             tokio::time::sleep(every).await;
             let Some(health) = OutboxHealth::upgrade(&weak) else {
+                if let Some(conn) = conn.take() {
+                    sqlx::Connection::close(conn).await.ok();
+                }
                 return;
             };
-            if let Err(e) = check(&pool, &slot, &health).await {
+            if conn.is_none() {
+                match pool.acquire().await {
+                    Ok(c) => conn = Some(c.detach()),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cannot check the WAL outbox's slot");
+                        continue;
+                    }
+                }
+            }
+            if let Some(c) = conn.as_mut()
+                && let Err(e) = check(c, &slot, &health).await
+            {
                 tracing::debug!(error = %e, "cannot check the WAL outbox's slot");
+                conn = None;
             }
         }
     })

@@ -131,6 +131,8 @@ struct ServerSlot {
     database: Option<String>,
     plugin: Option<String>,
     wal_status: Option<String>,
+    /// It has its start (`confirmed_flush_lsn`): a slot still being created has none.
+    decodes: bool,
 }
 
 /// What to do about the slot, decided from what the schema recorded and what the server has.
@@ -143,6 +145,9 @@ enum SlotPlan {
     Adopt(String),
     /// The schema has none: create this one and record it.
     Create(String),
+    /// A slot to take on is still being created by a process that does not take the schema's lock (an
+    /// older version, an operator): wait, then look again.
+    Wait(String),
 }
 
 /// The state of a schema's slot, for the writers' monitor and `status`.
@@ -231,6 +236,22 @@ fn plan(
         Ok(())
     };
     if let Some(record) = record {
+        if let Some(theirs) = find(&record.slot_name)
+            .and_then(|s| s.database.as_deref())
+            .filter(|theirs| *theirs != database)
+        {
+            // The record came with a copy of another database (a template, a restore beside it).
+            return Err(ConfigProblem::new(
+                "SAGA_OUTBOX_MODE",
+                format!(
+                    "is wal, but this schema's record names the slot {} of database {theirs:?}: this \
+                     database looks like a copy of that one, and has no slot of its own",
+                    record.slot_name
+                ),
+                "run `saga outbox wal recover` here (it makes this database's own slot), or `saga outbox wal \
+                 retire` to use the table",
+            ));
+        }
         let found = find(&record.slot_name).filter(|s| s.database.as_deref() == Some(database));
         return match (found, record.lost_at) {
             (None, _) => Err(lost_problem(&record.slot_name, "is gone", Some(record))),
@@ -246,16 +267,23 @@ fn plan(
             (Some(slot), None) => usable(slot).map(|()| SlotPlan::Use(slot.name.clone())),
         };
     }
+    // Taking a slot on: only once it decodes (one being created elsewhere is not there for good yet).
+    let adopt = |slot: &ServerSlot| -> Result<SlotPlan, ConfigProblem> {
+        usable(slot)?;
+        Ok(if slot.decodes {
+            SlotPlan::Adopt(slot.name.clone())
+        } else {
+            SlotPlan::Wait(slot.name.clone())
+        })
+    };
     let name = slot_name(database, schema);
     if let Some(slot) = find(&name) {
-        usable(slot)?;
-        return Ok(SlotPlan::Adopt(name));
+        return adopt(slot);
     }
     let legacy = legacy_slot_name(schema);
     // A slot of the legacy name in another database is that database's: not ours to take or refuse.
     if let Some(slot) = find(&legacy).filter(|s| s.database.as_deref() == Some(database)) {
-        usable(slot)?;
-        return Ok(SlotPlan::Adopt(legacy));
+        return adopt(slot);
     }
     Ok(SlotPlan::Create(name))
 }
@@ -280,10 +308,11 @@ async fn server_slots(
     conn: &mut PgConnection,
     names: &[String],
 ) -> Result<Vec<ServerSlot>, sqlx::Error> {
-    /// Name, database, plugin, the log's status.
-    type Row = (String, Option<String>, Option<String>, Option<String>);
+    /// Name, database, plugin, the log's status, whether it decodes.
+    type Row = (String, Option<String>, Option<String>, Option<String>, bool);
     let rows: Vec<Row> = sqlx::query_as(
-        "SELECT slot_name::text, database::text, plugin::text, wal_status FROM pg_replication_slots \
+        "SELECT slot_name::text, database::text, plugin::text, wal_status, \
+                confirmed_flush_lsn IS NOT NULL FROM pg_replication_slots \
          WHERE slot_name = ANY($1)",
     )
     .bind(names)
@@ -291,11 +320,12 @@ async fn server_slots(
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(name, database, plugin, wal_status)| ServerSlot {
+        .map(|(name, database, plugin, wal_status, decodes)| ServerSlot {
             name,
             database,
             plugin,
             wal_status,
+            decodes,
         })
         .collect())
 }
@@ -327,6 +357,14 @@ async fn lock_slot(conn: &mut PgConnection, slot: &str) -> Result<(), PrepareErr
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+async fn unlock_slot(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_unlock($1, hashtext(current_schema()::text))")
+        .bind(SLOT_LOCK_CLASS)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
 /// Checks that logical decoding is on and sets up what the WAL outbox of `pool`'s schema needs: the
@@ -383,34 +421,50 @@ async fn prepare_on(conn: &mut PgConnection) -> Result<WalOutbox, PrepareError> 
         )?;
     }
     let name = slot_name(&database, &schema);
-    lock_slot(conn, &name).await?;
-    let record = recorded(conn).await?;
-    let mut names = vec![name, legacy_slot_name(&schema)];
-    names.extend(record.as_ref().map(|r| r.slot_name.clone()));
-    let slots = server_slots(conn, &names).await?;
-    let slot = match plan(&database, &schema, record.as_ref(), &slots)? {
-        SlotPlan::Use(slot) => slot,
-        SlotPlan::Adopt(slot) => {
-            record_slot(conn, &slot, None).await?;
-            tracing::info!(%schema, %slot, "took on the schema's existing WAL outbox slot");
-            slot
-        }
-        SlotPlan::Create(slot) => {
-            let lsn: String = sqlx::query_scalar(
-                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-            )
-            .bind(&slot)
-            .fetch_one(&mut *conn)
-            .await?;
-            record_slot(conn, &slot, Some(&lsn)).await?;
-            tracing::info!(%schema, %slot, %lsn, "created the WAL outbox's replication slot");
-            slot
+    let deadline = Instant::now() + SLOT_CREATION_WAIT;
+    let slot = loop {
+        lock_slot(conn, &name).await?;
+        let record = recorded(conn).await?;
+        let mut names = vec![name.clone(), legacy_slot_name(&schema)];
+        names.extend(record.as_ref().map(|r| r.slot_name.clone()));
+        let slots = server_slots(conn, &names).await?;
+        match plan(&database, &schema, record.as_ref(), &slots)? {
+            SlotPlan::Use(slot) => break slot,
+            SlotPlan::Adopt(slot) => {
+                record_slot(conn, &slot, None).await?;
+                tracing::info!(%schema, %slot, "took on the schema's existing WAL outbox slot");
+                break slot;
+            }
+            SlotPlan::Create(slot) => {
+                let lsn: String = sqlx::query_scalar(
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+                )
+                .bind(&slot)
+                .fetch_one(&mut *conn)
+                .await?;
+                record_slot(conn, &slot, Some(&lsn)).await?;
+                tracing::info!(%schema, %slot, %lsn, "created the WAL outbox's replication slot");
+                break slot;
+            }
+            SlotPlan::Wait(slot) => {
+                unlock_slot(conn).await?;
+                if Instant::now() >= deadline {
+                    return Err(ConfigProblem::new(
+                        "SAGA_OUTBOX_MODE",
+                        format!(
+                            "is wal, but the slot {slot} is still being created after {}s (by a process \
+                             that does not take the schema's lock)",
+                            SLOT_CREATION_WAIT.as_secs()
+                        ),
+                        "end the long-running transactions (pg_stat_activity), then start again",
+                    )
+                    .into());
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
     };
-    sqlx::query("SELECT pg_advisory_unlock($1, hashtext(current_schema()::text))")
-        .bind(SLOT_LOCK_CLASS)
-        .execute(&mut *conn)
-        .await?;
+    unlock_slot(conn).await?;
     Ok(WalOutbox {
         prefix: prefix(&schema),
         database,
@@ -468,25 +522,33 @@ pub async fn state(conn: &mut PgConnection) -> Result<SlotState, sqlx::Error> {
     })
 }
 
-/// Records, once, that the current schema's slot was found lost or gone (`lost_at`): from then on only
-/// [`recover`] makes the schema's outbox writable again, even should a slot of that name reappear.
+/// Records, once, that the current schema's slot is lost or gone (`lost_at`), if it is, in one statement:
+/// a recovery committing meanwhile is seen (the row's new version is checked again), never undone. From
+/// then on only [`recover`] makes the schema's outbox writable again, even should a slot of that name
+/// reappear.
 pub async fn mark_lost(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE saga_outbox_wal_slot SET lost_at = coalesce(lost_at, now())")
-        .execute(conn)
-        .await?;
+    sqlx::query(
+        "UPDATE saga_outbox_wal_slot r SET lost_at = now() \
+         WHERE r.lost_at IS NULL AND NOT EXISTS ( \
+             SELECT 1 FROM pg_replication_slots s \
+             WHERE s.slot_name = r.slot_name AND s.database = current_database() \
+               AND s.wal_status IS DISTINCT FROM 'lost')",
+    )
+    .execute(conn)
+    .await?;
     Ok(())
 }
 
 /// Records how far the relay confirmed: `lsn`, the end of a transaction committed at `at` (everything of
-/// the schema before it is published or parked).
+/// the schema before it is published or parked); `None`: the server's time now (an idle schema confirmed).
 pub async fn record_confirmed(
     pool: &PgPool,
     slot: &str,
     lsn: &str,
-    at: DateTime<Utc>,
+    at: Option<DateTime<Utc>>,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "UPDATE saga_outbox_wal_slot SET confirmed_lsn = $2::pg_lsn, confirmed_at = $3 \
+        "UPDATE saga_outbox_wal_slot SET confirmed_lsn = $2::pg_lsn, confirmed_at = coalesce($3, now()) \
          WHERE slot_name = $1 AND lost_at IS NULL \
            AND (confirmed_lsn IS NULL OR confirmed_lsn < $2::pg_lsn)",
     )
@@ -611,6 +673,11 @@ pub async fn slot_lag(pool: &PgPool) -> Result<Option<SlotLag>, sqlx::Error> {
     })
 }
 
+/// How much earlier than the last confirmed commit the step keys of a recovery's window are counted from: a
+/// key's time is its transaction's start, and a transaction running when that commit happened may have
+/// committed after it.
+pub const WINDOW_MARGIN: &str = "1 minute";
+
 /// What [`recover`] did: the slot it made, and what was lost with the old one.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -630,7 +697,8 @@ pub struct Recovery {
     pub lost_to_lsn: String,
     /// When the new slot started.
     pub lost_to: DateTime<Utc>,
-    /// Step keys completed in that window: their events may never have been published.
+    /// Step keys completed in that window (counted from [`WINDOW_MARGIN`] before its start): their events
+    /// may never have been published.
     pub steps_in_window: i64,
 }
 
@@ -701,10 +769,15 @@ async fn recover_on(conn: &mut PgConnection, operator: &str) -> Result<Recovery,
             }
         }
     };
+    // The new slot is this database's own: in a copy of another database, the record named that one's.
+    let database: String = sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(&mut *conn)
+        .await?;
+    let own = slot_name(&database, &schema);
     let (lsn, now): (String, DateTime<Utc>) = sqlx::query_as(
         "SELECT lsn::text, now() FROM pg_create_logical_replication_slot($1, 'pgoutput')",
     )
-    .bind(&slot)
+    .bind(&own)
     .fetch_one(&mut *conn)
     .await?;
     let lost_from = record.confirmed_at.unwrap_or(record.created_at);
@@ -714,9 +787,11 @@ async fn recover_on(conn: &mut PgConnection, operator: &str) -> Result<Recovery,
             .await?;
     let steps_in_window: i64 = if has_keys {
         sqlx::query_scalar(
-            "SELECT count(*) FROM saga_idempotency_keys WHERE status <> 'started' AND updated_at >= $1",
+            "SELECT count(*) FROM saga_idempotency_keys \
+             WHERE status <> 'started' AND updated_at >= $1 - $2::interval",
         )
         .bind(lost_from)
+        .bind(WINDOW_MARGIN)
         .fetch_one(&mut *conn)
         .await?
     } else {
@@ -738,7 +813,7 @@ async fn recover_on(conn: &mut PgConnection, operator: &str) -> Result<Recovery,
     .bind(operator)
     .fetch_one(&mut *tx)
     .await?;
-    record_slot(&mut tx, &slot, Some(&lsn)).await?;
+    record_slot(&mut tx, &own, Some(&lsn)).await?;
     tx.commit().await?;
     sqlx::query("SELECT pg_advisory_unlock($1, hashtext(current_schema()::text))")
         .bind(SLOT_LOCK_CLASS)
@@ -747,7 +822,7 @@ async fn recover_on(conn: &mut PgConnection, operator: &str) -> Result<Recovery,
     tracing::warn!(%slot, what, %lsn, operator, "the WAL outbox's slot was made again after it was lost");
     Ok(Recovery {
         incident,
-        slot,
+        slot: own,
         what: what.to_owned(),
         lost_from_lsn: record.confirmed_lsn,
         lost_from,
@@ -767,6 +842,7 @@ mod tests {
             database: Some(database.to_owned()),
             plugin: Some("pgoutput".to_owned()),
             wal_status: Some("reserved".to_owned()),
+            decodes: true,
         }
     }
 
@@ -838,6 +914,16 @@ mod tests {
             plan("b", "public", None, &[]).unwrap(),
             SlotPlan::Create(ours.clone())
         );
+        // One still being created elsewhere (by a process without the schema's lock): waited for.
+        let mut creating = server(&ours, "b");
+        creating.decodes = false;
+        assert_eq!(
+            plan("b", "public", None, &[creating]).unwrap(),
+            SlotPlan::Wait(ours.clone())
+        );
+        // A record naming another database's slot: this database is a copy of that one.
+        let copied = plan("b", "public", Some(&record(&ours)), &[server(&ours, "a")]).unwrap_err();
+        assert!(copied.to_string().contains("looks like a copy"), "{copied}");
     }
 
     #[test]
