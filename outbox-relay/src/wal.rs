@@ -413,15 +413,25 @@ impl Relay {
         loop {
             let idle = batch.is_empty() && !in_transaction;
             if idle && Instant::now() >= next_release {
-                // Between transactions, with nothing pending: parked events that are due, and what to record.
-                next_release = Instant::now() + Duration::from_secs(1);
+                // Between transactions, with nothing pending: parked events that are due (every second
+                // while a key is held; otherwise the held keys are only looked at again every ten seconds,
+                // for rows a late table-mode writer adds), and what to record.
                 if let Err(end) = self
                     .release(publisher, &mut holds, &mut failing, shutdown)
                     .await
                 {
                     return end;
                 }
-                self.record_confirmations(outbox, &mut confirmations).await;
+                next_release = Instant::now()
+                    + if holds.len() > 0 {
+                        Duration::from_secs(1)
+                    } else {
+                        Duration::from_secs(10)
+                    };
+                self.record_confirmations(outbox, &mut confirmations);
+            }
+            if holds.len() > 0 {
+                next_release = next_release.min(Instant::now() + Duration::from_secs(1));
             }
             // Publish what was read once nothing more is waiting (or the batch is full), at a commit.
             let received = if !batch.is_empty() && !in_transaction {
@@ -554,9 +564,9 @@ impl Relay {
         }
     }
 
-    /// Records the last confirmed position in the schema, at most once a second (best effort: it only
-    /// says where a lost slot's losses begin).
-    async fn record_confirmations(&self, outbox: &WalOutbox, confirmations: &mut Confirmations) {
+    /// Records the last confirmed position in the schema, at most once a second, beside the stream (best
+    /// effort: it only says where a lost slot's losses begin; an older position never overwrites a newer).
+    fn record_confirmations(&self, outbox: &WalOutbox, confirmations: &mut Confirmations) {
         let Some((lsn, at)) = confirmations.latest else {
             return;
         };
@@ -566,10 +576,14 @@ impl Relay {
             return;
         }
         confirmations.next = Some(Instant::now() + Duration::from_secs(1));
-        match wal::slot::record_confirmed(&self.pool, &outbox.slot, &lsn.to_pg_string(), at).await {
-            Ok(()) => confirmations.recorded = Some(lsn),
-            Err(e) => tracing::debug!(error = %e, "cannot record the slot's confirmed position"),
-        }
+        confirmations.recorded = Some(lsn);
+        let (pool, slot) = (self.pool.clone(), outbox.slot.clone());
+        tokio::spawn(async move {
+            if let Err(e) = wal::slot::record_confirmed(&pool, &slot, &lsn.to_pg_string(), at).await
+            {
+                tracing::debug!(error = %e, "cannot record the slot's confirmed position");
+            }
+        });
     }
 
     /// Publishes `batch` until every event is acknowledged or parked (see `wal_batch`), then clears it: the
