@@ -56,8 +56,7 @@ pub use parked::{ParkedEvent, discard_parked, parked_events, retry_parked};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
 pub use saga_core::{KafkaConfig, OutboxMode};
 pub use slot_admin::{
-    RetiredSlot, SlotError, SlotIncident, SlotRecovery, lost_step_keys, recover_slot, retire_slot,
-    slot_incidents,
+    RetiredSlot, SlotError, SlotIncident, lost_step_keys, recover_slot, retire_slot, slot_incidents,
 };
 #[doc(hidden)]
 pub use store::drain_without_broker;

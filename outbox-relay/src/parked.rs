@@ -8,7 +8,6 @@
 //! relay that reads the same events again after a crash, before it confirmed them, parks nothing twice.
 
 use chrono::{DateTime, Utc};
-use saga_runtime::store::outbox::headers_from_array;
 use sqlx::{PgPool, Row};
 
 use crate::publisher::OrderKey;
@@ -148,18 +147,7 @@ pub(crate) async fn due(pool: &PgPool, limit: i64) -> Result<Vec<OutboxRow>, sql
     .bind(limit)
     .fetch_all(pool)
     .await?;
-    rows.into_iter()
-        .map(|row| {
-            Ok(OutboxRow {
-                id: row.try_get(0)?,
-                topic: row.try_get(1)?,
-                partition_key: row.try_get(2)?,
-                headers: headers_from_array(row.try_get::<Vec<String>, _>(3)?),
-                payload: row.try_get(4)?,
-                created_at: row.try_get(5)?,
-            })
-        })
-        .collect()
+    rows.iter().map(OutboxRow::read).collect()
 }
 
 /// Marks parked events `ids` published.

@@ -24,36 +24,14 @@ pub enum SlotError {
     Database(#[from] sqlx::Error),
 }
 
-/// What [`recover_slot`] did and what was lost.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct SlotRecovery {
-    /// The incident's id.
-    pub incident: i64,
-    /// The slot made again.
-    pub slot: String,
-    /// `lost` (the server dropped what it held) or `gone` (no such slot any more).
-    pub what: String,
-    /// Events committed after this position may never have been published (`None`: the relay never
-    /// confirmed one, so everything since the slot was taken on).
-    pub lost_from_lsn: Option<String>,
-    /// The commit time of the last transaction the relay confirmed.
-    pub lost_from: DateTime<Utc>,
-    /// The new slot's start: events committed after it are published.
-    pub lost_to_lsn: String,
-    /// When the new slot started.
-    pub lost_to: DateTime<Utc>,
-    /// Step keys completed in that window.
-    pub steps_in_window: i64,
-}
-
 /// Recovers the current schema's WAL outbox after its slot was lost or gone: makes a new slot, records
 /// the incident with `operator`, and lets the schema's writers go on (within their monitor's interval).
 /// Refuses when the slot is healthy, when the schema has none, and while a relay still reads a lost slot.
-pub async fn recover_slot(pool: &PgPool, operator: &str) -> Result<SlotRecovery, SlotError> {
+/// Returns the incident: what was lost.
+pub async fn recover_slot(pool: &PgPool, operator: &str) -> Result<SlotIncident, SlotError> {
     match wal::recover(pool, operator).await {
-        Ok(r) => Ok(SlotRecovery {
-            incident: r.incident,
+        Ok(r) => Ok(SlotIncident {
+            id: r.incident,
             slot: r.slot,
             what: r.what,
             lost_from_lsn: r.lost_from_lsn,
@@ -61,6 +39,7 @@ pub async fn recover_slot(pool: &PgPool, operator: &str) -> Result<SlotRecovery,
             lost_to_lsn: r.lost_to_lsn,
             lost_to: r.lost_to,
             steps_in_window: r.steps_in_window,
+            recovered_by: operator.to_owned(),
         }),
         Err(wal::RecoverError::Database(e)) => Err(SlotError::Database(e)),
         Err(wal::RecoverError::Prepare(wal::PrepareError::Database(e))) => {
@@ -70,7 +49,7 @@ pub async fn recover_slot(pool: &PgPool, operator: &str) -> Result<SlotRecovery,
     }
 }
 
-/// A recorded loss of the WAL outbox's slot.
+/// A recorded loss of the WAL outbox's slot, and its recovery.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct SlotIncident {
@@ -80,11 +59,12 @@ pub struct SlotIncident {
     pub slot: String,
     /// `lost` or `gone`.
     pub what: String,
-    /// Events committed after this position ...
+    /// Events committed after this position may never have been published (`None`: the relay never
+    /// confirmed one, so everything since the slot was taken on) ...
     pub lost_from_lsn: Option<String>,
-    /// ... at this time ...
+    /// ... the end of the last transaction the relay confirmed, committed at this time ...
     pub lost_from: DateTime<Utc>,
-    /// ... and before this one may never have been published.
+    /// ... and before the new slot's start (events committed after it are published).
     pub lost_to_lsn: String,
     /// When the slot was made again.
     pub lost_to: DateTime<Utc>,

@@ -27,6 +27,20 @@ pub(crate) struct OutboxRow {
     pub created_at: DateTime<Utc>,
 }
 
+impl OutboxRow {
+    /// A row read as `id, topic, partition_key, headers, payload, created_at`.
+    pub(crate) fn read(row: &sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            id: row.try_get(0)?,
+            topic: row.try_get(1)?,
+            partition_key: row.try_get(2)?,
+            headers: headers_from_array(row.try_get::<Vec<String>, _>(3)?),
+            payload: row.try_get(4)?,
+            created_at: row.try_get(5)?,
+        })
+    }
+}
+
 /// What happens to a row once the broker acknowledged it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AfterPublish {
@@ -124,18 +138,7 @@ pub(crate) async fn fetch_unpublished(
         .bind(&held_keys)
         .fetch_all(conn)
         .await?;
-    rows.into_iter()
-        .map(|row| {
-            Ok(OutboxRow {
-                id: row.try_get(0)?,
-                topic: row.try_get(1)?,
-                partition_key: row.try_get(2)?,
-                headers: headers_from_array(row.try_get::<Vec<String>, _>(3)?),
-                payload: row.try_get(4)?,
-                created_at: row.try_get(5)?,
-            })
-        })
-        .collect()
+    rows.iter().map(OutboxRow::read).collect()
 }
 
 /// The relay's own statements without a broker: on a pinned work connection, fetches batches of `batch`

@@ -45,6 +45,23 @@ async fn slot_read(db: &TestDb) -> bool {
     .unwrap()
 }
 
+/// Hooks under which the deliveries `matching` fail as a topic authorization failure would, while the
+/// returned flag is set (clear it: the cause is gone).
+fn refused_while(
+    matching: impl Fn(&outbox_relay::PublishAttempt<'_>) -> bool + Send + Sync + 'static,
+) -> (
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+    outbox_relay::PublishHooks,
+) {
+    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let flag = refusing.clone();
+    let hooks = outbox_relay::PublishHooks::default().fail_delivery(move |attempt| {
+        (matching(attempt) && flag.load(std::sync::atomic::Ordering::SeqCst))
+            .then(|| "Broker: Topic authorization failed (injected)".to_owned())
+    });
+    (refusing, hooks)
+}
+
 async fn read(kafka: &TestKafka, topic: &str, at_least: usize) -> Vec<ReadMessage> {
     kafka
         .read_all(topic, at_least, Duration::from_millis(800), WAIT)
@@ -354,15 +371,7 @@ async fn a_key_the_broker_keeps_refusing_holds_back_only_itself_and_goes_out_in_
     let ok = kafka.topic("wal-ok", 1).await;
     let held = kafka.topic("wal-held", 1).await;
     wal::prepare(&db.pool).await.unwrap();
-    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let hooks = {
-        let refusing = refusing.clone();
-        outbox_relay::PublishHooks::default().fail_delivery(move |attempt| {
-            (attempt.topic.starts_with("wal-held")
-                && refusing.load(std::sync::atomic::Ordering::SeqCst))
-            .then(|| "Broker: Topic authorization failed (injected)".to_owned())
-        })
-    };
+    let (refusing, hooks) = refused_while(|attempt| attempt.topic.starts_with("wal-held"));
     let relay = start(
         wal_builder(&kafka.brokers, &db)
             .hooks(hooks)
@@ -596,14 +605,7 @@ async fn a_table_row_failing_at_the_switch_holds_only_its_key_across_the_table_a
     }
     wal::prepare(&db.pool).await.unwrap();
     emit(&db, &[row(&topic, "stuck", 3), row(&topic, "fine", 3)]).await;
-    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let hooks = {
-        let refusing = refusing.clone();
-        outbox_relay::PublishHooks::default().fail_delivery(move |attempt| {
-            (attempt.key == Some("stuck") && refusing.load(std::sync::atomic::Ordering::SeqCst))
-                .then(|| "Broker: Topic authorization failed (injected)".to_owned())
-        })
-    };
+    let (refusing, hooks) = refused_while(|attempt| attempt.key == Some("stuck"));
     let relay = start(
         wal_builder(&kafka.brokers, &db)
             .hooks(hooks)

@@ -531,10 +531,7 @@ impl Cli {
                 yes,
                 operator,
             }) => {
-                let operator = operator
-                    .clone()
-                    .filter(|o| !o.trim().is_empty())
-                    .unwrap_or_else(dlq::os_user);
+                let operator = operator_or_os_user(operator.as_ref());
                 self.bulk_discard(group.as_deref(), *undo, topics, *dry_run, *yes, &operator)
                     .await
             }
@@ -547,10 +544,7 @@ impl Cli {
                 schemas,
             } => self.trace(key, tenant.as_deref(), schemas).await,
             Command::Sagas(SagasCommand::Retry { id, operator }) => {
-                let operator = operator
-                    .clone()
-                    .filter(|o| !o.trim().is_empty())
-                    .unwrap_or_else(dlq::os_user);
+                let operator = operator_or_os_user(operator.as_ref());
                 let pool = self.pool().await?;
                 let instance = sagas::retry(&pool, id, &operator).await?;
                 self.print(&instance, || {
@@ -770,19 +764,14 @@ impl Cli {
                 })
             }
             Command::Outbox(OutboxCommand::Discard { id, yes, operator }) => {
-                let operator = operator
-                    .clone()
-                    .filter(|o| !o.trim().is_empty())
-                    .unwrap_or_else(dlq::os_user);
+                let operator = operator_or_os_user(operator.as_ref());
                 let pool = self.pool().await?;
-                if !confirm(
+                confirmed(
                     &format!(
                         "discard parked event {id} (it is never published; its key's later events go on)"
                     ),
                     *yes,
-                )? {
-                    return Err(AdminError::bad_input("not confirmed: nothing done").into());
-                }
+                )?;
                 outbox::discard(&pool, *id, &operator).await?;
                 let report = serde_json::json!({ "discarded": id, "operator": operator });
                 self.print(&report, || {
@@ -790,17 +779,12 @@ impl Cli {
                 })
             }
             Command::Outbox(OutboxCommand::Wal(WalCommand::Recover { yes, operator })) => {
-                let operator = operator
-                    .clone()
-                    .filter(|o| !o.trim().is_empty())
-                    .unwrap_or_else(dlq::os_user);
+                let operator = operator_or_os_user(operator.as_ref());
                 let pool = self.pool().await?;
-                if !confirm(
+                confirmed(
                     "make the WAL outbox's slot again (the events its loss took are not brought back)",
                     *yes,
-                )? {
-                    return Err(AdminError::bad_input("not confirmed: nothing done").into());
-                }
+                )?;
                 let r = outbox::recover(&pool, &operator).await?;
                 self.print(&r, || recovery_text(&r))
             }
@@ -835,12 +819,10 @@ impl Cli {
             }
             Command::Outbox(OutboxCommand::Wal(WalCommand::Retire { force, yes })) => {
                 let pool = self.pool().await?;
-                if !confirm(
+                confirmed(
                     "drop the WAL outbox's slot (services of this schema must then run in table mode)",
                     *yes,
-                )? {
-                    return Err(AdminError::bad_input("not confirmed: nothing done").into());
-                }
+                )?;
                 let r = outbox::retire(&pool, *force).await?;
                 self.print(&r, || {
                     format!(
@@ -1199,6 +1181,23 @@ impl Cli {
             println!("{}", printable(human().trim_end(), true));
         }
         Ok(())
+    }
+}
+
+/// The operator named on the command line, or the OS user.
+fn operator_or_os_user(named: Option<&String>) -> String {
+    named
+        .filter(|o| !o.trim().is_empty())
+        .cloned()
+        .unwrap_or_else(dlq::os_user)
+}
+
+/// Asks `question` (unless `yes`); not confirmed is bad input: nothing was done.
+fn confirmed(question: &str, yes: bool) -> Result<(), AdminError> {
+    if confirm(question, yes)? {
+        Ok(())
+    } else {
+        Err(AdminError::bad_input("not confirmed: nothing done"))
     }
 }
 

@@ -155,30 +155,9 @@ pub struct Recovery {
     pub recovered_by: String,
 }
 
-/// Recovers the schema's WAL outbox after its slot was lost or gone (see `outbox_relay::recover_slot`).
-pub async fn recover(pool: &PgPool, operator: &str) -> Result<Recovery, AdminError> {
-    let r = outbox_relay::recover_slot(pool, operator)
-        .await
-        .map_err(slot_error)?;
-    Ok(Recovery {
-        incident: r.incident,
-        slot: r.slot,
-        what: r.what,
-        lost_from_lsn: r.lost_from_lsn,
-        lost_from: r.lost_from,
-        lost_to_lsn: r.lost_to_lsn,
-        lost_to: r.lost_to,
-        steps_in_window: r.steps_in_window,
-        recovered_by: operator.to_owned(),
-    })
-}
-
-/// The recorded losses of the schema's slot, newest first.
-pub async fn incidents(pool: &PgPool, limit: i64) -> Result<Vec<Recovery>, AdminError> {
-    Ok(outbox_relay::slot_incidents(pool, limit)
-        .await?
-        .into_iter()
-        .map(|i| Recovery {
+impl From<outbox_relay::SlotIncident> for Recovery {
+    fn from(i: outbox_relay::SlotIncident) -> Self {
+        Self {
             incident: i.id,
             slot: i.slot,
             what: i.what,
@@ -188,7 +167,24 @@ pub async fn incidents(pool: &PgPool, limit: i64) -> Result<Vec<Recovery>, Admin
             lost_to: i.lost_to,
             steps_in_window: i.steps_in_window,
             recovered_by: i.recovered_by,
-        })
+        }
+    }
+}
+
+/// Recovers the schema's WAL outbox after its slot was lost or gone (see `outbox_relay::recover_slot`).
+pub async fn recover(pool: &PgPool, operator: &str) -> Result<Recovery, AdminError> {
+    outbox_relay::recover_slot(pool, operator)
+        .await
+        .map(Recovery::from)
+        .map_err(slot_error)
+}
+
+/// The recorded losses of the schema's slot, newest first.
+pub async fn incidents(pool: &PgPool, limit: i64) -> Result<Vec<Recovery>, AdminError> {
+    Ok(outbox_relay::slot_incidents(pool, limit)
+        .await?
+        .into_iter()
+        .map(Recovery::from)
         .collect())
 }
 

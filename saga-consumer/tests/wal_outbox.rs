@@ -1,12 +1,14 @@
 //! A service in WAL mode (`SAGA_OUTBOX_MODE=wal`) against the real broker and PostgreSQL: its steps' events
 //! go to the write-ahead log, not to `saga_outbox`, and its embedded relay publishes them from the schema's
-//! slot, which the service created before its first write. (A test binary of its own: the outbox mode is
-//! the process's.)
+//! slot, which the service created before its first write; a lost slot stops it until an operator recovers
+//! it; its relay's readiness is its own; events over the size limit are refused. (A test binary of its own:
+//! the outbox is the process's.)
 
 use std::time::Duration;
 
-use saga_consumer::{OutboxMode, SagaEvent, SagaService};
+use saga_consumer::{OpsHandle, OutboxMode, SagaEvent, SagaService, SagaServiceBuilder};
 use saga_test_support::{TestDb, TestKafka, unique_name, wait_until};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 mod steps;
@@ -15,52 +17,95 @@ use steps::{Reserved, place_orders, read_reserved, reserve_on};
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// A service in WAL mode running the `reserve` step on a topic of its own (events to `{topic}.out`,
+/// effects in `reservations`).
+struct WalService {
+    db: TestDb,
+    kafka: TestKafka,
+    topic: String,
+    out: String,
+    group: String,
+    ops: OpsHandle,
+    stop: CancellationToken,
+    running: JoinHandle<Result<(), saga_consumer::ServiceError>>,
+}
+
+impl WalService {
+    /// Starts it, `configure`d beyond the defaults (its relay reads the slot with the test's own URL).
+    async fn start(
+        name: &str,
+        configure: impl FnOnce(SagaServiceBuilder) -> SagaServiceBuilder,
+    ) -> Self {
+        let db = TestDb::empty(name).await;
+        sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let kafka = TestKafka::new().await;
+        let topic = unique_name(name);
+        let out = format!("{topic}.out");
+        kafka.create_topic(&out, 1).await;
+        let group = format!("{topic}-group");
+        let url = db.url();
+        let builder = SagaService::builder()
+            .brokers(&kafka.brokers)
+            .group_id(&group)
+            .pool(db.pool.clone())
+            .step(reserve_on(&topic))
+            .create_topics(1, 1)
+            .outbox_mode(OutboxMode::Wal)
+            .relay(|r| r.replication_url(url));
+        let service = configure(builder).build().unwrap();
+        let ops = service.ops();
+        let stop = CancellationToken::new();
+        let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
+        wait_until("the service's topics", WAIT, || async {
+            (kafka.partition_count(&topic).await == 1).then_some(())
+        })
+        .await;
+        for t in [&topic, &format!("{group}.dlq"), &format!("{group}.retry")] {
+            kafka.delete_on_drop(t);
+        }
+        Self {
+            db,
+            kafka,
+            topic,
+            out,
+            group,
+            ops,
+            stop,
+            running,
+        }
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        tokio::time::timeout(WAIT, self.running)
+            .await
+            .expect("the service stops")
+            .unwrap()
+            .unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_in_wal_mode_writes_its_events_to_the_log_and_its_relay_publishes_each_once() {
-    let db = TestDb::empty("service-wal").await;
-    sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let kafka = TestKafka::new().await;
-    let topic = unique_name("service-wal");
-    let out = format!("{topic}.out");
-    kafka.create_topic(&out, 1).await;
-    let group = format!("{topic}-group");
-    let service = SagaService::builder()
-        .brokers(&kafka.brokers)
-        .group_id(&group)
-        .pool(db.pool.clone())
-        .step(reserve_on(&topic))
-        .create_topics(2, 1)
-        .outbox_mode(OutboxMode::Wal)
-        .relay(|r| r.replication_url(db.url()))
-        .build()
-        .unwrap();
-    let stop = CancellationToken::new();
-    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
-    wait_until("the service's topics", WAIT, || async {
-        (kafka.partition_count(&topic).await == 2).then_some(())
-    })
-    .await;
-    kafka.delete_on_drop(&topic);
-    kafka.delete_on_drop(&format!("{group}.dlq"));
-    kafka.delete_on_drop(&format!("{group}.retry"));
+    let s = WalService::start("service-wal", |b| b).await;
     let slot_exists: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
     )
     .bind(saga_runtime::store::wal::slot_name(
-        db.database(),
-        &db.schema,
+        s.db.database(),
+        &s.db.schema,
     ))
-    .fetch_one(&db.pool)
+    .fetch_one(&s.db.pool)
     .await
     .unwrap();
     assert!(slot_exists, "the slot exists before the first event");
 
     // Every order delivered twice: one effect, one event each.
-    place_orders(&kafka, &topic, (1..=5).chain(1..=5)).await;
-    let (published, ns) = read_reserved(&kafka, &out, 5, Duration::from_millis(1_000)).await;
+    place_orders(&s.kafka, &s.topic, (1..=5).chain(1..=5)).await;
+    let (published, ns) = read_reserved(&s.kafka, &s.out, 5, Duration::from_millis(1_000)).await;
     assert_eq!(ns, [1, 2, 3, 4, 5], "each event once");
     assert!(
         published
@@ -68,18 +113,13 @@ async fn a_service_in_wal_mode_writes_its_events_to_the_log_and_its_relay_publis
             .all(|m| m.header("ce_type") == Some(Reserved::TYPES[0])
                 && m.header("idempotency-key").is_some())
     );
-    assert_eq!(db.count("reservations").await, 5);
+    assert_eq!(s.db.count("reservations").await, 5);
     assert_eq!(
-        db.count("saga_outbox").await,
+        s.db.count("saga_outbox").await,
         0,
         "no outbox row: the log carried them"
     );
-    stop.cancel();
-    tokio::time::timeout(WAIT, running)
-        .await
-        .expect("the service stops")
-        .unwrap()
-        .unwrap();
+    s.stop().await;
 }
 
 /// The service's slot is dropped (a failover, an operator's mistake) while it runs: within seconds its
@@ -89,34 +129,10 @@ async fn a_service_in_wal_mode_writes_its_events_to_the_log_and_its_relay_publis
 /// published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_whose_slot_is_lost_stops_committing_until_an_operator_recovers_it() {
-    let db = TestDb::empty("service-wal-lost").await;
-    sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let kafka = TestKafka::new().await;
-    let topic = unique_name("service-wal-lost");
-    let out = format!("{topic}.out");
-    kafka.create_topic(&out, 1).await;
-    let group = format!("{topic}-group");
-    let service = SagaService::builder()
-        .brokers(&kafka.brokers)
-        .group_id(&group)
-        .pool(db.pool.clone())
-        .step(reserve_on(&topic))
-        .create_topics(1, 1)
-        .outbox_mode(OutboxMode::Wal)
-        .relay(|r| r.replication_url(db.url()))
-        .build()
-        .unwrap();
-    let ops = service.ops();
-    let stop = CancellationToken::new();
-    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
-    kafka.delete_on_drop(&topic);
-    kafka.delete_on_drop(&format!("{group}.dlq"));
-    kafka.delete_on_drop(&format!("{group}.retry"));
-    place_orders(&kafka, &topic, [1]).await;
-    let (_, ns) = read_reserved(&kafka, &out, 1, Duration::from_millis(300)).await;
+    let s = WalService::start("service-wal-lost", |b| b).await;
+    let (db, kafka, ops) = (&s.db, &s.kafka, &s.ops);
+    place_orders(kafka, &s.topic, [1]).await;
+    let (_, ns) = read_reserved(kafka, &s.out, 1, Duration::from_millis(300)).await;
     assert_eq!(ns, [1]);
     assert!(ops.is_ready());
 
@@ -145,7 +161,7 @@ async fn a_service_whose_slot_is_lost_stops_committing_until_an_operator_recover
     .await;
     assert!(!ops.is_ready());
     assert_eq!(ops.sample("saga_outbox_writable", ""), Some(0.0));
-    place_orders(&kafka, &topic, [2]).await;
+    place_orders(kafka, &s.topic, [2]).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(
         db.count("reservations").await,
@@ -162,7 +178,7 @@ async fn a_service_whose_slot_is_lost_stops_committing_until_an_operator_recover
     assert!(!slot_back, "nothing made the slot again");
     assert_eq!(
         kafka
-            .end_offsets(&format!("{group}.dlq"))
+            .end_offsets(&format!("{}.dlq", s.group))
             .await
             .values()
             .sum::<i64>(),
@@ -174,7 +190,7 @@ async fn a_service_whose_slot_is_lost_stops_committing_until_an_operator_recover
         .await
         .unwrap();
     assert_eq!(recovery.what, "gone");
-    let (_, ns) = read_reserved(&kafka, &out, 2, Duration::from_millis(300)).await;
+    let (_, ns) = read_reserved(kafka, &s.out, 2, Duration::from_millis(300)).await;
     assert_eq!(
         ns,
         [1, 2],
@@ -185,12 +201,7 @@ async fn a_service_whose_slot_is_lost_stops_committing_until_an_operator_recover
         ops.is_ready().then_some(())
     })
     .await;
-    stop.cancel();
-    tokio::time::timeout(WAIT, running)
-        .await
-        .expect("the service stops")
-        .unwrap()
-        .unwrap();
+    s.stop().await;
 }
 
 /// An embedded relay that cannot read its slot (here: its replication connection is refused) is the
@@ -198,84 +209,45 @@ async fn a_service_whose_slot_is_lost_stops_committing_until_an_operator_recover
 /// stays ready while `/readyz/relay` says not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_embedded_relay_that_cannot_read_does_not_make_the_service_unready() {
-    let db = TestDb::empty("service-wal-relay-ready").await;
-    sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let kafka = TestKafka::new().await;
-    let topic = unique_name("service-wal-relay-ready");
-    let group = format!("{topic}-group");
-    let service = SagaService::builder()
-        .brokers(&kafka.brokers)
-        .group_id(&group)
-        .pool(db.pool.clone())
-        .step(reserve_on(&topic))
-        .create_topics(1, 1)
-        .outbox_mode(OutboxMode::Wal)
-        .relay(|r| r.replication_url("postgres://postgres@127.0.0.1:9/nowhere"))
-        .build()
-        .unwrap();
-    let ops = service.ops();
-    let stop = CancellationToken::new();
-    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
-    kafka.delete_on_drop(&topic);
-    kafka.delete_on_drop(&format!("{group}.dlq"));
-    kafka.delete_on_drop(&format!("{group}.retry"));
-    place_orders(&kafka, &topic, [1]).await;
+    let s = WalService::start("service-wal-relay-ready", |b| {
+        b.relay(|r| r.replication_url("postgres://postgres@127.0.0.1:9/nowhere"))
+    })
+    .await;
+    place_orders(&s.kafka, &s.topic, [1]).await;
     wait_until("the step to run", WAIT, || async {
-        (db.count("reservations").await == 1).then_some(())
+        (s.db.count("reservations").await == 1).then_some(())
     })
     .await;
     wait_until("the service ready", WAIT, || async {
-        ops.is_ready().then_some(())
+        s.ops.is_ready().then_some(())
     })
     .await;
     assert_eq!(
-        ops.is_check_ready("relay"),
+        s.ops.is_check_ready("relay"),
         Some(false),
         "the relay says it is not"
     );
-    assert_eq!(ops.is_check_ready("consumer"), Some(true));
-    stop.cancel();
-    tokio::time::timeout(WAIT, running)
-        .await
-        .expect("the service stops")
-        .unwrap()
-        .unwrap();
+    assert_eq!(s.ops.is_check_ready("consumer"), Some(true));
+    s.stop().await;
 }
 
 /// A step whose events are larger than `SAGA_OUTBOX_MAX_TRANSACTION_BYTES` fails for good: its message is
 /// dead-lettered at once with the limit named, nothing of it is committed, and the next message goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_step_whose_events_are_over_the_size_limit_is_dead_lettered_naming_it() {
-    let db = TestDb::empty("service-wal-too-large").await;
-    sqlx::query("CREATE TABLE reservations (n BIGINT PRIMARY KEY)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let kafka = TestKafka::new().await;
-    let topic = unique_name("service-wal-too-large");
-    let group = format!("{topic}-group");
-    let service = SagaService::builder()
-        .brokers(&kafka.brokers)
-        .group_id(&group)
-        .pool(db.pool.clone())
-        .step(reserve_on(&topic))
-        .create_topics(1, 1)
-        .outbox_mode(OutboxMode::Wal)
-        .outbox_max_transaction_bytes(64)
-        .relay(|r| r.replication_url(db.url()))
-        .build()
-        .unwrap();
-    let stop = CancellationToken::new();
-    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
-    kafka.delete_on_drop(&topic);
-    kafka.delete_on_drop(&format!("{group}.dlq"));
-    kafka.delete_on_drop(&format!("{group}.retry"));
-    place_orders(&kafka, &topic, [1, 2]).await;
-    let letters = kafka
-        .read_all(&format!("{group}.dlq"), 2, Duration::from_millis(500), WAIT)
+    let s = WalService::start("service-wal-too-large", |b| {
+        b.outbox_max_transaction_bytes(64)
+    })
+    .await;
+    place_orders(&s.kafka, &s.topic, [1, 2]).await;
+    let letters = s
+        .kafka
+        .read_all(
+            &format!("{}.dlq", s.group),
+            2,
+            Duration::from_millis(500),
+            WAIT,
+        )
         .await;
     assert_eq!(letters.len(), 2);
     for letter in &letters {
@@ -291,14 +263,9 @@ async fn a_step_whose_events_are_over_the_size_limit_is_dead_lettered_naming_it(
         );
     }
     assert_eq!(
-        db.count("reservations").await,
+        s.db.count("reservations").await,
         0,
         "nothing of them committed"
     );
-    stop.cancel();
-    tokio::time::timeout(WAIT, running)
-        .await
-        .expect("the service stops")
-        .unwrap()
-        .unwrap();
+    s.stop().await;
 }
