@@ -58,66 +58,83 @@ impl Service {
     }
 }
 
-/// Where a service finds everything; flags or environment variables.
+/// The demo's defaults: a local PostgreSQL database and broker.
+const DEMO_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/saga_demo";
+const DEMO_BROKERS: &str = "127.0.0.1:9092";
+
+/// Where a service finds everything; flags or environment variables. The framework's settings are its own
+/// declarations ([`saga_consumer::settings::ServiceArgs`]), flattened: this adds only the example's.
 #[derive(Debug, Clone, Args)]
 pub struct ServiceArgs {
-    /// PostgreSQL URL (the database holding the services' schemas).
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/saga_demo"
-    )]
-    pub database_url: String,
+    /// The framework's settings (`DATABASE_URL` defaults to the demo's database, `KAFKA_BROKERS` to
+    /// 127.0.0.1:9092).
+    #[command(flatten)]
+    pub saga: saga_consumer::settings::ServiceArgs,
     /// Prefix of the schemas: `{prefix}_order`, `{prefix}_payment`, `{prefix}_shipping`,
     /// `{prefix}_gateway`.
     #[arg(long, env = "SAGA_SCHEMA_PREFIX", default_value = "saga")]
     pub schema_prefix: String,
-    /// Kafka bootstrap servers.
-    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
-    pub brokers: String,
     /// Prefix of the topics and consumer groups.
     #[arg(long, env = "SAGA_TOPIC_PREFIX", default_value = "saga")]
     pub topic_prefix: String,
     /// The order service's HTTP address.
     #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http_addr: SocketAddr,
-    /// Where to serve /metrics, /healthz and /readyz.
-    #[arg(long, env = "SAGA_OPS_ADDR")]
-    pub ops_addr: Option<SocketAddr>,
     /// Fault injection: probability of a crash right after each database commit, before the offsets are
     /// committed (the process aborts).
     #[arg(long, env = "SAGA_FAULT_CRASH_AFTER_COMMIT", default_value_t = 0.0)]
     pub crash_after_commit: f64,
-    /// Create the topics if they do not exist.
-    #[arg(long, env = "SAGA_CREATE_TOPICS")]
-    pub create_topics: bool,
     /// The gateway's simulated latency in milliseconds.
     #[arg(long, env = "GATEWAY_LATENCY_MS", default_value_t = 2)]
     pub gateway_latency_ms: u64,
-    /// Run the service's outbox relay inside the service (the default), or not (a separate
-    /// `outbox-relay run` publishes the outbox).
-    #[arg(long, env = "SAGA_EMBEDDED_RELAY", default_value_t = true, action = clap::ArgAction::Set)]
-    pub embedded_relay: bool,
     /// Run the orchestrated saga (the order service orchestrates with commands and replies) instead of the
     /// choreographed one (each service reacts to the previous one's events).
     #[arg(long, env = "SAGA_ORCHESTRATED", default_value_t = false, action = clap::ArgAction::Set)]
     pub orchestrated: bool,
-    /// Where the outbox is written: `table` (rows) or `wal` (PostgreSQL's write-ahead log, read by the relay
-    /// through the schema's replication slot; needs wal_level = logical).
-    #[arg(long, env = "SAGA_OUTBOX_MODE", default_value = "table", value_parser = parse_outbox_mode)]
-    pub outbox_mode: OutboxMode,
-    /// How long the broker may hold a consumer's fetch while it has nothing new, in milliseconds (the
-    /// framework's default when unset). A broker that looks for new records at intervals within this wait
-    /// instead of answering when they arrive delivers them up to half of it later.
-    #[arg(long, env = "SAGA_FETCH_WAIT_MS")]
-    pub fetch_wait_ms: Option<u64>,
-}
-
-fn parse_outbox_mode(text: &str) -> Result<OutboxMode, String> {
-    OutboxMode::parse(text).map_err(|p| p.problem)
 }
 
 impl ServiceArgs {
+    /// The demo's settings for services whose schemas and topics start with the given prefixes, on
+    /// `database_url` and `brokers`; the framework's other settings are their defaults.
+    pub fn local(
+        database_url: impl Into<String>,
+        brokers: impl Into<String>,
+        schema_prefix: impl Into<String>,
+        topic_prefix: impl Into<String>,
+    ) -> Self {
+        let mut saga = saga_consumer::settings::ServiceArgs::default();
+        saga.database.database_url = Some(database_url.into());
+        saga.kafka.brokers = Some(brokers.into());
+        Self {
+            saga,
+            schema_prefix: schema_prefix.into(),
+            topic_prefix: topic_prefix.into(),
+            http_addr: "127.0.0.1:8080".parse().expect("an address"),
+            crash_after_commit: 0.0,
+            gateway_latency_ms: 2,
+            orchestrated: false,
+        }
+    }
+
+    /// The PostgreSQL URL (the demo's database unless `DATABASE_URL`).
+    pub fn database_url(&self) -> &str {
+        self.saga
+            .database
+            .database_url
+            .as_deref()
+            .unwrap_or(DEMO_DATABASE_URL)
+    }
+
+    /// The brokers (127.0.0.1:9092 unless `KAFKA_BROKERS`).
+    pub fn brokers(&self) -> &str {
+        self.saga.kafka.brokers.as_deref().unwrap_or(DEMO_BROKERS)
+    }
+
+    /// Where the outbox is written.
+    pub fn outbox_mode(&self) -> OutboxMode {
+        self.saga.outbox.mode
+    }
+
     /// The topics.
     pub fn topics(&self) -> Topics {
         Topics::with_prefix(&self.topic_prefix)
@@ -164,7 +181,7 @@ impl ServiceArgs {
     /// A pool on `schema` (created if missing). A bad or unreachable `DATABASE_URL` is a
     /// [`saga_consumer::ConfigProblem`].
     pub async fn pool(&self, schema: &str, size: u32) -> anyhow::Result<PgPool> {
-        let admin = connect_postgres("DATABASE_URL", &self.database_url, None, 1).await?;
+        let admin = connect_postgres("DATABASE_URL", self.database_url(), None, 1).await?;
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "CREATE SCHEMA IF NOT EXISTS {}",
             quote_ident(schema)
@@ -173,13 +190,13 @@ impl ServiceArgs {
         .await
         .or_else(ignore_race)?;
         admin.close().await;
-        Ok(connect_postgres("DATABASE_URL", &self.database_url, Some(schema), size).await?)
+        Ok(connect_postgres("DATABASE_URL", self.database_url(), Some(schema), size).await?)
     }
 
     /// Checks, before anything starts, that PostgreSQL and the broker answer: a setting that keeps the
     /// saga from running is reported as a [`saga_consumer::ConfigProblem`] naming it.
     pub async fn check(&self) -> anyhow::Result<()> {
-        connect_postgres("DATABASE_URL", &self.database_url, None, 1)
+        connect_postgres("DATABASE_URL", self.database_url(), None, 1)
             .await?
             .close()
             .await;
@@ -189,8 +206,8 @@ impl ServiceArgs {
 
     /// The Kafka configuration: the brokers, and librdkafka properties from `KAFKA_PROPERTY_*`.
     pub fn kafka(&self) -> KafkaConfig {
-        KafkaConfig::with_env_properties(Some(self.brokers.clone()))
-            .unwrap_or_else(|_| KafkaConfig::new(self.brokers.clone()))
+        KafkaConfig::with_env_properties(Some(self.brokers().to_owned()))
+            .unwrap_or_else(|_| KafkaConfig::new(self.brokers()))
     }
 }
 
@@ -357,15 +374,19 @@ pub async fn run_relay(
     saga_consumer::migrate::migrate(&pool)
         .await
         .context("applying the framework's migrations")?;
-    let mut relay = Relay::builder()
-        .kafka(args.kafka())
+    // The relay's settings are the framework's (RELAY_*, retention, SAGA_OUTBOX_MODE): those a service's
+    // embedded relay reads too.
+    let settings = args.saga.relay.settings(
+        Some(args.kafka()),
+        &args.saga.outbox,
+        Some(args.database_url()),
+    )?;
+    Relay::builder()
+        .settings(settings)
         .pool(pool)
-        .mode(args.outbox_mode)
-        .replication_url(args.database_url.clone());
-    if let Some(addr) = args.ops_addr {
-        relay = relay.ops_addr(addr);
-    }
-    relay.build()?.run(shutdown).await?;
+        .build()?
+        .run(shutdown)
+        .await?;
     Ok(())
 }
 
@@ -378,39 +399,45 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     args.check().await?;
-    if args.create_topics {
+    if let Some(partitions) = args.saga.create_topics {
         // Every topic of the saga: this service publishes to topics others consume.
         let names = args.all_topics();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        saga_consumer::setup::ensure_topics(&args.kafka(), &refs, 3, 1)
-            .await
-            .context("creating topics")?;
+        saga_consumer::setup::ensure_topics(
+            &args.kafka(),
+            &refs,
+            partitions,
+            args.saga.topic_replication,
+        )
+        .await
+        .context("creating topics")?;
     }
     let pool = prepare(service, &args).await?;
-    // REDIS_URL turns the Redis fast path on.
-    let fast_path = FastPath::from_env(&pool).await?;
+    // REDIS_URL turns the Redis fast path on: for the consumer (the service does that), and for the HTTP
+    // layer, given the same.
+    let fast_path = match args.saga.fast_path.settings(&args.saga.relay.retention)? {
+        Some(settings) => {
+            let fast = FastPath::new(settings, &pool).await?;
+            fast.connect().await;
+            Some(fast)
+        }
+        None => None,
+    };
     let consumer_fast_path = fast_path.clone();
+    let mut saga = args.saga.clone();
+    // The demo's defaults where unset, and the example's own names for the group and its topics.
+    saga.database.database_url = Some(args.database_url().to_owned());
+    saga.kafka.brokers = Some(args.brokers().to_owned());
+    saga.consumer.group_id = Some(args.group(service));
+    saga.consumer.dlq_topic = Some(args.dlq(service));
     let mut builder = SagaService::builder()
-        .kafka(args.kafka())
-        .group_id(args.group(service))
-        .dlq_topic(args.dlq(service))
+        .args(&saga)
         .pool(pool.clone())
         .consumer(|c| {
-            let c = c
-                .commit_interval(Duration::from_millis(250))
+            c.commit_interval(Duration::from_millis(250))
                 .session_timeout(Duration::from_secs(6))
-                .fast_path(consumer_fast_path);
-            match args.fetch_wait_ms {
-                Some(ms) => c.fetch_wait(Duration::from_millis(ms)),
-                None => c,
-            }
-        })
-        .embedded_relay(args.embedded_relay)
-        .outbox_mode(args.outbox_mode)
-        .relay(|r| r.replication_url(args.database_url.clone()));
-    if let Some(addr) = args.ops_addr {
-        builder = builder.ops_addr(addr);
-    }
+                .fast_path(consumer_fast_path)
+        });
     if args.crash_after_commit > 0.0 {
         builder = builder.hooks(crash_after_commit(args.crash_after_commit));
     }

@@ -25,14 +25,11 @@ pub struct RetentionPolicy {
 }
 
 impl Default for RetentionPolicy {
+    /// The defaults of [`RetentionArgs`](crate::RetentionArgs), declared there once.
     fn default() -> Self {
-        let keys = GcPolicy::default();
-        Self {
-            published_rows: Duration::from_secs(7 * 24 * 3600),
-            finished_keys: keys.retention,
-            abandoned_leases: keys.abandoned_after,
-            batch_size: keys.batch_size,
-        }
+        crate::settings::RetentionArgs::default()
+            .policy()
+            .expect("the default retention is valid")
     }
 }
 

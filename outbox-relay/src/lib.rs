@@ -41,6 +41,7 @@ mod model;
 mod parked;
 mod publisher;
 mod relay;
+mod settings;
 mod shards;
 mod slot_admin;
 mod store;
@@ -49,12 +50,15 @@ mod wal_batch;
 #[cfg(test)]
 mod wal_model;
 
+#[doc(hidden)]
+pub use cli::command;
 pub use cli::main;
 pub use gc::{RetentionPolicy, RetentionReport, run_retention};
 pub use hooks::{PublishAttempt, PublishHooks};
 pub use parked::{ParkedEvent, discard_parked, parked_events, retry_parked};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
 pub use saga_core::{KafkaConfig, OutboxMode};
+pub use settings::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SchemaArgs};
 pub use slot_admin::{
     RetiredSlot, SlotError, SlotIncident, lost_step_keys, recover_slot, retire_slot, slot_incidents,
 };

@@ -16,6 +16,7 @@ use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::gc::{RetentionPolicy, run_retention};
+use crate::settings::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs};
 
 use crate::hooks::PublishHooks;
 use crate::metrics::RelayMetrics;
@@ -70,24 +71,34 @@ pub struct RelaySettings {
 }
 
 impl Default for RelaySettings {
+    /// The defaults of [`RelayArgs`] (declared there, once), without a broker.
     fn default() -> Self {
+        RelayArgs::default()
+            .settings(None, &OutboxArgs::default(), None)
+            .expect("the relay's default settings are valid")
+    }
+}
+
+impl RelaySettings {
+    /// The settings no variable sets; every other field is set by [`RelayArgs::settings`].
+    pub(crate) fn internal_defaults() -> Self {
         Self {
             kafka: None,
-            batch_size: 2_000,
+            batch_size: 1,
             poll_interval: Duration::from_secs(1),
             linger: Duration::ZERO,
             after_publish: AfterPublish::Mark,
             rebalance_interval: Duration::from_secs(2),
             backlog_interval: Duration::from_secs(10),
-            park_after: 3,
+            park_after: 1,
             retention: RetentionPolicy::default(),
-            retention_interval: Duration::from_secs(60),
+            retention_interval: Duration::ZERO,
             ops_addr: None,
             mode: OutboxMode::Table,
             replication_url: None,
             standby_interval: Duration::from_secs(1),
-            park_after_time: Duration::from_secs(30),
-            max_batch_bytes: saga_runtime::store::outbox::DEFAULT_MAX_TRANSACTION_BYTES,
+            park_after_time: Duration::ZERO,
+            max_batch_bytes: 0,
         }
     }
 }
@@ -138,58 +149,37 @@ pub struct RelayBuilder {
 }
 
 impl RelayBuilder {
-    /// Reads the settings from the environment (see [`RelaySettings`]); later calls override them. A
-    /// missing `KAFKA_BROKERS` or a variable that does not parse is reported by [`RelayBuilder::build`].
+    /// Reads the settings from the environment, through their one declaration ([`KafkaArgs`],
+    /// [`RelayArgs`] with its retention, [`OutboxArgs`], and `DATABASE_URL` for the replication connection:
+    /// the same groups as the `outbox-relay` binary's); later calls override them. A missing
+    /// `KAFKA_BROKERS` or a variable that does not parse is reported by [`RelayBuilder::build`].
     pub fn from_env(mut self) -> Self {
-        match KafkaConfig::from_env() {
+        let read = || -> Result<RelaySettings, ConfigProblem> {
+            let database = DatabaseArgs::from_env()?;
+            KafkaArgs::from_env()?;
+            RelayArgs::from_env()?.settings(
+                None,
+                &OutboxArgs::from_env()?,
+                database.database_url.as_deref(),
+            )
+        };
+        match read() {
+            Ok(settings) => {
+                let kafka = self.settings.kafka.take();
+                self.settings = settings;
+                self.settings.kafka = kafka;
+            }
+            Err(e) => {
+                self.env_error.get_or_insert(e);
+            }
+        }
+        match KafkaArgs::from_env().and_then(|k| k.config()) {
             Ok(kafka) => self.settings.kafka = Some(kafka),
             Err(e) => {
                 self.env_error.get_or_insert(e);
             }
         }
-        if let Err(e) = self.apply_env(|name| std::env::var(name).ok()) {
-            self.env_error.get_or_insert(e);
-        }
         self
-    }
-
-    fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigProblem> {
-        let s = &mut self.settings;
-        if let Some(v) = env_value(&get, "RELAY_BATCH_SIZE")? {
-            s.batch_size = v;
-        }
-        if let Some(v) = env_value(&get, "RELAY_POLL_INTERVAL_MS")? {
-            s.poll_interval = Duration::from_millis(v);
-        }
-        if let Some(v) = env_value(&get, "RELAY_LINGER_MS")? {
-            s.linger = Duration::from_millis(v);
-        }
-        if let Some(v) = env_value::<bool>(&get, "RELAY_DELETE_PUBLISHED")? {
-            s.after_publish = if v {
-                AfterPublish::Delete
-            } else {
-                AfterPublish::Mark
-            };
-        }
-        if let Some(v) = env_value(&get, "RELAY_PARK_AFTER_ATTEMPTS")? {
-            s.park_after = v;
-        }
-        if let Some(v) = env_value(&get, "RELAY_PARK_AFTER_SECS")? {
-            s.park_after_time = Duration::from_secs(v);
-        }
-        if let Some(v) = env_value(&get, "RELAY_GC_INTERVAL_SECS")? {
-            s.retention_interval = Duration::from_secs(v);
-        }
-        if let Some(v) = env_value(&get, "RELAY_OPS_ADDR")? {
-            s.ops_addr = Some(v);
-        }
-        if let Some(v) = get("SAGA_OUTBOX_MODE") {
-            s.mode = OutboxMode::parse(&v)?;
-        }
-        if let Some(url) = get("SAGA_REPLICATION_URL").or_else(|| get("DATABASE_URL")) {
-            s.replication_url = Some(url);
-        }
-        Ok(())
     }
 
     /// The broker.
@@ -266,6 +256,13 @@ impl RelayBuilder {
     /// Serves `/metrics`, `/healthz` and `/readyz` on `addr`.
     pub fn ops_addr(mut self, addr: SocketAddr) -> Self {
         self.settings.ops_addr = Some(addr);
+        self
+    }
+
+    /// WAL mode: a batch is published, at a commit, once the messages read into it take this many bytes
+    /// (the writers' `SAGA_OUTBOX_MAX_TRANSACTION_BYTES`).
+    pub fn max_batch_bytes(mut self, bytes: usize) -> Self {
+        self.settings.max_batch_bytes = bytes;
         self
     }
 
@@ -350,27 +347,6 @@ impl RelayBuilder {
             hooks: self.hooks,
         })
     }
-}
-
-/// Reads variable `var` through `get`, parsed; a value that does not parse is a [`ConfigProblem`].
-fn env_value<T: std::str::FromStr>(
-    get: &impl Fn(&str) -> Option<String>,
-    var: &str,
-) -> Result<Option<T>, ConfigProblem>
-where
-    T::Err: std::fmt::Display,
-{
-    get(var)
-        .map(|value| {
-            value.parse::<T>().map_err(|e| {
-                ConfigProblem::new(
-                    var,
-                    format!("{value:?} does not parse ({e})"),
-                    "fix its value",
-                )
-            })
-        })
-        .transpose()
 }
 
 /// An outbox relay for the outbox in the pool's schema.
@@ -502,6 +478,11 @@ impl Relay {
     /// Starts building a relay.
     pub fn builder() -> RelayBuilder {
         RelayBuilder::default()
+    }
+
+    /// Its settings.
+    pub fn settings(&self) -> &RelaySettings {
+        &self.settings
     }
 
     /// A handle on the relay's counters, valid after the relay moved into [`Relay::run`].

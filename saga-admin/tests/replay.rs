@@ -62,11 +62,11 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
     let dlq_topic = saga.args.dlq(Service::Payment);
     let payment_schema = saga.args.schema(Service::Payment);
     let payments = Target {
-        database_url: saga.args.database_url.clone(),
+        database_url: saga.args.database_url().to_owned(),
         schema: payment_schema.clone(),
-        brokers: saga.args.brokers.clone(),
+        brokers: saga.args.brokers().to_owned(),
     };
-    let kafka = KafkaConfig::new(saga.args.brokers.clone());
+    let kafka = KafkaConfig::new(saga.args.brokers().to_owned());
 
     // The gateway is down: both payments fail past the retry budget and are dead-lettered.
     saga.gateway_down(true).await;

@@ -20,12 +20,12 @@ use common::Target;
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_trace_follows_one_saga_through_every_service_its_dead_letter_and_its_replay() {
     let saga = LocalSaga::start("admin-trace").await;
-    let kafka = KafkaConfig::new(saga.args.brokers.clone());
+    let kafka = KafkaConfig::new(saga.args.brokers().to_owned());
     let dlq_topic = saga.args.dlq(Service::Payment);
     let payments = Target {
-        database_url: saga.args.database_url.clone(),
+        database_url: saga.args.database_url().to_owned(),
         schema: saga.args.schema(Service::Payment),
-        brokers: saga.args.brokers.clone(),
+        brokers: saga.args.brokers().to_owned(),
     };
 
     // The gateway is down: the payment is dead-lettered. Back up, the letter is replayed, the saga ends.

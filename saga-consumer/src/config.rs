@@ -89,107 +89,69 @@ pub struct ConsumerSettings {
     pub crash_loop_limit: u32,
     /// Where to serve `/metrics`, `/healthz` and `/readyz` (`SAGA_OPS_ADDR`; off by default).
     pub ops_addr: Option<SocketAddr>,
+    /// How long finished step keys are kept (`SAGA_KEY_RETENTION_HOURS`, default 7 days): a message older
+    /// than this may find its key deleted, so it is dead-lettered rather than run again unless the key
+    /// store's retention has not reached it.
+    pub key_retention: Duration,
 }
 
 impl Default for ConsumerSettings {
+    /// The defaults of [`ConsumerArgs`](crate::settings::ConsumerArgs) and
+    /// [`RetentionArgs`](crate::settings::RetentionArgs), declared there once, without a broker.
     fn default() -> Self {
-        Self {
-            kafka: None,
-            group_id: None,
-            concurrency: 4,
-            batch_size: 100,
-            retry: RetryPolicy::default(),
-            dlq_topic: None,
-            retry_topic: None,
-            commit_interval: Duration::from_secs(1),
-            fetch_wait: Duration::from_millis(10),
-            handler_timeout: Duration::from_secs(30),
-            revoke_timeout: Duration::from_secs(10),
-            shutdown_timeout: Duration::from_secs(30),
-            assignment: AssignmentStrategy::default(),
-            session_timeout: Duration::from_secs(10),
-            crash_loop_limit: 3,
-            ops_addr: None,
-        }
+        crate::settings::ConsumerArgs::default()
+            .settings(None, &crate::settings::RetentionArgs::default())
+            .expect("the consumer's default settings are valid")
     }
 }
 
 impl ConsumerSettings {
-    /// Applies the environment variables named in the field docs (and `KAFKA_BROKERS`,
-    /// `KAFKA_PROPERTY_*`). Returns the first variable that does not parse.
-    pub fn apply_env(&mut self) -> Result<(), ConfigError> {
-        self.apply_vars(|name| std::env::var(name).ok())
+    /// The settings no variable sets; every other field is set by
+    /// [`ConsumerArgs::settings`](crate::settings::ConsumerArgs::settings).
+    pub(crate) fn internal_defaults() -> Self {
+        Self {
+            kafka: None,
+            group_id: None,
+            concurrency: 1,
+            batch_size: 1,
+            retry: RetryPolicy::with_attempts_and_backoff(1, Duration::ZERO, Duration::ZERO),
+            dlq_topic: None,
+            retry_topic: None,
+            commit_interval: Duration::from_secs(1),
+            fetch_wait: Duration::ZERO,
+            handler_timeout: Duration::from_secs(1),
+            revoke_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(1),
+            assignment: AssignmentStrategy::default(),
+            session_timeout: Duration::from_secs(10),
+            crash_loop_limit: 0,
+            ops_addr: None,
+            key_retention: Duration::ZERO,
+        }
     }
 
-    /// Like [`ConsumerSettings::apply_env`], reading variables through `get`.
-    pub fn apply_vars(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
-        fn parse<T: FromStr>(
-            get: &impl Fn(&str) -> Option<String>,
-            var: &'static str,
-        ) -> Result<Option<T>, ConfigError>
-        where
-            T::Err: std::fmt::Display,
-        {
-            get(var)
-                .map(|value| {
-                    value.parse::<T>().map_err(|e| ConfigError::InvalidEnv {
-                        var,
-                        reason: e.to_string(),
-                        value,
-                    })
-                })
-                .transpose()
-        }
-        let millis = |var| parse::<u64>(&get, var).map(|v| v.map(Duration::from_millis));
-        if let Ok(kafka) = KafkaConfig::with_env_properties(get("KAFKA_BROKERS")) {
-            self.kafka = Some(kafka);
-        }
-        if let Some(group) = get("SAGA_GROUP_ID") {
-            self.group_id = Some(group);
-        }
-        if let Some(v) = parse(&get, "SAGA_CONCURRENCY")? {
-            self.concurrency = v;
-        }
-        if let Some(v) = parse(&get, "SAGA_BATCH_SIZE")? {
-            self.batch_size = v;
-        }
-        if let Some(v) = parse(&get, "SAGA_MAX_ATTEMPTS")? {
-            self.retry.max_attempts = v;
-        }
-        if let Some(v) = millis("SAGA_RETRY_INITIAL_MS")? {
-            self.retry.initial_backoff = v;
-        }
-        if let Some(v) = millis("SAGA_RETRY_MAX_MS")? {
-            self.retry.max_backoff = v;
-        }
-        if let Some(topic) = get("SAGA_DLQ_TOPIC") {
-            self.dlq_topic = Some(topic);
-        }
-        if let Some(topic) = get("SAGA_RETRY_TOPIC") {
-            self.retry_topic = Some(topic);
-        }
-        if let Some(v) = millis("SAGA_COMMIT_INTERVAL_MS")? {
-            self.commit_interval = v;
-        }
-        if let Some(v) = millis("SAGA_FETCH_WAIT_MS")? {
-            self.fetch_wait = v;
-        }
-        if let Some(v) = millis("SAGA_HANDLER_TIMEOUT_MS")? {
-            self.handler_timeout = v;
-        }
-        if let Some(v) = millis("SAGA_SHUTDOWN_TIMEOUT_MS")? {
-            self.shutdown_timeout = v;
-        }
-        if let Some(v) = parse(&get, "SAGA_ASSIGNMENT_STRATEGY")? {
-            self.assignment = v;
-        }
-        if let Some(v) = parse(&get, "SAGA_CRASH_LOOP_LIMIT")? {
-            self.crash_loop_limit = v;
-        }
-        if let Some(v) = parse(&get, "SAGA_OPS_ADDR")? {
-            self.ops_addr = Some(v);
-        }
-        Ok(())
+    /// The settings from the environment, through their one declaration
+    /// ([`KafkaArgs`](crate::settings::KafkaArgs), [`ConsumerArgs`](crate::settings::ConsumerArgs), and
+    /// [`RetentionArgs`](crate::settings::RetentionArgs) for the key retention). A variable that does not
+    /// parse is a [`ConfigProblem`](saga_core::ConfigProblem) naming it; a missing broker is left for
+    /// [`ConsumerSettings::validate`].
+    pub fn from_env() -> Result<Self, saga_core::ConfigProblem> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`ConsumerSettings::from_env`] over any source of variables.
+    pub fn from_vars(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, saga_core::ConfigProblem> {
+        use saga_runtime::settings::from_vars;
+        let kafka: crate::settings::KafkaArgs = from_vars(&get)?;
+        let consumer: crate::settings::ConsumerArgs = from_vars(&get)?;
+        let retention: crate::settings::RetentionArgs = from_vars(&get)?;
+        // KAFKA_PROPERTY_* are read from the process's environment.
+        let kafka = kafka.brokers.map(|b| {
+            KafkaConfig::with_env_properties(Some(b.clone())).unwrap_or(KafkaConfig::new(b))
+        });
+        consumer.settings(kafka, &retention)
     }
 
     /// Checks every setting; the first problem is returned.
@@ -280,7 +242,6 @@ mod tests {
 
     #[test]
     fn environment_overrides_defaults() {
-        let mut settings = ConsumerSettings::default();
         let env = [
             ("KAFKA_BROKERS", "10.0.0.1:9092"),
             ("SAGA_GROUP_ID", "shipping"),
@@ -288,13 +249,12 @@ mod tests {
             ("SAGA_RETRY_INITIAL_MS", "50"),
             ("SAGA_ASSIGNMENT_STRATEGY", "range"),
         ];
-        settings
-            .apply_vars(|name| {
-                env.iter()
-                    .find(|(n, _)| *n == name)
-                    .map(|(_, v)| (*v).to_owned())
-            })
-            .unwrap();
+        let settings = ConsumerSettings::from_vars(|name| {
+            env.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+        .unwrap();
         assert_eq!(settings.kafka.as_ref().unwrap().brokers, "10.0.0.1:9092");
         assert_eq!(settings.group_id.as_deref(), Some("shipping"));
         assert_eq!(settings.batch_size, 250);
@@ -306,12 +266,13 @@ mod tests {
 
     #[test]
     fn bad_values_are_named() {
-        let mut settings = ConsumerSettings::default();
-        let err = settings
-            .apply_vars(|name| (name == "SAGA_BATCH_SIZE").then(|| "lots".to_owned()))
-            .unwrap_err();
+        let err = ConsumerSettings::from_vars(|name| {
+            (name == "SAGA_BATCH_SIZE").then(|| "lots".to_owned())
+        })
+        .unwrap_err();
         assert!(
-            err.to_string().contains("SAGA_BATCH_SIZE=\"lots\""),
+            err.to_string()
+                .starts_with("SAGA_BATCH_SIZE: \"lots\" does not parse"),
             "{err}"
         );
 

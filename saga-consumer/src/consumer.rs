@@ -115,11 +115,14 @@ impl SagaConsumerBuilder {
         }
     }
 
-    /// Reads settings from the environment (see [`ConsumerSettings`]); later builder calls override them.
-    /// A variable that does not parse is reported by [`SagaConsumerBuilder::build`].
+    /// Reads settings from the environment (see [`ConsumerSettings::from_env`]); later builder calls
+    /// override them. A variable that does not parse is reported by [`SagaConsumerBuilder::build`].
     pub fn from_env(mut self) -> Self {
-        if let Err(e) = self.settings.apply_env() {
-            self.env_error.get_or_insert(e);
+        match ConsumerSettings::from_env() {
+            Ok(settings) => self.settings = settings,
+            Err(e) => {
+                self.env_error.get_or_insert(ConfigError::Problem(e));
+            }
         }
         self
     }
@@ -427,6 +430,28 @@ impl SagaConsumer {
         self.settings.retry_topic()
     }
 
+    /// Its settings.
+    pub fn settings(&self) -> &ConsumerSettings {
+        &self.settings
+    }
+
+    /// How long finished step keys are kept.
+    pub(crate) fn key_retention(&self) -> std::time::Duration {
+        self.settings.key_retention
+    }
+
+    /// Whether it has a fast path.
+    #[cfg(feature = "redis")]
+    pub(crate) fn has_fast_path(&self) -> bool {
+        self.fast_path.is_some()
+    }
+
+    /// Gives it a fast path (before it runs).
+    #[cfg(feature = "redis")]
+    pub(crate) fn set_fast_path(&mut self, fast_path: FastPath) {
+        self.fast_path = Some(fast_path);
+    }
+
     /// The consumer's metrics (Prometheus text) and readiness, also while it runs.
     pub fn ops(&self) -> OpsHandle {
         OpsHandle::new(self.ops.handle())
@@ -490,6 +515,7 @@ impl SagaConsumer {
             ),
             lease_holder: lease_holder(&group),
             fast_path: self.fast_path,
+            key_retention: settings.key_retention,
         };
         let shared = Arc::new(WorkerShared {
             executor,

@@ -161,6 +161,7 @@ pub(crate) async fn run_batch(
     deliveries: &[Delivery],
     metrics: &ConsumerMetrics,
     claim: ClaimKind,
+    key_retention: std::time::Duration,
 ) -> Result<BatchRun, BatchError> {
     let mut keys: Vec<(TenantId, StepKey)> = Vec::with_capacity(deliveries.len());
     let mut seen: HashMap<(&TenantId, &StepKey), usize> = HashMap::with_capacity(deliveries.len());
@@ -231,6 +232,7 @@ pub(crate) async fn run_batch(
             new.push((index, key_index));
         }
     }
+    refuse_keys_maybe_gone(conn, deliveries, &new, key_retention).await?;
     // Consecutive new messages of one step are handled with one call.
     let handling = Instant::now();
     for group in
@@ -269,6 +271,53 @@ pub(crate) async fn run_batch(
         met_existing_keys,
     })
 }
+
+/// A message older than the key retention whose key was not found may have had it deleted by retention
+/// (its step may have run): it fails for good, to be dead-lettered, rather than run again silently. Only
+/// messages older than the retention are looked at, against the horizon retention has deleted up to (read
+/// sharing its row, in this transaction: retention cannot delete meanwhile).
+async fn refuse_keys_maybe_gone(
+    conn: &mut sqlx::PgConnection,
+    deliveries: &[Delivery],
+    new: &[(usize, usize)],
+    key_retention: std::time::Duration,
+) -> Result<(), BatchError> {
+    let oldest_safe = chrono::Utc::now().timestamp_millis()
+        - i64::try_from(key_retention.as_millis()).unwrap_or(i64::MAX)
+        + i64::try_from(saga_runtime::store::gc::CLOCK_SKEW.as_millis()).unwrap_or(0);
+    let old: Vec<(usize, i64)> = new
+        .iter()
+        .filter_map(|(index, _)| {
+            let t = deliveries[*index].raw.timestamp_ms?;
+            (t < oldest_safe).then_some((*index, t))
+        })
+        .collect();
+    if old.is_empty() {
+        return Ok(());
+    }
+    let times: Vec<i64> = old.iter().map(|(_, t)| *t).collect();
+    let gone = saga_runtime::store::gc::keys_may_be_gone(conn, &times)
+        .await
+        .map_err(BatchError::from)?;
+    if let Some(((index, t), _)) = old.iter().zip(gone).find(|(_, gone)| *gone) {
+        let at = chrono::DateTime::from_timestamp_millis(*t).unwrap_or_default();
+        return Err(BatchError::Item {
+            index: *index,
+            failure: Failure::Handler(StepError::permanent(KeyMayBeGone(format!(
+                "the message was written at {} and its step key is not in the store: older than the key \
+                 retention (SAGA_KEY_RETENTION_HOURS), its key may have been deleted after its step ran, so it \
+                 is not run again; replay it if its step never ran",
+                at.to_rfc3339()
+            )))),
+        });
+    }
+    Ok(())
+}
+
+/// Why a message older than the key retention is not run.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct KeyMayBeGone(String);
 
 /// Runs one handler call for `group` (indices into `deliveries`, with their key indices).
 #[allow(clippy::too_many_arguments)]

@@ -56,6 +56,8 @@ pub(crate) struct Executor {
     pub lease_holder: String,
     /// The Redis fast path, if on.
     pub fast_path: Option<FastPath>,
+    /// How long finished step keys are kept (a message older than that may have lost its key).
+    pub key_retention: Duration,
 }
 
 impl Executor {
@@ -316,7 +318,15 @@ impl Executor {
         let mut lent = connection.lend(&self.pool).await?;
         let mut tx = lent.begin().await?;
         observe_since(&phases.begin, began);
-        let run = match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics, claim).await
+        let run = match dedup::run_batch(
+            &*self.service,
+            &mut tx,
+            batch,
+            &self.metrics,
+            claim,
+            self.key_retention,
+        )
+        .await
         {
             Ok(run) => run,
             Err(e) => {

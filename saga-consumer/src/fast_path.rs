@@ -63,26 +63,41 @@ pub struct FastPathSettings {
 }
 
 impl FastPathSettings {
-    /// Settings with the defaults for `url`.
+    /// Settings with the defaults (of [`FastPathArgs`](crate::settings::FastPathArgs), declared there) for
+    /// `url`.
     pub fn new(url: impl Into<String>) -> Self {
+        let d = crate::settings::FastPathArgs::default();
         Self {
             url: url.into(),
             namespace: None,
-            lock_ttl: Duration::from_secs(30),
-            key_ttl: Duration::from_secs(3600),
-            timeout: Duration::from_millis(50),
+            lock_ttl: Duration::from_millis(d.lock_ttl_ms),
+            key_ttl: Duration::from_secs(d.key_ttl_secs),
+            timeout: Duration::from_millis(d.timeout_ms),
         }
     }
 
-    /// The settings from the environment (see the fields), or `None` when `REDIS_URL` is unset: the fast
-    /// path is off.
+    /// The settings from the environment (see [`FastPathArgs`](crate::settings::FastPathArgs)), or `None`
+    /// when `REDIS_URL` is unset: the fast path is off.
     pub fn from_env() -> Result<Option<Self>, ConfigProblem> {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
     /// [`FastPathSettings::from_env`] over any source of variables.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, ConfigProblem> {
-        let Some(url) = get("REDIS_URL").filter(|u| !u.trim().is_empty()) else {
+        let args: crate::settings::FastPathArgs = saga_runtime::settings::from_vars(&get)?;
+        let retention: crate::settings::RetentionArgs = saga_runtime::settings::from_vars(&get)?;
+        args.settings(&retention)
+    }
+}
+
+impl crate::settings::FastPathArgs {
+    /// The fast path's settings, or `None` when `REDIS_URL` is unset. Refuses a URL that is not Redis's,
+    /// and a key TTL longer than the key retention (Redis must not remember keys PostgreSQL forgot).
+    pub fn settings(
+        &self,
+        retention: &crate::settings::RetentionArgs,
+    ) -> Result<Option<FastPathSettings>, ConfigProblem> {
+        let Some(url) = self.redis_url.clone().filter(|u| !u.trim().is_empty()) else {
             return Ok(None);
         };
         redis::Client::open(url.as_str()).map_err(|e| {
@@ -92,55 +107,21 @@ impl FastPathSettings {
                 "use redis://host:port/db",
             )
         })?;
-        let mut settings = Self::new(url);
-        settings.namespace = get("REDIS_NAMESPACE").filter(|n| !n.is_empty());
-        let number = |name: &str| -> Result<Option<u64>, ConfigProblem> {
-            get(name)
-                .map(|v| {
-                    v.trim()
-                        .parse::<u64>()
-                        .ok()
-                        .filter(|n| *n > 0)
-                        .ok_or_else(|| {
-                            ConfigProblem::new(
-                                name,
-                                format!("{v:?} is not a positive whole number"),
-                                "fix or unset it",
-                            )
-                        })
-                })
-                .transpose()
+        let settings = FastPathSettings {
+            url,
+            namespace: self.namespace.clone().filter(|n| !n.is_empty()),
+            lock_ttl: Duration::from_millis(self.lock_ttl_ms),
+            key_ttl: Duration::from_secs(self.key_ttl_secs),
+            timeout: Duration::from_millis(self.timeout_ms),
         };
-        if let Some(ms) = number("REDIS_LOCK_TTL_MS")? {
-            settings.lock_ttl = Duration::from_millis(ms);
-        }
-        if let Some(secs) = number("REDIS_KEY_TTL_SECS")? {
-            settings.key_ttl = Duration::from_secs(secs);
-        }
-        if let Some(ms) = number("REDIS_TIMEOUT_MS")? {
-            settings.timeout = Duration::from_millis(ms);
-        }
-        let retention_hours = match get("SAGA_KEY_RETENTION_HOURS") {
-            None => {
-                saga_runtime::store::gc::GcPolicy::default()
-                    .retention
-                    .as_secs_f64()
-                    / 3600.0
-            }
-            Some(v) => v.trim().parse::<f64>().map_err(|_| {
-                ConfigProblem::new(
-                    "SAGA_KEY_RETENTION_HOURS",
-                    format!("{v:?} is not a number"),
-                    "fix or unset it",
-                )
-            })?,
-        };
-        if settings.key_ttl.as_secs_f64() > retention_hours * 3600.0 {
+        let retention = retention.key_retention()?;
+        if settings.key_ttl > retention {
             return Err(ConfigProblem::new(
                 "REDIS_KEY_TTL_SECS",
                 format!(
-                    "{} s is longer than the key retention ({retention_hours} h)",
-                    settings.key_ttl.as_secs()
+                    "{} s is longer than the key retention ({} h)",
+                    settings.key_ttl.as_secs(),
+                    retention.as_secs_f64() / 3600.0
                 ),
                 "lower it: Redis may not remember keys PostgreSQL has forgotten",
             ));

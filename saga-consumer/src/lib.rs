@@ -87,6 +87,7 @@ mod poll;
 mod retry;
 mod runner;
 mod service;
+pub mod settings;
 pub mod setup;
 
 pub use config::{AssignmentStrategy, ConsumerSettings};

@@ -32,18 +32,25 @@ pub struct RetryPolicy {
 }
 
 impl Default for RetryPolicy {
+    /// The defaults of [`ConsumerArgs`](crate::settings::ConsumerArgs) (`SAGA_MAX_ATTEMPTS`,
+    /// `SAGA_RETRY_INITIAL_MS`, `SAGA_RETRY_MAX_MS`), declared there once.
     fn default() -> Self {
-        Self {
-            max_attempts: 5,
-            initial_backoff: Duration::from_millis(200),
-            max_backoff: Duration::from_secs(30),
-            multiplier: 2.0,
-            jitter: 0.2,
-        }
+        crate::settings::ConsumerArgs::default().retry()
     }
 }
 
 impl RetryPolicy {
+    /// `attempts` in all, backing off from `initial` to at most `max` (doubling, with a fifth of jitter).
+    pub fn with_attempts_and_backoff(attempts: u32, initial: Duration, max: Duration) -> Self {
+        Self {
+            max_attempts: attempts,
+            initial_backoff: initial,
+            max_backoff: max,
+            multiplier: 2.0,
+            jitter: 0.2,
+        }
+    }
+
     /// Attempts in all, the first one included, before a transiently failing message is dead-lettered.
     #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {

@@ -7,6 +7,8 @@ use std::net::SocketAddr;
 use futures::future::BoxFuture;
 use outbox_relay::{Relay, RelayBuilder, RelayError};
 use saga_core::OutboxMode;
+
+use crate::settings::{OutboxArgs, ServiceArgs};
 use saga_core::{SagaStep, TwoPhaseStep};
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
@@ -163,6 +165,9 @@ pub struct SagaServiceBuilder {
     outbox_mode: OutboxMode,
     outbox_max_bytes: usize,
     create_topics: Option<(i32, i32)>,
+    accept_key_expiry: bool,
+    #[cfg(feature = "redis")]
+    fast_path: Option<crate::fast_path::FastPathSettings>,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
     pool: Option<PgPool>,
@@ -189,9 +194,12 @@ impl SagaServiceBuilder {
             consumer: SagaConsumer::builder(),
             relay: Relay::builder(),
             embedded_relay: true,
-            outbox_mode: OutboxMode::Table,
-            outbox_max_bytes: saga_runtime::store::outbox::DEFAULT_MAX_TRANSACTION_BYTES,
+            outbox_mode: OutboxArgs::default().mode,
+            outbox_max_bytes: OutboxArgs::default().max_transaction_bytes,
             create_topics: None,
+            accept_key_expiry: false,
+            #[cfg(feature = "redis")]
+            fast_path: None,
             migrators: Vec::new(),
             tasks: Vec::new(),
             pool: None,
@@ -199,61 +207,55 @@ impl SagaServiceBuilder {
         }
     }
 
-    /// Reads the settings from the environment: the consumer's (`KAFKA_BROKERS`, `SAGA_GROUP_ID` required;
-    /// `SAGA_*`, see [`crate::ConsumerSettings`]), the embedded relay's (`RELAY_*`), and
-    /// `SAGA_EMBEDDED_RELAY` (default true), `SAGA_CREATE_TOPICS` (a partition count: create missing
-    /// topics), `SAGA_TOPIC_REPLICATION` (default 1). Later calls override them; a variable that does not
-    /// parse, or a missing required one, is reported by [`SagaServiceBuilder::build`], naming it.
+    /// Reads every setting of a service from the environment, through its one declaration
+    /// ([`ServiceArgs`]: the broker, the consumer, the outbox, the embedded relay and its retention, the
+    /// topics, the Redis fast path); later calls override them. A variable that does not parse, or a
+    /// missing required one, is reported by [`SagaServiceBuilder::build`], naming it.
     pub fn from_env(mut self) -> Self {
-        self.consumer = self.consumer.from_env();
-        self.relay = self.relay.from_env();
-        let flag = |var: &str| std::env::var(var).ok();
-        let parse =
-            |var: &'static str, value: Option<String>| -> Result<Option<i32>, ConfigProblem> {
-                value
-                    .map(|v| {
-                        v.parse::<i32>().map_err(|e| {
-                            ConfigProblem::new(
-                                var,
-                                format!("{v:?} is not a number ({e})"),
-                                "fix its value",
-                            )
-                        })
-                    })
-                    .transpose()
-            };
-        let result = (|| {
-            if let Some(v) = flag("SAGA_EMBEDDED_RELAY") {
-                self.embedded_relay = v.parse::<bool>().map_err(|_| {
-                    ConfigProblem::new(
-                        "SAGA_EMBEDDED_RELAY",
-                        format!("{v:?} is not true or false"),
-                        "fix its value",
-                    )
-                })?;
+        match ServiceArgs::from_env() {
+            Ok(args) => self.args(&args),
+            Err(e) => {
+                self.env_error.get_or_insert(e);
+                self
             }
-            if let Some(v) = flag("SAGA_OUTBOX_MODE") {
-                self.outbox_mode = OutboxMode::parse(&v)?;
+        }
+    }
+
+    /// Takes every setting from `args` (a binary's command line that flattens [`ServiceArgs`], or
+    /// [`ServiceArgs::from_env`]); later calls override them.
+    pub fn args(mut self, args: &ServiceArgs) -> Self {
+        let kafka = args.kafka.config().ok();
+        let settings = args
+            .consumer
+            .settings(kafka.clone(), &args.relay.retention)
+            .and_then(|consumer| {
+                let relay = args.relay.settings(
+                    kafka,
+                    &args.outbox,
+                    args.database.database_url.as_deref(),
+                )?;
+                Ok((consumer, relay))
+            });
+        match settings {
+            Ok((consumer, relay)) => {
+                self.consumer = self.consumer.settings(consumer);
+                self.relay = self.relay.settings(relay);
             }
-            if let Some(v) = flag("SAGA_OUTBOX_MAX_TRANSACTION_BYTES") {
-                self.outbox_max_bytes =
-                    v.parse::<usize>().ok().filter(|b| *b > 0).ok_or_else(|| {
-                        ConfigProblem::new(
-                            "SAGA_OUTBOX_MAX_TRANSACTION_BYTES",
-                            format!("{v:?} is not a positive number of bytes"),
-                            "fix its value",
-                        )
-                    })?;
+            Err(e) => {
+                self.env_error.get_or_insert(e);
             }
-            let partitions = parse("SAGA_CREATE_TOPICS", flag("SAGA_CREATE_TOPICS"))?;
-            let replication = parse("SAGA_TOPIC_REPLICATION", flag("SAGA_TOPIC_REPLICATION"))?;
-            if let Some(p) = partitions {
-                self.create_topics = Some((p, replication.unwrap_or(1)));
+        }
+        self.outbox_mode = args.outbox.mode;
+        self.outbox_max_bytes = args.outbox.max_transaction_bytes;
+        self.embedded_relay = args.embedded_relay;
+        self.create_topics = args.create_topics.map(|p| (p, args.topic_replication));
+        self.accept_key_expiry = args.accept_key_expiry;
+        #[cfg(feature = "redis")]
+        match args.fast_path.settings(&args.relay.retention) {
+            Ok(fast_path) => self.fast_path = fast_path,
+            Err(e) => {
+                self.env_error.get_or_insert(e);
             }
-            Ok::<(), ConfigProblem>(())
-        })();
-        if let Err(e) = result {
-            self.env_error.get_or_insert(e);
         }
         self
     }
@@ -436,6 +438,7 @@ impl SagaServiceBuilder {
                     .kafka(kafka.clone())
                     .pool(pool.clone())
                     .mode(self.outbox_mode)
+                    .max_batch_bytes(self.outbox_max_bytes)
                     .with_ops(ops.clone())
                     .build()?,
             )
@@ -449,12 +452,51 @@ impl SagaServiceBuilder {
             outbox_max_bytes: self.outbox_max_bytes,
             kafka,
             create_topics: self.create_topics,
+            accept_key_expiry: self.accept_key_expiry,
+            #[cfg(feature = "redis")]
+            fast_path: self.fast_path,
             migrators: self.migrators,
             tasks: self.tasks,
             pool,
             ops,
         })
     }
+}
+
+/// Refuses to start when a topic the service reads (its steps' topics, its retry and dead-letter topics:
+/// a replay comes back through the retry topic) keeps messages longer than finished step keys are kept:
+/// a message coming back after its key was deleted would find nothing to say it ran.
+async fn check_key_retention(
+    kafka: &KafkaConfig,
+    topics: &[String],
+    keys: std::time::Duration,
+) -> Result<(), ServiceError> {
+    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+    let retentions = saga_runtime::kafka::topic_retentions(kafka, &names)
+        .await
+        .map_err(|e| ServiceError::Topics(format!("reading the topics' retention: {e}")))?;
+    let hours = |d: std::time::Duration| d.as_secs_f64() / 3600.0;
+    for (topic, retention) in retentions {
+        let kept = match retention {
+            Some(None) => "for ever (retention.ms = -1)".to_owned(),
+            Some(Some(r)) if r > keys => format!("{} h", hours(r)),
+            // Kept no longer than the keys, or the broker does not say (Kafka's default is 7 days).
+            _ => continue,
+        };
+        return Err(ServiceError::Config(ConfigError::Problem(
+            ConfigProblem::new(
+                "SAGA_KEY_RETENTION_HOURS",
+                format!(
+                    "step keys are kept {} h, but topic {topic} keeps messages {kept}: a message delivered \
+                 again after its key was deleted would be dead-lettered instead of skipped",
+                    hours(keys)
+                ),
+                "raise SAGA_KEY_RETENTION_HOURS above the topics' retention (and the broker's offset \
+             retention), lower the topic's retention.ms, or set SAGA_ACCEPT_KEY_EXPIRY=true to accept it",
+            ),
+        )));
+    }
+    Ok(())
 }
 
 /// A service: its migrations, its topics, its consumer, its embedded outbox relay and its background tasks,
@@ -494,6 +536,9 @@ pub struct SagaService {
     outbox_max_bytes: usize,
     kafka: KafkaConfig,
     create_topics: Option<(i32, i32)>,
+    accept_key_expiry: bool,
+    #[cfg(feature = "redis")]
+    fast_path: Option<crate::fast_path::FastPathSettings>,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
     pool: PgPool,
@@ -514,6 +559,18 @@ impl std::fmt::Debug for SagaService {
 }
 
 impl SagaService {
+    /// The embedded relay's settings (`None`: it runs apart), for tests.
+    #[doc(hidden)]
+    pub fn relay_settings(&self) -> Option<&outbox_relay::RelaySettings> {
+        self.relay.as_ref().map(Relay::settings)
+    }
+
+    /// The consumer's settings, for tests.
+    #[doc(hidden)]
+    pub fn consumer_settings(&self) -> &crate::ConsumerSettings {
+        self.consumer.settings()
+    }
+
     /// Starts building a service.
     pub fn builder() -> SagaServiceBuilder {
         SagaServiceBuilder::new()
@@ -554,11 +611,28 @@ impl SagaService {
                 .await
                 .map_err(|e| ServiceError::Topics(e.to_string()))?;
         }
+        if !self.accept_key_expiry {
+            let mut topics = self.consumer.topics();
+            topics.push(self.consumer.dlq_topic());
+            check_key_retention(&self.kafka, &topics, self.consumer.key_retention()).await?;
+        }
+        #[cfg(feature = "redis")]
+        let mut consumer = self.consumer;
+        #[cfg(not(feature = "redis"))]
+        let consumer = self.consumer;
+        // REDIS_URL turns the fast path on for the consumer (a service's HTTP layer is given its own).
+        #[cfg(feature = "redis")]
+        if let Some(settings) = self.fast_path
+            && !consumer.has_fast_path()
+        {
+            let fast = crate::fast_path::FastPath::new(settings, &self.pool).await?;
+            fast.connect().await;
+            consumer.set_fast_path(fast);
+        }
 
         let stop = CancellationToken::new();
         let mut parts: JoinSet<(String, Result<(), ServiceError>)> = JoinSet::new();
         let consumer_stop = stop.clone().cancelled_owned();
-        let consumer = self.consumer;
         parts.spawn(async move {
             (
                 "the consumer".to_owned(),

@@ -117,6 +117,37 @@ pub async fn ensure_topics(
     Ok(())
 }
 
+/// How long the broker keeps the messages of each of `topics` (`retention.ms`): `Some(None)` for ever
+/// (`-1`), `None` when the broker does not say (Kafka's default is then 7 days).
+pub async fn topic_retentions(
+    config: &KafkaConfig,
+    topics: &[&str],
+) -> Result<Vec<(String, Option<Option<Duration>>)>, KafkaError> {
+    use rdkafka::admin::ResourceSpecifier;
+    let admin: AdminClient<DefaultClientContext> = client_config(config).create()?;
+    let specifiers: Vec<ResourceSpecifier<'_>> =
+        topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let results = admin
+        .describe_configs(
+            &specifiers,
+            &AdminOptions::new().request_timeout(Some(Duration::from_secs(30))),
+        )
+        .await?;
+    let mut retentions = Vec::with_capacity(topics.len());
+    for (topic, result) in topics.iter().zip(results) {
+        let resource = result.map_err(KafkaError::AdminOp)?;
+        let retention = resource
+            .entries
+            .iter()
+            .find(|e| e.name == "retention.ms")
+            .and_then(|e| e.value.as_deref())
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .map(|ms| u64::try_from(ms).ok().map(Duration::from_millis));
+        retentions.push(((*topic).to_owned(), retention));
+    }
+    Ok(retentions)
+}
+
 /// One partition's watermarks: the first offset the broker still keeps and the next it will write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Watermarks {

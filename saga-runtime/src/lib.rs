@@ -34,6 +34,7 @@ pub mod config;
 pub mod kafka;
 pub mod ops;
 pub mod replay;
+pub mod settings;
 pub mod shutdown;
 pub mod store;
 pub mod telemetry;

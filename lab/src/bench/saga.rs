@@ -197,7 +197,7 @@ pub async fn latency(
     }
     let order = quote_ident(&args.schema(Service::Order));
     // The hops are read from the outbox's rows: the write-ahead log keeps none.
-    let hops = if args.outbox_mode == saga_consumer::OutboxMode::Table {
+    let hops = if args.outbox_mode() == saga_consumer::OutboxMode::Table {
         hops(pool, args, from).await?
     } else {
         Vec::new()

@@ -177,21 +177,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             .duration_since(std::time::UNIX_EPOCH)?
             .as_millis()
     );
-    let args = ServiceArgs {
-        database_url: cli.database_url.clone(),
-        schema_prefix: run.replace('-', "_"),
-        brokers: cli.brokers.clone(),
-        topic_prefix: run.clone(),
-        http_addr: saga_test_support::free_local_addr(),
-        ops_addr: None,
-        crash_after_commit: 0.0,
-        create_topics: false,
-        gateway_latency_ms: 1,
-        embedded_relay: true,
-        orchestrated: false,
-        outbox_mode: saga_consumer::OutboxMode::Table,
-        fetch_wait_ms: cli.fetch_wait_ms,
-    };
+    let mut args = ServiceArgs::local(
+        cli.database_url.clone(),
+        cli.brokers.clone(),
+        run.replace('-', "_"),
+        run.clone(),
+    );
+    args.http_addr = saga_test_support::free_local_addr();
+    args.gateway_latency_ms = 1;
+    if let Some(ms) = cli.fetch_wait_ms {
+        args.saga.consumer.fetch_wait_ms = ms;
+    }
     let uses_broker = SECTIONS
         .iter()
         .any(|name| !BROKER_FREE.contains(name) && section(name));
@@ -535,8 +531,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         // PostgreSQL take without the broker's time.
         let mock = Broker::mock()?;
         let mut args = args.clone();
-        args.brokers = mock.brokers();
-        args.fetch_wait_ms = Some(cli.mock_saga_fetch_wait_ms);
+        args.saga.kafka.brokers = Some(mock.brokers());
+        args.saga.consumer.fetch_wait_ms = cli.mock_saga_fetch_wait_ms;
         args.schema_prefix = format!("{}_mock", args.schema_prefix);
         args.topic_prefix = format!("{}-mock", args.topic_prefix);
         for mode in &cli.outbox_modes {
@@ -678,7 +674,7 @@ async fn saga_pass(
     progress: &Progress,
 ) -> anyhow::Result<saga::SagaLatency> {
     let mut args = args.clone();
-    args.outbox_mode = mode;
+    args.saga.outbox.mode = mode;
     if mode == OutboxMode::Wal {
         args.schema_prefix = format!("{}_wal", args.schema_prefix);
         args.topic_prefix = format!("{}-wal", args.topic_prefix);

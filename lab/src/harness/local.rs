@@ -47,21 +47,15 @@ impl LocalSaga {
         let db = TestDb::empty(name).await;
         let kafka = TestKafka::new().await;
         let prefix = unique_name(name);
-        let args = ServiceArgs {
-            database_url: TestDb::database_url(),
-            schema_prefix: format!("e2e_{}", prefix.replace('-', "_")),
-            brokers: kafka.brokers.clone(),
-            topic_prefix: prefix,
-            http_addr: free_local_addr(),
-            ops_addr: None,
-            crash_after_commit: 0.0,
-            create_topics: false,
-            gateway_latency_ms: 1,
-            embedded_relay: true,
-            orchestrated,
-            outbox_mode: saga_consumer::OutboxMode::Table,
-            fetch_wait_ms: None,
-        };
+        let mut args = ServiceArgs::local(
+            TestDb::database_url(),
+            kafka.brokers.clone(),
+            format!("e2e_{}", prefix.replace('-', "_")),
+            prefix,
+        );
+        args.http_addr = free_local_addr();
+        args.gateway_latency_ms = 1;
+        args.orchestrated = orchestrated;
         for topic in args.all_topics() {
             kafka.create_topic(&topic, 3).await;
         }

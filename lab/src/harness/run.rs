@@ -185,21 +185,18 @@ struct DuplicateCounts {
 impl Run {
     /// Starts the services as child processes of this binary (`{exe} service {name}`) against `broker`.
     pub async fn start(options: &RunOptions, broker: Broker) -> anyhow::Result<Self> {
-        let args = ServiceArgs {
-            database_url: options.database_url.clone(),
-            schema_prefix: options.name.replace('-', "_"),
-            brokers: broker.brokers(),
-            topic_prefix: options.name.clone(),
-            http_addr: saga_test_support::free_local_addr(),
-            ops_addr: None,
-            crash_after_commit: options.crash_rate,
-            create_topics: false,
-            gateway_latency_ms: options.gateway_latency_ms,
-            embedded_relay: !options.separate_relays,
-            orchestrated: options.orchestrated,
-            outbox_mode: options.outbox_mode,
-            fetch_wait_ms: None,
-        };
+        let mut args = ServiceArgs::local(
+            options.database_url.clone(),
+            broker.brokers(),
+            options.name.replace('-', "_"),
+            options.name.clone(),
+        );
+        args.http_addr = saga_test_support::free_local_addr();
+        args.crash_after_commit = options.crash_rate;
+        args.gateway_latency_ms = options.gateway_latency_ms;
+        args.orchestrated = options.orchestrated;
+        args.saga.embedded_relay = !options.separate_relays;
+        args.saga.outbox.mode = options.outbox_mode;
         args.check().await?;
         broker
             .create_topics(&args.all_topics(), options.partitions)
@@ -230,9 +227,9 @@ impl Run {
                 let mut command = Command::new(&exe);
                 command
                     .args([role, service.as_str()])
-                    .env("DATABASE_URL", &args.database_url)
+                    .env("DATABASE_URL", args.database_url())
                     .env("SAGA_SCHEMA_PREFIX", &args.schema_prefix)
-                    .env("KAFKA_BROKERS", &args.brokers)
+                    .env("KAFKA_BROKERS", args.brokers())
                     .env("SAGA_TOPIC_PREFIX", &args.topic_prefix)
                     .env("HTTP_ADDR", args.http_addr.to_string())
                     .env("SAGA_OPS_ADDR", addr.to_string())
@@ -241,9 +238,9 @@ impl Run {
                         args.crash_after_commit.to_string(),
                     )
                     .env("GATEWAY_LATENCY_MS", args.gateway_latency_ms.to_string())
-                    .env("SAGA_EMBEDDED_RELAY", args.embedded_relay.to_string())
+                    .env("SAGA_EMBEDDED_RELAY", args.saga.embedded_relay.to_string())
                     .env("SAGA_ORCHESTRATED", args.orchestrated.to_string())
-                    .env("SAGA_OUTBOX_MODE", args.outbox_mode.as_str())
+                    .env("SAGA_OUTBOX_MODE", args.outbox_mode().as_str())
                     .env(
                         "RUST_LOG",
                         std::env::var("RUST_LOG")

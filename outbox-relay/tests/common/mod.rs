@@ -103,11 +103,11 @@ pub fn relay_command(db: &TestDb, brokers: &str) -> tokio::process::Command {
     command
         .args(["--database-url", &db.url(), "run", "--brokers", brokers])
         .args([
-            "--batch-size",
+            "--relay-batch-size",
             "200",
-            "--poll-interval-ms",
+            "--relay-poll-interval-ms",
             "200",
-            "--gc-interval-secs",
+            "--relay-gc-interval-secs",
             "0",
         ])
         .env("RUST_LOG", "warn")

@@ -51,6 +51,15 @@ pub async fn collect_idempotency_keys(
     policy: &GcPolicy,
 ) -> Result<GcReport, sqlx::Error> {
     let mut report = GcReport::default();
+    // The horizon first (holding its row until this statement commits, after a consumer's transaction that
+    // read it): keys are deleted only below it.
+    sqlx::query(
+        "INSERT INTO saga_key_gc_horizon (horizon) VALUES (now() - $1 * interval '1 millisecond') \
+         ON CONFLICT (singleton) DO UPDATE SET horizon = greatest(saga_key_gc_horizon.horizon, EXCLUDED.horizon)",
+    )
+    .bind(i64::try_from(policy.retention.as_millis()).unwrap_or(i64::MAX))
+    .execute(pool)
+    .await?;
     let finished = "DELETE FROM saga_idempotency_keys WHERE ctid = ANY(ARRAY( \
             SELECT ctid FROM saga_idempotency_keys \
             WHERE status <> 'started' AND updated_at < now() - $1 * interval '1 millisecond' \
@@ -103,4 +112,28 @@ pub async fn delete_in_batches(
             return Ok(total);
         }
     }
+}
+
+/// How much a message's timestamp (the producer's clock) may be ahead of the database's: a key written
+/// when the message was processed is taken to be at most this much older than the message says.
+pub const CLOCK_SKEW: Duration = Duration::from_secs(3600);
+
+/// The messages among `timestamps_ms` (milliseconds since the epoch) that may have had their step key
+/// deleted by retention: older than the horizon retention has deleted keys up to (less [`CLOCK_SKEW`]).
+/// Reads the horizon sharing its row, so that retention cannot move it before the caller's transaction
+/// ends. One answer per timestamp, in order.
+pub async fn keys_may_be_gone(
+    conn: &mut sqlx::PgConnection,
+    timestamps_ms: &[i64],
+) -> Result<Vec<bool>, sqlx::Error> {
+    let horizon: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT horizon FROM saga_key_gc_horizon FOR SHARE")
+            .fetch_optional(conn)
+            .await?;
+    let Some(horizon) = horizon else {
+        return Ok(vec![false; timestamps_ms.len()]);
+    };
+    let limit =
+        horizon.timestamp_millis() + i64::try_from(CLOCK_SKEW.as_millis()).unwrap_or(i64::MAX);
+    Ok(timestamps_ms.iter().map(|t| *t < limit).collect())
 }

@@ -1,0 +1,261 @@
+//! The relay's settings, each declared once (flag, environment variable, default, doc): the `outbox-relay`
+//! binary flattens these groups into its command line, and a relay a service embeds reads the same groups
+//! from the environment ([`RelayBuilder::from_env`](crate::RelayBuilder::from_env)), so both read every
+//! setting, retention included, the same way. The configuration page is generated from them.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use saga_core::{ConfigProblem, KafkaConfig, OutboxMode};
+
+use crate::gc::RetentionPolicy;
+use crate::relay::RelaySettings;
+use crate::store::AfterPublish;
+
+/// Reads a settings group from the environment, or its defaults, through its one declaration.
+macro_rules! settings_group {
+    ($group:ty) => {
+        impl $group {
+            /// This group from the environment (its variables, else their defaults); a variable that does
+            /// not parse is a [`ConfigProblem`] naming it.
+            pub fn from_env() -> Result<Self, ConfigProblem> {
+                saga_runtime::settings::from_env()
+            }
+        }
+
+        impl Default for $group {
+            fn default() -> Self {
+                saga_runtime::settings::defaults()
+            }
+        }
+    };
+}
+
+/// The database.
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct DatabaseArgs {
+    /// The PostgreSQL URL of the service's database.
+    #[arg(long = "database-url", env = "DATABASE_URL")]
+    pub database_url: Option<String>,
+}
+settings_group!(DatabaseArgs);
+
+/// The schema of a service in its database.
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct SchemaArgs {
+    /// The service's schema (sets `search_path`); default: the URL's own search path.
+    #[arg(long = "schema", env = "SAGA_SCHEMA")]
+    pub schema: Option<String>,
+}
+settings_group!(SchemaArgs);
+
+/// The broker.
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct KafkaArgs {
+    /// Kafka bootstrap servers (required). Any librdkafka property is set with `KAFKA_PROPERTY_{NAME}`
+    /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
+    #[arg(long = "brokers", env = "KAFKA_BROKERS")]
+    pub brokers: Option<String>,
+}
+settings_group!(KafkaArgs);
+
+impl KafkaArgs {
+    /// The client configuration: the brokers (a [`ConfigProblem`] naming `KAFKA_BROKERS` when missing) and
+    /// the `KAFKA_PROPERTY_*` properties.
+    pub fn config(&self) -> Result<KafkaConfig, ConfigProblem> {
+        KafkaConfig::with_env_properties(self.brokers.clone())
+    }
+}
+
+/// Where a service writes its outbox, read by its writers and by the relays of its schema.
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct OutboxArgs {
+    /// `table`: events are rows of `saga_outbox`; `wal`: one logical message per transaction in the
+    /// write-ahead log (needs `wal_level = logical`; see the WAL outbox guide). Every process of a schema
+    /// has the same.
+    #[arg(long = "outbox-mode", env = "SAGA_OUTBOX_MODE", default_value = "table", value_parser = parse_mode)]
+    pub mode: OutboxMode,
+    /// The largest size in bytes of one write of a transaction's events, as written to the log, in both
+    /// modes: a step writing more fails for good (a dead letter saying so), an HTTP request gets a 500.
+    #[arg(
+        long = "outbox-max-transaction-bytes",
+        env = "SAGA_OUTBOX_MAX_TRANSACTION_BYTES",
+        default_value_t = saga_runtime::store::outbox::DEFAULT_MAX_TRANSACTION_BYTES,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..),
+    )]
+    pub max_transaction_bytes: usize,
+}
+settings_group!(OutboxArgs);
+
+fn parse_mode(text: &str) -> Result<OutboxMode, String> {
+    OutboxMode::parse(text).map_err(|p| p.problem)
+}
+
+/// Retention: what is deleted after how long, by the relay (embedded or not) and `outbox-relay gc`.
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct RetentionArgs {
+    /// How long finished step keys are kept, in hours. It must exceed the longest time a message can come
+    /// back after it took effect (the topics' retention, and the broker's offset retention): a service
+    /// refuses to start when a topic it reads keeps messages longer, unless `SAGA_ACCEPT_KEY_EXPIRY`.
+    #[arg(
+        long = "key-retention-hours",
+        env = "SAGA_KEY_RETENTION_HOURS",
+        default_value_t = 168.0
+    )]
+    pub key_retention_hours: f64,
+    /// How long published outbox rows are kept, in hours (what `saga trace` shows of a step's events).
+    #[arg(
+        long = "relay-published-retention-hours",
+        env = "RELAY_PUBLISHED_RETENTION_HOURS",
+        default_value_t = 168.0
+    )]
+    pub published_retention_hours: f64,
+    /// After how many hours an abandoned two-phase lease (its worker died) is deleted.
+    #[arg(
+        long = "abandoned-lease-hours",
+        env = "SAGA_ABANDONED_LEASE_HOURS",
+        default_value_t = 24.0
+    )]
+    pub abandoned_lease_hours: f64,
+    /// Rows per DELETE statement of retention (bounded batches: no long locks).
+    #[arg(
+        long = "relay-gc-batch-size",
+        env = "RELAY_GC_BATCH_SIZE",
+        default_value_t = 5_000
+    )]
+    pub gc_batch_size: u32,
+    /// Seconds between retention runs of a running relay (0: never).
+    #[arg(
+        long = "relay-gc-interval-secs",
+        env = "RELAY_GC_INTERVAL_SECS",
+        default_value_t = 60
+    )]
+    pub gc_interval_secs: u64,
+}
+settings_group!(RetentionArgs);
+
+impl RetentionArgs {
+    /// The retention policy.
+    pub fn policy(&self) -> Result<RetentionPolicy, ConfigProblem> {
+        let hours = |h: f64, var: &str| {
+            Duration::try_from_secs_f64(h * 3600.0).map_err(|_| {
+                ConfigProblem::new(
+                    var,
+                    format!("{h} is not a number of hours"),
+                    "set it to a non-negative number",
+                )
+            })
+        };
+        Ok(RetentionPolicy {
+            published_rows: hours(
+                self.published_retention_hours,
+                "RELAY_PUBLISHED_RETENTION_HOURS",
+            )?,
+            finished_keys: self.key_retention()?,
+            abandoned_leases: hours(self.abandoned_lease_hours, "SAGA_ABANDONED_LEASE_HOURS")?,
+            batch_size: self.gc_batch_size.max(1),
+        })
+    }
+
+    /// How long finished step keys are kept.
+    pub fn key_retention(&self) -> Result<Duration, ConfigProblem> {
+        Duration::try_from_secs_f64(self.key_retention_hours * 3600.0).map_err(|_| {
+            ConfigProblem::new(
+                "SAGA_KEY_RETENTION_HOURS",
+                format!("{} is not a number of hours", self.key_retention_hours),
+                "set it to a non-negative number",
+            )
+        })
+    }
+}
+
+/// The relay: how it publishes, and its retention.
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct RelayArgs {
+    /// Most rows (or WAL events) per batch.
+    #[arg(long = "relay-batch-size", env = "RELAY_BATCH_SIZE", default_value_t = 2_000, value_parser = clap::value_parser!(i64).range(1..))]
+    pub batch_size: i64,
+    /// Fallback poll of the table outbox in milliseconds; a commit wakes the relay at once
+    /// (`LISTEN`/`NOTIFY`).
+    #[arg(
+        long = "relay-poll-interval-ms",
+        env = "RELAY_POLL_INTERVAL_MS",
+        default_value_t = 1_000
+    )]
+    pub poll_interval_ms: u64,
+    /// librdkafka's linger in milliseconds: 0 sends at once (lowest latency); a few ms batch more on a fast
+    /// broker.
+    #[arg(long = "relay-linger-ms", env = "RELAY_LINGER_MS", default_value_t = 0)]
+    pub linger_ms: u64,
+    /// Delete rows once published instead of marking them (then `saga trace` shows no publication).
+    #[arg(long = "relay-delete-published", env = "RELAY_DELETE_PUBLISHED")]
+    pub delete_published: bool,
+    /// Failed attempts after which an event the broker refuses for good (too large, invalid) is parked:
+    /// set aside with its error, counted, published again once retried.
+    #[arg(
+        long = "relay-park-after-attempts",
+        env = "RELAY_PARK_AFTER_ATTEMPTS",
+        default_value_t = 3
+    )]
+    pub park_after_attempts: u32,
+    /// WAL mode: how long, in seconds, an event that keeps failing (whatever the error) is tried again
+    /// before it is parked with its key's later events, so that the slot moves on for the other keys.
+    #[arg(
+        long = "relay-park-after-secs",
+        env = "RELAY_PARK_AFTER_SECS",
+        default_value_t = 30
+    )]
+    pub park_after_secs: u64,
+    /// Where the relay binary serves `/metrics`, `/healthz` and `/readyz` (a relay a service embeds
+    /// shares the service's).
+    #[arg(long = "relay-ops-addr", env = "RELAY_OPS_ADDR")]
+    pub ops_addr: Option<SocketAddr>,
+    /// WAL mode: the URL of the replication connection (default: `DATABASE_URL`); its role needs the
+    /// `REPLICATION` attribute (`sslmode=require` asks for TLS).
+    #[arg(long = "replication-url", env = "SAGA_REPLICATION_URL")]
+    pub replication_url: Option<String>,
+    /// Retention.
+    #[command(flatten)]
+    pub retention: RetentionArgs,
+}
+settings_group!(RelayArgs);
+
+impl RelayArgs {
+    /// The relay's settings from these, with `kafka` and `outbox` (the relay reads the service's mode);
+    /// `database_url` stands for the replication URL when none is set.
+    pub fn settings(
+        &self,
+        kafka: Option<KafkaConfig>,
+        outbox: &OutboxArgs,
+        database_url: Option<&str>,
+    ) -> Result<RelaySettings, ConfigProblem> {
+        let mut s = RelaySettings::internal_defaults();
+        s.kafka = kafka;
+        s.batch_size = self.batch_size.max(1);
+        s.poll_interval = Duration::from_millis(self.poll_interval_ms.max(1));
+        s.linger = Duration::from_millis(self.linger_ms);
+        s.after_publish = if self.delete_published {
+            AfterPublish::Delete
+        } else {
+            AfterPublish::Mark
+        };
+        s.park_after = self.park_after_attempts.max(1);
+        s.park_after_time = Duration::from_secs(self.park_after_secs);
+        s.ops_addr = self.ops_addr;
+        s.retention = self.retention.policy()?;
+        s.retention_interval = Duration::from_secs(self.retention.gc_interval_secs);
+        s.mode = outbox.mode;
+        s.max_batch_bytes = outbox.max_transaction_bytes;
+        s.replication_url = self
+            .replication_url
+            .clone()
+            .or_else(|| database_url.map(str::to_owned));
+        Ok(s)
+    }
+}

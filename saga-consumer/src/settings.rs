@@ -1,0 +1,248 @@
+//! Every setting of a service, each declared once (flag, environment variable, default, doc), in groups a
+//! binary flattens into its command line ([`ServiceArgs`] is a whole service's) and that
+//! [`SagaServiceBuilder::from_env`](crate::SagaServiceBuilder::from_env) reads from the environment through
+//! the same declarations. The relay's groups are `outbox-relay`'s, so a service's embedded relay and the
+//! `outbox-relay` binary read the same settings, retention included. The configuration page is generated
+//! from these declarations.
+//!
+//! ```
+//! use clap::Parser;
+//!
+//! /// A service of one's own: the framework's settings, and its own.
+//! #[derive(Parser)]
+//! struct Cli {
+//!     #[command(flatten)]
+//!     saga: saga_consumer::settings::ServiceArgs,
+//!     /// Where the service's HTTP API listens.
+//!     #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
+//!     http_addr: std::net::SocketAddr,
+//! }
+//!
+//! let cli = Cli::parse_from(["my-service", "--group-id", "orders", "--batch-size", "50"]);
+//! assert_eq!(cli.saga.consumer.batch_size, 50);
+//! assert_eq!(cli.saga.relay.batch_size, 2_000, "the relay's own batch size, another setting");
+//! ```
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use saga_core::{ConfigProblem, KafkaConfig};
+
+pub use outbox_relay::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SchemaArgs};
+
+use crate::config::{AssignmentStrategy, ConsumerSettings};
+use crate::retry::RetryPolicy;
+
+/// Reads a settings group from the environment, or its defaults, through its one declaration.
+macro_rules! settings_group {
+    ($group:ty) => {
+        impl $group {
+            /// This group from the environment (its variables, else their defaults); a variable that does
+            /// not parse is a [`ConfigProblem`] naming it.
+            pub fn from_env() -> Result<Self, ConfigProblem> {
+                saga_runtime::settings::from_env()
+            }
+        }
+
+        impl Default for $group {
+            fn default() -> Self {
+                saga_runtime::settings::defaults()
+            }
+        }
+    };
+}
+
+/// The consumer: its group, how it batches, retries, dead-letters and commits.
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct ConsumerArgs {
+    /// The consumer group (required).
+    #[arg(long = "group-id", env = "SAGA_GROUP_ID")]
+    pub group_id: Option<String>,
+    /// Partitions processed at once.
+    #[arg(long = "concurrency", env = "SAGA_CONCURRENCY", default_value_t = 4)]
+    pub concurrency: usize,
+    /// Most messages of a partition in one transaction.
+    #[arg(long = "batch-size", env = "SAGA_BATCH_SIZE", default_value_t = 100)]
+    pub batch_size: usize,
+    /// Attempts before a transiently failing message is dead-lettered (an unavailable database spends
+    /// none).
+    #[arg(long = "max-attempts", env = "SAGA_MAX_ATTEMPTS", default_value_t = 5)]
+    pub max_attempts: u32,
+    /// The first backoff between attempts, in milliseconds (exponential, with jitter).
+    #[arg(
+        long = "retry-initial-ms",
+        env = "SAGA_RETRY_INITIAL_MS",
+        default_value_t = 200
+    )]
+    pub retry_initial_ms: u64,
+    /// The longest backoff between attempts, in milliseconds.
+    #[arg(
+        long = "retry-max-ms",
+        env = "SAGA_RETRY_MAX_MS",
+        default_value_t = 30_000
+    )]
+    pub retry_max_ms: u64,
+    /// The dead-letter topic (default: `{group}.dlq`).
+    #[arg(long = "dlq-topic", env = "SAGA_DLQ_TOPIC")]
+    pub dlq_topic: Option<String>,
+    /// Where `saga dlq replay` sends this group's dead letters (default: `{group}.retry`); the consumer
+    /// reads it with its steps. It must exist, like the dead-letter topic (`SAGA_CREATE_TOPICS` makes both).
+    #[arg(long = "retry-topic", env = "SAGA_RETRY_TOPIC")]
+    pub retry_topic: Option<String>,
+    /// How often finished offsets are committed, in milliseconds (no effect on latency: the step key
+    /// decides, offsets are bookkeeping).
+    #[arg(
+        long = "commit-interval-ms",
+        env = "SAGA_COMMIT_INTERVAL_MS",
+        default_value_t = 1_000
+    )]
+    pub commit_interval_ms: u64,
+    /// librdkafka's `fetch.wait.max.ms`, in milliseconds: a broker that holds a waiting fetch adds up to
+    /// this at every hop.
+    #[arg(
+        long = "fetch-wait-ms",
+        env = "SAGA_FETCH_WAIT_MS",
+        default_value_t = 10
+    )]
+    pub fetch_wait_ms: u64,
+    /// Longest a handler may run, in milliseconds, before it fails transiently.
+    #[arg(
+        long = "handler-timeout-ms",
+        env = "SAGA_HANDLER_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub handler_timeout_ms: u64,
+    /// Drain deadline on SIGTERM, in milliseconds.
+    #[arg(
+        long = "shutdown-timeout-ms",
+        env = "SAGA_SHUTDOWN_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub shutdown_timeout_ms: u64,
+    /// `range`, `roundrobin` or `cooperative-sticky` (the last has upstream problems with manual commits).
+    #[arg(
+        long = "assignment-strategy",
+        env = "SAGA_ASSIGNMENT_STRATEGY",
+        default_value = "roundrobin"
+    )]
+    pub assignment: AssignmentStrategy,
+    /// Deaths tolerated per message before it is dead-lettered as `crash-loop` (0: off).
+    #[arg(
+        long = "crash-loop-limit",
+        env = "SAGA_CRASH_LOOP_LIMIT",
+        default_value_t = 3
+    )]
+    pub crash_loop_limit: u32,
+    /// Where to serve `/metrics`, `/healthz` and `/readyz` (the consumer's and the outbox's checks;
+    /// `/readyz/relay` is the embedded relay's, which does not gate `/readyz`).
+    #[arg(long = "ops-addr", env = "SAGA_OPS_ADDR")]
+    pub ops_addr: Option<SocketAddr>,
+}
+settings_group!(ConsumerArgs);
+
+impl ConsumerArgs {
+    /// The retry policy these say.
+    pub fn retry(&self) -> RetryPolicy {
+        RetryPolicy::with_attempts_and_backoff(
+            self.max_attempts,
+            Duration::from_millis(self.retry_initial_ms),
+            Duration::from_millis(self.retry_max_ms),
+        )
+    }
+
+    /// The consumer's settings from these, with `kafka` and the key retention `retention` says.
+    pub fn settings(
+        &self,
+        kafka: Option<KafkaConfig>,
+        retention: &RetentionArgs,
+    ) -> Result<ConsumerSettings, ConfigProblem> {
+        let mut s = ConsumerSettings::internal_defaults();
+        s.kafka = kafka;
+        s.group_id = self.group_id.clone();
+        s.concurrency = self.concurrency;
+        s.batch_size = self.batch_size;
+        s.retry = self.retry();
+        s.dlq_topic = self.dlq_topic.clone();
+        s.retry_topic = self.retry_topic.clone();
+        s.commit_interval = Duration::from_millis(self.commit_interval_ms);
+        s.fetch_wait = Duration::from_millis(self.fetch_wait_ms);
+        s.handler_timeout = Duration::from_millis(self.handler_timeout_ms);
+        s.shutdown_timeout = Duration::from_millis(self.shutdown_timeout_ms);
+        s.assignment = self.assignment;
+        s.crash_loop_limit = self.crash_loop_limit;
+        s.ops_addr = self.ops_addr;
+        s.key_retention = retention.key_retention()?;
+        Ok(s)
+    }
+}
+
+/// The Redis fast path (feature `redis`): on when `REDIS_URL` is set.
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct FastPathArgs {
+    /// Turns the fast path on: `redis://HOST:PORT/DB`.
+    #[arg(long = "redis-url", env = "REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// Prefix of every key (default: `saga:{system identifier}.{database}.{schema}.{timeline}` and the
+    /// cluster's last restore: deployments sharing a Redis differ, and a restored or promoted copy gets a
+    /// fresh one).
+    #[arg(long = "redis-namespace", env = "REDIS_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Life of an HTTP in-flight lock whose holder died, in milliseconds.
+    #[arg(long = "redis-lock-ttl-ms", env = "REDIS_LOCK_TTL_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub lock_ttl_ms: u64,
+    /// Life of cached responses and completed keys, in seconds; refused if longer than
+    /// `SAGA_KEY_RETENTION_HOURS`.
+    #[arg(long = "redis-key-ttl-secs", env = "REDIS_KEY_TTL_SECS", default_value_t = 3_600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub key_ttl_secs: u64,
+    /// A slower Redis call, in milliseconds, is answered from PostgreSQL.
+    #[arg(long = "redis-timeout-ms", env = "REDIS_TIMEOUT_MS", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout_ms: u64,
+}
+#[cfg(feature = "redis")]
+settings_group!(FastPathArgs);
+
+/// A whole service: its broker, consumer, outbox, embedded relay (and its retention), topics, and fast
+/// path. What [`SagaServiceBuilder::from_env`](crate::SagaServiceBuilder::from_env) reads; a service's
+/// binary flattens it into its command line.
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct ServiceArgs {
+    /// The database (the embedded relay's replication connection, unless `SAGA_REPLICATION_URL`).
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// The broker.
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// The consumer.
+    #[command(flatten)]
+    pub consumer: ConsumerArgs,
+    /// The outbox.
+    #[command(flatten)]
+    pub outbox: OutboxArgs,
+    /// The embedded relay, and retention.
+    #[command(flatten)]
+    pub relay: RelayArgs,
+    /// Run the outbox relay inside the service (false: `outbox-relay run` publishes the outbox).
+    #[arg(long = "embedded-relay", env = "SAGA_EMBEDDED_RELAY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub embedded_relay: bool,
+    /// Create the service's topics, its dead-letter and retry topics where missing, with this many
+    /// partitions (unset: only check that they exist).
+    #[arg(long = "create-topics", env = "SAGA_CREATE_TOPICS", value_parser = clap::value_parser!(i32).range(1..))]
+    pub create_topics: Option<i32>,
+    /// Replicas of the topics `SAGA_CREATE_TOPICS` creates.
+    #[arg(long = "topic-replication", env = "SAGA_TOPIC_REPLICATION", default_value_t = 1, value_parser = clap::value_parser!(i32).range(1..))]
+    pub topic_replication: i32,
+    /// Start although a topic the service reads keeps messages longer than `SAGA_KEY_RETENTION_HOURS`
+    /// (a message coming back after its key was deleted would otherwise run its step again; the consumer
+    /// still dead-letters such a message rather than run it).
+    #[arg(long = "accept-key-expiry", env = "SAGA_ACCEPT_KEY_EXPIRY")]
+    pub accept_key_expiry: bool,
+    /// The Redis fast path.
+    #[cfg(feature = "redis")]
+    #[command(flatten)]
+    pub fast_path: FastPathArgs,
+}
+settings_group!(ServiceArgs);

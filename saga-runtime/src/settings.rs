@@ -1,0 +1,226 @@
+//! Settings declared once: each is a clap argument with its environment variable, default, unit (in its
+//! name: `_MS`, `_SECS`, `_HOURS`, `_BYTES`) and doc, in a group (`clap::Args`) that binaries flatten into
+//! their command line and that libraries read from the environment through the same declaration
+//! ([`from_env`]), so that a binary and a library cannot read a setting differently, or one of them not at
+//! all. The configuration page is rendered from the same declarations ([`documented`]).
+
+use clap::{ArgAction, Args, Command, FromArgMatches};
+
+use crate::config::ConfigProblem;
+
+/// Parses the group `T` from the environment (its arguments' variables, else their defaults). A variable
+/// that does not parse is a [`ConfigProblem`] naming it.
+pub fn from_env<T: Args + FromArgMatches>() -> Result<T, ConfigProblem> {
+    from_vars(|name| std::env::var(name).ok())
+}
+
+/// The group `T` with every default, whatever the environment holds.
+pub fn defaults<T: Args + FromArgMatches>() -> T {
+    from_vars(|_| None).unwrap_or_else(|e| panic!("the defaults of a settings group parse: {e}"))
+}
+
+/// Parses the group `T` from the variables `get` gives (else the defaults).
+pub fn from_vars<T: Args + FromArgMatches>(
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<T, ConfigProblem> {
+    let command = T::augment_args(Command::new("settings").no_binary_name(true));
+    let mut argv: Vec<String> = Vec::new();
+    let mut longs: Vec<(String, String)> = Vec::new();
+    for arg in command.get_arguments() {
+        let (Some(env), Some(long)) = (arg.get_env(), arg.get_long()) else {
+            continue;
+        };
+        let env = env.to_string_lossy().into_owned();
+        longs.push((long.to_owned(), env.clone()));
+        let Some(value) = get(&env) else {
+            continue;
+        };
+        match arg.get_action() {
+            ArgAction::SetTrue => match boolish(&value) {
+                Some(true) => argv.push(format!("--{long}")),
+                Some(false) => {}
+                None => {
+                    return Err(ConfigProblem::new(
+                        env,
+                        format!("{value:?} is not true or false"),
+                        "set it to true or false",
+                    ));
+                }
+            },
+            _ => {
+                argv.push(format!("--{long}"));
+                argv.push(value);
+            }
+        }
+    }
+    // The variables were turned into arguments: clap must not read them again.
+    let command = command.mut_args(|a| a.env(None::<&str>));
+    command
+        .try_get_matches_from(&argv)
+        .and_then(|matches| T::from_arg_matches(&matches))
+        .map_err(|e| problem(&e, &longs, &get))
+}
+
+fn boolish(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Some(true),
+        "false" | "0" | "no" | "off" | "" => Some(false),
+        _ => None,
+    }
+}
+
+/// The variable clap's error is about, as a one-line problem.
+fn problem(
+    error: &clap::Error,
+    longs: &[(String, String)],
+    get: &impl Fn(&str) -> Option<String>,
+) -> ConfigProblem {
+    let invalid = error
+        .get(clap::error::ContextKind::InvalidArg)
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    let found = longs.iter().find(|(long, _)| {
+        invalid.starts_with(&format!("--{long} ")) || invalid == format!("--{long}")
+    });
+    let rendered = error.render().to_string();
+    let reason = rendered
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("does not parse")
+        .trim_start_matches("error: ")
+        .to_owned();
+    match found {
+        Some((_, env)) => ConfigProblem::new(
+            env.clone(),
+            format!(
+                "{:?} does not parse ({})",
+                get(env).unwrap_or_default(),
+                reason.split(" for '").next().unwrap_or(&reason)
+            ),
+            "fix its value",
+        ),
+        None => ConfigProblem::new("settings", reason, "fix the settings"),
+    }
+}
+
+/// One setting as the configuration page shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Documented {
+    /// The environment variable.
+    pub env: String,
+    /// The flag of the binaries that take it.
+    pub flag: String,
+    /// The default, or `—` when there is none.
+    pub default: String,
+    /// Its doc: what it is and does.
+    pub doc: String,
+}
+
+/// The settings of the group `T` (or of a whole command's arguments), in declaration order.
+pub fn documented(command: &Command) -> Vec<Documented> {
+    command
+        .get_arguments()
+        .filter_map(|arg| {
+            let env = arg.get_env()?.to_string_lossy().into_owned();
+            let default = arg
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(",");
+            let doc = arg
+                .get_long_help()
+                .or_else(|| arg.get_help())
+                .map(|h| {
+                    h.to_string()
+                        .split_whitespace()
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_default();
+            Some(Documented {
+                env,
+                flag: arg.get_long().map(|l| format!("--{l}")).unwrap_or_default(),
+                default: match (default.is_empty(), arg.get_action()) {
+                    (true, ArgAction::SetTrue) => "false".to_owned(),
+                    (true, _) => "—".to_owned(),
+                    (false, _) => default,
+                },
+                doc,
+            })
+        })
+        .collect()
+}
+
+/// The settings of the group `T`.
+pub fn documented_group<T: Args>() -> Vec<Documented> {
+    documented(&T::augment_args(Command::new("settings")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Clone, clap::Args)]
+    struct Example {
+        /// Rows per batch.
+        #[arg(long = "batch-size", env = "X_BATCH_SIZE", default_value_t = 10)]
+        batch_size: u32,
+        /// Delete when done.
+        #[arg(long = "delete", env = "X_DELETE")]
+        delete: bool,
+        /// On by default.
+        #[arg(long = "embedded", env = "X_EMBEDDED", default_value_t = true, action = ArgAction::Set)]
+        embedded: bool,
+        /// Where.
+        #[arg(long = "name", env = "X_NAME")]
+        name: Option<String>,
+    }
+
+    fn vars(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |name| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn a_group_is_read_from_variables_through_its_declaration() {
+        let d: Example = defaults();
+        assert_eq!(
+            (d.batch_size, d.delete, d.embedded, d.name),
+            (10, false, true, None)
+        );
+        let e: Example = from_vars(vars(&[
+            ("X_BATCH_SIZE", "7"),
+            ("X_DELETE", "true"),
+            ("X_EMBEDDED", "false"),
+            ("X_NAME", "n"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (e.batch_size, e.delete, e.embedded, e.name.as_deref()),
+            (7, true, false, Some("n"))
+        );
+        let bad = from_vars::<Example>(vars(&[("X_BATCH_SIZE", "many")])).unwrap_err();
+        assert_eq!(bad.setting, "X_BATCH_SIZE", "{bad}");
+        assert!(bad.to_string().contains("\"many\""), "{bad}");
+        let bad = from_vars::<Example>(vars(&[("X_DELETE", "perhaps")])).unwrap_err();
+        assert_eq!(bad.setting, "X_DELETE");
+        let bad = from_vars::<Example>(vars(&[("X_EMBEDDED", "perhaps")])).unwrap_err();
+        assert_eq!(bad.setting, "X_EMBEDDED", "{bad}");
+    }
+
+    #[test]
+    fn a_group_documents_each_setting_once() {
+        let docs = documented_group::<Example>();
+        let envs: Vec<&str> = docs.iter().map(|d| d.env.as_str()).collect();
+        assert_eq!(envs, ["X_BATCH_SIZE", "X_DELETE", "X_EMBEDDED", "X_NAME"]);
+        assert_eq!(docs[0].default, "10");
+        assert_eq!(docs[1].default, "false");
+        assert_eq!(docs[3].default, "—");
+        assert_eq!(docs[0].doc, "Rows per batch");
+    }
+}
