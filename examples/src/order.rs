@@ -16,6 +16,7 @@ use axum::{Json, Router};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use saga_consumer::Outbox;
 use saga_consumer::fast_path::FastPath;
 use saga_consumer::http::{IdempotencyLayer, IdempotentRequest};
 use saga_consumer::{
@@ -42,18 +43,21 @@ struct AppState {
     orchestrator: Option<Orchestrator>,
 }
 
-/// The HTTP API; with an orchestrator, orders start orchestrated sagas; with a fast path, `POST /orders`
-/// answers in-flight and replayed keys from Redis.
+/// The HTTP API, writing its events to the service's `outbox`; with an orchestrator, orders start
+/// orchestrated sagas; with a fast path, `POST /orders` answers in-flight and replayed keys from Redis.
 pub fn router(
     pool: PgPool,
     topics: Topics,
+    outbox: &Outbox,
     orchestrator: Option<Orchestrator>,
     fast_path: Option<FastPath>,
 ) -> Router {
     let create = post(create_order).layer(
         IdempotencyLayer::new(pool.clone(), StepName::from_static("create-order"))
+            .with_outbox(outbox)
             .with_fast_path(fast_path),
     );
+    let orchestrator = orchestrator.map(|o| o.with_outbox(outbox));
     Router::new()
         .route("/orders", create)
         .route("/orders/{id}", get(get_order))

@@ -448,7 +448,13 @@ pub async fn run(
             .with_context(|| format!("binding {}", args.http_addr))?;
         tracing::info!(addr = %args.http_addr, "order API listening");
         let orchestrator = args.orchestrated.then(|| orchestrator(&args)).transpose()?;
-        let app = order::router(pool.clone(), args.topics(), orchestrator, fast_path);
+        let app = order::router(
+            pool.clone(),
+            args.topics(),
+            &builder.outbox(),
+            orchestrator,
+            fast_path,
+        );
         builder = builder.task("the order API", move |ctx| async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(ctx.shutdown())

@@ -19,7 +19,7 @@ async fn each_ceiling_writes_the_rows_and_the_statements_it_names() {
         ("note".to_owned(), r#"a "quoted" \ value"#.to_owned()),
     ];
     let mut conn = db.pool.acquire().await.unwrap();
-    saga_runtime::store::outbox::append(
+    saga_runtime::store::outbox::append_rows(
         &mut conn,
         &[OutboxMessage {
             tenant: TenantId::default(),

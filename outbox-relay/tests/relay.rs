@@ -53,7 +53,7 @@ async fn order_rows_of_many_concurrent_transactions_are_all_published_in_per_key
             for i in 0..25 {
                 let key = &keys[(w * 7 + i * 3) % keys.len()];
                 let mut tx = pool.begin().await.unwrap();
-                let ids = outbox::append(&mut tx, &[row(&topic, key, 0)])
+                let ids = outbox::append_rows(&mut tx, &[row(&topic, key, 0)])
                     .await
                     .unwrap();
                 tokio::time::sleep(Duration::from_micros(rand_micros(w, i))).await;
@@ -100,11 +100,11 @@ async fn late_a_row_committing_after_later_ids_were_published_is_still_published
 
     // The early transaction takes the smaller id and stays open.
     let mut early = db.pool.begin().await.unwrap();
-    let early_ids = outbox::append(&mut early, &[row(&topic, "a", 1)])
+    let early_ids = outbox::append_rows(&mut early, &[row(&topic, "a", 1)])
         .await
         .unwrap();
     let mut later = db.pool.begin().await.unwrap();
-    let later_ids = outbox::append(&mut later, &[row(&topic, "b", 1)])
+    let later_ids = outbox::append_rows(&mut later, &[row(&topic, "b", 1)])
         .await
         .unwrap();
     later.commit().await.unwrap();
@@ -152,7 +152,7 @@ async fn instance_two_relays_share_the_outbox_keep_order_and_hand_over_when_one_
             let key = format!("key-{k}");
             for seq in 1..=per_key {
                 let mut tx = pool.begin().await.unwrap();
-                outbox::append(&mut tx, &[row(&topic, &key, seq)])
+                outbox::append_rows(&mut tx, &[row(&topic, &key, seq)])
                     .await
                     .unwrap();
                 tx.commit().await.unwrap();
@@ -195,7 +195,7 @@ async fn fill(db: &TestDb, topic: &str, keys: i64, per_key: i64) -> BTreeMap<Str
     }
     for chunk in rows.chunks(500) {
         let mut tx = db.pool.begin().await.unwrap();
-        outbox::append(&mut tx, chunk).await.unwrap();
+        outbox::append_rows(&mut tx, chunk).await.unwrap();
         tx.commit().await.unwrap();
     }
     (0..keys).map(|k| (format!("key-{k}"), per_key)).collect()
@@ -263,7 +263,7 @@ async fn outage_of_the_broker_loses_nothing_and_marks_nothing_it_did_not_acknowl
     for k in 0..10 {
         let key = format!("key-{k}");
         let mut tx = db.pool.begin().await.unwrap();
-        outbox::append(&mut tx, &[row(&topic, &key, 6), row(&topic, &key, 7)])
+        outbox::append_rows(&mut tx, &[row(&topic, &key, 6), row(&topic, &key, 7)])
             .await
             .unwrap();
         tx.commit().await.unwrap();
@@ -411,7 +411,7 @@ async fn refused_a_row_the_broker_refuses_is_parked_its_key_held_until_then_and_
         rows.push(row(&topic, &format!("other-{k}"), 1));
     }
     let mut tx = db.pool.begin().await.unwrap();
-    let ids = outbox::append(&mut tx, &rows).await.unwrap();
+    let ids = outbox::append_rows(&mut tx, &rows).await.unwrap();
     tx.commit().await.unwrap();
 
     // One message per produce request, one request at a time, and no idempotence: the broker refuses the

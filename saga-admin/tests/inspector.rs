@@ -264,7 +264,7 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     let kafka = KafkaConfig::new(saga.args.brokers().to_owned());
     let admin_pool = saga_runtime::config::connect_postgres(
         "DATABASE_URL",
-        &saga.args.database_url(),
+        saga.args.database_url(),
         Some(&saga.args.schema(Service::Order)),
         2,
     )

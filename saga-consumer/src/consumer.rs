@@ -74,6 +74,7 @@ pub struct SagaConsumerBuilder {
     hooks: Hooks,
     ops: Option<Ops>,
     fast_path: Option<FastPath>,
+    outbox: crate::Outbox,
 }
 
 impl std::fmt::Debug for SagaConsumerBuilder {
@@ -112,6 +113,7 @@ impl SagaConsumerBuilder {
             hooks: Hooks::default(),
             ops: None,
             fast_path: None,
+            outbox: crate::Outbox::table(),
         }
     }
 
@@ -124,6 +126,14 @@ impl SagaConsumerBuilder {
                 self.env_error.get_or_insert(ConfigError::Problem(e));
             }
         }
+        self
+    }
+
+    /// Where its steps write their follow-up events: the service's outbox (a table outbox when not given;
+    /// a consumer run by a [`crate::SagaService`] is given the service's). Open it first
+    /// ([`crate::setup::use_outbox`]).
+    pub fn outbox(mut self, outbox: crate::Outbox) -> Self {
+        self.outbox = outbox;
         self
     }
 
@@ -374,6 +384,7 @@ impl SagaConsumerBuilder {
             hooks: self.hooks,
             ops,
             fast_path: self.fast_path,
+            outbox: self.outbox,
         })
     }
 }
@@ -390,6 +401,7 @@ pub struct SagaConsumer {
     hooks: Hooks,
     ops: Ops,
     fast_path: Option<FastPath>,
+    outbox: crate::Outbox,
 }
 
 impl SagaConsumer {
@@ -444,6 +456,11 @@ impl SagaConsumer {
     #[cfg(feature = "redis")]
     pub(crate) fn has_fast_path(&self) -> bool {
         self.fast_path.is_some()
+    }
+
+    /// Where its steps write their events (before it runs).
+    pub(crate) fn set_outbox(&mut self, outbox: crate::Outbox) {
+        self.outbox = outbox;
     }
 
     /// Gives it a fast path (before it runs).
@@ -516,6 +533,7 @@ impl SagaConsumer {
             lease_holder: lease_holder(&group),
             fast_path: self.fast_path,
             key_retention: settings.key_retention,
+            outbox: self.outbox.runtime().clone(),
         };
         let shared = Arc::new(WorkerShared {
             executor,

@@ -19,7 +19,6 @@ use saga_core::{OutboxMessage, StepError, StepKey, StepOutcome, TenantId};
 use saga_runtime::store::idempotency::{
     Claim, NewClaims, StoreError, claim_in_transaction, claim_new_in_transaction, record_outcomes,
 };
-use saga_runtime::store::outbox;
 
 use crate::delivery::{Delivery, Route};
 use crate::metrics::{ConsumerMetrics, StepOnly, observe_since};
@@ -162,6 +161,7 @@ pub(crate) async fn run_batch(
     metrics: &ConsumerMetrics,
     claim: ClaimKind,
     key_retention: std::time::Duration,
+    outbox: &saga_runtime::store::outbox::Outbox,
 ) -> Result<BatchRun, BatchError> {
     let mut keys: Vec<(TenantId, StepKey)> = Vec::with_capacity(deliveries.len());
     let mut seen: HashMap<(&TenantId, &StepKey), usize> = HashMap::with_capacity(deliveries.len());
@@ -259,7 +259,8 @@ pub(crate) async fn run_batch(
     record_outcomes(conn, &records)
         .await
         .map_err(BatchError::Store)?;
-    outbox::append(conn, &emitted)
+    outbox
+        .append(conn, &emitted)
         .await
         .map_err(|e| BatchError::Store(e.into()))?;
     observe_since(&metrics.phases.record, recording);

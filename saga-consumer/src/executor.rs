@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use saga_core::{ErrorKind, StepError};
 use saga_runtime::store::idempotency::{self, LeaseClaim, StoreError};
-use saga_runtime::store::outbox;
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
@@ -58,6 +57,8 @@ pub(crate) struct Executor {
     pub fast_path: Option<FastPath>,
     /// How long finished step keys are kept (a message older than that may have lost its key).
     pub key_retention: Duration,
+    /// Where the steps' events are written.
+    pub outbox: saga_runtime::store::outbox::Outbox,
 }
 
 impl Executor {
@@ -277,7 +278,7 @@ impl Executor {
         connection: &mut WorkerConnection,
     ) -> Result<Vec<ItemOutcome>, BatchError> {
         // An outbox that may not be written (its WAL slot lost): nothing commits, the batch waits intact.
-        outbox::current()
+        self.outbox
             .check_writable()
             .map_err(|e| BatchError::Store(e.into()))?;
         match self.transact_once(batch, start, connection).await {
@@ -325,6 +326,7 @@ impl Executor {
             &self.metrics,
             claim,
             self.key_retention,
+            &self.outbox,
         )
         .await
         {
@@ -387,7 +389,7 @@ impl Executor {
         _released: &Released<'_>,
     ) -> Result<ItemOutcome, Failure> {
         // Not even the external call while the outbox may not be written: its completion could not commit.
-        outbox::current()
+        self.outbox
             .check_writable()
             .map_err(|e| Failure::Store(e.into()))?;
         let mut held = TwoPhaseConnections::default();
@@ -514,7 +516,8 @@ impl Executor {
         idempotency::complete_lease(&mut tx, &lease, &outcome)
             .await
             .map_err(Failure::Store)?;
-        outbox::append(&mut tx, &handled.emitted)
+        self.outbox
+            .append(&mut tx, &handled.emitted)
             .await
             .map_err(|e| Failure::Store(e.into()))?;
         commit(tx, permit).await.map_err(store)?;

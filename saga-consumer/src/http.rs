@@ -49,11 +49,25 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Settings of the layer.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct IdempotencyConfig {
     /// What the route does; keys are stored as `{key}:{operation}`.
     pub operation: StepName,
     /// The largest request body accepted (bodies are buffered to fingerprint them).
     pub max_body_bytes: usize,
+    /// Where the request's events are written: the service's outbox (a table outbox when not given).
+    pub outbox: crate::Outbox,
+}
+
+impl IdempotencyConfig {
+    /// The defaults for routes doing `operation`: bodies up to 1 MiB, a table outbox.
+    pub fn new(operation: StepName) -> Self {
+        Self {
+            operation,
+            max_body_bytes: 1 << 20,
+            outbox: crate::Outbox::table(),
+        }
+    }
 }
 
 /// A function reading who made a request.
@@ -84,10 +98,7 @@ impl IdempotencyLayer {
     pub fn new(pool: PgPool, operation: StepName) -> Self {
         Self {
             pool,
-            config: Arc::new(IdempotencyConfig {
-                operation,
-                max_body_bytes: 1 << 20,
-            }),
+            config: Arc::new(IdempotencyConfig::new(operation)),
             caller: None,
             #[cfg(feature = "redis")]
             fast_path: None,
@@ -97,6 +108,14 @@ impl IdempotencyLayer {
     /// Replaces the settings.
     pub fn with_config(mut self, config: IdempotencyConfig) -> Self {
         self.config = Arc::new(config);
+        self
+    }
+
+    /// Writes the requests' events to `outbox`: the service's
+    /// ([`SagaServiceBuilder::outbox`](crate::SagaServiceBuilder::outbox)). A service in WAL mode must give it:
+    /// without it, a table outbox is written.
+    pub fn with_outbox(mut self, outbox: &crate::Outbox) -> Self {
+        Arc::make_mut(&mut self.config).outbox = outbox.clone();
         self
     }
 
@@ -602,7 +621,7 @@ where
         )
     };
     // An outbox that may not be written (its WAL slot lost): the request does not run at all.
-    if let Err(e) = outbox::current().check_writable() {
+    if let Err(e) = config.outbox.runtime().check_writable() {
         return Ok((unavailable("the outbox is not writable", &e), None));
     }
     let mut tx = match pool.begin().await {
@@ -718,7 +737,7 @@ where
         return Ok((unavailable("storing the response", &e), None));
     }
     let emitted = handle.take_emitted();
-    if let Err(e) = outbox::append(&mut tx, &emitted).await {
+    if let Err(e) = config.outbox.runtime().append(&mut tx, &emitted).await {
         roll_back(tx).await;
         if matches!(e, outbox::OutboxError::TooLarge { .. }) {
             tracing::error!(error = %e, "the request's events are refused");

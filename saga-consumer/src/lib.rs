@@ -82,6 +82,7 @@ pub mod migrate;
 mod model;
 mod offsets;
 mod ops;
+mod outbox;
 mod partition;
 mod poll;
 mod retry;
@@ -96,6 +97,7 @@ pub use dlq::{DeadLetterReason, headers as dlq_headers};
 pub use error::{ConfigError, ConsumerError};
 pub use hooks::{CommitInfo, Hooks};
 pub use ops::OpsHandle;
+pub use outbox::Outbox;
 pub use retry::RetryPolicy;
 pub use runner::{
     Extension, SagaService, SagaServiceBuilder, ServiceError, TaskContext, TaskError,

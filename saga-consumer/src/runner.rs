@@ -168,6 +168,7 @@ pub struct SagaServiceBuilder {
     accept_key_expiry: bool,
     #[cfg(feature = "redis")]
     fast_path: Option<crate::fast_path::FastPathSettings>,
+    outbox: crate::Outbox,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
     pool: Option<PgPool>,
@@ -200,6 +201,7 @@ impl SagaServiceBuilder {
             accept_key_expiry: false,
             #[cfg(feature = "redis")]
             fast_path: None,
+            outbox: crate::Outbox::table(),
             migrators: Vec::new(),
             tasks: Vec::new(),
             pool: None,
@@ -247,6 +249,7 @@ impl SagaServiceBuilder {
         }
         self.outbox_mode = args.outbox.mode;
         self.outbox_max_bytes = args.outbox.max_transaction_bytes;
+        self.outbox = crate::Outbox::new(self.outbox_mode, self.outbox_max_bytes);
         self.embedded_relay = args.embedded_relay;
         self.create_topics = args.create_topics.map(|p| (p, args.topic_replication));
         self.accept_key_expiry = args.accept_key_expiry;
@@ -371,7 +374,16 @@ impl SagaServiceBuilder {
     /// `outbox-relay run` in WAL mode) reads through the schema's replication slot. One mode per process.
     pub fn outbox_mode(mut self, mode: OutboxMode) -> Self {
         self.outbox_mode = mode;
+        self.outbox = crate::Outbox::new(self.outbox_mode, self.outbox_max_bytes);
         self
+    }
+
+    /// The service's outbox, to hand to its other writers: its HTTP layer
+    /// ([`IdempotencyLayer::with_outbox`](crate::http::IdempotencyLayer::with_outbox)), an orchestrator its
+    /// routes start sagas with. Take it once the outbox's settings are made (`from_env`, `args`,
+    /// `outbox_mode`): the service opens it when it starts, and every clone follows its health.
+    pub fn outbox(&self) -> crate::Outbox {
+        self.outbox.clone()
     }
 
     /// The largest size of one write of a transaction's events, in bytes (`SAGA_OUTBOX_MAX_TRANSACTION_BYTES`,
@@ -379,6 +391,7 @@ impl SagaServiceBuilder {
     /// batch writes once, the orchestrator once per transition; the WAL relay's memory is bounded by it.
     pub fn outbox_max_transaction_bytes(mut self, bytes: usize) -> Self {
         self.outbox_max_bytes = bytes;
+        self.outbox = crate::Outbox::new(self.outbox_mode, self.outbox_max_bytes);
         self
     }
 
@@ -448,13 +461,12 @@ impl SagaServiceBuilder {
         Ok(SagaService {
             consumer,
             relay,
-            outbox_mode: self.outbox_mode,
-            outbox_max_bytes: self.outbox_max_bytes,
             kafka,
             create_topics: self.create_topics,
             accept_key_expiry: self.accept_key_expiry,
             #[cfg(feature = "redis")]
             fast_path: self.fast_path,
+            outbox: self.outbox,
             migrators: self.migrators,
             tasks: self.tasks,
             pool,
@@ -532,13 +544,12 @@ async fn check_key_retention(
 pub struct SagaService {
     consumer: SagaConsumer,
     relay: Option<Relay>,
-    outbox_mode: OutboxMode,
-    outbox_max_bytes: usize,
     kafka: KafkaConfig,
     create_topics: Option<(i32, i32)>,
     accept_key_expiry: bool,
     #[cfg(feature = "redis")]
     fast_path: Option<crate::fast_path::FastPathSettings>,
+    outbox: crate::Outbox,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
     pool: PgPool,
@@ -596,10 +607,9 @@ impl SagaService {
                 .map_err(|e| ServiceError::Migrations(e.to_string()))?;
         }
         // Before anything is written: in WAL mode, the slot must exist before the first event.
-        let outbox =
-            crate::setup::open_outbox(&self.pool, self.outbox_mode, self.outbox_max_bytes).await?;
+        crate::setup::open(&self.pool, &self.outbox).await?;
         // Writers stop when the outbox may not be written (a lost slot): so does readiness.
-        let health = outbox.health().clone();
+        let health = self.outbox.runtime().health().clone();
         self.ops.register(|r| health.register(r));
         self.ops.probe("outbox", true, move || health.is_writable());
         if let Some((partitions, replication)) = self.create_topics {
@@ -616,10 +626,8 @@ impl SagaService {
             topics.push(self.consumer.dlq_topic());
             check_key_retention(&self.kafka, &topics, self.consumer.key_retention()).await?;
         }
-        #[cfg(feature = "redis")]
         let mut consumer = self.consumer;
-        #[cfg(not(feature = "redis"))]
-        let consumer = self.consumer;
+        consumer.set_outbox(self.outbox.clone());
         // REDIS_URL turns the fast path on for the consumer (a service's HTTP layer is given its own).
         #[cfg(feature = "redis")]
         if let Some(settings) = self.fast_path

@@ -30,46 +30,40 @@ pub async fn ensure_topics(
         .map_err(|e| ConsumerError::Kafka(e.to_string()))
 }
 
-/// Sets where this process writes its outbox (every writer: steps, the HTTP layer, the orchestrator), and
-/// opens it before its first write: for [`crate::OutboxMode::Wal`], checks that PostgreSQL decodes its log
-/// (`wal_level = logical`), creates the publication and `pool`'s schema's replication slot where missing
-/// (a message written before its slot exists is never read), refuses a slot the schema recorded that is
-/// gone or lost, and watches the slot from then on (writers stop within seconds of it being lost); for the
-/// table, says that this process writes the table (a relay switching the schema to the log waits for it).
-/// `SagaService` calls it at start with `SAGA_OUTBOX_MODE`; a process that runs a `SagaConsumer` on its own
-/// calls it first.
-pub async fn use_outbox(pool: &sqlx::PgPool, mode: crate::OutboxMode) -> Result<(), ConsumerError> {
-    open_outbox(
-        pool,
-        mode,
-        saga_runtime::store::outbox::DEFAULT_MAX_TRANSACTION_BYTES,
-    )
-    .await
-    .map(drop)
-}
-
-/// [`use_outbox`] with the largest transaction's events in bytes, returning the outbox (its health is the
-/// service's readiness check `outbox`).
-#[doc(hidden)]
-pub async fn open_outbox(
+/// Opens the outbox of `pool`'s schema in `mode` before its first write, and returns it for the process's
+/// writers (a consumer's [`SagaConsumerBuilder::outbox`](crate::SagaConsumerBuilder::outbox), the HTTP
+/// layer's [`with_outbox`](crate::http::IdempotencyLayer::with_outbox), an orchestrator's): for
+/// [`crate::OutboxMode::Wal`], checks that PostgreSQL decodes its log (`wal_level = logical`), creates the
+/// publication and the schema's replication slot where missing (a message written before its slot exists is
+/// never read), refuses a slot the schema recorded that is gone or lost, and watches the slot from then on
+/// (writers stop within seconds of it being lost); for the table, says that this process writes the table
+/// (a relay switching the schema to the log waits for it) for as long as the returned outbox lives.
+/// `SagaService` does it at start; a process that runs a `SagaConsumer` on its own calls it first.
+pub async fn use_outbox(
     pool: &sqlx::PgPool,
     mode: crate::OutboxMode,
-    max_transaction_bytes: usize,
-) -> Result<saga_runtime::store::outbox::Outbox, ConsumerError> {
-    use saga_runtime::store::outbox;
-    let opened = outbox::open(
-        pool,
+) -> Result<crate::Outbox, ConsumerError> {
+    let outbox = crate::Outbox::new(
         mode,
-        max_transaction_bytes,
-        saga_runtime::store::wal::monitor::DEFAULT_CHECK_INTERVAL,
-    )
-    .await
-    .map_err(|e| match e {
-        outbox::OpenError::Config(problem) => {
-            ConsumerError::Config(crate::ConfigError::Problem(problem))
-        }
-        other => ConsumerError::Database(other.to_string()),
-    })?;
-    outbox::install(opened.clone());
-    Ok(opened)
+        saga_runtime::store::outbox::DEFAULT_MAX_TRANSACTION_BYTES,
+    );
+    open(pool, &outbox).await?;
+    Ok(outbox)
+}
+
+/// Opens `outbox` (see [`use_outbox`]).
+pub(crate) async fn open(pool: &sqlx::PgPool, outbox: &crate::Outbox) -> Result<(), ConsumerError> {
+    outbox
+        .runtime()
+        .open(
+            pool,
+            saga_runtime::store::wal::monitor::DEFAULT_CHECK_INTERVAL,
+        )
+        .await
+        .map_err(|e| match e {
+            saga_runtime::store::outbox::OpenError::Config(problem) => {
+                ConsumerError::Config(crate::ConfigError::Problem(problem))
+            }
+            other => ConsumerError::Database(other.to_string()),
+        })
 }

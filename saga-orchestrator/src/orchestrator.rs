@@ -87,6 +87,8 @@ struct Inner {
     definition: SagaDefinition,
     hooks: Arc<dyn SagaHooks>,
     timer_interval: Duration,
+    /// Where its commands are written: the service's outbox.
+    outbox: Option<saga_consumer::Outbox>,
 }
 
 impl std::fmt::Debug for Orchestrator {
@@ -107,6 +109,7 @@ impl Orchestrator {
                 definition,
                 hooks: Arc::new(NoHooks),
                 timer_interval: Duration::from_secs(1),
+                outbox: None,
             }),
         })
     }
@@ -125,6 +128,18 @@ impl Orchestrator {
     pub fn with_timer_interval(self, every: Duration) -> Self {
         let mut inner = (*self.inner).clone();
         inner.timer_interval = every;
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The same orchestrator, writing its commands to `outbox`: the service's
+    /// ([`SagaServiceBuilder::outbox`]). An orchestrator added to a service with
+    /// [`SagaServiceBuilder::with`] is given it; one that starts sagas elsewhere (an HTTP route) must be
+    /// given it too, or it writes a table outbox.
+    pub fn with_outbox(self, outbox: &saga_consumer::Outbox) -> Self {
+        let mut inner = (*self.inner).clone();
+        inner.outbox = Some(outbox.clone());
         Self {
             inner: Arc::new(inner),
         }
@@ -290,7 +305,15 @@ impl Orchestrator {
         decision: &Decision,
         lineage: &Lineage,
     ) -> Result<(), OrchestratorError> {
-        store::apply(conn, instance, decision, lineage).await?;
+        let table;
+        let outbox = match &self.inner.outbox {
+            Some(outbox) => outbox.runtime(),
+            None => {
+                table = saga_consumer::Outbox::table();
+                table.runtime()
+            }
+        };
+        store::apply(conn, instance, decision, lineage, outbox).await?;
         self.inner
             .hooks
             .transitioned(conn, instance, decision)
@@ -372,14 +395,20 @@ impl Orchestrator {
 /// ```
 impl Extension for Orchestrator {
     fn extend(self, mut service: SagaServiceBuilder) -> SagaServiceBuilder {
+        // Its commands go where the service's events go.
+        let this = if self.inner.outbox.is_none() {
+            self.with_outbox(&service.outbox())
+        } else {
+            self
+        };
         service = service.migrations(crate::migrate::migrator());
-        for step in self.reply_steps() {
+        for step in this.reply_steps() {
             service = service.step(step);
         }
-        let name = format!("{} timers", self.inner.definition.saga_type);
+        let name = format!("{} timers", this.inner.definition.saga_type);
         service.task(name, move |ctx: TaskContext| async move {
-            let every = self.inner.timer_interval;
-            self.run_timers(ctx.pool().clone(), every, ctx.shutdown())
+            let every = this.inner.timer_interval;
+            this.run_timers(ctx.pool().clone(), every, ctx.shutdown())
                 .await;
             Ok(())
         })

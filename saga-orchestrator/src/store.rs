@@ -4,7 +4,6 @@
 
 use chrono::{DateTime, Utc};
 use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId};
-use saga_runtime::store::outbox;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
@@ -348,6 +347,7 @@ pub(crate) async fn apply(
     instance: &SagaInstance,
     decision: &Decision,
     lineage: &Lineage,
+    outbox: &saga_runtime::store::outbox::Outbox,
 ) -> Result<(), OrchestratorError> {
     let next = &decision.next;
     let deadline_ms = decision
@@ -412,7 +412,8 @@ pub(crate) async fn apply(
         .map_err(|e| OrchestratorError::Corrupt(e.to_string()))?
         .with_header("saga-id", instance.saga_id.to_string());
         let source = format!("orchestrator/{}", instance.saga_type);
-        outbox::append(conn, &[OutboxMessage::from_event(event, lineage, &source)])
+        outbox
+            .append(conn, &[OutboxMessage::from_event(event, lineage, &source)])
             .await
             .map_err(OrchestratorError::of_outbox)?;
     }

@@ -21,7 +21,7 @@ fn message(key: &str, n: u32) -> OutboxMessage {
 async fn outbox_rows_exist_only_when_the_transaction_commits() {
     let db = TestDb::new("outbox-commit").await;
     let mut tx = db.pool.begin().await.unwrap();
-    let ids = outbox::append(&mut tx, &[message("a", 1), message("b", 2)])
+    let ids = outbox::append_rows(&mut tx, &[message("a", 1), message("b", 2)])
         .await
         .unwrap();
     assert_eq!(ids.len(), 2);
@@ -30,7 +30,9 @@ async fn outbox_rows_exist_only_when_the_transaction_commits() {
     assert_eq!(db.count("saga_outbox").await, 0, "gone after rollback");
 
     let mut tx = db.pool.begin().await.unwrap();
-    outbox::append(&mut tx, &[message("a", 3)]).await.unwrap();
+    outbox::append_rows(&mut tx, &[message("a", 3)])
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     let (topic, key, headers, payload): (String, Option<String>, Vec<String>, Vec<u8>) =
         sqlx::query_as("SELECT topic, partition_key, headers, payload FROM saga_outbox")
@@ -53,7 +55,9 @@ async fn a_commit_notifies_the_relay_with_the_schema() {
     let mut listener = PgListener::connect_with(&db.pool).await.unwrap();
     listener.listen("saga_outbox").await.unwrap();
     let mut tx = db.pool.begin().await.unwrap();
-    outbox::append(&mut tx, &[message("a", 1)]).await.unwrap();
+    outbox::append_rows(&mut tx, &[message("a", 1)])
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     // The channel is shared by every schema of the database (other tests commit too): the payload says
     // whose outbox it is.
@@ -75,7 +79,7 @@ async fn rows_of_one_key_are_numbered_in_commit_order() {
     let db = TestDb::new("outbox-order").await;
     // The first transaction appends key "k" and stays open.
     let mut first = db.pool.begin().await.unwrap();
-    let first_ids = outbox::append(&mut first, &[message("k", 1)])
+    let first_ids = outbox::append_rows(&mut first, &[message("k", 1)])
         .await
         .unwrap();
 
@@ -90,7 +94,9 @@ async fn rows_of_one_key_are_numbered_in_commit_order() {
             .await
             .unwrap();
         pid_tx.send(pid).unwrap();
-        let ids = outbox::append(&mut tx, &[message("k", 2)]).await.unwrap();
+        let ids = outbox::append_rows(&mut tx, &[message("k", 2)])
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         ids
     });
@@ -117,7 +123,7 @@ async fn rows_of_one_key_are_numbered_in_commit_order() {
     let mut other = db.pool.begin().await.unwrap();
     tokio::time::timeout(
         Duration::from_secs(10),
-        outbox::append(&mut other, &[message("other", 3)]),
+        outbox::append_rows(&mut other, &[message("other", 3)]),
     )
     .await
     .expect("another key is not blocked by the open transaction")

@@ -226,6 +226,7 @@ pub fn measured_consumer(
         .batch_size(batch_size)
         .concurrency(concurrency)
         .step(RecordWork::in_round(topic, round))
+        .outbox(super::outbox())
 }
 
 /// Rows per second written to `table`, from the first row's to the last row's timestamp, once it has
@@ -520,7 +521,7 @@ pub const CEILING_ROUNDS: usize = 3;
 /// the table outbox or, in WAL mode, the first outbox message in the schema's slot (peeked, not consumed).
 async fn emitted_sample(pool: &PgPool) -> anyhow::Result<(String, Vec<(String, String)>)> {
     use saga_runtime::store::wal;
-    if saga_runtime::store::outbox::current().mode() == saga_consumer::OutboxMode::Table {
+    if super::outbox().mode() == saga_consumer::OutboxMode::Table {
         let (topic, headers): (String, Vec<String>) =
             sqlx::query_as("SELECT topic, headers FROM saga_outbox ORDER BY id LIMIT 1")
                 .fetch_one(pool)
@@ -614,7 +615,7 @@ impl Ceiling {
             (self.sorted_claim, "+sorted_claim"),
             (
                 self.outbox_append,
-                if saga_runtime::store::outbox::current().mode() == saga_consumer::OutboxMode::Wal {
+                if super::outbox().mode() == saga_consumer::OutboxMode::Wal {
                     "+outbox_wal_emit"
                 } else {
                     "+outbox_append"
@@ -727,7 +728,7 @@ impl CeilingBatch<'_> {
                     payload,
                 })
                 .collect();
-            saga_runtime::store::outbox::append(&mut tx, &messages).await?;
+            super::outbox().runtime().append(&mut tx, &messages).await?;
         } else {
             let flat: Vec<&str> = rows
                 .headers

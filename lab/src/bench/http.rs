@@ -38,15 +38,17 @@ async fn write(conn: &mut PgConnection, lineage: &Lineage, body: &Body) -> Resul
         &serde_json::json!({ "amount": body.amount }),
     )
     .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-    outbox::append(
-        conn,
-        &[OutboxMessage::from_event(event, lineage, "saga-bench")],
-    )
-    .await
-    .map_err(|e| match e {
-        outbox::OutboxError::Database(e) => e,
-        other => sqlx::Error::Protocol(other.to_string()),
-    })?;
+    super::outbox()
+        .runtime()
+        .append(
+            conn,
+            &[OutboxMessage::from_event(event, lineage, "saga-bench")],
+        )
+        .await
+        .map_err(|e| match e {
+            outbox::OutboxError::Database(e) => e,
+            other => sqlx::Error::Protocol(other.to_string()),
+        })?;
     Ok(())
 }
 

@@ -11,7 +11,28 @@ pub mod relay;
 pub mod saga;
 pub mod scale;
 
+/// The outbox the benchmark's writers use now (the consumer's rounds, the ceilings, the HTTP layer's):
+/// `saga-bench` sets it for each outbox mode it measures.
+static OUTBOX: Mutex<Option<saga_consumer::Outbox>> = Mutex::new(None);
+
+/// The outbox the benchmark's writers use now (a table outbox until [`set_outbox`]).
+pub fn outbox() -> saga_consumer::Outbox {
+    OUTBOX
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+        .unwrap_or_default()
+}
+
+/// Makes `outbox` the one the benchmark's writers use.
+pub fn set_outbox(outbox: saga_consumer::Outbox) {
+    *OUTBOX
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(outbox);
+}
+
 use std::future::Future;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;

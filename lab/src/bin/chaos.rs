@@ -52,7 +52,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli: Cli = saga_runtime::cli::parse();
-    saga_runtime::cli::exit_code(run(cli).await)
+    saga_runtime::cli::exit_code(Box::pin(run(cli)).await)
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {

@@ -270,9 +270,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let mock = Broker::mock()?;
             let mock_kafka = KafkaConfig::new(mock.brokers());
             for mode in &cli.outbox_modes {
-                // The consumer's and the ceiling's outbox writes follow the process's mode.
-                saga_runtime::store::outbox::install(saga_runtime::store::outbox::Outbox::new(
+                // The consumer's and the ceiling's outbox writes follow the mode (opened with the schema).
+                saga_lab::bench::set_outbox(saga_consumer::Outbox::new(
                     *mode,
+                    saga_consumer::settings::OutboxArgs::default().max_transaction_bytes,
                 ));
                 let label = if *mode == OutboxMode::Wal {
                     "mock_wal"
@@ -315,9 +316,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     into.extend(from.clone());
                 }
             }
-            saga_runtime::store::outbox::install(saga_runtime::store::outbox::Outbox::new(
-                OutboxMode::Table,
-            ));
+            saga_lab::bench::set_outbox(saga_consumer::Outbox::table());
         }
     }
     if section("relay") {
@@ -836,10 +835,9 @@ async fn consumer_figures(
     progress.note(&format!("consumer ({label}): producing the messages"));
     consumer::produce(kafka, &topic, cli.messages, progress).await?;
     let pool = fresh_schema(args, &format!("{}_{label}", args.schema_prefix), schemas).await?;
-    if saga_runtime::store::outbox::current().mode() == OutboxMode::Wal {
-        // As a service in WAL mode does at start: its events are decoded only once the slot exists.
-        saga_runtime::store::wal::prepare(&pool).await?;
-    }
+    // As a service does at start (in WAL mode, its events are decoded only once the slot exists).
+    let mode = saga_lab::bench::outbox().mode();
+    saga_lab::bench::set_outbox(saga_consumer::setup::use_outbox(&pool, mode).await?);
     consumer::create_effects_table(&pool).await?;
     consumer::create_baseline_table(&pool).await?;
     progress.note(&format!("consumer ({label}): the at-least-once baseline"));

@@ -4,11 +4,11 @@
 //! An [`Outbox`] is what a process writes with: its mode (rows of `saga_outbox`, or one logical message on
 //! the write-ahead log), the largest transaction it accepts, and its health, which the process's monitor
 //! keeps (in WAL mode, a lost slot makes the outbox unwritable within seconds: nothing is committed whose
-//! events would never be published). A service sets its outbox up once, at start (`setup::use_outbox`),
-//! and every writer of the framework appends through it.
+//! events would never be published). It is a value, handed to each writer (the consumer, the HTTP layer,
+//! the orchestrator): a service makes one, opens it at start, and gives its clones to its writers.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -144,12 +144,20 @@ impl Default for Outbox {
 }
 
 impl Outbox {
-    /// An outbox of `mode`, writable, with the default size limit.
+    /// An outbox of `mode`, with the default size limit. A table outbox is writable at once; a WAL outbox
+    /// only once [`Outbox::open`]ed (an event written before its slot exists would never be read).
     pub fn new(mode: OutboxMode) -> Self {
+        let health = OutboxHealth::default();
+        if mode == OutboxMode::Wal {
+            health.set(Some(
+                "the WAL outbox is not opened yet (its slot is set up when the service starts)"
+                    .to_owned(),
+            ));
+        }
         Self {
             mode,
             max_transaction_bytes: DEFAULT_MAX_TRANSACTION_BYTES,
-            health: OutboxHealth::default(),
+            health,
         }
     }
 
@@ -232,14 +240,58 @@ pub enum OpenError {
     Database(#[from] sqlx::Error),
 }
 
-/// Opens the outbox of `pool`'s schema in `mode`, before the process's first write, with its watch:
-///
-/// - **WAL**: checks that PostgreSQL decodes its log and sets up the publication and the schema's slot
-///   ([`wal::prepare`]: a message written before its slot exists is never read), then checks the slot every
-///   `check_every` ([`wal::monitor`]): the outbox turns unwritable within seconds of the slot being lost.
-/// - **Table**: says that this process writes the table ([`wal::fence::enter_table_mode`], which relays in WAL
-///   mode wait for) for as long as the returned outbox lives; refuses when the schema's outbox moved to the
-///   log.
+impl Outbox {
+    /// Opens this outbox on `pool`'s schema, before its first write, with its watch:
+    ///
+    /// - **WAL**: checks that PostgreSQL decodes its log and sets up the publication and the schema's slot
+    ///   ([`wal::prepare`]: a message written before its slot exists is never read), then checks the slot
+    ///   every `check_every` ([`wal::monitor`]): the outbox turns unwritable within seconds of the slot being
+    ///   lost. Writable from now on, until then.
+    /// - **Table**: says that this process writes the table ([`wal::fence::enter_table_mode`], which relays
+    ///   in WAL mode wait for) for as long as this outbox (or a clone) lives; refuses when the schema's
+    ///   outbox moved to the log.
+    pub async fn open(
+        &self,
+        pool: &sqlx::PgPool,
+        check_every: std::time::Duration,
+    ) -> Result<(), OpenError> {
+        match self.mode {
+            OutboxMode::Wal => {
+                let prepared = wal::prepare(pool).await.map_err(|e| match e {
+                    wal::PrepareError::Config(problem) => OpenError::Config(problem),
+                    wal::PrepareError::Database(e) => OpenError::Database(e),
+                })?;
+                self.health.set(None);
+                wal::monitor::spawn(pool.clone(), prepared.slot, &self.health, check_every);
+            }
+            _ => {
+                let mut conn = pool.acquire().await?.detach();
+                match wal::fence::enter_table_mode(&mut conn).await {
+                    Ok(()) => {
+                        wal::fence::spawn_table_presence(pool.clone(), conn, &self.health);
+                    }
+                    Err(wal::fence::TableModeError::Switched(at)) => {
+                        return Err(saga_core::ConfigProblem::new(
+                            "SAGA_OUTBOX_MODE",
+                            format!(
+                                "is table, but this schema's outbox moved to the write-ahead log (a relay \
+                                 read its slot at {at}): table rows written now would not be ordered with \
+                                 its events"
+                            ),
+                            "set SAGA_OUTBOX_MODE=wal, or take the WAL outbox down first (`saga outbox wal \
+                             retire`, after it is drained)",
+                        )
+                        .into());
+                    }
+                    Err(wal::fence::TableModeError::Database(e)) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An outbox of `mode` on `pool`'s schema, opened (see [`Outbox::open`]).
 pub async fn open(
     pool: &sqlx::PgPool,
     mode: OutboxMode,
@@ -247,66 +299,8 @@ pub async fn open(
     check_every: std::time::Duration,
 ) -> Result<Outbox, OpenError> {
     let outbox = Outbox::new(mode).with_max_transaction_bytes(max_transaction_bytes);
-    match mode {
-        OutboxMode::Wal => {
-            let prepared = wal::prepare(pool).await.map_err(|e| match e {
-                wal::PrepareError::Config(problem) => OpenError::Config(problem),
-                wal::PrepareError::Database(e) => OpenError::Database(e),
-            })?;
-            wal::monitor::spawn(pool.clone(), prepared.slot, outbox.health(), check_every);
-        }
-        _ => {
-            let mut conn = pool.acquire().await?.detach();
-            match wal::fence::enter_table_mode(&mut conn).await {
-                Ok(()) => {
-                    wal::fence::spawn_table_presence(pool.clone(), conn, outbox.health());
-                }
-                Err(wal::fence::TableModeError::Switched(at)) => {
-                    return Err(saga_core::ConfigProblem::new(
-                        "SAGA_OUTBOX_MODE",
-                        format!(
-                            "is table, but this schema's outbox moved to the write-ahead log (a relay read \
-                             its slot at {at}): table rows written now would not be ordered with its events"
-                        ),
-                        "set SAGA_OUTBOX_MODE=wal, or take the WAL outbox down first (`saga outbox wal \
-                         retire`, after it is drained)",
-                    )
-                    .into());
-                }
-                Err(wal::fence::TableModeError::Database(e)) => return Err(e.into()),
-            }
-        }
-    }
+    outbox.open(pool, check_every).await?;
     Ok(outbox)
-}
-
-/// The process's outbox, set once at start by [`install`].
-static PROCESS_OUTBOX: RwLock<Option<Outbox>> = RwLock::new(None);
-
-/// Makes `outbox` the one the process's writers use ([`append`]).
-pub fn install(outbox: Outbox) {
-    *PROCESS_OUTBOX
-        .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(outbox);
-}
-
-/// The process's outbox: the one [`install`]ed, else a writable table outbox.
-pub fn current() -> Outbox {
-    static TABLE: std::sync::OnceLock<Outbox> = std::sync::OnceLock::new();
-    PROCESS_OUTBOX
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone()
-        .unwrap_or_else(|| TABLE.get_or_init(Outbox::default).clone())
-}
-
-/// Writes `messages` in the caller's transaction with the process's outbox ([`current`]): see
-/// [`Outbox::append`].
-pub async fn append(
-    conn: &mut PgConnection,
-    messages: &[OutboxMessage],
-) -> Result<Vec<i64>, OutboxError> {
-    current().append(conn, messages).await
 }
 
 /// Appends `messages` to `saga_outbox` in the caller's transaction, in order, with one statement.
