@@ -21,6 +21,11 @@ macro_rules! settings_group {
             pub fn from_env() -> Result<Self, ConfigProblem> {
                 saga_runtime::settings::from_env()
             }
+
+            /// This group from the variables `get` gives (else their defaults).
+            pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
+                saga_runtime::settings::from_vars(get)
+            }
         }
 
         impl Default for $group {
@@ -33,31 +38,34 @@ macro_rules! settings_group {
 
 /// The database.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_database")]
 #[non_exhaustive]
 pub struct DatabaseArgs {
     /// The PostgreSQL URL of the service's database.
-    #[arg(long = "database-url", env = "DATABASE_URL")]
+    #[arg(long = "database-url", env = "DATABASE_URL", global = true)]
     pub database_url: Option<String>,
 }
 settings_group!(DatabaseArgs);
 
 /// The schema of a service in its database.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_schema")]
 #[non_exhaustive]
 pub struct SchemaArgs {
     /// The service's schema (sets `search_path`); default: the URL's own search path.
-    #[arg(long = "schema", env = "SAGA_SCHEMA")]
+    #[arg(long = "schema", env = "SAGA_SCHEMA", global = true)]
     pub schema: Option<String>,
 }
 settings_group!(SchemaArgs);
 
 /// The broker.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_kafka")]
 #[non_exhaustive]
 pub struct KafkaArgs {
     /// Kafka bootstrap servers (required). Any librdkafka property is set with `KAFKA_PROPERTY_{NAME}`
     /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
-    #[arg(long = "brokers", env = "KAFKA_BROKERS")]
+    #[arg(long = "brokers", env = "KAFKA_BROKERS", global = true)]
     pub brokers: Option<String>,
 }
 settings_group!(KafkaArgs);
@@ -72,6 +80,7 @@ impl KafkaArgs {
 
 /// Where a service writes its outbox, read by its writers and by the relays of its schema.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_outbox")]
 #[non_exhaustive]
 pub struct OutboxArgs {
     /// `table`: events are rows of `saga_outbox`; `wal`: one logical message per transaction in the
@@ -97,6 +106,7 @@ fn parse_mode(text: &str) -> Result<OutboxMode, String> {
 
 /// Retention: what is deleted after how long, by the relay (embedded or not) and `outbox-relay gc`.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_retention")]
 #[non_exhaustive]
 pub struct RetentionArgs {
     /// How long finished step keys are kept, in hours. It must exceed the longest time a message can come
@@ -176,10 +186,11 @@ impl RetentionArgs {
 
 /// The relay: how it publishes, and its retention.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_relay")]
 #[non_exhaustive]
 pub struct RelayArgs {
     /// Most rows (or WAL events) per batch.
-    #[arg(long = "relay-batch-size", env = "RELAY_BATCH_SIZE", default_value_t = 2_000, value_parser = clap::value_parser!(i64).range(1..))]
+    #[arg(id = "relay_batch_size", long = "relay-batch-size", env = "RELAY_BATCH_SIZE", default_value_t = 2_000, value_parser = clap::value_parser!(i64).range(1..))]
     pub batch_size: i64,
     /// Fallback poll of the table outbox in milliseconds; a commit wakes the relay at once
     /// (`LISTEN`/`NOTIFY`).
@@ -214,7 +225,7 @@ pub struct RelayArgs {
     pub park_after_secs: u64,
     /// Where the relay binary serves `/metrics`, `/healthz` and `/readyz` (a relay a service embeds
     /// shares the service's).
-    #[arg(long = "relay-ops-addr", env = "RELAY_OPS_ADDR")]
+    #[arg(id = "relay_ops_addr", long = "relay-ops-addr", env = "RELAY_OPS_ADDR")]
     pub ops_addr: Option<SocketAddr>,
     /// WAL mode: the URL of the replication connection (default: `DATABASE_URL`); its role needs the
     /// `REPLICATION` attribute (`sslmode=require` asks for TLS).

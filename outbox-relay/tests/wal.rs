@@ -562,7 +562,9 @@ async fn a_transaction_at_the_size_limit_is_published() {
         .collect();
     let limit = wal::encoded_len(&events);
     let outbox =
-        saga_runtime::store::outbox::Outbox::new(OutboxMode::Wal).with_max_transaction_bytes(limit);
+        saga_runtime::store::outbox::open(&db.pool, OutboxMode::Wal, limit, Duration::from_secs(2))
+            .await
+            .unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     outbox.append(&mut tx, &events).await.unwrap();
     tx.commit().await.unwrap();

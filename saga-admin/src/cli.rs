@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use saga_consumer::settings::{DatabaseArgs, KafkaArgs, RedisArgs, SchemaArgs};
 use saga_runtime::cli::{printable, printable_json};
 use saga_runtime::config::{ConfigProblem, connect_postgres, required_postgres_url};
 use saga_runtime::kafka::KafkaConfig;
@@ -30,15 +31,12 @@ pub async fn main() -> ExitCode {
 #[derive(Debug, Parser)]
 #[command(name = "saga", version)]
 struct Cli {
-    /// PostgreSQL URL (the database of the service's schema).
-    #[arg(long, env = "DATABASE_URL", global = true)]
-    database_url: Option<String>,
-    /// The service's schema (sets `search_path`); default: the URL's own search path.
-    #[arg(long, env = "SAGA_SCHEMA", global = true)]
-    schema: Option<String>,
-    /// Kafka bootstrap servers (`KAFKA_PROPERTY_*` variables add librdkafka properties).
-    #[arg(long, env = "KAFKA_BROKERS", global = true)]
-    brokers: Option<String>,
+    #[command(flatten)]
+    database: DatabaseArgs,
+    #[command(flatten)]
+    schema: SchemaArgs,
+    #[command(flatten)]
+    kafka: KafkaArgs,
     /// Print JSON instead of a table.
     #[arg(long, global = true)]
     json: bool,
@@ -122,7 +120,39 @@ enum Command {
         /// Unfinished sagas unmoved for this long count as stuck.
         #[arg(long, default_value = "5m")]
         stuck_for: String,
+        #[command(flatten)]
+        tokens: TokenArgs,
     },
+}
+
+/// The inspector's tokens: read from the environment (kept off the command line, where other users of the
+/// machine could read them).
+#[derive(Debug, Args)]
+#[group(id = "saga_admin_tokens")]
+struct TokenArgs {
+    /// A token every request of the page and its API must present (named `admin`); required to listen
+    /// beyond localhost (or SAGA_ADMIN_TOKENS).
+    #[arg(
+        long = "admin-token",
+        env = "SAGA_ADMIN_TOKEN",
+        hide = true,
+        hide_env_values = true
+    )]
+    token: Option<String>,
+    /// Named tokens, `name:token,…`: the name is recorded as the operator of what its holder does.
+    #[arg(
+        long = "admin-tokens",
+        env = "SAGA_ADMIN_TOKENS",
+        hide = true,
+        hide_env_values = true
+    )]
+    tokens: Option<String>,
+}
+
+/// The `saga` command, for the configuration page.
+#[doc(hidden)]
+pub fn command() -> clap::Command {
+    <Cli as clap::CommandFactory>::command()
 }
 
 #[derive(Debug, Subcommand)]
@@ -330,13 +360,10 @@ enum RedisCommand {
     /// an earlier point (Redis may remember completions the restored database lost), with the services
     /// stopped; or give the services a new REDIS_NAMESPACE instead.
     Forget {
-        /// The Redis URL.
-        #[arg(long, env = "REDIS_URL")]
-        redis_url: Option<String>,
-        /// The namespace (default: the one the schema's services use without REDIS_NAMESPACE:
-        /// `saga:{system identifier}.{database}.{schema}`).
-        #[arg(long, env = "REDIS_NAMESPACE")]
-        namespace: Option<String>,
+        /// The Redis URL and the namespace (default: the one the schema's services use without
+        /// REDIS_NAMESPACE).
+        #[command(flatten)]
+        redis: RedisArgs,
     },
 }
 
@@ -414,12 +441,12 @@ enum WalCommand {
 
 impl Cli {
     fn kafka(&self) -> Result<KafkaConfig, ConfigProblem> {
-        KafkaConfig::with_env_properties(self.brokers.clone())
+        self.kafka.config()
     }
 
     async fn pool(&self) -> Result<PgPool, ConfigProblem> {
-        let url = required_postgres_url("DATABASE_URL", self.database_url.as_deref())?;
-        let pool = connect_postgres("DATABASE_URL", url, self.schema.as_deref(), 4).await?;
+        let url = required_postgres_url("DATABASE_URL", self.database.database_url.as_deref())?;
+        let pool = connect_postgres("DATABASE_URL", url, self.schema.schema.as_deref(), 4).await?;
         saga_runtime::config::require_schema(&pool, "SAGA_SCHEMA", "name the service's schema")
             .await?;
         Ok(pool)
@@ -831,10 +858,8 @@ impl Cli {
                     )
                 })
             }
-            Command::Redis(RedisCommand::Forget {
-                redis_url,
-                namespace,
-            }) => {
+            Command::Redis(RedisCommand::Forget { redis }) => {
+                let (redis_url, namespace) = (&redis.redis_url, &redis.namespace);
                 let url = redis_url
                     .as_deref()
                     .filter(|u| !u.is_empty())
@@ -875,8 +900,9 @@ impl Cli {
                 dlq_topics,
                 groups,
                 stuck_for,
+                tokens,
             } => {
-                let tokens = inspector_tokens()?;
+                let tokens = inspector_tokens(tokens)?;
                 if tokens.is_empty() && !listen.ip().is_loopback() && !insecure_no_token {
                     return Err(ConfigProblem::new(
                         "SAGA_ADMIN_TOKEN",
@@ -1146,7 +1172,7 @@ impl Cli {
         schemas: &[String],
     ) -> anyhow::Result<()> {
         // Every service schema is read by name: the database is enough, no schema needed.
-        let url = required_postgres_url("DATABASE_URL", self.database_url.as_deref())?;
+        let url = required_postgres_url("DATABASE_URL", self.database.database_url.as_deref())?;
         let pool = connect_postgres("DATABASE_URL", url, None, 2).await?;
         let found = trace::trace(&self.kafka()?, &pool, key, tenant, schemas).await?;
         self.print(&found, || {
@@ -1264,14 +1290,14 @@ fn confirm(question: &str, yes: bool) -> Result<bool, crate::AdminError> {
 }
 
 /// The inspector's tokens: `SAGA_ADMIN_TOKENS` (`name:token,…`) and `SAGA_ADMIN_TOKEN` (named `admin`).
-fn inspector_tokens() -> Result<Vec<inspect::NamedToken>, ConfigProblem> {
+fn inspector_tokens(args: &TokenArgs) -> Result<Vec<inspect::NamedToken>, ConfigProblem> {
     let mut tokens = Vec::new();
-    if let Ok(list) = std::env::var("SAGA_ADMIN_TOKENS") {
+    if let Some(list) = &args.tokens {
         tokens = inspect::NamedToken::parse_list(&list).map_err(|e| {
             ConfigProblem::new("SAGA_ADMIN_TOKENS", e, "write name:token,name:token")
         })?;
     }
-    if let Ok(token) = std::env::var("SAGA_ADMIN_TOKEN")
+    if let Some(token) = args.token.as_deref()
         && !token.is_empty()
     {
         tokens.push(

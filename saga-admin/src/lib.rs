@@ -41,6 +41,8 @@
 
 mod broker;
 pub mod cli;
+#[doc(hidden)]
+pub mod configuration;
 pub mod dlq;
 pub mod duration;
 mod error;

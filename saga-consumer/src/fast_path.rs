@@ -97,7 +97,12 @@ impl crate::settings::FastPathArgs {
         &self,
         retention: &crate::settings::RetentionArgs,
     ) -> Result<Option<FastPathSettings>, ConfigProblem> {
-        let Some(url) = self.redis_url.clone().filter(|u| !u.trim().is_empty()) else {
+        let Some(url) = self
+            .redis
+            .redis_url
+            .clone()
+            .filter(|u| !u.trim().is_empty())
+        else {
             return Ok(None);
         };
         redis::Client::open(url.as_str()).map_err(|e| {
@@ -109,7 +114,7 @@ impl crate::settings::FastPathArgs {
         })?;
         let settings = FastPathSettings {
             url,
-            namespace: self.namespace.clone().filter(|n| !n.is_empty()),
+            namespace: self.redis.namespace.clone().filter(|n| !n.is_empty()),
             lock_ttl: Duration::from_millis(self.lock_ttl_ms),
             key_ttl: Duration::from_secs(self.key_ttl_secs),
             timeout: Duration::from_millis(self.timeout_ms),

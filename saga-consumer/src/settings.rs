@@ -42,6 +42,11 @@ macro_rules! settings_group {
             pub fn from_env() -> Result<Self, ConfigProblem> {
                 saga_runtime::settings::from_env()
             }
+
+            /// This group from the variables `get` gives (else their defaults).
+            pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
+                saga_runtime::settings::from_vars(get)
+            }
         }
 
         impl Default for $group {
@@ -54,6 +59,7 @@ macro_rules! settings_group {
 
 /// The consumer: its group, how it batches, retries, dead-letters and commits.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_consumer")]
 #[non_exhaustive]
 pub struct ConsumerArgs {
     /// The consumer group (required).
@@ -177,19 +183,33 @@ impl ConsumerArgs {
     }
 }
 
+/// Redis: where, and the namespace of the keys (feature `redis`).
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_redis")]
+#[non_exhaustive]
+pub struct RedisArgs {
+    /// Turns the Redis fast path on: `redis://HOST:PORT/DB`.
+    #[arg(long = "redis-url", env = "REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// Prefix of every key (default: `saga:` and the cluster's system identifier, its timeline and last
+    /// checkpoint's redo position at start-up, the database and the schema: deployments sharing a Redis
+    /// differ, and a copy restored or promoted gets a fresh one).
+    #[arg(long = "redis-namespace", env = "REDIS_NAMESPACE")]
+    pub namespace: Option<String>,
+}
+#[cfg(feature = "redis")]
+settings_group!(RedisArgs);
+
 /// The Redis fast path (feature `redis`): on when `REDIS_URL` is set.
 #[cfg(feature = "redis")]
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_fast_path")]
 #[non_exhaustive]
 pub struct FastPathArgs {
-    /// Turns the fast path on: `redis://HOST:PORT/DB`.
-    #[arg(long = "redis-url", env = "REDIS_URL")]
-    pub redis_url: Option<String>,
-    /// Prefix of every key (default: `saga:{system identifier}.{database}.{schema}.{timeline}` and the
-    /// cluster's last restore: deployments sharing a Redis differ, and a restored or promoted copy gets a
-    /// fresh one).
-    #[arg(long = "redis-namespace", env = "REDIS_NAMESPACE")]
-    pub namespace: Option<String>,
+    /// Where, and the keys' namespace.
+    #[command(flatten)]
+    pub redis: RedisArgs,
     /// Life of an HTTP in-flight lock whose holder died, in milliseconds.
     #[arg(long = "redis-lock-ttl-ms", env = "REDIS_LOCK_TTL_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub lock_ttl_ms: u64,
@@ -208,6 +228,7 @@ settings_group!(FastPathArgs);
 /// path. What [`SagaServiceBuilder::from_env`](crate::SagaServiceBuilder::from_env) reads; a service's
 /// binary flattens it into its command line.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "saga_service")]
 #[non_exhaustive]
 pub struct ServiceArgs {
     /// The database (the embedded relay's replication connection, unless `SAGA_REPLICATION_URL`).

@@ -38,6 +38,7 @@ async fn each_crate_applies_only_its_own_tables() {
             "saga_consumer_progress",
             "saga_consumer_suspects",
             "saga_idempotency_keys",
+            "saga_key_gc_horizon",
             "saga_outbox",
             "saga_outbox_wal_incidents",
             "saga_outbox_wal_parked",
@@ -132,7 +133,8 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
             20_261_122_000_004,
             20_261_125_000_001,
             20_261_125_000_002,
-            20_261_126_000_001
+            20_261_126_000_001,
+            20_261_126_000_002
         ]
     );
     // And the upgraded functions still work.

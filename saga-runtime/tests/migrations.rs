@@ -23,6 +23,7 @@ async fn migrations_apply_to_an_empty_schema_and_a_second_run_changes_nothing() 
         [
             MIGRATIONS_TABLE,
             "saga_idempotency_keys",
+            "saga_key_gc_horizon",
             "saga_outbox",
             "saga_outbox_wal_incidents",
             "saga_outbox_wal_parked",

@@ -130,10 +130,13 @@ async fn two_databases_on_schema_public_get_a_slot_each_and_another_databases_sl
         assert_eq!(database, db.database());
     }
     // B's events are in B's slot, A's in A's.
-    let table = outbox::Outbox::new(wal::OutboxMode::Wal);
-    write(&b.pool, &table, &[event("b-1")]).await.unwrap();
-    write(&b.pool, &table, &[event("b-2")]).await.unwrap();
-    write(&a.pool, &table, &[event("a-1")]).await.unwrap();
+    let log_a = outbox::Outbox::new(wal::OutboxMode::Wal);
+    log_a.open(&a.pool, Duration::from_secs(2)).await.unwrap();
+    let log_b = outbox::Outbox::new(wal::OutboxMode::Wal);
+    log_b.open(&b.pool, Duration::from_secs(2)).await.unwrap();
+    write(&b.pool, &log_b, &[event("b-1")]).await.unwrap();
+    write(&b.pool, &log_b, &[event("b-2")]).await.unwrap();
+    write(&a.pool, &log_a, &[event("a-1")]).await.unwrap();
     assert_eq!(messages_in_slot(&b, &slot_b.slot).await, 2);
     assert_eq!(messages_in_slot(&a, &slot_a.slot).await, 1);
 
@@ -313,9 +316,13 @@ async fn events_over_the_size_limit_are_refused_at_write_time() {
     let events = [event("a"), event("b")];
     let size = wal::encoded_len(&events);
     for mode in [wal::OutboxMode::Wal, wal::OutboxMode::Table] {
-        let at_limit = outbox::Outbox::new(mode).with_max_transaction_bytes(size);
+        let at_limit = outbox::open(&db.pool, mode, size, Duration::from_secs(2))
+            .await
+            .unwrap();
         write(&db.pool, &at_limit, &events).await.unwrap();
-        let under = outbox::Outbox::new(mode).with_max_transaction_bytes(size - 1);
+        let under = outbox::open(&db.pool, mode, size - 1, Duration::from_secs(2))
+            .await
+            .unwrap();
         let refused = write(&db.pool, &under, &events).await.unwrap_err();
         assert!(
             matches!(refused, outbox::OutboxError::TooLarge { bytes, limit } if bytes == size && limit == size - 1),

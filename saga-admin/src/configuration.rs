@@ -1,0 +1,147 @@
+//! The configuration page (`docs/guide/configuration.md`), generated from the settings' declarations: every
+//! setting of a service, of the relay and of the `saga` command appears once, with its flag, default, the
+//! programs that read it, and its doc. A test fails when the page and the declarations differ.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+
+use clap::{Args, Command};
+use saga_runtime::settings::{Documented, documented, documented_group};
+
+/// The environment variables every argument of `command` (and of its subcommands) reads.
+fn variables(command: &Command) -> BTreeSet<String> {
+    let mut found: BTreeSet<String> = documented(command).into_iter().map(|d| d.env).collect();
+    for sub in command.get_subcommands() {
+        found.extend(variables(sub));
+    }
+    found
+}
+
+/// The page, in Markdown.
+pub fn page() -> String {
+    use outbox_relay::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SchemaArgs};
+    use saga_consumer::settings::{ConsumerArgs, FastPathArgs, ServiceArgs};
+
+    let service = variables(&ServiceArgs::augment_args(Command::new("service")));
+    let relay = variables(&outbox_relay::command());
+    let saga = variables(&crate::cli::command());
+    let applies = |env: &str| {
+        let mut to = Vec::new();
+        if service.contains(env) {
+            to.push("service");
+        }
+        if relay.contains(env) {
+            to.push("relay");
+        }
+        if saga.contains(env) {
+            to.push("`saga`");
+        }
+        to.join(", ")
+    };
+    let envs =
+        |docs: &[Documented]| -> BTreeSet<String> { docs.iter().map(|d| d.env.clone()).collect() };
+
+    let retention = documented_group::<RetentionArgs>();
+    let relay_own: Vec<Documented> = {
+        let retained = envs(&retention);
+        documented_group::<RelayArgs>()
+            .into_iter()
+            .filter(|d| !retained.contains(&d.env))
+            .collect()
+    };
+    let fast_path = documented_group::<FastPathArgs>();
+    let mut shown: Vec<(&str, &str, Vec<Documented>)> = vec![
+        (
+            "The database and the broker",
+            "Any librdkafka property is set with `KAFKA_PROPERTY_{NAME}`: `KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` \
+             sets `security.protocol`.",
+            [
+                documented_group::<DatabaseArgs>(),
+                documented_group::<SchemaArgs>(),
+                documented_group::<KafkaArgs>(),
+            ]
+            .concat(),
+        ),
+        ("The consumer", "", documented_group::<ConsumerArgs>()),
+        (
+            "The outbox",
+            "Every process of a schema (its services and its relays) has the same.",
+            documented_group::<OutboxArgs>(),
+        ),
+        (
+            "The relay (embedded in a service, or `outbox-relay run`)",
+            "A service's embedded relay and `outbox-relay run` read the same settings.",
+            relay_own,
+        ),
+        (
+            "Retention (the relay, embedded or not, and `outbox-relay gc`)",
+            "",
+            retention,
+        ),
+        ("The Redis fast path (feature `redis`)", "", fast_path),
+    ];
+    let grouped: BTreeSet<String> = shown.iter().flat_map(|(_, _, d)| envs(d)).collect();
+    let service_own: Vec<Documented> = documented_group::<ServiceArgs>()
+        .into_iter()
+        .filter(|d| !grouped.contains(&d.env))
+        .collect();
+    shown.insert(5, ("A service", "", service_own));
+    let grouped: BTreeSet<String> = shown.iter().flat_map(|(_, _, d)| envs(d)).collect();
+    let mut saga_own: Vec<Documented> = Vec::new();
+    collect_unlisted(&crate::cli::command(), &grouped, &mut saga_own);
+    shown.push(("The `saga` command and its inspector", "", saga_own));
+
+    let mut page = String::from(
+        "# Configuration\n\n\
+         Every setting is an environment variable, and a flag of the programs that read it (`--help`); a \
+         missing required setting is an error naming the variable, with exit code 2: there are no silent \
+         defaults for what must be chosen. *Applies to*: **service**, a `SagaService` (from \
+         `SagaServiceBuilder::from_env`, or a binary that flattens `saga_consumer::settings::ServiceArgs`); \
+         **relay**, the `outbox-relay` binary; **`saga`**, the operators' command.\n\n\
+         This page is generated from the settings' declarations (`saga_consumer::settings`, \
+         `outbox_relay`'s settings groups, the `saga` command); `cargo test -p saga-admin --test \
+         configuration_page` fails when they differ, and with `SAGA_UPDATE_DOCS=1` writes it.\n",
+    );
+    for (title, note, docs) in &shown {
+        let _ = write!(page, "\n## {title}\n\n");
+        if !note.is_empty() {
+            let _ = write!(page, "{note}\n\n");
+        }
+        page.push_str(
+            "| variable | flag | default | applies to | meaning |\n|---|---|---|---|---|\n",
+        );
+        for d in docs {
+            let _ = writeln!(
+                page,
+                "| `{}` | `{}` | {} | {} | {} |",
+                d.env,
+                d.flag,
+                if d.default == "—" {
+                    "—".to_owned()
+                } else {
+                    format!("`{}`", d.default)
+                },
+                applies(&d.env),
+                d.doc.replace('|', "\\|")
+            );
+        }
+    }
+    page.push_str(
+        "\n## Tracing (feature `otel`)\n\n\
+         `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER`, `OTEL_SDK_DISABLED`: \
+         OpenTelemetry's own variables (see [Tracing](tracing.md)). `RUST_LOG` filters log lines.\n",
+    );
+    page
+}
+
+/// The settings of `command` (and its subcommands) not in `listed`, once each.
+fn collect_unlisted(command: &Command, listed: &BTreeSet<String>, into: &mut Vec<Documented>) {
+    for d in documented(command) {
+        if !listed.contains(&d.env) && !into.iter().any(|seen| seen.env == d.env) {
+            into.push(d);
+        }
+    }
+    for sub in command.get_subcommands() {
+        collect_unlisted(sub, listed, into);
+    }
+}
