@@ -14,3 +14,24 @@ async fn every_service_names_a_bad_database_url_an_absent_database_or_broker_and
     let _db = TestDb::empty("cli-broker").await;
     expect_configuration_mistakes_named(&BINARIES, &BINARIES).await;
 }
+
+/// The example services read the framework's settings through the framework's declarations: a setting
+/// means the same in them as in any service (`SAGA_CREATE_TOPICS` is a partition count, not a switch).
+#[tokio::test]
+async fn the_services_read_the_frameworks_settings_as_any_service_does() {
+    for binary in BINARIES {
+        let mut command = tokio::process::Command::new(binary);
+        command.env("SAGA_CREATE_TOPICS", "true");
+        let line = saga_test_support::expect_usage_error(command, "SAGA_CREATE_TOPICS").await;
+        assert!(line.contains("'true'"), "{line}");
+        let help = tokio::process::Command::new(binary)
+            .arg("--help")
+            .output()
+            .await
+            .unwrap();
+        let help = String::from_utf8_lossy(&help.stdout);
+        for flag in ["--relay-batch-size", "--key-retention-hours", "--group-id"] {
+            assert!(help.contains(flag), "{binary}: {flag} in --help");
+        }
+    }
+}

@@ -22,6 +22,7 @@ pub fn parse<C: clap::Parser>() -> C {
 
 /// Like [`parse`], for a command built or adjusted at run time (another name or description).
 pub fn parse_command<C: clap::FromArgMatches>(command: clap::Command) -> C {
+    let described = command.clone();
     match command
         .try_get_matches()
         .and_then(|matches| C::from_arg_matches(&matches))
@@ -34,10 +35,37 @@ pub fn parse_command<C: clap::FromArgMatches>(command: clap::Command) -> C {
                 .lines()
                 .find(|l| !l.trim().is_empty())
                 .unwrap_or("error: invalid arguments");
-            eprintln!("{first} (see --help)");
+            match variable_of(&described, &e) {
+                Some(var) => eprintln!("{first} (from {var}; see --help)"),
+                None => eprintln!("{first} (see --help)"),
+            }
             std::process::exit(i32::from(USAGE_ERROR));
         }
     }
+}
+
+/// The environment variable the value clap refuses came from, when it came from one (the argument's
+/// variable is set, and the flag was not given).
+fn variable_of(command: &clap::Command, error: &clap::Error) -> Option<String> {
+    let invalid = error.get(clap::error::ContextKind::InvalidArg)?.to_string();
+    let flag_given = |long: &str| {
+        std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")))
+    };
+    fn all_args(command: &clap::Command) -> Vec<clap::Arg> {
+        let mut args: Vec<clap::Arg> = command.get_arguments().cloned().collect();
+        for sub in command.get_subcommands() {
+            args.extend(all_args(sub));
+        }
+        args
+    }
+    all_args(command).into_iter().find_map(|arg| {
+        let long = arg.get_long()?;
+        let env = arg.get_env()?.to_string_lossy().into_owned();
+        (invalid.starts_with(&format!("--{long} ")) || invalid == format!("--{long}"))
+            .then_some(())
+            .filter(|()| std::env::var_os(&env).is_some() && !flag_given(long))
+            .map(|()| env)
+    })
 }
 
 /// Reports `result` on stderr in one line and turns it into the process's exit code: 2 when a
