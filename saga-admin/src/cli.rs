@@ -1293,7 +1293,7 @@ fn confirm(question: &str, yes: bool) -> Result<bool, crate::AdminError> {
 fn inspector_tokens(args: &TokenArgs) -> Result<Vec<inspect::NamedToken>, ConfigProblem> {
     let mut tokens = Vec::new();
     if let Some(list) = &args.tokens {
-        tokens = inspect::NamedToken::parse_list(&list).map_err(|e| {
+        tokens = inspect::NamedToken::parse_list(list).map_err(|e| {
             ConfigProblem::new("SAGA_ADMIN_TOKENS", e, "write name:token,name:token")
         })?;
     }
@@ -1301,7 +1301,7 @@ fn inspector_tokens(args: &TokenArgs) -> Result<Vec<inspect::NamedToken>, Config
         && !token.is_empty()
     {
         tokens.push(
-            inspect::NamedToken::new("admin", &token).map_err(|e| {
+            inspect::NamedToken::new("admin", token).map_err(|e| {
                 ConfigProblem::new("SAGA_ADMIN_TOKEN", e, "use a longer random token")
             })?,
         );
