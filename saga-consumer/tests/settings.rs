@@ -203,8 +203,10 @@ async fn a_message_older_than_the_key_retention_whose_key_may_be_gone_is_dead_le
         .await
         .unwrap();
     // Retention ran with a retention of 24 hours: keys last written before then may be gone.
-    let mut policy = saga_runtime::store::gc::GcPolicy::default();
-    policy.retention = 24 * HOUR;
+    let policy = saga_runtime::store::gc::GcPolicy {
+        retention: 24 * HOUR,
+        ..Default::default()
+    };
     saga_runtime::store::gc::collect_idempotency_keys(&db.pool, &policy)
         .await
         .unwrap();
