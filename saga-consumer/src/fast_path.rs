@@ -45,7 +45,7 @@ pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
 pub struct FastPathSettings {
     /// The Redis URL (`REDIS_URL`).
     pub url: String,
-    /// Prefix of every key (`REDIS_NAMESPACE`, default `saga:{system identifier}.{database}.{schema}`,
+    /// Prefix of every key (`REDIS_NAMESPACE`, default `saga:{system identifier}.{timeline}.{database}.{schema}`,
     /// read from the pool; see [`default_namespace`]): services that share a Redis but not a database must
     /// not share keys.
     pub namespace: Option<String>,
@@ -555,13 +555,16 @@ impl FastPath {
 }
 
 /// The namespace a service's keys go under when `REDIS_NAMESPACE` is unset:
-/// `saga:{system identifier}.{database}.{schema}` of `pool`'s connections. The system identifier
+/// `saga:{system identifier}.{timeline}.{database}.{schema}` of `pool`'s connections. The system identifier
 /// (`pg_control_system()`) is set when a cluster is created, so staging and production (or two regions)
-/// that share a Redis and name their databases and schemas alike still get namespaces of their own. A
-/// restored backup keeps the identifier: see [`FastPath::forget_namespace`].
+/// that share a Redis and name their databases and schemas alike still get namespaces of their own; the
+/// timeline (`pg_control_checkpoint()`) changes when a replica is promoted or a backup is restored to a
+/// point in time, so such a copy starts with a namespace of its own. A copy made with `pg_basebackup` and
+/// started as it is keeps both: see [`FastPath::forget_namespace`].
 pub async fn default_namespace(pool: &sqlx::PgPool) -> Result<String, ConfigProblem> {
-    let (cluster, db, schema): (String, String, String) = sqlx::query_as(
+    let (cluster, timeline, db, schema): (String, i32, String, String) = sqlx::query_as(
         "SELECT (SELECT system_identifier::text FROM pg_control_system()), \
+                (SELECT timeline_id FROM pg_control_checkpoint()), \
                 current_database()::text, current_schema()::text",
     )
     .fetch_one(pool)
@@ -573,7 +576,15 @@ pub async fn default_namespace(pool: &sqlx::PgPool) -> Result<String, ConfigProb
             "set REDIS_NAMESPACE to a name no other deployment sharing the Redis uses",
         )
     })?;
-    Ok(format!("saga:{cluster}.{db}.{schema}"))
+    Ok(namespace_of(&cluster, timeline, &db, &schema))
+}
+
+/// The default namespace of a cluster (`system_identifier`) on `timeline`, for `schema` of `db`. The
+/// timeline is what changes when a copy of the cluster becomes a cluster of its own: a replica promoted, a
+/// backup restored to a point in time (each ends recovery on a new timeline). So the restored or promoted
+/// copy starts with an empty namespace instead of Redis's answers for keys its database lost.
+fn namespace_of(cluster: &str, timeline: i32, db: &str, schema: &str) -> String {
+    format!("saga:{cluster}.{timeline}.{db}.{schema}")
 }
 
 /// `text` with Redis glob characters escaped, for `SCAN MATCH`.
@@ -590,4 +601,22 @@ fn glob_escape(text: &str) -> String {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_restored_or_promoted_copy_gets_a_namespace_of_its_own() {
+        let original = namespace_of("7431", 1, "orders", "public");
+        // Promoted, or restored to a point in time: the same cluster identifier, another timeline.
+        assert_ne!(namespace_of("7431", 2, "orders", "public"), original);
+        assert_ne!(namespace_of("7432", 1, "orders", "public"), original);
+        assert_eq!(
+            namespace_of("7431", 1, "orders", "public"),
+            original,
+            "stable"
+        );
+    }
 }

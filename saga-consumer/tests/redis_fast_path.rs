@@ -670,6 +670,20 @@ async fn namespace_two_clusters_with_the_same_database_and_schema_names_never_se
         b.namespace(),
         "the clusters' system identifiers tell the deployments apart"
     );
+    // The timeline is part of it: a promoted replica, or a backup restored to a point in time, starts on a
+    // new one, and so with a namespace of its own.
+    let (sysid, timeline): (String, i32) = sqlx::query_as(
+        "SELECT (SELECT system_identifier::text FROM pg_control_system()), \
+                (SELECT timeline_id FROM pg_control_checkpoint())",
+    )
+    .fetch_one(&here.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        a.namespace(),
+        format!("saga:{sysid}.{timeline}{names}"),
+        "identifier, timeline, database, schema"
+    );
 
     let tenant = TenantId::default();
     let key = IdempotencyKey::new("order-1")
