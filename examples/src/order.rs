@@ -149,6 +149,8 @@ impl SagaHooks for OrderSagaHooks {
                 SagaStatus::Compensating => (&["PENDING", "PAID"], "COMPENSATING"),
                 SagaStatus::Completed => (&["PENDING", "PAID"], "COMPLETED"),
                 SagaStatus::Compensated => (&["PENDING", "PAID", "COMPENSATING"], "CANCELLED"),
+                // A status of a later version: the order keeps what it has.
+                _ => return Ok(()),
             };
             advance(
                 conn,

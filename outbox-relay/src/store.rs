@@ -43,6 +43,7 @@ impl OutboxRow {
 
 /// What happens to a row once the broker acknowledged it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum AfterPublish {
     /// Set `published_at`; the retention job deletes it later (an audit trail meanwhile). The default.
     #[default]
@@ -249,6 +250,7 @@ pub(crate) async fn record_failure(
 
 /// The state of the outbox, for `status` and the backlog gauge.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Backlog {
     /// Unpublished rows.
     pub unpublished: i64,

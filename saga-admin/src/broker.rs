@@ -1,6 +1,7 @@
 //! The broker's view of a topic, shared by the dead-letter reader and the lag report.
 
-use saga_runtime::kafka::{KafkaConfig, Watermarks};
+use saga_consumer::KafkaConfig;
+use saga_consumer::toolkit::Watermarks;
 
 use crate::error::AdminError;
 
@@ -9,7 +10,7 @@ pub(crate) async fn partitions_of(
     kafka: &KafkaConfig,
     topic: &str,
 ) -> Result<Vec<(i32, i64, i64)>, AdminError> {
-    let Some(partitions) = saga_runtime::kafka::watermarks(kafka, topic).await? else {
+    let Some(partitions) = saga_consumer::toolkit::watermarks(kafka, topic).await? else {
         return Err(AdminError::bad_input(format!(
             "topic {topic} does not exist at {}",
             kafka.brokers

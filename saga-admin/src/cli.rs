@@ -6,9 +6,10 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use saga_consumer::settings::{DatabaseArgs, KafkaArgs, RedisArgs, SchemaArgs};
-use saga_runtime::cli::{printable, printable_json};
-use saga_runtime::config::{ConfigProblem, connect_postgres, required_postgres_url};
-use saga_runtime::kafka::KafkaConfig;
+use saga_consumer::toolkit::{printable, printable_json};
+use saga_consumer::ConfigProblem;
+use saga_consumer::toolkit::{connect_postgres, required_postgres_url};
+use saga_consumer::KafkaConfig;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -22,9 +23,9 @@ use crate::{groups, keys, lag, operations, outbox, sagas, trace};
 /// The `saga` binary: parses the command line (see `saga --help`), runs the command, and answers bad input
 /// or configuration with one line and exit code 2.
 pub async fn main() -> ExitCode {
-    let _tracing = saga_runtime::telemetry::init_tracing();
-    let cli: Cli = saga_runtime::cli::parse();
-    saga_runtime::cli::exit_code(cli.execute().await)
+    let _tracing = saga_consumer::toolkit::init_tracing();
+    let cli: Cli = saga_consumer::toolkit::parse();
+    saga_consumer::toolkit::exit_code(cli.execute().await)
 }
 
 /// See and repair sagas: dead letters, step keys, leases, saga instances, consumer lag, the outbox.
@@ -447,7 +448,7 @@ impl Cli {
     async fn pool(&self) -> Result<PgPool, ConfigProblem> {
         let url = required_postgres_url("DATABASE_URL", self.database.database_url.as_deref())?;
         let pool = connect_postgres("DATABASE_URL", url, self.schema.schema.as_deref(), 4).await?;
-        saga_runtime::config::require_schema(&pool, "SAGA_SCHEMA", "name the service's schema")
+        saga_consumer::toolkit::require_schema(&pool, "SAGA_SCHEMA", "name the service's schema")
             .await?;
         Ok(pool)
     }
@@ -929,7 +930,7 @@ impl Cli {
                     kafka,
                     pool,
                     options,
-                    saga_runtime::shutdown::wait_for_signal(),
+                    saga_consumer::toolkit::wait_for_signal(),
                 )
                 .await?;
                 Ok(())

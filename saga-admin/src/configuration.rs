@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
 use clap::{Args, Command};
-use saga_runtime::settings::{Documented, documented, documented_group};
+use saga_consumer::toolkit::{Documented, documented, documented_group};
 
 /// The environment variables every argument of `command` (and of its subcommands) reads.
 fn variables(command: &Command) -> BTreeSet<String> {
@@ -24,7 +24,7 @@ pub fn page() -> String {
 
     let service = variables(&ServiceArgs::augment_args(Command::new("service")));
     let relay = variables(&outbox_relay::command());
-    let saga = variables(&crate::cli::command());
+    let saga = variables(&crate::command());
     let applies = |env: &str| {
         let mut to = Vec::new();
         if service.contains(env) {
@@ -88,7 +88,7 @@ pub fn page() -> String {
     shown.insert(5, ("A service", "", service_own));
     let grouped: BTreeSet<String> = shown.iter().flat_map(|(_, _, d)| envs(d)).collect();
     let mut saga_own: Vec<Documented> = Vec::new();
-    collect_unlisted(&crate::cli::command(), &grouped, &mut saga_own);
+    collect_unlisted(&crate::command(), &grouped, &mut saga_own);
     shown.push(("The `saga` command and its inspector", "", saga_own));
 
     let mut page = String::from(

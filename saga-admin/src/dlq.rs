@@ -3,7 +3,7 @@
 //!
 //! A dead-letter topic belongs to one consumer group, as the group's consumer recorded it in the schema
 //! (`saga_consumer_groups`). A replay re-produces a dead letter's key, value and headers (the `dlq-*`
-//! headers dropped, the replay headers of [`saga_runtime::replay`] set: the count raised, the original
+//! headers dropped, the replay headers of the runtime's replay module set: the count raised, the original
 //! topic, partition and offset, the operator) to **that group's retry topic**, never to the original topic:
 //! no other group reading the original topic sees a replay. The group's consumer routes it by the original
 //! topic to the same step, whose step key absorbs it if it had taken effect.
@@ -24,8 +24,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use rdkafka::{Offset, TopicPartitionList};
-use saga_runtime::kafka::KafkaConfig;
-use saga_runtime::replay;
+use saga_consumer::KafkaConfig;
+use saga_consumer::toolkit::replay;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use sqlx::migrate::Migrator;
@@ -337,7 +337,7 @@ pub async fn show(
 
 /// The topics of the broker whose name ends in `.dlq` (the consumer's default dead-letter topics).
 pub async fn discover_topics(kafka: &KafkaConfig) -> Result<Vec<String>, AdminError> {
-    let config = saga_runtime::kafka::client_config(kafka);
+    let config = saga_consumer::toolkit::client_config(kafka);
     tokio::task::spawn_blocking(move || {
         let client: BaseConsumer = config.create()?;
         let metadata = client.fetch_metadata(None, Duration::from_secs(10))?;
@@ -500,7 +500,7 @@ impl ReplayReport {
 
 /// The toolkit's tables (`saga_dlq_replays`, `saga_dlq_replay_log`), recorded in `_saga_admin_migrations`.
 pub fn migrator() -> Migrator {
-    saga_runtime::store::migrate::owned_by(sqlx::migrate!("./migrations"), "_saga_admin_migrations")
+    saga_consumer::toolkit::owned_by(sqlx::migrate!("./migrations"), "_saga_admin_migrations")
 }
 
 /// The consumer group a dead-letter topic belongs to, as the group's consumer recorded it in the schema
@@ -578,7 +578,7 @@ pub async fn replay(
             .await
             .map_err(|e| AdminError::Store(format!("applying the toolkit's migration: {e}")))?;
     }
-    let producer = saga_runtime::kafka::idempotent_producer(
+    let producer = saga_consumer::toolkit::idempotent_producer(
         kafka,
         Duration::from_millis(1),
         Duration::from_secs(30),
@@ -976,7 +976,7 @@ async fn read(
     if ranges.is_empty() {
         return Ok(Vec::new());
     }
-    let mut config = saga_runtime::kafka::client_config(kafka);
+    let mut config = saga_consumer::toolkit::client_config(kafka);
     config
         .set("group.id", format!("saga-admin-{}", uuid::Uuid::new_v4()))
         .set("enable.auto.commit", "false")

@@ -33,7 +33,7 @@ pub enum AdminError {
 impl AdminError {
     /// Bad input, said in one line.
     pub fn bad_input(message: impl Into<String>) -> Self {
-        Self::BadInput(BadInput(message.into()))
+        Self::BadInput(BadInput::new(message))
     }
 
     /// Whether the caller can fix it (bad input or configuration), as opposed to a failure.
@@ -54,10 +54,10 @@ impl From<rdkafka::error::KafkaError> for AdminError {
     }
 }
 
-impl From<saga_runtime::store::idempotency::StoreError> for AdminError {
-    fn from(e: saga_runtime::store::idempotency::StoreError) -> Self {
+impl From<saga_consumer::toolkit::StoreError> for AdminError {
+    fn from(e: saga_consumer::toolkit::StoreError) -> Self {
         match e {
-            saga_runtime::store::idempotency::StoreError::Database(d) => Self::Database(d),
+            saga_consumer::toolkit::StoreError::Database(d) => Self::Database(d),
             other => Self::Store(other.to_string()),
         }
     }

@@ -2,7 +2,7 @@
 
 use chrono::{DateTime, Utc};
 use saga_core::{StepKey, TenantId};
-use saga_runtime::store::idempotency::{self, KeyRecord};
+use saga_consumer::toolkit::{KeyRecord, idempotency};
 use serde::Serialize;
 use sqlx::PgPool;
 

@@ -40,10 +40,12 @@
 #![deny(missing_docs)]
 
 mod broker;
-pub mod cli;
+mod cli;
 #[doc(hidden)]
 pub mod configuration;
 pub mod dlq;
+// Public for the fuzz targets only (fuzz/), not part of the API.
+#[doc(hidden)]
 pub mod duration;
 mod error;
 pub mod groups;
@@ -57,4 +59,6 @@ mod table;
 pub mod trace;
 
 pub use cli::main;
+#[doc(hidden)]
+pub use cli::command;
 pub use error::AdminError;

@@ -515,7 +515,7 @@ async fn run_held(
             }
         }
     }
-    let producer = saga_runtime::kafka::idempotent_producer(
+    let producer = saga_consumer::toolkit::idempotent_producer(
         kafka,
         std::time::Duration::from_millis(1),
         std::time::Duration::from_secs(30),
@@ -653,8 +653,8 @@ async fn sent_by(
     let mut sent = HashMap::new();
     for topic in topics {
         for record in dlq::read_topic(kafka, topic).await? {
-            if record.header(saga_runtime::replay::OPERATION) == Some(operation.as_str())
-                && let Some(letter) = record.header(saga_runtime::replay::LETTER)
+            if record.header(saga_consumer::toolkit::replay::OPERATION) == Some(operation.as_str())
+                && let Some(letter) = record.header(saga_consumer::toolkit::replay::LETTER)
             {
                 sent.insert(letter.to_owned(), (record.partition, record.offset));
             }

@@ -45,7 +45,7 @@ fn the_configuration_page_is_generated_from_the_settings_declarations() {
 #[test]
 fn every_programs_command_line_is_valid() {
     outbox_relay::command().debug_assert();
-    saga_admin::cli::command().debug_assert();
+    saga_admin::command().debug_assert();
     <saga_consumer::settings::ServiceArgs as clap::Args>::augment_args(clap::Command::new(
         "service",
     ))

@@ -12,6 +12,7 @@ use crate::retry::RetryPolicy;
 /// How partitions are spread over a group's members. Only the eager protocols are safe with manual offset
 /// commits today; cooperative-sticky is offered for brokers and versions where it works.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum AssignmentStrategy {
     /// Contiguous ranges of partitions per member (eager).
     Range,

@@ -338,8 +338,8 @@ async fn handle_group(
         let Route::Step {
             step: s,
             decoded,
-            step_key,
             tenant,
+            ..
         } = &deliveries[*index].route
         else {
             unreachable!("a claimed key belongs to a step")
@@ -347,7 +347,6 @@ async fn handle_group(
         step = Some(s);
         items.push(StepItem {
             decoded,
-            step_key,
             tenant,
             origin: &deliveries[*index].raw.origin,
             span: &deliveries[*index].span,

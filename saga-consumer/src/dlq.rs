@@ -44,6 +44,7 @@ use headers::MAX_ERROR_BYTES;
 
 /// Why a message was dead-lettered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DeadLetterReason {
     /// Its headers or payload do not decode.
     Undecodable,

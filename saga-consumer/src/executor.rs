@@ -486,7 +486,6 @@ impl Executor {
                 step,
                 items: vec![StepItem {
                     decoded,
-                    step_key,
                     tenant,
                     origin: &delivery.raw.origin,
                     span: &delivery.span,

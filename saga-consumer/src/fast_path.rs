@@ -42,6 +42,7 @@ pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Settings of the fast path.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct FastPathSettings {
     /// The Redis URL (`REDIS_URL`).
     pub url: String,
@@ -184,6 +185,7 @@ pub struct InFlight {
 
 /// A response stored in Redis for replay, with the fingerprint of the request that produced it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub struct CachedResponse {
     /// The request fingerprint (hex).
     pub fingerprint: String,
@@ -193,6 +195,7 @@ pub struct CachedResponse {
 
 /// What Redis says about an in-flight lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum LockAnswer {
     /// Taken: this request holds it.
     Acquired,

@@ -16,7 +16,7 @@ pub(crate) type Decoded = Box<dyn Any + Send + Sync>;
 
 /// What a step's handler produced for a batch: one outcome per message, and the emitted events.
 #[derive(Debug)]
-pub(crate) struct Handled {
+pub(crate) struct HandlerOutput {
     pub outcomes: Vec<StepOutcome>,
     pub emitted: Vec<saga_core::OutboxMessage>,
 }
@@ -35,7 +35,7 @@ pub(crate) trait ErasedStep: Send + Sync {
         decoded: &'a [&'a Decoded],
         conn: &'a mut sqlx::PgConnection,
         source: &'a str,
-    ) -> BoxFuture<'a, Result<Handled, StepError>>;
+    ) -> BoxFuture<'a, Result<HandlerOutput, StepError>>;
 }
 
 struct TxAdapter<S>(S);
@@ -76,7 +76,7 @@ impl<S: SagaStep> ErasedStep for TxAdapter<S> {
         decoded: &'a [&'a Decoded],
         conn: &'a mut sqlx::PgConnection,
         source: &'a str,
-    ) -> BoxFuture<'a, Result<Handled, StepError>> {
+    ) -> BoxFuture<'a, Result<HandlerOutput, StepError>> {
         Box::pin(async move {
             let msgs: Vec<&Message<S::Payload>> =
                 decoded.iter().map(|d| message::<S::Payload>(d)).collect();
@@ -90,7 +90,7 @@ impl<S: SagaStep> ErasedStep for TxAdapter<S> {
                     msgs.len()
                 )));
             }
-            Ok(Handled { outcomes, emitted })
+            Ok(HandlerOutput { outcomes, emitted })
         })
     }
 }
@@ -114,7 +114,7 @@ pub(crate) trait ErasedTwoPhaseStep: Send + Sync {
         response: Box<dyn Any + Send>,
         conn: &'a mut sqlx::PgConnection,
         source: &'a str,
-    ) -> BoxFuture<'a, Result<Handled, StepError>>;
+    ) -> BoxFuture<'a, Result<HandlerOutput, StepError>>;
 }
 
 struct TwoPhaseAdapter<S>(S);
@@ -149,7 +149,7 @@ impl<S: TwoPhaseStep> ErasedTwoPhaseStep for TwoPhaseAdapter<S> {
         response: Box<dyn Any + Send>,
         conn: &'a mut sqlx::PgConnection,
         source: &'a str,
-    ) -> BoxFuture<'a, Result<Handled, StepError>> {
+    ) -> BoxFuture<'a, Result<HandlerOutput, StepError>> {
         Box::pin(async move {
             let msg = message::<S::Payload>(decoded);
             let response = *response
@@ -158,7 +158,7 @@ impl<S: TwoPhaseStep> ErasedTwoPhaseStep for TwoPhaseAdapter<S> {
             let mut emitted = Vec::new();
             let mut ctx = StepContext::new(conn, msg.lineage(), source, &mut emitted);
             let outcome = self.0.complete(msg, response, &mut ctx).await?;
-            Ok(Handled {
+            Ok(HandlerOutput {
                 outcomes: vec![outcome],
                 emitted,
             })

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 /// A committed transaction of one partition's messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CommitInfo {
     /// The topic.
     pub topic: String,

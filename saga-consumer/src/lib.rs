@@ -105,7 +105,7 @@ pub use runner::{
 };
 pub use saga_core::*;
 pub use service::{
-    BoxStepService, Handled, HandlerPanicked, HandlerTimedOut, StepItem, StepRequest, StepService,
+    BoxStepService, HandlerPanicked, HandlerTimedOut, StepItem, StepRequest, StepResponse, StepService,
 };
 
 /// Tracing set-up for a service's `main`: log lines on stderr and, with the feature `otel`, the framework's
@@ -124,4 +124,22 @@ pub mod telemetry {
     pub use saga_runtime::telemetry::{TracingGuard, init_tracing};
     #[cfg(feature = "otel")]
     pub use saga_runtime::trace::{SampledOut, SampledOutFilter};
+}
+
+/// What the framework's own operators' toolkit (`saga-admin`: the `saga` command and its inspector) shares
+/// with the runtime: Kafka clients, replay headers, the key store's rows, terminal-safe printing. Not part
+/// of the API: no semver promise, and nothing a service needs.
+#[doc(hidden)]
+pub mod toolkit {
+    pub use saga_runtime::cli::{exit_code, parse, printable, printable_json};
+    pub use saga_runtime::config::{
+        connect_postgres, require_schema, required_postgres_url,
+    };
+    pub use saga_runtime::kafka::{Watermarks, client_config, idempotent_producer, watermarks};
+    pub use saga_runtime::replay;
+    pub use saga_runtime::settings::{Documented, documented, documented_group};
+    pub use saga_runtime::shutdown::wait_for_signal;
+    pub use saga_runtime::store::idempotency::{self, KeyRecord, StoreError};
+    pub use saga_runtime::store::migrate::owned_by;
+    pub use saga_runtime::telemetry::init_tracing;
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use saga_core::{Origin, OutboxMessage, StepError, StepKey, StepName, StepOutcome, TenantId};
+use saga_core::{Origin, OutboxMessage, StepError, StepName, StepOutcome, TenantId};
 use tower_layer::Layer;
 use tracing::Instrument;
 
@@ -22,15 +22,16 @@ use crate::handler::{Decoded, RegisteredStep, StepMode};
 
 /// What a handler produced: one outcome per message, and the events it emitted.
 #[derive(Debug)]
-pub struct Handled {
+#[non_exhaustive]
+pub struct StepResponse {
     /// How each message's step ended, in the request's order.
     pub outcomes: Vec<StepOutcome>,
     /// The outbox rows emitted.
     pub emitted: Vec<OutboxMessage>,
 }
 
-impl From<crate::handler::Handled> for Handled {
-    fn from(h: crate::handler::Handled) -> Self {
+impl From<crate::handler::HandlerOutput> for StepResponse {
+    fn from(h: crate::handler::HandlerOutput) -> Self {
         Self {
             outcomes: h.outcomes,
             emitted: h.emitted,
@@ -42,18 +43,12 @@ impl From<crate::handler::Handled> for Handled {
 #[derive(Debug)]
 pub struct StepItem<'a> {
     pub(crate) decoded: &'a Decoded,
-    pub(crate) step_key: &'a StepKey,
     pub(crate) tenant: &'a TenantId,
     pub(crate) origin: &'a Origin,
     pub(crate) span: &'a tracing::Span,
 }
 
 impl StepItem<'_> {
-    /// The message's step key.
-    pub fn step_key(&self) -> &StepKey {
-        self.step_key
-    }
-
     /// The message's tenant.
     pub fn tenant(&self) -> &TenantId {
         self.tenant
@@ -73,6 +68,7 @@ impl StepItem<'_> {
 /// One handler invocation: consecutive messages of one partition for one step, new to it, inside the
 /// batch's transaction. A two-phase step's completion is a request of one message with its external
 /// response.
+#[non_exhaustive]
 pub struct StepRequest<'a> {
     pub(crate) step: &'a RegisteredStep,
     pub(crate) items: Vec<StepItem<'a>>,
@@ -112,7 +108,7 @@ impl StepRequest<'_> {
 /// use std::sync::Arc;
 /// use std::sync::atomic::{AtomicU64, Ordering};
 /// use futures::future::BoxFuture;
-/// use saga_consumer::{BoxStepService, Handled, StepError, StepRequest, StepService};
+/// use saga_consumer::{BoxStepService, StepResponse, StepError, StepRequest, StepService};
 ///
 /// #[derive(Clone, Default)]
 /// struct CountCalls(Arc<AtomicU64>);
@@ -125,7 +121,7 @@ impl StepRequest<'_> {
 /// }
 ///
 /// impl<S: StepService> StepService for Counted<S> {
-///     fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+///     fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
 ///         self.calls.fetch_add(request.items().len() as u64, Ordering::Relaxed);
 ///         self.inner.call(request)
 ///     }
@@ -140,14 +136,14 @@ impl StepRequest<'_> {
 /// ```
 pub trait StepService: Send + Sync + 'static {
     /// Runs the handler for `request` inside the open transaction.
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>>;
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>>;
 }
 
 /// A shared, type-erased [`StepService`], what layers wrap.
 pub type BoxStepService = Arc<dyn StepService>;
 
 impl StepService for BoxStepService {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         (**self).call(request)
     }
 }
@@ -157,7 +153,7 @@ impl StepService for BoxStepService {
 pub(crate) struct HandlerService;
 
 impl StepService for HandlerService {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         let StepRequest {
             step,
             items,
@@ -199,7 +195,7 @@ impl<S: StepService> Layer<S> for InstrumentLayer {
 }
 
 impl<S: StepService> StepService for Instrumented<S> {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         let span = match request.items.as_slice() {
             [one] => one.span.clone(),
             items => {
@@ -221,6 +217,7 @@ impl<S: StepService> StepService for Instrumented<S> {
 /// The handler took longer than its time limit.
 #[derive(Debug, thiserror::Error)]
 #[error("handler timed out after {0:?}")]
+#[non_exhaustive]
 pub struct HandlerTimedOut(pub Duration);
 
 /// Fails a handler that runs longer than a limit, transiently: the transaction rolls back and the message is
@@ -245,7 +242,7 @@ impl<S: StepService> Layer<S> for TimeoutLayer {
 }
 
 impl<S: StepService> StepService for Timeout<S> {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         Box::pin(async move {
             match tokio::time::timeout(self.limit, self.inner.call(request)).await {
                 Ok(result) => result,
@@ -258,6 +255,7 @@ impl<S: StepService> StepService for Timeout<S> {
 /// The handler panicked.
 #[derive(Debug, thiserror::Error)]
 #[error("handler panicked: {0}")]
+#[non_exhaustive]
 pub struct HandlerPanicked(pub String);
 
 /// Turns a panicking handler into a permanent error, so that the message is dead-lettered instead of
@@ -276,7 +274,7 @@ impl<S: StepService> Layer<S> for CatchPanicLayer {
 }
 
 impl<S: StepService> StepService for CatchPanic<S> {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<Handled, StepError>> {
+    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         Box::pin(async move {
             match AssertUnwindSafe(self.0.call(request)).catch_unwind().await {
                 Ok(result) => result,

@@ -8,8 +8,35 @@
 use crate::KafkaConfig;
 use crate::error::ConsumerError;
 
-pub use saga_runtime::cli::{exit_code, parse, parse_command};
-pub use saga_runtime::config::connect_postgres;
+/// Parses the command line as `C`. `--help` and `--version` print as usual; anything else that does not
+/// parse prints one line (naming the variable a refused value came from) and exits with code 2.
+pub fn parse<C: clap::Parser>() -> C {
+    saga_runtime::cli::parse()
+}
+
+/// Like [`parse`], for a command built or adjusted at run time (another name or description).
+pub fn parse_command<C: clap::FromArgMatches>(command: clap::Command) -> C {
+    saga_runtime::cli::parse_command(command)
+}
+
+/// Reports `result` on stderr in one line and turns it into the process's exit code: 2 when a
+/// [`ConfigProblem`](crate::ConfigProblem) or [`BadInput`](crate::BadInput) is among its causes, 1 for
+/// other errors.
+pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
+    saga_runtime::cli::exit_code(result)
+}
+
+/// A pool of `max_connections` on `url` (`var` names the setting it came from), in `schema` when given
+/// (its `search_path`), checked at once: a URL that does not parse or a database that does not answer is a
+/// [`ConfigProblem`](crate::ConfigProblem) naming `var`.
+pub async fn connect_postgres(
+    var: &str,
+    url: &str,
+    schema: Option<&str>,
+    max_connections: u32,
+) -> Result<sqlx::PgPool, crate::ConfigProblem> {
+    saga_runtime::config::connect_postgres(var, url, schema, max_connections).await
+}
 
 /// Checks that a broker answers at `kafka`'s address: a [`ConfigProblem`](crate::ConfigProblem) naming
 /// `KAFKA_BROKERS` if none does within the start-up timeout.

@@ -116,7 +116,15 @@ impl std::error::Error for ConfigProblem {}
 /// not parse), said in one line. The framework's binaries print it and exit with code 2, as on a
 /// [`ConfigProblem`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BadInput(pub String);
+
+impl BadInput {
+    /// Bad input, said by `message`.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self(message.into())
+    }
+}
 
 impl fmt::Display for BadInput {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -95,6 +95,7 @@ impl std::fmt::Debug for Command {
 
 /// What happens when a step's reply does not come within its timeout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OnTimeout {
     /// The step failed: compensate (the timed-out step included: its effect may have happened).
     Fail,
@@ -107,6 +108,7 @@ pub enum OnTimeout {
 
 /// A compensating action.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Compensation {
     /// The command that undoes the step. The participant's step for it must be named
     /// `compensate-{step}`, so its key is `{original-key}:compensate-{step}`.
@@ -120,6 +122,7 @@ pub struct Compensation {
 
 /// One step of a saga.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Step {
     /// The step's name; the participant's step handling the command must have the same name, so that its
     /// key is `{original-key}:{step}`.
@@ -260,6 +263,7 @@ pub enum DefinitionError {
 
 /// A saga type: its steps in order, and the topic its participants reply on.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct SagaDefinition {
     /// The saga type, such as `order-fulfillment`.
     pub saga_type: StepName,

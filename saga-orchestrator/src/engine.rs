@@ -10,6 +10,7 @@ use crate::definition::{OnTimeout, SagaDefinition};
 
 /// Where a saga instance stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SagaStatus {
     /// Running its steps forward.
     Running,
@@ -51,6 +52,7 @@ impl SagaStatus {
 
 /// The state a decision depends on.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct SagaState {
     /// Where it stands.
     pub status: SagaStatus,
@@ -100,6 +102,7 @@ pub(crate) const RETRY_CAUSE: &str = "retry";
 
 /// A command to send.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Outgoing {
     /// The step (or compensation) it belongs to; the participant's step key is `{key}:{step}`.
     pub step: StepName,
@@ -113,6 +116,7 @@ pub struct Outgoing {
 
 /// A decision: the next state, the command to send and when the next deadline falls.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Decision {
     /// The next state.
     pub next: SagaState,

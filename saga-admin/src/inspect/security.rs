@@ -38,6 +38,7 @@ const MAX_FORM_BYTES: usize = 16 * 1024;
 
 /// A token and the name it stands for.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct NamedToken {
     /// Who presents it: recorded as the operator of the replays made with it.
     pub name: String,
