@@ -3,7 +3,7 @@
 //! durations and filters). Each must answer any input with a value or an error, never a panic, and what it
 //! accepts must hold together (round trips, bounds, errors justified by the input).
 //!
-//! `cargo +nightly fuzz run <target>` runs one under libFuzzer; `saga-admin/tests/fuzz_corpus.rs` runs all
+//! `cargo +nightly fuzz run <target>` runs one under libFuzzer; `lab/tests/fuzz_corpus.rs` runs all
 //! of them over `fuzz/corpus/` and seeded random inputs in the stable test suite.
 
 use saga_core::headers::names;

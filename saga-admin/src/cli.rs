@@ -5,11 +5,11 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use saga_consumer::settings::{DatabaseArgs, KafkaArgs, RedisArgs, SchemaArgs};
-use saga_consumer::toolkit::{printable, printable_json};
 use saga_consumer::ConfigProblem;
-use saga_consumer::toolkit::{connect_postgres, required_postgres_url};
 use saga_consumer::KafkaConfig;
+use saga_consumer::settings::{DatabaseArgs, KafkaArgs, RedisArgs, SchemaArgs};
+use saga_consumer::toolkit::{connect_postgres, required_postgres_url};
+use saga_consumer::toolkit::{printable, printable_json};
 use serde::Serialize;
 use sqlx::PgPool;
 

@@ -1,8 +1,8 @@
 //! Step keys and two-phase leases, as the idempotency store holds them.
 
 use chrono::{DateTime, Utc};
-use saga_core::{StepKey, TenantId};
 use saga_consumer::toolkit::{KeyRecord, idempotency};
+use saga_core::{StepKey, TenantId};
 use serde::Serialize;
 use sqlx::PgPool;
 

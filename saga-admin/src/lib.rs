@@ -58,7 +58,7 @@ pub mod sagas;
 mod table;
 pub mod trace;
 
-pub use cli::main;
 #[doc(hidden)]
 pub use cli::command;
+pub use cli::main;
 pub use error::AdminError;

@@ -420,7 +420,7 @@ async fn redis_forget_deletes_the_keys_of_the_schemas_namespace_only() {
 #[tokio::test]
 async fn the_wal_outbox_commands_list_retry_discard_and_recover() {
     let (db, _kafka, saga) = target("admin-cli-wal").await;
-    saga_runtime::store::wal::prepare(&db.pool).await.unwrap();
+    db.prepare_wal_outbox().await;
     sqlx::query(
         "INSERT INTO saga_outbox_wal_parked (commit_lsn, message_lsn, event_index, tenant_id, topic, \
              partition_key, payload, error, attempts, holds_key, next_attempt_at) \
@@ -505,7 +505,7 @@ async fn the_wal_outbox_commands_list_retry_discard_and_recover() {
     .await;
     assert!(line.contains("healthy"), "{line}");
     // The slot goes: recovered, with what was lost said.
-    let slot = saga_runtime::store::wal::slot_name(db.database(), &db.schema);
+    let slot = db.wal_slot_name();
     sqlx::query("SELECT pg_drop_replication_slot($1)")
         .bind(&slot)
         .execute(&db.pool)

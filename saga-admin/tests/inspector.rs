@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use saga_admin::inspect::{self, InspectOptions, NamedToken};
+use saga_core::KafkaConfig;
 use saga_examples::service::Service;
 use saga_lab::harness::client::{self, send};
 use saga_lab::harness::local::{LocalSaga, WAIT};
 use saga_lab::harness::run::plan;
-use saga_runtime::kafka::KafkaConfig;
 use saga_test_support::{free_local_addr, wait_until};
 use serde_json::{Value, json};
 
@@ -262,7 +262,7 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
 
     // The inspector over the order service's schema (where the orchestrator keeps its sagas).
     let kafka = KafkaConfig::new(saga.args.brokers().to_owned());
-    let admin_pool = saga_runtime::config::connect_postgres(
+    let admin_pool = saga_consumer::setup::connect_postgres(
         "DATABASE_URL",
         saga.args.database_url(),
         Some(&saga.args.schema(Service::Order)),

@@ -11,12 +11,12 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use saga_admin::dlq::{self, DlqFilter};
+use saga_core::KafkaConfig;
 use saga_examples::service::{Service, quote_ident};
 use saga_lab::harness::client;
 use saga_lab::harness::ledger::{self, Path};
 use saga_lab::harness::local::{LocalSaga, WAIT};
 use saga_lab::harness::run::plan;
-use saga_runtime::kafka::KafkaConfig;
 use saga_test_support::wait_until;
 
 use common::{Target, outcomes};

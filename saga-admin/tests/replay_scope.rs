@@ -14,7 +14,7 @@ use saga_consumer::{
     Message, SagaConsumer, SagaStep, StepContext, StepError, StepName, StepOutcome, StepResult,
     Subscription,
 };
-use saga_runtime::kafka::KafkaConfig;
+use saga_core::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use tokio_util::sync::CancellationToken;
 

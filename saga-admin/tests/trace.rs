@@ -6,12 +6,12 @@
 mod common;
 
 use saga_admin::dlq::{self, DlqFilter};
+use saga_core::KafkaConfig;
 use saga_examples::service::Service;
 use saga_lab::harness::client;
 use saga_lab::harness::ledger::Path;
 use saga_lab::harness::local::{LocalSaga, WAIT};
 use saga_lab::harness::run::plan;
-use saga_runtime::kafka::KafkaConfig;
 use saga_test_support::wait_until;
 use serde_json::Value;
 

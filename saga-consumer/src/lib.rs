@@ -105,7 +105,8 @@ pub use runner::{
 };
 pub use saga_core::*;
 pub use service::{
-    BoxStepService, HandlerPanicked, HandlerTimedOut, StepItem, StepRequest, StepResponse, StepService,
+    BoxStepService, HandlerPanicked, HandlerTimedOut, StepItem, StepRequest, StepResponse,
+    StepService,
 };
 
 /// Tracing set-up for a service's `main`: log lines on stderr and, with the feature `otel`, the framework's
@@ -132,9 +133,7 @@ pub mod telemetry {
 #[doc(hidden)]
 pub mod toolkit {
     pub use saga_runtime::cli::{exit_code, parse, printable, printable_json};
-    pub use saga_runtime::config::{
-        connect_postgres, require_schema, required_postgres_url,
-    };
+    pub use saga_runtime::config::{connect_postgres, require_schema, required_postgres_url};
     pub use saga_runtime::kafka::{Watermarks, client_config, idempotent_producer, watermarks};
     pub use saga_runtime::replay;
     pub use saga_runtime::settings::{Documented, documented, documented_group};

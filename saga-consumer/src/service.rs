@@ -136,14 +136,20 @@ impl StepRequest<'_> {
 /// ```
 pub trait StepService: Send + Sync + 'static {
     /// Runs the handler for `request` inside the open transaction.
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>>;
+    fn call<'a>(
+        &'a self,
+        request: StepRequest<'a>,
+    ) -> BoxFuture<'a, Result<StepResponse, StepError>>;
 }
 
 /// A shared, type-erased [`StepService`], what layers wrap.
 pub type BoxStepService = Arc<dyn StepService>;
 
 impl StepService for BoxStepService {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
+    fn call<'a>(
+        &'a self,
+        request: StepRequest<'a>,
+    ) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         (**self).call(request)
     }
 }
@@ -153,7 +159,10 @@ impl StepService for BoxStepService {
 pub(crate) struct HandlerService;
 
 impl StepService for HandlerService {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
+    fn call<'a>(
+        &'a self,
+        request: StepRequest<'a>,
+    ) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         let StepRequest {
             step,
             items,
@@ -195,7 +204,10 @@ impl<S: StepService> Layer<S> for InstrumentLayer {
 }
 
 impl<S: StepService> StepService for Instrumented<S> {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
+    fn call<'a>(
+        &'a self,
+        request: StepRequest<'a>,
+    ) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         let span = match request.items.as_slice() {
             [one] => one.span.clone(),
             items => {
@@ -242,7 +254,10 @@ impl<S: StepService> Layer<S> for TimeoutLayer {
 }
 
 impl<S: StepService> StepService for Timeout<S> {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
+    fn call<'a>(
+        &'a self,
+        request: StepRequest<'a>,
+    ) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         Box::pin(async move {
             match tokio::time::timeout(self.limit, self.inner.call(request)).await {
                 Ok(result) => result,
@@ -274,7 +289,10 @@ impl<S: StepService> Layer<S> for CatchPanicLayer {
 }
 
 impl<S: StepService> StepService for CatchPanic<S> {
-    fn call<'a>(&'a self, request: StepRequest<'a>) -> BoxFuture<'a, Result<StepResponse, StepError>> {
+    fn call<'a>(
+        &'a self,
+        request: StepRequest<'a>,
+    ) -> BoxFuture<'a, Result<StepResponse, StepError>> {
         Box::pin(async move {
             match AssertUnwindSafe(self.0.call(request)).catch_unwind().await {
                 Ok(result) => result,

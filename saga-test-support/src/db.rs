@@ -198,6 +198,19 @@ impl TestDb {
         format!("{}/{TEST_DATABASE}", server_url())
     }
 
+    /// Makes this schema's WAL outbox ready (its slot created and recorded), as a service writing in WAL
+    /// mode does when it starts.
+    pub async fn prepare_wal_outbox(&self) {
+        saga_runtime::store::wal::prepare(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("preparing the WAL outbox of {}: {e}", self.schema));
+    }
+
+    /// The name of this schema's WAL outbox slot.
+    pub fn wal_slot_name(&self) -> String {
+        saga_runtime::store::wal::slot_name(&self.database, &self.schema)
+    }
+
     /// Counts the rows of `table` (an unqualified name in the test's schema).
     pub async fn count(&self, table: &str) -> i64 {
         sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
