@@ -26,6 +26,7 @@ struct WalService {
     out: String,
     group: String,
     ops: OpsHandle,
+    outbox: saga_consumer::Outbox,
     stop: CancellationToken,
     running: JoinHandle<Result<(), saga_consumer::ServiceError>>,
 }
@@ -55,7 +56,9 @@ impl WalService {
             .create_topics(1, 1)
             .outbox_mode(OutboxMode::Wal)
             .relay(|r| r.replication_url(url));
-        let service = configure(builder).build().unwrap();
+        let builder = configure(builder);
+        let outbox = builder.outbox();
+        let service = builder.build().unwrap();
         let ops = service.ops();
         let stop = CancellationToken::new();
         let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
@@ -73,6 +76,7 @@ impl WalService {
             out,
             group,
             ops,
+            outbox,
             stop,
             running,
         }
@@ -267,5 +271,78 @@ async fn a_step_whose_events_are_over_the_size_limit_is_dead_lettered_naming_it(
         0,
         "nothing of them committed"
     );
+    s.stop().await;
+}
+
+/// Emits `Reserved { n }` to the topic named by the `x-out` header, in the request's transaction.
+async fn reserve_over_http(
+    request: saga_consumer::http::IdempotentRequest,
+    headers: axum::http::HeaderMap,
+    axum::Json(n): axum::Json<i64>,
+) -> axum::http::StatusCode {
+    let out = headers["x-out"].to_str().unwrap().to_owned();
+    request
+        .emit(
+            &saga_consumer::Topic::new(out),
+            format!("order-{n}"),
+            &Reserved { n },
+        )
+        .unwrap();
+    axum::http::StatusCode::CREATED
+}
+
+/// An HTTP layer that was not given its service's WAL outbox writes the table; once a relay read the
+/// schema's slot, table rows are not ordered with the log's events, so such a layer refuses (503) and
+/// commits nothing; given the service's outbox, the same request commits and its event is published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_writer_not_given_the_wal_outbox_refuses_once_the_schema_reads_the_log() {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use saga_consumer::StepName;
+    use saga_consumer::http::IdempotencyLayer;
+    use tower::ServiceExt;
+
+    let s = WalService::start("service-wal-http", |b| b).await;
+    place_orders(&s.kafka, &s.topic, [1]).await;
+    let (_, ns) = read_reserved(&s.kafka, &s.out, 1, Duration::from_millis(300)).await;
+    assert_eq!(ns, [1]);
+    let switched: Option<String> =
+        sqlx::query_scalar("SELECT switched_at::text FROM saga_outbox_wal_slot")
+            .fetch_one(&s.db.pool)
+            .await
+            .unwrap();
+    assert!(switched.is_some(), "the relay read the slot");
+
+    let post = |layer: IdempotencyLayer, key: &str, n: i64| {
+        let app = axum::Router::new().route(
+            "/reserve",
+            axum::routing::post(reserve_over_http).layer(layer),
+        );
+        let request = Request::post("/reserve")
+            .header("content-type", "application/json")
+            .header("Idempotency-Key", key)
+            .header("x-out", &s.out)
+            .body(Body::from(n.to_string()))
+            .unwrap();
+        async move { app.oneshot(request).await.unwrap().status() }
+    };
+    let step = StepName::from_static("reserve-http");
+    let not_given = IdempotencyLayer::new(s.db.pool.clone(), step.clone());
+    assert_eq!(
+        post(not_given, "http-2", 2).await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(s.db.count("saga_outbox").await, 0, "no table row");
+    assert_eq!(
+        s.db.count("saga_idempotency_keys").await,
+        1,
+        "only the consumed message's key: the request committed nothing"
+    );
+
+    let given = IdempotencyLayer::new(s.db.pool.clone(), step).with_outbox(&s.outbox);
+    assert_eq!(post(given, "http-3", 3).await, StatusCode::CREATED);
+    let (_, ns) = read_reserved(&s.kafka, &s.out, 2, Duration::from_millis(300)).await;
+    assert_eq!(ns, [1, 3], "the given layer's event published from the log");
+    assert_eq!(s.db.count("saga_outbox").await, 0);
     s.stop().await;
 }

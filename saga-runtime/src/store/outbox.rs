@@ -135,6 +135,9 @@ pub struct Outbox {
     mode: OutboxMode,
     max_transaction_bytes: usize,
     health: OutboxHealth,
+    /// Set once a table outbox is opened: its process then holds the table-mode presence relays wait
+    /// for, and its writes need no check of the switch (shared by the clones).
+    registered: Arc<AtomicBool>,
 }
 
 impl Default for Outbox {
@@ -158,6 +161,7 @@ impl Outbox {
             mode,
             max_transaction_bytes: DEFAULT_MAX_TRANSACTION_BYTES,
             health,
+            registered: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -221,10 +225,20 @@ impl Outbox {
         }
         if self.mode == OutboxMode::Wal {
             wal::emit(conn, messages).await?;
-            Ok(Vec::new())
-        } else {
-            Ok(append_rows(conn, messages).await?)
+            return Ok(Vec::new());
         }
+        // A writer never opened (not given its service's outbox) holds no table-mode presence: it checks,
+        // in its transaction, that the schema still writes the table.
+        if !self.registered.load(Ordering::Acquire)
+            && let Err(at) = wal::fence::check_unregistered_table_write(conn).await?
+        {
+            return Err(OutboxError::Unwritable(format!(
+                "this writer's outbox is the table, but the schema's outbox moved to the write-ahead log (a \
+                 relay read its slot at {at}): give it the service's outbox (IdempotencyLayer::with_outbox, \
+                 Orchestrator::with_outbox, SagaConsumerBuilder::outbox)"
+            )));
+        }
+        Ok(append_rows(conn, messages).await?)
     }
 }
 
@@ -269,6 +283,7 @@ impl Outbox {
                 match wal::fence::enter_table_mode(&mut conn).await {
                     Ok(()) => {
                         wal::fence::spawn_table_presence(pool.clone(), conn, &self.health);
+                        self.registered.store(true, Ordering::Release);
                     }
                     Err(wal::fence::TableModeError::Switched(at)) => {
                         return Err(saga_core::ConfigProblem::new(

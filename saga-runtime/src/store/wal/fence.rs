@@ -132,6 +132,24 @@ pub async fn enter_table_mode(conn: &mut PgConnection) -> Result<(), TableModeEr
     Ok(())
 }
 
+/// For a table write by a writer that holds no table-mode presence (an outbox never opened: an HTTP layer
+/// or an orchestrator that was not given its service's outbox), in the writer's transaction: `Err(at)` when
+/// the schema's outbox moved to the log. The switch is read `FOR SHARE` and held to the end of the
+/// transaction, so a relay passing the fence at this moment waits for it, then sees its rows unpublished
+/// and does not switch yet.
+pub async fn check_unregistered_table_write(
+    conn: &mut PgConnection,
+) -> Result<Result<(), String>, sqlx::Error> {
+    let switched: Option<Option<String>> =
+        sqlx::query_scalar("SELECT switched_at::text FROM saga_outbox_wal_slot FOR SHARE")
+            .fetch_optional(&mut *conn)
+            .await?;
+    Ok(match switched {
+        Some(Some(at)) => Err(at),
+        _ => Ok(()),
+    })
+}
+
 /// Keeps the process's table-mode presence on `entered` (a connection [`enter_table_mode`] succeeded on),
 /// entering again on a new one after it is lost, until the last clone of `health` is dropped. Should the
 /// schema have switched meanwhile, the outbox becomes unwritable.
