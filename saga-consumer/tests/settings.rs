@@ -205,7 +205,8 @@ async fn a_message_older_than_the_key_retention_whose_key_may_be_gone_is_dead_le
     // Retention ran with a retention of 24 hours: keys last written before then may be gone.
     let policy = saga_runtime::store::gc::GcPolicy {
         retention: 24 * HOUR,
-        ..Default::default()
+        abandoned_after: 24 * HOUR,
+        batch_size: 5_000,
     };
     saga_runtime::store::gc::collect_idempotency_keys(&db.pool, &policy)
         .await

@@ -5,10 +5,12 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-/// What to delete, and how much per statement.
+/// What to delete, and how much per statement. No defaults here: the relay's retention settings
+/// (`outbox_relay::RetentionArgs`: `SAGA_KEY_RETENTION_HOURS`, `SAGA_ABANDONED_LEASE_HOURS`,
+/// `RELAY_GC_BATCH_SIZE`) are the one place they are declared.
 #[derive(Debug, Clone)]
 pub struct GcPolicy {
-    /// Completed and failed keys older than this (by last update) are deleted. Default: 7 days.
+    /// Completed and failed keys older than this (by last update) are deleted.
     ///
     /// Must exceed the longest time a message can still be delivered after it took effect: the topic's
     /// retention (`retention.ms`: a consumer group that starts over reads everything still there) plus the
@@ -17,20 +19,10 @@ pub struct GcPolicy {
     /// start again). A message older than the key retention that is delivered again runs again.
     pub retention: Duration,
     /// `started` keys whose lease expired longer ago than this are deleted (their worker died and no retry
-    /// came back for them). Default: 1 day.
+    /// came back for them).
     pub abandoned_after: Duration,
-    /// Rows per DELETE statement. Default: 5,000.
+    /// Rows per DELETE statement.
     pub batch_size: u32,
-}
-
-impl Default for GcPolicy {
-    fn default() -> Self {
-        Self {
-            retention: Duration::from_secs(7 * 24 * 3600),
-            abandoned_after: Duration::from_secs(24 * 3600),
-            batch_size: 5_000,
-        }
-    }
 }
 
 /// What a garbage collection run deleted.
