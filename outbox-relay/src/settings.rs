@@ -12,30 +12,6 @@ use crate::gc::RetentionPolicy;
 use crate::relay::RelaySettings;
 use crate::store::AfterPublish;
 
-/// Reads a settings group from the environment, or its defaults, through its one declaration.
-macro_rules! settings_group {
-    ($group:ty) => {
-        impl $group {
-            /// This group from the environment (its variables, else their defaults); a variable that does
-            /// not parse is a [`ConfigProblem`] naming it.
-            pub fn from_env() -> Result<Self, ConfigProblem> {
-                saga_runtime::settings::from_env()
-            }
-
-            /// This group from the variables `get` gives (else their defaults).
-            pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
-                saga_runtime::settings::from_vars(get)
-            }
-        }
-
-        impl Default for $group {
-            fn default() -> Self {
-                saga_runtime::settings::defaults()
-            }
-        }
-    };
-}
-
 /// The database.
 #[derive(Debug, Clone, clap::Args)]
 #[group(id = "saga_database")]
@@ -45,7 +21,7 @@ pub struct DatabaseArgs {
     #[arg(long = "database-url", env = "DATABASE_URL", global = true)]
     pub database_url: Option<String>,
 }
-settings_group!(DatabaseArgs);
+saga_runtime::settings_group!(DatabaseArgs);
 
 /// The schema of a service in its database.
 #[derive(Debug, Clone, clap::Args)]
@@ -56,7 +32,7 @@ pub struct SchemaArgs {
     #[arg(long = "schema", env = "SAGA_SCHEMA", global = true)]
     pub schema: Option<String>,
 }
-settings_group!(SchemaArgs);
+saga_runtime::settings_group!(SchemaArgs);
 
 /// The broker.
 #[derive(Debug, Clone, clap::Args)]
@@ -68,7 +44,7 @@ pub struct KafkaArgs {
     #[arg(long = "brokers", env = "KAFKA_BROKERS", global = true)]
     pub brokers: Option<String>,
 }
-settings_group!(KafkaArgs);
+saga_runtime::settings_group!(KafkaArgs);
 
 impl KafkaArgs {
     /// The client configuration: the brokers (a [`ConfigProblem`] naming `KAFKA_BROKERS` when missing) and
@@ -98,7 +74,7 @@ pub struct OutboxArgs {
     )]
     pub max_transaction_bytes: usize,
 }
-settings_group!(OutboxArgs);
+saga_runtime::settings_group!(OutboxArgs);
 
 fn parse_mode(text: &str) -> Result<OutboxMode, String> {
     OutboxMode::parse(text).map_err(|p| p.problem)
@@ -147,7 +123,7 @@ pub struct RetentionArgs {
     )]
     pub gc_interval_secs: u64,
 }
-settings_group!(RetentionArgs);
+saga_runtime::settings_group!(RetentionArgs);
 
 impl RetentionArgs {
     /// The retention policy.
@@ -235,7 +211,7 @@ pub struct RelayArgs {
     #[command(flatten)]
     pub retention: RetentionArgs,
 }
-settings_group!(RelayArgs);
+saga_runtime::settings_group!(RelayArgs);
 
 impl RelayArgs {
     /// The relay's settings from these, with `kafka` and `outbox` (the relay reads the service's mode);

@@ -33,30 +33,6 @@ pub use outbox_relay::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, Retention
 use crate::config::{AssignmentStrategy, ConsumerSettings};
 use crate::retry::RetryPolicy;
 
-/// Reads a settings group from the environment, or its defaults, through its one declaration.
-macro_rules! settings_group {
-    ($group:ty) => {
-        impl $group {
-            /// This group from the environment (its variables, else their defaults); a variable that does
-            /// not parse is a [`ConfigProblem`] naming it.
-            pub fn from_env() -> Result<Self, ConfigProblem> {
-                saga_runtime::settings::from_env()
-            }
-
-            /// This group from the variables `get` gives (else their defaults).
-            pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
-                saga_runtime::settings::from_vars(get)
-            }
-        }
-
-        impl Default for $group {
-            fn default() -> Self {
-                saga_runtime::settings::defaults()
-            }
-        }
-    };
-}
-
 /// The consumer: its group, how it batches, retries, dead-letters and commits.
 #[derive(Debug, Clone, clap::Args)]
 #[group(id = "saga_consumer")]
@@ -145,7 +121,7 @@ pub struct ConsumerArgs {
     #[arg(long = "ops-addr", env = "SAGA_OPS_ADDR")]
     pub ops_addr: Option<SocketAddr>,
 }
-settings_group!(ConsumerArgs);
+saga_runtime::settings_group!(ConsumerArgs);
 
 impl ConsumerArgs {
     /// The retry policy these say.
@@ -199,7 +175,7 @@ pub struct RedisArgs {
     pub namespace: Option<String>,
 }
 #[cfg(feature = "redis")]
-settings_group!(RedisArgs);
+saga_runtime::settings_group!(RedisArgs);
 
 /// The Redis fast path (feature `redis`): on when `REDIS_URL` is set.
 #[cfg(feature = "redis")]
@@ -222,7 +198,7 @@ pub struct FastPathArgs {
     pub timeout_ms: u64,
 }
 #[cfg(feature = "redis")]
-settings_group!(FastPathArgs);
+saga_runtime::settings_group!(FastPathArgs);
 
 /// A whole service: its broker, consumer, outbox, embedded relay (and its retention), topics, and fast
 /// path. What [`SagaServiceBuilder::from_env`](crate::SagaServiceBuilder::from_env) reads; a service's
@@ -266,4 +242,4 @@ pub struct ServiceArgs {
     #[command(flatten)]
     pub fast_path: FastPathArgs,
 }
-settings_group!(ServiceArgs);
+saga_runtime::settings_group!(ServiceArgs);

@@ -224,3 +224,31 @@ mod tests {
         assert_eq!(docs[0].doc, "Rows per batch");
     }
 }
+
+/// Gives a settings group (a `clap::Args` struct whose every field declares its variable and default)
+/// `from_env`, `from_vars` and a `Default` that read its declarations: the one place its settings live.
+#[macro_export]
+macro_rules! settings_group {
+    ($group:ty) => {
+        impl $group {
+            /// This group from the environment (its variables, else their defaults); a variable that does
+            /// not parse is a [`ConfigProblem`](saga_core::ConfigProblem) naming it.
+            pub fn from_env() -> Result<Self, ::saga_core::ConfigProblem> {
+                $crate::settings::from_env()
+            }
+
+            /// This group from the variables `get` gives (else their defaults).
+            pub fn from_vars(
+                get: impl Fn(&str) -> Option<String>,
+            ) -> Result<Self, ::saga_core::ConfigProblem> {
+                $crate::settings::from_vars(get)
+            }
+        }
+
+        impl Default for $group {
+            fn default() -> Self {
+                $crate::settings::defaults()
+            }
+        }
+    };
+}
