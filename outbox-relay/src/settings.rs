@@ -85,9 +85,10 @@ fn parse_mode(text: &str) -> Result<OutboxMode, String> {
 #[group(id = "saga_retention")]
 #[non_exhaustive]
 pub struct RetentionArgs {
-    /// How long finished step keys are kept, in hours. It must exceed the longest time a message can come
-    /// back after it took effect (the topics' retention, and the broker's offset retention): a service
-    /// refuses to start when a topic it reads keeps messages longer, unless `SAGA_ACCEPT_KEY_EXPIRY`.
+    /// How long finished step keys are kept, in hours (at least 4). It must exceed the longest time a
+    /// message can come back after it took effect (the topics' retention, and the broker's offset
+    /// retention): a service refuses to start when a topic it reads keeps messages longer, unless
+    /// `SAGA_ACCEPT_KEY_EXPIRY`.
     #[arg(
         long = "key-retention-hours",
         env = "SAGA_KEY_RETENTION_HOURS",
@@ -148,15 +149,25 @@ impl RetentionArgs {
         })
     }
 
-    /// How long finished step keys are kept.
+    /// How long finished step keys are kept: at least
+    /// [`MIN_KEY_RETENTION`](saga_runtime::store::gc::MIN_KEY_RETENTION).
     pub fn key_retention(&self) -> Result<Duration, ConfigProblem> {
-        Duration::try_from_secs_f64(self.key_retention_hours * 3600.0).map_err(|_| {
-            ConfigProblem::new(
+        let min = saga_runtime::store::gc::MIN_KEY_RETENTION;
+        let min_hours = min.as_secs() / 3600;
+        match Duration::try_from_secs_f64(self.key_retention_hours * 3600.0) {
+            Ok(retention) if retention >= min => Ok(retention),
+            _ => Err(ConfigProblem::new(
                 "SAGA_KEY_RETENTION_HOURS",
-                format!("{} is not a number of hours", self.key_retention_hours),
-                "set it to a non-negative number",
-            )
-        })
+                format!(
+                    "{} is not a number of hours of at least {min_hours}",
+                    self.key_retention_hours
+                ),
+                format!(
+                    "set it to {min_hours} or more: a message's clock may be an hour off, and a step key must \
+                     outlive what can bring its message back"
+                ),
+            )),
+        }
     }
 }
 
@@ -244,5 +255,34 @@ impl RelayArgs {
             .clone()
             .or_else(|| database_url.map(str::to_owned));
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RetentionArgs;
+
+    fn retention(hours: &str) -> RetentionArgs {
+        RetentionArgs::from_vars(|name| {
+            (name == "SAGA_KEY_RETENTION_HOURS").then(|| hours.to_owned())
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_key_retention_below_the_floor_is_refused_naming_the_variable() {
+        for hours in ["1", "3.5", "0", "-4"] {
+            let problem = retention(hours).key_retention().unwrap_err();
+            assert!(
+                problem.to_string().contains("SAGA_KEY_RETENTION_HOURS"),
+                "{problem}"
+            );
+        }
+        assert_eq!(
+            retention("4").key_retention().unwrap(),
+            saga_runtime::store::gc::MIN_KEY_RETENTION
+        );
+        assert!(retention("4").policy().is_ok());
+        assert!(retention("2").policy().is_err());
     }
 }

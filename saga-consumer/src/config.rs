@@ -90,9 +90,9 @@ pub struct ConsumerSettings {
     pub crash_loop_limit: u32,
     /// Where to serve `/metrics`, `/healthz` and `/readyz` (`SAGA_OPS_ADDR`; off by default).
     pub ops_addr: Option<SocketAddr>,
-    /// How long finished step keys are kept (`SAGA_KEY_RETENTION_HOURS`, default 7 days): a message older
-    /// than this may find its key deleted, so it is dead-lettered rather than run again unless the key
-    /// store's retention has not reached it.
+    /// How long finished step keys are kept (`SAGA_KEY_RETENTION_HOURS`, default 7 days): a service
+    /// refuses to start when a topic it reads keeps messages longer. (Whatever it is, a message whose key
+    /// retention may have deleted is dead-lettered rather than run again.)
     pub key_retention: Duration,
 }
 

@@ -532,7 +532,6 @@ impl SagaConsumer {
             ),
             lease_holder: lease_holder(&group),
             fast_path: self.fast_path,
-            key_retention: settings.key_retention,
             outbox: self.outbox.runtime().clone(),
         };
         let shared = Arc::new(WorkerShared {

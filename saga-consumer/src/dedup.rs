@@ -160,7 +160,6 @@ pub(crate) async fn run_batch(
     deliveries: &[Delivery],
     metrics: &ConsumerMetrics,
     claim: ClaimKind,
-    key_retention: std::time::Duration,
     outbox: &saga_runtime::store::outbox::Outbox,
 ) -> Result<BatchRun, BatchError> {
     let mut keys: Vec<(TenantId, StepKey)> = Vec::with_capacity(deliveries.len());
@@ -232,7 +231,7 @@ pub(crate) async fn run_batch(
             new.push((index, key_index));
         }
     }
-    refuse_keys_maybe_gone(conn, deliveries, &new, key_retention).await?;
+    refuse_keys_maybe_gone(conn, deliveries, &new).await?;
     // Consecutive new messages of one step are handled with one call.
     let handling = Instant::now();
     for group in
@@ -273,52 +272,76 @@ pub(crate) async fn run_batch(
     })
 }
 
-/// A message older than the key retention whose key was not found may have had it deleted by retention
-/// (its step may have run): it fails for good, to be dead-lettered, rather than run again silently. Only
-/// messages older than the retention are looked at, against the horizon retention has deleted up to (read
-/// sharing its row, in this transaction: retention cannot delete meanwhile).
+/// A message whose new key (just claimed) may have been deleted by retention after its step ran fails for
+/// good, to be dead-lettered, rather than run again silently: see [`key_may_be_gone`].
 async fn refuse_keys_maybe_gone(
     conn: &mut sqlx::PgConnection,
     deliveries: &[Delivery],
     new: &[(usize, usize)],
-    key_retention: std::time::Duration,
 ) -> Result<(), BatchError> {
-    let oldest_safe = chrono::Utc::now().timestamp_millis()
-        - i64::try_from(key_retention.as_millis()).unwrap_or(i64::MAX)
-        + i64::try_from(saga_runtime::store::gc::CLOCK_SKEW.as_millis()).unwrap_or(0);
-    let old: Vec<(usize, i64)> = new
+    let times: Vec<Option<i64>> = new
         .iter()
-        .filter_map(|(index, _)| {
-            let t = deliveries[*index].raw.timestamp_ms?;
-            (t < oldest_safe).then_some((*index, t))
-        })
+        .map(|(index, _)| deliveries[*index].raw.timestamp_ms)
         .collect();
-    if old.is_empty() {
-        return Ok(());
-    }
-    let times: Vec<i64> = old.iter().map(|(_, t)| *t).collect();
-    let gone = saga_runtime::store::gc::keys_may_be_gone(conn, &times)
+    if let Some(position) = keys_maybe_gone(conn, &times)
         .await
-        .map_err(BatchError::from)?;
-    if let Some(((index, t), _)) = old.iter().zip(gone).find(|(_, gone)| *gone) {
-        let at = chrono::DateTime::from_timestamp_millis(*t).unwrap_or_default();
+        .map_err(BatchError::from)?
+    {
         return Err(BatchError::Item {
-            index: *index,
-            failure: Failure::Handler(StepError::permanent(KeyMayBeGone(format!(
-                "the message was written at {} and its step key is not in the store: older than the key \
-                 retention (SAGA_KEY_RETENTION_HOURS), its key may have been deleted after its step ran, so it \
-                 is not run again; replay it if its step never ran",
-                at.to_rfc3339()
-            )))),
+            index: new[position].0,
+            failure: Failure::Handler(StepError::permanent(KeyMayBeGone::at(
+                times[position].unwrap_or_default(),
+            ))),
         });
     }
     Ok(())
 }
 
-/// Why a message older than the key retention is not run.
+/// Which of the messages written at `times` (milliseconds since the epoch), whose step keys were just
+/// claimed as new, may have had their key deleted by retention after their step ran, if any: the first. Only
+/// messages older than [`MAY_BE_GONE_AFTER`](saga_runtime::store::gc::MAY_BE_GONE_AFTER) are looked at,
+/// against the horizon retention has deleted up to (whatever the retention of the process that ran it).
+/// A message without a timestamp is taken as new.
+pub(crate) async fn keys_maybe_gone(
+    conn: &mut sqlx::PgConnection,
+    times: &[Option<i64>],
+) -> Result<Option<usize>, sqlx::Error> {
+    let oldest_safe = chrono::Utc::now().timestamp_millis()
+        - i64::try_from(saga_runtime::store::gc::MAY_BE_GONE_AFTER.as_millis()).unwrap_or(i64::MAX);
+    let old: Vec<(usize, i64)> = times
+        .iter()
+        .enumerate()
+        .filter_map(|(position, t)| t.filter(|t| *t < oldest_safe).map(|t| (position, t)))
+        .collect();
+    if old.is_empty() {
+        return Ok(None);
+    }
+    let stamps: Vec<i64> = old.iter().map(|(_, t)| *t).collect();
+    let gone = saga_runtime::store::gc::keys_may_be_gone(conn, &stamps).await?;
+    Ok(old
+        .iter()
+        .zip(gone)
+        .find(|(_, gone)| *gone)
+        .map(|((position, _), _)| *position))
+}
+
+/// Why a message whose key may have been deleted by retention is not run.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-struct KeyMayBeGone(String);
+pub(crate) struct KeyMayBeGone(String);
+
+impl KeyMayBeGone {
+    /// For a message written at `t` (milliseconds since the epoch).
+    pub(crate) fn at(t: i64) -> Self {
+        let at = chrono::DateTime::from_timestamp_millis(t).unwrap_or_default();
+        Self(format!(
+            "the message was written at {} and its step key is not in the store: older than what key \
+             retention (SAGA_KEY_RETENTION_HOURS) has deleted, its key may have been deleted after its step \
+             ran, so it is not run again; replay it if its step never ran",
+            at.to_rfc3339()
+        ))
+    }
+}
 
 /// Runs one handler call for `group` (indices into `deliveries`, with their key indices).
 #[allow(clippy::too_many_arguments)]

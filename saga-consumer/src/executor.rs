@@ -55,8 +55,6 @@ pub(crate) struct Executor {
     pub lease_holder: String,
     /// The Redis fast path, if on.
     pub fast_path: Option<FastPath>,
-    /// How long finished step keys are kept (a message older than that may have lost its key).
-    pub key_retention: Duration,
     /// Where the steps' events are written.
     pub outbox: saga_runtime::store::outbox::Outbox,
 }
@@ -325,7 +323,6 @@ impl Executor {
             batch,
             &self.metrics,
             claim,
-            self.key_retention,
             &self.outbox,
         )
         .await
@@ -442,6 +439,23 @@ impl Executor {
             LeaseClaim::Duplicate(_) => return Ok(ItemOutcome::Duplicate),
             LeaseClaim::Busy { until } => return Err(Failure::Busy(until)),
         };
+        // A key new to the store (its first lease) whose message retention may have deleted its key after
+        // it ran: not called out again, dead-lettered.
+        if lease.attempt == 1
+            && let Some(t) = delivery.raw.timestamp_ms
+            && dedup::keys_maybe_gone(conn, &[Some(t)])
+                .await
+                .map_err(store)?
+                .is_some()
+        {
+            // The key absent again, as it was: a redelivery meets the same check.
+            if let Err(e) = idempotency::forget_first_lease(conn, &lease).await {
+                tracing::warn!(error = %e, "could not undo a lease; it expires on its own");
+            }
+            return Err(Failure::Handler(StepError::permanent(
+                dedup::KeyMayBeGone::at(t),
+            )));
+        }
 
         // Phase two: the external call, outside any transaction, bounded by the lease.
         let call = AssertUnwindSafe(tokio::time::timeout(

@@ -8,7 +8,7 @@ use futures::future::BoxFuture;
 use outbox_relay::{Relay, RelayBuilder, RelayError};
 use saga_core::OutboxMode;
 
-use crate::settings::{OutboxArgs, ServiceArgs};
+use crate::settings::ServiceArgs;
 use saga_core::{SagaStep, TwoPhaseStep};
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
@@ -191,14 +191,18 @@ impl std::fmt::Debug for SagaServiceBuilder {
 
 impl SagaServiceBuilder {
     fn new() -> Self {
+        // The defaults are the declarations'.
+        let defaults = ServiceArgs::default();
         Self {
             consumer: SagaConsumer::builder(),
             relay: Relay::builder(),
-            embedded_relay: true,
-            outbox_mode: OutboxArgs::default().mode,
-            outbox_max_bytes: OutboxArgs::default().max_transaction_bytes,
-            create_topics: None,
-            accept_key_expiry: false,
+            embedded_relay: defaults.embedded_relay,
+            outbox_mode: defaults.outbox.mode,
+            outbox_max_bytes: defaults.outbox.max_transaction_bytes,
+            create_topics: defaults
+                .create_topics
+                .map(|p| (p, defaults.topic_replication)),
+            accept_key_expiry: defaults.accept_key_expiry,
             #[cfg(feature = "redis")]
             fast_path: None,
             outbox: crate::Outbox::table(),

@@ -320,3 +320,104 @@ async fn a_crash_between_the_external_call_and_the_completion_still_yields_one_c
     .unwrap();
     assert_eq!(attempts, 2, "tenant A's lease was taken over once");
 }
+
+/// Retention (of a relay keeping keys a day) deleted keys up to a day ago; a message written 30 hours ago
+/// arrives twice (a replay, then its duplicate), its key not in the store: the provider may have charged it
+/// before its key was deleted, so neither copy calls the provider again: both are dead-lettered, saying
+/// why, and the key is left absent. A fresh message is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_older_than_what_retention_deleted_is_not_charged_again() {
+    const HOUR: Duration = Duration::from_secs(3600);
+    let db = TestDb::with("two-phase-old", &[saga_consumer::migrate::migrator()]).await;
+    for table in [
+        "CREATE TABLE provider_charges (idempotency_key TEXT PRIMARY KEY, charge_id TEXT NOT NULL)",
+        "CREATE TABLE orders_paid (tenant TEXT, client_key TEXT, charge_id TEXT, PRIMARY KEY (tenant, client_key))",
+    ] {
+        sqlx::query(table).execute(&db.pool).await.unwrap();
+    }
+    outbox_relay::run_retention(
+        &db.pool,
+        &outbox_relay::RetentionArgs::from_vars(|name| {
+            (name == "SAGA_KEY_RETENTION_HOURS").then(|| "24".to_owned())
+        })
+        .unwrap()
+        .policy()
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("two-phase-old", 1).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    kafka.create_topic(&format!("{topic}-group.retry"), 1).await;
+    let producer = kafka.producer();
+    let old =
+        chrono::Utc::now().timestamp_millis() - i64::try_from((30 * HOUR).as_millis()).unwrap();
+    for (key, timestamp) in [
+        ("order-1", Some(old)),
+        ("order-1", Some(old)),
+        ("order-2", None),
+    ] {
+        let mut record = rdkafka::producer::FutureRecord::to(&topic)
+            .key(key)
+            .payload("{}")
+            .headers(
+                rdkafka::message::OwnedHeaders::new()
+                    .insert(rdkafka::message::Header {
+                        key: "idempotency-key",
+                        value: Some(key),
+                    })
+                    .insert(rdkafka::message::Header {
+                        key: "ce_type",
+                        value: Some("OrderPlaced"),
+                    }),
+            );
+        if let Some(t) = timestamp {
+            record = record.timestamp(t);
+        }
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(
+        consumer(db.pool.clone(), &kafka.brokers, &topic, false)
+            .run(stop.clone().cancelled_owned()),
+    );
+    let letters = kafka
+        .read_all(&format!("{topic}.dlq"), 2, Duration::from_millis(500), WAIT)
+        .await;
+    wait_until("the fresh order paid", WAIT, || async {
+        (db.count("orders_paid").await == 1).then_some(())
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(
+        letters.len(),
+        2,
+        "both copies of the old message dead-lettered"
+    );
+    for letter in &letters {
+        let error = letter.header("dlq-error").unwrap_or_default();
+        assert!(error.contains("SAGA_KEY_RETENTION_HOURS"), "{error}");
+    }
+    let charged: Vec<String> = sqlx::query_scalar("SELECT idempotency_key FROM provider_charges")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        charged,
+        ["default:order-2:charge"],
+        "only the fresh order charged"
+    );
+    let old_key: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM saga_idempotency_keys WHERE step_key = 'order-1:charge'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(old_key, 0, "the old message's key left absent");
+}

@@ -47,10 +47,8 @@ pub fn from_vars<T: Args + FromArgMatches>(
                     ));
                 }
             },
-            _ => {
-                argv.push(format!("--{long}"));
-                argv.push(value);
-            }
+            // One argument: a value that starts with `-` is still the value.
+            _ => argv.push(format!("--{long}={value}")),
         }
     }
     // The variables were turned into arguments: clap must not read them again.
@@ -61,10 +59,11 @@ pub fn from_vars<T: Args + FromArgMatches>(
         .map_err(|e| problem(&e, &longs, &get))
 }
 
+/// A flag's variable as the binaries read it (clap's `BoolishValueParser`; empty is unset).
 fn boolish(value: &str) -> Option<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
-        "true" | "1" | "yes" | "on" => Some(true),
-        "false" | "0" | "no" | "off" | "" => Some(false),
+        "y" | "yes" | "t" | "true" | "on" | "1" => Some(true),
+        "n" | "no" | "f" | "false" | "off" | "0" | "" => Some(false),
         _ => None,
     }
 }
@@ -80,7 +79,9 @@ fn problem(
         .map(ToString::to_string)
         .unwrap_or_default();
     let found = longs.iter().find(|(long, _)| {
-        invalid.starts_with(&format!("--{long} ")) || invalid == format!("--{long}")
+        invalid.starts_with(&format!("--{long} "))
+            || invalid.starts_with(&format!("--{long}="))
+            || invalid == format!("--{long}")
     });
     let rendered = error.render().to_string();
     let reason = rendered
@@ -157,6 +158,34 @@ pub fn documented_group<T: Args>() -> Vec<Documented> {
     documented(&T::augment_args(Command::new("settings")))
 }
 
+/// Gives a settings group (a `clap::Args` struct whose every field declares its variable and default)
+/// `from_env`, `from_vars` and a `Default` that read its declarations: the one place its settings live.
+#[macro_export]
+macro_rules! settings_group {
+    ($group:ty) => {
+        impl $group {
+            /// This group from the environment (its variables, else their defaults); a variable that does
+            /// not parse is a [`ConfigProblem`](saga_core::ConfigProblem) naming it.
+            pub fn from_env() -> Result<Self, ::saga_core::ConfigProblem> {
+                $crate::settings::from_env()
+            }
+
+            /// This group from the variables `get` gives (else their defaults).
+            pub fn from_vars(
+                get: impl Fn(&str) -> Option<String>,
+            ) -> Result<Self, ::saga_core::ConfigProblem> {
+                $crate::settings::from_vars(get)
+            }
+        }
+
+        impl Default for $group {
+            fn default() -> Self {
+                $crate::settings::defaults()
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,6 +240,13 @@ mod tests {
         assert_eq!(bad.setting, "X_DELETE");
         let bad = from_vars::<Example>(vars(&[("X_EMBEDDED", "perhaps")])).unwrap_err();
         assert_eq!(bad.setting, "X_EMBEDDED", "{bad}");
+        // A value that starts with `-` is a value; a flag reads what clap's reads (`y`, `off`).
+        let e: Example = from_vars(vars(&[("X_NAME", "-n"), ("X_DELETE", "y")])).unwrap();
+        assert_eq!((e.name.as_deref(), e.delete), (Some("-n"), true));
+        let e: Example = from_vars(vars(&[("X_DELETE", "off")])).unwrap();
+        assert!(!e.delete);
+        let bad = from_vars::<Example>(vars(&[("X_BATCH_SIZE", "-1")])).unwrap_err();
+        assert_eq!(bad.setting, "X_BATCH_SIZE", "{bad}");
     }
 
     #[test]
@@ -223,32 +259,4 @@ mod tests {
         assert_eq!(docs[3].default, "—");
         assert_eq!(docs[0].doc, "Rows per batch");
     }
-}
-
-/// Gives a settings group (a `clap::Args` struct whose every field declares its variable and default)
-/// `from_env`, `from_vars` and a `Default` that read its declarations: the one place its settings live.
-#[macro_export]
-macro_rules! settings_group {
-    ($group:ty) => {
-        impl $group {
-            /// This group from the environment (its variables, else their defaults); a variable that does
-            /// not parse is a [`ConfigProblem`](saga_core::ConfigProblem) naming it.
-            pub fn from_env() -> Result<Self, ::saga_core::ConfigProblem> {
-                $crate::settings::from_env()
-            }
-
-            /// This group from the variables `get` gives (else their defaults).
-            pub fn from_vars(
-                get: impl Fn(&str) -> Option<String>,
-            ) -> Result<Self, ::saga_core::ConfigProblem> {
-                $crate::settings::from_vars(get)
-            }
-        }
-
-        impl Default for $group {
-            fn default() -> Self {
-                $crate::settings::defaults()
-            }
-        }
-    };
 }

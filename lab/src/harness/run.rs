@@ -232,7 +232,15 @@ impl Run {
                     .env("KAFKA_BROKERS", args.brokers())
                     .env("SAGA_TOPIC_PREFIX", &args.topic_prefix)
                     .env("HTTP_ADDR", args.http_addr.to_string())
-                    .env("SAGA_OPS_ADDR", addr.to_string())
+                    // A relay apart serves its ops endpoint where `outbox-relay run` does.
+                    .env(
+                        if role == "relay" {
+                            "RELAY_OPS_ADDR"
+                        } else {
+                            "SAGA_OPS_ADDR"
+                        },
+                        addr.to_string(),
+                    )
                     .env(
                         "SAGA_FAULT_CRASH_AFTER_COMMIT",
                         args.crash_after_commit.to_string(),

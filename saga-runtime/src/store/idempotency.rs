@@ -622,6 +622,24 @@ pub async fn release_lease(
     Ok(updated.rows_affected() == 1)
 }
 
+/// Undoes a lease that was the key's first (`attempt` 1) and whose call was never made: the key is absent
+/// again, as before the claim. Returns whether it was still held.
+pub async fn forget_first_lease(
+    conn: &mut PgConnection,
+    lease: &Lease,
+) -> Result<bool, StoreError> {
+    let deleted = sqlx::query(
+        "DELETE FROM saga_idempotency_keys \
+         WHERE tenant_id = $1 AND step_key = $2 AND status = 'started' AND attempts = 1 AND $3 = 1",
+    )
+    .bind(lease.tenant.as_str())
+    .bind(lease.key.as_str())
+    .bind(lease.attempt)
+    .execute(conn)
+    .await?;
+    Ok(deleted.rows_affected() == 1)
+}
+
 const KEY_COLUMNS: &str = "tenant_id, step_key, status, attempts, lease_expires_at, lease_holder, outcome, \
      error, created_at, updated_at";
 
