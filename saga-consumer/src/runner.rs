@@ -169,6 +169,9 @@ pub struct SagaServiceBuilder {
     #[cfg(feature = "redis")]
     fast_path: Option<crate::fast_path::FastPathSettings>,
     outbox: crate::Outbox,
+    /// Whether `outbox` was handed out (to an extension, or by [`SagaServiceBuilder::outbox`]): from then
+    /// on its settings may not change.
+    outbox_handed_out: std::sync::atomic::AtomicBool,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
     pool: Option<PgPool>,
@@ -206,6 +209,7 @@ impl SagaServiceBuilder {
             #[cfg(feature = "redis")]
             fast_path: None,
             outbox: crate::Outbox::table(),
+            outbox_handed_out: std::sync::atomic::AtomicBool::new(false),
             migrators: Vec::new(),
             tasks: Vec::new(),
             pool: None,
@@ -251,9 +255,7 @@ impl SagaServiceBuilder {
                 self.env_error.get_or_insert(e);
             }
         }
-        self.outbox_mode = args.outbox.mode;
-        self.outbox_max_bytes = args.outbox.max_transaction_bytes;
-        self.outbox = crate::Outbox::new(self.outbox_mode, self.outbox_max_bytes);
+        self.set_outbox(args.outbox.mode, args.outbox.max_transaction_bytes);
         self.embedded_relay = args.embedded_relay;
         self.create_topics = args.create_topics.map(|p| (p, args.topic_replication));
         self.accept_key_expiry = args.accept_key_expiry;
@@ -377,16 +379,43 @@ impl SagaServiceBuilder {
     /// PostgreSQL's write-ahead log (`wal_level = logical` needed), which the embedded relay (or
     /// `outbox-relay run` in WAL mode) reads through the schema's replication slot. One mode per process.
     pub fn outbox_mode(mut self, mode: OutboxMode) -> Self {
-        self.outbox_mode = mode;
-        self.outbox = crate::Outbox::new(self.outbox_mode, self.outbox_max_bytes);
+        self.set_outbox(mode, self.outbox_max_bytes);
         self
+    }
+
+    /// Makes the outbox of `mode` and `max_bytes`, unless it is that already. Once it was handed out, a
+    /// change is refused by [`SagaServiceBuilder::build`]: the writers given it would write elsewhere than
+    /// the service.
+    fn set_outbox(&mut self, mode: OutboxMode, max_bytes: usize) {
+        if (mode, max_bytes) == (self.outbox_mode, self.outbox_max_bytes) {
+            return;
+        }
+        if self
+            .outbox_handed_out
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.env_error.get_or_insert(ConfigProblem::new(
+                "SAGA_OUTBOX_MODE",
+                "the outbox's settings changed after the service's outbox was handed out (by outbox(), or to \
+                 an extension added with with()): what was given it would write to another outbox",
+                "call from_env(), args(), outbox_mode() and outbox_max_transaction_bytes() before outbox() \
+                 and with()",
+            ));
+            return;
+        }
+        self.outbox_mode = mode;
+        self.outbox_max_bytes = max_bytes;
+        self.outbox = crate::Outbox::new(mode, max_bytes);
     }
 
     /// The service's outbox, to hand to its other writers: its HTTP layer
     /// ([`IdempotencyLayer::with_outbox`](crate::http::IdempotencyLayer::with_outbox)), an orchestrator its
     /// routes start sagas with. Take it once the outbox's settings are made (`from_env`, `args`,
-    /// `outbox_mode`): the service opens it when it starts, and every clone follows its health.
+    /// `outbox_mode`): a change after is refused by [`SagaServiceBuilder::build`]. The service opens it
+    /// when it starts, and every clone follows its health.
     pub fn outbox(&self) -> crate::Outbox {
+        self.outbox_handed_out
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.outbox.clone()
     }
 
@@ -394,8 +423,7 @@ impl SagaServiceBuilder {
     /// default 16 MiB): a step whose events are larger fails for good (a dead letter saying so). A consumer's
     /// batch writes once, the orchestrator once per transition; the WAL relay's memory is bounded by it.
     pub fn outbox_max_transaction_bytes(mut self, bytes: usize) -> Self {
-        self.outbox_max_bytes = bytes;
-        self.outbox = crate::Outbox::new(self.outbox_mode, self.outbox_max_bytes);
+        self.set_outbox(self.outbox_mode, bytes);
         self
     }
 

@@ -66,6 +66,7 @@ pub async fn ensure_topics(
 /// (writers stop within seconds of it being lost); for the table, says that this process writes the table
 /// (a relay switching the schema to the log waits for it) for as long as the returned outbox lives.
 /// `SagaService` does it at start; a process that runs a `SagaConsumer` on its own calls it first.
+#[must_use = "hand the outbox to the writers: one not given it writes an outbox nobody opened"]
 pub async fn use_outbox(
     pool: &sqlx::PgPool,
     mode: crate::OutboxMode,

@@ -134,6 +134,44 @@ async fn a_missing_required_setting_is_named_never_defaulted() {
     assert!(no_pool.to_string().contains("database pool"), "{no_pool}");
 }
 
+/// The outbox handed to a service's other writers is the one the service opens: changing its settings
+/// after it was handed out is refused by `build`, naming the setting, rather than leave those writers on an
+/// outbox nobody opens; the same settings made before are fine.
+#[tokio::test]
+async fn the_outbox_may_not_change_after_it_was_handed_out() {
+    let db = TestDb::empty("service-outbox-order").await;
+    let builder = SagaService::builder()
+        .brokers("127.0.0.1:9092")
+        .group_id("g")
+        .pool(db.pool.clone())
+        .step(reserve_on("t"));
+    let handed = builder.outbox();
+    let refused = builder
+        .outbox_mode(saga_consumer::OutboxMode::Wal)
+        .build()
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("SAGA_OUTBOX_MODE"),
+        "{refused}"
+    );
+    assert_eq!(handed.mode(), saga_consumer::OutboxMode::Table);
+
+    let builder = SagaService::builder()
+        .brokers("127.0.0.1:9092")
+        .group_id("g")
+        .pool(db.pool.clone())
+        .step(reserve_on("t"))
+        .outbox_mode(saga_consumer::OutboxMode::Wal)
+        .relay(|r| r.replication_url(db.url()));
+    let handed = builder.outbox();
+    // The same mode again changes nothing.
+    builder
+        .outbox_mode(saga_consumer::OutboxMode::Wal)
+        .build()
+        .unwrap();
+    assert_eq!(handed.mode(), saga_consumer::OutboxMode::Wal);
+}
+
 /// Charges once per message of its step, recording the external key (which names the step).
 async fn charge(msg: &Message<Placed>, ctx: &mut StepContext<'_>) -> StepResult {
     sqlx::query("INSERT INTO charges (external_key) VALUES ($1)")
