@@ -160,6 +160,9 @@ struct Inner {
     connecting: tokio::sync::Mutex<()>,
     /// Whether the outage was logged already.
     down_logged: AtomicBool,
+    /// Set when the default namespace no longer names the database it was made for (a promotion or a
+    /// restore while the service ran): the fast path is off, the service runs on PostgreSQL alone.
+    retired: AtomicBool,
     metrics: Metrics,
 }
 
@@ -213,11 +216,55 @@ impl FastPath {
         settings: FastPathSettings,
         pool: &sqlx::PgPool,
     ) -> Result<Self, ConfigProblem> {
-        let namespace = match &settings.namespace {
-            Some(n) => n.clone(),
-            None => default_namespace(pool).await?,
-        };
-        Self::with_namespace(settings, namespace)
+        match &settings.namespace {
+            Some(n) => {
+                let namespace = n.clone();
+                Self::with_namespace(settings, namespace)
+            }
+            None => {
+                let namespace = default_namespace(pool).await?;
+                let fast = Self::with_namespace(settings, namespace.clone())?;
+                fast.watch_namespace(pool.clone(), namespace, NAMESPACE_CHECK_INTERVAL);
+                Ok(fast)
+            }
+        }
+    }
+
+    /// Reads the default namespace every `every`, for as long as this fast path lives; once it differs
+    /// from `made_for` (the database was promoted or restored under the running service: Redis's answers
+    /// are about keys the database may have lost), turns the fast path off for good.
+    fn watch_namespace(&self, pool: sqlx::PgPool, made_for: String, every: Duration) {
+        let inner = Arc::downgrade(&self.0);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(inner) = inner.upgrade() else {
+                    return;
+                };
+                // Unreadable (the database down): read again at the next round.
+                let Ok(now) = default_namespace(&pool).await else {
+                    continue;
+                };
+                if now != made_for {
+                    inner.retired.store(true, Ordering::Relaxed);
+                    *lock(&inner.connection) = None;
+                    inner.metrics.available.set(0);
+                    tracing::error!(
+                        was = %made_for,
+                        now = %now,
+                        "the database's timeline changed under the service (a promotion or a restore): the \
+                         Redis fast path is off, the service runs on PostgreSQL alone; restart it for a fresh \
+                         namespace"
+                    );
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Whether the fast path turned itself off because its namespace no longer names its database.
+    pub fn is_retired(&self) -> bool {
+        self.0.retired.load(Ordering::Relaxed)
     }
 
     /// The fast path the environment asks for (see [`FastPathSettings::from_env`]): `None` when
@@ -259,6 +306,7 @@ impl FastPath {
             failed_at: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
             down_logged: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
             metrics: Metrics::default(),
         })))
     }
@@ -346,6 +394,9 @@ impl FastPath {
 
     /// A connection, or `None` while Redis is down (no attempt more often than [`RECONNECT_INTERVAL`]).
     async fn connection(&self) -> Option<MultiplexedConnection> {
+        if self.0.retired.load(Ordering::Relaxed) {
+            return None;
+        }
         if let Some(known) = self.settled() {
             return known;
         }
@@ -557,17 +608,25 @@ impl FastPath {
     }
 }
 
+/// How often a fast path with the default namespace reads it again, to notice a promotion or a restore
+/// under a running service.
+const NAMESPACE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
 /// The namespace a service's keys go under when `REDIS_NAMESPACE` is unset:
 /// `saga:{system identifier}.{timeline}.{database}.{schema}` of `pool`'s connections. The system identifier
 /// (`pg_control_system()`) is set when a cluster is created, so staging and production (or two regions)
 /// that share a Redis and name their databases and schemas alike still get namespaces of their own; the
-/// timeline (`pg_control_checkpoint()`) changes when a replica is promoted or a backup is restored to a
-/// point in time, so such a copy starts with a namespace of its own. A copy made with `pg_basebackup` and
+/// timeline (the one WAL is written on) changes when a replica is promoted or a backup is restored to a
+/// point in time, so such a copy starts with a namespace of its own, and a fast path made under the old
+/// one turns itself off within seconds ([`FastPath::is_retired`]). A copy made with `pg_basebackup` and
 /// started as it is keeps both: see [`FastPath::forget_namespace`].
 pub async fn default_namespace(pool: &sqlx::PgPool) -> Result<String, ConfigProblem> {
+    // The timeline WAL is written on now (a promoted server's, before its first checkpoint records it); on a
+    // standby, the last checkpoint's.
     let (cluster, timeline, db, schema): (String, i32, String, String) = sqlx::query_as(
         "SELECT (SELECT system_identifier::text FROM pg_control_system()), \
-                (SELECT timeline_id FROM pg_control_checkpoint()), \
+                CASE WHEN pg_is_in_recovery() THEN (SELECT timeline_id FROM pg_control_checkpoint()) \
+                     ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END, \
                 current_database()::text, current_schema()::text",
     )
     .fetch_one(pool)
@@ -621,5 +680,31 @@ mod tests {
             original,
             "stable"
         );
+    }
+
+    /// A fast path watches its default namespace: while the database still gives the one it was made for,
+    /// it stays on; once the database gives another (here: it was made for a namespace the database does
+    /// not give, as after a promotion or a restore under it), it turns itself off and answers nothing.
+    #[tokio::test]
+    async fn a_fast_path_turns_itself_off_when_its_namespace_no_longer_names_its_database() {
+        let db = saga_test_support::TestDb::new("fast-path-watch").await;
+        let url =
+            std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+        let every = Duration::from_millis(50);
+
+        let current = default_namespace(&db.pool).await.unwrap();
+        let kept = FastPath::with_namespace(FastPathSettings::new(&url), current.clone()).unwrap();
+        kept.watch_namespace(db.pool.clone(), current, every);
+        let moved = FastPath::with_namespace(FastPathSettings::new(&url), "saga:1.1.x.y").unwrap();
+        moved.watch_namespace(db.pool.clone(), "saga:1.1.x.y".to_owned(), every);
+        assert!(moved.connect().await, "Redis answers at {url}");
+
+        saga_test_support::wait_until("the fast path off", Duration::from_secs(10), || async {
+            moved.is_retired().then_some(())
+        })
+        .await;
+        assert!(!moved.connect().await, "no Redis once retired");
+        assert!(!kept.is_retired());
+        assert!(kept.connect().await);
     }
 }

@@ -168,9 +168,9 @@ pub struct RedisArgs {
     /// Turns the Redis fast path on: `redis://HOST:PORT/DB`.
     #[arg(long = "redis-url", env = "REDIS_URL")]
     pub redis_url: Option<String>,
-    /// Prefix of every key (default: `saga:` and the cluster's system identifier, its timeline and last
-    /// checkpoint's redo position at start-up, the database and the schema: deployments sharing a Redis
-    /// differ, and a copy restored or promoted gets a fresh one).
+    /// Prefix of every key (default: `saga:` and the cluster's system identifier, its current timeline, the
+    /// database and the schema: deployments sharing a Redis differ, a copy restored or promoted gets a
+    /// fresh one, and a service that sees its timeline change turns the fast path off until it restarts).
     #[arg(long = "redis-namespace", env = "REDIS_NAMESPACE")]
     pub namespace: Option<String>,
 }
