@@ -624,11 +624,26 @@ impl SagaService {
         OpsHandle::new(self.ops.handle())
     }
 
-    /// Applies the migrations, checks (or creates) the topics, then runs the consumer, the embedded relay
-    /// and the tasks until `shutdown` resolves (any future: [`crate::shutdown_signal`], a token's
+    /// Checks (or creates) the topics and their retention, applies the migrations, opens the outbox, then
+    /// runs the consumer, the embedded relay and the tasks until `shutdown` resolves (any future: [`crate::shutdown_signal`], a token's
     /// `cancelled()`), or until one part fails or ends on its own: then every other part is stopped too
     /// (each finishes what it is in) and the first failure is returned.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServiceError> {
+        // The topics first: a service that refuses to start leaves nothing behind (in WAL mode, a slot).
+        if let Some((partitions, replication)) = self.create_topics {
+            // The steps' topics, the retry topic and the dead-letter topic.
+            let mut topics = self.consumer.topics();
+            topics.push(self.consumer.dlq_topic());
+            let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+            saga_runtime::kafka::ensure_topics(&self.kafka, &names, partitions, replication)
+                .await
+                .map_err(|e| ServiceError::Topics(e.to_string()))?;
+        }
+        if !self.accept_key_expiry {
+            let mut topics = self.consumer.topics();
+            topics.push(self.consumer.dlq_topic());
+            check_key_retention(&self.kafka, &topics, self.consumer.key_retention()).await?;
+        }
         crate::migrate::migrate(&self.pool)
             .await
             .map_err(|e| ServiceError::Migrations(e.to_string()))?;
@@ -644,20 +659,6 @@ impl SagaService {
         let health = self.outbox.runtime().health().clone();
         self.ops.register(|r| health.register(r));
         self.ops.probe("outbox", true, move || health.is_writable());
-        if let Some((partitions, replication)) = self.create_topics {
-            // The steps' topics, the retry topic and the dead-letter topic.
-            let mut topics = self.consumer.topics();
-            topics.push(self.consumer.dlq_topic());
-            let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-            saga_runtime::kafka::ensure_topics(&self.kafka, &names, partitions, replication)
-                .await
-                .map_err(|e| ServiceError::Topics(e.to_string()))?;
-        }
-        if !self.accept_key_expiry {
-            let mut topics = self.consumer.topics();
-            topics.push(self.consumer.dlq_topic());
-            check_key_retention(&self.kafka, &topics, self.consumer.key_retention()).await?;
-        }
         let mut consumer = self.consumer;
         consumer.set_outbox(self.outbox.clone());
         // REDIS_URL turns the fast path on for the consumer (a service's HTTP layer is given its own).

@@ -69,6 +69,11 @@ impl WalService {
         for t in [&topic, &format!("{group}.dlq"), &format!("{group}.retry")] {
             kafka.delete_on_drop(t);
         }
+        // The topics come first; then the outbox is opened (its slot made) before anything is consumed.
+        wait_until("the service's outbox opened", WAIT, || async {
+            (ops.is_check_ready("outbox") == Some(true) || running.is_finished()).then_some(())
+        })
+        .await;
         Self {
             db,
             kafka,
