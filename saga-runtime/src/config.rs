@@ -39,7 +39,11 @@ pub async fn connect_postgres(
     let mut options = PgConnectOptions::from_str(url).map_err(|e| {
         ConfigProblem::new(
             url_var,
-            format!("{url:?} is not a PostgreSQL URL ({e})"),
+            format!(
+                "{:?} is not a PostgreSQL URL ({})",
+                redact(url),
+                without_password(&e.to_string(), url)
+            ),
             POSTGRES_URL_HINT,
         )
     })?;
@@ -133,9 +137,9 @@ fn unreadable(schema_var: &str, e: &sqlx::Error) -> ConfigProblem {
     )
 }
 
-/// The URL without its password, for messages.
+/// The URL without its password (in its user part or a `password=` parameter), for messages.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let url = match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
             let credentials = &url[scheme + 3..at];
             match credentials.split_once(':') {
@@ -144,12 +148,58 @@ pub fn redact(url: &str) -> String {
             }
         }
         _ => url.to_owned(),
+    };
+    match password_parameter(&url) {
+        Some(password) if !password.is_empty() => {
+            url.replacen(&format!("password={password}"), "password=***", 1)
+        }
+        _ => url,
     }
+}
+
+/// `text` (an error about `url`) with `url`'s password, wherever it appears, replaced.
+fn without_password(text: &str, url: &str) -> String {
+    let user_part = url.find("://").and_then(|scheme| {
+        let at = url.rfind('@').filter(|at| *at > scheme)?;
+        url[scheme + 3..at].split_once(':').map(|(_, p)| p)
+    });
+    [user_part, password_parameter(url)]
+        .into_iter()
+        .flatten()
+        .filter(|p| !p.is_empty())
+        .fold(text.to_owned(), |text, p| text.replace(p, "***"))
+}
+
+/// The value of a `password=` parameter of `url`'s query.
+fn password_parameter(url: &str) -> Option<&str> {
+    let query = url.split_once('?')?.1;
+    query
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("password="))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_url_that_does_not_parse_is_named_without_its_password() {
+        for url in [
+            "postgres://app:s3cr#t@db:5432/orders",
+            "postgres://app@db:notaport/orders?password=s3cr#t",
+        ] {
+            let problem = connect_postgres("DATABASE_URL", url, None, 1)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(problem.starts_with("DATABASE_URL: "), "{problem}");
+            assert!(!problem.contains("s3cr"), "{problem}");
+        }
+        assert_eq!(
+            redact("postgres://app:pw@db/x?sslmode=require&password=pw2"),
+            "postgres://app:***@db/x?sslmode=require&password=***"
+        );
+    }
 
     #[test]
     fn problems_print_as_one_line_naming_the_setting() {
