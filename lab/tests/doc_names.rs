@@ -59,6 +59,9 @@ const EXTERNAL_WORDS: &[(&str, &str)] = &[(
     "a PostgreSQL function (the ordering scheme ARCHITECTURE says was not chosen)",
 )];
 
+/// Variables only tests read, that the documents tell developers of.
+const TEST_SWITCHES: &[&str] = &["SAGA_UPDATE_DOCS"];
+
 /// Flags of other programs (cargo) that the documents show.
 const EXTERNAL_FLAGS: &[&str] = &[
     "--bin",
@@ -67,6 +70,8 @@ const EXTERNAL_FLAGS: &[&str] = &[
     "--workspace",
     "--locked",
     "--check",
+    "--path",
+    "--profile",
 ];
 
 /// The repository's root.
@@ -114,6 +119,8 @@ struct Source {
     literals: BTreeSet<String>,
     /// Every string literal of the form `NAME_`: prefixes of variables the code reads (`KAFKA_PROPERTY_`).
     prefixes: BTreeSet<String>,
+    /// The variables the tests read by name (switches such as `SAGA_UPDATE_DOCS`).
+    test_literals: BTreeSet<String>,
 }
 
 impl Source {
@@ -128,6 +135,7 @@ impl Source {
         let literal = Regex::new(r#""([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)""#).unwrap();
         let prefix = Regex::new(r#""([A-Z][A-Z0-9_]*_)""#).unwrap();
         let mut prefixes = BTreeSet::new();
+        let mut test_literals = BTreeSet::new();
         let mut files = Vec::new();
         let mut defined = BTreeSet::new();
         let mut literals = BTreeSet::new();
@@ -136,8 +144,13 @@ impl Source {
             for pattern in [&item, &variant, &alias, &derive] {
                 defined.extend(pattern.captures_iter(&text).map(|c| c[1].to_owned()));
             }
-            literals.extend(literal.captures_iter(&text).map(|c| c[1].to_owned()));
-            prefixes.extend(prefix.captures_iter(&text).map(|c| c[1].to_owned()));
+            // What the code reads, apart from what a test names.
+            if path.contains("/tests/") {
+                test_literals.extend(literal.captures_iter(&text).map(|c| c[1].to_owned()));
+            } else {
+                literals.extend(literal.captures_iter(&text).map(|c| c[1].to_owned()));
+                prefixes.extend(prefix.captures_iter(&text).map(|c| c[1].to_owned()));
+            }
             files.push((path.clone(), text));
         }
         Source {
@@ -145,6 +158,7 @@ impl Source {
             defined,
             literals,
             prefixes,
+            test_literals,
         }
     }
 
@@ -165,30 +179,37 @@ impl Source {
         })
     }
 
-    /// The files that make up module `name` wherever it is (`store` is `…/store.rs` and `…/store/*`),
-    /// or the whole crate for a crate's name.
-    fn module_files(&self, name: &str) -> Vec<&(String, String)> {
-        if let Some(dir) = Self::crate_dir(name) {
-            let own: Vec<_> = self
-                .files
+    /// The directories of the crate named `name`, and of the crates it re-exports whole
+    /// (`pub use saga_core::*`): where its items are. Empty for a name that is no crate of the workspace.
+    fn crate_dirs(&self, name: &str) -> Vec<&'static str> {
+        let Some(dir) = Self::crate_dir(name) else {
+            return Vec::new();
+        };
+        let glob = Regex::new(r"pub use ([a-z_]+)::\*;").unwrap();
+        let mut dirs = vec![dir];
+        dirs.extend(
+            self.files
                 .iter()
                 .filter(|(p, _)| p.starts_with(dir))
-                .collect();
-            // A crate that re-exports another whole (`pub use saga_core::*`) has its items too.
-            let glob = Regex::new(r"pub use ([a-z_]+)::\*;").unwrap();
-            let others: Vec<&'static str> = own
-                .iter()
                 .flat_map(|(_, text)| {
                     glob.captures_iter(text)
                         .map(|c| c[1].to_owned())
                         .collect::<Vec<_>>()
                 })
-                .filter_map(|other| Self::crate_dir(&other))
-                .collect();
+                .filter_map(|other| Self::crate_dir(&other)),
+        );
+        dirs
+    }
+
+    /// The files that make up module `name` (`store` is `…/store.rs` and `…/store/*`) within the crate
+    /// directories `within` (anywhere when empty), or the whole crate for a crate's name.
+    fn module_files(&self, name: &str, within: &[&str]) -> Vec<&(String, String)> {
+        let dirs = self.crate_dirs(name);
+        if !dirs.is_empty() {
             return self
                 .files
                 .iter()
-                .filter(|(p, _)| p.starts_with(dir) || others.iter().any(|o| p.starts_with(o)))
+                .filter(|(p, _)| dirs.iter().any(|d| p.starts_with(d)))
                 .collect();
         }
         let file = format!("/{name}.rs");
@@ -196,14 +217,15 @@ impl Source {
         let inline = Regex::new(&format!(r"\bmod\s+{name}\s*\{{")).unwrap();
         self.files
             .iter()
+            .filter(|(p, _)| within.is_empty() || within.iter().any(|d| p.starts_with(d)))
             .filter(|(p, text)| p.ends_with(&file) || p.contains(&dir) || inline.is_match(text))
             .collect()
     }
 
-    /// Whether `member` is defined, declared or re-exported among `files`.
+    /// Whether `member` is defined, declared or re-exported (`pub use`) among `files`.
     fn has_member(files: &[&(String, String)], member: &str) -> bool {
         let pattern = Regex::new(&format!(
-            r"(?m)\b(?:struct|enum|trait|type|fn|union|mod|const|static)\s+{member}\b|\buse\s[^;]*\b{member}\b|^\s*{member}\s*(?:\(|\{{|,|=|$)"
+            r"(?m)\b(?:struct|enum|trait|type|fn|union|mod|const|static)\s+{member}\b|\bpub(?:\([a-z]+\))?\s+use\s[^;]*\b{member}\b|^\s*{member}\s*(?:\(|\{{|,|=|$)"
         ))
         .unwrap();
         files.iter().any(|(_, text)| pattern.is_match(text))
@@ -241,6 +263,8 @@ impl Source {
         if !self.defined.contains(segments[0]) && Self::crate_dir(segments[0]).is_none() {
             return Some(format!("`{}` is not defined", segments[0]));
         }
+        // A path that starts with a crate's name stays in that crate (and what it re-exports whole).
+        let within = self.crate_dirs(segments[0]);
         for pair in segments.windows(2) {
             let (outer, member) = (pair[0], pair[1]);
             if outer.starts_with(char::is_uppercase) {
@@ -250,7 +274,7 @@ impl Source {
                     Some(true) => continue,
                 }
             }
-            let scope = self.module_files(outer);
+            let scope = self.module_files(outer, &within);
             if scope.is_empty() {
                 return Some(format!("`{outer}` is neither a module nor a type"));
             }
@@ -309,17 +333,27 @@ fn programs() -> (BTreeSet<String>, BTreeSet<String>) {
 }
 
 /// The spans a document puts in backticks outside its fenced blocks, each with its offset, and the text of
-/// those blocks.
-fn spans(text: &str) -> (Vec<(usize, String)>, String) {
+/// its YAML blocks (alert rules: the names they define).
+fn spans(text: &str) -> (Vec<(usize, String)>, String, String) {
     // The fenced blocks blanked out (offsets kept), and kept aside.
     let mut prose = String::with_capacity(text.len());
     let mut fenced = String::new();
     let mut in_fence = false;
+    let mut yaml = false;
+    let mut sh = false;
+    let mut shell = String::new();
     for line in text.split_inclusive('\n') {
         let fence = line.trim_start().starts_with("```");
+        if fence && !in_fence {
+            yaml = line.trim_start().starts_with("```yaml");
+            sh = line.trim_start().starts_with("```sh");
+        }
         if fence || in_fence {
-            if !fence {
+            if !fence && yaml {
                 fenced.push_str(line);
+            }
+            if !fence && sh {
+                shell.push_str(line);
             }
             prose.extend(line.chars().map(|c| if c == '\n' { c } else { ' ' }));
             prose.extend(std::iter::repeat_n(' ', line.len() - line.chars().count()));
@@ -336,7 +370,7 @@ fn spans(text: &str) -> (Vec<(usize, String)>, String) {
         .captures_iter(&prose)
         .map(|c| (c.get(0).unwrap().start(), c[1].replace('\n', " ")))
         .collect();
-    (spans, fenced)
+    (spans, fenced, shell)
 }
 
 /// The crate directory each ARCHITECTURE section describes (`### \`saga-consumer\`: …`), by the offset it
@@ -365,6 +399,7 @@ fn every_name_the_guide_and_architecture_put_in_backticks_exists() {
 
     let setting = Regex::new(r"^([A-Z][A-Z0-9]*(?:_[A-Z0-9{}]+)+)(?:=.*)?$").unwrap();
     let flag = Regex::new(r"(?:^|[\s\[(])(--[a-z][a-z0-9-]*)").unwrap();
+    let assignment = Regex::new(r"(?:^|\s)([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)=").unwrap();
     let path = Regex::new(r"[A-Za-z_][A-Za-z0-9_]*(?:::[A-Za-z_][A-Za-z0-9_]*)+").unwrap();
     let type_name = Regex::new(r"^([A-Z][a-z][A-Za-z0-9]*)(?:<[^>]*>)?(?:\(.*\))?$").unwrap();
     // Generic arguments and turbofish are not path segments.
@@ -401,7 +436,37 @@ fn every_name_the_guide_and_architecture_put_in_backticks_exists() {
     let mut wrong = Vec::new();
     for document in &documents {
         let text = std::fs::read_to_string(root.join(document)).unwrap();
-        let (spans, fenced) = spans(&text);
+        let (spans, fenced, shell) = spans(&text);
+        // The commands of shell blocks: their flags (after `--`, for `cargo run`) and the variables they set.
+        for line in shell.lines() {
+            let command = line.split_once(" -- ").map_or(line, |(_, ours)| ours);
+            let command = if line.contains("cargo ") && !line.contains(" -- ") {
+                ""
+            } else {
+                command
+            };
+            for c in flag.captures_iter(command) {
+                checked += 1;
+                let name = &c[1];
+                if !flags.contains(name) && !EXTERNAL_FLAGS.contains(&name) {
+                    wrong.push(format!(
+                        "{document}: `{line}`: no program has the flag {name}"
+                    ));
+                }
+            }
+            for c in assignment.captures_iter(line) {
+                checked += 1;
+                let name = &c[1];
+                if !vars.contains(name)
+                    && !source.literals.contains(name)
+                    && !EXTERNAL_SETTINGS.iter().any(|(n, _)| *n == name)
+                {
+                    wrong.push(format!(
+                        "{document}: `{line}`: no program declares or reads {name}"
+                    ));
+                }
+            }
+        }
         let sections = section_dirs(&text);
         for (offset, span) in &spans {
             let span = span.trim();
@@ -412,6 +477,7 @@ fn every_name_the_guide_and_architecture_put_in_backticks_exists() {
                 let known = vars.contains(name)
                     || source.literals.contains(name)
                     || EXTERNAL_SETTINGS.iter().any(|(n, _)| *n == name)
+                    || (TEST_SWITCHES.contains(&name) && source.test_literals.contains(name))
                     || source
                         .prefixes
                         .iter()
@@ -581,6 +647,18 @@ fn the_checker_finds_a_stale_path_a_stale_flag_and_a_missing_file() {
     assert!(source.unresolved("saga_consumer::setup::emit_to").is_some());
     assert!(source.unresolved("store::idempotency::keys_of").is_none());
     assert!(source.unresolved("StepItem::step_key").is_some());
+    // The right names through the wrong crate.
+    assert!(
+        source
+            .unresolved("saga_consumer::settings::RetentionArgs")
+            .is_none()
+    );
+    assert!(
+        source
+            .unresolved("saga_admin::settings::RetentionArgs")
+            .is_some()
+    );
+    assert!(source.unresolved("saga_consumer::testing").is_none());
     let (flags, vars) = programs();
     assert!(flags.contains("--relay-batch-size") && !flags.contains("--mode"));
     assert!(vars.contains("SAGA_KEY_RETENTION_HOURS") && vars.contains("SAGA_ACCEPT_KEY_EXPIRY"));
