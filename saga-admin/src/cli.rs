@@ -24,6 +24,17 @@ use crate::{groups, keys, lag, operations, outbox, sagas, trace};
 /// or configuration with one line and exit code 2.
 pub async fn main() -> ExitCode {
     let _tracing = saga_consumer::toolkit::init_tracing();
+    // The inspector's tokens are read from the environment only: on the command line, other users of the
+    // machine could read them.
+    if std::env::args_os().any(|a| a.to_string_lossy().starts_with("--admin-token")) {
+        return saga_consumer::toolkit::exit_code(Err(ConfigProblem::new(
+            "SAGA_ADMIN_TOKENS",
+            "the inspector's tokens are not taken on the command line, where other users of the machine \
+             could read them",
+            "set SAGA_ADMIN_TOKEN or SAGA_ADMIN_TOKENS in the environment instead",
+        )
+        .into()));
+    }
     let cli: Cli = saga_consumer::toolkit::parse();
     saga_consumer::toolkit::exit_code(cli.execute().await)
 }

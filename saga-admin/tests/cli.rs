@@ -23,6 +23,14 @@ async fn bad_input_gets_one_line_and_exit_code_2() {
     let (_db, kafka, saga) = target("admin-cli-bad").await;
     let producer = kafka.producer();
 
+    // The inspector's token on the command line (where `ps` shows it): refused, not shown back.
+    let line = expect_usage_error(
+        saga.command(&["inspect", "--admin-token=hunter2-hunter2-hunter2"]),
+        "SAGA_ADMIN_TOKENS",
+    )
+    .await;
+    assert!(!line.contains("hunter2"), "{line}");
+
     // An unknown topic.
     let line = expect_usage_error(
         saga.command(&["dlq", "list", "--topic", "no-such-topic-of-admin-cli"]),
