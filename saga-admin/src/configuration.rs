@@ -113,9 +113,13 @@ pub fn page() -> String {
         for d in docs {
             let _ = writeln!(
                 page,
-                "| `{}` | `{}` | {} | {} | {} |",
+                "| `{}` | {} | {} | {} | {} |",
                 d.env,
-                d.flag,
+                if d.flag.is_empty() {
+                    "— (environment only)".to_owned()
+                } else {
+                    format!("`{}`", d.flag)
+                },
                 if d.default == "—" {
                     "—".to_owned()
                 } else {

@@ -109,7 +109,7 @@ fn problem(
 pub struct Documented {
     /// The environment variable.
     pub env: String,
-    /// The flag of the binaries that take it.
+    /// The flag of the binaries that take it (empty: the environment only).
     pub flag: String,
     /// The default, or `—` when there is none.
     pub default: String,
@@ -141,7 +141,12 @@ pub fn documented(command: &Command) -> Vec<Documented> {
                 .unwrap_or_default();
             Some(Documented {
                 env,
-                flag: arg.get_long().map(|l| format!("--{l}")).unwrap_or_default(),
+                // A hidden argument is the environment's only (a secret kept off the command line).
+                flag: arg
+                    .get_long()
+                    .filter(|_| !arg.is_hide_set())
+                    .map(|l| format!("--{l}"))
+                    .unwrap_or_default(),
                 default: match (default.is_empty(), arg.get_action()) {
                     (true, ArgAction::SetTrue) => "false".to_owned(),
                     (true, _) => "—".to_owned(),
