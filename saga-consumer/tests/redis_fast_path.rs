@@ -431,8 +431,8 @@ async fn settings_refuse_a_key_ttl_longer_than_the_key_retention() {
     );
     let problem = FastPathSettings::from_vars(vars(&[
         ("REDIS_URL", "redis://127.0.0.1:6379"),
-        ("REDIS_KEY_TTL_SECS", "7200"),
-        ("SAGA_KEY_RETENTION_HOURS", "1"),
+        ("REDIS_KEY_TTL_SECS", "18000"),
+        ("SAGA_KEY_RETENTION_HOURS", "4"),
     ]))
     .unwrap_err();
     assert_eq!(problem.setting, "REDIS_KEY_TTL_SECS");
