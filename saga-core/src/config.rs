@@ -168,6 +168,10 @@ impl OutboxMode {
     }
 
     /// `SAGA_OUTBOX_MODE`, or the default.
+    #[deprecated(
+        since = "0.3.0",
+        note = "read SAGA_OUTBOX_MODE through its one declaration: saga_consumer::settings::OutboxArgs::from_env()"
+    )]
     pub fn from_env() -> Result<Self, ConfigProblem> {
         std::env::var("SAGA_OUTBOX_MODE").map_or(Ok(Self::Table), |v| Self::parse(&v))
     }
