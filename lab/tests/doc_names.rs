@@ -460,6 +460,10 @@ fn every_name_the_guide_and_architecture_put_in_backticks_exists() {
                 if !vars.contains(name)
                     && !source.literals.contains(name)
                     && !EXTERNAL_SETTINGS.iter().any(|(n, _)| *n == name)
+                    && !source
+                        .prefixes
+                        .iter()
+                        .any(|prefix| name.starts_with(prefix.as_str()))
                 {
                     wrong.push(format!(
                         "{document}: `{line}`: no program declares or reads {name}"

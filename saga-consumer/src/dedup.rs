@@ -306,12 +306,10 @@ pub(crate) async fn keys_maybe_gone(
     conn: &mut sqlx::PgConnection,
     times: &[Option<i64>],
 ) -> Result<Option<usize>, sqlx::Error> {
-    let oldest_safe = chrono::Utc::now().timestamp_millis()
-        - i64::try_from(saga_runtime::store::gc::MAY_BE_GONE_AFTER.as_millis()).unwrap_or(i64::MAX);
     let old: Vec<(usize, i64)> = times
         .iter()
         .enumerate()
-        .filter_map(|(position, t)| t.filter(|t| *t < oldest_safe).map(|t| (position, t)))
+        .filter_map(|(position, t)| t.filter(|t| old_enough(*t)).map(|t| (position, t)))
         .collect();
     if old.is_empty() {
         return Ok(None);
@@ -323,6 +321,15 @@ pub(crate) async fn keys_maybe_gone(
         .zip(gone)
         .find(|(_, gone)| *gone)
         .map(|((position, _), _)| *position))
+}
+
+/// Whether a message written at `t` (milliseconds since the epoch) is old enough for some process's
+/// retention to have deleted its key: older than
+/// [`MAY_BE_GONE_AFTER`](saga_runtime::store::gc::MAY_BE_GONE_AFTER).
+pub(crate) fn old_enough(t: i64) -> bool {
+    let oldest_safe = chrono::Utc::now().timestamp_millis()
+        - i64::try_from(saga_runtime::store::gc::MAY_BE_GONE_AFTER.as_millis()).unwrap_or(i64::MAX);
+    t < oldest_safe
 }
 
 /// Why a message whose key may have been deleted by retention is not run.

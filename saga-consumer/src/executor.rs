@@ -425,37 +425,52 @@ impl Executor {
         };
         let store = |e: sqlx::Error| Failure::Store(StoreError::Database(e));
         let conn = held.lease.insert(self.pool.acquire().await.map_err(store)?);
-        let lease = match idempotency::claim_lease(
-            conn,
-            tenant,
-            step_key,
-            two_phase.lease(),
-            &self.lease_holder,
-        )
-        .await
-        .map_err(Failure::Store)?
-        {
+        // A message old enough for retention to have deleted its key (after its call was made) is claimed
+        // in a transaction that also reads how far retention deleted: a first lease on such a key is rolled
+        // back, never left behind for a redelivery to take over past the check.
+        let old = delivery.raw.timestamp_ms.filter(|t| dedup::old_enough(*t));
+        let claim = match old {
+            Some(t) => {
+                let mut tx = sqlx::Connection::begin(&mut **conn).await.map_err(store)?;
+                let claim = idempotency::claim_lease(
+                    &mut tx,
+                    tenant,
+                    step_key,
+                    two_phase.lease(),
+                    &self.lease_holder,
+                )
+                .await
+                .map_err(Failure::Store)?;
+                if let LeaseClaim::Acquired(lease) = &claim
+                    && lease.attempt == 1
+                    && dedup::keys_maybe_gone(&mut tx, &[Some(t)])
+                        .await
+                        .map_err(store)?
+                        .is_some()
+                {
+                    tx.rollback().await.map_err(store)?;
+                    return Err(Failure::Handler(StepError::permanent(
+                        dedup::KeyMayBeGone::at(t),
+                    )));
+                }
+                tx.commit().await.map_err(store)?;
+                claim
+            }
+            None => idempotency::claim_lease(
+                conn,
+                tenant,
+                step_key,
+                two_phase.lease(),
+                &self.lease_holder,
+            )
+            .await
+            .map_err(Failure::Store)?,
+        };
+        let lease = match claim {
             LeaseClaim::Acquired(lease) => lease,
             LeaseClaim::Duplicate(_) => return Ok(ItemOutcome::Duplicate),
             LeaseClaim::Busy { until } => return Err(Failure::Busy(until)),
         };
-        // A key new to the store (its first lease) whose message retention may have deleted its key after
-        // it ran: not called out again, dead-lettered.
-        if lease.attempt == 1
-            && let Some(t) = delivery.raw.timestamp_ms
-            && dedup::keys_maybe_gone(conn, &[Some(t)])
-                .await
-                .map_err(store)?
-                .is_some()
-        {
-            // The key absent again, as it was: a redelivery meets the same check.
-            if let Err(e) = idempotency::forget_first_lease(conn, &lease).await {
-                tracing::warn!(error = %e, "could not undo a lease; it expires on its own");
-            }
-            return Err(Failure::Handler(StepError::permanent(
-                dedup::KeyMayBeGone::at(t),
-            )));
-        }
 
         // Phase two: the external call, outside any transaction, bounded by the lease.
         let call = AssertUnwindSafe(tokio::time::timeout(

@@ -621,23 +621,35 @@ const NAMESPACE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 /// one turns itself off within seconds ([`FastPath::is_retired`]). A copy made with `pg_basebackup` and
 /// started as it is keeps both: see [`FastPath::forget_namespace`].
 pub async fn default_namespace(pool: &sqlx::PgPool) -> Result<String, ConfigProblem> {
-    // The timeline WAL is written on now (a promoted server's, before its first checkpoint records it); on a
-    // standby, the last checkpoint's.
-    let (cluster, timeline, db, schema): (String, i32, String, String) = sqlx::query_as(
-        "SELECT (SELECT system_identifier::text FROM pg_control_system()), \
-                CASE WHEN pg_is_in_recovery() THEN (SELECT timeline_id FROM pg_control_checkpoint()) \
-                     ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END, \
-                current_database()::text, current_schema()::text",
-    )
-    .fetch_one(pool)
-    .await
-    .map_err(|e| {
-        ConfigProblem::new(
-            "REDIS_NAMESPACE",
-            format!("is unset, and the default cannot be read from the database ({e})"),
-            "set REDIS_NAMESPACE to a name no other deployment sharing the Redis uses",
+    // The timeline WAL is written on now (a promoted server's, before its first checkpoint records it). A
+    // standby gives none: its timeline is the primary's until it is promoted, and a namespace read there
+    // would be confirmed under a server that cannot write the keys it stands for.
+    let (in_recovery, cluster, timeline, db, schema): (bool, String, Option<i32>, String, String) =
+        sqlx::query_as(
+            "SELECT pg_is_in_recovery(), (SELECT system_identifier::text FROM pg_control_system()), \
+                    CASE WHEN pg_is_in_recovery() THEN NULL \
+                         ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END, \
+                    current_database()::text, current_schema()::text",
         )
-    })?;
+        .fetch_one(pool)
+        .await
+        .map_err(|e| {
+            ConfigProblem::new(
+                "REDIS_NAMESPACE",
+                format!("is unset, and the default cannot be read from the database ({e})"),
+                "set REDIS_NAMESPACE to a name no other deployment sharing the Redis uses",
+            )
+        })?;
+    let timeline = match timeline {
+        Some(timeline) if !in_recovery => timeline,
+        _ => {
+            return Err(ConfigProblem::new(
+                "REDIS_NAMESPACE",
+                "is unset, and the default cannot be read from a database in recovery (a standby)",
+                "point DATABASE_URL at the primary",
+            ));
+        }
+    };
     Ok(namespace_of(&cluster, timeline, &db, &schema))
 }
 

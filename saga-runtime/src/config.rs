@@ -137,7 +137,8 @@ fn unreadable(schema_var: &str, e: &sqlx::Error) -> ConfigProblem {
     )
 }
 
-/// The URL without its password (in its user part or a `password=` parameter), for messages.
+/// The URL (or keyword connection string) without its password (in its user part, a `password=` query
+/// parameter or a `password=` keyword, quoted or not), for messages.
 pub fn redact(url: &str) -> String {
     let url = match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
@@ -150,10 +151,8 @@ pub fn redact(url: &str) -> String {
         _ => url.to_owned(),
     };
     match password_parameter(&url) {
-        Some(password) if !password.is_empty() => {
-            url.replacen(&format!("password={password}"), "password=***", 1)
-        }
-        _ => url,
+        Some((at, written, _)) => format!("{}***{}", &url[..at], &url[at + written.len()..]),
+        None => url,
     }
 }
 
@@ -163,19 +162,49 @@ fn without_password(text: &str, url: &str) -> String {
         let at = url.rfind('@').filter(|at| *at > scheme)?;
         url[scheme + 3..at].split_once(':').map(|(_, p)| p)
     });
-    [user_part, password_parameter(url)]
-        .into_iter()
-        .flatten()
-        .filter(|p| !p.is_empty())
-        .fold(text.to_owned(), |text, p| text.replace(p, "***"))
+    let parameter = password_parameter(url);
+    [
+        user_part,
+        parameter.map(|(_, written, _)| written),
+        parameter.map(|(_, _, value)| value),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|p| !p.is_empty() && *p != "''")
+    .fold(text.to_owned(), |text, p| text.replace(p, "***"))
 }
 
-/// The value of a `password=` parameter of `url`'s query.
-fn password_parameter(url: &str) -> Option<&str> {
-    let query = url.split_once('?')?.1;
-    query
-        .split('&')
-        .find_map(|pair| pair.strip_prefix("password="))
+/// The password `url` gives as a `password=` query parameter or keyword (`host=db password='a b'`): as
+/// written (quotes included, with its offset in `url`) and its value. `None` when there is none, or it is
+/// empty.
+fn password_parameter(url: &str) -> Option<(usize, &str, &str)> {
+    const KEY: &str = "password=";
+    url.match_indices(KEY).find_map(|(at, _)| {
+        let before = url[..at].chars().next_back();
+        if !matches!(before, None | Some('?' | '&')) && !before.is_some_and(char::is_whitespace) {
+            return None;
+        }
+        let rest = &url[at + KEY.len()..];
+        let (written, value) = if let Some(quoted) = rest.strip_prefix('\'') {
+            // A keyword value in single quotes, `\'` and `\\` escaped.
+            let mut escaped = false;
+            let end = quoted
+                .char_indices()
+                .find(|&(_, c)| {
+                    let closes = c == '\'' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    closes
+                })
+                .map_or(quoted.len(), |(i, _)| i);
+            (&rest[..(end + 2).min(rest.len())], &quoted[..end])
+        } else {
+            let end = rest
+                .find(|c: char| c.is_whitespace() || c == '&')
+                .unwrap_or(rest.len());
+            (&rest[..end], &rest[..end])
+        };
+        (!value.is_empty()).then_some((at + KEY.len(), written, value))
+    })
 }
 
 #[cfg(test)]
@@ -198,6 +227,32 @@ mod tests {
         assert_eq!(
             redact("postgres://app:pw@db/x?sslmode=require&password=pw2"),
             "postgres://app:***@db/x?sslmode=require&password=***"
+        );
+        // Keyword connection strings, quoted or not.
+        assert_eq!(
+            redact("host=db user=app password=s3cr#t dbname=orders"),
+            "host=db user=app password=*** dbname=orders"
+        );
+        assert_eq!(
+            redact("host=db password='s3 cr\\'t' dbname=orders"),
+            "host=db password=*** dbname=orders"
+        );
+        assert_eq!(redact("password=s3cr#t"), "password=***");
+        // A name that merely ends in `password=` is not the password.
+        assert_eq!(
+            redact("host=db application_name=oldpassword=x"),
+            "host=db application_name=oldpassword=x"
+        );
+        assert_eq!(
+            redact("application_name=oldpassword=pw password=pw"),
+            "application_name=oldpassword=pw password=***"
+        );
+        assert_eq!(
+            without_password(
+                "could not connect: s3 cr\\'t refused",
+                "password='s3 cr\\'t'"
+            ),
+            "could not connect: *** refused"
         );
     }
 

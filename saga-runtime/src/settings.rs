@@ -59,11 +59,12 @@ pub fn from_vars<T: Args + FromArgMatches>(
         .map_err(|e| problem(&e, &longs, &get))
 }
 
-/// A flag's variable as the binaries read it (clap's `BoolishValueParser`; empty is unset).
+/// A flag's variable as the binaries read it: clap reads a flag's variable with its `BoolValueParser`, which
+/// takes `true` and `false` and nothing else (an empty value included).
 fn boolish(value: &str) -> Option<bool> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "y" | "yes" | "t" | "true" | "on" | "1" => Some(true),
-        "n" | "no" | "f" | "false" | "off" | "0" | "" => Some(false),
+    match value {
+        "true" => Some(true),
+        "false" => Some(false),
         _ => None,
     }
 }
@@ -245,11 +246,16 @@ mod tests {
         assert_eq!(bad.setting, "X_DELETE");
         let bad = from_vars::<Example>(vars(&[("X_EMBEDDED", "perhaps")])).unwrap_err();
         assert_eq!(bad.setting, "X_EMBEDDED", "{bad}");
-        // A value that starts with `-` is a value; a flag reads what clap's reads (`y`, `off`).
-        let e: Example = from_vars(vars(&[("X_NAME", "-n"), ("X_DELETE", "y")])).unwrap();
+        // A value that starts with `-` is a value; a flag reads what clap's reads (`true`, `false`).
+        let e: Example = from_vars(vars(&[("X_NAME", "-n"), ("X_DELETE", "true")])).unwrap();
         assert_eq!((e.name.as_deref(), e.delete), (Some("-n"), true));
-        let e: Example = from_vars(vars(&[("X_DELETE", "off")])).unwrap();
+        let e: Example = from_vars(vars(&[("X_DELETE", "false")])).unwrap();
         assert!(!e.delete);
+        for value in ["y", "off", "1", "TRUE", ""] {
+            let get = |name: &str| (name == "X_DELETE").then(|| value.to_owned());
+            let bad = from_vars::<Example>(get).unwrap_err();
+            assert_eq!(bad.setting, "X_DELETE", "{value:?}: {bad}");
+        }
         let bad = from_vars::<Example>(vars(&[("X_BATCH_SIZE", "-1")])).unwrap_err();
         assert_eq!(bad.setting, "X_BATCH_SIZE", "{bad}");
     }

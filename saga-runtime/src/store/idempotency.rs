@@ -140,6 +140,9 @@ pub struct KeyRecord {
     pub created_at: DateTime<Utc>,
     /// When it last changed.
     pub updated_at: DateTime<Utc>,
+    /// Whether it is an HTTP request's key (the `Idempotency-Key` layer's): its outcome is the stored
+    /// response.
+    pub http_request: bool,
 }
 
 /// The statement both transactional claims start with: the keys `$1`/`$2` inserted as `completed`, sorted,
@@ -622,26 +625,8 @@ pub async fn release_lease(
     Ok(updated.rows_affected() == 1)
 }
 
-/// Undoes a lease that was the key's first (`attempt` 1) and whose call was never made: the key is absent
-/// again, as before the claim. Returns whether it was still held.
-pub async fn forget_first_lease(
-    conn: &mut PgConnection,
-    lease: &Lease,
-) -> Result<bool, StoreError> {
-    let deleted = sqlx::query(
-        "DELETE FROM saga_idempotency_keys \
-         WHERE tenant_id = $1 AND step_key = $2 AND status = 'started' AND attempts = 1 AND $3 = 1",
-    )
-    .bind(lease.tenant.as_str())
-    .bind(lease.key.as_str())
-    .bind(lease.attempt)
-    .execute(conn)
-    .await?;
-    Ok(deleted.rows_affected() == 1)
-}
-
 const KEY_COLUMNS: &str = "tenant_id, step_key, status, attempts, lease_expires_at, lease_holder, outcome, \
-     error, created_at, updated_at";
+     error, created_at, updated_at, request_hash IS NOT NULL";
 
 fn key_record(row: &sqlx::postgres::PgRow) -> Result<KeyRecord, StoreError> {
     Ok(KeyRecord {
@@ -655,6 +640,7 @@ fn key_record(row: &sqlx::postgres::PgRow) -> Result<KeyRecord, StoreError> {
         error: row.try_get(7)?,
         created_at: row.try_get(8)?,
         updated_at: row.try_get(9)?,
+        http_request: row.try_get(10)?,
     })
 }
 

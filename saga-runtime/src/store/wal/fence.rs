@@ -140,6 +140,14 @@ pub async fn enter_table_mode(conn: &mut PgConnection) -> Result<(), TableModeEr
 pub async fn check_unregistered_table_write(
     conn: &mut PgConnection,
 ) -> Result<Result<(), String>, sqlx::Error> {
+    // A schema whose migrations predate the log outbox has no switch to read: it writes the table.
+    let has_switch: bool =
+        sqlx::query_scalar("SELECT to_regclass('saga_outbox_wal_slot') IS NOT NULL")
+            .fetch_one(&mut *conn)
+            .await?;
+    if !has_switch {
+        return Ok(Ok(()));
+    }
     let switched: Option<Option<String>> =
         sqlx::query_scalar("SELECT switched_at::text FROM saga_outbox_wal_slot FOR SHARE")
             .fetch_optional(&mut *conn)
