@@ -170,3 +170,57 @@ pub fn admin_input(data: &[u8]) {
         "normalising is idempotent"
     );
 }
+
+/// A dead letter as the toolkit reads it from a dead-letter topic: fields alternate header name and value,
+/// the last is the payload; a name of one byte below 14 stands for one of the headers the letter parser
+/// reads. Reading never fails and never hides what the strict parser says: a letter it accepts is read the
+/// same, one it refuses is read as an unreadable letter naming the same problem. The corpus holds dead
+/// letters the consumer wrote (`SAGA_UPDATE_CORPUS=1` on saga-admin's replay tests writes them).
+pub fn dead_letter(data: &[u8]) {
+    use saga_admin::dlq::{DeadLetter, Record, UNREADABLE};
+    let known = [
+        "dlq-original-topic",
+        "dlq-original-partition",
+        "dlq-original-offset",
+        "dlq-consumer-group",
+        "dlq-step",
+        "dlq-reason",
+        "dlq-error",
+        "dlq-attempts",
+        "dlq-failed-at",
+        "dlq-truncated",
+        "saga-replay-count",
+        names::IDEMPOTENCY_KEY,
+        names::TENANT_ID,
+        names::CE_TYPE,
+    ];
+    let mut parts = fields(data);
+    let payload = parts.pop().map(<[u8]>::to_vec);
+    let headers = parts
+        .chunks(2)
+        .map(|pair| {
+            let name = match pair[0] {
+                [b] if usize::from(*b) < known.len() => known[usize::from(*b)].to_owned(),
+                other => String::from_utf8_lossy(other).into_owned(),
+            };
+            (name, pair.get(1).map(|v| v.to_vec()))
+        })
+        .collect();
+    let record = Record::new(0, 0, headers, payload);
+    let read = DeadLetter::read("fuzzed.dlq", record.clone());
+    let _ = (read.identity(), saga_admin::groups::group_id(&read));
+    match DeadLetter::parse("fuzzed.dlq", record) {
+        Ok(letter) => {
+            assert_eq!(read, letter, "a letter the parser accepts is read the same");
+            assert!(read.unreadable.is_none());
+        }
+        Err(e) => {
+            let problem = read
+                .unreadable
+                .as_deref()
+                .expect("an unreadable letter says why");
+            assert_eq!(read.reason, UNREADABLE);
+            assert!(e.to_string().ends_with(problem), "{e} / {problem}");
+        }
+    }
+}

@@ -12,12 +12,13 @@ use std::path::PathBuf;
 type Target = fn(&[u8]);
 
 /// The targets, by the name of their corpus directory.
-const TARGETS: [(&str, Target); 5] = [
+const TARGETS: [(&str, Target); 6] = [
     ("envelope", targets::envelope),
     ("traceparent", targets::traceparent),
     ("wal_decode", targets::wal_decode),
     ("http_request", targets::http_request),
     ("admin_input", targets::admin_input),
+    ("dead_letter", targets::dead_letter),
 ];
 
 /// Mutations per target, of corpus entries picked at random.

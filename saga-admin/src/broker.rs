@@ -11,9 +11,9 @@ pub(crate) async fn partitions_of(
     topic: &str,
 ) -> Result<Vec<(i32, i64, i64)>, AdminError> {
     let Some(partitions) = saga_consumer::toolkit::watermarks(kafka, topic).await? else {
+        // The broker's address is not named: the inspector shows this to its viewers.
         return Err(AdminError::bad_input(format!(
-            "topic {topic} does not exist at {}",
-            kafka.brokers
+            "topic {topic} does not exist on the broker"
         )));
     };
     Ok(partitions

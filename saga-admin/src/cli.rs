@@ -17,7 +17,7 @@ use crate::AdminError;
 use crate::dlq::{self, DlqFilter, ReplayOptions};
 use crate::duration;
 use crate::inspect::{self, InspectOptions};
-use crate::table::Table;
+use crate::table::{Table, one_line};
 use crate::{groups, keys, lag, operations, outbox, sagas, trace};
 
 /// The `saga` binary: parses the command line (see `saga --help`), runs the command, and answers bad input
@@ -26,7 +26,7 @@ pub async fn main() -> ExitCode {
     let _tracing = saga_consumer::toolkit::init_tracing();
     // The inspector's tokens are read from the environment only: on the command line, other users of the
     // machine could read them.
-    if std::env::args_os().any(|a| a.to_string_lossy().starts_with("--admin-token")) {
+    if token_on_command_line(std::env::args_os().skip(1)) {
         return saga_consumer::toolkit::exit_code(Err(ConfigProblem::new(
             "SAGA_ADMIN_TOKENS",
             "the inspector's tokens are not taken on the command line, where other users of the machine \
@@ -37,6 +37,18 @@ pub async fn main() -> ExitCode {
     }
     let cli: Cli = saga_consumer::toolkit::parse();
     saga_consumer::toolkit::exit_code(cli.execute().await)
+}
+
+/// Whether `args` (the command line after the program's name) give the inspector's tokens as flags
+/// (`--admin-token`, `--admin-tokens`, alone or with `=value`), before a bare `--` ends the flags.
+fn token_on_command_line(args: impl IntoIterator<Item = std::ffi::OsString>) -> bool {
+    args.into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .take_while(|a| a != "--")
+        .any(|a| {
+            let flag = a.split_once('=').map_or(a.as_str(), |(flag, _)| flag);
+            flag == "--admin-token" || flag == "--admin-tokens"
+        })
 }
 
 /// See and repair sagas: dead letters, step keys, leases, saga instances, consumer lag, the outbox.
@@ -111,7 +123,8 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:8081")]
         listen: SocketAddr,
         /// A name besides the listening address and localhost that requests may give as Host (the name a
-        /// proxy in front serves the page under); repeatable.
+        /// proxy in front serves the page under); repeatable. Needs a token (or --insecure-no-token): the
+        /// page is served to others.
         #[arg(long = "public-name")]
         public_names: Vec<String>,
         /// No replay buttons; every POST refused.
@@ -120,7 +133,8 @@ enum Command {
         /// Mark cookies Secure: the page is served over TLS by a proxy in front.
         #[arg(long)]
         secure_cookies: bool,
-        /// Listen beyond localhost without a token: anyone who reaches the port may replay dead letters.
+        /// Listen beyond localhost, or serve under a --public-name, without a token: anyone who reaches the
+        /// page may replay dead letters.
         #[arg(long)]
         insecure_no_token: bool,
         /// Dead-letter topics to show (default: the broker's topics ending in `.dlq`).
@@ -275,11 +289,17 @@ enum OperationsCommand {
     Cancel {
         /// The operation.
         id: i64,
+        /// Who asks (recorded with the operation; default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
     },
     /// Go on with an operation whose run stopped (the process died): the letters not done yet, none twice.
     Resume {
         /// The operation.
         id: i64,
+        /// Who resumes (the run's sends and discards are recorded under this name; default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
     },
 }
 
@@ -471,7 +491,9 @@ impl Cli {
                     return self.group_letters(select.topic.as_deref(), group).await;
                 }
                 let topic = select.topic.as_deref().unwrap_or_default();
-                let letters = dlq::list(&self.kafka()?, topic, &select.filter()?).await?;
+                let kafka = self.kafka()?;
+                let letters =
+                    dlq::list(&kafka, &self.pool().await?, topic, &select.filter()?).await?;
                 self.print(&letters, || {
                     let mut t = Table::new([
                         "dlq offset",
@@ -673,21 +695,24 @@ impl Cli {
                 let detail = sagas::show(&pool, id).await?;
                 self.print(&detail, || {
                     let i = &detail.instance;
+                    // What a step or a message wrote stays on its line: no text of theirs starts a line
+                    // that would look like the command's own.
+                    let flat = |text: &str| one_line(text, usize::MAX);
                     let mut out = format!(
                         "saga {} ({}), key {} of tenant {}: {} at step {}, version {}\n",
                         i.saga_id,
-                        i.saga_type,
-                        i.idempotency_key,
-                        i.tenant,
+                        flat(&i.saga_type),
+                        flat(&i.idempotency_key),
+                        flat(&i.tenant),
                         i.status,
                         i.step_index,
                         i.version
                     );
                     if let Some(failure) = &i.failure {
-                        out.push_str(&format!("failure: {failure}\n"));
+                        out.push_str(&format!("failure: {}\n", flat(failure)));
                     }
                     if let Some(reason) = &i.stuck_reason {
-                        out.push_str(&format!("stuck: {reason}\n"));
+                        out.push_str(&format!("stuck: {}\n", flat(reason)));
                     }
                     out.push_str(&format!("step keys: {}\n\ntimeline:\n", i.step_keys));
                     let mut t = Table::new(["at", "version", "from", "to", "step", "cause"]);
@@ -915,10 +940,25 @@ impl Cli {
                 tokens,
             } => {
                 let tokens = inspector_tokens(tokens)?;
-                if tokens.is_empty() && !listen.ip().is_loopback() && !insecure_no_token {
+                // Served to others: listening beyond localhost, or named as a proxy in front serves it.
+                let served_to_others = if !listen.ip().is_loopback() {
+                    Some(format!(
+                        "the inspector would listen beyond localhost ({listen})"
+                    ))
+                } else {
+                    (!public_names.is_empty()).then(|| {
+                        format!(
+                            "the inspector would be served to others under --public-name {}",
+                            public_names.join(", ")
+                        )
+                    })
+                };
+                if let Some(why) =
+                    served_to_others.filter(|_| tokens.is_empty() && !insecure_no_token)
+                {
                     return Err(ConfigProblem::new(
                         "SAGA_ADMIN_TOKEN",
-                        format!("is not set, and the inspector would listen beyond localhost ({listen})"),
+                        format!("is not set, and {why}"),
                         "set SAGA_ADMIN_TOKEN (or SAGA_ADMIN_TOKENS=name:token,...), or pass --insecure-no-token",
                     )
                     .into());
@@ -1165,13 +1205,14 @@ impl Cli {
                     format!("{}\n{}", operation_line(&operation), t.render())
                 })
             }
-            Some(OperationsCommand::Cancel { id }) => {
-                let operation = operations::cancel(&pool, *id).await?;
+            Some(OperationsCommand::Cancel { id, operator }) => {
+                let operator = operator_or_os_user(operator.as_ref());
+                let operation = operations::cancel(&pool, *id, &operator).await?;
                 self.print(&operation, || operation_line(&operation))
             }
-            Some(OperationsCommand::Resume { id }) => {
-                let operation =
-                    operations::run(&self.kafka()?, &pool, *id, &ReplayOptions::default()).await?;
+            Some(OperationsCommand::Resume { id, operator }) => {
+                let options = ReplayOptions::default().by(operator_or_os_user(operator.as_ref()));
+                let operation = operations::run(&self.kafka()?, &pool, *id, &options).await?;
                 self.print(&operation, || operation_line(&operation))
             }
         }
@@ -1186,7 +1227,7 @@ impl Cli {
         // Every service schema is read by name: the database is enough, no schema needed.
         let url = required_postgres_url("DATABASE_URL", self.database.database_url.as_deref())?;
         let pool = connect_postgres("DATABASE_URL", url, None, 2).await?;
-        let found = trace::trace(&self.kafka()?, &pool, key, tenant, schemas).await?;
+        let found = trace::trace(&pool, key, tenant, schemas).await?;
         self.print(&found, || {
             let mut t = Table::new(["at", "service", "what", "step", "status", "detail"]);
             for e in &found.events {
@@ -1199,8 +1240,18 @@ impl Cli {
                     e.detail.clone(),
                 ]);
             }
+            let unread = found
+                .unread
+                .iter()
+                .map(|u| {
+                    format!(
+                        "\nnot read, so dead letters may be missing: {}",
+                        one_line(u, 200)
+                    )
+                })
+                .collect::<String>();
             format!(
-                "{}{} events of key {} in {} services",
+                "{}{} events of key {} in {} services{unread}",
                 t.render(),
                 found.events.len(),
                 found.key,
@@ -1263,8 +1314,22 @@ fn recovery_text(r: &outbox::Recovery) -> String {
 
 /// An operation in one line.
 fn operation_line(o: &operations::Operation) -> String {
+    let resumed: Vec<&str> = o
+        .run_by
+        .iter()
+        .skip(1)
+        .map(String::as_str)
+        .filter(|r| *r != o.operator)
+        .collect();
+    let mut who = String::new();
+    if !resumed.is_empty() {
+        who.push_str(&format!(", resumed by {}", resumed.join(", ")));
+    }
+    if let Some(by) = &o.cancelled_by {
+        who.push_str(&format!(", cancelled by {by}"));
+    }
     format!(
-        "operation {}: {} by {}, {} ({} selected: {} {}, {} skipped, {} refused)",
+        "operation {}: {} by {}{who}, {} ({} selected: {} {}, {} skipped, {} refused)",
         o.id,
         o.kind.as_str(),
         o.operator,
@@ -1418,5 +1483,32 @@ impl RecordView {
             &serde_json::to_string_pretty(&self.payload).unwrap_or_default(),
         ));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_on_command_line;
+
+    fn args(list: &[&str]) -> Vec<std::ffi::OsString> {
+        list.iter().map(Into::into).collect()
+    }
+
+    #[test]
+    fn only_the_token_flags_themselves_are_refused() {
+        for refused in [
+            &["inspect", "--admin-token", "t"][..],
+            &["inspect", "--admin-token=t"],
+            &["inspect", "--admin-tokens=a,b"],
+        ] {
+            assert!(token_on_command_line(args(refused)), "{refused:?}");
+        }
+        for allowed in [
+            &["dlq", "list", "--admin-token-like"][..],
+            &["keys", "show", "--", "--admin-token"],
+            &["keys", "show", "order-1:--admin-token"],
+        ] {
+            assert!(!token_on_command_line(args(allowed)), "{allowed:?}");
+        }
     }
 }

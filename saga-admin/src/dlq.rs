@@ -13,8 +13,8 @@
 //! until the broker acknowledged the send and the send is recorded (with the operator, in
 //! `saga_dlq_replay_log`). Two replays of the same letters started together send each letter once; running
 //! a replay again sends nothing. A letter that names another group than the topic's (a forged letter), a
-//! copy without its payload, or a message replayed [`ReplayOptions::max_replays`] times already, is
-//! refused.
+//! copy without its payload, a letter whose `dlq-*` headers cannot be read ([`UNREADABLE`]), or a message
+//! replayed [`ReplayOptions::max_replays`] times already, is refused.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -25,9 +25,9 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use rdkafka::{Offset, TopicPartitionList};
 use saga_consumer::KafkaConfig;
+use saga_consumer::toolkit::letters::{self, LetterFields};
 use saga_consumer::toolkit::replay;
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 use sqlx::migrate::Migrator;
 use sqlx::{PgPool, Row};
 
@@ -36,18 +36,8 @@ use crate::error::AdminError;
 /// The header counting how often a message was replayed from a dead-letter topic.
 pub const REPLAY_COUNT_HEADER: &str = replay::REPLAY_COUNT;
 
-/// The `dlq-*` headers the consumer writes (see `saga_consumer::dlq_headers`).
+/// The prefix of the `dlq-*` headers the consumer writes on a dead letter.
 mod names {
-    pub(super) const ORIGINAL_TOPIC: &str = "dlq-original-topic";
-    pub(super) const ORIGINAL_PARTITION: &str = "dlq-original-partition";
-    pub(super) const ORIGINAL_OFFSET: &str = "dlq-original-offset";
-    pub(super) const CONSUMER_GROUP: &str = "dlq-consumer-group";
-    pub(super) const STEP: &str = "dlq-step";
-    pub(super) const REASON: &str = "dlq-reason";
-    pub(super) const ERROR: &str = "dlq-error";
-    pub(super) const ATTEMPTS: &str = "dlq-attempts";
-    pub(super) const FAILED_AT: &str = "dlq-failed-at";
-    pub(super) const TRUNCATED: &str = "dlq-truncated";
     pub(super) const PREFIX: &str = "dlq-";
 }
 
@@ -70,12 +60,26 @@ pub struct Record {
 }
 
 impl Record {
+    /// A message at `partition` and `offset` with `headers` and `payload`, without key or timestamp.
+    pub fn new(
+        partition: i32,
+        offset: i64,
+        headers: Vec<(String, Option<Vec<u8>>)>,
+        payload: Option<Vec<u8>>,
+    ) -> Self {
+        Self {
+            partition,
+            offset,
+            key: None,
+            payload,
+            headers,
+            timestamp_ms: None,
+        }
+    }
+
     /// The text value of header `name` (the first with a value).
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, v)| n == name && v.is_some())
-            .and_then(|(_, v)| std::str::from_utf8(v.as_deref()?).ok())
+        letters::header(&self.headers, name)
     }
 }
 
@@ -115,101 +119,113 @@ pub struct DeadLetter {
     pub truncated: bool,
     /// How often this message had been replayed before it was dead-lettered this time.
     pub replay_count: u32,
-    /// The whole message.
+    /// What is wrong with a letter whose `dlq-*` headers cannot be read (its reason is [`UNREADABLE`]):
+    /// see [`DeadLetter::read`]. `None` for a letter read whole.
+    pub unreadable: Option<String>,
+    /// Its identity (see [`DeadLetter::identity`]).
+    #[serde(skip)]
+    pub letter_hash: String,
+    /// The whole message: empty for a letter read from the index, until [`with_records`] reads it.
     #[serde(skip)]
     pub record: Record,
 }
+
+/// The `reason` of a letter whose `dlq-*` headers cannot be read ([`DeadLetter::read`]).
+pub const UNREADABLE: &str = letters::UNREADABLE;
 
 impl DeadLetter {
     /// Reads the dead letter in `record` of `topic`; fails, naming the header, where a `dlq-*` header is
     /// missing or malformed.
     pub fn parse(topic: &str, record: Record) -> Result<Self, AdminError> {
-        let at = format!("dead letter {topic}/{}/{}", record.partition, record.offset);
-        let required = |name: &str| {
-            record
-                .header(name)
-                .ok_or_else(|| AdminError::bad_input(format!("{at}: header {name} is missing")))
-        };
-        let parsed = |name: &str| -> Result<i64, AdminError> {
-            let value = required(name)?;
-            value.parse().map_err(|_| {
-                AdminError::bad_input(format!("{at}: header {name} is malformed ({value:?})"))
-            })
-        };
-        let malformed = |name: &str, value: &str| {
-            AdminError::bad_input(format!("{at}: header {name} is malformed ({value:?})"))
-        };
-        let failed_at_text = required(names::FAILED_AT)?;
-        let failed_at = DateTime::parse_from_rfc3339(failed_at_text)
-            .map_err(|_| malformed(names::FAILED_AT, failed_at_text))?
-            .with_timezone(&Utc);
-        let original_partition =
-            i32::try_from(parsed(names::ORIGINAL_PARTITION)?).map_err(|_| {
-                malformed(
-                    names::ORIGINAL_PARTITION,
-                    required(names::ORIGINAL_PARTITION).unwrap_or(""),
-                )
-            })?;
-        let attempts = u32::try_from(parsed(names::ATTEMPTS)?)
-            .map_err(|_| malformed(names::ATTEMPTS, required(names::ATTEMPTS).unwrap_or("")))?;
-        let original_topic = required(names::ORIGINAL_TOPIC)?;
-        if original_topic.is_empty() {
-            return Err(malformed(names::ORIGINAL_TOPIC, original_topic));
+        match LetterFields::parse(&record.headers) {
+            Ok(fields) => Ok(Self::of_record(topic, fields, record)),
+            Err(problem) => Err(AdminError::bad_input(format!(
+                "dead letter {topic}/{}/{}: {problem}",
+                record.partition, record.offset
+            ))),
         }
-        let replay_count = match record.header(REPLAY_COUNT_HEADER) {
-            None => 0,
-            Some(v) => v.parse().map_err(|_| malformed(REPLAY_COUNT_HEADER, v))?,
-        };
-        Ok(Self {
-            topic: topic.to_owned(),
-            partition: record.partition,
-            offset: record.offset,
-            original_topic: original_topic.to_owned(),
-            original_partition,
-            original_offset: parsed(names::ORIGINAL_OFFSET)?,
-            group: record
-                .header(names::CONSUMER_GROUP)
-                .unwrap_or_default()
-                .to_owned(),
-            step: record
-                .header(names::STEP)
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned),
-            reason: required(names::REASON)?.to_owned(),
-            error: record.header(names::ERROR).unwrap_or_default().to_owned(),
-            attempts,
-            failed_at,
-            idempotency_key: record.header("idempotency-key").map(str::to_owned),
-            tenant: record.header("tenant-id").unwrap_or("default").to_owned(),
-            truncated: record.header(names::TRUNCATED) == Some("true"),
-            replay_count,
-            record,
-        })
     }
-}
 
-impl DeadLetter {
+    /// Reads the dead letter in `record` of `topic`, whatever its headers hold: a letter whose `dlq-*`
+    /// headers are missing or malformed (a message written to the topic by hand, or carrying a header the
+    /// framework reads with a value it cannot) is an [`UNREADABLE`] letter, with what is wrong in
+    /// [`unreadable`](Self::unreadable) and [`error`](Self::error), and what could be read of the rest. It can
+    /// be listed, counted and discarded, never replayed, and it hides no other letter.
+    pub fn read(topic: &str, record: Record) -> Self {
+        let fields = LetterFields::read(&record.headers, record.timestamp_ms);
+        Self::of_record(topic, fields, record)
+    }
+
+    fn of_record(topic: &str, fields: LetterFields, record: Record) -> Self {
+        let letter_hash = letters::identity(
+            &fields,
+            record.key.as_deref(),
+            record.payload.as_deref(),
+            &record.headers,
+        );
+        let position = (record.partition, record.offset);
+        Self {
+            record,
+            ..Self::from_index(topic, position, fields, letter_hash)
+        }
+    }
+
+    /// The letter the index holds at `position` of `topic`, without its record.
+    pub(crate) fn from_index(
+        topic: &str,
+        (partition, offset): (i32, i64),
+        fields: LetterFields,
+        letter_hash: String,
+    ) -> Self {
+        Self {
+            topic: topic.to_owned(),
+            partition,
+            offset,
+            original_topic: fields.original_topic,
+            original_partition: fields.original_partition,
+            original_offset: fields.original_offset,
+            group: fields.group,
+            step: fields.step,
+            reason: fields.reason,
+            error: fields.error,
+            attempts: fields.attempts,
+            failed_at: fields.failed_at,
+            idempotency_key: fields.idempotency_key,
+            tenant: fields.tenant,
+            truncated: fields.truncated,
+            replay_count: fields.replay_count,
+            unreadable: fields.unreadable,
+            letter_hash,
+            record: Record::new(partition, offset, Vec::new(), None),
+        }
+    }
+
+    /// What the letter's headers say.
+    pub fn fields(&self) -> LetterFields {
+        let mut fields = LetterFields::read(&[], None);
+        fields.original_topic.clone_from(&self.original_topic);
+        fields.original_partition = self.original_partition;
+        fields.original_offset = self.original_offset;
+        fields.group.clone_from(&self.group);
+        fields.step.clone_from(&self.step);
+        fields.reason.clone_from(&self.reason);
+        fields.error.clone_from(&self.error);
+        fields.attempts = self.attempts;
+        fields.failed_at = self.failed_at;
+        fields.idempotency_key.clone_from(&self.idempotency_key);
+        fields.tenant.clone_from(&self.tenant);
+        fields.truncated = self.truncated;
+        fields.replay_count = self.replay_count;
+        fields.unreadable.clone_from(&self.unreadable);
+        fields
+    }
+
     /// The letter's identity: a hash of its original coordinates, key, value and headers (the `dlq-*` ones
     /// too, so two letters of one message dead-lettered twice differ). A replay is recorded under its
     /// position and this, so that a new letter at a reused position (the topic deleted and recreated) is a
     /// new letter.
     pub fn identity(&self) -> String {
-        let mut hash = Sha256::new();
-        let mut field = |bytes: &[u8]| {
-            hash.update((bytes.len() as u64).to_be_bytes());
-            hash.update(bytes);
-        };
-        field(self.original_topic.as_bytes());
-        field(&self.original_partition.to_be_bytes());
-        field(&self.original_offset.to_be_bytes());
-        let optional = |v: Option<&[u8]>| v.map_or_else(|| vec![0], |v| [&[1u8][..], v].concat());
-        field(&optional(self.record.key.as_deref()));
-        field(&optional(self.record.payload.as_deref()));
-        for (name, value) in &self.record.headers {
-            field(name.as_bytes());
-            field(&optional(value.as_deref()));
-        }
-        hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        self.letter_hash.clone()
     }
 }
 
@@ -237,76 +253,111 @@ impl DlqFilter {
             ..Self::default()
         }
     }
-
-    fn accepts(&self, letter: &DeadLetter, now: DateTime<Utc>) -> bool {
-        self.reason.as_ref().is_none_or(|r| *r == letter.reason)
-            && self
-                .step
-                .as_ref()
-                .is_none_or(|s| letter.step.as_deref() == Some(s))
-            && self.since.is_none_or(|since| {
-                chrono::Duration::from_std(since).is_ok_and(|since| letter.failed_at >= now - since)
-            })
-            && self
-                .position
-                .is_none_or(|(p, o)| letter.partition == p && letter.offset == o)
-    }
 }
 
-/// The dead letters of `topic` that `filter` selects, oldest first (by partition and offset).
+/// The dead letters of `topic` that `filter` selects, oldest first (by partition and offset), as the
+/// dead-letter index of `pool`'s schema holds them (their records empty: [`with_records`] reads those).
+/// A letter whose `dlq-*` headers cannot be read is listed as an [`UNREADABLE`] one
+/// ([`DeadLetter::read`]): it hides no other.
 ///
-/// Fails with bad input if the topic does not exist, is not a dead-letter topic (a message without
-/// `dlq-original-topic`), or holds a dead letter whose `dlq-*` headers are missing or malformed.
+/// Fails with bad input, before reading anything, if the topic is not a dead-letter topic (see
+/// [`crate::index::require_dead_letter_topic`]), or if it does not exist.
 pub async fn list(
     kafka: &KafkaConfig,
+    pool: &PgPool,
     topic: &str,
     filter: &DlqFilter,
 ) -> Result<Vec<DeadLetter>, AdminError> {
-    let records = read_topic(kafka, topic).await?;
-    if let Some(stray) = records
-        .iter()
-        .find(|r| r.header(names::ORIGINAL_TOPIC).is_none())
-    {
-        return Err(AdminError::bad_input(format!(
-            "{topic} is not a dead-letter topic: message {}/{} has no {} header",
-            stray.partition,
-            stray.offset,
-            names::ORIGINAL_TOPIC
-        )));
-    }
-    let now = Utc::now();
-    let mut letters = Vec::new();
-    for record in records {
-        let letter = DeadLetter::parse(topic, record)?;
-        if filter.accepts(&letter, now) {
-            letters.push(letter);
-        }
-    }
-    if let Some(limit) = filter.limit {
-        letters.truncate(limit);
-    }
-    Ok(letters)
+    crate::index::require_dead_letter_topic(pool, topic).await?;
+    crate::index::sync(kafka, pool, topic).await?;
+    let topics = [topic.to_owned()];
+    let selection = crate::index::Selection {
+        topics: &topics,
+        filter: Some(filter),
+        ..crate::index::Selection::default()
+    };
+    Ok(crate::index::letters(pool, &selection)
+        .await?
+        .into_iter()
+        .map(|l| l.letter)
+        .collect())
 }
 
-/// Dead letters by (dead-letter topic, reason): how many, over `topics`. Topics that do not exist count
-/// nothing.
-pub async fn counts(
+/// `letters` with their records read from their topics; a letter whose position now holds another letter
+/// (its topic deleted and recreated) is that other letter, indexed again; one the topic no longer holds
+/// (its retention deleted it) is left out.
+pub async fn with_records(
     kafka: &KafkaConfig,
-    topics: &[String],
-) -> Result<BTreeMap<(String, String), usize>, AdminError> {
-    let mut counts = BTreeMap::new();
-    for topic in topics {
-        let records = match read_topic(kafka, topic).await {
-            Ok(records) => records,
-            Err(AdminError::BadInput(_)) => continue,
-            Err(e) => return Err(e),
+    pool: &PgPool,
+    letters: Vec<DeadLetter>,
+) -> Result<Vec<DeadLetter>, AdminError> {
+    let mut wanted: BTreeMap<(String, i32), Vec<i64>> = BTreeMap::new();
+    for l in &letters {
+        wanted
+            .entry((l.topic.clone(), l.partition))
+            .or_default()
+            .push(l.offset);
+    }
+    let mut records: BTreeMap<(String, i32, i64), Record> = BTreeMap::new();
+    for ((topic, partition), mut offsets) in wanted {
+        offsets.sort_unstable();
+        offsets.dedup();
+        // Runs of nearby offsets, each read at once.
+        let mut runs: Vec<(i64, i64)> = Vec::new();
+        for offset in offsets {
+            match runs.last_mut() {
+                Some((_, until)) if offset < *until + 64 && offset - (*until - 1) <= 64 => {
+                    *until = offset + 1;
+                }
+                _ => runs.push((offset, offset + 1)),
+            }
+        }
+        let held = crate::broker::partitions_of(kafka, &topic).await?;
+        let Some((_, low, high)) = held.into_iter().find(|(p, _, _)| *p == partition) else {
+            continue;
         };
-        for record in &records {
-            let reason = record.header(names::REASON).unwrap_or("?").to_owned();
-            *counts.entry((topic.clone(), reason)).or_default() += 1;
+        for (from, until) in runs {
+            let (from, until) = (from.max(low), until.min(high));
+            if from >= until {
+                continue;
+            }
+            for record in read_range(kafka, &topic, partition, from, until).await? {
+                records.insert((topic.clone(), record.partition, record.offset), record);
+            }
         }
     }
-    Ok(counts)
+    let mut found = Vec::with_capacity(letters.len());
+    let mut reindex = Vec::new();
+    for l in letters {
+        let Some(record) = records.remove(&(l.topic.clone(), l.partition, l.offset)) else {
+            continue;
+        };
+        let read = DeadLetter::read(&l.topic, record);
+        if read.letter_hash != l.letter_hash {
+            reindex.push(crate::index::indexed(&read.topic, &read.record));
+        }
+        found.push(read);
+    }
+    if !reindex.is_empty() {
+        let mut conn = pool.acquire().await?;
+        letters::index(&mut conn, &reindex).await?;
+    }
+    Ok(found)
+}
+
+/// Dead letters by (dead-letter topic, reason): how many, over `topics`, as the index of `pool`'s schema
+/// holds them. Topics that do not exist count nothing.
+pub async fn counts(
+    kafka: &KafkaConfig,
+    pool: &PgPool,
+    topics: &[String],
+) -> Result<BTreeMap<(String, String), usize>, AdminError> {
+    crate::index::sync_all(kafka, pool, topics).await?;
+    Ok(crate::index::counts(pool, topics)
+        .await?
+        .into_iter()
+        .map(|(k, (total, _))| (k, total))
+        .collect())
 }
 
 /// The message at `partition` and `offset` of `topic`, as it is (any message, dead letter or not).
@@ -423,6 +474,12 @@ pub enum ReplayOutcome {
     },
     /// The dead-letter topic kept only a copy without its payload: there is nothing to replay.
     RefusedTruncated,
+    /// The letter's `dlq-*` headers cannot be read ([`DeadLetter::read`]): where to send it is not known.
+    /// Discard it.
+    RefusedUnreadable {
+        /// What is wrong with it.
+        problem: String,
+    },
     /// The letter says another consumer group gave up on it than the one the dead-letter topic belongs to
     /// (or says none): it was not written by this topic's consumer, and is not replayed.
     RefusedForeignGroup {
@@ -446,6 +503,9 @@ impl ReplayOutcome {
                 format!("refused: replayed {replays} times already (--force)")
             }
             Self::RefusedTruncated => "refused: the dead letter kept no payload".to_owned(),
+            Self::RefusedUnreadable { problem } => {
+                format!("refused: the dead letter cannot be read ({problem}); discard it")
+            }
             Self::RefusedForeignGroup { group } if group.is_empty() => {
                 "refused: the letter names no consumer group".to_owned()
             }
@@ -562,7 +622,7 @@ pub async fn replay(
     filter: &DlqFilter,
     options: &ReplayOptions,
 ) -> Result<ReplayReport, AdminError> {
-    let letters = list(kafka, topic, filter).await?;
+    let letters = with_records(kafka, pool, list(kafka, pool, topic, filter).await?).await?;
     if let Some(position) = filter.position
         && letters.is_empty()
     {
@@ -610,6 +670,11 @@ pub(crate) fn refusal(
     letter: &DeadLetter,
     options: &ReplayOptions,
 ) -> Option<ReplayOutcome> {
+    if let Some(problem) = &letter.unreadable {
+        return Some(ReplayOutcome::RefusedUnreadable {
+            problem: problem.clone(),
+        });
+    }
     if letter.truncated {
         return Some(ReplayOutcome::RefusedTruncated);
     }
@@ -965,6 +1030,17 @@ pub async fn read_topic(kafka: &KafkaConfig, topic: &str) -> Result<Vec<Record>,
         .filter(|(_, low, high)| high > low)
         .collect();
     read(kafka, topic, ranges).await
+}
+
+/// The messages of partition `partition` of `topic` from offset `from` until `until` (excluded).
+pub(crate) async fn read_range(
+    kafka: &KafkaConfig,
+    topic: &str,
+    partition: i32,
+    from: i64,
+    until: i64,
+) -> Result<Vec<Record>, AdminError> {
+    read(kafka, topic, vec![(partition, from, until)]).await
 }
 
 /// The messages of `topic` in the ranges (partition, from, until), by partition and offset.

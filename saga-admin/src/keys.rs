@@ -38,9 +38,23 @@ pub struct KeyView {
     pub created_at: DateTime<Utc>,
     /// When it last changed.
     pub updated_at: DateTime<Utc>,
+    /// Whether it is an HTTP request's key: its outcome is the response stored for the client's retries.
+    pub http_request: bool,
+    /// Whether the stored response was left out for this viewer ([`KeyView::without_response`]).
+    pub response_hidden: bool,
 }
 
 impl KeyView {
+    /// The key without the response stored with it, if it is an HTTP request's: for a viewer who may not
+    /// act (a read-only inspector's), since a response may hold what the client alone should see.
+    pub fn without_response(mut self) -> Self {
+        if self.http_request && self.outcome.is_some() {
+            self.outcome = None;
+            self.response_hidden = true;
+        }
+        self
+    }
+
     fn of(record: KeyRecord, now: DateTime<Utc>) -> Self {
         let step = record
             .step_key
@@ -69,6 +83,8 @@ impl KeyView {
             error: record.error,
             created_at: record.created_at,
             updated_at: record.updated_at,
+            http_request: record.http_request,
+            response_hidden: false,
         }
     }
 }

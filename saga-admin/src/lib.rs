@@ -49,6 +49,7 @@ pub mod dlq;
 pub mod duration;
 mod error;
 pub mod groups;
+pub mod index;
 pub mod inspect;
 pub mod keys;
 pub mod lag;

@@ -130,6 +130,32 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// A digest of what the plan does: its kind, group or undone operation, and each letter's position,
+    /// identity and refusal. Two plans with one digest act on the same letters alike: a confirmation that
+    /// carries its preview's digest acts only if the plan made at confirming is the preview's.
+    pub fn digest(&self) -> String {
+        use sha2::{Digest as _, Sha256};
+        let mut hash = Sha256::new();
+        let mut field = |bytes: &[u8]| {
+            hash.update((bytes.len() as u64).to_be_bytes());
+            hash.update(bytes);
+        };
+        field(self.kind.as_str().as_bytes());
+        field(self.group.as_ref().map_or("", |g| g.id.as_str()).as_bytes());
+        field(&self.undoes.unwrap_or_default().to_be_bytes());
+        for l in &self.letters {
+            field(l.dlq_topic.as_bytes());
+            field(&l.partition.to_be_bytes());
+            field(&l.offset.to_be_bytes());
+            field(l.letter_hash.as_bytes());
+            field(l.refusal.as_deref().unwrap_or("").as_bytes());
+        }
+        hash.finalize()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// How many letters it would act on (sent, discarded or restored).
     pub fn would_act(&self) -> usize {
         self.letters.iter().filter(|l| l.refusal.is_none()).count()
@@ -213,6 +239,11 @@ pub struct Operation {
     pub updated_at: DateTime<Utc>,
     /// When it ended.
     pub finished_at: Option<DateTime<Utc>>,
+    /// Who asked it to stop, if anyone did.
+    pub cancelled_by: Option<String>,
+    /// Who ran it, run by run: its starter, then whoever resumed it. Each run's sends and discards are
+    /// recorded under its runner.
+    pub run_by: Vec<String>,
 }
 
 /// A letter of a recorded operation and what the operation did with it.
@@ -495,24 +526,31 @@ async fn run_held(
     .bind(id)
     .fetch_all(pool)
     .await?;
-    // The letters as the topics hold them now, by position and identity.
+    // The pending letters as the topics hold them now (only their positions are read), by position and
+    // identity.
     let mut letters: HashMap<(String, i32, i64, String), DeadLetter> = HashMap::new();
     if operation.kind != OperationKind::UndoDiscard {
-        let mut topics: Vec<String> = pending.iter().map(|p| p.1.clone()).collect();
-        topics.sort();
-        topics.dedup();
-        for topic in &topics {
-            for letter in dlq::list(kafka, topic, &dlq::DlqFilter::default()).await? {
-                letters.insert(
-                    (
-                        letter.topic.clone(),
-                        letter.partition,
-                        letter.offset,
-                        letter.identity(),
-                    ),
-                    letter,
-                );
-            }
+        let at: Vec<DeadLetter> = pending
+            .iter()
+            .map(|(_, topic, partition, offset, hash)| {
+                DeadLetter::from_index(
+                    topic,
+                    (*partition, *offset),
+                    saga_consumer::toolkit::letters::LetterFields::read(&[], None),
+                    hash.clone(),
+                )
+            })
+            .collect();
+        for letter in dlq::with_records(kafka, pool, at).await? {
+            letters.insert(
+                (
+                    letter.topic.clone(),
+                    letter.partition,
+                    letter.offset,
+                    letter.identity(),
+                ),
+                letter,
+            );
         }
     }
     let producer = saga_consumer::toolkit::idempotent_producer(
@@ -539,8 +577,24 @@ async fn run_held(
     } else {
         HashMap::new()
     };
+    // The run's sends and discards are recorded under whoever runs it: the starter for the first run,
+    // whoever resumed it for the others.
+    let run_by = if options.operator.trim().is_empty() {
+        operation.operator.clone()
+    } else {
+        options.operator.clone()
+    };
+    sqlx::query(
+        "INSERT INTO saga_dlq_operation_runs (operation_id, run, operator) VALUES ($1, $2, $3) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(id)
+    .bind(runs)
+    .bind(&run_by)
+    .execute(pool)
+    .await?;
     let mut replay_options = options.clone();
-    replay_options.operator.clone_from(&operation.operator);
+    replay_options.operator.clone_from(&run_by);
     replay_options.dry_run = false;
     for (seq, topic, partition, offset, hash) in pending {
         let cancelled: bool =
@@ -624,7 +678,7 @@ async fn run_held(
                     let mut conn = pool.acquire().await?;
                     record_item(&mut conn, id, seq, &outcome).await?;
                 } else {
-                    discard_one(&mut conn, id, seq, letter, &operation.operator).await?;
+                    discard_one(&mut conn, id, seq, letter, &run_by).await?;
                 }
             }
         }
@@ -718,9 +772,9 @@ async fn discard_one(
     Ok(())
 }
 
-/// Asks operation `id`'s run to stop before its next letter; an operation no process runs is marked
-/// cancelled at once. Returns it. Bad input if it ended already.
-pub async fn cancel(pool: &PgPool, id: i64) -> Result<Operation, AdminError> {
+/// Asks operation `id`'s run to stop before its next letter, recorded as asked by `operator`; an operation
+/// no process runs is marked cancelled at once. Returns it. Bad input if it ended already.
+pub async fn cancel(pool: &PgPool, id: i64, operator: &str) -> Result<Operation, AdminError> {
     let (operation, _) = get(pool, id).await?;
     if operation.status != "running" {
         return Err(AdminError::bad_input(format!(
@@ -729,9 +783,12 @@ pub async fn cancel(pool: &PgPool, id: i64) -> Result<Operation, AdminError> {
         )));
     }
     sqlx::query(
-        "UPDATE saga_dlq_operations SET cancel_requested = true, updated_at = now() WHERE id = $1",
+        "UPDATE saga_dlq_operations SET cancel_requested = true, cancelled_by = $2, cancelled_at = now(), \
+             updated_at = now() \
+         WHERE id = $1",
     )
     .bind(id)
+    .bind(operator)
     .execute(pool)
     .await?;
     // No run holds it: nothing would see the request.
@@ -750,7 +807,8 @@ pub async fn cancel(pool: &PgPool, id: i64) -> Result<Operation, AdminError> {
 }
 
 const OPERATION_COLUMNS: &str = "id, kind, operator, selection, status, cancel_requested, planned, done, \
-     skipped, refused, created_at, updated_at, finished_at";
+     skipped, refused, created_at, updated_at, finished_at, cancelled_by, \
+     ARRAY(SELECT r.operator FROM saga_dlq_operation_runs r WHERE r.operation_id = saga_dlq_operations.id ORDER BY r.run)";
 
 fn operation_of(r: &sqlx::postgres::PgRow) -> Result<Operation, AdminError> {
     Ok(Operation {
@@ -767,16 +825,24 @@ fn operation_of(r: &sqlx::postgres::PgRow) -> Result<Operation, AdminError> {
         created_at: r.try_get(10)?,
         updated_at: r.try_get(11)?,
         finished_at: r.try_get(12)?,
+        cancelled_by: r.try_get(13)?,
+        run_by: r.try_get(14)?,
     })
 }
 
+/// Whether the schema records operations; a schema whose toolkit tables predate who-ran-what
+/// (`saga_dlq_operation_runs`) gets the toolkit's pending migrations first.
 async fn recorded(pool: &PgPool) -> Result<bool, AdminError> {
-    Ok(sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
-         WHERE table_schema = current_schema() AND table_name = 'saga_dlq_operations')",
+    let (operations, runs): (bool, bool) = sqlx::query_as(
+        "SELECT to_regclass('saga_dlq_operations') IS NOT NULL, \
+                to_regclass('saga_dlq_operation_runs') IS NOT NULL",
     )
     .fetch_one(pool)
-    .await?)
+    .await?;
+    if operations && !runs {
+        migrate(pool).await?;
+    }
+    Ok(operations)
 }
 
 /// The operations recorded in `pool`'s schema, newest first, at most `limit`.

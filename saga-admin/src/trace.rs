@@ -10,8 +10,8 @@
 //! - the events each step wrote to its outbox (`ce_source` names the step): type, topic, when it was
 //!   written, when the relay published it and where the broker put it (partition and offset), or why it
 //!   failed;
-//! - the dead letters of the key in the dead-letter topics of each schema's consumer groups, and their
-//!   replays;
+//! - the dead letters of the key, as each schema's dead-letter index holds them (see [`crate::index`]),
+//!   and their replays;
 //! - orchestrated instances of the key and their transitions.
 //!
 //! Each schema is a lane; the page draws one column per lane. Published outbox rows and finished keys
@@ -20,11 +20,9 @@
 use std::collections::BTreeSet;
 
 use chrono::{DateTime, Utc};
-use saga_core::KafkaConfig;
 use serde::Serialize;
 use sqlx::{PgPool, Row};
 
-use crate::dlq::{self, DlqFilter};
 use crate::error::AdminError;
 
 /// What a trace event is.
@@ -90,6 +88,9 @@ pub struct SagaTrace {
     pub lanes: Vec<String>,
     /// Everything, ordered by time.
     pub events: Vec<TraceEvent>,
+    /// Schemas whose dead letters could not be read (no dead-letter index), with why: the trace shows what
+    /// it read, and says what it could not.
+    pub unread: Vec<String>,
 }
 
 /// The schemas of `pool`'s database that hold the framework's key table.
@@ -119,10 +120,9 @@ async fn tables_of(pool: &PgPool, schema: &str) -> Result<BTreeSet<String>, Admi
 }
 
 /// The timeline of the saga of client key `key` (of `tenant`, or of every tenant) over `schemas` (every
-/// service schema of the database when empty). Dead letters are read from the dead-letter topics of the
-/// schemas' consumer groups through `kafka`.
+/// service schema of the database when empty). Dead letters are read from each schema's dead-letter index:
+/// no topic is read.
 pub async fn trace(
-    kafka: &KafkaConfig,
     pool: &PgPool,
     key: &str,
     tenant: Option<&str>,
@@ -146,6 +146,7 @@ pub async fn trace(
         schemas.to_vec()
     };
     let mut events = Vec::new();
+    let mut unread = Vec::new();
     for schema in &schemas {
         let mut of_schema = Vec::new();
         let read = async {
@@ -160,8 +161,13 @@ pub async fn trace(
             if tables.contains("saga_dlq_replay_log") {
                 replays(pool, schema, key, tenant, &mut of_schema).await?;
             }
-            if tables.contains("saga_consumer_groups") {
-                dead_letters(kafka, pool, schema, key, tenant, &mut of_schema).await?;
+            if tables.contains("saga_dead_letters") {
+                dead_letters(pool, schema, key, tenant, &mut of_schema).await?;
+            } else if tables.contains("saga_consumer_groups") {
+                unread.push(format!(
+                    "{schema}: no dead-letter index (its consumer predates it; `saga dlq list` there \
+                     indexes its dead-letter topics)"
+                ));
             }
             Ok(())
         }
@@ -189,6 +195,7 @@ pub async fn trace(
         tenant: tenant.map(str::to_owned),
         lanes,
         events,
+        unread,
     })
 }
 
@@ -245,6 +252,15 @@ async fn steps(
         }
         if let Some(error) = error {
             detail.push_str(&format!(", error: {error}"));
+        } else if http {
+            // A stored response may hold what only its client should see: its status alone.
+            let status = outcome
+                .as_deref()
+                .and_then(|o| serde_json::from_str::<serde_json::Value>(o).ok())
+                .and_then(|o| o["status"].as_u64());
+            if let Some(status) = status {
+                detail.push_str(&format!(", answered {status}"));
+            }
         } else if let Some(outcome) = outcome.filter(|o| o != "null") {
             detail.push_str(&format!(", outcome: {outcome}"));
         }
@@ -428,50 +444,40 @@ async fn replays(
 }
 
 async fn dead_letters(
-    kafka: &KafkaConfig,
     pool: &PgPool,
     schema: &str,
     key: &str,
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
 ) -> Result<(), AdminError> {
-    let topics: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT DISTINCT ON (dlq_topic) dlq_topic, group_id FROM {}.saga_consumer_groups \
-         ORDER BY dlq_topic, group_id",
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT failed_at, dlq_topic, dlq_partition, dlq_offset, original_topic, original_partition, \
+                original_offset, attempts, error, reason, coalesce(step, consumer_group) \
+         FROM {}.saga_dead_letters WHERE idempotency_key = $1 AND ($2::text IS NULL OR tenant_id = $2) \
+         ORDER BY failed_at",
         ident(schema)
     )))
+    .bind(key)
+    .bind(tenant)
     .fetch_all(pool)
     .await?;
-    for (topic, group) in topics {
-        let letters = match dlq::list(kafka, &topic, &DlqFilter::default()).await {
-            Ok(letters) => letters,
-            // A dead-letter topic that was never created holds nothing.
-            Err(AdminError::BadInput(_)) => continue,
-            Err(e) => return Err(e),
-        };
-        for l in letters {
-            if l.idempotency_key.as_deref() != Some(key) || tenant.is_some_and(|t| t != l.tenant) {
-                continue;
-            }
-            events.push(TraceEvent {
-                at: l.failed_at,
-                lane: schema.to_owned(),
-                kind: EventKind::DeadLetter,
-                subject: l.step.clone().unwrap_or_else(|| group.clone()),
-                status: l.reason.clone(),
-                detail: format!(
-                    "{}/{}/{} (from {}/{}/{}), {} attempts: {}",
-                    l.topic,
-                    l.partition,
-                    l.offset,
-                    l.original_topic,
-                    l.original_partition,
-                    l.original_offset,
-                    l.attempts,
-                    l.error
-                ),
-            });
-        }
+    for r in rows {
+        let (topic, partition, offset): (String, i32, i64) =
+            (r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
+        let (original, original_partition, original_offset): (String, i32, i64) =
+            (r.try_get(4)?, r.try_get(5)?, r.try_get(6)?);
+        let (attempts, error): (i32, String) = (r.try_get(7)?, r.try_get(8)?);
+        events.push(TraceEvent {
+            at: r.try_get(0)?,
+            lane: schema.to_owned(),
+            kind: EventKind::DeadLetter,
+            subject: r.try_get(10)?,
+            status: r.try_get(9)?,
+            detail: format!(
+                "{topic}/{partition}/{offset} (from {original}/{original_partition}/{original_offset}), \
+                 {attempts} attempts: {error}"
+            ),
+        });
     }
     Ok(())
 }

@@ -20,7 +20,7 @@ async fn target(name: &str) -> (TestDb, TestKafka, Target) {
 
 #[tokio::test]
 async fn bad_input_gets_one_line_and_exit_code_2() {
-    let (_db, kafka, saga) = target("admin-cli-bad").await;
+    let (db, kafka, saga) = target("admin-cli-bad").await;
     let producer = kafka.producer();
 
     // The inspector's token on the command line (where `ps` shows it): refused, not shown back.
@@ -33,22 +33,33 @@ async fn bad_input_gets_one_line_and_exit_code_2() {
 
     // An unknown topic.
     let line = expect_usage_error(
-        saga.command(&["dlq", "list", "--topic", "no-such-topic-of-admin-cli"]),
+        saga.command(&["dlq", "list", "--topic", "no-such-topic-of-admin-cli.dlq"]),
         "no-such-topic-of-admin-cli",
     )
     .await;
     assert!(line.contains("does not exist"), "{line}");
 
-    // A topic that is not a dead-letter topic.
+    // A topic that is not a dead-letter topic, a business topic or the broker's own: refused before it is
+    // read, nothing of it indexed.
     let plain = kafka.topic("admin-plain", 1).await;
     kafka
         .produce(&producer, &plain, Some("k"), &[("event-type", "X")], b"{}")
         .await;
-    let line = expect_usage_error(saga.command(&["dlq", "list", "--topic", &plain]), &plain).await;
-    assert!(line.contains("is not a dead-letter topic"), "{line}");
+    for topic in [plain.as_str(), "__consumer_offsets"] {
+        let line =
+            expect_usage_error(saga.command(&["dlq", "list", "--topic", topic]), topic).await;
+        assert!(line.contains("is not a dead-letter topic"), "{line}");
+    }
+    let indexed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM saga_dead_letter_scans WHERE dlq_topic = ANY($1)")
+            .bind([plain.clone(), "__consumer_offsets".to_owned()])
+            .fetch_one(&db.pool)
+            .await
+            .unwrap_or(0);
+    assert_eq!(indexed, 0, "nothing was read");
 
     // A dead letter with a malformed header, and one with a missing header.
-    let malformed = kafka.topic("admin-malformed.dlq", 1).await;
+    let malformed = common::dlq_topic(&kafka, "admin-malformed", 1).await;
     let now = chrono::Utc::now().to_rfc3339();
     kafka
         .produce(
@@ -66,12 +77,12 @@ async fn bad_input_gets_one_line_and_exit_code_2() {
             b"{}",
         )
         .await;
-    expect_usage_error(
-        saga.command(&["dlq", "replay", "--topic", &malformed]),
-        "dlq-original-partition",
-    )
-    .await;
-    let missing = kafka.topic("admin-missing.dlq", 1).await;
+    // Listed as unreadable (with what is wrong), never failing the topic.
+    let listed = saga.text(&["dlq", "list", "--topic", &malformed]).await;
+    assert!(listed.contains("unreadable"), "{listed}");
+    assert!(listed.contains("dlq-original-partition"), "{listed}");
+    assert!(listed.contains("1 dead letters"), "{listed}");
+    let missing = common::dlq_topic(&kafka, "admin-missing", 1).await;
     kafka
         .produce(
             &producer,
@@ -81,12 +92,10 @@ async fn bad_input_gets_one_line_and_exit_code_2() {
             b"{}",
         )
         .await;
-    let line = expect_usage_error(
-        saga.command(&["dlq", "list", "--topic", &missing]),
-        "is missing",
-    )
-    .await;
-    assert!(line.contains("dlq-"), "{line}");
+    let listed = saga.text(&["dlq", "list", "--topic", &missing]).await;
+    assert!(listed.contains("unreadable"), "{listed}");
+    assert!(listed.contains("header dlq-"), "{listed}");
+    assert!(listed.contains("is missing"), "{listed}");
 
     // No such message to show or replay.
     expect_usage_error(
@@ -256,6 +265,23 @@ async fn sagas_list_and_show_read_instances_and_their_timeline() {
         text.contains("timeline:") && text.contains("completed"),
         "{text}"
     );
+
+    // A failure whose text holds line breaks stays on its line: it cannot print lines that look like the
+    // command's own.
+    sqlx::query(
+        "UPDATE saga_instances SET status = 'compensated', \
+             failure = E'card declined\\nstatus: completed\\r\\nstep keys: {}' WHERE saga_id = $1",
+    )
+    .bind(done)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let text = saga.text(&["sagas", "show", &done.to_string()]).await;
+    assert!(
+        text.contains("failure: card declined status: completed step keys: {}\n"),
+        "{text}"
+    );
+    assert!(!text.lines().any(|l| l.starts_with("status:")), "{text}");
 }
 
 #[tokio::test]
@@ -315,7 +341,7 @@ async fn leases_lists_two_phase_steps_and_expired_shows_only_those_whose_lease_r
 async fn what_a_message_carries_is_shown_escaped_and_never_drives_the_terminal() {
     let (_db, kafka, saga) = target("admin-cli-escape").await;
     let producer = kafka.producer();
-    let topic = kafka.topic("admin-escape.dlq", 1).await;
+    let topic = common::dlq_topic(&kafka, "admin-escape", 1).await;
     let now = chrono::Utc::now().to_rfc3339();
     // A title change, a screen clear, an 8-bit CSI and a right-to-left override, in the key, a header,
     // the error and the payload.

@@ -138,8 +138,13 @@ impl Browser {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        // What the page said, for the failure's message (an error page's text, say).
+        let said = match self.find_all("#message").await.first() {
+            Some(message) => self.text(message).await,
+            None => String::new(),
+        };
         panic!(
-            "no single element {css} on {} after 10 s",
+            "no single element {css} on {:?} after 10 s; the page says: {said:?}",
             self.title().await
         );
     }
@@ -183,16 +188,31 @@ impl Browser {
         path
     }
 
-    async fn quit(mut self) {
-        let _ = send(
-            self.addr,
-            "DELETE",
-            &format!("/session/{}", self.session),
-            &[],
-            None,
-        )
-        .await;
-        let _ = self.driver.kill().await;
+    async fn quit(self) {
+        // Dropping ends the session and the driver (see `Drop`), on this path and on a failure's.
+        drop(self);
+    }
+}
+
+impl Drop for Browser {
+    /// Ends the WebDriver session, which closes Chromium, then kills chromedriver: on every path, a panic
+    /// included (a chromedriver killed alone would leave its Chromium running).
+    fn drop(&mut self) {
+        use std::io::{Read, Write};
+        if let Ok(mut stream) =
+            std::net::TcpStream::connect_timeout(&self.addr, Duration::from_secs(5))
+        {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+            let request = format!(
+                "DELETE /session/{} HTTP/1.1\r\nhost: {}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                self.session, self.addr
+            );
+            if stream.write_all(request.as_bytes()).is_ok() {
+                let mut answer = Vec::new();
+                let _ = stream.read_to_end(&mut answer);
+            }
+        }
+        let _ = self.driver.start_kill();
     }
 }
 

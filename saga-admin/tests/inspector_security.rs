@@ -101,11 +101,41 @@ async fn raw(
     }
 }
 
+/// Writes a dead letter of `group` for key `key` (its message at `offset` of `topic`) to `dlq`, failed
+/// with `card declined`.
+async fn letter(kafka: &TestKafka, dlq: &str, topic: &str, group: &str, key: &str, offset: i64) {
+    let failed_at = chrono::Utc::now().to_rfc3339();
+    let offset = offset.to_string();
+    kafka
+        .produce(
+            &kafka.producer(),
+            dlq,
+            Some(key),
+            &[
+                ("idempotency-key", key),
+                ("ce_type", "OrderCreated"),
+                ("dlq-original-topic", topic),
+                ("dlq-original-partition", "0"),
+                ("dlq-original-offset", &offset),
+                ("dlq-consumer-group", group),
+                ("dlq-step", "process-payment"),
+                ("dlq-reason", "handler-failed"),
+                ("dlq-error", "card declined"),
+                ("dlq-attempts", "1"),
+                ("dlq-failed-at", &failed_at),
+            ],
+            b"{}",
+        )
+        .await;
+}
+
 /// A service's schema with one dead letter of its group, and an inspector over it.
 struct Inspector {
     db: TestDb,
     kafka: TestKafka,
     addr: SocketAddr,
+    topic: String,
+    group: String,
     dlq: String,
     retry: String,
     stop: CancellationToken,
@@ -139,29 +169,7 @@ impl Inspector {
         .execute(&db.pool)
         .await
         .unwrap();
-        let failed_at = chrono::Utc::now().to_rfc3339();
-        let producer = kafka.producer();
-        kafka
-            .produce(
-                &producer,
-                &dlq,
-                Some("order-7"),
-                &[
-                    ("idempotency-key", "order-7"),
-                    ("ce_type", "OrderCreated"),
-                    ("dlq-original-topic", &topic),
-                    ("dlq-original-partition", "0"),
-                    ("dlq-original-offset", "0"),
-                    ("dlq-consumer-group", &group),
-                    ("dlq-step", "process-payment"),
-                    ("dlq-reason", "handler-failed"),
-                    ("dlq-error", "card declined"),
-                    ("dlq-attempts", "1"),
-                    ("dlq-failed-at", &failed_at),
-                ],
-                b"{}",
-            )
-            .await;
+        letter(&kafka, &dlq, &topic, &group, "order-7", 0).await;
         let mut options = options;
         options.dlq_topics = vec![dlq.clone()];
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -178,6 +186,8 @@ impl Inspector {
             db,
             kafka,
             addr,
+            topic,
+            group,
             dlq,
             retry,
             stop,
@@ -254,6 +264,59 @@ async fn the_page_answers_its_own_host_only_and_replays_only_from_its_own_form()
         let answer = raw(i.addr, "GET", "/", &[("host", &known)], "").await;
         assert_eq!(answer.status, 200, "{known}: {answer:?}");
         hardened(&answer);
+    }
+
+    // Reads made by another site's page (an image, a fetch, a frame): refused, as the browser says them;
+    // a link followed from elsewhere, a typed address, and a script without browser headers are read.
+    let letters = format!("/api/dlq/{}", i.dlq);
+    for (headers, status) in [
+        (
+            vec![
+                ("sec-fetch-site", "cross-site"),
+                ("sec-fetch-mode", "no-cors"),
+                ("sec-fetch-dest", "image"),
+            ],
+            403,
+        ),
+        (
+            vec![
+                ("sec-fetch-site", "same-site"),
+                ("sec-fetch-mode", "cors"),
+                ("sec-fetch-dest", "empty"),
+            ],
+            403,
+        ),
+        (
+            vec![
+                ("sec-fetch-site", "cross-site"),
+                ("sec-fetch-mode", "navigate"),
+                ("sec-fetch-dest", "iframe"),
+            ],
+            403,
+        ),
+        (vec![("origin", "http://evil.example")], 403),
+        (vec![("origin", "null")], 403),
+        (
+            vec![
+                ("sec-fetch-site", "cross-site"),
+                ("sec-fetch-mode", "navigate"),
+                ("sec-fetch-dest", "document"),
+            ],
+            200,
+        ),
+        (vec![("sec-fetch-site", "none")], 200),
+        (vec![("sec-fetch-site", "same-origin")], 200),
+        (vec![], 200),
+    ] {
+        let mut all = vec![("host", host.as_str())];
+        all.extend(headers.iter().copied());
+        let answer = raw(i.addr, "GET", &letters, &all, "").await;
+        assert_eq!(answer.status, status, "{headers:?}: {answer:?}");
+        if status == 403 {
+            assert!(!answer.body.contains("order-7"), "{answer:?}");
+        } else {
+            assert!(answer.body.contains("order-7"), "{answer:?}");
+        }
     }
 
     // A session and its form's token.
@@ -365,7 +428,9 @@ async fn with_tokens_each_request_presents_one_and_the_replay_is_recorded_under_
         .status,
         401
     );
-    // A token in the address: a cookie, and the same page without it.
+    // A token in the address: a session of its own in a cookie (never the token), and the same page without
+    // it.
+    let login_cookie = "__Host-saga_admin_login";
     let answer = raw(
         i.addr,
         "GET",
@@ -379,31 +444,114 @@ async fn with_tokens_each_request_presents_one_and_the_replay_is_recorded_under_
         answer.header("location"),
         Some(format!("/dlq/{}?x=1", i.dlq).as_str())
     );
-    assert_eq!(answer.cookie("saga_admin_token").as_deref(), Some(alice));
+    let login = answer.cookie(login_cookie).expect("a login cookie");
+    assert!(!login.contains(alice) && login.len() == 64, "{login}");
     let set = answer
         .headers
         .iter()
-        .find(|(n, v)| n == "set-cookie" && v.starts_with("saga_admin_token="))
+        .find(|(n, v)| n == "set-cookie" && v.starts_with(login_cookie))
         .unwrap()
         .1
         .clone();
     assert!(
-        set.contains("HttpOnly") && set.contains("SameSite=Strict") && set.contains("Secure"),
+        set.contains("HttpOnly")
+            && set.contains("SameSite=Strict")
+            && set.contains("Secure")
+            && set.contains("Path=/;")
+            && set.contains("Max-Age=43200"),
         "{set}"
     );
+    let alices = format!("{login_cookie}={login}");
     let by_cookie = raw(
         i.addr,
         "GET",
         "/",
-        &[
-            ("host", &host),
-            ("cookie", &format!("saga_admin_token={alice}")),
-        ],
+        &[("host", &host), ("cookie", &alices)],
         "",
     )
     .await;
     assert_eq!(by_cookie.status, 200);
     hardened(&by_cookie);
+    // The raw token in a cookie is no credential.
+    for cookie in [
+        format!("{login_cookie}={alice}"),
+        format!("saga_admin_token={alice}"),
+    ] {
+        let answer = raw(
+            i.addr,
+            "GET",
+            "/",
+            &[("host", &host), ("cookie", &cookie)],
+            "",
+        )
+        .await;
+        assert_eq!(answer.status, 401, "{cookie}");
+    }
+
+    // The token's name encoded, or the path made to look like another host: the redirect drops the token
+    // and stays on this inspector.
+    for (address, location) in [
+        (format!("/?%74oken={alice}"), "/"),
+        (format!("//evil.example/?token={alice}"), "/evil.example/"),
+    ] {
+        let answer = raw(i.addr, "GET", &address, &[("host", &host)], "").await;
+        assert_eq!(answer.status, 303, "{address}: {answer:?}");
+        assert_eq!(answer.header("location"), Some(location), "{address}");
+    }
+
+    // Bob's link followed in Alice's browser (login CSRF): refused, her session kept, a sign-out offered.
+    let answer = raw(
+        i.addr,
+        "GET",
+        &format!("/?token={bob}"),
+        &[("host", &host), ("cookie", &alices)],
+        "",
+    )
+    .await;
+    assert_eq!(answer.status, 409, "{answer:?}");
+    assert!(
+        answer.body.contains("<b>alice</b>") && answer.body.contains("<b>bob</b>"),
+        "{}",
+        answer.body
+    );
+    assert!(answer.cookie(login_cookie).is_none(), "nothing replaced");
+    assert!(!answer.body.contains(bob), "the token is not shown");
+    let confirm_session = answer.cookie("saga_admin_session").unwrap();
+    let still = raw(
+        i.addr,
+        "GET",
+        "/",
+        &[("host", &host), ("cookie", &alices)],
+        "",
+    )
+    .await;
+    assert_eq!(still.status, 200);
+    // Her own sign-out, from that page's form: the session ends.
+    let out = raw(
+        i.addr,
+        "POST",
+        "/logout",
+        &[
+            ("host", &host),
+            ("origin", &format!("http://{host}")),
+            (
+                "cookie",
+                &format!("{alices}; saga_admin_session={confirm_session}"),
+            ),
+        ],
+        &format!("csrf={}", answer.csrf()),
+    )
+    .await;
+    assert_eq!(out.status, 303, "{out:?}");
+    let ended = raw(
+        i.addr,
+        "GET",
+        "/",
+        &[("host", &host), ("cookie", &alices)],
+        "",
+    )
+    .await;
+    assert_eq!(ended.status, 401, "signed out");
 
     // Bob replays with a bearer token: recorded under his name.
     let bearer = format!("Bearer {bob}");
@@ -480,6 +628,17 @@ async fn saga_inspect_refuses_to_listen_beyond_localhost_without_a_token() {
     open.env_remove("SAGA_ADMIN_TOKENS");
     let line = expect_usage_error(open, "SAGA_ADMIN_TOKEN").await;
     assert!(line.contains("--insecure-no-token"), "{line}");
+    // On localhost, but named as a proxy in front serves it: served to others, so a token is needed too.
+    let mut proxied = saga.command(&[
+        "inspect",
+        "--listen",
+        "127.0.0.1:0",
+        "--public-name",
+        "ops.example.com",
+    ]);
+    proxied.env_remove("SAGA_ADMIN_TOKENS");
+    let line = expect_usage_error(proxied, "SAGA_ADMIN_TOKEN").await;
+    assert!(line.contains("ops.example.com"), "{line}");
     let mut short = saga.command(&["inspect", "--listen", "0.0.0.0:0"]);
     short.env("SAGA_ADMIN_TOKENS", "alice:short");
     let line = expect_usage_error(short, "SAGA_ADMIN_TOKENS").await;
@@ -489,6 +648,14 @@ async fn saga_inspect_refuses_to_listen_beyond_localhost_without_a_token() {
     for args in [
         &["inspect", "--listen", "0.0.0.0:0", "--insecure-no-token"][..],
         &["inspect", "--listen", "127.0.0.1:0"][..],
+        &[
+            "inspect",
+            "--listen",
+            "127.0.0.1:0",
+            "--public-name",
+            "ops.example.com",
+            "--insecure-no-token",
+        ][..],
     ] {
         let mut command = saga.command(args);
         command
@@ -611,13 +778,27 @@ async fn a_script_with_a_token_reads_the_api_and_replays_a_group_and_prometheus_
     );
 
     // A cookie is a browser's credential: without the form's CSRF token, the action is refused.
+    let signed_in = raw(
+        i.addr,
+        "GET",
+        &format!("/?token={token}"),
+        &[("host", &host)],
+        "",
+    )
+    .await;
+    let login = format!(
+        "saga_admin_login={}",
+        signed_in
+            .cookie("saga_admin_login")
+            .expect("a login cookie")
+    );
     let refused = raw(
         i.addr,
         "POST",
         &format!("/api/groups/{id}/replay"),
         &[
             ("host", &host),
-            ("cookie", &format!("saga_admin_token={token}")),
+            ("cookie", &login),
             ("origin", &format!("http://{host}")),
         ],
         "",
@@ -660,4 +841,139 @@ async fn a_script_with_a_token_reads_the_api_and_replays_a_group_and_prometheus_
         "{}",
         after.body
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_confirmation_acts_on_the_letters_its_preview_listed_or_on_none() {
+    let i = Inspector::start("inspect-pinned", InspectOptions::default()).await;
+    let host = i.host();
+    let origin = format!("http://{host}");
+    let groups: serde_json::Value = serde_json::from_str(
+        &raw(
+            i.addr,
+            "GET",
+            "/api/groups",
+            &[("host", &host), ("accept", "application/json")],
+            "",
+        )
+        .await
+        .body,
+    )
+    .unwrap();
+    let id = groups[0]["id"].as_str().unwrap().to_owned();
+    let discards = || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM saga_dlq_discards WHERE dlq_topic = $1 AND undone_at IS NULL",
+        )
+        .bind(&i.dlq)
+        .fetch_one(&i.db.pool)
+        .await
+        .unwrap_or(0);
+        n
+    };
+    // The preview: discard 1. Its form carries the CSRF token and the preview's pin.
+    let preview = |cookie: Option<String>| {
+        let (addr, host, path) = (
+            i.addr,
+            host.clone(),
+            format!("/groups/{id}/plan?action=discard"),
+        );
+        async move {
+            let mut headers = vec![("host", host.as_str())];
+            if let Some(cookie) = &cookie {
+                headers.push(("cookie", cookie.as_str()));
+            }
+            raw(addr, "GET", &path, &headers, "").await
+        }
+    };
+    let first = preview(None).await;
+    assert_eq!(first.status, 200, "{first:?}");
+    assert!(
+        first.body.contains("data-would-act=\"1\""),
+        "{}",
+        first.body
+    );
+    let cookie = format!(
+        "saga_admin_session={}",
+        first.cookie("saga_admin_session").unwrap()
+    );
+    let field = |answer: &Answer, name: &str| {
+        let marker = format!("name=\"{name}\" value=\"");
+        let at = answer
+            .body
+            .find(&marker)
+            .unwrap_or_else(|| panic!("no {name} in {}", answer.body));
+        let rest = &answer.body[at + marker.len()..];
+        rest[..rest.find('"').unwrap()].to_owned()
+    };
+    let (csrf, pin) = (first.csrf(), field(&first, "plan"));
+    let confirm = |body: String| {
+        let (addr, host, origin, cookie) = (i.addr, host.clone(), origin.clone(), cookie.clone());
+        let path = format!("/api/groups/{id}/discard");
+        async move {
+            raw(
+                addr,
+                "POST",
+                &path,
+                &[
+                    ("host", &host),
+                    ("origin", &origin),
+                    ("cookie", &cookie),
+                    ("accept", "text/html"),
+                ],
+                &body,
+            )
+            .await
+        }
+    };
+
+    // Four letters of the same cause arrive after the preview: the confirmation does nothing, and says so.
+    for n in 1..=4 {
+        letter(
+            &i.kafka,
+            &i.dlq,
+            &i.topic,
+            &i.group,
+            &format!("order-{}", 7 + n),
+            n,
+        )
+        .await;
+    }
+    let changed = confirm(format!("csrf={csrf}&plan={pin}")).await;
+    assert_eq!(changed.status, 400, "{changed:?}");
+    assert!(
+        changed.body.contains("changed since its preview") && changed.body.contains("listed 1"),
+        "{}",
+        changed.body
+    );
+    assert_eq!(discards().await, 0, "nothing discarded");
+    // Without the preview's pin, or with an expired or malformed one: refused too.
+    let expired = pin.replacen(
+        pin.split('.').next().unwrap(),
+        &(chrono::Utc::now().timestamp() - 3600).to_string(),
+        1,
+    );
+    for body in [
+        format!("csrf={csrf}"),
+        format!("csrf={csrf}&plan=x"),
+        format!("csrf={csrf}&plan={expired}"),
+    ] {
+        let answer = confirm(body.clone()).await;
+        assert_eq!(answer.status, 400, "{body}: {answer:?}");
+    }
+    assert_eq!(discards().await, 0);
+
+    // Previewed again (5 letters), confirmed: exactly those five.
+    let again = preview(Some(cookie.clone())).await;
+    assert!(
+        again.body.contains("data-would-act=\"5\""),
+        "{}",
+        again.body
+    );
+    let started = confirm(format!("csrf={csrf}&plan={}", field(&again, "plan"))).await;
+    assert_eq!(started.status, 303, "{started:?}");
+    saga_test_support::wait_until("the discard", Duration::from_secs(60), || async {
+        (discards().await == 5).then_some(())
+    })
+    .await;
 }

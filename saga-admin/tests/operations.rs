@@ -407,7 +407,14 @@ async fn a_group_replay_killed_midway_is_resumed_without_sending_any_letter_twic
     // A run, killed once it has sent a few letters.
     let mut run = f
         .saga
-        .command(&["dlq", "operations", "resume", &operation.to_string()])
+        .command(&[
+            "dlq",
+            "operations",
+            "resume",
+            &operation.to_string(),
+            "--operator",
+            "ivan",
+        ])
         .spawn()
         .unwrap();
     let done = || async {
@@ -458,13 +465,35 @@ async fn a_group_replay_killed_midway_is_resumed_without_sending_any_letter_twic
     // Resumed: every letter in the retry topic exactly once.
     let resumed = f
         .saga
-        .json(&["dlq", "operations", "resume", &operation.to_string()])
+        .json(&[
+            "dlq",
+            "operations",
+            "resume",
+            &operation.to_string(),
+            "--operator",
+            "frank",
+        ])
         .await;
     assert_eq!(
         (&resumed["status"], &resumed["done"]),
         (&Value::from("done"), &Value::from(total)),
         "{resumed}"
     );
+    // Each run's sends are recorded under whoever ran it, not under the operation's starter.
+    assert_eq!(resumed["operator"], "dave");
+    assert_eq!(resumed["run_by"], serde_json::json!(["ivan", "frank"]));
+    let senders: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT operator, count(*) FROM saga_dlq_replay_log GROUP BY operator ORDER BY operator",
+    )
+    .fetch_all(&f.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        senders.iter().map(|(o, _)| o.as_str()).collect::<Vec<_>>(),
+        ["frank", "ivan"],
+        "{senders:?}"
+    );
+    assert_eq!(senders.iter().map(|(_, n)| n).sum::<i64>(), total as i64);
     let sent = f.sent_by_letter().await;
     assert_eq!(sent.len(), total, "every letter sent");
     let twice: Vec<_> = sent.iter().filter(|(_, n)| **n > 1).collect();
@@ -518,13 +547,27 @@ async fn a_cancelled_operation_stops_between_two_letters() {
         (o.done >= 5).then_some(())
     })
     .await;
-    f.saga
-        .text(&["dlq", "operations", "cancel", &operation.to_string()])
+    let line = f
+        .saga
+        .text(&[
+            "dlq",
+            "operations",
+            "cancel",
+            &operation.to_string(),
+            "--operator",
+            "grace",
+        ])
         .await;
+    assert!(line.contains("cancelled by grace"), "{line}");
     let status = run.await.unwrap().unwrap();
     assert!(status.success(), "{status:?}");
     let (o, _) = operations::get(&f.db.pool, operation).await.unwrap();
     assert_eq!(o.status, "cancelled");
+    assert_eq!(
+        o.cancelled_by.as_deref(),
+        Some("grace"),
+        "who cancelled is recorded"
+    );
     assert!(o.done < total as i32, "stopped early: {}", o.done);
     assert_eq!(
         f.sent().await,

@@ -67,6 +67,7 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
         brokers: saga.args.brokers().to_owned(),
     };
     let kafka = KafkaConfig::new(saga.args.brokers().to_owned());
+    let payments_pool = common::schema_pool(saga.args.database_url(), &payment_schema).await;
 
     // The gateway is down: both payments fail past the retry budget and are dead-lettered.
     saga.gateway_down(true).await;
@@ -83,12 +84,17 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
         ids.push(submitted.order_id.unwrap());
     }
     let letters = wait_until("two dead letters", WAIT, || async {
-        let letters = dlq::list(&kafka, &dlq_topic, &DlqFilter::default())
+        let letters = dlq::list(&kafka, &payments_pool, &dlq_topic, &DlqFilter::default())
             .await
             .ok()?;
         (letters.len() >= 2).then_some(letters)
     })
     .await;
+    assert_eq!(letters.len(), 2);
+    // As the index holds them; their messages, as the topic does.
+    let letters = dlq::with_records(&kafka, &payments_pool, letters)
+        .await
+        .unwrap();
     assert_eq!(letters.len(), 2);
     for letter in &letters {
         assert_eq!(letter.reason, "retries-exhausted", "{letter:?}");
@@ -351,7 +357,7 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
             .unwrap()
             .is_empty()
     );
-    let dead = dlq::list(&kafka, &dlq_topic, &DlqFilter::default())
+    let dead = dlq::list(&kafka, &payments_pool, &dlq_topic, &DlqFilter::default())
         .await
         .unwrap();
     assert_eq!(dead.len(), 3, "no replayed message was dead-lettered again");

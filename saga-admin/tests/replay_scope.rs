@@ -264,7 +264,7 @@ async fn a_replay_reaches_only_the_group_that_failed_and_it_processes_the_messag
     let dlq_topic = format!("{}.dlq", a.group);
     let kafka = f.kafka_config();
     wait_until("group a dead-lettered the message", WAIT, || async {
-        let letters = dlq::list(&kafka, &dlq_topic, &DlqFilter::default())
+        let letters = dlq::list(&kafka, &f.db.pool, &dlq_topic, &DlqFilter::default())
             .await
             .ok()?;
         (letters.len() == 1).then_some(())
@@ -457,7 +457,7 @@ async fn a_letter_naming_another_group_or_none_is_refused_and_nothing_is_sent() 
     assert_eq!(f.kafka.end_offsets(&retry_topic).await.get(&0), Some(&1));
 
     // A topic no group of the schema writes is refused as a whole.
-    let stray = f.kafka.topic("replay-stray.dlq", 1).await;
+    let stray = common::dlq_topic(&f.kafka, "replay-stray", 1).await;
     f.letter(&stray, &group, "order-4", 4).await;
     let refused = f
         .replay(&stray, &ReplayOptions::default())
@@ -519,4 +519,198 @@ async fn the_command_records_who_replayed_and_dlq_replays_lists_them() {
         table.contains("carol") && table.contains(&retry_topic),
         "{table}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crafted_header_makes_its_own_letter_unreadable_and_hides_no_other() {
+    let f = Fixture::new("replay-crafted").await;
+    let a = f
+        .consumer("a", "effects_a", Arc::new(AtomicBool::new(true)))
+        .await;
+    let group = a.group.clone();
+    let dlq_topic = format!("{group}.dlq");
+    // A plain message, then one carrying a replay count no replay wrote: the consumer dead-letters both,
+    // copying the second's headers into its letter.
+    f.thing("order-1", 1).await;
+    f.kafka
+        .produce(
+            &f.kafka.producer(),
+            &f.topic,
+            Some("order-2"),
+            &[
+                ("idempotency-key", "order-2"),
+                ("ce_type", "Thing"),
+                ("saga-replay-count", "x"),
+            ],
+            br#"{"n":2}"#,
+        )
+        .await;
+    // Both dead-lettered, and indexed by the consumer (before their offsets moved, before anything read
+    // the topic).
+    wait_until("both dead-lettered and indexed", WAIT, || async {
+        let indexed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM saga_dead_letters WHERE dlq_topic = $1")
+                .bind(&dlq_topic)
+                .fetch_one(&f.db.pool)
+                .await
+                .unwrap();
+        (indexed == 2).then_some(())
+    })
+    .await;
+    a.stop().await;
+    assert_eq!(f.kafka.end_offsets(&dlq_topic).await.get(&0), Some(&2));
+
+    let listed = dlq::list(
+        &f.kafka_config(),
+        &f.db.pool,
+        &dlq_topic,
+        &DlqFilter::default(),
+    )
+    .await
+    .unwrap();
+    // The index holds them as the consumer wrote them; the topic holds the same letters.
+    let letters = dlq::with_records(&f.kafka_config(), &f.db.pool, listed.clone())
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 2);
+    for (indexed, read) in listed.iter().zip(&letters) {
+        assert_eq!(indexed.identity(), read.identity());
+        assert_eq!(
+            (&indexed.reason, &indexed.unreadable, &indexed.error),
+            (&read.reason, &read.unreadable, &read.error)
+        );
+    }
+    let read: Vec<(Option<&str>, &str, bool)> = letters
+        .iter()
+        .map(|l| {
+            (
+                l.idempotency_key.as_deref(),
+                l.reason.as_str(),
+                l.unreadable.is_some(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        read,
+        [
+            (Some("order-1"), "handler-failed", false),
+            (Some("order-2"), dlq::UNREADABLE, true),
+        ]
+    );
+    assert!(
+        letters[1].error.contains("saga-replay-count"),
+        "{}",
+        letters[1].error
+    );
+    // Counted, each under its reason; the strict parser names the header.
+    let counts = dlq::counts(
+        &f.kafka_config(),
+        &f.db.pool,
+        std::slice::from_ref(&dlq_topic),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        counts.values().copied().collect::<Vec<_>>(),
+        [1, 1],
+        "{counts:?}"
+    );
+    if std::env::var_os("SAGA_UPDATE_CORPUS").is_some() {
+        write_fuzz_corpus(&letters);
+    }
+    let strict = dlq::DeadLetter::parse(&dlq_topic, letters[1].record.clone()).unwrap_err();
+    assert!(strict.to_string().contains("saga-replay-count"), "{strict}");
+
+    // The groups (and so `/metrics`) show both; the readable letter is replayed, the unreadable refused.
+    let saga = Target {
+        database_url: TestDb::database_url(),
+        schema: f.db.schema.clone(),
+        brokers: f.kafka.brokers.clone(),
+    };
+    let groups = saga.json(&["dlq", "groups"]).await;
+    let mut reasons: Vec<(String, u64)> = groups
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["reason"].as_str().unwrap().to_owned(),
+                g["open"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        [
+            ("handler-failed".to_owned(), 1),
+            (dlq::UNREADABLE.to_owned(), 1)
+        ]
+    );
+    let report = f
+        .replay(&dlq_topic, &ReplayOptions::default())
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            &sent(&report)[..],
+            [
+                (0, ReplayOutcome::Sent { .. }),
+                (1, ReplayOutcome::RefusedUnreadable { problem }),
+            ] if problem.contains("saga-replay-count")
+        ),
+        "{report:?}"
+    );
+    assert_eq!(
+        f.kafka.end_offsets(&format!("{group}.retry")).await.get(&0),
+        Some(&1)
+    );
+
+    // And it can be discarded: its group closes.
+    let unreadable = groups
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["reason"] == dlq::UNREADABLE)
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let discarded = saga
+        .json(&["dlq", "discard", "--group", &unreadable, "--yes"])
+        .await;
+    assert_eq!(discarded["done"], 1, "{discarded}");
+    let open: Vec<u64> = saga
+        .json(&["dlq", "groups"])
+        .await
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["open"].as_u64().unwrap())
+        .collect();
+    assert_eq!(open, [0, 0], "replayed and discarded");
+}
+
+/// Writes `letters`, as the consumer wrote them, into the letter parser's fuzz corpus
+/// (`fuzz/corpus/dead_letter`), in the target's input format: header names and values, then the payload,
+/// separated by `0xFF`.
+fn write_fuzz_corpus(letters: &[dlq::DeadLetter]) {
+    use sha2::Digest;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/dead_letter");
+    std::fs::create_dir_all(&dir).unwrap();
+    for letter in letters {
+        let mut input = Vec::new();
+        for (name, value) in &letter.record.headers {
+            input.extend_from_slice(name.as_bytes());
+            input.push(0xFF);
+            input.extend_from_slice(value.as_deref().unwrap_or_default());
+            input.push(0xFF);
+        }
+        input.extend_from_slice(letter.record.payload.as_deref().unwrap_or_default());
+        let name: String = sha2::Sha256::digest(&input)[..20]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        std::fs::write(dir.join(name), input).unwrap();
+    }
 }

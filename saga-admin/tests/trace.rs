@@ -27,6 +27,11 @@ async fn a_trace_follows_one_saga_through_every_service_its_dead_letter_and_its_
         schema: saga.args.schema(Service::Payment),
         brokers: saga.args.brokers().to_owned(),
     };
+    let payments_pool = common::schema_pool(
+        saga.args.database_url(),
+        &saga.args.schema(Service::Payment),
+    )
+    .await;
 
     // The gateway is down: the payment is dead-lettered. Back up, the letter is replayed, the saga ends.
     saga.gateway_down(true).await;
@@ -38,7 +43,7 @@ async fn a_trace_follows_one_saga_through_every_service_its_dead_letter_and_its_
         .await
         .unwrap();
     wait_until("the payment's dead letter", WAIT, || async {
-        let letters = dlq::list(&kafka, &dlq_topic, &DlqFilter::default())
+        let letters = dlq::list(&kafka, &payments_pool, &dlq_topic, &DlqFilter::default())
             .await
             .ok()?;
         (!letters.is_empty()).then_some(())

@@ -4,11 +4,13 @@
 use std::time::Duration;
 
 use rdkafka::error::KafkaError;
-use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::message::{Header, Headers as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use saga_core::{Origin, RawMessage};
 use saga_runtime::kafka::refused_for_good;
 use tokio_util::sync::CancellationToken;
+
+use crate::letters::{HeaderPair, IndexedLetter};
 
 /// Header names on dead-lettered messages (the original headers are kept before them).
 pub mod headers {
@@ -105,8 +107,8 @@ impl DeadLetters {
     }
 
     /// Produces `raw` to the dead-letter topic with `letter`'s headers. Retries (every few seconds) until
-    /// the broker acknowledges; returns `false` only if `cancel` fires first, in which case the message is
-    /// not committed and comes back.
+    /// the broker acknowledges, and returns the letter as the broker holds it (for the index); returns
+    /// `None` only if `cancel` fires first, in which case the message is not committed and comes back.
     ///
     /// If the broker refuses the dead letter for good (too large once the `dlq-*` headers are added, say),
     /// a copy without the payload and without the original headers other than the framework's is sent
@@ -122,7 +124,7 @@ impl DeadLetters {
         original: &Origin,
         letter: &DeadLetter,
         cancel: &CancellationToken,
-    ) -> bool {
+    ) -> Option<IndexedLetter> {
         let mut copy = Copy::Full;
         loop {
             let headers = self.record_parts(raw, original, letter, &copy);
@@ -131,8 +133,22 @@ impl DeadLetters {
                 Copy::Truncated(_) | Copy::Minimal(_) => None,
             };
             match self.produce(raw, &headers, payload, cancel).await {
-                Sent::Acknowledged => return true,
-                Sent::Cancelled => return false,
+                Sent::Acknowledged(position) => {
+                    // The letter as the broker holds it, as the index records it.
+                    let pairs: Vec<HeaderPair> = headers
+                        .iter()
+                        .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                        .collect();
+                    return Some(IndexedLetter::of(
+                        &self.topic,
+                        position,
+                        raw.key.as_deref(),
+                        payload,
+                        &pairs,
+                        None,
+                    ));
+                }
+                Sent::Cancelled => return None,
                 Sent::Refused(reason) => {
                     copy = match copy {
                         Copy::Full => Copy::Truncated(reason),
@@ -148,7 +164,7 @@ impl DeadLetters {
                             if !crate::executor::sleep_or_cancel(Duration::from_secs(10), cancel)
                                 .await
                             {
-                                return false;
+                                return None;
                             }
                             copy
                         }
@@ -252,7 +268,9 @@ impl DeadLetters {
                 sent = self.producer.send(record, Duration::from_secs(5)) => sent,
             };
             match sent {
-                Ok(_) => return Sent::Acknowledged,
+                Ok(delivered) => {
+                    return Sent::Acknowledged((delivered.partition, delivered.offset));
+                }
                 Err((KafkaError::MessageProduction(code), _)) if refused_for_good(code) => {
                     return Sent::Refused(code.to_string());
                 }
@@ -278,7 +296,8 @@ enum Copy {
 
 /// How producing a dead letter ended.
 enum Sent {
-    Acknowledged,
+    /// At this partition and offset.
+    Acknowledged((i32, i64)),
     Cancelled,
     /// The broker (or the client) refused this message for good; sending it again cannot help.
     Refused(String),

@@ -28,6 +28,7 @@ use crate::fast::{self, FastPath};
 use crate::guard::{CommitPermit, CrashGuard, PendingStart};
 use crate::handler::StepMode;
 use crate::hooks::{CommitInfo, Hooks};
+use crate::letters;
 use crate::machine::{Action, BatchMachine, Event, Fault, Wait};
 use crate::metrics::{ConsumerMetrics, DeadLetterLabels, StepOnly, observe_since};
 use crate::retry::RetryPolicy;
@@ -578,11 +579,15 @@ impl Executor {
             dlq = self.dead_letters.topic(),
             "dead-lettering message"
         );
-        if !self
+        let Some(indexed) = self
             .dead_letters
             .send(&delivery.raw, delivery.original(), &letter, cancel)
             .await
-        {
+        else {
+            return false;
+        };
+        // Indexed before the offset may move: the toolkit finds the letter without reading the topic.
+        if !self.index_dead_letter(&indexed, cancel).await {
             return false;
         }
         self.metrics
@@ -594,6 +599,42 @@ impl Executor {
             .inc();
         self.finish(delivery, ItemOutcome::DeadLettered);
         true
+    }
+
+    /// Records `letter` in the schema's dead-letter index, retrying while the database is unavailable;
+    /// `false` if `cancel` fires first (the message is not committed, and comes back). A schema without the
+    /// index (its migrations not applied) is said once per letter and left to the toolkit, which indexes
+    /// what it finds in the topic: a dead letter is never held back for its index.
+    async fn index_dead_letter(
+        &self,
+        letter: &letters::IndexedLetter,
+        cancel: &CancellationToken,
+    ) -> bool {
+        let mut wait = Duration::from_millis(100);
+        loop {
+            let indexed = match self.pool.acquire().await {
+                Ok(mut conn) => letters::index(&mut conn, std::slice::from_ref(letter)).await,
+                Err(e) => Err(e),
+            };
+            match indexed {
+                Ok(()) => return true,
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => {
+                    tracing::warn!(
+                        dlq = %letter.dlq_topic,
+                        "the schema has no dead-letter index (saga_dead_letters): apply the consumer's \
+                         migrations; the toolkit indexes the letter when it reads the topic"
+                    );
+                    return true;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, ?wait, "indexing a dead letter failed; retrying");
+                    if !sleep_or_cancel(wait, cancel).await {
+                        return false;
+                    }
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
     }
 
     fn finish(&self, delivery: &Delivery, outcome: ItemOutcome) {

@@ -57,15 +57,35 @@ pub struct IdempotencyConfig {
     pub max_body_bytes: usize,
     /// Where the request's events are written: the service's outbox (a table outbox when not given).
     pub outbox: crate::Outbox,
+    /// The response headers stored with the key and replayed to a retry; every other header (`Set-Cookie`,
+    /// `Authorization`, a session's or a proxy's) is answered once and never stored.
+    pub stored_headers: Vec<HeaderName>,
+    /// The largest response body stored with a key. A handler's response beyond it is not stored: the
+    /// request is rolled back and answered 500, saying so, as a response that cannot be replayed.
+    pub max_stored_body_bytes: usize,
 }
 
+/// The response headers a layer stores by default: what describes the body and where it points.
+pub const DEFAULT_STORED_HEADERS: [HeaderName; 7] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_LANGUAGE,
+    header::CONTENT_LOCATION,
+    header::LOCATION,
+    header::ETAG,
+    header::LAST_MODIFIED,
+    header::CACHE_CONTROL,
+];
+
 impl IdempotencyConfig {
-    /// The defaults for routes doing `operation`: bodies up to 1 MiB, a table outbox.
+    /// The defaults for routes doing `operation`: request bodies up to 1 MiB, a table outbox, the
+    /// [`DEFAULT_STORED_HEADERS`] and stored response bodies up to 64 KiB.
     pub fn new(operation: StepName) -> Self {
         Self {
             operation,
             max_body_bytes: 1 << 20,
             outbox: crate::Outbox::table(),
+            stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
+            max_stored_body_bytes: 64 << 10,
         }
     }
 }
@@ -311,17 +331,17 @@ struct StoredResponse {
 }
 
 impl StoredResponse {
-    fn capture(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Option<Self> {
+    /// The response to store: its status, the `stored` headers it has, and its body (UTF-8).
+    fn capture(
+        status: StatusCode,
+        headers: &HeaderMap,
+        stored: &[HeaderName],
+        body: &[u8],
+    ) -> Option<Self> {
         let body = String::from_utf8(body.to_vec()).ok()?;
-        let skip = [
-            header::CONTENT_LENGTH,
-            header::TRANSFER_ENCODING,
-            header::CONNECTION,
-            header::DATE,
-        ];
         let headers = headers
             .iter()
-            .filter(|(name, _)| !skip.contains(name))
+            .filter(|(name, _)| stored.contains(name))
             .filter_map(|(name, value)| Some((name.to_string(), value.to_str().ok()?.to_owned())))
             .collect();
         Some(Self {
@@ -716,7 +736,29 @@ where
         roll_back(tx).await;
         return Ok((Response::from_parts(parts, Full::new(body)), None));
     }
-    let Some(stored) = StoredResponse::capture(parts.status, &parts.headers, &body) else {
+    if body.len() > config.max_stored_body_bytes {
+        roll_back(tx).await;
+        tracing::error!(
+            bytes = body.len(),
+            max = config.max_stored_body_bytes,
+            "the handler's response is larger than the layer stores: rolled back"
+        );
+        return Ok((
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &format!(
+                    "the handler's response ({} bytes) is larger than the layer stores for a retry \
+                     (max_stored_body_bytes, {} bytes): nothing was done",
+                    body.len(),
+                    config.max_stored_body_bytes
+                ),
+            ),
+            None,
+        ));
+    }
+    let Some(stored) =
+        StoredResponse::capture(parts.status, &parts.headers, &config.stored_headers, &body)
+    else {
         roll_back(tx).await;
         return Ok((
             problem(

@@ -75,6 +75,7 @@ mod guard;
 mod handler;
 mod hooks;
 pub mod http;
+mod letters;
 mod machine;
 mod metrics;
 pub mod migrate;
@@ -141,4 +142,9 @@ pub mod toolkit {
     pub use saga_runtime::store::idempotency::{self, KeyRecord, StoreError};
     pub use saga_runtime::store::migrate::owned_by;
     pub use saga_runtime::telemetry::init_tracing;
+
+    /// Dead letters as records, and their index (`saga_dead_letters`).
+    pub mod letters {
+        pub use crate::letters::*;
+    }
 }

@@ -28,6 +28,34 @@ async fn create_thing_in_binary(
     (StatusCode::OK, vec![0xff_u8, 0xfe, 0xfd]).into_response()
 }
 
+/// Writes a thing and answers with a session cookie and a token header beside what describes the body.
+async fn create_thing_with_secrets(
+    request: IdempotentRequest,
+    axum::Json(thing): axum::Json<Thing>,
+) -> axum::response::Response {
+    insert_thing(&request, &thing).await;
+    (
+        StatusCode::CREATED,
+        [
+            ("set-cookie", "session=s3cret-session; HttpOnly"),
+            ("x-auth-token", "s3cret-token"),
+            ("location", "/things/1"),
+            ("content-type", "application/json"),
+        ],
+        r#"{"ok":true}"#,
+    )
+        .into_response()
+}
+
+/// Writes a thing and answers with a body larger than the layer stores.
+async fn create_thing_with_a_large_answer(
+    request: IdempotentRequest,
+    axum::Json(thing): axum::Json<Thing>,
+) -> axum::response::Response {
+    insert_thing(&request, &thing).await;
+    (StatusCode::CREATED, "x".repeat(100_000)).into_response()
+}
+
 struct Fixture {
     db: TestDb,
     app: Router,
@@ -60,6 +88,20 @@ impl Fixture {
                                 .map(str::to_owned)
                         }),
                 ),
+            )
+            .route(
+                "/secrets",
+                post(create_thing_with_secrets).layer(IdempotencyLayer::new(
+                    db.pool.clone(),
+                    StepName::from_static("create-secret"),
+                )),
+            )
+            .route(
+                "/large",
+                post(create_thing_with_a_large_answer).layer(IdempotencyLayer::new(
+                    db.pool.clone(),
+                    StepName::from_static("create-large"),
+                )),
             )
             .route(
                 "/binary",
@@ -406,4 +448,62 @@ async fn with_callers_known_another_caller_presenting_the_same_key_and_body_gets
         "the handler ran once"
     );
     assert_eq!(f.things().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_headers_that_describe_the_body_are_stored_and_a_body_too_large_to_store_is_refused() {
+    let f = Fixture::new("http-stored").await;
+    let send = |path: &'static str, key: &'static str| {
+        let app = f.app.clone();
+        async move {
+            let request = Request::post(path)
+                .header("content-type", "application/json")
+                .header("Idempotency-Key", key)
+                .body(Body::from(r#"{"name":"a"}"#))
+                .unwrap();
+            let response = app.oneshot(request).await.unwrap();
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            (parts, String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    // The first answer carries everything the handler set; the replay only what describes the body.
+    let (first, _) = send("/secrets", "k-secret").await;
+    assert!(first.headers.contains_key("set-cookie"));
+    let (again, body) = send("/secrets", "k-secret").await;
+    assert_eq!(again.headers[REPLAYED_HEADER], "true");
+    assert_eq!(again.headers["location"], "/things/1");
+    assert_eq!(again.headers["content-type"], "application/json");
+    assert_eq!(body, r#"{"ok":true}"#);
+    assert!(
+        !again.headers.contains_key("set-cookie"),
+        "{:?}",
+        again.headers
+    );
+    assert!(
+        !again.headers.contains_key("x-auth-token"),
+        "{:?}",
+        again.headers
+    );
+    let stored: String = sqlx::query_scalar(
+        "SELECT outcome::text FROM saga_idempotency_keys WHERE step_key = 'k-secret:create-secret'",
+    )
+    .fetch_one(&f.db.pool)
+    .await
+    .unwrap();
+    assert!(!stored.contains("s3cret"), "{stored}");
+
+    // A response larger than the layer stores: rolled back (no thing, no key), and it says so.
+    let before = f.things().await;
+    let (large, body) = send("/large", "k-large").await;
+    assert_eq!(large.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(body.contains("larger than the layer stores"), "{body}");
+    assert_eq!(f.things().await, before, "the request was rolled back");
+    let keys: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM saga_idempotency_keys WHERE step_key = 'k-large:create-large'",
+    )
+    .fetch_one(&f.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(keys, 0, "no key kept: a retry runs again");
 }

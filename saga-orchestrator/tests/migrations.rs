@@ -37,6 +37,8 @@ async fn each_crate_applies_only_its_own_tables() {
             "saga_consumer_groups",
             "saga_consumer_progress",
             "saga_consumer_suspects",
+            "saga_dead_letter_scans",
+            "saga_dead_letters",
             "saga_idempotency_keys",
             "saga_key_gc_horizon",
             "saga_outbox",
@@ -109,7 +111,12 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
     }
     assert_eq!(
         recorded(&db.pool, saga_consumer::migrate::MIGRATIONS_TABLE).await,
-        [20_261_121_000_003, 20_261_123_000_001, 20_261_124_000_002]
+        [
+            20_261_121_000_003,
+            20_261_123_000_001,
+            20_261_124_000_002,
+            20_261_126_000_001
+        ]
     );
     assert_eq!(
         recorded(&db.pool, saga_orchestrator::migrate::MIGRATIONS_TABLE).await,

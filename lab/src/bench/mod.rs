@@ -4,6 +4,7 @@
 pub mod broker;
 pub mod consumer;
 pub mod cpu;
+pub mod dlq;
 pub mod http;
 pub mod otel;
 pub mod redis;
@@ -194,6 +195,8 @@ pub struct Report {
     /// The relay and saga figures with the outbox on the write-ahead log (the top-level ones are the
     /// table's).
     pub wal: Option<serde_json::Value>,
+    /// The operators' toolkit over a dead-letter topic of many letters (the `dlq-index` section).
+    pub dlq_index: Option<dlq::DlqFigures>,
     /// The machine the figures were measured on.
     pub machine: Option<serde_json::Value>,
     /// The run's settings.
@@ -314,6 +317,22 @@ impl Report {
         println!("{}", "─".repeat(90));
         for (name, value, target, met) in rows {
             println!("{name:<40} {value:>20}  {target:<18} {met}");
+        }
+        if let Some(d) = &self.dlq_index {
+            println!(
+                "dead-letter index, {} letters in {} groups: /groups {:.1} ms, /metrics {:.1} ms, \
+                 /trace {:.1} ms, `saga trace` {:.1} ms (target each < 200 ms); inspector peak {:.1} MiB \
+                 (target < 100 MiB); indexing the whole topic itself {:.1} s, peak {:.1} MiB",
+                d.letters,
+                d.groups,
+                d.groups_ms,
+                d.metrics_ms,
+                d.trace_ms,
+                d.cli_trace_ms,
+                d.inspector_peak_mib,
+                d.reindex_secs,
+                d.reindex_peak_mib
+            );
         }
         if let Some(rate) = self.broker_produce_msgs_per_s {
             println!(

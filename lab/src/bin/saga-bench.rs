@@ -70,7 +70,8 @@ struct Cli {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     mock_too: bool,
     /// Only these sections (broker, consumer, consumer-mock, relay, relay-mock, scale, http, redis, otel,
-    /// saga, saga-mock); all by default. The `-mock` ones, `redis` and `otel` run on librdkafka's
+    /// saga, saga-mock, dlq-index); all but dlq-index by default. `dlq-index` runs only when named, with
+    /// the `saga` binary built beside this one (cargo build --release -p saga-admin). The `-mock` ones, `redis` and `otel` run on librdkafka's
     /// in-process mock cluster; they, and `http`, need no broker.
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     only: Vec<String>,
@@ -84,6 +85,9 @@ struct Cli {
     /// Kafka bootstrap servers.
     #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     brokers: String,
+    /// Dead letters of the `dlq-index` section.
+    #[arg(long, default_value_t = 100_000)]
+    dlq_letters: i64,
     /// Messages per setting of the scale-out section.
     #[arg(long, default_value_t = 30_000)]
     scale_messages: i64,
@@ -107,7 +111,7 @@ struct Cli {
 }
 
 /// The sections of a run, in the order they run.
-const SECTIONS: [&str; 11] = [
+const SECTIONS: [&str; 12] = [
     "broker",
     "consumer",
     "consumer-mock",
@@ -119,6 +123,7 @@ const SECTIONS: [&str; 11] = [
     "otel",
     "saga",
     "saga-mock",
+    "dlq-index",
 ];
 
 /// The sections that need no broker (the mock cluster stands in, or no Kafka at all).
@@ -545,6 +550,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
 
+    // Named only: it runs the `saga` binary, built apart.
+    if cli.only.iter().any(|o| o == "dlq-index") {
+        let name = schema("dlq");
+        schemas.push(name.clone());
+        report.dlq_index = Some(
+            saga_lab::bench::dlq::run(
+                &kafka,
+                &cli.database_url,
+                &name,
+                &format!("{run}.letters.dlq"),
+                cli.dlq_letters,
+                &progress,
+            )
+            .await?,
+        );
+    }
+
     // The broker keeps what was produced: delete the run's topics.
     if uses_broker
         && let Ok(admin) = saga_runtime::kafka::client_config(&kafka)
@@ -572,6 +594,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "scale4.dlq",
             "scale4.retry",
             "scale4.done",
+            "letters.dlq",
         ]
         .iter()
         .map(|t| format!("{run}.{t}"))

@@ -20,11 +20,12 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use super::security::Caller;
+use super::security::{Caller, FormFields};
 use super::{App, pages};
 use crate::dlq::{self, DeadLetter, DlqFilter, ReplayOptions};
 use crate::error::AdminError;
 use crate::groups::{self, FailureGroup, GroupedLetter};
+use crate::keys::KeyView;
 use crate::lag::PartitionLag;
 use crate::operations::{self, Operation, OperationLetter, Plan};
 use crate::outbox::OutboxStatus;
@@ -38,21 +39,31 @@ pub(super) fn wants_html(headers: &HeaderMap) -> bool {
         .is_some_and(|a| a.contains("text/html"))
 }
 
-/// An error, as a page or as JSON: bad input is the caller's (400), the rest the service's (502).
+/// An error, as a page or as JSON: bad input is the caller's (400, said as it is), the rest the service's
+/// (502): what failed, in a word, and a reference to the inspector's log, which has the details (a
+/// database's or broker's error names addresses and settings the page's viewers need not see).
 pub(super) fn failure(e: &AdminError, html: bool) -> Response {
-    let status = if e.is_caller_error() {
-        StatusCode::BAD_REQUEST
+    let (status, text) = if e.is_caller_error() {
+        (StatusCode::BAD_REQUEST, e.to_string())
     } else {
-        StatusCode::BAD_GATEWAY
+        let reference = format!("r-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        tracing::error!(%reference, error = %e, "the inspector could not answer");
+        let what = match e {
+            AdminError::Database(_) => "the database",
+            AdminError::Kafka(_) => "the broker",
+            _ => "the database or the broker",
+        };
+        (
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "{what} failed; the inspector's log has the details under reference {reference}"
+            ),
+        )
     };
     if html {
-        (
-            status,
-            Html(pages::message("Cannot show this", &e.to_string())),
-        )
-            .into_response()
+        (status, Html(pages::message("Cannot show this", &text))).into_response()
     } else {
-        (status, Json(serde_json::json!({ "error": e.to_string() }))).into_response()
+        (status, Json(serde_json::json!({ "error": text }))).into_response()
     }
 }
 
@@ -115,10 +126,21 @@ impl App {
         }
     }
 
-    /// Every letter of the shown topics with its failure group and state.
-    async fn letters(&self) -> Result<Vec<GroupedLetter>, AdminError> {
-        let topics = self.dlq_topics().await?;
-        groups::letters(&self.kafka, &self.pool, &topics).await
+    /// Bad input unless `topic` is one of the dead-letter topics the inspector shows: those it was given
+    /// (`--dlq-topic`), else the broker's `.dlq` topics and those the schema's consumer groups record. Any
+    /// other topic (a business topic, `__consumer_offsets`) is refused before it is read.
+    pub(super) async fn shown_topic(&self, topic: &str) -> Result<(), AdminError> {
+        let mut shown = self.dlq_topics().await?;
+        if self.options.dlq_topics.is_empty() {
+            shown.extend(groups::dlq_topics_of(&self.pool).await?);
+        }
+        if shown.iter().any(|t| t == topic) {
+            Ok(())
+        } else {
+            Err(AdminError::bad_input(format!(
+                "{topic} is not a dead-letter topic this inspector shows"
+            )))
+        }
     }
 
     pub(super) async fn overview(&self) -> Result<Overview, AdminError> {
@@ -132,26 +154,24 @@ impl App {
             Err(e) => return Err(e),
         };
         let topics = self.dlq_topics().await?;
-        let letters = groups::letters(&self.kafka, &self.pool, &topics).await?;
+        let failure_groups = groups::groups(&self.kafka, &self.pool, &topics).await?;
+        let counts = crate::index::counts(&self.pool, &topics).await?;
         let dead_letters = topics
             .iter()
             .map(|topic| {
-                let of_topic: Vec<&GroupedLetter> = letters
+                let of_topic: Vec<(&String, &(usize, usize))> = counts
                     .iter()
-                    .filter(|l| l.letter.topic == *topic)
+                    .filter(|((t, _), _)| t == topic)
+                    .map(|((_, reason), n)| (reason, n))
                     .collect();
-                let mut by_reason = BTreeMap::new();
-                for l in &of_topic {
-                    *by_reason.entry(l.letter.reason.clone()).or_default() += 1;
-                }
                 TopicLetters {
                     topic: topic.clone(),
-                    total: of_topic.len(),
-                    open: of_topic
+                    total: of_topic.iter().map(|(_, (total, _))| total).sum(),
+                    open: of_topic.iter().map(|(_, (_, open))| open).sum(),
+                    by_reason: of_topic
                         .iter()
-                        .filter(|l| l.state == groups::LetterState::Open)
-                        .count(),
-                    by_reason,
+                        .map(|(reason, (total, _))| ((*reason).clone(), *total))
+                        .collect(),
                 }
             })
             .collect();
@@ -186,7 +206,7 @@ impl App {
             stuck_for: crate::duration::human(self.options.stuck_for),
             stuck,
             dead_letters,
-            failure_groups: groups::group(&letters),
+            failure_groups,
             outbox,
             lag,
             operations: operations::list(&self.pool, 10).await?,
@@ -226,12 +246,16 @@ pub(super) async fn saga(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    answer(
-        &headers,
-        StatusCode::OK,
-        crate::sagas::show(&app.pool, &id).await,
-        |d| pages::saga(d, &caller),
-    )
+    // A viewer who may not act sees no stored HTTP response (it may hold what the client alone should).
+    let detail = crate::sagas::show(&app.pool, &id).await.map(|mut d| {
+        if caller.read_only {
+            d.keys = d.keys.into_iter().map(KeyView::without_response).collect();
+        }
+        d
+    });
+    answer(&headers, StatusCode::OK, detail, |d| {
+        pages::saga(d, &caller)
+    })
 }
 
 pub(super) async fn dlq_topic(
@@ -240,10 +264,35 @@ pub(super) async fn dlq_topic(
     headers: HeaderMap,
     Path(topic): Path<String>,
 ) -> Response {
-    let letters = groups::letters(&app.kafka, &app.pool, std::slice::from_ref(&topic)).await;
+    let letters = match app.shown_topic(&topic).await {
+        Ok(()) => topic_letters(&app, &topic).await,
+        Err(e) => Err(e),
+    };
     answer(&headers, StatusCode::OK, letters, |letters| {
         pages::dlq_topic(&topic, letters, caller.read_only)
     })
+}
+
+/// How many letters of a topic a page lists, the oldest first.
+const PAGE_LETTERS: usize = 500;
+
+/// The first [`PAGE_LETTERS`] letters of `topic`, with their groups and states.
+async fn topic_letters(app: &App, topic: &str) -> Result<Vec<GroupedLetter>, AdminError> {
+    crate::index::sync(&app.kafka, &app.pool, topic).await?;
+    let topics = [topic.to_owned()];
+    let filter = DlqFilter {
+        limit: Some(PAGE_LETTERS),
+        ..DlqFilter::default()
+    };
+    crate::index::letters(
+        &app.pool,
+        &crate::index::Selection {
+            topics: &topics,
+            filter: Some(&filter),
+            ..crate::index::Selection::default()
+        },
+    )
+    .await
 }
 
 pub(super) async fn dlq_letter(
@@ -261,7 +310,10 @@ pub(super) async fn dlq_letter(
 }
 
 pub(super) async fn failure_groups(State(app): State<App>, headers: HeaderMap) -> Response {
-    let groups = app.letters().await.map(|l| groups::group(&l));
+    let groups = match app.dlq_topics().await {
+        Ok(topics) => groups::groups(&app.kafka, &app.pool, &topics).await,
+        Err(e) => Err(e),
+    };
     answer(&headers, StatusCode::OK, groups, |g| pages::groups(g))
 }
 
@@ -361,8 +413,7 @@ pub(super) async fn trace(
     if key.trim().is_empty() && wants_html(&headers) {
         return Html(pages::trace_form()).into_response();
     }
-    let trace =
-        crate::trace::trace(&app.kafka, &app.pool, key.trim(), tenant.as_deref(), &[]).await;
+    let trace = crate::trace::trace(&app.pool, key.trim(), tenant.as_deref(), &[]).await;
     answer(&headers, StatusCode::OK, trace, pages::trace)
 }
 
@@ -386,6 +437,9 @@ pub(super) async fn replay_letter(
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
+    if let Err(e) = app.shown_topic(&topic).await {
+        return failure(&e, wants_html(&headers));
+    }
     let report = dlq::replay(
         &app.kafka,
         &app.pool,
@@ -397,6 +451,102 @@ pub(super) async fn replay_letter(
     answer(&headers, StatusCode::OK, report, |r| {
         pages::replayed(&topic, r)
     })
+}
+
+/// The form field (or query parameter) pinning a confirmation to its preview: see [`PlanPin`].
+pub(super) const PLAN_FIELD: &str = "plan";
+/// How long a preview may be confirmed.
+const PLAN_TTL_SECS: i64 = 600;
+
+/// What a preview's confirmation carries: when the preview was made, how many letters it listed, and its
+/// plan's [`digest`](Plan::digest), as `{unix seconds}.{letters}.{digest}`. The confirmation acts only if
+/// the plan made when it arrives has the same digest (the same letters, alike) and the preview is at most
+/// ten minutes old: letters that arrived since are not acted on unseen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PlanPin {
+    made_at: i64,
+    letters: usize,
+    digest: String,
+}
+
+impl PlanPin {
+    /// The pin of `plan`, previewed now.
+    pub(super) fn of(plan: &Plan) -> Self {
+        Self {
+            made_at: chrono::Utc::now().timestamp(),
+            letters: plan.letters.len(),
+            digest: plan.digest(),
+        }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        let mut parts = text.splitn(3, '.');
+        Some(Self {
+            made_at: parts.next()?.parse().ok()?,
+            letters: parts.next()?.parse().ok()?,
+            digest: parts.next()?.to_owned(),
+        })
+    }
+
+    /// Bad input unless `plan`, made now, is the one this pin's preview showed, and the preview is recent.
+    fn admits(&self, plan: &Plan) -> Result<(), AdminError> {
+        let age = chrono::Utc::now().timestamp() - self.made_at;
+        if !(0..=PLAN_TTL_SECS).contains(&age) {
+            return Err(AdminError::bad_input(
+                "the preview expired (it is older than ten minutes): preview again, then confirm",
+            ));
+        }
+        if self.digest != plan.digest() {
+            return Err(AdminError::bad_input(format!(
+                "the group changed since its preview (it listed {} letter(s), it holds {} now): nothing \
+                 was done; preview again, then confirm",
+                self.letters,
+                plan.letters.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for PlanPin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.made_at, self.letters, self.digest)
+    }
+}
+
+/// `plan` if the confirmation of `caller` may act on it: a page's confirmation must carry its preview's
+/// pin (see [`PlanPin`]); a script's may (`?plan=` or a form field), else it acts on the plan as made now,
+/// as the command does after its own preview.
+fn pinned(
+    caller: &Caller,
+    form: Option<&FormFields>,
+    query: &PinQuery,
+    plan: Result<Plan, AdminError>,
+) -> Result<Plan, AdminError> {
+    let plan = plan?;
+    let presented = form
+        .and_then(|f| f.get(PLAN_FIELD))
+        .or(query.plan.as_deref());
+    match presented {
+        Some(text) => {
+            let pin = PlanPin::parse(text)
+                .ok_or_else(|| AdminError::bad_input("the confirmation's plan is malformed"))?;
+            pin.admits(&plan)?;
+        }
+        None if !caller.scripted => {
+            return Err(AdminError::bad_input(
+                "a confirmation must come from the preview's page: preview again, then confirm",
+            ));
+        }
+        None => {}
+    }
+    Ok(plan)
+}
+
+/// `?plan=`: a script's pin of its preview.
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct PinQuery {
+    plan: Option<String>,
 }
 
 /// Starts the operation `plan` of `caller`, runs it in the background, and answers with it (a browser:
@@ -418,7 +568,7 @@ async fn start_operation(
         Ok(id) => id,
         Err(e) => return failure(&e, html),
     };
-    spawn_run(app, id);
+    spawn_run(app, id, &caller.operator);
     if html {
         return (
             StatusCode::SEE_OTHER,
@@ -436,12 +586,12 @@ async fn start_operation(
     }
 }
 
-/// Runs operation `id` in the background (its record says how far it got).
-fn spawn_run(app: &App, id: i64) {
+/// Runs operation `id` in the background as `operator`'s (its record says how far it got, and who ran it).
+fn spawn_run(app: &App, id: i64, operator: &str) {
     let app = app.clone();
+    let options = ReplayOptions::default().by(operator);
     tokio::spawn(async move {
-        if let Err(e) = operations::run(&app.kafka, &app.pool, id, &ReplayOptions::default()).await
-        {
+        if let Err(e) = operations::run(&app.kafka, &app.pool, id, &options).await {
             tracing::warn!(operation = id, error = %e, "a dead-letter operation stopped");
         }
     });
@@ -450,26 +600,40 @@ fn spawn_run(app: &App, id: i64) {
 pub(super) async fn group_replay(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
+    form: Option<Extension<FormFields>>,
+    Query(query): Query<PinQuery>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
-    let plan = plan(&app, &id, "replay").await;
+    let plan = pinned(
+        &caller,
+        form.as_ref().map(|Extension(f)| f),
+        &query,
+        plan(&app, &id, "replay").await,
+    );
     start_operation(&app, &caller, &headers, plan).await
 }
 
 pub(super) async fn group_discard(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
+    form: Option<Extension<FormFields>>,
+    Query(query): Query<PinQuery>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
-    let plan = plan(&app, &id, "discard").await;
+    let plan = pinned(
+        &caller,
+        form.as_ref().map(|Extension(f)| f),
+        &query,
+        plan(&app, &id, "discard").await,
+    );
     start_operation(&app, &caller, &headers, plan).await
 }
 
@@ -495,7 +659,7 @@ pub(super) async fn operation_cancel(
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
-    let cancelled = operations::cancel(&app.pool, id).await;
+    let cancelled = operations::cancel(&app.pool, id, &caller.operator).await;
     after_operation_action(&app, &headers, id, cancelled.map(drop)).await
 }
 
@@ -517,7 +681,7 @@ pub(super) async fn operation_resume(
         Err(e) => Err(e),
     };
     if running.is_ok() {
-        spawn_run(&app, id);
+        spawn_run(&app, id, &caller.operator);
     }
     after_operation_action(&app, &headers, id, running).await
 }
@@ -574,7 +738,15 @@ pub(super) async fn one_letter(
     partition: i32,
     offset: i64,
 ) -> Result<DeadLetter, AdminError> {
-    dlq::list(&app.kafka, topic, &DlqFilter::at(partition, offset))
+    app.shown_topic(topic).await?;
+    let listed = dlq::list(
+        &app.kafka,
+        &app.pool,
+        topic,
+        &DlqFilter::at(partition, offset),
+    )
+    .await?;
+    dlq::with_records(&app.kafka, &app.pool, listed)
         .await?
         .into_iter()
         .next()

@@ -1,5 +1,5 @@
-//! `/metrics`: the numbers to alert on, in Prometheus' text format, read from the schema and the
-//! dead-letter topics when scraped.
+//! `/metrics`: the numbers to alert on, in Prometheus' text format, read from the schema (and its
+//! dead-letter index) when scraped.
 //!
 //! - `saga_dlq_open_letters{dlq_topic, failure_group, consumer_group, step, reason}`: dead letters of a
 //!   failure group neither replayed nor discarded (since the last replay or discard of the group, the
@@ -35,13 +35,13 @@ fn gauge(out: &mut String, name: &str, help: &str) {
 pub(super) async fn render(app: &App) -> Result<String, AdminError> {
     let mut out = String::new();
     let topics = app.dlq_topics().await?;
-    let letters = groups::letters(&app.kafka, &app.pool, &topics).await?;
+    let groups = groups::groups(&app.kafka, &app.pool, &topics).await?;
     gauge(
         &mut out,
         "saga_dlq_open_letters",
         "Dead letters neither replayed nor discarded, by failure group.",
     );
-    for g in groups::group(&letters) {
+    for g in groups {
         let _ = writeln!(
             out,
             "saga_dlq_open_letters{{dlq_topic=\"{}\",failure_group=\"{}\",consumer_group=\"{}\",step=\"{}\",reason=\"{}\"}} {}",

@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use super::api::PLAN_FIELD;
 use super::api::{GroupView, OperationView, Overview};
 use super::security::{CSRF_FIELD, Caller};
 use crate::dlq::{DeadLetter, DlqOwner, ReplayReport};
@@ -22,7 +23,8 @@ text-decoration:none;font-size:.95rem}form.inline{display:inline;margin-right:.5
 button.secondary,a.secondary{background:#57606a}nav a{margin-right:1rem}\
 table.lanes td{min-width:14rem}.lane-event{border-left:3px solid #0969da;padding-left:.4rem}\
 .lane-event.dead-letter,.lane-event.failed{border-color:#cf222e}.lane-event.replay{border-color:#bf8700}\
-.lane-event.emitted{border-color:#1a7f37}.lane-event.transition{border-color:#8250df}small{color:#57606a}";
+.lane-event.emitted{border-color:#1a7f37}.lane-event.transition{border-color:#8250df}small{color:#57606a}\
+.warning{color:#9a6700;background:#fff8c5;padding:.4rem .6rem}";
 
 /// Escapes text for HTML.
 fn esc(text: &str) -> String {
@@ -65,6 +67,32 @@ fn page(title: &str, body: &str) -> String {
 /// A page with one message.
 pub(super) fn message(title: &str, text: &str) -> String {
     page(title, &format!("<p id=\"message\">{}</p>", esc(text)))
+}
+
+/// The answer to a sign-in link that would replace a live session of `current` by one of `presented`:
+/// nothing is replaced; a button (a form of this page, with the session's CSRF token) signs out first.
+pub(super) fn replace_login(
+    current: &str,
+    presented: &str,
+    logout: &str,
+    csrf_field: &str,
+    csrf: &str,
+) -> String {
+    page(
+        "Already signed in",
+        &format!(
+            "<p id=\"message\">You are signed in as <b>{}</b>. The link you followed would sign you in as \
+             <b>{}</b> instead, and what you do next would be recorded under that name. Nothing was \
+             changed. If you meant to switch, sign out, then open the link again.</p>\
+             <form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"{}\" value=\"{}\">\
+             <button type=\"submit\" id=\"sign-out\" class=\"secondary\">Sign out</button></form>",
+            esc(current),
+            esc(presented),
+            esc(logout),
+            esc(csrf_field),
+            esc(csrf)
+        ),
+    )
 }
 
 /// A form that POSTs to `action`, with the session's CSRF token and one button.
@@ -444,9 +472,14 @@ pub(super) fn confirm_retry(detail: &SagaDetail, caller: &Caller) -> String {
 /// A dead-letter topic's letters (with replay buttons unless `read_only`).
 pub(super) fn dlq_topic(topic: &str, letters: &[GroupedLetter], read_only: bool) -> String {
     let mut body = format!(
-        "<p id=\"dlq-count\" data-count=\"{}\">{} dead letters.</p>",
+        "<p id=\"dlq-count\" data-count=\"{}\">{} dead letters{}.</p>",
         letters.len(),
-        letters.len()
+        letters.len(),
+        if letters.len() >= 500 {
+            " (the oldest; the failure groups count them all)"
+        } else {
+            ""
+        }
     );
     body.push_str(
         "<table id=\"letters\"><tr><th>letter</th><th>original</th><th>step</th><th>reason</th><th>error</th>\
@@ -691,13 +724,19 @@ pub(super) fn confirm_plan(plan: &Plan, id: &str, caller: &Caller) -> String {
     }
     body.push_str("</table>");
     if plan.would_act() > 0 && !caller.read_only {
-        body.push_str(&post_form(
+        // The confirmation carries the preview's pin: it acts on these letters, or on none.
+        let form = post_form(
             &format!("/api/groups/{}/{action}", seg(id)),
             caller,
             "confirm",
             &format!("Confirm: {action} {}", plan.would_act()),
             "",
-        ));
+        );
+        let pin = format!(
+            "<input type=\"hidden\" name=\"{PLAN_FIELD}\" value=\"{}\">",
+            esc(&super::api::PlanPin::of(plan).to_string())
+        );
+        body.push_str(&form.replacen("<button", &format!("{pin}<button"), 1));
     } else {
         body.push_str("<p class=\"empty\">Nothing to do.</p>");
     }
@@ -748,6 +787,23 @@ pub(super) fn operation(view: &OperationView, caller: &Caller) -> String {
             |f| f.format("%Y-%m-%d %H:%M:%S").to_string()
         ),
         st = esc(&o.status)
+    );
+    // Who moved it after its start: each run's runner (its sends and discards are recorded under them),
+    // and who asked it to stop.
+    let _ = write!(
+        body,
+        "<p id=\"operation-runs\">Runs: {}.{}</p>",
+        if o.run_by.is_empty() {
+            "none yet".to_owned()
+        } else {
+            esc(&o.run_by.join(", "))
+        },
+        o.cancelled_by
+            .as_deref()
+            .map_or_else(String::new, |by| format!(
+                " Cancelled by <span id=\"operation-cancelled-by\">{}</span>.",
+                esc(by)
+            ))
     );
     if !caller.read_only {
         if o.status == "running" {
@@ -812,6 +868,13 @@ pub(super) fn trace_form() -> String {
 /// A saga across every service: one lane (column) per service schema, one row per event, by time.
 pub(super) fn trace(t: &SagaTrace) -> String {
     let mut body = trace_search(&t.key, t.tenant.as_deref().unwrap_or(""));
+    if !t.unread.is_empty() {
+        body.push_str(
+            "<p class=\"warning\" id=\"trace-unread\">Not read, so dead letters may be missing: ",
+        );
+        body.push_str(&esc(&t.unread.join("; ")));
+        body.push_str("</p>");
+    }
     if t.events.is_empty() {
         body.push_str(
             "<p class=\"empty\" id=\"trace-empty\">Nothing is stored for this key (any more).</p>",

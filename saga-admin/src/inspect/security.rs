@@ -4,15 +4,20 @@
 //!   `[::1]` at its port, or a configured public name. A page of another site that rebinds its own name to
 //!   127.0.0.1 (DNS rebinding) sends its own name, and is refused.
 //! - **Tokens.** With tokens configured (`SAGA_ADMIN_TOKEN`, or `SAGA_ADMIN_TOKENS=name:token,…`), every
-//!   request presents one: `?token=` once (answered with a cookie and a redirect to the same page without
-//!   it, so the token leaves the address bar and the history), the cookie, or `Authorization: Bearer`.
-//!   Tokens are compared in constant time; the name of the one presented is the operator recorded with a
-//!   replay.
+//!   request presents one: `?token=` once (answered with a session of its own, in a cookie that expires
+//!   after 12 hours and never holds the token, and a redirect to the same page of this inspector without
+//!   it, so the token leaves the address bar and the history), that session's cookie, or
+//!   `Authorization: Bearer`. Tokens are compared in constant time; the name of the one presented is the
+//!   operator recorded with a replay. A `?token=` link that would replace a live session of another name
+//!   (login CSRF) is refused with a page that offers to sign out first (`POST /logout` from that page).
 //! - **State-changing requests.** A POST must come from this inspector's own page: its `Origin` (or, where
 //!   a browser sends none, its `Referer`) must name this inspector (a POST with neither is refused), and it
 //!   must carry the session's CSRF token, a value only this inspector's pages contain. A script calling the
 //!   API presents its token as `Authorization: Bearer` instead, which a browser never sends on its own:
 //!   such a POST needs neither. A read-only inspector refuses every POST.
+//! - **Reads from other sites.** A GET another site's page makes (an image, a script, a fetch, a frame),
+//!   as the browser's `Sec-Fetch-Site` or an `Origin` says, is refused: only a top-level navigation (a link
+//!   followed) may come from elsewhere.
 //! - **Every response** forbids framing (`frame-ancestors 'none'`, `X-Frame-Options: DENY`), loads
 //!   nothing from elsewhere, and is not cached. Cookies are `HttpOnly; SameSite=Strict`, and `Secure`
 //!   when the inspector is told it is served over TLS.
@@ -29,8 +34,14 @@ use sha2::{Digest, Sha256};
 
 use super::pages;
 
-const TOKEN_COOKIE: &str = "saga_admin_token";
+/// The cookie of a signed-in session (a random id the inspector keeps in memory, never the token itself);
+/// `__Host-` prefixed when cookies are `Secure`.
+const LOGIN_COOKIE: &str = "saga_admin_login";
 const SESSION_COOKIE: &str = "saga_admin_session";
+/// How long a sign-in with `?token=` lasts.
+const LOGIN_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+/// The path that ends a sign-in (a POST from the inspector's own page).
+const LOGOUT_PATH: &str = "/logout";
 /// The form field carrying the CSRF token.
 pub(super) const CSRF_FIELD: &str = "csrf";
 /// The largest form a POST may carry.
@@ -109,6 +120,9 @@ pub(super) struct Guard {
     secret: String,
     /// Who a replay is recorded as when no token names the caller.
     local_operator: String,
+    /// Signed-in sessions: their id (the login cookie's value), by the name of the token that signed in,
+    /// until when.
+    logins: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
 }
 
 impl Guard {
@@ -143,6 +157,53 @@ impl Guard {
             secure_cookies,
             secret: random_hex(),
             local_operator: format!("inspector:{}", crate::dlq::os_user()),
+            logins: std::sync::Mutex::default(),
+        }
+    }
+
+    /// The login cookie's name: `__Host-` prefixed (bound to this host and path `/`, never set by a
+    /// sibling domain) when cookies are `Secure`, which that prefix requires.
+    fn login_cookie(&self) -> &'static str {
+        if self.secure_cookies {
+            "__Host-saga_admin_login"
+        } else {
+            LOGIN_COOKIE
+        }
+    }
+
+    /// The name the live session of `headers`' login cookie signed in as.
+    fn signed_in(&self, headers: &HeaderMap) -> Option<String> {
+        let id = cookie_value(headers, self.login_cookie())?;
+        let logins = self
+            .logins
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        logins
+            .get(&id)
+            .filter(|(_, until)| *until > std::time::Instant::now())
+            .map(|(name, _)| name.clone())
+    }
+
+    /// A new session signed in as `name`: its id.
+    fn sign_in(&self, name: &str) -> String {
+        let id = random_hex();
+        let now = std::time::Instant::now();
+        let mut logins = self
+            .logins
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        logins.retain(|_, (_, until)| *until > now);
+        logins.insert(id.clone(), (name.to_owned(), now + LOGIN_TTL));
+        id
+    }
+
+    /// Ends the session of `headers`' login cookie.
+    fn sign_out(&self, headers: &HeaderMap) {
+        if let Some(id) = cookie_value(headers, self.login_cookie()) {
+            self.logins
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&id);
         }
     }
 
@@ -177,9 +238,20 @@ impl Guard {
     }
 
     fn cookie(&self, name: &str, value: &str) -> Option<HeaderValue> {
+        self.cookie_for(name, value, None)
+    }
+
+    /// A cookie that expires after `max_age` (zero: at once).
+    fn cookie_for(
+        &self,
+        name: &str,
+        value: &str,
+        max_age: Option<std::time::Duration>,
+    ) -> Option<HeaderValue> {
         let secure = if self.secure_cookies { "; Secure" } else { "" };
+        let max_age = max_age.map_or_else(String::new, |d| format!("; Max-Age={}", d.as_secs()));
         HeaderValue::from_str(&format!(
-            "{name}={value}; HttpOnly; SameSite=Strict; Path=/{secure}"
+            "{name}={value}; HttpOnly; SameSite=Strict; Path=/{secure}{max_age}"
         ))
         .ok()
     }
@@ -194,6 +266,22 @@ pub(super) struct Caller {
     pub csrf: String,
     /// Whether replays are off.
     pub read_only: bool,
+    /// Whether a script made the request (its token in `Authorization: Bearer`), not a browser's page.
+    pub scripted: bool,
+}
+
+/// The fields of a POST's form, as the guard read them (the handler gets an empty body).
+#[derive(Debug, Clone, Default)]
+pub(super) struct FormFields(Vec<(String, String)>);
+
+impl FormFields {
+    /// The (percent-decoded) value of field `name`.
+    pub(super) fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// The guard as a middleware: see the module documentation.
@@ -222,7 +310,7 @@ pub(super) async fn guard(
 enum Checked {
     /// Go on; set this new session's cookie on the answer.
     Pass { new_session: Option<String> },
-    /// Answer with this redirect (a token in the address was accepted).
+    /// Answer with this (a sign-in's redirect, or why it was refused; a sign-out's redirect).
     Redirect(Response),
 }
 
@@ -241,25 +329,31 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
         ));
     }
 
+    if cross_site_read(guard, request) {
+        return Err(refused(
+            StatusCode::FORBIDDEN,
+            "Refused",
+            "Another site's page asked for this one: open the inspector directly.",
+        ));
+    }
+
+    let existing = cookie_value(request.headers(), SESSION_COOKIE)
+        .filter(|s| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()));
+    let new_session = existing.is_none().then(random_hex);
+    let session = existing.clone().or(new_session.clone()).unwrap_or_default();
+
     let mut operator = None;
     // Whether the token came in the Authorization header: a script's request, not a browser's.
     let mut bearer = false;
     if !guard.tokens.is_empty() {
         if let Some(presented) = query_value(request.uri().query(), "token") {
-            let Some(named) = guard.token_named(&presented) else {
-                return Err(unauthorized());
-            };
-            // Into a cookie, and out of the address.
-            let location = without_query_param(request.uri(), "token");
-            let mut response = (
-                StatusCode::SEE_OTHER,
-                [(header::LOCATION, location.as_str())],
-            )
-                .into_response();
-            if let Some(cookie) = guard.cookie(TOKEN_COOKIE, &named.token) {
-                response.headers_mut().append(header::SET_COOKIE, cookie);
-            }
-            return Ok(Checked::Redirect(response));
+            return Ok(Checked::Redirect(login(
+                guard,
+                request,
+                &presented,
+                &session,
+                new_session.as_deref(),
+            )));
         }
         let headers = request.headers();
         let authorization = headers
@@ -268,17 +362,15 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::to_owned);
         bearer = authorization.is_some();
-        let presented = authorization.or_else(|| cookie_value(headers, TOKEN_COOKIE));
-        match presented.as_deref().and_then(|p| guard.token_named(p)) {
-            Some(named) => operator = Some(named.name.clone()),
+        let name = match authorization {
+            Some(token) => guard.token_named(&token).map(|named| named.name.clone()),
+            None => guard.signed_in(headers),
+        };
+        match name {
+            Some(name) => operator = Some(name),
             None => return Err(unauthorized()),
         }
     }
-
-    let existing = cookie_value(request.headers(), SESSION_COOKIE)
-        .filter(|s| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()));
-    let new_session = existing.is_none().then(random_hex);
-    let session = existing.clone().or(new_session.clone()).unwrap_or_default();
 
     if request.method() != Method::GET && request.method() != Method::HEAD {
         if guard.read_only {
@@ -295,12 +387,72 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
         }
     }
 
+    if request.method() == Method::POST && request.uri().path() == LOGOUT_PATH {
+        guard.sign_out(request.headers());
+        let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, "/")]).into_response();
+        if let Some(cookie) =
+            guard.cookie_for(guard.login_cookie(), "", Some(std::time::Duration::ZERO))
+        {
+            response.headers_mut().append(header::SET_COOKIE, cookie);
+        }
+        return Ok(Checked::Redirect(response));
+    }
+
     request.extensions_mut().insert(Caller {
         operator: operator.unwrap_or_else(|| guard.local_operator.clone()),
         csrf: guard.csrf_of(&session),
         read_only: guard.read_only,
+        scripted: bearer,
     });
     Ok(Checked::Pass { new_session })
+}
+
+/// A sign-in with the token `presented` in the address: a session of its own (the token never goes into a
+/// cookie), and a redirect to the same page, on this inspector, without the token. A link that would
+/// replace a live session of another name (an attacker's link, so that the victim acts under the
+/// attacker's name) is refused with a page that says so and offers to sign out first. The answer, whichever.
+fn login(
+    guard: &Guard,
+    request: &Request,
+    presented: &str,
+    session: &str,
+    new_session: Option<&str>,
+) -> Response {
+    let Some(named) = guard.token_named(presented) else {
+        return unauthorized();
+    };
+    if let Some(current) = guard.signed_in(request.headers())
+        && current != named.name
+    {
+        let mut response = (
+            StatusCode::CONFLICT,
+            Html(pages::replace_login(
+                &current,
+                &named.name,
+                LOGOUT_PATH,
+                CSRF_FIELD,
+                &guard.csrf_of(session),
+            )),
+        )
+            .into_response();
+        if let Some(new) = new_session
+            && let Some(cookie) = guard.cookie(SESSION_COOKIE, new)
+        {
+            response.headers_mut().append(header::SET_COOKIE, cookie);
+        }
+        return response;
+    }
+    let location = without_query_param(request.uri(), "token");
+    let mut response = (
+        StatusCode::SEE_OTHER,
+        [(header::LOCATION, location.as_str())],
+    )
+        .into_response();
+    let id = guard.sign_in(&named.name);
+    if let Some(cookie) = guard.cookie_for(guard.login_cookie(), &id, Some(LOGIN_TTL)) {
+        response.headers_mut().append(header::SET_COOKIE, cookie);
+    }
+    response
 }
 
 /// Refuses a POST that does not come from this inspector's own page: its origin (see [`same_origin`]) and
@@ -326,6 +478,16 @@ async fn check_own_form(
     let valid =
         has_session && constant_time_eq(presented.as_bytes(), guard.csrf_of(session).as_bytes());
     if valid {
+        let fields = std::str::from_utf8(&form)
+            .unwrap_or_default()
+            .split('&')
+            .filter(|pair| !pair.is_empty())
+            .map(|pair| {
+                let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+                (percent_decode(name), percent_decode(value))
+            })
+            .collect();
+        request.extensions_mut().insert(FormFields(fields));
         Ok(())
     } else {
         Err(refused(
@@ -333,6 +495,43 @@ async fn check_own_form(
             "Refused",
             "The form's token is missing or stale: open the page again and confirm from there.",
         ))
+    }
+}
+
+/// Whether a read (GET or HEAD) was made by another site's page, as a browser says it: `Sec-Fetch-Site`
+/// other than `same-origin` or `none` (typed, bookmarked) for anything but a top-level navigation (a link
+/// followed, which shows the page to its user only), or an `Origin` that does not name this inspector. An
+/// image, a script, a fetch or a frame of another site is refused; a script or Prometheus, which send
+/// neither header, is not.
+fn cross_site_read(guard: &Guard, request: &Request) -> bool {
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        return false;
+    }
+    let headers = request.headers();
+    let value = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_ascii_lowercase)
+    };
+    if let Some(site) = value("sec-fetch-site")
+        && site != "same-origin"
+        && site != "none"
+    {
+        let navigation = value("sec-fetch-mode").as_deref() == Some("navigate")
+            && value("sec-fetch-dest").is_none_or(|d| d == "document");
+        if !navigation {
+            return true;
+        }
+    }
+    match value("origin") {
+        Some(origin) => {
+            let authority = origin.split_once("://").map_or("", |(_, rest)| {
+                rest.split(['/', '?', '#']).next().unwrap_or("")
+            });
+            origin == "null" || authority.contains('@') || !guard.knows(authority)
+        }
+        None => false,
     }
 }
 
@@ -445,17 +644,21 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The request's path and query without parameter `name`.
+/// The request's path and query without parameter `name` (however its name is encoded), as a path of this
+/// inspector: leading slashes and backslashes become one slash, so that `//evil.example/` is no address of
+/// another host.
 fn without_query_param(uri: &axum::http::Uri, name: &str) -> String {
     let kept: Vec<&str> = uri
         .query()
         .unwrap_or_default()
         .split('&')
-        .filter(|pair| !pair.is_empty() && pair.split('=').next() != Some(name))
+        .filter(|pair| {
+            !pair.is_empty() && percent_decode(pair.split('=').next().unwrap_or_default()) != name
+        })
         .collect();
-    let path = uri.path();
+    let path = format!("/{}", uri.path().trim_start_matches(['/', '\\']));
     if kept.is_empty() {
-        path.to_owned()
+        path
     } else {
         format!("{path}?{}", kept.join("&"))
     }
@@ -549,6 +752,17 @@ mod tests {
         assert_eq!(without_query_param(&uri, "token"), "/dlq/t?x=1");
         let uri: axum::http::Uri = "/?token=abc".parse().unwrap();
         assert_eq!(without_query_param(&uri, "token"), "/");
+        // However the name is encoded; and never to another host.
+        let uri: axum::http::Uri = "/?%74oken=abc&x=1".parse().unwrap();
+        assert_eq!(without_query_param(&uri, "token"), "/?x=1");
+        for (address, local) in [
+            ("//evil.example/?token=abc", "/evil.example/"),
+            ("/\\evil.example/?token=abc", "/evil.example/"),
+            ("///evil.example?token=abc", "/evil.example"),
+        ] {
+            let uri: axum::http::Uri = address.parse().unwrap();
+            assert_eq!(without_query_param(&uri, "token"), local, "{address}");
+        }
         assert_eq!(
             form_value(b"a=1&csrf=ab%2Fcd+e&z", "csrf").as_deref(),
             Some("ab/cd e")

@@ -68,3 +68,21 @@ pub fn outcomes(report: &serde_json::Value) -> (usize, Vec<String>) {
         .collect();
     (outcomes.iter().filter(|o| *o == "sent").count(), outcomes)
 }
+
+/// A pool on `schema` of the database at `url`: what the `saga` command connects to.
+pub async fn schema_pool(url: &str, schema: &str) -> sqlx::PgPool {
+    saga_consumer::setup::connect_postgres("DATABASE_URL", url, Some(schema), 2)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to schema {schema}: {e}"))
+}
+
+/// A new topic of `kafka` named like a dead-letter topic (`….dlq`), with `partitions`.
+pub async fn dlq_topic(
+    kafka: &saga_test_support::TestKafka,
+    prefix: &str,
+    partitions: i32,
+) -> String {
+    let name = format!("{}.dlq", saga_test_support::unique_name(prefix));
+    kafka.create_topic(&name, partitions).await;
+    name
+}

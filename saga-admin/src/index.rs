@@ -1,0 +1,374 @@
+//! The dead-letter index (`saga_dead_letters`): what the toolkit reads instead of the dead-letter topics.
+//!
+//! The consumer indexes each letter once the broker acknowledged it, before the message's offset is
+//! committed. Before reading a topic's letters, the toolkit makes sure the index holds every letter the
+//! topic still holds ([`sync`]): for each partition it counts, in the index, the letters between how far it
+//! made sure last time (`saga_dead_letter_scans`) and the broker's high watermark; only where letters are
+//! missing (letters written before the index existed, or by hand) does it read the topic, from the first
+//! missing one, in bounded chunks. Letters the topic no longer holds (its retention deleted them) leave the
+//! index. Groups, counts, traces and lists are then SQL over the index, with each letter's state (open,
+//! replayed, discarded) read from the toolkit's tables in the same query.
+
+use std::collections::BTreeMap;
+
+use chrono::Utc;
+use saga_consumer::KafkaConfig;
+use saga_consumer::toolkit::letters::{self, IndexedLetter, LetterFields};
+use sqlx::{PgPool, Row};
+
+use crate::dlq::{self, DeadLetter, DlqFilter, Record};
+use crate::error::AdminError;
+use crate::groups::{FailureGroup, GroupedLetter, LetterState};
+
+/// The most letters read from a topic at once while indexing.
+const CHUNK: i64 = 2_000;
+
+/// Applies the consumer's migrations (the index) to `pool`'s schema if its index is missing: a schema no
+/// consumer of this version ran in yet.
+pub(crate) async fn prepare(pool: &PgPool) -> Result<(), AdminError> {
+    let ready: bool =
+        sqlx::query_scalar("SELECT to_regclass('saga_dead_letter_scans') IS NOT NULL")
+            .fetch_one(pool)
+            .await?;
+    if ready {
+        return Ok(());
+    }
+    saga_consumer::migrate::migrator()
+        .run(pool)
+        .await
+        .map_err(|e| AdminError::Store(format!("applying the consumer's migrations: {e}")))
+}
+
+/// Bad input unless `topic` is a dead-letter topic: one a consumer group of `pool`'s schema writes, or one
+/// named as the consumer names them (`….dlq`). Checked before the topic is read.
+pub async fn require_dead_letter_topic(pool: &PgPool, topic: &str) -> Result<(), AdminError> {
+    if topic.ends_with(".dlq") {
+        return Ok(());
+    }
+    let recorded: bool = sqlx::query_scalar(
+        "SELECT to_regclass('saga_consumer_groups') IS NOT NULL \
+            AND EXISTS (SELECT 1 FROM saga_consumer_groups WHERE dlq_topic = $1)",
+    )
+    .bind(topic)
+    .fetch_one(pool)
+    .await
+    .or_else(|e| match &e {
+        // No consumer group ever ran in this schema: the table is absent.
+        sqlx::Error::Database(d) if d.code().as_deref() == Some("42P01") => Ok(false),
+        _ => Err(e),
+    })?;
+    if recorded {
+        Ok(())
+    } else {
+        Err(AdminError::bad_input(format!(
+            "{topic} is not a dead-letter topic: no consumer group of this schema writes it, and its name \
+             does not end in .dlq"
+        )))
+    }
+}
+
+/// Makes sure the index of `pool`'s schema holds every letter `topic` holds (see the module
+/// documentation). Bad input if the topic does not exist.
+pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(), AdminError> {
+    prepare(pool).await?;
+    let partitions = crate::broker::partitions_of(kafka, topic).await?;
+    for (partition, low, high) in partitions {
+        let scanned: Option<i64> = sqlx::query_scalar(
+            "SELECT next_offset FROM saga_dead_letter_scans WHERE dlq_topic = $1 AND dlq_partition = $2",
+        )
+        .bind(topic)
+        .bind(partition)
+        .fetch_optional(pool)
+        .await?;
+        // Below the low watermark, retention deleted the letters; at or above the high one, the topic was
+        // recreated or truncated: what the index holds there is gone.
+        sqlx::query(
+            "DELETE FROM saga_dead_letters WHERE dlq_topic = $1 AND dlq_partition = $2 \
+             AND (dlq_offset < $3 OR dlq_offset >= $4)",
+        )
+        .bind(topic)
+        .bind(partition)
+        .bind(low)
+        .bind(high)
+        .execute(pool)
+        .await?;
+        let mut next = match scanned {
+            Some(n) if n <= high => n.max(low),
+            _ => low,
+        };
+        if next < high {
+            let held: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM saga_dead_letters \
+                 WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset >= $3 AND dlq_offset < $4",
+            )
+            .bind(topic)
+            .bind(partition)
+            .bind(next)
+            .bind(high)
+            .fetch_one(pool)
+            .await?;
+            if held < high - next {
+                let first_missing: Option<i64> = sqlx::query_scalar(
+                    "SELECT min(o) FROM generate_series($3::bigint, $4::bigint - 1) AS o \
+                     WHERE NOT EXISTS (SELECT 1 FROM saga_dead_letters \
+                         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = o)",
+                )
+                .bind(topic)
+                .bind(partition)
+                .bind(next)
+                .bind(high)
+                .fetch_one(pool)
+                .await?;
+                let mut from = first_missing.unwrap_or(high);
+                while from < high {
+                    let until = (from + CHUNK).min(high);
+                    let records = dlq::read_range(kafka, topic, partition, from, until).await?;
+                    let found: Vec<IndexedLetter> =
+                        records.iter().map(|r| indexed(topic, r)).collect();
+                    let mut conn = pool.acquire().await?;
+                    letters::index(&mut conn, &found).await?;
+                    from = until;
+                }
+            }
+            next = high;
+        }
+        sqlx::query(
+            "INSERT INTO saga_dead_letter_scans (dlq_topic, dlq_partition, next_offset) VALUES ($1, $2, $3) \
+             ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET next_offset = EXCLUDED.next_offset",
+        )
+        .bind(topic)
+        .bind(partition)
+        .bind(next)
+        .execute(pool)
+        .await?;
+    }
+    Ok(())
+}
+
+/// `record` of `topic` as the index holds it.
+pub(crate) fn indexed(topic: &str, record: &Record) -> IndexedLetter {
+    IndexedLetter::of(
+        topic,
+        (record.partition, record.offset),
+        record.key.as_deref(),
+        record.payload.as_deref(),
+        &record.headers,
+        record.timestamp_ms,
+    )
+}
+
+/// Syncs each of `topics` that exists (see [`sync`]); a topic that does not exist holds nothing.
+pub async fn sync_all(
+    kafka: &KafkaConfig,
+    pool: &PgPool,
+    topics: &[String],
+) -> Result<(), AdminError> {
+    prepare(pool).await?;
+    for topic in topics {
+        match sync(kafka, pool, topic).await {
+            Ok(()) | Err(AdminError::BadInput(_)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A letter's state, in SQL over the index row `l`, as the toolkit's tables of `pool`'s schema record it
+/// (a schema the toolkit never replayed or discarded in has neither table: every letter is open).
+async fn state_sql(pool: &PgPool) -> Result<String, AdminError> {
+    let (replays, discards): (bool, bool) = sqlx::query_as(
+        "SELECT to_regclass('saga_dlq_replays') IS NOT NULL, \
+                to_regclass('saga_dlq_discards') IS NOT NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    if !replays && !discards {
+        return Ok("'open'".to_owned());
+    }
+    let mut sql = "CASE ".to_owned();
+    if replays {
+        sql.push_str(
+            "WHEN EXISTS (SELECT 1 FROM saga_dlq_replays r WHERE r.dlq_topic = l.dlq_topic \
+                AND r.dlq_partition = l.dlq_partition AND r.dlq_offset = l.dlq_offset \
+                AND r.replayed_at IS NOT NULL \
+                AND (r.letter_hash = l.letter_hash OR (r.letter_hash = '' AND r.replayed_at >= l.failed_at))) \
+                THEN 'replayed' ",
+        );
+    }
+    if discards {
+        sql.push_str(
+            "WHEN EXISTS (SELECT 1 FROM saga_dlq_discards d WHERE d.dlq_topic = l.dlq_topic \
+                AND d.dlq_partition = l.dlq_partition AND d.dlq_offset = l.dlq_offset \
+                AND d.letter_hash = l.letter_hash AND d.undone_at IS NULL) THEN 'discarded' ",
+        );
+    }
+    sql.push_str("ELSE 'open' END");
+    Ok(sql)
+}
+
+/// The index's columns of a letter, then its state.
+const COLUMNS: &str = "l.dlq_topic, l.dlq_partition, l.dlq_offset, l.letter_hash, l.failure_group, \
+    l.consumer_group, l.original_topic, l.original_partition, l.original_offset, l.step, l.reason, l.error, \
+    l.attempts, l.failed_at, l.idempotency_key, l.tenant_id, l.truncated, l.replay_count, l.unreadable";
+
+/// Which indexed letters to read.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Selection<'a> {
+    /// Of these dead-letter topics.
+    pub topics: &'a [String],
+    /// Of this failure group.
+    pub group: Option<&'a str>,
+    /// What the filter selects (reason, step, age, position, limit).
+    pub filter: Option<&'a DlqFilter>,
+    /// Of this saga key (and tenant).
+    pub key: Option<(&'a str, Option<&'a str>)>,
+}
+
+/// The indexed letters `selection` selects, by topic, partition and offset, with their state (their
+/// records empty: [`dlq::with_records`] reads those).
+pub(crate) async fn letters(
+    pool: &PgPool,
+    selection: &Selection<'_>,
+) -> Result<Vec<GroupedLetter>, AdminError> {
+    let filter = selection.filter.cloned().unwrap_or_default();
+    let since = filter
+        .since
+        .and_then(|s| chrono::Duration::from_std(s).ok())
+        .map(|s| Utc::now() - s);
+    let limit = filter
+        .limit
+        .map_or(i64::MAX, |l| i64::try_from(l).unwrap_or(i64::MAX));
+    let state = state_sql(pool).await?;
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS}, {state} FROM saga_dead_letters l \
+         WHERE l.dlq_topic = ANY($1) AND ($2::text IS NULL OR l.failure_group = $2) \
+           AND ($3::text IS NULL OR l.reason = $3) AND ($4::text IS NULL OR l.step = $4) \
+           AND ($5::timestamptz IS NULL OR l.failed_at >= $5) \
+           AND ($6::int IS NULL OR (l.dlq_partition = $6 AND l.dlq_offset = $7)) \
+           AND ($8::text IS NULL OR (l.idempotency_key = $8 AND ($9::text IS NULL OR l.tenant_id = $9))) \
+         ORDER BY l.dlq_topic, l.dlq_partition, l.dlq_offset LIMIT $10"
+    )))
+    .bind(selection.topics)
+    .bind(selection.group)
+    .bind(filter.reason.as_deref())
+    .bind(filter.step.as_deref())
+    .bind(since)
+    .bind(filter.position.map(|(p, _)| p))
+    .bind(filter.position.map_or(0, |(_, o)| o))
+    .bind(selection.key.map(|(k, _)| k))
+    .bind(selection.key.and_then(|(_, t)| t))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(grouped_letter).collect()
+}
+
+/// A row of [`COLUMNS`] and the state.
+fn grouped_letter(r: &sqlx::postgres::PgRow) -> Result<GroupedLetter, AdminError> {
+    let partition: i32 = r.try_get(1)?;
+    let offset: i64 = r.try_get(2)?;
+    let attempts: i32 = r.try_get(12)?;
+    let replay_count: i32 = r.try_get(17)?;
+    let mut fields = LetterFields::read(&[], None);
+    fields.original_topic = r.try_get(6)?;
+    fields.original_partition = r.try_get(7)?;
+    fields.original_offset = r.try_get(8)?;
+    fields.group = r.try_get(5)?;
+    fields.step = r.try_get(9)?;
+    fields.reason = r.try_get(10)?;
+    fields.error = r.try_get(11)?;
+    fields.attempts = u32::try_from(attempts).unwrap_or_default();
+    fields.failed_at = r.try_get(13)?;
+    fields.idempotency_key = r.try_get(14)?;
+    fields.tenant = r.try_get(15)?;
+    fields.truncated = r.try_get(16)?;
+    fields.replay_count = u32::try_from(replay_count).unwrap_or_default();
+    fields.unreadable = r.try_get(18)?;
+    let topic: String = r.try_get(0)?;
+    let letter = DeadLetter::from_index(
+        &topic,
+        (partition, offset),
+        fields,
+        r.try_get::<String, _>(3)?,
+    );
+    let state = match r.try_get::<&str, _>(19)? {
+        "replayed" => LetterState::Replayed,
+        "discarded" => LetterState::Discarded,
+        _ => LetterState::Open,
+    };
+    Ok(GroupedLetter {
+        group_id: r.try_get(4)?,
+        letter,
+        state,
+    })
+}
+
+/// The failure groups of `topics`, the most open letters first.
+pub(crate) async fn groups(
+    pool: &PgPool,
+    topics: &[String],
+) -> Result<Vec<FailureGroup>, AdminError> {
+    let state = state_sql(pool).await?;
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "WITH l AS (SELECT l.*, {state} AS state FROM saga_dead_letters l WHERE l.dlq_topic = ANY($1)) \
+         SELECT failure_group, min(dlq_topic), min(consumer_group), min(step), min(reason), min(cause), \
+                count(*) FILTER (WHERE state = 'open'), count(*), min(failed_at), max(failed_at), \
+                (array_agg(error ORDER BY failed_at DESC, dlq_partition DESC, dlq_offset DESC))[1], \
+                (array_agg(dlq_partition ORDER BY failed_at DESC, dlq_partition DESC, dlq_offset DESC))[1], \
+                (array_agg(dlq_offset ORDER BY failed_at DESC, dlq_partition DESC, dlq_offset DESC))[1] \
+         FROM l GROUP BY failure_group \
+         ORDER BY 7 DESC, 10 DESC, 1"
+    )))
+    .bind(topics)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            let open: i64 = r.try_get(6)?;
+            let total: i64 = r.try_get(7)?;
+            Ok(FailureGroup {
+                id: r.try_get(0)?,
+                dlq_topic: r.try_get(1)?,
+                consumer_group: r.try_get(2)?,
+                step: r.try_get(3)?,
+                reason: r.try_get(4)?,
+                cause: r.try_get(5)?,
+                open: usize::try_from(open).unwrap_or_default(),
+                total: usize::try_from(total).unwrap_or_default(),
+                first_seen: r.try_get(8)?,
+                last_seen: r.try_get(9)?,
+                example_error: r.try_get(10)?,
+                example_position: (r.try_get(11)?, r.try_get(12)?),
+            })
+        })
+        .collect()
+}
+
+/// Letters by (dead-letter topic, reason), with how many of them are open, over `topics`.
+pub(crate) async fn counts(
+    pool: &PgPool,
+    topics: &[String],
+) -> Result<BTreeMap<(String, String), (usize, usize)>, AdminError> {
+    let state = state_sql(pool).await?;
+    let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "WITH l AS (SELECT l.dlq_topic, l.reason, {state} AS state FROM saga_dead_letters l \
+             WHERE l.dlq_topic = ANY($1)) \
+         SELECT dlq_topic, reason, count(*), count(*) FILTER (WHERE state = 'open') FROM l \
+         GROUP BY dlq_topic, reason ORDER BY 1, 2"
+    )))
+    .bind(topics)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(topic, reason, total, open)| {
+            (
+                (topic, reason),
+                (
+                    usize::try_from(total).unwrap_or_default(),
+                    usize::try_from(open).unwrap_or_default(),
+                ),
+            )
+        })
+        .collect())
+}
