@@ -253,6 +253,21 @@ impl DlqFilter {
             ..Self::default()
         }
     }
+
+    /// Whether `letter` is one the filter selects (its limit aside), at `now`.
+    fn accepts(&self, letter: &DeadLetter, now: DateTime<Utc>) -> bool {
+        self.reason.as_ref().is_none_or(|r| *r == letter.reason)
+            && self
+                .step
+                .as_ref()
+                .is_none_or(|s| letter.step.as_deref() == Some(s))
+            && self.since.is_none_or(|since| {
+                chrono::Duration::from_std(since).is_ok_and(|since| letter.failed_at >= now - since)
+            })
+            && self
+                .position
+                .is_none_or(|(p, o)| letter.partition == p && letter.offset == o)
+    }
 }
 
 /// The dead letters of `topic` that `filter` selects, oldest first (by partition and offset), as the
@@ -269,7 +284,7 @@ pub async fn list(
     filter: &DlqFilter,
 ) -> Result<Vec<DeadLetter>, AdminError> {
     crate::index::require_dead_letter_topic(pool, topic).await?;
-    crate::index::sync(kafka, pool, topic).await?;
+    crate::index::sync_for_reading(kafka, pool, topic).await?;
     let topics = [topic.to_owned()];
     let selection = crate::index::Selection {
         topics: &topics,
@@ -379,7 +394,13 @@ pub async fn show(
             "{topic}/{partition} has no message at offset {offset} (it holds {low}..{high})"
         )));
     }
-    let records = read(kafka, topic, vec![(partition, offset, offset + 1)]).await?;
+    let records = read(
+        kafka,
+        topic,
+        vec![(partition, offset, offset + 1)],
+        usize::MAX,
+    )
+    .await?;
     records
         .into_iter()
         .next()
@@ -622,7 +643,11 @@ pub async fn replay(
     filter: &DlqFilter,
     options: &ReplayOptions,
 ) -> Result<ReplayReport, AdminError> {
-    let letters = with_records(kafka, pool, list(kafka, pool, topic, filter).await?).await?;
+    // As the topic holds them now: a letter found in place of the indexed one (its topic recreated) is
+    // replayed only if the filter selects it too.
+    let now = Utc::now();
+    let mut letters = with_records(kafka, pool, list(kafka, pool, topic, filter).await?).await?;
+    letters.retain(|l| filter.accepts(l, now));
     if let Some(position) = filter.position
         && letters.is_empty()
     {
@@ -1029,7 +1054,7 @@ pub async fn read_topic(kafka: &KafkaConfig, topic: &str) -> Result<Vec<Record>,
         .into_iter()
         .filter(|(_, low, high)| high > low)
         .collect();
-    read(kafka, topic, ranges).await
+    read(kafka, topic, ranges, usize::MAX).await
 }
 
 /// The messages of partition `partition` of `topic` from offset `from` until `until` (excluded).
@@ -1040,14 +1065,30 @@ pub(crate) async fn read_range(
     from: i64,
     until: i64,
 ) -> Result<Vec<Record>, AdminError> {
-    read(kafka, topic, vec![(partition, from, until)]).await
+    read(kafka, topic, vec![(partition, from, until)], usize::MAX).await
 }
 
-/// The messages of `topic` in the ranges (partition, from, until), by partition and offset.
+/// The messages of partition `partition` of `topic` from offset `from`, until `until` (excluded) or until
+/// they hold `max_bytes` (keys, payloads and headers; at least one message is read).
+pub(crate) async fn read_bounded(
+    kafka: &KafkaConfig,
+    topic: &str,
+    partition: i32,
+    from: i64,
+    until: i64,
+    max_bytes: usize,
+) -> Result<Vec<Record>, AdminError> {
+    read(kafka, topic, vec![(partition, from, until)], max_bytes).await
+}
+
+/// The messages of `topic` in the ranges (partition, from, until), by partition and offset, until they hold
+/// `max_bytes`. A partition whose end comes first (offsets left out by compaction or transaction markers)
+/// ends there.
 async fn read(
     kafka: &KafkaConfig,
     topic: &str,
     ranges: Vec<(i32, i64, i64)>,
+    max_bytes: usize,
 ) -> Result<Vec<Record>, AdminError> {
     if ranges.is_empty() {
         return Ok(Vec::new());
@@ -1056,7 +1097,7 @@ async fn read(
     config
         .set("group.id", format!("saga-admin-{}", uuid::Uuid::new_v4()))
         .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false");
+        .set("enable.partition.eof", "true");
     let topic = topic.to_owned();
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = config.create()?;
@@ -1067,8 +1108,9 @@ async fn read(
         consumer.assign(&tpl)?;
         let mut until: BTreeMap<i32, i64> = ranges.iter().map(|(p, _, u)| (*p, *u)).collect();
         let mut records = Vec::new();
+        let mut bytes = 0usize;
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while !until.is_empty() {
+        while !until.is_empty() && bytes < max_bytes {
             if std::time::Instant::now() > deadline {
                 return Err(AdminError::Kafka(format!(
                     "reading {topic} did not finish within 60 s"
@@ -1077,12 +1119,25 @@ async fn read(
             let Some(message) = consumer.poll(Duration::from_millis(200)) else {
                 continue;
             };
-            let message = message?;
+            let message = match message {
+                Err(rdkafka::error::KafkaError::PartitionEOF(partition)) => {
+                    until.remove(&partition);
+                    continue;
+                }
+                other => other?,
+            };
             let (partition, offset) = (message.partition(), message.offset());
             let Some(end) = until.get(&partition).copied() else {
                 continue;
             };
             if offset < end {
+                bytes += message.payload_len()
+                    + message.key().map_or(0, <[u8]>::len)
+                    + message.headers().map_or(0, |h| {
+                        h.iter()
+                            .map(|h| h.key.len() + h.value.map_or(0, <[u8]>::len))
+                            .sum()
+                    });
                 records.push(Record {
                     partition,
                     offset,

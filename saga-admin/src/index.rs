@@ -22,6 +22,8 @@ use crate::groups::{FailureGroup, GroupedLetter, LetterState};
 
 /// The most letters read from a topic at once while indexing.
 const CHUNK: i64 = 2_000;
+/// The most bytes (keys, payloads, headers) read from a topic at once while indexing.
+const CHUNK_BYTES: usize = 16 << 20;
 
 /// Applies the consumer's migrations (the index) to `pool`'s schema if its index is missing: a schema no
 /// consumer of this version ran in yet.
@@ -68,9 +70,64 @@ pub async fn require_dead_letter_topic(pool: &PgPool, topic: &str) -> Result<(),
 }
 
 /// Makes sure the index of `pool`'s schema holds every letter `topic` holds (see the module
-/// documentation). Bad input if the topic does not exist.
+/// documentation). Bad input if the topic does not exist. One sync of a topic runs at a time in a schema
+/// (an advisory lock), and it reads the topic's watermarks once it holds it.
 pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(), AdminError> {
     prepare(pool).await?;
+    let Some(mut held) = lock(pool, topic).await? else {
+        tracing::warn!(
+            topic,
+            "another sync of this topic took too long: the index is read as it is"
+        );
+        return Ok(());
+    };
+    let synced = sync_held(kafka, &mut held, topic).await;
+    let unlocked = sqlx::query(
+        "SELECT pg_advisory_unlock(hashtext('saga_dead_letter_scans'), hashtext(current_schema() || '/' || $1))",
+    )
+    .bind(topic)
+    .execute(&mut *held)
+    .await;
+    if unlocked.is_err() {
+        // A connection that may still hold the lock is not handed out again.
+        drop(held.detach());
+    }
+    synced
+}
+
+/// A connection holding the sync lock of `topic`, or `None` after half a minute of trying.
+async fn lock(
+    pool: &PgPool,
+    topic: &str,
+) -> Result<Option<sqlx::pool::PoolConnection<sqlx::Postgres>>, AdminError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let mut conn = pool.acquire().await?;
+        let locked: bool = sqlx::query_scalar(
+            "SELECT pg_try_advisory_lock(hashtext('saga_dead_letter_scans'), \
+                 hashtext(current_schema() || '/' || $1))",
+        )
+        .bind(topic)
+        .fetch_one(&mut *conn)
+        .await?;
+        if locked {
+            return Ok(Some(conn));
+        }
+        // Not held while waiting: the sync holding the lock may need a connection of the pool.
+        drop(conn);
+        if std::time::Instant::now() > deadline {
+            return Ok(None);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// [`sync`], holding its lock on `conn`.
+async fn sync_held(
+    kafka: &KafkaConfig,
+    conn: &mut sqlx::PgConnection,
+    topic: &str,
+) -> Result<(), AdminError> {
     let partitions = crate::broker::partitions_of(kafka, topic).await?;
     for (partition, low, high) in partitions {
         let scanned: Option<i64> = sqlx::query_scalar(
@@ -78,22 +135,24 @@ pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(),
         )
         .bind(topic)
         .bind(partition)
-        .fetch_optional(pool)
+        .fetch_optional(&mut *conn)
         .await?;
-        // Below the low watermark, retention deleted the letters; at or above the high one, the topic was
-        // recreated or truncated: what the index holds there is gone.
+        // Below the low watermark, retention deleted the letters. A high watermark below what was made
+        // sure of says the topic was recreated (or truncated): what the index holds from there is gone.
+        let shrunk = scanned.is_some_and(|n| n > high);
         sqlx::query(
             "DELETE FROM saga_dead_letters WHERE dlq_topic = $1 AND dlq_partition = $2 \
-             AND (dlq_offset < $3 OR dlq_offset >= $4)",
+             AND (dlq_offset < $3 OR ($5 AND dlq_offset >= $4))",
         )
         .bind(topic)
         .bind(partition)
         .bind(low)
         .bind(high)
-        .execute(pool)
+        .bind(shrunk)
+        .execute(&mut *conn)
         .await?;
-        let mut next = match scanned {
-            Some(n) if n <= high => n.max(low),
+        let next = match scanned {
+            Some(n) if !shrunk => n.max(low),
             _ => low,
         };
         if next < high {
@@ -105,7 +164,7 @@ pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(),
             .bind(partition)
             .bind(next)
             .bind(high)
-            .fetch_one(pool)
+            .fetch_one(&mut *conn)
             .await?;
             if held < high - next {
                 let first_missing: Option<i64> = sqlx::query_scalar(
@@ -117,29 +176,34 @@ pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(),
                 .bind(partition)
                 .bind(next)
                 .bind(high)
-                .fetch_one(pool)
+                .fetch_one(&mut *conn)
                 .await?;
                 let mut from = first_missing.unwrap_or(high);
                 while from < high {
                     let until = (from + CHUNK).min(high);
-                    let records = dlq::read_range(kafka, topic, partition, from, until).await?;
+                    let records =
+                        dlq::read_bounded(kafka, topic, partition, from, until, CHUNK_BYTES)
+                            .await?;
                     let found: Vec<IndexedLetter> =
                         records.iter().map(|r| indexed(topic, r)).collect();
-                    let mut conn = pool.acquire().await?;
-                    letters::index(&mut conn, &found).await?;
-                    from = until;
+                    letters::index(&mut *conn, &found).await?;
+                    // The chunk may end early (its bytes, or the partition's end): on from its last one.
+                    from = records.last().map_or(until, |r| r.offset + 1).max(from + 1);
                 }
             }
-            next = high;
         }
+        // Forward only, but after a proven recreation.
         sqlx::query(
             "INSERT INTO saga_dead_letter_scans (dlq_topic, dlq_partition, next_offset) VALUES ($1, $2, $3) \
-             ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET next_offset = EXCLUDED.next_offset",
+             ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET next_offset = CASE WHEN $4 \
+                 THEN EXCLUDED.next_offset \
+                 ELSE GREATEST(saga_dead_letter_scans.next_offset, EXCLUDED.next_offset) END",
         )
         .bind(topic)
         .bind(partition)
-        .bind(next)
-        .execute(pool)
+        .bind(high)
+        .bind(shrunk)
+        .execute(&mut *conn)
         .await?;
     }
     Ok(())
@@ -157,17 +221,35 @@ pub(crate) fn indexed(topic: &str, record: &Record) -> IndexedLetter {
     )
 }
 
-/// Syncs each of `topics` that exists (see [`sync`]); a topic that does not exist holds nothing.
+/// [`sync`] before a read of `topic`'s letters: bad input (the topic does not exist) is the caller's; a
+/// sync that cannot be done now (the broker's error, a database user that may not write the index) leaves
+/// the index to be read as it is, said in the log.
+pub async fn sync_for_reading(
+    kafka: &KafkaConfig,
+    pool: &PgPool,
+    topic: &str,
+) -> Result<(), AdminError> {
+    match sync(kafka, pool, topic).await {
+        Err(e) if !matches!(e, AdminError::BadInput(_)) => {
+            tracing::warn!(topic, error = %e, "the dead-letter index of a topic could not be brought up to date; read as it is");
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// Syncs each of `topics` (see [`sync`]), for reading: a topic that does not exist holds nothing, and one
+/// that cannot be synced now (the broker's error, a database user that may not write the index) is read
+/// as its index holds it, said in the log; no topic keeps another from being read.
 pub async fn sync_all(
     kafka: &KafkaConfig,
     pool: &PgPool,
     topics: &[String],
 ) -> Result<(), AdminError> {
-    prepare(pool).await?;
     for topic in topics {
-        match sync(kafka, pool, topic).await {
-            Ok(()) | Err(AdminError::BadInput(_)) => {}
-            Err(e) => return Err(e),
+        // Only bad input comes back: a topic that does not exist, which holds nothing.
+        if let Err(e) = sync_for_reading(kafka, pool, topic).await {
+            tracing::debug!(topic = %topic, error = %e, "a dead-letter topic holds nothing");
         }
     }
     Ok(())

@@ -783,9 +783,10 @@ pub async fn cancel(pool: &PgPool, id: i64, operator: &str) -> Result<Operation,
         )));
     }
     sqlx::query(
-        "UPDATE saga_dlq_operations SET cancel_requested = true, cancelled_by = $2, cancelled_at = now(), \
+        "UPDATE saga_dlq_operations SET cancel_requested = true, \
+             cancelled_by = coalesce(cancelled_by, $2), cancelled_at = coalesce(cancelled_at, now()), \
              updated_at = now() \
-         WHERE id = $1",
+         WHERE id = $1 AND status = 'running'",
     )
     .bind(id)
     .bind(operator)

@@ -454,7 +454,7 @@ async fn dead_letters(
         "SELECT failed_at, dlq_topic, dlq_partition, dlq_offset, original_topic, original_partition, \
                 original_offset, attempts, error, reason, coalesce(step, consumer_group) \
          FROM {}.saga_dead_letters WHERE idempotency_key = $1 AND ($2::text IS NULL OR tenant_id = $2) \
-         ORDER BY failed_at",
+         ORDER BY failed_at LIMIT 1000",
         ident(schema)
     )))
     .bind(key)

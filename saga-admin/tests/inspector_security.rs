@@ -44,6 +44,17 @@ impl Answer {
             })
     }
 
+    /// The value of the page's hidden field `name`.
+    fn field(&self, name: &str) -> String {
+        let marker = format!("name=\"{name}\" value=\"");
+        let at = self
+            .body
+            .find(&marker)
+            .unwrap_or_else(|| panic!("no field {name} in {}", self.body));
+        let rest = &self.body[at + marker.len()..];
+        rest[..rest.find('"').unwrap()].to_owned()
+    }
+
     /// The CSRF token of the page's form.
     fn csrf(&self) -> String {
         let at = self
@@ -337,6 +348,7 @@ async fn the_page_answers_its_own_host_only_and_replays_only_from_its_own_form()
         "{set}"
     );
     let csrf = first.csrf();
+    let letter = first.field("letter");
     let cookie = format!("saga_admin_session={session}");
 
     // Refused: no Origin and no Referer; another origin; no token; a wrong token; another session's.
@@ -385,15 +397,23 @@ async fn the_page_answers_its_own_host_only_and_replays_only_from_its_own_form()
     }
     assert_eq!(i.sent().await, 0, "nothing was replayed");
 
-    // From its own form: replayed, once, recorded as the inspector's user.
+    // From its own form, but without the letter its page showed: refused.
     let answer = post(with(Some(&origin), &cookie), format!("csrf={csrf}")).await;
+    assert_eq!(answer.status, 400, "{answer:?}");
+    assert_eq!(i.sent().await, 0);
+    // From its own form: replayed, once, recorded as the inspector's user.
+    let answer = post(
+        with(Some(&origin), &cookie),
+        format!("csrf={csrf}&letter={letter}"),
+    )
+    .await;
     assert_eq!(answer.status, 200, "{answer:?}");
     assert!(answer.body.contains("data-sent=\"1\""), "{}", answer.body);
     assert_eq!(i.sent().await, 1);
     // A browser that sends a Referer but no Origin is accepted too; the letter is not sent again.
     let mut headers = vec![("host", host.clone()), ("cookie", cookie.clone())];
     headers.push(("referer", format!("{origin}{}", i.confirm_path())));
-    let answer = post(headers, format!("csrf={csrf}")).await;
+    let answer = post(headers, format!("csrf={csrf}&letter={letter}")).await;
     assert_eq!(answer.status, 200, "{answer:?}");
     assert!(answer.body.contains("data-sent=\"0\""));
     assert_eq!(i.sent().await, 1);
@@ -526,6 +546,64 @@ async fn with_tokens_each_request_presents_one_and_the_replay_is_recorded_under_
     )
     .await;
     assert_eq!(still.status, 200);
+    // The same link followed from another site, whose navigation carries no cookie of the inspector: it
+    // signs in no one by itself, but asks, on a page whose form the browser sends with the cookies.
+    let asked = raw(
+        i.addr,
+        "GET",
+        &format!("/?token={bob}"),
+        &[
+            ("host", &host),
+            ("sec-fetch-site", "cross-site"),
+            ("sec-fetch-mode", "navigate"),
+            ("sec-fetch-dest", "document"),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(asked.status, 200, "{asked:?}");
+    assert!(asked.body.contains("Sign in as bob"), "{}", asked.body);
+    assert!(
+        asked.cookie(login_cookie).is_none(),
+        "no sign-in by a link alone"
+    );
+    let asked_session = asked.cookie("saga_admin_session").unwrap();
+    let finish = |cookie: String| {
+        let (addr, host, body) = (
+            i.addr,
+            host.clone(),
+            format!(
+                "csrf={}&token={}&next={}",
+                asked.csrf(),
+                asked.field("token"),
+                asked.field("next")
+            ),
+        );
+        async move {
+            raw(
+                addr,
+                "POST",
+                "/login",
+                &[
+                    ("host", &host),
+                    ("origin", &format!("http://{host}")),
+                    ("cookie", &cookie),
+                ],
+                &body,
+            )
+            .await
+        }
+    };
+    // Pressed in Alice's browser (her session's cookie goes with the form): refused, as above.
+    let replaced = finish(format!("{alices}; saga_admin_session={asked_session}")).await;
+    assert_eq!(replaced.status, 409, "{replaced:?}");
+    assert!(replaced.cookie(login_cookie).is_none());
+    // Pressed where no one is signed in: Bob's session.
+    let signed = finish(format!("saga_admin_session={asked_session}")).await;
+    assert_eq!(signed.status, 303, "{signed:?}");
+    assert_eq!(signed.header("location"), Some("/"));
+    assert!(signed.cookie(login_cookie).is_some());
+
     // Her own sign-out, from that page's form: the session ends.
     let out = raw(
         i.addr,
@@ -897,16 +975,7 @@ async fn a_confirmation_acts_on_the_letters_its_preview_listed_or_on_none() {
         "saga_admin_session={}",
         first.cookie("saga_admin_session").unwrap()
     );
-    let field = |answer: &Answer, name: &str| {
-        let marker = format!("name=\"{name}\" value=\"");
-        let at = answer
-            .body
-            .find(&marker)
-            .unwrap_or_else(|| panic!("no {name} in {}", answer.body));
-        let rest = &answer.body[at + marker.len()..];
-        rest[..rest.find('"').unwrap()].to_owned()
-    };
-    let (csrf, pin) = (first.csrf(), field(&first, "plan"));
+    let (csrf, pin) = (first.csrf(), first.field("plan"));
     let confirm = |body: String| {
         let (addr, host, origin, cookie) = (i.addr, host.clone(), origin.clone(), cookie.clone());
         let path = format!("/api/groups/{id}/discard");
@@ -970,7 +1039,7 @@ async fn a_confirmation_acts_on_the_letters_its_preview_listed_or_on_none() {
         "{}",
         again.body
     );
-    let started = confirm(format!("csrf={csrf}&plan={}", field(&again, "plan"))).await;
+    let started = confirm(format!("csrf={csrf}&plan={}", again.field("plan"))).await;
     assert_eq!(started.status, 303, "{started:?}");
     saga_test_support::wait_until("the discard", Duration::from_secs(60), || async {
         (discards().await == 5).then_some(())

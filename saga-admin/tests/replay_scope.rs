@@ -714,3 +714,65 @@ fn write_fuzz_corpus(letters: &[dlq::DeadLetter]) {
         std::fs::write(dir.join(name), input).unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keys_the_index_cannot_hold_as_they_are_stop_neither_the_partition_nor_the_listing() {
+    let f = Fixture::new("replay-nul").await;
+    let a = f
+        .consumer("a", "effects_a", Arc::new(AtomicBool::new(false)))
+        .await;
+    let group = a.group.clone();
+    let dlq_topic = format!("{group}.dlq");
+    // Two messages whose keys the consumer cannot read (a NUL byte; far too long), dead-lettered as
+    // undecodable with their headers; then a message that runs.
+    let long = "k".repeat(5_000);
+    for key in ["a\u{0}b", long.as_str()] {
+        f.kafka
+            .produce(
+                &f.kafka.producer(),
+                &f.topic,
+                Some("k"),
+                &[("idempotency-key", key), ("ce_type", "Thing")],
+                br#"{"n":1}"#,
+            )
+            .await;
+    }
+    f.thing("order-3", 3).await;
+    wait_until("the third message processed", WAIT, || async {
+        (f.effects("effects_a").await == ["order-3"]).then_some(())
+    })
+    .await;
+    let indexed: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT reason, idempotency_key FROM saga_dead_letters WHERE dlq_topic = $1 ORDER BY dlq_offset",
+    )
+    .bind(&dlq_topic)
+    .fetch_all(&f.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(indexed.len(), 2, "{indexed:?}");
+    assert!(indexed.iter().all(|(reason, _)| reason == "undecodable"));
+    let keys: Vec<&str> = indexed.iter().filter_map(|(_, k)| k.as_deref()).collect();
+    assert!(
+        keys.iter().all(|k| !k.contains('\0') && k.len() <= 512),
+        "{keys:?}"
+    );
+    a.stop().await;
+    // The toolkit lists them, and the groups count them.
+    let listed = dlq::list(
+        &f.kafka_config(),
+        &f.db.pool,
+        &dlq_topic,
+        &DlqFilter::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(listed.len(), 2);
+    let counts = dlq::counts(
+        &f.kafka_config(),
+        &f.db.pool,
+        std::slice::from_ref(&dlq_topic),
+    )
+    .await
+    .unwrap();
+    assert_eq!(counts.values().sum::<usize>(), 2, "{counts:?}");
+}

@@ -626,6 +626,21 @@ impl Executor {
                     );
                     return true;
                 }
+                // A value the database refuses for good (data exceptions, program limits): retrying cannot
+                // help, and a partition must not stop for a letter's index. The letter is in its topic.
+                Err(sqlx::Error::Database(e))
+                    if e.code()
+                        .is_some_and(|c| c.starts_with("22") || c.starts_with("54")) =>
+                {
+                    tracing::error!(
+                        dlq = %letter.dlq_topic,
+                        partition = letter.partition,
+                        offset = letter.offset,
+                        error = %e,
+                        "the dead-letter index refuses this letter; it stays in its topic, unindexed"
+                    );
+                    return true;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, ?wait, "indexing a dead letter failed; retrying");
                     if !sleep_or_cancel(wait, cancel).await {

@@ -60,8 +60,9 @@ pub struct IdempotencyConfig {
     /// The response headers stored with the key and replayed to a retry; every other header (`Set-Cookie`,
     /// `Authorization`, a session's or a proxy's) is answered once and never stored.
     pub stored_headers: Vec<HeaderName>,
-    /// The largest response body stored with a key. A handler's response beyond it is not stored: the
-    /// request is rolled back and answered 500, saying so, as a response that cannot be replayed.
+    /// The largest response body stored with a key. A handler's response beyond it commits and is answered
+    /// as it is, but stored without its body: a retry gets its status and headers, a short body saying so,
+    /// and [`BODY_OMITTED_HEADER`] with its size.
     pub max_stored_body_bytes: usize,
 }
 
@@ -322,23 +323,36 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotentRequest {
     }
 }
 
+/// The response header on a replay whose stored response kept no body: the body's size, in bytes.
+pub const BODY_OMITTED_HEADER: &str = "idempotent-body-omitted";
+
 /// A response as stored with its key.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct StoredResponse {
     status: u16,
     headers: Vec<(String, String)>,
     body: String,
+    /// The size of a body larger than the layer stores: kept without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    omitted: Option<usize>,
 }
 
 impl StoredResponse {
     /// The response to store: its status, the `stored` headers it has, and its body (UTF-8).
+    /// The response to store: its status, the `stored` headers it has, and its body (UTF-8), or, beyond
+    /// `max_body` bytes, its size alone.
     fn capture(
         status: StatusCode,
         headers: &HeaderMap,
         stored: &[HeaderName],
         body: &[u8],
+        max_body: usize,
     ) -> Option<Self> {
-        let body = String::from_utf8(body.to_vec()).ok()?;
+        let (body, omitted) = if body.len() > max_body {
+            (String::new(), Some(body.len()))
+        } else {
+            (String::from_utf8(body.to_vec()).ok()?, None)
+        };
         let headers = headers
             .iter()
             .filter(|(name, _)| stored.contains(name))
@@ -348,20 +362,43 @@ impl StoredResponse {
             status: status.as_u16(),
             headers,
             body,
+            omitted,
         })
     }
 
-    fn replay(self) -> Response<Full<Bytes>> {
-        let mut response = Response::new(Full::new(Bytes::from(self.body)));
+    /// The stored response, as a retry gets it: only its `stored` headers (a response stored by an
+    /// earlier version may hold others), and for one stored without its body, a short one saying so.
+    fn replay(self, stored: &[HeaderName]) -> Response<Full<Bytes>> {
+        let body = match self.omitted {
+            Some(size) => serde_json::json!({
+                "notice": format!(
+                    "the request took effect; its response ({size} bytes) was larger than the layer stores \
+                     for a retry"
+                )
+            })
+            .to_string(),
+            None => self.body,
+        };
+        let mut response = Response::new(Full::new(Bytes::from(body)));
         *response.status_mut() =
             StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         for (name, value) in self.headers {
             if let (Ok(name), Ok(value)) = (
                 HeaderName::try_from(name.as_str()),
                 HeaderValue::try_from(value.as_str()),
-            ) {
+            ) && stored.contains(&name)
+            {
                 response.headers_mut().append(name, value);
             }
+        }
+        if let Some(size) = self.omitted {
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            response
+                .headers_mut()
+                .insert(BODY_OMITTED_HEADER, HeaderValue::from(size));
         }
         response
             .headers_mut()
@@ -671,7 +708,7 @@ where
                 }) {
                 Some((response, value)) => {
                     replayed = Some(value);
-                    response.replay()
+                    response.replay(&config.stored_headers)
                 }
                 None => problem(
                     StatusCode::CONFLICT,
@@ -737,28 +774,20 @@ where
         return Ok((Response::from_parts(parts, Full::new(body)), None));
     }
     if body.len() > config.max_stored_body_bytes {
-        roll_back(tx).await;
-        tracing::error!(
+        tracing::warn!(
             bytes = body.len(),
             max = config.max_stored_body_bytes,
-            "the handler's response is larger than the layer stores: rolled back"
+            "the handler's response is larger than the layer stores: a retry gets its status and headers \
+             without it"
         );
-        return Ok((
-            problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                &format!(
-                    "the handler's response ({} bytes) is larger than the layer stores for a retry \
-                     (max_stored_body_bytes, {} bytes): nothing was done",
-                    body.len(),
-                    config.max_stored_body_bytes
-                ),
-            ),
-            None,
-        ));
     }
-    let Some(stored) =
-        StoredResponse::capture(parts.status, &parts.headers, &config.stored_headers, &body)
-    else {
+    let Some(stored) = StoredResponse::capture(
+        parts.status,
+        &parts.headers,
+        &config.stored_headers,
+        &body,
+        config.max_stored_body_bytes,
+    ) else {
         roll_back(tx).await;
         return Ok((
             problem(
@@ -854,7 +883,7 @@ mod fast {
             && let Ok(stored) = serde_json::from_value::<StoredResponse>(cached.response)
         {
             fast.answered("replay", 1);
-            return Ok(stored.replay());
+            return Ok(stored.replay(&config.stored_headers));
         }
         // A cached entry for another request, or one that does not decode: PostgreSQL decides.
         let (tenant, step_key) = (claimed.lineage.tenant().clone(), claimed.step_key.clone());

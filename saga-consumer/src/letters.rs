@@ -331,13 +331,37 @@ impl IndexedLetter {
     }
 }
 
+/// The longest text of a letter the index keeps of a name (a key, a tenant, a topic, a step, a group, a
+/// reason), in bytes; a dead letter's own `dlq-error` is at most 2 KiB, and the index keeps at most
+/// [`MAX_INDEXED_ERROR`] of one.
+pub const MAX_INDEXED_NAME: usize = 512;
+/// The longest error the index keeps, in bytes.
+pub const MAX_INDEXED_ERROR: usize = 4096;
+
+/// `text` as the index can hold it, whatever a message carried: NUL characters (which PostgreSQL's text
+/// refuses) replaced, at most `max` bytes (cut at a character boundary). A letter is indexed whatever its
+/// headers hold: one crafted header never stops a partition or a listing.
+pub fn indexable(text: &str, max: usize) -> String {
+    let mut out: String = text.replace('\0', "\u{fffd}");
+    if out.len() > max {
+        let mut cut = max;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+    }
+    out
+}
+
 /// Records `letters` in the index of `conn`'s schema (`saga_dead_letters`), idempotently by position: a
 /// letter indexed already is left as it is, unless another letter now sits at its position (the topic
-/// deleted and recreated), which replaces it.
+/// deleted and recreated), which replaces it. What a message carried is kept as the index can hold it
+/// ([`indexable`]).
 pub async fn index(conn: &mut PgConnection, letters: &[IndexedLetter]) -> Result<(), sqlx::Error> {
     if letters.is_empty() {
         return Ok(());
     }
+    let name = |s: &str| indexable(s, MAX_INDEXED_NAME);
     let column = |f: &dyn Fn(&IndexedLetter) -> String| letters.iter().map(f).collect::<Vec<_>>();
     let optional =
         |f: &dyn Fn(&IndexedLetter) -> Option<String>| letters.iter().map(f).collect::<Vec<_>>();
@@ -359,14 +383,14 @@ pub async fn index(conn: &mut PgConnection, letters: &[IndexedLetter]) -> Result
              unreadable = EXCLUDED.unreadable, indexed_at = now() \
          WHERE saga_dead_letters.letter_hash <> EXCLUDED.letter_hash",
     )
-    .bind(column(&|l| l.dlq_topic.clone()))
+    .bind(column(&|l| name(&l.dlq_topic)))
     .bind(letters.iter().map(|l| l.partition).collect::<Vec<_>>())
     .bind(letters.iter().map(|l| l.offset).collect::<Vec<_>>())
     .bind(column(&|l| l.letter_hash.clone()))
     .bind(column(&|l| l.failure_group.clone()))
-    .bind(column(&|l| normalise(&l.fields.error)))
-    .bind(column(&|l| l.fields.group.clone()))
-    .bind(column(&|l| l.fields.original_topic.clone()))
+    .bind(column(&|l| indexable(&normalise(&l.fields.error), MAX_INDEXED_NAME)))
+    .bind(column(&|l| name(&l.fields.group)))
+    .bind(column(&|l| name(&l.fields.original_topic)))
     .bind(
         letters
             .iter()
@@ -379,9 +403,9 @@ pub async fn index(conn: &mut PgConnection, letters: &[IndexedLetter]) -> Result
             .map(|l| l.fields.original_offset)
             .collect::<Vec<_>>(),
     )
-    .bind(optional(&|l| l.fields.step.clone()))
-    .bind(column(&|l| l.fields.reason.clone()))
-    .bind(column(&|l| l.fields.error.clone()))
+    .bind(optional(&|l| l.fields.step.as_deref().map(name)))
+    .bind(column(&|l| name(&l.fields.reason)))
+    .bind(column(&|l| indexable(&l.fields.error, MAX_INDEXED_ERROR)))
     .bind(
         letters
             .iter()
@@ -389,8 +413,8 @@ pub async fn index(conn: &mut PgConnection, letters: &[IndexedLetter]) -> Result
             .collect::<Vec<_>>(),
     )
     .bind(letters.iter().map(|l| l.fields.failed_at).collect::<Vec<_>>())
-    .bind(optional(&|l| l.fields.idempotency_key.clone()))
-    .bind(column(&|l| l.fields.tenant.clone()))
+    .bind(optional(&|l| l.fields.idempotency_key.as_deref().map(name)))
+    .bind(column(&|l| name(&l.fields.tenant)))
     .bind(letters.iter().map(|l| l.fields.truncated).collect::<Vec<_>>())
     .bind(
         letters
@@ -398,7 +422,12 @@ pub async fn index(conn: &mut PgConnection, letters: &[IndexedLetter]) -> Result
             .map(|l| i32::try_from(l.fields.replay_count).unwrap_or(i32::MAX))
             .collect::<Vec<_>>(),
     )
-    .bind(optional(&|l| l.fields.unreadable.clone()))
+    .bind(optional(&|l| {
+        l.fields
+            .unreadable
+            .as_deref()
+            .map(|u| indexable(u, MAX_INDEXED_ERROR))
+    }))
     .execute(conn)
     .await?;
     Ok(())
@@ -454,6 +483,17 @@ mod tests {
             .iter()
             .map(|(n, v)| ((*n).to_owned(), Some(v.as_bytes().to_vec())))
             .collect()
+    }
+
+    #[test]
+    fn what_the_index_keeps_holds_no_nul_and_is_bounded() {
+        assert_eq!(indexable("a\0b", 10), "a\u{fffd}b");
+        assert_eq!(indexable("héllo", 2), "h");
+        assert_eq!(
+            indexable(&"k".repeat(5000), MAX_INDEXED_NAME).len(),
+            MAX_INDEXED_NAME
+        );
+        assert_eq!(indexable("fine", MAX_INDEXED_NAME), "fine");
     }
 
     #[test]

@@ -11,7 +11,9 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
 use saga_consumer::StepName;
-use saga_consumer::http::{IdempotencyLayer, IdempotentRequest, REPLAYED_HEADER};
+use saga_consumer::http::{
+    BODY_OMITTED_HEADER, IdempotencyLayer, IdempotentRequest, REPLAYED_HEADER,
+};
 use saga_test_support::TestDb;
 use tower::ServiceExt;
 
@@ -451,7 +453,8 @@ async fn with_callers_known_another_caller_presenting_the_same_key_and_body_gets
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_headers_that_describe_the_body_are_stored_and_a_body_too_large_to_store_is_refused() {
+async fn only_headers_that_describe_the_body_are_stored_and_a_body_too_large_to_store_is_not_kept()
+{
     let f = Fixture::new("http-stored").await;
     let send = |path: &'static str, key: &'static str| {
         let app = f.app.clone();
@@ -493,17 +496,28 @@ async fn only_headers_that_describe_the_body_are_stored_and_a_body_too_large_to_
     .unwrap();
     assert!(!stored.contains("s3cret"), "{stored}");
 
-    // A response larger than the layer stores: rolled back (no thing, no key), and it says so.
+    // A response larger than the layer stores: answered and committed as it is; a retry gets its status
+    // and stored headers, and a short body saying its response was not kept, never the handler again.
     let before = f.things().await;
     let (large, body) = send("/large", "k-large").await;
-    assert_eq!(large.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert!(body.contains("larger than the layer stores"), "{body}");
-    assert_eq!(f.things().await, before, "the request was rolled back");
-    let keys: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM saga_idempotency_keys WHERE step_key = 'k-large:create-large'",
+    assert_eq!(large.status, StatusCode::CREATED);
+    assert_eq!(body.len(), 100_000, "the first answer is whole");
+    assert_eq!(f.things().await, before + 1);
+    let (again, notice) = send("/large", "k-large").await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.headers[REPLAYED_HEADER], "true");
+    assert_eq!(again.headers[BODY_OMITTED_HEADER], "100000");
+    assert!(notice.contains("larger than the layer stores"), "{notice}");
+    assert_eq!(
+        f.things().await,
+        before + 1,
+        "the handler did not run again"
+    );
+    let stored: String = sqlx::query_scalar(
+        "SELECT outcome::text FROM saga_idempotency_keys WHERE step_key = 'k-large:create-large'",
     )
     .fetch_one(&f.db.pool)
     .await
     .unwrap();
-    assert_eq!(keys, 0, "no key kept: a retry runs again");
+    assert!(stored.len() < 1_000, "the body was not stored: {stored}");
 }

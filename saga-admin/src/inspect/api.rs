@@ -278,7 +278,7 @@ const PAGE_LETTERS: usize = 500;
 
 /// The first [`PAGE_LETTERS`] letters of `topic`, with their groups and states.
 async fn topic_letters(app: &App, topic: &str) -> Result<Vec<GroupedLetter>, AdminError> {
-    crate::index::sync(&app.kafka, &app.pool, topic).await?;
+    crate::index::sync_for_reading(&app.kafka, &app.pool, topic).await?;
     let topics = [topic.to_owned()];
     let filter = DlqFilter {
         limit: Some(PAGE_LETTERS),
@@ -431,13 +431,31 @@ fn read_only(caller: &Caller, headers: &HeaderMap) -> Option<Response> {
 pub(super) async fn replay_letter(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
+    form: Option<Extension<FormFields>>,
     headers: HeaderMap,
     Path((topic, partition, offset)): Path<(String, i32, i64)>,
 ) -> Response {
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
-    if let Err(e) = app.shown_topic(&topic).await {
+    // The page's confirmation names the letter it showed: a letter now at that position (its topic
+    // recreated) is not replayed unseen.
+    let pinned = form.as_ref().and_then(|Extension(f)| f.get("letter"));
+    let checked = match (pinned, caller.scripted) {
+        (None, false) => Err(AdminError::bad_input(
+            "a replay must be confirmed from the letter's page: open it again",
+        )),
+        (None, true) => app.shown_topic(&topic).await,
+        (Some(pinned), _) => match one_letter(&app, &topic, partition, offset).await {
+            Ok(current) if current.identity() == pinned => Ok(()),
+            Ok(_) => Err(AdminError::bad_input(
+                "another letter is at this position now (its topic was recreated): nothing was done; \
+                 open it again",
+            )),
+            Err(e) => Err(e),
+        },
+    };
+    if let Err(e) = checked {
         return failure(&e, wants_html(&headers));
     }
     let report = dlq::replay(
@@ -458,8 +476,9 @@ pub(super) const PLAN_FIELD: &str = "plan";
 /// How long a preview may be confirmed.
 const PLAN_TTL_SECS: i64 = 600;
 
-/// What a preview's confirmation carries: when the preview was made, how many letters it listed, and its
-/// plan's [`digest`](Plan::digest), as `{unix seconds}.{letters}.{digest}`. The confirmation acts only if
+/// What a preview's confirmation carries: when the preview was made, how many letters it listed, its
+/// plan's [`digest`](Plan::digest), and a seal of these with the session, as
+/// `{unix seconds}.{letters}.{digest}.{seal}`. The confirmation acts only if
 /// the plan made when it arrives has the same digest (the same letters, alike) and the preview is at most
 /// ten minutes old: letters that arrived since are not acted on unseen.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -467,29 +486,53 @@ pub(super) struct PlanPin {
     made_at: i64,
     letters: usize,
     digest: String,
+    /// A hash of the above with the session's CSRF token: a pin is the session's, and its time is the
+    /// preview's.
+    seal: String,
 }
 
 impl PlanPin {
-    /// The pin of `plan`, previewed now.
-    pub(super) fn of(plan: &Plan) -> Self {
+    /// The pin of `plan`, previewed now in the session whose CSRF token is `csrf`.
+    pub(super) fn of(plan: &Plan, csrf: &str) -> Self {
+        let (made_at, letters, digest) = (
+            chrono::Utc::now().timestamp(),
+            plan.letters.len(),
+            plan.digest(),
+        );
         Self {
-            made_at: chrono::Utc::now().timestamp(),
-            letters: plan.letters.len(),
-            digest: plan.digest(),
+            seal: Self::seal(made_at, letters, &digest, csrf),
+            made_at,
+            letters,
+            digest,
         }
     }
 
+    fn seal(made_at: i64, letters: usize, digest: &str, csrf: &str) -> String {
+        use sha2::Digest as _;
+        sha2::Sha256::digest(format!("plan\0{csrf}\0{made_at}\0{letters}\0{digest}"))[..12]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     fn parse(text: &str) -> Option<Self> {
-        let mut parts = text.splitn(3, '.');
+        let mut parts = text.splitn(4, '.');
         Some(Self {
             made_at: parts.next()?.parse().ok()?,
             letters: parts.next()?.parse().ok()?,
             digest: parts.next()?.to_owned(),
+            seal: parts.next()?.to_owned(),
         })
     }
 
-    /// Bad input unless `plan`, made now, is the one this pin's preview showed, and the preview is recent.
-    fn admits(&self, plan: &Plan) -> Result<(), AdminError> {
+    /// Bad input unless the pin is of the session whose CSRF token is `csrf`, `plan`, made now, is the one
+    /// its preview showed, and the preview is recent.
+    fn admits(&self, plan: &Plan, csrf: &str) -> Result<(), AdminError> {
+        if self.seal != Self::seal(self.made_at, self.letters, &self.digest, csrf) {
+            return Err(AdminError::bad_input(
+                "the confirmation's plan is not this session's preview: preview again, then confirm",
+            ));
+        }
         let age = chrono::Utc::now().timestamp() - self.made_at;
         if !(0..=PLAN_TTL_SECS).contains(&age) {
             return Err(AdminError::bad_input(
@@ -510,7 +553,11 @@ impl PlanPin {
 
 impl std::fmt::Display for PlanPin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}.{}", self.made_at, self.letters, self.digest)
+        write!(
+            f,
+            "{}.{}.{}.{}",
+            self.made_at, self.letters, self.digest, self.seal
+        )
     }
 }
 
@@ -531,7 +578,7 @@ fn pinned(
         Some(text) => {
             let pin = PlanPin::parse(text)
                 .ok_or_else(|| AdminError::bad_input("the confirmation's plan is malformed"))?;
-            pin.admits(&plan)?;
+            pin.admits(&plan, &caller.csrf)?;
         }
         None if !caller.scripted => {
             return Err(AdminError::bad_input(

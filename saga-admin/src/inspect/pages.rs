@@ -26,6 +26,9 @@ table.lanes td{min-width:14rem}.lane-event{border-left:3px solid #0969da;padding
 .lane-event.emitted{border-color:#1a7f37}.lane-event.transition{border-color:#8250df}small{color:#57606a}\
 .warning{color:#9a6700;background:#fff8c5;padding:.4rem .6rem}";
 
+/// The most rows a page lists of one table.
+const PAGE_ROWS: usize = 500;
+
 /// Escapes text for HTML.
 fn esc(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -91,6 +94,32 @@ pub(super) fn replace_login(
             esc(logout),
             esc(csrf_field),
             esc(csrf)
+        ),
+    )
+}
+
+/// The page that finishes a sign-in whose link was followed from another site: the name it signs in as,
+/// and a form of this page that POSTs `fields` to `action`.
+pub(super) fn confirm_login(name: &str, action: &str, fields: &[(&str, &str)]) -> String {
+    let hidden: String = fields
+        .iter()
+        .map(|(n, v)| {
+            format!(
+                "<input type=\"hidden\" name=\"{}\" value=\"{}\">",
+                esc(n),
+                esc(v)
+            )
+        })
+        .collect();
+    page(
+        "Sign in?",
+        &format!(
+            "<p id=\"message\">A link from elsewhere signs you in as <b>{}</b>: what you do next would be \
+             recorded under that name.</p><form method=\"post\" action=\"{}\">{hidden}\
+             <button type=\"submit\" id=\"sign-in\">Sign in as {}</button></form>",
+            esc(name),
+            esc(action),
+            esc(name)
         ),
     )
 }
@@ -582,6 +611,7 @@ pub(super) fn confirm_replay(letter: &DeadLetter, owner: &DlqOwner, caller: &Cal
          already. A dead letter is replayed once.</p>\
          <form method=\"post\" action=\"/api/dlq/{}/{}/{}/replay\">\
          <input type=\"hidden\" name=\"{}\" value=\"{}\">\
+         <input type=\"hidden\" name=\"letter\" value=\"{}\">\
          <button type=\"submit\" id=\"confirm\">Confirm replay</button></form>",
         esc(&letter.original_topic),
         letter.original_partition,
@@ -593,7 +623,8 @@ pub(super) fn confirm_replay(letter: &DeadLetter, owner: &DlqOwner, caller: &Cal
         letter.partition,
         letter.offset,
         CSRF_FIELD,
-        esc(&caller.csrf)
+        esc(&caller.csrf),
+        esc(&letter.identity())
     );
     page("Replay a dead letter?", &body)
 }
@@ -707,7 +738,7 @@ pub(super) fn confirm_plan(plan: &Plan, id: &str, caller: &Caller) -> String {
         esc(&caller.operator)
     );
     body.push_str("<table id=\"planned\"><tr><th>letter</th><th>key</th><th>what</th></tr>");
-    for l in &plan.letters {
+    for l in plan.letters.iter().take(PAGE_ROWS) {
         let _ = write!(
             body,
             "<tr><td>{}/{}/{}</td><td>{}</td><td>{}</td></tr>",
@@ -723,6 +754,13 @@ pub(super) fn confirm_plan(plan: &Plan, id: &str, caller: &Caller) -> String {
         );
     }
     body.push_str("</table>");
+    if plan.letters.len() > PAGE_ROWS {
+        let _ = write!(
+            body,
+            "<p class=\"empty\">and {} more, alike.</p>",
+            plan.letters.len() - PAGE_ROWS
+        );
+    }
     if plan.would_act() > 0 && !caller.read_only {
         // The confirmation carries the preview's pin: it acts on these letters, or on none.
         let form = post_form(
@@ -734,7 +772,7 @@ pub(super) fn confirm_plan(plan: &Plan, id: &str, caller: &Caller) -> String {
         );
         let pin = format!(
             "<input type=\"hidden\" name=\"{PLAN_FIELD}\" value=\"{}\">",
-            esc(&super::api::PlanPin::of(plan).to_string())
+            esc(&super::api::PlanPin::of(plan, &caller.csrf).to_string())
         );
         body.push_str(&form.replacen("<button", &format!("{pin}<button"), 1));
     } else {

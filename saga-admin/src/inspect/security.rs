@@ -38,10 +38,15 @@ use super::pages;
 /// `__Host-` prefixed when cookies are `Secure`.
 const LOGIN_COOKIE: &str = "saga_admin_login";
 const SESSION_COOKIE: &str = "saga_admin_session";
+/// The most sessions kept at once.
+const MAX_LOGINS: usize = 1_000;
 /// How long a sign-in with `?token=` lasts.
 const LOGIN_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
 /// The path that ends a sign-in (a POST from the inspector's own page).
 const LOGOUT_PATH: &str = "/logout";
+/// The path that finishes a sign-in whose link was followed from another site (a POST from the page that
+/// asks).
+const LOGIN_PATH: &str = "/login";
 /// The form field carrying the CSRF token.
 pub(super) const CSRF_FIELD: &str = "csrf";
 /// The largest form a POST may carry.
@@ -193,6 +198,17 @@ impl Guard {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         logins.retain(|_, (_, until)| *until > now);
+        // Bounded: past the cap, the session closest to its end goes first.
+        while logins.len() >= MAX_LOGINS {
+            let Some(oldest) = logins
+                .iter()
+                .min_by_key(|(_, (_, until))| *until)
+                .map(|(id, _)| id.clone())
+            else {
+                break;
+            };
+            logins.remove(&oldest);
+        }
         logins.insert(id.clone(), (name.to_owned(), now + LOGIN_TTL));
         id
     }
@@ -347,12 +363,43 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
     let mut bearer = false;
     if !guard.tokens.is_empty() {
         if let Some(presented) = query_value(request.uri().query(), "token") {
+            let location = without_query_param(request.uri(), "token");
+            // A link followed from another site carries no cookie of this one (they are SameSite=Strict):
+            // whether a session would be replaced cannot be seen. The sign-in is finished by this
+            // inspector's own form instead, which the browser sends with them.
+            if followed_from_elsewhere(request.headers()) {
+                return Ok(Checked::Redirect(confirm_login(
+                    guard,
+                    &presented,
+                    &location,
+                    &session,
+                    new_session.as_deref(),
+                )));
+            }
             return Ok(Checked::Redirect(login(
                 guard,
-                request,
+                request.headers(),
                 &presented,
+                &location,
                 &session,
                 new_session.as_deref(),
+            )));
+        }
+        if request.method() == Method::POST && request.uri().path() == LOGIN_PATH {
+            check_own_form(guard, request, existing.is_some(), &session).await?;
+            let fields = request
+                .extensions()
+                .get::<FormFields>()
+                .cloned()
+                .unwrap_or_default();
+            let location = local_path(fields.get("next").unwrap_or("/"));
+            return Ok(Checked::Redirect(login(
+                guard,
+                request.headers(),
+                fields.get("token").unwrap_or_default(),
+                &location,
+                &session,
+                None,
             )));
         }
         let headers = request.headers();
@@ -413,15 +460,16 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
 /// attacker's name) is refused with a page that says so and offers to sign out first. The answer, whichever.
 fn login(
     guard: &Guard,
-    request: &Request,
+    headers: &HeaderMap,
     presented: &str,
+    location: &str,
     session: &str,
     new_session: Option<&str>,
 ) -> Response {
     let Some(named) = guard.token_named(presented) else {
         return unauthorized();
     };
-    if let Some(current) = guard.signed_in(request.headers())
+    if let Some(current) = guard.signed_in(headers)
         && current != named.name
     {
         let mut response = (
@@ -442,17 +490,59 @@ fn login(
         }
         return response;
     }
-    let location = without_query_param(request.uri(), "token");
-    let mut response = (
-        StatusCode::SEE_OTHER,
-        [(header::LOCATION, location.as_str())],
-    )
-        .into_response();
+    let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, location)]).into_response();
     let id = guard.sign_in(&named.name);
     if let Some(cookie) = guard.cookie_for(guard.login_cookie(), &id, Some(LOGIN_TTL)) {
         response.headers_mut().append(header::SET_COOKIE, cookie);
     }
     response
+}
+
+/// The page that finishes a sign-in whose link was followed from another site: who the token names, and a
+/// button (this inspector's own form, with the session's CSRF token) that signs in. Nothing is signed in
+/// until it is pressed.
+fn confirm_login(
+    guard: &Guard,
+    presented: &str,
+    location: &str,
+    session: &str,
+    new_session: Option<&str>,
+) -> Response {
+    let Some(named) = guard.token_named(presented) else {
+        return unauthorized();
+    };
+    let mut response = Html(pages::confirm_login(
+        &named.name,
+        LOGIN_PATH,
+        &[
+            (CSRF_FIELD, guard.csrf_of(session).as_str()),
+            ("token", presented),
+            ("next", location),
+        ],
+    ))
+    .into_response();
+    if let Some(new) = new_session
+        && let Some(cookie) = guard.cookie(SESSION_COOKIE, new)
+    {
+        response.headers_mut().append(header::SET_COOKIE, cookie);
+    }
+    response
+}
+
+/// Whether the browser says this navigation was made from another site (`Sec-Fetch-Site` other than
+/// `same-origin` or `none`).
+fn followed_from_elsewhere(headers: &HeaderMap) -> bool {
+    headers
+        .get("sec-fetch-site")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|site| {
+            !site.eq_ignore_ascii_case("same-origin") && !site.eq_ignore_ascii_case("none")
+        })
+}
+
+/// `path` as a path of this inspector: leading slashes and backslashes become one slash.
+fn local_path(path: &str) -> String {
+    format!("/{}", path.trim_start_matches(['/', '\\']))
 }
 
 /// Refuses a POST that does not come from this inspector's own page: its origin (see [`same_origin`]) and
@@ -656,7 +746,7 @@ fn without_query_param(uri: &axum::http::Uri, name: &str) -> String {
             !pair.is_empty() && percent_decode(pair.split('=').next().unwrap_or_default()) != name
         })
         .collect();
-    let path = format!("/{}", uri.path().trim_start_matches(['/', '\\']));
+    let path = local_path(uri.path());
     if kept.is_empty() {
         path
     } else {
