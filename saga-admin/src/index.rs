@@ -385,21 +385,65 @@ fn grouped_letter(r: &sqlx::postgres::PgRow) -> Result<GroupedLetter, AdminError
     })
 }
 
-/// The failure groups of `topics`, the most open letters first.
+/// The letters of `$1`'s topics that are not open (replayed or discarded), one row each with `column` of
+/// theirs, in SQL: driven by the toolkit's tables (the few letters acted on), never a check per letter.
+async fn closed_sql(pool: &PgPool, column: &str) -> Result<String, AdminError> {
+    let (replays, discards): (bool, bool) = sqlx::query_as(
+        "SELECT to_regclass('saga_dlq_replays') IS NOT NULL, \
+                to_regclass('saga_dlq_discards') IS NOT NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    let mut parts = Vec::new();
+    if replays {
+        parts.push(format!(
+            "SELECT l.dlq_topic, l.dlq_partition, l.dlq_offset, l.{column} AS k \
+             FROM saga_dlq_replays r JOIN saga_dead_letters l USING (dlq_topic, dlq_partition, dlq_offset) \
+             WHERE r.dlq_topic = ANY($1) AND r.replayed_at IS NOT NULL \
+               AND (r.letter_hash = l.letter_hash OR (r.letter_hash = '' AND r.replayed_at >= l.failed_at))"
+        ));
+    }
+    if discards {
+        parts.push(format!(
+            "SELECT l.dlq_topic, l.dlq_partition, l.dlq_offset, l.{column} AS k \
+             FROM saga_dlq_discards d JOIN saga_dead_letters l USING (dlq_topic, dlq_partition, dlq_offset) \
+             WHERE d.dlq_topic = ANY($1) AND d.undone_at IS NULL AND d.letter_hash = l.letter_hash"
+        ));
+    }
+    if parts.is_empty() {
+        parts.push(
+            "SELECT NULL::text AS dlq_topic, NULL::int AS dlq_partition, NULL::bigint AS dlq_offset, \
+             NULL::text AS k WHERE false"
+                .to_owned(),
+        );
+    }
+    Ok(format!(
+        "SELECT c.dlq_topic, c.k, count(*) AS n FROM ({}) c GROUP BY 1, 2",
+        parts.join(" UNION ")
+    ))
+}
+
+/// The failure groups of `topics`, the most open letters first: counted in the index (an aggregate; the
+/// letters acted on counted from the toolkit's tables; each group's latest letter by its index).
 pub(crate) async fn groups(
     pool: &PgPool,
     topics: &[String],
 ) -> Result<Vec<FailureGroup>, AdminError> {
-    let state = state_sql(pool).await?;
+    let closed = closed_sql(pool, "failure_group").await?;
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "WITH l AS (SELECT l.*, {state} AS state FROM saga_dead_letters l WHERE l.dlq_topic = ANY($1)) \
-         SELECT failure_group, min(dlq_topic), min(consumer_group), min(step), min(reason), min(cause), \
-                count(*) FILTER (WHERE state = 'open'), count(*), min(failed_at), max(failed_at), \
-                (array_agg(error ORDER BY failed_at DESC, dlq_partition DESC, dlq_offset DESC))[1], \
-                (array_agg(dlq_partition ORDER BY failed_at DESC, dlq_partition DESC, dlq_offset DESC))[1], \
-                (array_agg(dlq_offset ORDER BY failed_at DESC, dlq_partition DESC, dlq_offset DESC))[1] \
-         FROM l GROUP BY failure_group \
-         ORDER BY 7 DESC, 10 DESC, 1"
+        "WITH g AS (SELECT dlq_topic, failure_group, min(consumer_group) AS consumer_group, \
+                 min(step) AS step, min(reason) AS reason, min(cause) AS cause, count(*) AS total, \
+                 min(failed_at) AS first_seen, max(failed_at) AS last_seen \
+             FROM saga_dead_letters WHERE dlq_topic = ANY($1) GROUP BY dlq_topic, failure_group), \
+         closed AS ({closed}) \
+         SELECT g.failure_group, g.dlq_topic, g.consumer_group, g.step, g.reason, g.cause, \
+                g.total - coalesce(closed.n, 0) AS open, g.total, g.first_seen, g.last_seen, \
+                e.error, e.dlq_partition, e.dlq_offset \
+         FROM g LEFT JOIN closed ON closed.dlq_topic = g.dlq_topic AND closed.k = g.failure_group \
+         CROSS JOIN LATERAL (SELECT x.error, x.dlq_partition, x.dlq_offset FROM saga_dead_letters x \
+             WHERE x.dlq_topic = g.dlq_topic AND x.failure_group = g.failure_group \
+             ORDER BY x.failed_at DESC, x.dlq_partition DESC, x.dlq_offset DESC LIMIT 1) e \
+         ORDER BY open DESC, g.last_seen DESC, g.failure_group"
     )))
     .bind(topics)
     .fetch_all(pool)
@@ -431,12 +475,13 @@ pub(crate) async fn counts(
     pool: &PgPool,
     topics: &[String],
 ) -> Result<BTreeMap<(String, String), (usize, usize)>, AdminError> {
-    let state = state_sql(pool).await?;
+    let closed = closed_sql(pool, "reason").await?;
     let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "WITH l AS (SELECT l.dlq_topic, l.reason, {state} AS state FROM saga_dead_letters l \
-             WHERE l.dlq_topic = ANY($1)) \
-         SELECT dlq_topic, reason, count(*), count(*) FILTER (WHERE state = 'open') FROM l \
-         GROUP BY dlq_topic, reason ORDER BY 1, 2"
+        "WITH t AS (SELECT dlq_topic, reason, count(*) AS total FROM saga_dead_letters \
+             WHERE dlq_topic = ANY($1) GROUP BY dlq_topic, reason), \
+         closed AS ({closed}) \
+         SELECT t.dlq_topic, t.reason, t.total, t.total - coalesce(closed.n, 0) FROM t \
+         LEFT JOIN closed ON closed.dlq_topic = t.dlq_topic AND closed.k = t.reason ORDER BY 1, 2"
     )))
     .bind(topics)
     .fetch_all(pool)

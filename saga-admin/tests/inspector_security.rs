@@ -691,6 +691,92 @@ async fn a_read_only_inspector_shows_no_replay_button_and_refuses_every_post() {
     assert_eq!(answer.status, 403);
     assert!(answer.body.contains("read-only"));
     assert_eq!(i.sent().await, 0);
+
+    // A saga started by an HTTP request whose stored response holds what its client alone should see:
+    // a viewer who may not act gets the key without it; one who may act, with it.
+    let saga_id = uuid::Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, \
+             data) VALUES ($1, 'order-saga', 'default', 'order-9', 'running', 1, '{}')",
+    )
+    .bind(saga_id)
+    .execute(&i.db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, outcome, request_hash) \
+         VALUES ('default', 'order-9:create-order', 'completed', \
+             '{\"status\": 201, \"headers\": [], \"body\": \"{\\\"card\\\": \\\"4111-secret\\\"}\"}', \
+             '\\x01'::bytea)",
+    )
+    .execute(&i.db.pool)
+    .await
+    .unwrap();
+    let path = format!("/api/sagas/{saga_id}");
+    let seen = raw(
+        i.addr,
+        "GET",
+        &path,
+        &[("host", &host), ("accept", "application/json")],
+        "",
+    )
+    .await;
+    assert_eq!(seen.status, 200, "{seen:?}");
+    assert!(!seen.body.contains("4111-secret"), "{}", seen.body);
+    assert!(
+        seen.body.contains("\"response_hidden\":true"),
+        "{}",
+        seen.body
+    );
+    let mut options = InspectOptions::default();
+    options.dlq_topics = vec![i.dlq.clone()];
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let actor = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(inspect::serve(
+        listener,
+        KafkaConfig::new(i.kafka.brokers.clone()),
+        i.db.pool.clone(),
+        options,
+        stop.clone().cancelled_owned(),
+    ));
+    let actor_host = actor.to_string();
+    let seen = raw(
+        actor,
+        "GET",
+        &path,
+        &[("host", &actor_host), ("accept", "application/json")],
+        "",
+    )
+    .await;
+    stop.cancel();
+    assert!(seen.body.contains("4111-secret"), "{}", seen.body);
+
+    // Only the inspector's dead-letter topics are read: another, a business topic, the broker's own are
+    // refused before anything is read; and a failure names no address of the broker.
+    for topic in [
+        "__consumer_offsets".to_owned(),
+        "orders".to_owned(),
+        format!("{}-other.dlq", i.group),
+    ] {
+        let answer = raw(
+            i.addr,
+            "GET",
+            &format!("/api/dlq/{topic}"),
+            &[("host", &host)],
+            "",
+        )
+        .await;
+        assert_eq!(answer.status, 400, "{topic}: {answer:?}");
+        assert!(
+            answer
+                .body
+                .contains("not a dead-letter topic this inspector shows"),
+            "{}",
+            answer.body
+        );
+        assert!(!answer.body.contains(&i.kafka.brokers), "{}", answer.body);
+    }
 }
 
 #[tokio::test]

@@ -115,7 +115,8 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
             20_261_121_000_003,
             20_261_123_000_001,
             20_261_124_000_002,
-            20_261_126_000_001
+            20_261_126_000_001,
+            20_261_126_000_002
         ]
     );
     assert_eq!(

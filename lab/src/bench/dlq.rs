@@ -43,6 +43,11 @@ pub struct DlqFigures {
 
 /// Letters per failure cause: the section's letters fall into this many groups.
 const CAUSES: i64 = 20;
+/// A word per cause (numbers would be normalised away: see `saga_admin::groups::normalise`).
+const CAUSE_WORDS: [&str; 20] = [
+    "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett",
+    "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango",
+];
 
 /// The `saga` binary beside this one (`cargo build --release -p saga-admin` builds it).
 fn saga_binary() -> anyhow::Result<PathBuf> {
@@ -211,7 +216,10 @@ async fn write_letters(
                 ("dlq-reason", "handler-failed".to_owned()),
                 (
                     "dlq-error",
-                    format!("gateway {} refused charge {i}", i % CAUSES),
+                    format!(
+                        "gateway {} refused charge {i}",
+                        CAUSE_WORDS[usize::try_from(i % CAUSES).unwrap_or_default()]
+                    ),
                 ),
                 ("dlq-attempts", "3".to_owned()),
                 ("dlq-failed-at", failed_at.clone()),

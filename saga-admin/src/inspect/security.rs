@@ -253,6 +253,15 @@ impl Guard {
         found
     }
 
+    /// Sets the cookie of `new_session` (a session this answer opens) on `response`.
+    fn set_session(&self, response: &mut Response, new_session: Option<&str>) {
+        if let Some(new) = new_session
+            && let Some(cookie) = self.cookie(SESSION_COOKIE, new)
+        {
+            response.headers_mut().append(header::SET_COOKIE, cookie);
+        }
+    }
+
     fn cookie(&self, name: &str, value: &str) -> Option<HeaderValue> {
         self.cookie_for(name, value, None)
     }
@@ -311,11 +320,7 @@ pub(super) async fn guard(
         Ok(Checked::Redirect(response)) => response,
         Ok(Checked::Pass { new_session }) => {
             let mut response = next.run(request).await;
-            if let Some(session) = new_session
-                && let Some(cookie) = guard.cookie(SESSION_COOKIE, &session)
-            {
-                response.headers_mut().append(header::SET_COOKIE, cookie);
-            }
+            guard.set_session(&mut response, new_session.as_deref());
             response
         }
     };
@@ -483,11 +488,7 @@ fn login(
             )),
         )
             .into_response();
-        if let Some(new) = new_session
-            && let Some(cookie) = guard.cookie(SESSION_COOKIE, new)
-        {
-            response.headers_mut().append(header::SET_COOKIE, cookie);
-        }
+        guard.set_session(&mut response, new_session);
         return response;
     }
     let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, location)]).into_response();
@@ -521,11 +522,7 @@ fn confirm_login(
         ],
     ))
     .into_response();
-    if let Some(new) = new_session
-        && let Some(cookie) = guard.cookie(SESSION_COOKIE, new)
-    {
-        response.headers_mut().append(header::SET_COOKIE, cookie);
-    }
+    guard.set_session(&mut response, new_session);
     response
 }
 
