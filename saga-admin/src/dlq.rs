@@ -1097,7 +1097,12 @@ async fn read(
     config
         .set("group.id", format!("saga-admin-{}", uuid::Uuid::new_v4()))
         .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "true");
+        .set("enable.partition.eof", "true")
+        // An offset retention deleted meanwhile is an error, never a jump to the end (which would look like
+        // an empty range); what is fetched ahead stays small.
+        .set("auto.offset.reset", "error")
+        .set("queued.max.messages.kbytes", "16384")
+        .set("fetch.max.bytes", "16777216");
     let topic = topic.to_owned();
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = config.create()?;

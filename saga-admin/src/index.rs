@@ -71,55 +71,44 @@ pub async fn require_dead_letter_topic(pool: &PgPool, topic: &str) -> Result<(),
 
 /// Makes sure the index of `pool`'s schema holds every letter `topic` holds (see the module
 /// documentation). Bad input if the topic does not exist. One sync of a topic runs at a time in a schema
-/// (an advisory lock), and it reads the topic's watermarks once it holds it.
+/// (an advisory lock, on a connection of its own: a sync that is dropped midway, its request cancelled,
+/// closes it and so lets go of the lock), and it reads the topic's watermarks once it holds it. While
+/// another runs, the index is read as it is.
 pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(), AdminError> {
     prepare(pool).await?;
     let Some(mut held) = lock(pool, topic).await? else {
-        tracing::warn!(
+        tracing::debug!(
             topic,
-            "another sync of this topic took too long: the index is read as it is"
+            "another sync of this topic runs: the index is read as it is"
         );
         return Ok(());
     };
     let synced = sync_held(kafka, &mut held, topic).await;
-    let unlocked = sqlx::query(
-        "SELECT pg_advisory_unlock(hashtext('saga_dead_letter_scans'), hashtext(current_schema() || '/' || $1))",
-    )
-    .bind(topic)
-    .execute(&mut *held)
-    .await;
-    if unlocked.is_err() {
-        // A connection that may still hold the lock is not handed out again.
-        drop(held.detach());
-    }
+    // Closing the connection lets go of the lock.
+    let _ = sqlx::Connection::close(held).await;
     synced
 }
 
-/// A connection holding the sync lock of `topic`, or `None` after half a minute of trying.
-async fn lock(
-    pool: &PgPool,
-    topic: &str,
-) -> Result<Option<sqlx::pool::PoolConnection<sqlx::Postgres>>, AdminError> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let mut conn = pool.acquire().await?;
+/// A connection of its own holding the sync lock of `topic`, or `None` if another sync still holds it
+/// after a couple of seconds.
+async fn lock(pool: &PgPool, topic: &str) -> Result<Option<sqlx::PgConnection>, AdminError> {
+    let options = pool.connect_options();
+    let mut conn = sqlx::ConnectOptions::connect(&*options).await?;
+    for _ in 0..40 {
         let locked: bool = sqlx::query_scalar(
             "SELECT pg_try_advisory_lock(hashtext('saga_dead_letter_scans'), \
                  hashtext(current_schema() || '/' || $1))",
         )
         .bind(topic)
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut conn)
         .await?;
         if locked {
             return Ok(Some(conn));
         }
-        // Not held while waiting: the sync holding the lock may need a connection of the pool.
-        drop(conn);
-        if std::time::Instant::now() > deadline {
-            return Ok(None);
-        }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+    let _ = sqlx::Connection::close(conn).await;
+    Ok(None)
 }
 
 /// [`sync`], holding its lock on `conn`.
@@ -186,7 +175,7 @@ async fn sync_held(
                             .await?;
                     let found: Vec<IndexedLetter> =
                         records.iter().map(|r| indexed(topic, r)).collect();
-                    letters::index(&mut *conn, &found).await?;
+                    index_refusing_none(&mut *conn, &found).await?;
                     // The chunk may end early (its bytes, or the partition's end): on from its last one.
                     from = records.last().map_or(until, |r| r.offset + 1).max(from + 1);
                 }
@@ -205,6 +194,35 @@ async fn sync_held(
         .bind(shrunk)
         .execute(&mut *conn)
         .await?;
+    }
+    Ok(())
+}
+
+/// Indexes `found`; should the database refuse one of them for good (a value it cannot hold), the others
+/// are indexed one by one and that one is said in the log: one letter never stops the sync of its topic.
+async fn index_refusing_none(
+    conn: &mut sqlx::PgConnection,
+    found: &[IndexedLetter],
+) -> Result<(), AdminError> {
+    let refused_for_good = |e: &sqlx::Error| {
+        matches!(e, sqlx::Error::Database(d)
+            if d.code().is_some_and(|c| c.starts_with("22") || c.starts_with("54")))
+    };
+    match letters::index(&mut *conn, found).await {
+        Err(e) if refused_for_good(&e) => {}
+        other => return Ok(other?),
+    }
+    for letter in found {
+        match letters::index(&mut *conn, std::slice::from_ref(letter)).await {
+            Err(e) if refused_for_good(&e) => tracing::error!(
+                topic = %letter.dlq_topic,
+                partition = letter.partition,
+                offset = letter.offset,
+                error = %e,
+                "the dead-letter index refuses this letter; it stays in its topic, unindexed"
+            ),
+            other => other?,
+        }
     }
     Ok(())
 }

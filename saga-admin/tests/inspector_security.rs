@@ -451,11 +451,12 @@ async fn with_tokens_each_request_presents_one_and_the_replay_is_recorded_under_
     // A token in the address: a session of its own in a cookie (never the token), and the same page without
     // it.
     let login_cookie = "__Host-saga_admin_login";
+    let typed = ("sec-fetch-site", "none");
     let answer = raw(
         i.addr,
         "GET",
         &format!("/dlq/{}?token={alice}&x=1", i.dlq),
-        &[("host", &host)],
+        &[("host", &host), typed],
         "",
     )
     .await;
@@ -514,7 +515,7 @@ async fn with_tokens_each_request_presents_one_and_the_replay_is_recorded_under_
         (format!("/?%74oken={alice}"), "/"),
         (format!("//evil.example/?token={alice}"), "/evil.example/"),
     ] {
-        let answer = raw(i.addr, "GET", &address, &[("host", &host)], "").await;
+        let answer = raw(i.addr, "GET", &address, &[("host", &host), typed], "").await;
         assert_eq!(answer.status, 303, "{address}: {answer:?}");
         assert_eq!(answer.header("location"), Some(location), "{address}");
     }
@@ -524,7 +525,7 @@ async fn with_tokens_each_request_presents_one_and_the_replay_is_recorded_under_
         i.addr,
         "GET",
         &format!("/?token={bob}"),
-        &[("host", &host), ("cookie", &alices)],
+        &[("host", &host), ("cookie", &alices), typed],
         "",
     )
     .await;
@@ -546,60 +547,85 @@ async fn with_tokens_each_request_presents_one_and_the_replay_is_recorded_under_
     )
     .await;
     assert_eq!(still.status, 200);
-    // The same link followed from another site, whose navigation carries no cookie of the inspector: it
-    // signs in no one by itself, but asks, on a page whose form the browser sends with the cookies.
-    let asked = raw(
-        i.addr,
-        "GET",
-        &format!("/?token={bob}"),
-        &[
-            ("host", &host),
+    // The same link followed from another site, whose navigation carries no cookie of the inspector (or from
+    // a browser that does not say where it came from): it signs in no one by itself, but sends to a page of
+    // the inspector's own, whose address holds a one-time reference instead of the token, and whose form
+    // the browser sends with the cookies.
+    for elsewhere in [
+        vec![
+            ("host", host.as_str()),
             ("sec-fetch-site", "cross-site"),
             ("sec-fetch-mode", "navigate"),
             ("sec-fetch-dest", "document"),
         ],
+        vec![("host", host.as_str())],
+    ] {
+        let sent = raw(i.addr, "GET", &format!("/?token={bob}"), &elsewhere, "").await;
+        assert_eq!(sent.status, 303, "{sent:?}");
+        assert!(
+            sent.cookie(login_cookie).is_none(),
+            "no sign-in by a link alone"
+        );
+        let to = sent.header("location").unwrap().to_owned();
+        assert!(to.starts_with("/login?n=") && !to.contains(bob), "{to}");
+        let asked = raw(i.addr, "GET", &to, &elsewhere, "").await;
+        assert_eq!(asked.status, 200, "{asked:?}");
+        assert!(asked.body.contains("Sign in as bob"), "{}", asked.body);
+        assert!(!asked.body.contains(bob), "the token is not on the page");
+        let asked_session = asked.cookie("saga_admin_session").unwrap();
+        let finish = |cookie: String| {
+            let (addr, host, body) = (
+                i.addr,
+                host.clone(),
+                format!("csrf={}&n={}", asked.csrf(), asked.field("n")),
+            );
+            async move {
+                raw(
+                    addr,
+                    "POST",
+                    "/login",
+                    &[
+                        ("host", &host),
+                        ("origin", &format!("http://{host}")),
+                        ("cookie", &cookie),
+                    ],
+                    &body,
+                )
+                .await
+            }
+        };
+        // Pressed in Alice's browser (her session's cookie goes with the form): refused, as above; and the
+        // reference is used up.
+        let replaced = finish(format!("{alices}; saga_admin_session={asked_session}")).await;
+        assert_eq!(replaced.status, 409, "{replaced:?}");
+        assert!(replaced.cookie(login_cookie).is_none());
+        let again = finish(format!("saga_admin_session={asked_session}")).await;
+        assert_eq!(again.status, 401, "a reference signs in once: {again:?}");
+    }
+    // Pressed where no one is signed in: Bob's session.
+    let sent = raw(
+        i.addr,
+        "GET",
+        &format!("/?token={bob}"),
+        &[("host", &host)],
         "",
     )
     .await;
-    assert_eq!(asked.status, 200, "{asked:?}");
-    assert!(asked.body.contains("Sign in as bob"), "{}", asked.body);
-    assert!(
-        asked.cookie(login_cookie).is_none(),
-        "no sign-in by a link alone"
-    );
+    let to = sent.header("location").unwrap().to_owned();
+    let asked = raw(i.addr, "GET", &to, &[("host", &host)], "").await;
     let asked_session = asked.cookie("saga_admin_session").unwrap();
-    let finish = |cookie: String| {
-        let (addr, host, body) = (
-            i.addr,
-            host.clone(),
-            format!(
-                "csrf={}&token={}&next={}",
-                asked.csrf(),
-                asked.field("token"),
-                asked.field("next")
-            ),
-        );
-        async move {
-            raw(
-                addr,
-                "POST",
-                "/login",
-                &[
-                    ("host", &host),
-                    ("origin", &format!("http://{host}")),
-                    ("cookie", &cookie),
-                ],
-                &body,
-            )
-            .await
-        }
-    };
-    // Pressed in Alice's browser (her session's cookie goes with the form): refused, as above.
-    let replaced = finish(format!("{alices}; saga_admin_session={asked_session}")).await;
-    assert_eq!(replaced.status, 409, "{replaced:?}");
-    assert!(replaced.cookie(login_cookie).is_none());
-    // Pressed where no one is signed in: Bob's session.
-    let signed = finish(format!("saga_admin_session={asked_session}")).await;
+    let signed = raw(
+        i.addr,
+        "POST",
+        "/login",
+        &[
+            ("host", &host),
+            ("origin", &format!("http://{host}")),
+            ("cookie", &format!("saga_admin_session={asked_session}")),
+        ],
+        &format!("csrf={}&n={}", asked.csrf(), asked.field("n")),
+    )
+    .await;
     assert_eq!(signed.status, 303, "{signed:?}");
     assert_eq!(signed.header("location"), Some("/"));
     assert!(signed.cookie(login_cookie).is_some());
@@ -946,7 +972,7 @@ async fn a_script_with_a_token_reads_the_api_and_replays_a_group_and_prometheus_
         i.addr,
         "GET",
         &format!("/?token={token}"),
-        &[("host", &host)],
+        &[("host", &host), ("sec-fetch-site", "none")],
         "",
     )
     .await;

@@ -387,6 +387,8 @@ impl StoredResponse {
                 HeaderName::try_from(name.as_str()),
                 HeaderValue::try_from(value.as_str()),
             ) && stored.contains(&name)
+                // A body left out takes the headers that describe it along (its ETag, its caching).
+                && (self.omitted.is_none() || name == header::LOCATION)
             {
                 response.headers_mut().append(name, value);
             }

@@ -9,7 +9,10 @@
 //!   it, so the token leaves the address bar and the history), that session's cookie, or
 //!   `Authorization: Bearer`. Tokens are compared in constant time; the name of the one presented is the
 //!   operator recorded with a replay. A `?token=` link that would replace a live session of another name
-//!   (login CSRF) is refused with a page that offers to sign out first (`POST /logout` from that page).
+//!   (login CSRF) is refused with a page that offers to sign out first (`POST /logout` from that page). A
+//!   link the browser does not say was typed or followed from the inspector's own pages (`Sec-Fetch-Site`)
+//!   signs in only from a page of the inspector's own (`/login?n=`, a one-time reference, not the token),
+//!   whose form the browser sends with its cookies.
 //! - **State-changing requests.** A POST must come from this inspector's own page: its `Origin` (or, where
 //!   a browser sends none, its `Referer`) must name this inspector (a POST with neither is refused), and it
 //!   must carry the session's CSRF token, a value only this inspector's pages contain. A script calling the
@@ -128,7 +131,13 @@ pub(super) struct Guard {
     /// Signed-in sessions: their id (the login cookie's value), by the name of the token that signed in,
     /// until when.
     logins: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+    /// Sign-ins waiting for their page's button: a one-time reference, by the name it signs in as, where to
+    /// go then, until when.
+    pending: std::sync::Mutex<Pending>,
 }
+
+/// Sign-ins waiting for their page's button (see [`Guard::pend`]).
+type Pending = std::collections::HashMap<String, (String, String, std::time::Instant)>;
 
 impl Guard {
     pub(super) fn new(
@@ -163,7 +172,54 @@ impl Guard {
             secret: random_hex(),
             local_operator: format!("inspector:{}", crate::dlq::os_user()),
             logins: std::sync::Mutex::default(),
+            pending: std::sync::Mutex::default(),
         }
+    }
+
+    /// A one-time reference to a sign-in as `name`, going to `location`, for five minutes.
+    fn pend(&self, name: &str, location: &str) -> String {
+        let reference = random_hex();
+        let now = std::time::Instant::now();
+        let mut pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pending.retain(|_, (_, _, until)| *until > now);
+        if pending.len() < MAX_LOGINS {
+            pending.insert(
+                reference.clone(),
+                (
+                    name.to_owned(),
+                    location.to_owned(),
+                    now + std::time::Duration::from_secs(300),
+                ),
+            );
+        }
+        reference
+    }
+
+    /// The name a pending sign-in of `reference` signs in as.
+    fn pending_name(&self, reference: &str) -> Option<String> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pending
+            .get(reference)
+            .filter(|(_, _, until)| *until > std::time::Instant::now())
+            .map(|(name, _, _)| name.clone())
+    }
+
+    /// The pending sign-in of `reference` (its name and where to go), taken: it is used once.
+    fn take_pending(&self, reference: &str) -> Option<(String, String)> {
+        let mut pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pending
+            .remove(reference)
+            .filter(|(_, _, until)| *until > std::time::Instant::now())
+            .map(|(name, location, _)| (name, location))
     }
 
     /// The login cookie's name: `__Host-` prefixed (bound to this host and path `/`, never set by a
@@ -368,44 +424,68 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
     let mut bearer = false;
     if !guard.tokens.is_empty() {
         if let Some(presented) = query_value(request.uri().query(), "token") {
+            let Some(named) = guard.token_named(&presented) else {
+                return Err(unauthorized());
+            };
             let location = without_query_param(request.uri(), "token");
-            // A link followed from another site carries no cookie of this one (they are SameSite=Strict):
-            // whether a session would be replaced cannot be seen. The sign-in is finished by this
-            // inspector's own form instead, which the browser sends with them.
-            if followed_from_elsewhere(request.headers()) {
-                return Ok(Checked::Redirect(confirm_login(
-                    guard,
-                    &presented,
-                    &location,
-                    &session,
-                    new_session.as_deref(),
-                )));
+            // A link followed from another site carries no cookie of this one (they are SameSite=Strict),
+            // so whether a session would be replaced cannot be seen; a browser that does not say where a
+            // navigation came from is taken to be such a link. The sign-in is then finished by this
+            // inspector's own form, which the browser sends with its cookies, on a page whose address holds
+            // a one-time reference instead of the token.
+            if !typed_or_same_origin(request.headers()) {
+                let pending = guard.pend(&named.name, &location);
+                return Ok(Checked::Redirect(
+                    (
+                        StatusCode::SEE_OTHER,
+                        [(header::LOCATION, format!("{LOGIN_PATH}?n={pending}"))],
+                    )
+                        .into_response(),
+                ));
             }
             return Ok(Checked::Redirect(login(
                 guard,
                 request.headers(),
-                &presented,
+                &named.name,
                 &location,
                 &session,
                 new_session.as_deref(),
             )));
         }
-        if request.method() == Method::POST && request.uri().path() == LOGIN_PATH {
-            check_own_form(guard, request, existing.is_some(), &session).await?;
-            let fields = request
-                .extensions()
-                .get::<FormFields>()
-                .cloned()
-                .unwrap_or_default();
-            let location = local_path(fields.get("next").unwrap_or("/"));
-            return Ok(Checked::Redirect(login(
-                guard,
-                request.headers(),
-                fields.get("token").unwrap_or_default(),
-                &location,
-                &session,
-                None,
-            )));
+        if request.uri().path() == LOGIN_PATH {
+            let reference = query_value(request.uri().query(), "n").unwrap_or_default();
+            if request.method() == Method::POST {
+                check_own_form(guard, request, existing.is_some(), &session).await?;
+                let fields = request
+                    .extensions()
+                    .get::<FormFields>()
+                    .cloned()
+                    .unwrap_or_default();
+                return Ok(Checked::Redirect(
+                    match guard.take_pending(fields.get("n").unwrap_or_default()) {
+                        Some((name, location)) => {
+                            login(guard, request.headers(), &name, &location, &session, None)
+                        }
+                        None => expired_sign_in(),
+                    },
+                ));
+            }
+            return Ok(Checked::Redirect(match guard.pending_name(&reference) {
+                Some(name) => {
+                    let mut response = Html(pages::confirm_login(
+                        &name,
+                        LOGIN_PATH,
+                        &[
+                            (CSRF_FIELD, guard.csrf_of(&session).as_str()),
+                            ("n", reference.as_str()),
+                        ],
+                    ))
+                    .into_response();
+                    guard.set_session(&mut response, new_session.as_deref());
+                    response
+                }
+                None => expired_sign_in(),
+            }));
         }
         let headers = request.headers();
         let authorization = headers
@@ -459,29 +539,26 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
     Ok(Checked::Pass { new_session })
 }
 
-/// A sign-in with the token `presented` in the address: a session of its own (the token never goes into a
-/// cookie), and a redirect to the same page, on this inspector, without the token. A link that would
-/// replace a live session of another name (an attacker's link, so that the victim acts under the
-/// attacker's name) is refused with a page that says so and offers to sign out first. The answer, whichever.
+/// A sign-in as `name` (whose token was presented): a session of its own (the token never goes into a
+/// cookie), and a redirect to `location`, a path of this inspector. A sign-in that would replace a live
+/// session of another name (an attacker's link, so that the victim acts under the attacker's name) is
+/// refused with a page that says so and offers to sign out first. The answer, whichever.
 fn login(
     guard: &Guard,
     headers: &HeaderMap,
-    presented: &str,
+    name: &str,
     location: &str,
     session: &str,
     new_session: Option<&str>,
 ) -> Response {
-    let Some(named) = guard.token_named(presented) else {
-        return unauthorized();
-    };
     if let Some(current) = guard.signed_in(headers)
-        && current != named.name
+        && current != name
     {
         let mut response = (
             StatusCode::CONFLICT,
             Html(pages::replace_login(
                 &current,
-                &named.name,
+                name,
                 LOGOUT_PATH,
                 CSRF_FIELD,
                 &guard.csrf_of(session),
@@ -492,48 +569,29 @@ fn login(
         return response;
     }
     let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, location)]).into_response();
-    let id = guard.sign_in(&named.name);
+    let id = guard.sign_in(name);
     if let Some(cookie) = guard.cookie_for(guard.login_cookie(), &id, Some(LOGIN_TTL)) {
         response.headers_mut().append(header::SET_COOKIE, cookie);
     }
     response
 }
 
-/// The page that finishes a sign-in whose link was followed from another site: who the token names, and a
-/// button (this inspector's own form, with the session's CSRF token) that signs in. Nothing is signed in
-/// until it is pressed.
-fn confirm_login(
-    guard: &Guard,
-    presented: &str,
-    location: &str,
-    session: &str,
-    new_session: Option<&str>,
-) -> Response {
-    let Some(named) = guard.token_named(presented) else {
-        return unauthorized();
-    };
-    let mut response = Html(pages::confirm_login(
-        &named.name,
-        LOGIN_PATH,
-        &[
-            (CSRF_FIELD, guard.csrf_of(session).as_str()),
-            ("token", presented),
-            ("next", location),
-        ],
-    ))
-    .into_response();
-    guard.set_session(&mut response, new_session);
-    response
+fn expired_sign_in() -> Response {
+    refused(
+        StatusCode::UNAUTHORIZED,
+        "Sign-in expired",
+        "This sign-in link was used or has expired: open the link with the token again.",
+    )
 }
 
-/// Whether the browser says this navigation was made from another site (`Sec-Fetch-Site` other than
-/// `same-origin` or `none`).
-fn followed_from_elsewhere(headers: &HeaderMap) -> bool {
+/// Whether the browser says this navigation was typed (or bookmarked) or made from this inspector's own
+/// pages (`Sec-Fetch-Site: none` or `same-origin`).
+fn typed_or_same_origin(headers: &HeaderMap) -> bool {
     headers
         .get("sec-fetch-site")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|site| {
-            !site.eq_ignore_ascii_case("same-origin") && !site.eq_ignore_ascii_case("none")
+            site.eq_ignore_ascii_case("same-origin") || site.eq_ignore_ascii_case("none")
         })
 }
 
