@@ -486,6 +486,54 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     let plan = browser.find("#plan").await;
     assert_eq!(browser.attribute(&plan, "data-would-act").await, "2");
     browser.screenshot("group-replay-preview").await;
+    let preview_url = browser
+        .call("GET", "/url", None)
+        .await
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // A third letter of the cause arrives after the preview: its confirmation acts on nothing, and says so.
+    let failed_at = chrono::Utc::now().to_rfc3339();
+    saga.kafka
+        .produce(
+            &producer,
+            &dlq_topic,
+            Some("order-8"),
+            &[
+                ("event-type", "OrderCreated"),
+                ("idempotency-key", "order-8"),
+                ("tenant-id", "acme"),
+                ("dlq-original-topic", &original),
+                ("dlq-original-partition", "0"),
+                ("dlq-original-offset", "44"),
+                ("dlq-consumer-group", "payments"),
+                ("dlq-step", "process-payment"),
+                ("dlq-reason", "handler-failed"),
+                ("dlq-error", "card 777 declined by the processor"),
+                ("dlq-attempts", "1"),
+                ("dlq-failed-at", &failed_at),
+            ],
+            br#"{"order_id":"8","amount_cents":900}"#,
+        )
+        .await;
+    let confirm = browser.find("#confirm").await;
+    browser.click(&confirm).await;
+    let refused = browser.find("#message").await;
+    let said = browser.text(&refused).await;
+    assert!(said.contains("changed since its preview"), "{said}");
+    assert_eq!(
+        saga.kafka
+            .end_offsets(&retry_topic)
+            .await
+            .values()
+            .sum::<i64>(),
+        1,
+        "nothing sent by the stale confirmation"
+    );
+    // Previewed again: the three letters, confirmed.
+    browser.open(&preview_url).await;
+    let plan = browser.find("#plan").await;
+    assert_eq!(browser.attribute(&plan, "data-would-act").await, "3");
     let confirm = browser.find("#confirm").await;
     browser.click(&confirm).await;
     // The operation's page, until its run ended.
@@ -501,7 +549,7 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
         (browser.attribute(&operation, "data-status").await == "done").then_some(operation)
     })
     .await;
-    assert_eq!(browser.attribute(&done, "data-done").await, "2");
+    assert_eq!(browser.attribute(&done, "data-done").await, "3");
     let who = browser.find("#operation-operator").await;
     assert_eq!(browser.text(&who).await, "alice");
     browser.screenshot("operation").await;
@@ -511,8 +559,8 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
             .await
             .values()
             .sum::<i64>(),
-        3,
-        "the group's two letters sent, once each"
+        4,
+        "the group's three letters sent, once each"
     );
 
     // The saga across every service, from its page's link.
