@@ -438,32 +438,38 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     );
 
     // Two more letters of one cause: a failure group, replayed in bulk after its preview.
-    for (offset, card) in [("42", "41"), ("43", "4242")] {
-        let error = format!("card {card} declined by the processor");
-        let failed_at = chrono::Utc::now().to_rfc3339();
-        saga.kafka
-            .produce(
-                &producer,
-                &dlq_topic,
-                Some("order-8"),
-                &[
-                    ("event-type", "OrderCreated"),
-                    ("idempotency-key", "order-8"),
-                    ("tenant-id", "acme"),
-                    ("dlq-original-topic", &original),
-                    ("dlq-original-partition", "0"),
-                    ("dlq-original-offset", offset),
-                    ("dlq-consumer-group", "payments"),
-                    ("dlq-step", "process-payment"),
-                    ("dlq-reason", "handler-failed"),
-                    ("dlq-error", &error),
-                    ("dlq-attempts", "1"),
-                    ("dlq-failed-at", &failed_at),
-                ],
-                br#"{"order_id":"8","amount_cents":900}"#,
-            )
-            .await;
-    }
+    let card_declined = |offset: &'static str, card: &'static str| {
+        let (producer, dlq_topic, original) = (&producer, &dlq_topic, &original);
+        let kafka = &saga.kafka;
+        async move {
+            let error = format!("card {card} declined by the processor");
+            let failed_at = chrono::Utc::now().to_rfc3339();
+            kafka
+                .produce(
+                    producer,
+                    dlq_topic,
+                    Some("order-8"),
+                    &[
+                        ("event-type", "OrderCreated"),
+                        ("idempotency-key", "order-8"),
+                        ("tenant-id", "acme"),
+                        ("dlq-original-topic", original),
+                        ("dlq-original-partition", "0"),
+                        ("dlq-original-offset", offset),
+                        ("dlq-consumer-group", "payments"),
+                        ("dlq-step", "process-payment"),
+                        ("dlq-reason", "handler-failed"),
+                        ("dlq-error", &error),
+                        ("dlq-attempts", "1"),
+                        ("dlq-failed-at", &failed_at),
+                    ],
+                    br#"{"order_id":"8","amount_cents":900}"#,
+                )
+                .await
+        }
+    };
+    card_declined("42", "41").await;
+    card_declined("43", "4242").await;
     browser.open(&format!("{base}/groups")).await;
     let group = browser.find("#failure-groups tr[data-open=\"2\"] a").await;
     browser.screenshot("failure-groups").await;
@@ -493,29 +499,7 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
         .unwrap()
         .to_owned();
     // A third letter of the cause arrives after the preview: its confirmation acts on nothing, and says so.
-    let failed_at = chrono::Utc::now().to_rfc3339();
-    saga.kafka
-        .produce(
-            &producer,
-            &dlq_topic,
-            Some("order-8"),
-            &[
-                ("event-type", "OrderCreated"),
-                ("idempotency-key", "order-8"),
-                ("tenant-id", "acme"),
-                ("dlq-original-topic", &original),
-                ("dlq-original-partition", "0"),
-                ("dlq-original-offset", "44"),
-                ("dlq-consumer-group", "payments"),
-                ("dlq-step", "process-payment"),
-                ("dlq-reason", "handler-failed"),
-                ("dlq-error", "card 777 declined by the processor"),
-                ("dlq-attempts", "1"),
-                ("dlq-failed-at", &failed_at),
-            ],
-            br#"{"order_id":"8","amount_cents":900}"#,
-        )
-        .await;
+    card_declined("44", "777").await;
     let confirm = browser.find("#confirm").await;
     browser.click(&confirm).await;
     let refused = browser.find("#message").await;
