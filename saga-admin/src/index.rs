@@ -322,6 +322,8 @@ pub(crate) struct Selection<'a> {
     pub filter: Option<&'a DlqFilter>,
     /// Of this saga key (and tenant).
     pub key: Option<(&'a str, Option<&'a str>)>,
+    /// After this partition and offset (a page after the one that ended there).
+    pub after: Option<(i32, i64)>,
 }
 
 /// The indexed letters `selection` selects, by topic, partition and offset, with their state (their
@@ -346,6 +348,7 @@ pub(crate) async fn letters(
            AND ($5::timestamptz IS NULL OR l.failed_at >= $5) \
            AND ($6::int IS NULL OR (l.dlq_partition = $6 AND l.dlq_offset = $7)) \
            AND ($8::text IS NULL OR (l.idempotency_key = $8 AND ($9::text IS NULL OR l.tenant_id = $9))) \
+           AND ($11::int IS NULL OR (l.dlq_partition, l.dlq_offset) > ($11, $12)) \
          ORDER BY l.dlq_topic, l.dlq_partition, l.dlq_offset LIMIT $10"
     )))
     .bind(selection.topics)
@@ -358,6 +361,8 @@ pub(crate) async fn letters(
     .bind(selection.key.map(|(k, _)| k))
     .bind(selection.key.and_then(|(_, t)| t))
     .bind(limit)
+    .bind(selection.after.map(|(p, _)| p))
+    .bind(selection.after.map_or(0, |(_, o)| o))
     .fetch_all(pool)
     .await?;
     rows.iter().map(grouped_letter).collect()

@@ -778,6 +778,37 @@ async fn a_read_only_inspector_shows_no_replay_button_and_refuses_every_post() {
     stop.cancel();
     assert!(seen.body.contains("4111-secret"), "{}", seen.body);
 
+    // A topic's letters come a page at a time: after a letter, the ones that follow it.
+    letter(&i.kafka, &i.dlq, &i.topic, &i.group, "order-8", 1).await;
+    let page = |query: &'static str| {
+        let (addr, host, path) = (i.addr, host.clone(), format!("/api/dlq/{}{query}", i.dlq));
+        async move {
+            let answer = raw(addr, "GET", &path, &[("host", &host)], "").await;
+            (
+                answer.status,
+                serde_json::from_str::<serde_json::Value>(&answer.body).unwrap_or_default(),
+            )
+        }
+    };
+    let keys = |letters: &serde_json::Value| -> Vec<String> {
+        letters
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|l| l["idempotency_key"].as_str().unwrap_or_default().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (status, all) = page("").await;
+    assert_eq!(
+        (status, keys(&all)),
+        (200, vec!["order-7".to_owned(), "order-8".to_owned()])
+    );
+    let (status, rest) = page("?after=0-0").await;
+    assert_eq!((status, keys(&rest)), (200, vec!["order-8".to_owned()]));
+    assert_eq!(page("?after=zero").await.0, 400);
+
     // Only the inspector's dead-letter topics are read: another, a business topic, the broker's own are
     // refused before anything is read; and a failure names no address of the broker.
     for topic in [

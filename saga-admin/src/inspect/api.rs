@@ -258,26 +258,60 @@ pub(super) async fn saga(
     })
 }
 
+/// `?after=PARTITION-OFFSET`: the page of a topic's letters after that one.
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct PageQuery {
+    after: Option<String>,
+}
+
 pub(super) async fn dlq_topic(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
     headers: HeaderMap,
     Path(topic): Path<String>,
+    Query(page): Query<PageQuery>,
 ) -> Response {
+    let after = match page.after.as_deref().map(position) {
+        Some(None) => {
+            return failure(
+                &AdminError::bad_input("after is PARTITION-OFFSET"),
+                wants_html(&headers),
+            );
+        }
+        Some(Some(after)) => Some(after),
+        None => None,
+    };
     let letters = match app.shown_topic(&topic).await {
-        Ok(()) => topic_letters(&app, &topic).await,
+        Ok(()) => topic_letters(&app, &topic, after).await,
         Err(e) => Err(e),
     };
     answer(&headers, StatusCode::OK, letters, |letters| {
-        pages::dlq_topic(&topic, letters, caller.read_only)
+        let next = (letters.len() >= PAGE_LETTERS)
+            .then(|| {
+                letters
+                    .last()
+                    .map(|l| (l.letter.partition, l.letter.offset))
+            })
+            .flatten();
+        pages::dlq_topic(&topic, letters, next, caller.read_only)
     })
+}
+
+/// `PARTITION-OFFSET` read.
+fn position(text: &str) -> Option<(i32, i64)> {
+    let (partition, offset) = text.split_once('-')?;
+    Some((partition.parse().ok()?, offset.parse().ok()?))
 }
 
 /// How many letters of a topic a page lists, the oldest first.
 const PAGE_LETTERS: usize = 500;
 
-/// The first [`PAGE_LETTERS`] letters of `topic`, with their groups and states.
-async fn topic_letters(app: &App, topic: &str) -> Result<Vec<GroupedLetter>, AdminError> {
+/// A page of [`PAGE_LETTERS`] letters of `topic` (after `after`), with their groups and states.
+async fn topic_letters(
+    app: &App,
+    topic: &str,
+    after: Option<(i32, i64)>,
+) -> Result<Vec<GroupedLetter>, AdminError> {
     crate::index::sync_for_reading(&app.kafka, &app.pool, topic).await?;
     let topics = [topic.to_owned()];
     let filter = DlqFilter {
@@ -289,6 +323,7 @@ async fn topic_letters(app: &App, topic: &str) -> Result<Vec<GroupedLetter>, Adm
         &crate::index::Selection {
             topics: &topics,
             filter: Some(&filter),
+            after,
             ..crate::index::Selection::default()
         },
     )

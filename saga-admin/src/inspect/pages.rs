@@ -499,13 +499,18 @@ pub(super) fn confirm_retry(detail: &SagaDetail, caller: &Caller) -> String {
 }
 
 /// A dead-letter topic's letters (with replay buttons unless `read_only`).
-pub(super) fn dlq_topic(topic: &str, letters: &[GroupedLetter], read_only: bool) -> String {
+pub(super) fn dlq_topic(
+    topic: &str,
+    letters: &[GroupedLetter],
+    next: Option<(i32, i64)>,
+    read_only: bool,
+) -> String {
     let mut body = format!(
         "<p id=\"dlq-count\" data-count=\"{}\">{} dead letters{}.</p>",
         letters.len(),
         letters.len(),
-        if letters.len() >= 500 {
-            " (the oldest; the failure groups count them all)"
+        if next.is_some() {
+            " on this page (the failure groups count them all)"
         } else {
             ""
         }
@@ -544,6 +549,13 @@ pub(super) fn dlq_topic(topic: &str, letters: &[GroupedLetter], read_only: bool)
         );
     }
     body.push_str("</table>");
+    if let Some((partition, offset)) = next {
+        let _ = write!(
+            body,
+            "<p><a id=\"next-page\" href=\"/dlq/{}?after={partition}-{offset}\">The next letters</a></p>",
+            seg(topic)
+        );
+    }
     page(&format!("Dead letters of {topic}"), &body)
 }
 
