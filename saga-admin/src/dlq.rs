@@ -321,7 +321,7 @@ pub async fn with_records(
         let mut runs: Vec<(i64, i64)> = Vec::new();
         for offset in offsets {
             match runs.last_mut() {
-                Some((_, until)) if offset < *until + 64 && offset - (*until - 1) <= 64 => {
+                Some((_, until)) if offset - *until < 64 => {
                     *until = offset + 1;
                 }
                 _ => runs.push((offset, offset + 1)),

@@ -273,15 +273,20 @@ pub async fn sync_all(
     Ok(())
 }
 
-/// A letter's state, in SQL over the index row `l`, as the toolkit's tables of `pool`'s schema record it
-/// (a schema the toolkit never replayed or discarded in has neither table: every letter is open).
-async fn state_sql(pool: &PgPool) -> Result<String, AdminError> {
-    let (replays, discards): (bool, bool) = sqlx::query_as(
+/// Whether `pool`'s schema has the toolkit's tables of replayed and of discarded letters.
+async fn toolkit_tables(pool: &PgPool) -> Result<(bool, bool), AdminError> {
+    Ok(sqlx::query_as(
         "SELECT to_regclass('saga_dlq_replays') IS NOT NULL, \
                 to_regclass('saga_dlq_discards') IS NOT NULL",
     )
     .fetch_one(pool)
-    .await?;
+    .await?)
+}
+
+/// A letter's state, in SQL over the index row `l`, as the toolkit's tables of `pool`'s schema record it
+/// (a schema the toolkit never replayed or discarded in has neither table: every letter is open).
+async fn state_sql(pool: &PgPool) -> Result<String, AdminError> {
+    let (replays, discards) = toolkit_tables(pool).await?;
     if !replays && !discards {
         return Ok("'open'".to_owned());
     }
@@ -411,12 +416,7 @@ fn grouped_letter(r: &sqlx::postgres::PgRow) -> Result<GroupedLetter, AdminError
 /// The letters of `$1`'s topics that are not open (replayed or discarded), one row each with `column` of
 /// theirs, in SQL: driven by the toolkit's tables (the few letters acted on), never a check per letter.
 async fn closed_sql(pool: &PgPool, column: &str) -> Result<String, AdminError> {
-    let (replays, discards): (bool, bool) = sqlx::query_as(
-        "SELECT to_regclass('saga_dlq_replays') IS NOT NULL, \
-                to_regclass('saga_dlq_discards') IS NOT NULL",
-    )
-    .fetch_one(pool)
-    .await?;
+    let (replays, discards) = toolkit_tables(pool).await?;
     let mut parts = Vec::new();
     if replays {
         parts.push(format!(
