@@ -13,7 +13,8 @@ use outbox_relay::Relay;
 use saga_consumer::fast_path::FastPath;
 use saga_consumer::setup::connect_postgres;
 use saga_consumer::{
-    Hooks, KafkaConfig, OutboxMode, SagaService, SagaServiceBuilder, StepName, step, step_with,
+    Hooks, KafkaConfig, OrderPolicy, OutboxMode, SagaService, SagaServiceBuilder, StepName, step,
+    step_with,
 };
 use saga_orchestrator::Orchestrator;
 use sqlx::PgPool;
@@ -281,7 +282,13 @@ pub async fn steps(
                 step("note-shipment-failed", order::note_shipment_failed)
                     .on(&topics.shipment_setbacks),
             )
-            .step(step("cancel-order", order::cancel_order).on(&topics.payment_setbacks)),
+            .step(step("cancel-order", order::cancel_order).on(&topics.payment_setbacks))
+            // An order's events depend on each other (paid, then shipped or cancelled): one dead-lettered
+            // holds the order's later events back until it is replayed or discarded.
+            .order_policy_for_topic(topics.payments.name(), OrderPolicy::HoldKey)
+            .order_policy_for_topic(topics.shipments.name(), OrderPolicy::HoldKey)
+            .order_policy_for_topic(topics.shipment_setbacks.name(), OrderPolicy::HoldKey)
+            .order_policy_for_topic(topics.payment_setbacks.name(), OrderPolicy::HoldKey),
         Service::Payment => {
             let latency = Duration::from_millis(args.gateway_latency_ms);
             let gateway = PaymentGateway::new(gateway_pool(args).await?, latency);

@@ -18,7 +18,7 @@ use crate::dlq::{self, DlqFilter, ReplayOptions};
 use crate::duration;
 use crate::inspect::{self, InspectOptions};
 use crate::table::{Table, one_line};
-use crate::{groups, keys, lag, operations, outbox, sagas, trace};
+use crate::{groups, holds, keys, lag, operations, outbox, sagas, trace};
 
 /// The `saga` binary: parses the command line (see `saga --help`), runs the command, and answers bad input
 /// or configuration with one line and exit code 2.
@@ -74,9 +74,13 @@ enum Command {
     /// Dead letters: list, show, replay, and the replays made.
     #[command(subcommand)]
     Dlq(DlqCommand),
-    /// Step keys.
+    /// Step keys, and keys held behind a dead letter or a paused step.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Pause and resume a step: its messages wait, parked in order per key, while the group's other steps
+    /// go on.
+    #[command(subcommand)]
+    Steps(StepsCommand),
     /// Two-phase leases (`--expired`: external calls that never completed).
     Leases {
         /// Only leases that ran out.
@@ -348,6 +352,55 @@ enum KeysCommand {
         /// Only this tenant's.
         #[arg(long)]
         tenant: Option<String>,
+    },
+    /// Keys held for a consumer group (a dead letter at their head, or a paused step), oldest first: their
+    /// state, what holds them, the messages parked behind them, and for how long.
+    Held {
+        /// Only this consumer group's.
+        #[arg(long)]
+        group: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum StepsCommand {
+    /// Pause a step of a consumer group: from its next batch on, each message of the step is parked,
+    /// holding its key (the key's later messages park behind it), until `saga steps resume`.
+    Pause {
+        /// The step.
+        step: String,
+        /// The consumer group.
+        #[arg(long)]
+        group: String,
+        /// Why (recorded, and shown with the pause).
+        #[arg(long)]
+        reason: String,
+        /// Who pauses (default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// Resume a paused step: the keys its messages held are released, their parked messages run in order.
+    Resume {
+        /// The step.
+        step: String,
+        /// The consumer group.
+        #[arg(long)]
+        group: String,
+        /// Why (recorded).
+        #[arg(long, default_value = "resumed")]
+        reason: String,
+        /// Who resumes (default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// The paused steps, who paused them, why, and the keys they hold.
+    Paused {
+        /// Only this consumer group's.
+        #[arg(long)]
+        group: Option<String>,
     },
 }
 
@@ -636,6 +689,111 @@ impl Cli {
                         ]);
                     }
                     format!("{}{} replays", t.render(), found.len())
+                })
+            }
+            Command::Keys(KeysCommand::Held { group, limit }) => {
+                let pool = self.pool().await?;
+                let found = holds::list(&pool, group.as_deref(), *limit).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "group",
+                        "key",
+                        "state",
+                        "held by",
+                        "parked",
+                        "held for",
+                        "head letter",
+                    ]);
+                    for h in &found {
+                        let by = match (&h.paused_step, &h.head_reason) {
+                            (Some(step), None) => format!("paused step {step}"),
+                            (_, Some(reason)) => format!("dead letter ({reason})"),
+                            _ => h.cause.clone(),
+                        };
+                        t.row([
+                            h.group.clone(),
+                            h.key.clone(),
+                            h.state.clone(),
+                            by,
+                            h.parked.to_string(),
+                            duration::human(std::time::Duration::from_secs(
+                                h.age_seconds.max(0) as u64
+                            )),
+                            h.head
+                                .as_ref()
+                                .map(|(t, p, o)| format!("{t}/{p}/{o}"))
+                                .unwrap_or_default(),
+                        ]);
+                    }
+                    format!(
+                        "{}{} held keys (replay or discard a head letter to release its key; \
+                         `saga steps resume` releases a paused step's)",
+                        t.render(),
+                        found.len()
+                    )
+                })
+            }
+            Command::Steps(StepsCommand::Pause {
+                step,
+                group,
+                reason,
+                operator,
+            }) => {
+                let operator = operator_or_os_user(operator.as_ref());
+                let pool = self.pool().await?;
+                let paused = holds::pause(&pool, group, step, &operator, reason).await?;
+                self.print(&paused, || {
+                    if paused {
+                        format!(
+                            "step {step} of group {group} paused by {operator}: its messages are parked, in \
+                             order per key, from the group's next batches on"
+                        )
+                    } else {
+                        format!("step {step} of group {group} was paused already")
+                    }
+                })
+            }
+            Command::Steps(StepsCommand::Resume {
+                step,
+                group,
+                reason,
+                operator,
+            }) => {
+                let operator = operator_or_os_user(operator.as_ref());
+                let pool = self.pool().await?;
+                let released = holds::resume(&pool, group, step, &operator, reason).await?;
+                self.print(&released, || {
+                    format!(
+                        "step {step} of group {group} resumed by {operator}: {released} held keys released, \
+                         their parked messages run in order"
+                    )
+                })
+            }
+            Command::Steps(StepsCommand::Paused { group }) => {
+                let pool = self.pool().await?;
+                let found = holds::paused(&pool, group.as_deref()).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "group",
+                        "step",
+                        "paused by",
+                        "reason",
+                        "paused at",
+                        "held keys",
+                        "parked",
+                    ]);
+                    for p in &found {
+                        t.row([
+                            p.group.clone(),
+                            p.step.clone(),
+                            p.paused_by.clone(),
+                            p.reason.clone(),
+                            p.paused_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            p.held_keys.to_string(),
+                            p.parked.to_string(),
+                        ]);
+                    }
+                    format!("{}{} paused steps", t.render(), found.len())
                 })
             }
             Command::Keys(KeysCommand::Show { key, tenant }) => {
@@ -1020,6 +1178,7 @@ impl Cli {
                 "all",
                 "first seen",
                 "last seen",
+                "held keys",
             ]);
             for g in &found {
                 t.row([
@@ -1032,6 +1191,7 @@ impl Cli {
                     g.total.to_string(),
                     g.first_seen.format("%Y-%m-%d %H:%M:%S").to_string(),
                     g.last_seen.format("%Y-%m-%d %H:%M:%S").to_string(),
+                    g.held_summary(),
                 ]);
             }
             format!("{}{} failure groups", t.render(), found.len())

@@ -88,6 +88,29 @@ pub struct FailureGroup {
     pub example_error: String,
     /// The position of that letter in the dead-letter topic.
     pub example_position: (i32, i64),
+    /// Keys held behind letters of the group (their head letters are in it): their later messages wait,
+    /// parked, until the head is replayed and succeeds or is discarded (see [`crate::holds`]).
+    pub held_keys: i64,
+    /// Messages parked behind those keys.
+    pub parked: i64,
+    /// Seconds since the oldest of those holds began.
+    pub oldest_held_seconds: Option<i64>,
+}
+
+impl FailureGroup {
+    /// The keys its letters hold, in words: how many, the messages parked behind them and the oldest
+    /// hold's age (empty if none).
+    pub fn held_summary(&self) -> String {
+        match self.oldest_held_seconds {
+            Some(age) if self.held_keys > 0 => format!(
+                "{} ({} parked, oldest {})",
+                self.held_keys,
+                self.parked,
+                crate::duration::human(std::time::Duration::from_secs(age.max(0) as u64))
+            ),
+            _ => String::new(),
+        }
+    }
 }
 
 pub use saga_consumer::toolkit::letters::normalise;
@@ -154,6 +177,9 @@ pub fn group(letters: &[GroupedLetter]) -> Vec<FailureGroup> {
                 last_seen: l.failed_at,
                 example_error: l.error.clone(),
                 example_position: (l.partition, l.offset),
+                held_keys: 0,
+                parked: 0,
+                oldest_held_seconds: None,
             });
         g.total += 1;
         if grouped.state == LetterState::Open {
@@ -184,7 +210,16 @@ pub async fn groups(
     topics: &[String],
 ) -> Result<Vec<FailureGroup>, AdminError> {
     index::sync_all(kafka, pool, topics).await?;
-    index::groups(pool, topics).await
+    let mut groups = index::groups(pool, topics).await?;
+    let held = crate::holds::by_failure_group(pool, topics).await?;
+    for g in &mut groups {
+        if let Some(&(keys, parked, oldest)) = held.get(&(g.dlq_topic.clone(), g.id.clone())) {
+            g.held_keys = keys;
+            g.parked = parked;
+            g.oldest_held_seconds = Some(oldest);
+        }
+    }
+    Ok(groups)
 }
 
 /// Failure group `id` of `topics` and its letters; bad input if no letter of `topics` is in it.

@@ -488,6 +488,9 @@ pub(crate) async fn groups(
                 last_seen: r.try_get(9)?,
                 example_error: r.try_get(10)?,
                 example_position: (r.try_get(11)?, r.try_get(12)?),
+                held_keys: 0,
+                parked: 0,
+                oldest_held_seconds: None,
             })
         })
         .collect()

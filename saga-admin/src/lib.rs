@@ -12,6 +12,8 @@
 //! - [`trace`]: one saga across every service schema: its step keys, the events they wrote, dead
 //!   letters, replays and orchestrated transitions, ordered by time.
 //! - [`keys`]: the step keys derived from a client's key, and two-phase leases that ran out.
+//! - [`holds`]: keys held behind a dead letter or a paused step (per-key order through failures), and
+//!   pausing and resuming a step.
 //! - [`sagas`]: orchestrated saga instances and their transitions as a timeline.
 //! - [`lag`]: a consumer group's committed offsets, high watermarks and lag.
 //! - [`outbox`]: the relay's backlog.
@@ -49,6 +51,7 @@ pub mod dlq;
 pub mod duration;
 mod error;
 pub mod groups;
+pub mod holds;
 pub mod index;
 pub mod inspect;
 pub mod keys;

@@ -127,6 +127,11 @@ pub struct Plan {
     pub left_alone: usize,
     /// Where a replay sends: the group's retry topic.
     pub retry_topic: Option<String>,
+    /// Keys held behind the letters it acts on (they are the keys' head letters), and the messages parked
+    /// behind those keys: what the decision releases besides the letters (see [`crate::holds`]).
+    pub held_keys: i64,
+    /// See [`Plan::held_keys`].
+    pub parked_behind: i64,
 }
 
 impl Plan {
@@ -196,6 +201,17 @@ impl Plan {
                 self.would_act()
             ),
         };
+        if self.held_keys > 0 {
+            let when = match self.kind {
+                OperationKind::Replay => "each after its head letter succeeds",
+                _ => "as soon as it is done",
+            };
+            text.push_str(&format!(
+                "; {} of them hold their keys, with {} message(s) parked behind them: those are released \
+                 in their order, {when}",
+                self.held_keys, self.parked_behind
+            ));
+        }
         if self.would_refuse() > 0 {
             text.push_str(&format!("; {} would be refused", self.would_refuse()));
         }
@@ -295,13 +311,14 @@ pub async fn plan_replay(
     let (group, letters) = groups::find(kafka, pool, topics, group_id).await?;
     let owner = dlq::owner_of(pool, &group.dlq_topic).await?;
     let (open, left_alone) = split_open(letters);
-    let letters = open
+    let letters: Vec<PlannedLetter> = open
         .iter()
         .map(|l| {
             let refusal = dlq::refusal(&owner, &l.letter, options).map(|o| o.describe());
             planned(&l.letter, refusal)
         })
         .collect();
+    let (held_keys, parked_behind) = held_behind(pool, &letters).await?;
     Ok(Plan {
         kind: OperationKind::Replay,
         group: Some(group),
@@ -309,6 +326,8 @@ pub async fn plan_replay(
         letters,
         left_alone,
         retry_topic: Some(owner.retry_topic),
+        held_keys,
+        parked_behind,
     })
 }
 
@@ -321,14 +340,28 @@ pub async fn plan_discard(
 ) -> Result<Plan, AdminError> {
     let (group, letters) = groups::find(kafka, pool, topics, group_id).await?;
     let (open, left_alone) = split_open(letters);
+    let letters: Vec<PlannedLetter> = open.iter().map(|l| planned(&l.letter, None)).collect();
+    let (held_keys, parked_behind) = held_behind(pool, &letters).await?;
     Ok(Plan {
         kind: OperationKind::Discard,
-        letters: open.iter().map(|l| planned(&l.letter, None)).collect(),
+        letters,
         group: Some(group),
         undoes: None,
         left_alone,
         retry_topic: None,
+        held_keys,
+        parked_behind,
     })
+}
+
+/// The keys held behind those of `letters` a plan acts on, and the messages parked behind them.
+async fn held_behind(pool: &PgPool, letters: &[PlannedLetter]) -> Result<(i64, i64), AdminError> {
+    let acted: Vec<String> = letters
+        .iter()
+        .filter(|l| l.refusal.is_none())
+        .map(|l| l.letter_hash.clone())
+        .collect();
+    crate::holds::behind_letters(pool, &acted).await
 }
 
 /// The plan to undo discard operation `operation`: its letters still discarded.
@@ -369,6 +402,8 @@ pub async fn plan_undo(pool: &PgPool, operation: i64) -> Result<Plan, AdminError
             .saturating_sub(letters.len()),
         letters,
         retry_topic: None,
+        held_keys: 0,
+        parked_behind: 0,
     })
 }
 
@@ -764,7 +799,13 @@ async fn discard_one(
     .execute(&mut *tx)
     .await?;
     if discarded.rows_affected() == 1 {
-        record(&mut tx, operation, seq, "done", "discarded").await?;
+        // A key held behind the letter is released with it: its parked messages run, in order.
+        let detail = if crate::holds::release_discarded(&mut tx, &identity, operator).await? {
+            "discarded; the key it held is released"
+        } else {
+            "discarded"
+        };
+        record(&mut tx, operation, seq, "done", detail).await?;
     } else {
         record(&mut tx, operation, seq, "skipped", "discarded already").await?;
     }

@@ -138,6 +138,24 @@ async fn bad_input_gets_one_line_and_exit_code_2() {
     )
     .await;
 
+    // Pausing a step: not a step name; a schema whose consumer never ran (no held keys there); resuming
+    // needs a reason's default only.
+    expect_usage_error(
+        saga.command(&[
+            "steps", "pause", "no step", "--group", "g", "--reason", "outage",
+        ]),
+        "step \"no step\"",
+    )
+    .await;
+    expect_usage_error(
+        saga.command(&[
+            "steps", "pause", "charge", "--group", "g", "--reason", "outage",
+        ]),
+        "saga_held_keys",
+    )
+    .await;
+    expect_usage_error(saga.command(&["steps", "pause", "charge"]), "--group").await;
+
     // Settings: no database, no broker, no such schema; an unknown command.
     let mut no_db = saga.command(&["outbox", "status"]);
     no_db.env_remove("DATABASE_URL");

@@ -94,6 +94,13 @@ pub struct ConsumerSettings {
     /// refuses to start when a topic it reads keeps messages longer. (Whatever it is, a message whose key
     /// retention may have deleted is dead-lettered rather than run again.)
     pub key_retention: Duration,
+    /// Most messages parked behind one held key (`SAGA_HOLD_MAX_PARKED_PER_KEY`, default 10,000).
+    pub hold_max_parked_per_key: u32,
+    /// Most messages parked behind the group's held keys together (`SAGA_HOLD_MAX_PARKED`, default
+    /// 100,000).
+    pub hold_max_parked: u32,
+    /// A key held longer counts as overdue (`SAGA_HOLD_ALERT_AFTER_SECS`, default 1 h).
+    pub hold_alert_after: Duration,
 }
 
 impl Default for ConsumerSettings {
@@ -128,6 +135,9 @@ impl ConsumerSettings {
             crash_loop_limit: 0,
             ops_addr: None,
             key_retention: Duration::ZERO,
+            hold_max_parked_per_key: 1,
+            hold_max_parked: 1,
+            hold_alert_after: Duration::from_secs(1),
         }
     }
 

@@ -24,6 +24,7 @@ use crate::executor::Executor;
 use crate::fast::FastPath;
 use crate::guard::CrashGuard;
 use crate::handler::RegisteredStep;
+use crate::hold::{HoldLimits, Holds, OrderPolicy};
 use crate::hooks::Hooks;
 use crate::metrics::ConsumerMetrics;
 use crate::offsets::OffsetTracker;
@@ -75,6 +76,8 @@ pub struct SagaConsumerBuilder {
     ops: Option<Ops>,
     fast_path: Option<FastPath>,
     outbox: crate::Outbox,
+    order_by_step: HashMap<String, OrderPolicy>,
+    order_by_topic: HashMap<String, OrderPolicy>,
 }
 
 impl std::fmt::Debug for SagaConsumerBuilder {
@@ -114,6 +117,8 @@ impl SagaConsumerBuilder {
             ops: None,
             fast_path: None,
             outbox: crate::Outbox::table(),
+            order_by_step: HashMap::new(),
+            order_by_topic: HashMap::new(),
         }
     }
 
@@ -190,6 +195,20 @@ impl SagaConsumerBuilder {
     /// Like [`SagaConsumerBuilder::ignore`], for an event type known only at run time.
     pub fn ignore_type(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
         self.ignored.push((topic.into(), event_type.into()));
+        self
+    }
+
+    /// What a dead letter of step `step` does to its key's later messages (see [`OrderPolicy`]; the
+    /// default is [`OrderPolicy::SkipAndContinue`]). A step's policy comes before its topic's.
+    pub fn order_policy_for_step(mut self, step: impl Into<String>, policy: OrderPolicy) -> Self {
+        self.order_by_step.insert(step.into(), policy);
+        self
+    }
+
+    /// What a dead letter of a message consumed from `topic` does to its key's later messages (see
+    /// [`OrderPolicy`]), for the steps that set none, and for messages no step takes (undecodable ones).
+    pub fn order_policy_for_topic(mut self, topic: impl Into<String>, policy: OrderPolicy) -> Self {
+        self.order_by_topic.insert(topic.into(), policy);
         self
     }
 
@@ -372,6 +391,16 @@ impl SagaConsumerBuilder {
         for layer in &self.layers {
             service = layer(service);
         }
+        if let Some(step) = self
+            .order_by_step
+            .keys()
+            .find(|s| !names.contains(s.as_str()))
+        {
+            return Err(ConfigError::Invalid {
+                setting: "order policy",
+                reason: format!("no step is named {step}"),
+            });
+        }
         let ops = self.ops.unwrap_or_default();
         // Not ready until partitions are assigned: registered now, before anything can serve `/readyz`.
         ops.check("consumer", true).set(false);
@@ -385,6 +414,8 @@ impl SagaConsumerBuilder {
             ops,
             fast_path: self.fast_path,
             outbox: self.outbox,
+            order_by_step: self.order_by_step,
+            order_by_topic: self.order_by_topic,
         })
     }
 }
@@ -402,6 +433,8 @@ pub struct SagaConsumer {
     ops: Ops,
     fast_path: Option<FastPath>,
     outbox: crate::Outbox,
+    order_by_step: HashMap<String, OrderPolicy>,
+    order_by_topic: HashMap<String, OrderPolicy>,
 }
 
 impl SagaConsumer {
@@ -517,6 +550,25 @@ impl SagaConsumer {
             Duration::from_millis(5),
             Duration::from_secs(30),
         )?;
+        let holds = Holds {
+            group: group.clone(),
+            limits: HoldLimits {
+                per_key: settings.hold_max_parked_per_key.into(),
+                per_group: settings.hold_max_parked.into(),
+                alert_after: settings.hold_alert_after,
+            },
+            by_step: self.order_by_step,
+            by_topic: self.order_by_topic,
+            kick: Arc::new(tokio::sync::Notify::new()),
+        };
+        let releaser = tokio::spawn(crate::hold::run_releaser(
+            holds.clone(),
+            self.pool.clone(),
+            producer.clone(),
+            retry_topic.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        ));
         let executor = Executor {
             pool: self.pool.clone(),
             service: self.service,
@@ -533,6 +585,7 @@ impl SagaConsumer {
             lease_holder: lease_holder(&group),
             fast_path: self.fast_path,
             outbox: self.outbox.runtime().clone(),
+            holds,
         };
         let shared = Arc::new(WorkerShared {
             executor,
@@ -610,9 +663,11 @@ impl SagaConsumer {
                 let _ = done_tx.send(result);
             })
             .map_err(|e| ConsumerError::PollThread(e.to_string()))?;
-        done_rx
+        let result = done_rx
             .await
-            .map_err(|_| ConsumerError::PollThread("the poll thread panicked".into()))?
+            .map_err(|_| ConsumerError::PollThread("the poll thread panicked".into()));
+        releaser.abort();
+        result?
     }
 }
 

@@ -34,6 +34,8 @@ pub(crate) enum ItemOutcome {
     /// A two-phase worker lost its lease to another, which finishes the step.
     Superseded,
     DeadLettered,
+    /// Its key is held: parked behind the key's queue (see `hold`).
+    Parked,
 }
 
 impl ItemOutcome {
@@ -45,6 +47,7 @@ impl ItemOutcome {
             Self::Ignored => "ignored",
             Self::Superseded => "superseded",
             Self::DeadLettered => "dead_lettered",
+            Self::Parked => "parked",
         }
     }
 

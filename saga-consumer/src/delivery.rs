@@ -9,6 +9,7 @@ use saga_runtime::trace;
 
 use crate::dlq::DeadLetterReason;
 use crate::handler::{Decoded, RegisteredStep};
+use crate::hold::Role;
 use crate::machine::Kind;
 
 /// Why a message can never be handled.
@@ -60,8 +61,10 @@ pub(crate) struct Delivery {
     /// For an isolated message: the guard's exclusive lock, held while it runs (see `guard`).
     pub alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>>,
     /// Redis knows its step key to be completed: it is finished as a duplicate without a claim (see
-    /// `fast`).
+    /// `fast`); or it is a stale copy of a held key's release (see `hold`).
     pub known_done: bool,
+    /// What its key's hold makes of it (see `hold`): it runs, is parked, or releases its key.
+    pub hold: Role,
 }
 
 impl Delivery {
@@ -79,6 +82,14 @@ impl Delivery {
 
     /// How the batch machine processes it.
     pub(crate) fn kind(&self) -> Kind {
+        if self.hold == Role::Park {
+            return Kind::Held;
+        }
+        self.unheld_kind()
+    }
+
+    /// How the batch machine processes it once its key turned out not held.
+    pub(crate) fn unheld_kind(&self) -> Kind {
         match &self.route {
             _ if self.known_done => Kind::NoClaim,
             Route::Ignored => Kind::NoClaim,
@@ -230,6 +241,7 @@ impl Router {
             isolated: false,
             alone: None,
             known_done: false,
+            hold: Role::Free,
         }
     }
 }

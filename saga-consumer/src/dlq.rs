@@ -58,6 +58,9 @@ pub enum DeadLetterReason {
     RetriesExhausted,
     /// The consumer died several times while processing it.
     CrashLoop,
+    /// Its key is held and the parked messages reached a cap (`SAGA_HOLD_MAX_PARKED_PER_KEY`,
+    /// `SAGA_HOLD_MAX_PARKED`): it could not be parked.
+    HoldQueueFull,
 }
 
 impl DeadLetterReason {
@@ -69,6 +72,7 @@ impl DeadLetterReason {
             Self::HandlerFailed => "handler-failed",
             Self::RetriesExhausted => "retries-exhausted",
             Self::CrashLoop => "crash-loop",
+            Self::HoldQueueFull => "hold-queue-full",
         }
     }
 }

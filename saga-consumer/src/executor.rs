@@ -9,6 +9,7 @@
 //! Poison messages are dead-lettered where they stand; two-phase steps run one message at a time. The
 //! decisions are the `machine`'s; this module performs them.
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,7 @@ use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
 use crate::fast::{self, FastPath};
 use crate::guard::{CommitPermit, CrashGuard, PendingStart};
 use crate::handler::StepMode;
+use crate::hold::{self, Holds, OnDeadLetter, OrderPolicy, ParkDecision, Role};
 use crate::hooks::{CommitInfo, Hooks};
 use crate::letters;
 use crate::machine::{Action, BatchMachine, Event, Fault, Wait};
@@ -58,6 +60,8 @@ pub(crate) struct Executor {
     pub fast_path: Option<FastPath>,
     /// Where the steps' events are written.
     pub outbox: saga_runtime::store::outbox::Outbox,
+    /// The group's held keys and paused steps (see `hold`).
+    pub holds: Holds,
 }
 
 impl Executor {
@@ -76,9 +80,25 @@ impl Executor {
         start: &mut PendingStart,
         connection: &mut WorkerConnection,
     ) -> usize {
+        // Each message's part in its key's hold, read before anything of the batch runs.
+        if !self.classify(deliveries, cancel).await {
+            return 0;
+        }
         let kinds = deliveries.iter().map(Delivery::kind).collect();
         let attempts = deliveries.iter().map(|d| d.attempts).collect();
-        let mut machine = BatchMachine::new(kinds, attempts, self.retry.max_attempts);
+        let mut ids: HashMap<&[u8], u64> = HashMap::new();
+        let keys = deliveries
+            .iter()
+            .map(|d| {
+                let next = ids.len() as u64;
+                d.raw.key.as_deref().map(|k| *ids.entry(k).or_insert(next))
+            })
+            .collect();
+        let holds = deliveries.iter().map(|d| self.holds_key(d)).collect();
+        let mut machine =
+            BatchMachine::new(kinds, attempts, self.retry.max_attempts).with_holds(keys, holds);
+        // Messages before this may be committed: a release's bookkeeping that did not get done stops it.
+        let mut limit = deliveries.len();
         while !cancel.is_cancelled() {
             // The kept connection serves back-to-back transactions only (the next batch's too): every
             // other action releases it first, and takes the proof.
@@ -91,6 +111,12 @@ impl Executor {
                     {
                         Ok(outcomes) => {
                             self.finish_batch(&deliveries[from..end], &outcomes);
+                            if let Some(at) =
+                                self.advance_holds(&deliveries[from..end], cancel).await
+                            {
+                                limit = from + at;
+                                break;
+                            }
                             Event::Committed
                         }
                         Err(BatchError::Item { index, failure }) => Event::ItemFailed {
@@ -133,6 +159,14 @@ impl Executor {
                                 &[outcome],
                             );
                             self.finish(&deliveries[index], outcome);
+                            if self
+                                .advance_holds(std::slice::from_ref(&deliveries[index]), cancel)
+                                .await
+                                .is_some()
+                            {
+                                limit = index;
+                                break;
+                            }
                             Event::Committed
                         }
                         Err(failure) => Event::ItemFailed {
@@ -166,6 +200,26 @@ impl Executor {
                     }
                     Event::DeadLettered
                 }
+                Action::Park { index } => {
+                    let _released = connection.release();
+                    let Some(_permit) = start.permit().await else {
+                        break;
+                    };
+                    match self.park(&deliveries[index], cancel).await {
+                        Some(ParkDecision::Append | ParkDecision::Create) => {
+                            self.finish(&deliveries[index], ItemOutcome::Parked);
+                            Event::Parked
+                        }
+                        Some(ParkDecision::NotHeld) => {
+                            deliveries[index].hold = Role::Free;
+                            Event::NotHeld {
+                                kind: deliveries[index].unheld_kind(),
+                            }
+                        }
+                        Some(ParkDecision::Full(reason)) => Event::ParkRefused { reason },
+                        None => break,
+                    }
+                }
                 Action::Wait { index, wait } => {
                     let released = connection.release();
                     // A retry may commit: not before the batch's start is recorded.
@@ -187,7 +241,128 @@ impl Executor {
         for (i, delivery) in deliveries.iter_mut().enumerate() {
             delivery.attempts = machine.attempts(i);
         }
-        machine.finished()
+        machine.finished().min(limit)
+    }
+
+    /// Whether a dead letter of `delivery` holds its key: its policy says so, or it is its key's head or
+    /// release (which fails again: the new head).
+    fn holds_key(&self, delivery: &Delivery) -> bool {
+        matches!(delivery.hold, Role::Release(_) | Role::Head(_))
+            || self
+                .holds
+                .policy(delivery.step_name(), &delivery.original().topic)
+                == OrderPolicy::HoldKey
+    }
+
+    /// Reads the holds of `deliveries`' keys and the group's paused steps, and gives each its role;
+    /// waits out an unavailable database. `false` if cancelled first.
+    async fn classify(&self, deliveries: &mut [Delivery], cancel: &CancellationToken) -> bool {
+        let mut keys: Vec<&[u8]> = deliveries.iter().map(|d| hold::key_of(&d.raw)).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let mut times = 0;
+        let found = loop {
+            let read = match self.pool.acquire().await {
+                Ok(mut conn) => self.holds.read(&mut conn, &keys).await,
+                Err(e) => Err(e),
+            };
+            match read {
+                Ok(found) => break found,
+                // A schema without the hold tables (the consumer's migrations not applied): nothing held.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => {
+                    return true;
+                }
+                Err(e) => {
+                    times += 1;
+                    let wait = UNAVAILABLE_BACKOFF.wait_after(times);
+                    tracing::warn!(error = %e, ?wait, "reading held keys failed; retrying");
+                    if !sleep_or_cancel(wait, cancel).await {
+                        return false;
+                    }
+                }
+            }
+        };
+        for delivery in deliveries.iter_mut() {
+            let mark = hold::mark_of(&delivery.raw, delivery.replayed_from.as_ref());
+            let view = found.views.get(hold::key_of(&delivery.raw));
+            let paused = delivery
+                .step_name()
+                .is_some_and(|s| found.paused.contains(s));
+            delivery.hold = hold::classify(view, &mark, paused);
+            if delivery.hold == Role::Stale {
+                tracing::info!(parent: &delivery.span, "a release of a held key's message that ran already (or out of turn): skipped");
+                delivery.known_done = true;
+            } else if delivery.hold == Role::Park {
+                tracing::info!(parent: &delivery.span, paused, "its key is held: parked behind its queue");
+            }
+        }
+        true
+    }
+
+    /// Parks `delivery` (see `hold::Holds::park`), retrying while the database is unavailable; `None` if
+    /// cancelled first.
+    async fn park(&self, delivery: &Delivery, cancel: &CancellationToken) -> Option<ParkDecision> {
+        let mut times = 0;
+        loop {
+            match self
+                .holds
+                .park(
+                    &self.pool,
+                    &delivery.raw,
+                    delivery.original(),
+                    delivery.step_name(),
+                )
+                .await
+            {
+                Ok(decision) => return Some(decision),
+                Err(e) => {
+                    times += 1;
+                    let wait = UNAVAILABLE_BACKOFF.wait_after(times);
+                    tracing::warn!(parent: &delivery.span, error = %e, ?wait, "parking a message failed; retrying");
+                    if !sleep_or_cancel(wait, cancel).await {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records, for each of `batch` that is a held key's head or release, that it is finished (see
+    /// `hold::advance`), retrying while the database is unavailable. Returns the index (in `batch`) of the
+    /// first it could not record before `cancel` fired: it and those after it must not be committed (they
+    /// come back, find their step key done, and record it then).
+    async fn advance_holds(&self, batch: &[Delivery], cancel: &CancellationToken) -> Option<usize> {
+        for (i, delivery) in batch.iter().enumerate() {
+            if !matches!(delivery.hold, Role::Head(_) | Role::Release(_)) {
+                continue;
+            }
+            let by = match delivery.raw.headers.get_str(saga_runtime::replay::OPERATOR) {
+                Ok(Some(operator)) => format!("replay by {operator}"),
+                _ => "replay".to_owned(),
+            };
+            let mut times = 0;
+            loop {
+                match self
+                    .holds
+                    .advance(&self.pool, &delivery.raw, &delivery.hold, &by)
+                    .await
+                {
+                    Ok(done) => {
+                        tracing::info!(parent: &delivery.span, ?done, "held key advanced");
+                        break;
+                    }
+                    Err(e) => {
+                        times += 1;
+                        let wait = UNAVAILABLE_BACKOFF.wait_after(times);
+                        tracing::warn!(parent: &delivery.span, error = %e, ?wait, "recording a release failed; retrying");
+                        if !sleep_or_cancel(wait, cancel).await {
+                            return Some(i);
+                        }
+                    }
+                }
+            }
+        }
+        None
     }
 
     /// Dead-letters `delivery` for `reason`, as the consumer died on it repeatedly.
@@ -586,8 +761,13 @@ impl Executor {
         else {
             return false;
         };
-        // Indexed before the offset may move: the toolkit finds the letter without reading the topic.
-        if !self.index_dead_letter(&indexed, cancel).await {
+        // Indexed before the offset may move, with what it does to its key's hold: the toolkit finds the
+        // letter without reading the topic, and a held key's later messages are parked.
+        let holds = self.holds_key(delivery);
+        if !self
+            .index_dead_letter(&indexed, Some((&*delivery, holds)), cancel)
+            .await
+        {
             return false;
         }
         self.metrics
@@ -608,15 +788,13 @@ impl Executor {
     async fn index_dead_letter(
         &self,
         letter: &letters::IndexedLetter,
+        hold: Option<(&Delivery, bool)>,
         cancel: &CancellationToken,
     ) -> bool {
         let mut wait = Duration::from_millis(100);
+        let mut index = true;
         loop {
-            let indexed = match self.pool.acquire().await {
-                Ok(mut conn) => letters::index(&mut conn, std::slice::from_ref(letter)).await,
-                Err(e) => Err(e),
-            };
-            match indexed {
+            match self.record_dead_letter(letter, hold, index).await {
                 Ok(()) => return true,
                 Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => {
                     tracing::warn!(
@@ -627,10 +805,12 @@ impl Executor {
                     return true;
                 }
                 // A value the database refuses for good (data exceptions, program limits): retrying cannot
-                // help, and a partition must not stop for a letter's index. The letter is in its topic.
+                // help, and a partition must not stop for a letter's index. The letter is in its topic; its
+                // hold, if any, is recorded without it.
                 Err(sqlx::Error::Database(e))
-                    if e.code()
-                        .is_some_and(|c| c.starts_with("22") || c.starts_with("54")) =>
+                    if index
+                        && e.code()
+                            .is_some_and(|c| c.starts_with("22") || c.starts_with("54")) =>
                 {
                     tracing::error!(
                         dlq = %letter.dlq_topic,
@@ -639,7 +819,10 @@ impl Executor {
                         error = %e,
                         "the dead-letter index refuses this letter; it stays in its topic, unindexed"
                     );
-                    return true;
+                    if hold.is_none() {
+                        return true;
+                    }
+                    index = false;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, ?wait, "indexing a dead letter failed; retrying");
@@ -650,6 +833,31 @@ impl Executor {
                 }
             }
         }
+    }
+
+    /// One transaction: what `letter` does to its key's hold (`hold`: its message, and whether its policy
+    /// holds keys), and, if `index`, its row in the dead-letter index.
+    async fn record_dead_letter(
+        &self,
+        letter: &letters::IndexedLetter,
+        hold: Option<(&Delivery, bool)>,
+        index: bool,
+    ) -> Result<(), sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        if let Some((delivery, holds)) = hold {
+            let done = self
+                .holds
+                .on_dead_letter(&mut tx, &delivery.raw, &delivery.hold, holds, letter)
+                .await?;
+            if done != OnDeadLetter::Nothing {
+                tracing::warn!(parent: &delivery.span, ?done, "its key is held behind this dead letter");
+            }
+        }
+        if index {
+            letters::index(&mut tx, std::slice::from_ref(letter)).await?;
+        }
+        tx.commit().await
     }
 
     fn finish(&self, delivery: &Delivery, outcome: ItemOutcome) {

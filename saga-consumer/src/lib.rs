@@ -73,6 +73,9 @@ mod fast;
 pub mod fast_path;
 mod guard;
 mod handler;
+mod hold;
+#[cfg(test)]
+mod hold_model;
 mod hooks;
 pub mod http;
 mod letters;
@@ -96,6 +99,7 @@ pub use config::{AssignmentStrategy, ConsumerSettings};
 pub use consumer::{SagaConsumer, SagaConsumerBuilder};
 pub use dlq::{DeadLetterReason, headers as dlq_headers};
 pub use error::{ConfigError, ConsumerError};
+pub use hold::OrderPolicy;
 pub use hooks::{CommitInfo, Hooks};
 pub use ops::OpsHandle;
 pub use outbox::Outbox;

@@ -33,6 +33,8 @@ pub(crate) enum Kind {
     TwoPhase,
     /// Can never be handled: dead-lettered with this reason.
     Poison(DeadLetterReason),
+    /// Its key is held (see `hold`): parked behind the key's queue, alone.
+    Held,
 }
 
 impl Kind {
@@ -93,6 +95,9 @@ pub(crate) enum Action {
     /// Waits before the next attempt of message `index` (the one being retried). Answered by
     /// [`Event::Waited`].
     Wait { index: usize, wait: Wait },
+    /// Parks message `index` behind its held key's queue. Answered by [`Event::Parked`],
+    /// [`Event::NotHeld`] or [`Event::ParkRefused`].
+    Park { index: usize },
     /// Every message of the batch is finished.
     Done,
 }
@@ -110,6 +115,12 @@ pub(crate) enum Event {
     DeadLettered,
     /// The wait is over.
     Waited,
+    /// The message is parked: it is finished here (its key's release runs it later).
+    Parked,
+    /// Its key is no longer held: it runs as a message of `kind`.
+    NotHeld { kind: Kind },
+    /// Its key's queue is full: it is dead-lettered with this reason.
+    ParkRefused { reason: String },
 }
 
 /// A retry of one message that failed: its failure, counted or not.
@@ -141,6 +152,12 @@ pub(crate) struct BatchMachine {
     again_waited: bool,
     /// The action whose event is awaited.
     pending: Option<Action>,
+    /// Each message's key (a hash of it; `None`: keyless), and whether its dead letter holds the key: the
+    /// key's later messages of the batch are then parked (see `hold`).
+    keys: Vec<Option<u64>>,
+    holds: Vec<bool>,
+    /// A message whose parking was refused: dead-lettered next, with the reason.
+    refused: Option<(usize, String)>,
 }
 
 impl BatchMachine {
@@ -161,7 +178,20 @@ impl BatchMachine {
             again: None,
             again_waited: false,
             pending: None,
+            keys: Vec::new(),
+            holds: Vec::new(),
+            refused: None,
         }
+    }
+
+    /// Each message's key (a hash; `None`: keyless) and whether a dead letter of it holds its key: once it
+    /// is dead-lettered, the later messages of its key in the batch are parked, not run.
+    pub(crate) fn with_holds(mut self, keys: Vec<Option<u64>>, holds: Vec<bool>) -> Self {
+        debug_assert_eq!(keys.len(), self.kinds.len());
+        debug_assert_eq!(holds.len(), self.kinds.len());
+        self.keys = keys;
+        self.holds = holds;
+        self
     }
 
     /// How many messages, from the front, are finished (committed, skipped or dead-lettered).
@@ -189,6 +219,14 @@ impl BatchMachine {
     }
 
     fn decide(&mut self) -> Action {
+        if let Some((index, error)) = self.refused.take() {
+            return Action::DeadLetter {
+                index,
+                reason: DeadLetterReason::HoldQueueFull,
+                error,
+                attempts: self.attempts[index].max(1),
+            };
+        }
         if let Some((start, end)) = self.again {
             if !self.again_waited {
                 self.again_waited = true;
@@ -227,6 +265,7 @@ impl BatchMachine {
                 attempts: self.attempts[i].max(1),
             },
             Kind::TwoPhase => Action::TwoPhase { index: i },
+            Kind::Held => Action::Park { index: i },
             Kind::Transactional | Kind::NoClaim => {
                 let run_end = i + self.kinds[i..].iter().take_while(|k| k.batches()).count();
                 let limit = self.failed.as_ref().map_or(run_end, |(at, _)| *at);
@@ -256,6 +295,17 @@ impl BatchMachine {
             (Action::DeadLetter { index, .. }, Event::DeadLettered) => {
                 self.finished = index + 1;
                 self.retrying = None;
+                self.hold_after(index);
+            }
+            (Action::Park { index }, Event::Parked) => {
+                self.finished = index + 1;
+            }
+            (Action::Park { index }, Event::NotHeld { kind }) => {
+                debug_assert_ne!(kind, Kind::Held);
+                self.kinds[index] = kind;
+            }
+            (Action::Park { index }, Event::ParkRefused { reason }) => {
+                self.refused = Some((index, reason));
             }
             (Action::Wait { .. }, Event::Waited) => {}
             (Action::Transact { start, end }, Event::ItemFailed { index, fault }) => {
@@ -326,6 +376,20 @@ impl BatchMachine {
         Action::Wait { index, wait }
     }
 
+    /// After message `index` was dead-lettered: if its dead letter holds its key, the key's later messages
+    /// in the batch are parked.
+    fn hold_after(&mut self, index: usize) {
+        let (Some(true), Some(Some(key))) = (self.holds.get(index), self.keys.get(index)) else {
+            return;
+        };
+        let key = *key;
+        for j in index + 1..self.kinds.len() {
+            if self.keys[j] == Some(key) {
+                self.kinds[j] = Kind::Held;
+            }
+        }
+    }
+
     /// The failure message `index` is being retried for, if any (for logs).
     pub(crate) fn retry_reason(&self) -> Option<String> {
         self.retrying.as_ref().map(|r| r.fault.text())
@@ -352,6 +416,7 @@ mod tests {
             Action::Transact { .. } | Action::TwoPhase { .. } => Event::Committed,
             Action::DeadLetter { .. } => Event::DeadLettered,
             Action::Wait { .. } => Event::Waited,
+            Action::Park { .. } => Event::Parked,
             Action::Done => unreachable!("Done is not answered"),
         }
     }
@@ -369,6 +434,80 @@ mod tests {
             m.on(event);
             assert!(actions.len() < 100, "the machine does not end: {actions:?}");
         }
+    }
+
+    #[test]
+    fn a_dead_letter_that_holds_its_key_parks_the_keys_later_messages_of_the_batch() {
+        let mut m = BatchMachine::new(vec![T; 5], vec![0; 5], 3).with_holds(
+            vec![Some(1), Some(2), Some(1), None, Some(1)],
+            vec![true; 5],
+        );
+        let actions = drive(&mut m, |a| match a {
+            Action::Transact { start: 0, .. } => Event::ItemFailed {
+                index: 0,
+                fault: Fault::Permanent("gateway down".into()),
+            },
+            Action::Park { index: 2 } => Event::Parked,
+            // Released meanwhile: it runs after all.
+            Action::Park { index: 4 } => Event::NotHeld { kind: T },
+            a => ok(a),
+        });
+        assert_eq!(
+            actions,
+            [
+                Action::Transact { start: 0, end: 5 },
+                Action::DeadLetter {
+                    index: 0,
+                    reason: DeadLetterReason::HandlerFailed,
+                    error: "gateway down".into(),
+                    attempts: 1
+                },
+                Action::Transact { start: 1, end: 2 },
+                Action::Park { index: 2 },
+                Action::Transact { start: 3, end: 4 },
+                Action::Park { index: 4 },
+                Action::Transact { start: 4, end: 5 },
+            ]
+        );
+        assert_eq!(m.finished(), 5);
+    }
+
+    #[test]
+    fn a_message_its_key_cannot_park_is_dead_lettered_with_the_reason() {
+        let mut m = BatchMachine::new(vec![Kind::Held, T], vec![0; 2], 3);
+        let actions = drive(&mut m, |a| match a {
+            Action::Park { .. } => Event::ParkRefused {
+                reason: "full".into(),
+            },
+            a => ok(a),
+        });
+        assert_eq!(
+            actions,
+            [
+                Action::Park { index: 0 },
+                Action::DeadLetter {
+                    index: 0,
+                    reason: DeadLetterReason::HoldQueueFull,
+                    error: "full".into(),
+                    attempts: 1
+                },
+                Action::Transact { start: 1, end: 2 },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_dead_letter_without_the_policy_holds_nothing() {
+        let mut m = BatchMachine::new(vec![T; 2], vec![0; 2], 3)
+            .with_holds(vec![Some(1), Some(1)], vec![false; 2]);
+        let actions = drive(&mut m, |a| match a {
+            Action::Transact { start: 0, .. } => Event::ItemFailed {
+                index: 0,
+                fault: Fault::Permanent("down".into()),
+            },
+            a => ok(a),
+        });
+        assert_eq!(actions.last(), Some(&Action::Transact { start: 1, end: 2 }));
     }
 
     #[test]
@@ -744,6 +883,9 @@ mod tests {
                         return Err(format!("{action:?} with {} finished", m.finished()));
                     }
                     Event::Waited
+                }
+                Action::Park { .. } => {
+                    return Err(format!("{action:?}: no message of the scenario is held"));
                 }
             };
             m.on(report(event));

@@ -120,6 +120,16 @@ pub(crate) struct ConsumerMetrics {
     pub phase_seconds: Family<PhaseLabels, Histogram>,
     /// The same series, one handle per phase.
     pub phases: BatchPhases,
+    /// Keys the group holds (see `hold`).
+    pub held_keys: Gauge,
+    /// Messages parked behind held keys.
+    pub parked: Gauge,
+    /// Seconds since the oldest hold began.
+    pub held_oldest_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Keys held longer than `SAGA_HOLD_ALERT_AFTER_SECS`.
+    pub held_keys_overdue: Gauge,
+    /// Steps an operator paused.
+    pub paused_steps: Gauge,
 }
 
 impl Default for ConsumerMetrics {
@@ -141,6 +151,11 @@ impl Default for ConsumerMetrics {
             lag: Family::default(),
             phase_seconds,
             phases,
+            held_keys: Gauge::default(),
+            parked: Gauge::default(),
+            held_oldest_seconds: Gauge::default(),
+            held_keys_overdue: Gauge::default(),
+            paused_steps: Gauge::default(),
         }
     }
 }
@@ -149,6 +164,31 @@ impl ConsumerMetrics {
     /// Registers the metrics under the `saga_consumer` prefix.
     pub(crate) fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("saga_consumer");
+        r.register(
+            "held_keys",
+            "Keys the group holds: a dead letter or a paused step stops them, their later messages parked",
+            self.held_keys.clone(),
+        );
+        r.register(
+            "parked_messages",
+            "Messages parked behind held keys, released in order",
+            self.parked.clone(),
+        );
+        r.register(
+            "held_key_oldest_seconds",
+            "Seconds since the group's oldest hold began",
+            self.held_oldest_seconds.clone(),
+        );
+        r.register(
+            "held_keys_overdue",
+            "Keys held longer than SAGA_HOLD_ALERT_AFTER_SECS",
+            self.held_keys_overdue.clone(),
+        );
+        r.register(
+            "paused_steps",
+            "Steps an operator paused (saga steps pause)",
+            self.paused_steps.clone(),
+        );
         r.register(
             "processed",
             "Messages finished, by step and outcome",
@@ -209,5 +249,16 @@ impl ConsumerMetrics {
                 outcome: outcome.to_owned(),
             })
             .inc_by(messages);
+    }
+}
+
+impl ConsumerMetrics {
+    /// Sets the hold gauges from a census of the group's holds.
+    pub(crate) fn held(&self, census: &crate::hold::Census) {
+        self.held_keys.set(census.keys);
+        self.parked.set(census.parked);
+        self.held_oldest_seconds.set(census.oldest_seconds);
+        self.held_keys_overdue.set(census.overdue);
+        self.paused_steps.set(census.paused_steps);
     }
 }

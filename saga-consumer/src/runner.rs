@@ -288,6 +288,28 @@ impl SagaServiceBuilder {
         self
     }
 
+    /// What a dead letter of step `step` does to its key's later messages (see
+    /// [`SagaConsumerBuilder::order_policy_for_step`](crate::SagaConsumerBuilder::order_policy_for_step)).
+    pub fn order_policy_for_step(
+        mut self,
+        step: impl Into<String>,
+        policy: crate::OrderPolicy,
+    ) -> Self {
+        self.consumer = self.consumer.order_policy_for_step(step, policy);
+        self
+    }
+
+    /// What a dead letter of a message of `topic` does to its key's later messages (see
+    /// [`SagaConsumerBuilder::order_policy_for_topic`](crate::SagaConsumerBuilder::order_policy_for_topic)).
+    pub fn order_policy_for_topic(
+        mut self,
+        topic: impl Into<String>,
+        policy: crate::OrderPolicy,
+    ) -> Self {
+        self.consumer = self.consumer.order_policy_for_topic(topic, policy);
+        self
+    }
+
     /// Declares that the events `topic` carries are none of this service's business (see
     /// [`SagaConsumerBuilder::ignore`]).
     pub fn ignore<E: saga_core::SagaEvent>(mut self, topic: &saga_core::Topic<E>) -> Self {

@@ -120,6 +120,16 @@ pub struct ConsumerArgs {
     /// `/readyz/relay` is the embedded relay's, which does not gate `/readyz`).
     #[arg(long = "ops-addr", env = "SAGA_OPS_ADDR")]
     pub ops_addr: Option<SocketAddr>,
+    /// Most messages parked behind one held key; past it a message of the key is dead-lettered
+    /// (`hold-queue-full`) rather than parked.
+    #[arg(long = "hold-max-parked-per-key", env = "SAGA_HOLD_MAX_PARKED_PER_KEY", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub hold_max_parked_per_key: u32,
+    /// Most messages parked behind the group's held keys together; past it, the same.
+    #[arg(long = "hold-max-parked", env = "SAGA_HOLD_MAX_PARKED", default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub hold_max_parked: u32,
+    /// A key held longer than this, in seconds, counts in `saga_consumer_held_keys_overdue` (the alert).
+    #[arg(long = "hold-alert-after-secs", env = "SAGA_HOLD_ALERT_AFTER_SECS", default_value_t = 3_600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub hold_alert_after_secs: u64,
 }
 saga_runtime::settings_group!(ConsumerArgs);
 
@@ -154,6 +164,9 @@ impl ConsumerArgs {
         s.assignment = self.assignment;
         s.crash_loop_limit = self.crash_loop_limit;
         s.ops_addr = self.ops_addr;
+        s.hold_max_parked_per_key = self.hold_max_parked_per_key;
+        s.hold_max_parked = self.hold_max_parked;
+        s.hold_alert_after = Duration::from_secs(self.hold_alert_after_secs);
         s.key_retention = retention.key_retention()?;
         Ok(s)
     }

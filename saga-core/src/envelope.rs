@@ -129,7 +129,7 @@ fn validate_event_type(event_type: &str) -> Result<(), EnvelopeError> {
 
 /// Where a consumed message came from (the runtime's; see [`Message::topic`]).
 #[doc(hidden)]
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Origin {
     /// The topic.
     pub topic: String,

@@ -24,8 +24,11 @@ pub const LETTER: &str = "saga-replay-letter";
 /// The bulk operation that replayed it, if one did: a resumed operation finds what it sent before a crash
 /// by this and [`LETTER`].
 pub const OPERATION: &str = "saga-replay-operation";
+/// A release of a held key's parked message: its sequence number in `saga_parked_messages` (the consumer
+/// runs it only in its turn, see saga-consumer's `hold`).
+pub const RELEASE: &str = "saga-release-seq";
 /// Every header name of a replay, which a new replay replaces.
-pub const ALL: [&str; 7] = [
+pub const ALL: [&str; 8] = [
     REPLAY_COUNT,
     ORIGINAL_TOPIC,
     ORIGINAL_PARTITION,
@@ -33,6 +36,7 @@ pub const ALL: [&str; 7] = [
     OPERATOR,
     LETTER,
     OPERATION,
+    RELEASE,
 ];
 
 /// Why a message on a retry topic cannot be routed.

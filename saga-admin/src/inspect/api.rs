@@ -114,6 +114,10 @@ pub(super) struct Overview {
     pub outbox: Result<OutboxStatus, String>,
     pub lag: Vec<GroupLag>,
     pub operations: Vec<Operation>,
+    /// Keys held behind a dead letter or a paused step, oldest first (at most 50).
+    pub held_keys: Vec<crate::holds::HeldKey>,
+    /// Paused steps.
+    pub paused_steps: Vec<crate::holds::PausedStep>,
 }
 
 impl App {
@@ -210,6 +214,8 @@ impl App {
             outbox,
             lag,
             operations: operations::list(&self.pool, 10).await?,
+            held_keys: crate::holds::list(&self.pool, None, 50).await?,
+            paused_steps: crate::holds::paused(&self.pool, None).await?,
         })
     }
 }

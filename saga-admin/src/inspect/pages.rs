@@ -156,16 +156,17 @@ fn groups_table(groups: &[FailureGroup]) -> String {
     }
     let mut body = String::from(
         "<table id=\"failure-groups\"><tr><th>group</th><th>topic</th><th>step</th><th>reason</th><th>cause</th>\
-         <th>open</th><th>all</th><th>first seen</th><th>last seen</th></tr>",
+         <th>open</th><th>all</th><th>first seen</th><th>last seen</th><th>held keys</th></tr>",
     );
     for g in groups {
         let _ = write!(
             body,
-            "<tr data-group-id=\"{id}\" data-open=\"{}\" data-total=\"{}\"><td><a href=\"/groups/{id}\">{id}</a></td>\
+            "<tr data-group-id=\"{id}\" data-open=\"{}\" data-total=\"{}\" data-held-keys=\"{}\"><td><a href=\"/groups/{id}\">{id}</a></td>\
              <td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td><td class=\"num\">{}</td>\
-             <td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>",
+             <td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             g.open,
             g.total,
+            g.held_keys,
             esc(&g.dlq_topic),
             esc(g.step.as_deref().unwrap_or("")),
             esc(&g.reason),
@@ -174,10 +175,74 @@ fn groups_table(groups: &[FailureGroup]) -> String {
             g.total,
             g.first_seen.format("%Y-%m-%d %H:%M:%S"),
             g.last_seen.format("%Y-%m-%d %H:%M:%S"),
+            esc(&g.held_summary()),
             id = esc(&g.id)
         );
     }
     body.push_str("</table>");
+    body
+}
+
+/// Held keys (their later messages parked behind a dead letter or a paused step) and paused steps.
+fn held_table(held: &[crate::holds::HeldKey], paused: &[crate::holds::PausedStep]) -> String {
+    let mut body = String::new();
+    if held.is_empty() {
+        body.push_str("<p class=\"empty\" id=\"held-keys\">No key is held.</p>");
+    } else {
+        body.push_str(
+            "<table id=\"held-keys\"><tr><th>group</th><th>key</th><th>state</th><th>held by</th>\
+             <th>parked</th><th>held for</th><th>head letter</th></tr>",
+        );
+        for h in held {
+            let by = match (&h.paused_step, &h.head_reason) {
+                (_, Some(reason)) => format!("dead letter ({reason})"),
+                (Some(step), None) => format!("paused step {step}"),
+                _ => h.cause.clone(),
+            };
+            let head = match &h.head {
+                Some((topic, partition, offset)) => format!(
+                    "<a href=\"/dlq/{}/{partition}/{offset}\">{}/{partition}/{offset}</a>",
+                    seg(topic),
+                    esc(topic)
+                ),
+                None => String::new(),
+            };
+            let _ = write!(
+                body,
+                "<tr data-key=\"{k}\" data-parked=\"{}\"><td>{}</td><td>{k}</td><td>{}</td><td>{}</td>\
+                 <td class=\"num\">{}</td><td>{}</td><td>{head}</td></tr>",
+                h.parked,
+                esc(&h.group),
+                esc(&h.state),
+                esc(&by),
+                h.parked,
+                crate::duration::human(std::time::Duration::from_secs(h.age_seconds.max(0) as u64)),
+                k = esc(&h.key),
+            );
+        }
+        body.push_str("</table>");
+    }
+    if !paused.is_empty() {
+        body.push_str(
+            "<table id=\"paused-steps\"><tr><th>group</th><th>paused step</th><th>by</th><th>why</th>\
+             <th>since</th><th>held keys</th><th>parked</th></tr>",
+        );
+        for p in paused {
+            let _ = write!(
+                body,
+                "<tr data-step=\"{st}\"><td>{}</td><td>{st}</td><td>{}</td><td>{}</td><td>{}</td>\
+                 <td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+                esc(&p.group),
+                esc(&p.paused_by),
+                esc(&p.reason),
+                p.paused_at.format("%Y-%m-%d %H:%M:%S"),
+                p.held_keys,
+                p.parked,
+                st = esc(&p.step),
+            );
+        }
+        body.push_str("</table>");
+    }
     body
 }
 
@@ -266,6 +331,9 @@ pub(super) fn overview(o: &Overview, _caller: &Caller) -> String {
 
     body.push_str("<h2>Failure groups</h2>");
     body.push_str(&groups_table(&o.failure_groups));
+
+    body.push_str("<h2>Held keys</h2>");
+    body.push_str(&held_table(&o.held_keys, &o.paused_steps));
 
     body.push_str("<h2>Dead letters</h2>");
     body.push_str(
@@ -686,7 +754,8 @@ pub(super) fn group(view: &GroupView, caller: &Caller) -> String {
          <tr><th>consumer group</th><td>{}</td></tr><tr><th>step</th><td>{}</td></tr>\
          <tr><th>reason</th><td>{}</td></tr><tr><th>cause</th><td><code id=\"cause\">{}</code></td></tr>\
          <tr><th>example</th><td><code>{}</code></td></tr><tr><th>open / all</th><td>{} / {}</td></tr>\
-         <tr><th>first / last seen</th><td>{} / {}</td></tr></table>",
+         <tr><th>first / last seen</th><td>{} / {}</td></tr>\
+         <tr><th>held keys</th><td id=\"held-keys\">{}</td></tr></table>",
         g.open,
         esc(&g.dlq_topic),
         esc(&g.consumer_group),
@@ -698,6 +767,7 @@ pub(super) fn group(view: &GroupView, caller: &Caller) -> String {
         g.total,
         g.first_seen.format("%Y-%m-%d %H:%M:%S"),
         g.last_seen.format("%Y-%m-%d %H:%M:%S"),
+        esc(&g.held_summary()),
         id = esc(&g.id)
     );
     if !caller.read_only && g.open > 0 {

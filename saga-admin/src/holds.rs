@@ -1,0 +1,386 @@
+//! Held keys and paused steps: what the consumer's per-key order through failures holds back
+//! (`saga_held_keys`, `saga_parked_messages`, `saga_paused_steps`), and the operator's pause and resume.
+//!
+//! A key is held when a message of it was dead-lettered under the hold-key policy (the letter is its head),
+//! or when a message of a paused step arrived; its later messages are parked in order and released, one at a
+//! time, when the head is replayed and succeeds, discarded, or its step resumed.
+
+use chrono::{DateTime, Utc};
+use saga_consumer::toolkit::printable;
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool, Row};
+
+use crate::error::AdminError;
+
+/// A held key.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct HeldKey {
+    /// The consumer group that holds it.
+    pub group: String,
+    /// The Kafka key, as text (bytes that are not UTF-8 replaced, control characters escaped).
+    pub key: String,
+    /// `held` (nothing of it runs) or `releasing` (its parked messages run one at a time, in order).
+    pub state: String,
+    /// `dead-letter` (its head letter failed) or `paused` (its step is paused).
+    pub cause: String,
+    /// The paused step, for `paused`.
+    pub paused_step: Option<String>,
+    /// The head letter's position (dead-letter topic, partition, offset), for `dead-letter`.
+    pub head: Option<(String, i32, i64)>,
+    /// The head letter's reason.
+    pub head_reason: Option<String>,
+    /// Messages parked behind it.
+    pub parked: i64,
+    /// When it was held.
+    pub held_at: DateTime<Utc>,
+    /// Seconds since.
+    pub age_seconds: i64,
+    /// Who released it, once releasing.
+    pub released_by: Option<String>,
+}
+
+/// A group's held keys at a glance.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct HeldSummary {
+    /// The consumer group.
+    pub group: String,
+    /// Keys held.
+    pub keys: i64,
+    /// Messages parked behind them.
+    pub parked: i64,
+    /// Seconds since the oldest hold began.
+    pub oldest_seconds: i64,
+}
+
+/// A paused step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct PausedStep {
+    /// The consumer group.
+    pub group: String,
+    /// The step.
+    pub step: String,
+    /// Who paused it.
+    pub paused_by: String,
+    /// Why.
+    pub reason: String,
+    /// When.
+    pub paused_at: DateTime<Utc>,
+    /// Keys its messages hold, and the messages parked behind them.
+    pub held_keys: i64,
+    /// Messages parked behind those keys.
+    pub parked: i64,
+}
+
+/// Whether the schema has the consumer's hold tables (its consumer ran with this version).
+async fn has_tables(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT to_regclass('saga_held_keys') IS NOT NULL")
+        .fetch_one(conn)
+        .await
+}
+
+/// The held keys of `group` (all groups if `None`), oldest first, at most `limit`.
+pub async fn list(
+    pool: &PgPool,
+    group: Option<&str>,
+    limit: i64,
+) -> Result<Vec<HeldKey>, AdminError> {
+    let mut conn = pool.acquire().await?;
+    if !has_tables(&mut conn).await? {
+        return Ok(Vec::new());
+    }
+    let rows = sqlx::query(
+        "SELECT group_id, key, state, cause, paused_step, head_topic, head_partition, head_offset, \
+             head_reason, parked, held_at, extract(epoch FROM now() - held_at)::bigint AS age, released_by \
+         FROM saga_held_keys WHERE $1::text IS NULL OR group_id = $1 ORDER BY held_at, group_id, key LIMIT $2",
+    )
+    .bind(group)
+    .bind(limit)
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            let key: Vec<u8> = r.try_get("key")?;
+            let head = match (
+                r.try_get::<Option<String>, _>("head_topic")?,
+                r.try_get::<Option<i32>, _>("head_partition")?,
+                r.try_get::<Option<i64>, _>("head_offset")?,
+            ) {
+                (Some(t), Some(p), Some(o)) => Some((t, p, o)),
+                _ => None,
+            };
+            Ok(HeldKey {
+                group: r.try_get("group_id")?,
+                key: printable(&String::from_utf8_lossy(&key), false).into_owned(),
+                state: r.try_get("state")?,
+                cause: r.try_get("cause")?,
+                paused_step: r.try_get("paused_step")?,
+                head,
+                head_reason: r.try_get("head_reason")?,
+                parked: r.try_get("parked")?,
+                held_at: r.try_get("held_at")?,
+                age_seconds: r.try_get("age")?,
+                released_by: r.try_get("released_by")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}
+
+/// Each group's held keys at a glance (groups holding none are left out).
+pub async fn summaries(pool: &PgPool) -> Result<Vec<HeldSummary>, AdminError> {
+    let mut conn = pool.acquire().await?;
+    if !has_tables(&mut conn).await? {
+        return Ok(Vec::new());
+    }
+    let rows = sqlx::query(
+        "SELECT group_id, count(*)::bigint AS keys, coalesce(sum(parked), 0)::bigint AS parked, \
+             extract(epoch FROM now() - min(held_at))::bigint AS oldest \
+         FROM saga_held_keys GROUP BY group_id ORDER BY group_id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(HeldSummary {
+                group: r.try_get("group_id")?,
+                keys: r.try_get("keys")?,
+                parked: r.try_get("parked")?,
+                oldest_seconds: r.try_get("oldest")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}
+
+/// How many keys the dead letters of identities `letters` hold at their head, and how many messages are
+/// parked behind them: what a replay or discard of those letters releases.
+pub async fn behind_letters(pool: &PgPool, letters: &[String]) -> Result<(i64, i64), AdminError> {
+    let mut conn = pool.acquire().await?;
+    if letters.is_empty() || !has_tables(&mut conn).await? {
+        return Ok((0, 0));
+    }
+    let row = sqlx::query(
+        "SELECT count(*)::bigint AS keys, coalesce(sum(parked), 0)::bigint AS parked FROM saga_held_keys \
+         WHERE head_letter = ANY($1) AND state = 'held'",
+    )
+    .bind(letters)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok((row.try_get("keys")?, row.try_get("parked")?))
+}
+
+/// Releases the key whose head is the dead letter of identity `letter` (it was discarded), in `tx`:
+/// its parked messages run in order. Whether a key was released.
+pub(crate) async fn release_discarded(
+    tx: &mut PgConnection,
+    letter: &str,
+    by: &str,
+) -> Result<bool, sqlx::Error> {
+    if !has_tables(tx).await? {
+        return Ok(false);
+    }
+    let released = sqlx::query(
+        "UPDATE saga_held_keys SET state = 'releasing', released_by = $2, released_at = now(), \
+             in_flight = NULL, in_flight_at = NULL \
+         WHERE head_letter = $1 AND state = 'held'",
+    )
+    .bind(letter)
+    .bind(format!("discard by {by}"))
+    .execute(tx)
+    .await?;
+    Ok(released.rows_affected() > 0)
+}
+
+/// The paused steps (of `group`, if given).
+pub async fn paused(pool: &PgPool, group: Option<&str>) -> Result<Vec<PausedStep>, AdminError> {
+    let mut conn = pool.acquire().await?;
+    if !has_tables(&mut conn).await? {
+        return Ok(Vec::new());
+    }
+    let rows = sqlx::query(
+        "SELECT s.group_id, s.step, s.paused_by, s.reason, s.paused_at, \
+             (SELECT count(*) FROM saga_held_keys h WHERE h.group_id = s.group_id AND h.cause = 'paused' \
+                 AND h.paused_step = s.step)::bigint AS keys, \
+             (SELECT coalesce(sum(parked), 0) FROM saga_held_keys h WHERE h.group_id = s.group_id \
+                 AND h.cause = 'paused' AND h.paused_step = s.step)::bigint AS parked \
+         FROM saga_paused_steps s WHERE $1::text IS NULL OR s.group_id = $1 ORDER BY s.group_id, s.step",
+    )
+    .bind(group)
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(PausedStep {
+                group: r.try_get("group_id")?,
+                step: r.try_get("step")?,
+                paused_by: r.try_get("paused_by")?,
+                reason: r.try_get("reason")?,
+                paused_at: r.try_get("paused_at")?,
+                held_keys: r.try_get("keys")?,
+                parked: r.try_get("parked")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}
+
+/// Checks that `group` runs in this schema and `step` is a step name; bad input otherwise.
+async fn check_step(conn: &mut PgConnection, group: &str, step: &str) -> Result<(), AdminError> {
+    saga_core::StepName::new(step)
+        .map_err(|e| AdminError::bad_input(format!("step {:?}: {e}", printable(step, false))))?;
+    if !has_tables(conn).await? {
+        return Err(AdminError::bad_input(
+            "this schema has no held keys (saga_held_keys): its consumer has not run with this version",
+        ));
+    }
+    let known: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM saga_consumer_groups WHERE group_id = $1)",
+    )
+    .bind(group)
+    .fetch_one(&mut *conn)
+    .await?;
+    if !known {
+        return Err(AdminError::bad_input(format!(
+            "no consumer group {:?} runs in this schema",
+            printable(group, false)
+        )));
+    }
+    Ok(())
+}
+
+/// Pauses `step` of `group`: from the next batch on, its messages are parked (each holding its key, in
+/// order) while the group's other steps go on. Recorded with `operator` and `reason`. Whether it was not
+/// paused already.
+pub async fn pause(
+    pool: &PgPool,
+    group: &str,
+    step: &str,
+    operator: &str,
+    reason: &str,
+) -> Result<bool, AdminError> {
+    if reason.trim().is_empty() {
+        return Err(AdminError::bad_input(
+            "say why the step is paused (--reason)",
+        ));
+    }
+    let mut tx = pool.begin().await?;
+    check_step(&mut tx, group, step).await?;
+    let paused = sqlx::query(
+        "INSERT INTO saga_paused_steps (group_id, step, paused_by, reason) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(group)
+    .bind(step)
+    .bind(operator)
+    .bind(reason)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if paused {
+        log(&mut tx, group, step, "pause", operator, reason).await?;
+    }
+    tx.commit().await?;
+    Ok(paused)
+}
+
+/// Resumes `step` of `group`: the keys its messages held are released (their parked messages run in
+/// order). Recorded with `operator`. The number of keys released; bad input if it was not paused.
+pub async fn resume(
+    pool: &PgPool,
+    group: &str,
+    step: &str,
+    operator: &str,
+    reason: &str,
+) -> Result<u64, AdminError> {
+    let mut tx = pool.begin().await?;
+    check_step(&mut tx, group, step).await?;
+    let was_paused = sqlx::query("DELETE FROM saga_paused_steps WHERE group_id = $1 AND step = $2")
+        .bind(group)
+        .bind(step)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+        == 1;
+    if !was_paused {
+        return Err(AdminError::bad_input(format!(
+            "step {step} of group {} is not paused",
+            printable(group, false)
+        )));
+    }
+    let released = sqlx::query(
+        "UPDATE saga_held_keys SET state = 'releasing', released_by = $3, released_at = now(), \
+             in_flight = NULL, in_flight_at = NULL \
+         WHERE group_id = $1 AND cause = 'paused' AND paused_step = $2 AND state = 'held'",
+    )
+    .bind(group)
+    .bind(step)
+    .bind(format!("resume by {operator}"))
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    log(&mut tx, group, step, "resume", operator, reason).await?;
+    tx.commit().await?;
+    Ok(released)
+}
+
+async fn log(
+    tx: &mut PgConnection,
+    group: &str,
+    step: &str,
+    action: &str,
+    operator: &str,
+    reason: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO saga_step_pause_log (group_id, step, action, operator, reason) \
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(group)
+    .bind(step)
+    .bind(action)
+    .bind(operator)
+    .bind(reason)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+/// Keys held behind the dead letters of `topics`, by (dead-letter topic, failure group): how many, the
+/// messages parked behind them, and the oldest hold's age in seconds.
+pub async fn by_failure_group(
+    pool: &PgPool,
+    topics: &[String],
+) -> Result<std::collections::HashMap<(String, String), (i64, i64, i64)>, AdminError> {
+    let mut conn = pool.acquire().await?;
+    if !has_tables(&mut conn).await? {
+        return Ok(Default::default());
+    }
+    let rows = sqlx::query(
+        "SELECT d.dlq_topic, d.failure_group, count(*)::bigint AS keys, \
+             coalesce(sum(h.parked), 0)::bigint AS parked, \
+             extract(epoch FROM now() - min(h.held_at))::bigint AS oldest \
+         FROM saga_held_keys h JOIN saga_dead_letters d ON d.dlq_topic = h.head_topic \
+             AND d.dlq_partition = h.head_partition AND d.dlq_offset = h.head_offset \
+         WHERE h.head_topic = ANY($1) GROUP BY 1, 2",
+    )
+    .bind(topics)
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok((
+                (r.try_get("dlq_topic")?, r.try_get("failure_group")?),
+                (
+                    r.try_get("keys")?,
+                    r.try_get("parked")?,
+                    r.try_get("oldest")?,
+                ),
+            ))
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}

@@ -1,0 +1,1017 @@
+//! Per-key order through failures: held keys, parked messages, their release in order, and paused steps.
+//!
+//! Under [`OrderPolicy::HoldKey`], a message dead-lettered holds its key for the consumer group: the hold is
+//! recorded in the transaction that indexes the dead letter, before the offset moves. Every later message of
+//! a held key, on any partition the group reads, is **parked** in `saga_parked_messages` (in arrival order)
+//! instead of run, and the partition goes on with other keys. A message of a paused step (`saga steps
+//! pause`) holds its key the same way.
+//!
+//! A held key is **released** when its head letter is replayed and succeeds (the consumer recognises the
+//! replay by its `saga-replay-letter` header), when the head is discarded, or when its paused step resumes.
+//! Its parked messages then go back through the group's retry topic **one at a time**: the releaser sends
+//! the first, the consumer runs it like any message (step key, retries, dead letters), and only the
+//! transaction that records it done lets the releaser send the next. New messages of the key queue behind
+//! them; the key is let go in the transaction that finishes its last parked message, so a new message either
+//! parks before that or runs after it. A released message that fails for good becomes the key's new head.
+//!
+//! Parked messages are kept in a table rather than in the dead-letter topic: the hold, the queue and each
+//! release step are then changed in one PostgreSQL transaction, the queue's order and length are read
+//! without reading a topic, and caps are counted exactly.
+//!
+//! The decisions ([`classify`], [`decide_park`], [`on_dead_letter`], [`advance`], [`next_release`]) are pure
+//! functions of what the store says, shared by the store's code below and the model (`hold_model`).
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use saga_core::{Origin, RawMessage};
+use saga_runtime::replay;
+use sqlx::{PgConnection, PgPool, Row};
+use tokio_util::sync::CancellationToken;
+
+/// What a dead letter does to the later messages of its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OrderPolicy {
+    /// The message is dead-lettered and the key's later messages run (the default): nothing stops, and a
+    /// replay later runs the letter after them.
+    #[default]
+    SkipAndContinue,
+    /// The message is dead-lettered and its key is held: the key's later messages are parked, in order,
+    /// until the letter is replayed and succeeds, or is discarded; then they run in their order.
+    HoldKey,
+}
+
+/// Bounds on what a consumer group parks, and when a held key is overdue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HoldLimits {
+    /// Most parked messages of one key: past it, a message is dead-lettered (`hold-queue-full`).
+    pub per_key: i64,
+    /// Most parked messages of the group, all keys together: past it, the same.
+    pub per_group: i64,
+    /// A key held longer than this counts in `saga_consumer_held_keys_overdue`.
+    pub alert_after: Duration,
+}
+
+/// A held key's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum HoldState {
+    /// Nothing of it runs.
+    Held,
+    /// Its parked messages run one at a time, in order.
+    Releasing,
+}
+
+impl HoldState {
+    fn parse(text: &str) -> Self {
+        if text == "releasing" {
+            Self::Releasing
+        } else {
+            Self::Held
+        }
+    }
+}
+
+/// What the store says of a held key, as the decisions need it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct HeldView {
+    pub state: HoldState,
+    /// The identity of the dead letter at its head, if a dead letter holds it.
+    pub head_letter: Option<String>,
+    /// The first parked message: its sequence number and where it was first consumed.
+    pub first: Option<(i64, Origin)>,
+    /// How many are parked.
+    pub parked: i64,
+    /// The parked message last sent for release.
+    pub in_flight: Option<i64>,
+}
+
+/// What a message says of itself (only a message on the group's retry topic can say anything).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Mark {
+    /// A message like any other.
+    Plain,
+    /// A replay of the dead letter of this identity.
+    Replay(String),
+    /// A release of parked message `seq`, first consumed at `origin`.
+    Release { seq: i64, origin: Origin },
+}
+
+/// What the consumer does with a message, given its key's hold.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub(crate) enum Role {
+    /// Its key is not held: it runs.
+    #[default]
+    Free,
+    /// Its key is held: it is parked behind the key's queue.
+    Park,
+    /// The replay of its held key's head letter (of this identity): it runs, and its success releases the key.
+    Head(String),
+    /// The release of parked message `seq`, the first of its key's queue: it runs, and its success sends
+    /// the next.
+    Release(i64),
+    /// A copy of a release that already ran (or a release out of turn): nothing runs; the parked message,
+    /// if still parked, is sent again in its turn.
+    Stale,
+}
+
+/// What the consumer does with a message of key view `view` (none: not held), marked `mark`, whose step is
+/// paused or not.
+pub(crate) fn classify(view: Option<&HeldView>, mark: &Mark, paused: bool) -> Role {
+    match (mark, view) {
+        (Mark::Release { seq, origin }, Some(v))
+            if v.state == HoldState::Releasing
+                && v.first
+                    .as_ref()
+                    .is_some_and(|(s, o)| s == seq && o == origin) =>
+        {
+            Role::Release(*seq)
+        }
+        (Mark::Release { .. }, _) => Role::Stale,
+        (Mark::Replay(letter), Some(v))
+            if v.state == HoldState::Held && v.head_letter.as_deref() == Some(letter) =>
+        {
+            Role::Head(letter.clone())
+        }
+        (_, Some(_)) => Role::Park,
+        (_, None) if paused => Role::Park,
+        (_, None) => Role::Free,
+    }
+}
+
+/// What parking a message does.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum ParkDecision {
+    /// Appended to its key's queue.
+    Append,
+    /// Its key is held now (its step is paused), with it as the first of the queue.
+    Create,
+    /// Its key is no longer held (its queue was released meanwhile), nor its step paused: it runs.
+    NotHeld,
+    /// A cap is reached: it is dead-lettered with this reason instead.
+    Full(String),
+}
+
+/// Whether a message of key view `view` (read under the key's lock), of a step paused or not, is parked,
+/// with `group_parked` messages parked in the group already.
+pub(crate) fn decide_park(
+    view: Option<&HeldView>,
+    paused: bool,
+    group_parked: i64,
+    limits: &HoldLimits,
+) -> ParkDecision {
+    if view.is_none() && !paused {
+        return ParkDecision::NotHeld;
+    }
+    let parked = view.map_or(0, |v| v.parked);
+    if parked >= limits.per_key {
+        return ParkDecision::Full(format!(
+            "its key is held and {parked} messages of it are parked already \
+             (SAGA_HOLD_MAX_PARKED_PER_KEY)"
+        ));
+    }
+    if group_parked >= limits.per_group {
+        return ParkDecision::Full(format!(
+            "its key is held and the group has {group_parked} messages parked already \
+             (SAGA_HOLD_MAX_PARKED)"
+        ));
+    }
+    if view.is_some() {
+        ParkDecision::Append
+    } else {
+        ParkDecision::Create
+    }
+}
+
+/// What a dead letter does to its key's hold.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum OnDeadLetter {
+    /// Nothing.
+    Nothing,
+    /// The key is held now, with the letter at its head.
+    Hold,
+    /// The letter is the key's new head (the key held again); `drop_seq`, the released message it is, leaves
+    /// the queue.
+    ReHead { drop_seq: Option<i64> },
+}
+
+/// What dead-lettering a message of role `role` does, its key's view being `view`, under a policy that
+/// `holds` or not; a keyless message holds nothing.
+pub(crate) fn on_dead_letter(
+    view: Option<&HeldView>,
+    role: &Role,
+    holds: bool,
+    keyed: bool,
+) -> OnDeadLetter {
+    match (role, view) {
+        (Role::Release(seq), Some(_)) => OnDeadLetter::ReHead {
+            drop_seq: Some(*seq),
+        },
+        (Role::Release(_), None) => OnDeadLetter::Hold,
+        (Role::Head(_), Some(_)) => OnDeadLetter::ReHead { drop_seq: None },
+        (Role::Head(_), None) => OnDeadLetter::Hold,
+        (Role::Free, None) if holds && keyed => OnDeadLetter::Hold,
+        // Held by a pause meanwhile: the letter becomes the head, to be replayed before the rest.
+        (Role::Free, Some(v)) if holds && keyed && v.head_letter.is_none() => {
+            OnDeadLetter::ReHead { drop_seq: None }
+        }
+        _ => OnDeadLetter::Nothing,
+    }
+}
+
+/// What finishing a message of role `role` (committed, or found done) does to its key's hold.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Advance {
+    /// Nothing (not a release, or already advanced).
+    Nothing,
+    /// The head succeeded: the key's queue is released.
+    Release,
+    /// The head succeeded and nothing is parked: the key is let go.
+    LetGo,
+    /// Released message `seq` is done: it leaves the queue, and the next may be sent.
+    Next(i64),
+    /// Released message `seq`, the last parked, is done: it leaves the queue and the key is let go.
+    Last(i64),
+}
+
+/// See [`Advance`].
+pub(crate) fn advance(view: Option<&HeldView>, role: &Role) -> Advance {
+    match (role, view) {
+        (Role::Head(letter), Some(v))
+            if v.state == HoldState::Held && v.head_letter.as_deref() == Some(letter) =>
+        {
+            if v.parked == 0 {
+                Advance::LetGo
+            } else {
+                Advance::Release
+            }
+        }
+        (Role::Release(seq), Some(v)) if v.first.as_ref().is_some_and(|(s, _)| s == seq) => {
+            if v.parked <= 1 {
+                Advance::Last(*seq)
+            } else {
+                Advance::Next(*seq)
+            }
+        }
+        _ => Advance::Nothing,
+    }
+}
+
+/// What the releaser does for a key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum ReleaseStep {
+    /// Nothing now: held, its release in flight, or its first message's step paused.
+    Wait,
+    /// Sends parked message `seq` (the first) to the retry topic.
+    Send(i64),
+    /// Releasing with nothing parked: the key is let go.
+    LetGo,
+}
+
+/// The releaser's decision for a key of view `view`: the first parked message is sent when none is in flight
+/// (or the one in flight is due to be sent again, `resend_due`), unless its step is paused.
+pub(crate) fn next_release(view: &HeldView, resend_due: bool, first_paused: bool) -> ReleaseStep {
+    if view.state != HoldState::Releasing {
+        return ReleaseStep::Wait;
+    }
+    match &view.first {
+        None => ReleaseStep::LetGo,
+        Some(_) if first_paused => ReleaseStep::Wait,
+        Some((seq, _)) if view.in_flight != Some(*seq) || resend_due => ReleaseStep::Send(*seq),
+        Some(_) => ReleaseStep::Wait,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The store.
+
+/// The consumer group's holds: what the executor and the releaser share.
+#[derive(Clone)]
+pub(crate) struct Holds {
+    pub group: String,
+    pub limits: HoldLimits,
+    /// Policies by step name, then by consumed topic; the default is [`OrderPolicy::SkipAndContinue`].
+    pub by_step: HashMap<String, OrderPolicy>,
+    pub by_topic: HashMap<String, OrderPolicy>,
+    /// Wakes the releaser (a key's release may go on).
+    pub kick: std::sync::Arc<tokio::sync::Notify>,
+}
+
+/// What the pre-pass found for a batch: each key's view, and the group's paused steps.
+#[derive(Debug, Default)]
+pub(crate) struct BatchHolds {
+    pub views: HashMap<Vec<u8>, HeldView>,
+    pub paused: HashSet<String>,
+}
+
+/// The key a message is held under: its Kafka key, or empty.
+pub(crate) fn key_of(raw: &RawMessage) -> &[u8] {
+    raw.key.as_deref().unwrap_or_default()
+}
+
+/// What a message on the retry topic says of itself (`replayed`: it came from the retry topic).
+pub(crate) fn mark_of(raw: &RawMessage, replayed_from: Option<&Origin>) -> Mark {
+    let Some(origin) = replayed_from else {
+        return Mark::Plain;
+    };
+    let text = |name| raw.headers.get_str(name).ok().flatten();
+    if let Some(seq) = text(replay::RELEASE).and_then(|s| s.parse().ok()) {
+        return Mark::Release {
+            seq,
+            origin: origin.clone(),
+        };
+    }
+    match text(replay::LETTER) {
+        Some(letter) if !letter.is_empty() => Mark::Replay(letter.to_owned()),
+        _ => Mark::Plain,
+    }
+}
+
+const VIEW_COLUMNS: &str =
+    "h.state, h.head_letter, h.parked, h.in_flight, f.seq, f.topic, f.\"partition\", f.\"offset\"";
+const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partition\", p.\"offset\" \
+     FROM saga_parked_messages p WHERE p.group_id = h.group_id AND p.key = h.key ORDER BY p.seq LIMIT 1) f \
+     ON true";
+
+fn view_of(row: &sqlx::postgres::PgRow) -> Result<HeldView, sqlx::Error> {
+    let seq: Option<i64> = row.try_get("seq")?;
+    let first = match seq {
+        Some(seq) => Some((
+            seq,
+            Origin {
+                topic: row.try_get("topic")?,
+                partition: row.try_get("partition")?,
+                offset: row.try_get("offset")?,
+            },
+        )),
+        None => None,
+    };
+    Ok(HeldView {
+        state: HoldState::parse(row.try_get::<&str, _>("state")?),
+        head_letter: row.try_get("head_letter")?,
+        first,
+        parked: row.try_get("parked")?,
+        in_flight: row.try_get("in_flight")?,
+    })
+}
+
+impl Holds {
+    /// The policy of a message of `step` (if routed to one) consumed from `topic`.
+    pub(crate) fn policy(&self, step: Option<&str>, topic: &str) -> OrderPolicy {
+        step.and_then(|s| self.by_step.get(s))
+            .or_else(|| self.by_topic.get(topic))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// The views of `keys` and the group's paused steps, in one statement.
+    pub(crate) async fn read(
+        &self,
+        conn: &mut PgConnection,
+        keys: &[&[u8]],
+    ) -> Result<BatchHolds, sqlx::Error> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "WITH paused AS (SELECT coalesce(array_agg(step), '{{}}') AS steps FROM saga_paused_steps \
+                 WHERE group_id = $1) \
+             SELECT paused.steps, h.key, {VIEW_COLUMNS} FROM paused \
+             LEFT JOIN saga_held_keys h ON h.group_id = $1 AND h.key = ANY($2) {FIRST_PARKED}"
+        )))
+        .bind(&self.group)
+        .bind(keys)
+        .fetch_all(conn)
+        .await?;
+        let mut holds = BatchHolds::default();
+        for row in &rows {
+            if holds.paused.is_empty() {
+                holds.paused = row
+                    .try_get::<Vec<String>, _>("steps")?
+                    .into_iter()
+                    .collect();
+            }
+            if let Some(key) = row.try_get::<Option<Vec<u8>>, _>("key")? {
+                holds.views.insert(key, view_of(row)?);
+            }
+        }
+        Ok(holds)
+    }
+
+    /// The view of `key`, locked until `conn`'s transaction ends.
+    async fn lock(
+        &self,
+        conn: &mut PgConnection,
+        key: &[u8],
+    ) -> Result<Option<HeldView>, sqlx::Error> {
+        // The key's row first (the lock), then its first parked message.
+        let locked: Option<i32> = sqlx::query_scalar(
+            "SELECT 1 FROM saga_held_keys WHERE group_id = $1 AND key = $2 FOR UPDATE",
+        )
+        .bind(&self.group)
+        .bind(key)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if locked.is_none() {
+            return Ok(None);
+        }
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {VIEW_COLUMNS} FROM saga_held_keys h {FIRST_PARKED} \
+             WHERE h.group_id = $1 AND h.key = $2"
+        )))
+        .bind(&self.group)
+        .bind(key)
+        .fetch_one(conn)
+        .await?;
+        view_of(&row).map(Some)
+    }
+
+    /// Parks `raw` (first consumed at `original`, routed to `step`) behind its key's queue, in a transaction
+    /// of its own, unless its key was let go meanwhile or a cap is reached (see [`decide_park`]).
+    pub(crate) async fn park(
+        &self,
+        pool: &PgPool,
+        raw: &RawMessage,
+        original: &Origin,
+        step: Option<&str>,
+    ) -> Result<ParkDecision, sqlx::Error> {
+        let key = key_of(raw);
+        let mut tx = pool.begin().await?;
+        let view = self.lock(&mut tx, key).await?;
+        let paused: bool = match step {
+            Some(step) => sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM saga_paused_steps WHERE group_id = $1 AND step = $2)",
+            )
+            .bind(&self.group)
+            .bind(step)
+            .fetch_one(&mut *tx)
+            .await?,
+            None => false,
+        };
+        let group_parked: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(parked), 0)::bigint FROM saga_held_keys WHERE group_id = $1",
+        )
+        .bind(&self.group)
+        .fetch_one(&mut *tx)
+        .await?;
+        let decision = decide_park(view.as_ref(), paused, group_parked, &self.limits);
+        match &decision {
+            ParkDecision::Create => {
+                sqlx::query(
+                    "INSERT INTO saga_held_keys (group_id, key, cause, paused_step) \
+                     VALUES ($1, $2, 'paused', $3) ON CONFLICT (group_id, key) DO NOTHING",
+                )
+                .bind(&self.group)
+                .bind(key)
+                .bind(step)
+                .execute(&mut *tx)
+                .await?;
+                self.append(&mut tx, raw, original, step).await?;
+            }
+            ParkDecision::Append => self.append(&mut tx, raw, original, step).await?,
+            ParkDecision::NotHeld | ParkDecision::Full(_) => {}
+        }
+        tx.commit().await?;
+        Ok(decision)
+    }
+
+    async fn append(
+        &self,
+        tx: &mut PgConnection,
+        raw: &RawMessage,
+        original: &Origin,
+        step: Option<&str>,
+    ) -> Result<(), sqlx::Error> {
+        let names: Vec<&str> = raw.headers.iter().map(|h| h.name.as_str()).collect();
+        let values: Vec<Option<&[u8]>> = raw.headers.iter().map(|h| h.value.as_deref()).collect();
+        let appended = sqlx::query(
+            "INSERT INTO saga_parked_messages (group_id, key, topic, \"partition\", \"offset\", step, \
+                 message_key, payload, header_names, header_values, timestamp_ms) \
+             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11 \
+             WHERE NOT EXISTS (SELECT 1 FROM saga_parked_messages WHERE group_id = $1 AND key = $2 \
+                 AND topic = $3 AND \"partition\" = $4 AND \"offset\" = $5)",
+        )
+        .bind(&self.group)
+        .bind(key_of(raw))
+        .bind(&original.topic)
+        .bind(original.partition)
+        .bind(original.offset)
+        .bind(step)
+        .bind(raw.key.as_deref())
+        .bind(raw.payload.as_deref())
+        .bind(names)
+        .bind(values)
+        .bind(raw.timestamp_ms)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected() as i64;
+        // A redelivery of a message parked already (its offset not committed before a crash) parks nothing.
+        sqlx::query(
+            "UPDATE saga_held_keys SET parked = parked + $3 WHERE group_id = $1 AND key = $2",
+        )
+        .bind(&self.group)
+        .bind(key_of(raw))
+        .bind(appended)
+        .execute(tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Records in `tx` (the transaction that indexes the dead letter `letter` of `raw`) what the letter does
+    /// to its key's hold (see [`on_dead_letter`]); `holds`: the message's policy holds keys.
+    pub(crate) async fn on_dead_letter(
+        &self,
+        tx: &mut PgConnection,
+        raw: &RawMessage,
+        role: &Role,
+        holds: bool,
+        letter: &crate::letters::IndexedLetter,
+    ) -> Result<OnDeadLetter, sqlx::Error> {
+        let key = key_of(raw);
+        let view = self.lock(tx, key).await?;
+        let decision = on_dead_letter(view.as_ref(), role, holds, raw.key.is_some());
+        let head = |sql: &'static str| {
+            sqlx::query(sql)
+                .bind(&self.group)
+                .bind(key)
+                .bind(&letter.letter_hash)
+                .bind(&letter.dlq_topic)
+                .bind(letter.partition)
+                .bind(letter.offset)
+                .bind(&letter.fields.reason)
+        };
+        match &decision {
+            OnDeadLetter::Nothing => {}
+            OnDeadLetter::Hold => {
+                head(
+                    "INSERT INTO saga_held_keys (group_id, key, cause, head_letter, head_topic, \
+                         head_partition, head_offset, head_reason) \
+                     VALUES ($1, $2, 'dead-letter', $3, $4, $5, $6, $7) ON CONFLICT (group_id, key) DO NOTHING",
+                )
+                .execute(&mut *tx)
+                .await?;
+            }
+            OnDeadLetter::ReHead { drop_seq } => {
+                if let Some(seq) = drop_seq {
+                    let dropped = sqlx::query(
+                        "DELETE FROM saga_parked_messages WHERE group_id = $1 AND key = $2 AND seq = $3",
+                    )
+                    .bind(&self.group)
+                    .bind(key)
+                    .bind(seq)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected() as i64;
+                    sqlx::query(
+                        "UPDATE saga_held_keys SET parked = parked - $3 WHERE group_id = $1 AND key = $2",
+                    )
+                    .bind(&self.group)
+                    .bind(key)
+                    .bind(dropped)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                head(
+                    "UPDATE saga_held_keys SET state = 'held', cause = 'dead-letter', head_letter = $3, \
+                         head_topic = $4, head_partition = $5, head_offset = $6, head_reason = $7, \
+                         in_flight = NULL, in_flight_at = NULL, held_at = now() \
+                     WHERE group_id = $1 AND key = $2",
+                )
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        Ok(decision)
+    }
+
+    /// Records that a message of `raw`'s key, of role `role`, is finished (see [`advance`]), in a
+    /// transaction of its own; wakes the releaser if the key's release may go on.
+    pub(crate) async fn advance(
+        &self,
+        pool: &PgPool,
+        raw: &RawMessage,
+        role: &Role,
+        by: &str,
+    ) -> Result<Advance, sqlx::Error> {
+        let key = key_of(raw);
+        let mut tx = pool.begin().await?;
+        let view = self.lock(&mut tx, key).await?;
+        let decision = advance(view.as_ref(), role);
+        let delete_seq = |seq: i64| {
+            sqlx::query(
+                "DELETE FROM saga_parked_messages WHERE group_id = $1 AND key = $2 AND seq = $3",
+            )
+            .bind(&self.group)
+            .bind(key)
+            .bind(seq)
+        };
+        let let_go = sqlx::query("DELETE FROM saga_held_keys WHERE group_id = $1 AND key = $2")
+            .bind(&self.group)
+            .bind(key);
+        match decision {
+            Advance::Nothing => {}
+            Advance::Release => {
+                release_key(&mut tx, &self.group, key, by).await?;
+            }
+            Advance::LetGo => {
+                let_go.execute(&mut *tx).await?;
+            }
+            Advance::Next(seq) => {
+                delete_seq(seq).execute(&mut *tx).await?;
+                sqlx::query(
+                    "UPDATE saga_held_keys SET parked = parked - 1, in_flight = NULL, in_flight_at = NULL \
+                     WHERE group_id = $1 AND key = $2",
+                )
+                .bind(&self.group)
+                .bind(key)
+                .execute(&mut *tx)
+                .await?;
+            }
+            Advance::Last(seq) => {
+                delete_seq(seq).execute(&mut *tx).await?;
+                let_go.execute(&mut *tx).await?;
+            }
+        }
+        tx.commit().await?;
+        if matches!(decision, Advance::Release | Advance::Next(_)) {
+            self.kick.notify_one();
+        }
+        Ok(decision)
+    }
+
+    /// One round of the releaser: for each releasing key of the group (that no other releaser holds), sends
+    /// its first parked message to `retry_topic` when [`next_release`] says so, or lets the key go. Returns
+    /// how many messages it sent.
+    pub(crate) async fn release_round(
+        &self,
+        pool: &PgPool,
+        producer: &FutureProducer,
+        retry_topic: &str,
+        resend_after: Duration,
+    ) -> Result<usize, ReleaseError> {
+        // Keys a paused step held whose step is no longer paused (a message parked as the step resumed):
+        // released like the others.
+        sqlx::query(
+            "UPDATE saga_held_keys h SET state = 'releasing', released_by = 'resume', released_at = now() \
+             WHERE h.group_id = $1 AND h.state = 'held' AND h.cause = 'paused' AND NOT EXISTS \
+                 (SELECT 1 FROM saga_paused_steps s WHERE s.group_id = h.group_id AND s.step = h.paused_step)",
+        )
+        .bind(&self.group)
+        .execute(pool)
+        .await?;
+        let mut tx = pool.begin().await?;
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT h.key, {VIEW_COLUMNS}, \
+                 (h.in_flight_at IS NULL OR h.in_flight_at < now() - make_interval(secs => $2)) AS resend_due, \
+                 EXISTS (SELECT 1 FROM saga_paused_steps s, saga_parked_messages p \
+                     WHERE p.group_id = h.group_id AND p.key = h.key AND p.seq = f.seq \
+                       AND s.group_id = h.group_id AND s.step = p.step) AS first_paused \
+             FROM saga_held_keys h {FIRST_PARKED} \
+             WHERE h.group_id = $1 AND h.state = 'releasing' \
+             ORDER BY h.held_at LIMIT 64 FOR UPDATE OF h SKIP LOCKED"
+        )))
+        .bind(&self.group)
+        .bind(resend_after.as_secs_f64())
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut sent = 0;
+        for row in &rows {
+            let key: Vec<u8> = row.try_get("key")?;
+            let view = view_of(row)?;
+            match next_release(
+                &view,
+                row.try_get("resend_due")?,
+                row.try_get("first_paused")?,
+            ) {
+                ReleaseStep::Wait => {}
+                ReleaseStep::LetGo => {
+                    sqlx::query(
+                        "DELETE FROM saga_held_keys WHERE group_id = $1 AND key = $2 AND parked <= 0 \
+                         AND NOT EXISTS (SELECT 1 FROM saga_parked_messages WHERE group_id = $1 AND key = $2)",
+                    )
+                    .bind(&self.group)
+                    .bind(&key)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                ReleaseStep::Send(seq) => {
+                    let parked = sqlx::query(
+                        "SELECT topic, \"partition\", \"offset\", message_key, payload, header_names, \
+                             header_values FROM saga_parked_messages WHERE group_id = $1 AND key = $2 AND seq = $3",
+                    )
+                    .bind(&self.group)
+                    .bind(&key)
+                    .bind(seq)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    send_release(producer, retry_topic, seq, &parked).await?;
+                    sqlx::query(
+                        "UPDATE saga_held_keys SET in_flight = $3, in_flight_at = now() \
+                         WHERE group_id = $1 AND key = $2",
+                    )
+                    .bind(&self.group)
+                    .bind(&key)
+                    .bind(seq)
+                    .execute(&mut *tx)
+                    .await?;
+                    sent += 1;
+                }
+            }
+        }
+        tx.commit().await?;
+        Ok(sent)
+    }
+
+    /// The group's holds, for the gauges: held keys, parked messages, the oldest hold's age, keys held
+    /// longer than the alert threshold, paused steps.
+    pub(crate) async fn census(&self, pool: &PgPool) -> Result<Census, sqlx::Error> {
+        let row = sqlx::query(
+            "SELECT count(*)::bigint AS keys, coalesce(sum(parked), 0)::bigint AS parked, \
+                 coalesce(extract(epoch FROM now() - min(held_at)), 0)::float8 AS oldest, \
+                 (count(*) FILTER (WHERE held_at < now() - make_interval(secs => $2)))::bigint AS overdue, \
+                 (SELECT count(*) FROM saga_paused_steps WHERE group_id = $1)::bigint AS paused \
+             FROM saga_held_keys WHERE group_id = $1",
+        )
+        .bind(&self.group)
+        .bind(self.limits.alert_after.as_secs_f64())
+        .fetch_one(pool)
+        .await?;
+        Ok(Census {
+            keys: row.try_get("keys")?,
+            parked: row.try_get("parked")?,
+            oldest_seconds: row.try_get("oldest")?,
+            overdue: row.try_get("overdue")?,
+            paused_steps: row.try_get("paused")?,
+        })
+    }
+}
+
+/// Marks `key` of `group` releasing (its head replayed and done, or discarded), recording who released it.
+pub(crate) async fn release_key(
+    tx: &mut PgConnection,
+    group: &str,
+    key: &[u8],
+    by: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE saga_held_keys SET state = 'releasing', released_by = $3, released_at = now(), \
+             in_flight = NULL, in_flight_at = NULL \
+         WHERE group_id = $1 AND key = $2",
+    )
+    .bind(group)
+    .bind(key)
+    .bind(by)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+/// A group's holds at a glance.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Census {
+    pub keys: i64,
+    pub parked: i64,
+    pub oldest_seconds: f64,
+    pub overdue: i64,
+    pub paused_steps: i64,
+}
+
+/// Why a release round failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReleaseError {
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error("sending a parked message to the retry topic: {0}")]
+    Kafka(String),
+}
+
+/// Sends parked message `seq` (its row `parked`) to `retry_topic`: its key, payload and headers (but a
+/// replay's), the replay headers naming where it was first consumed, and the release's sequence number.
+async fn send_release(
+    producer: &FutureProducer,
+    retry_topic: &str,
+    seq: i64,
+    parked: &sqlx::postgres::PgRow,
+) -> Result<(), ReleaseError> {
+    let names: Vec<String> = parked.try_get("header_names")?;
+    let values: Vec<Option<Vec<u8>>> = parked.try_get("header_values")?;
+    let key: Option<Vec<u8>> = parked.try_get("message_key")?;
+    let payload: Option<Vec<u8>> = parked.try_get("payload")?;
+    let topic: String = parked.try_get("topic")?;
+    let partition = parked.try_get::<i32, _>("partition")?.to_string();
+    let offset = parked.try_get::<i64, _>("offset")?.to_string();
+    let seq = seq.to_string();
+    let mut headers = OwnedHeaders::new();
+    for (name, value) in names.iter().zip(&values) {
+        if replay::ALL.contains(&name.as_str()) {
+            continue;
+        }
+        headers = headers.insert(Header {
+            key: name,
+            value: value.as_deref(),
+        });
+    }
+    for (name, value) in [
+        (replay::ORIGINAL_TOPIC, topic.as_str()),
+        (replay::ORIGINAL_PARTITION, partition.as_str()),
+        (replay::ORIGINAL_OFFSET, offset.as_str()),
+        (replay::RELEASE, seq.as_str()),
+    ] {
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(value),
+        });
+    }
+    let mut record = FutureRecord::<[u8], [u8]>::to(retry_topic).headers(headers);
+    if let Some(key) = key.as_deref() {
+        record = record.key(key);
+    }
+    if let Some(payload) = payload.as_deref() {
+        record = record.payload(payload);
+    }
+    producer
+        .send(record, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| ReleaseError::Kafka(e.to_string()))?;
+    Ok(())
+}
+
+/// The releaser: a round whenever a release may go on (kicked), and every second for what other instances
+/// of the group released; the gauges follow. Runs until `cancel`.
+pub(crate) async fn run_releaser(
+    holds: Holds,
+    pool: PgPool,
+    producer: FutureProducer,
+    retry_topic: String,
+    metrics: crate::metrics::ConsumerMetrics,
+    cancel: CancellationToken,
+) {
+    /// A release sent and not finished after this long is sent again (the copy that comes second is stale).
+    const RESEND_AFTER: Duration = Duration::from_secs(60);
+    loop {
+        match holds
+            .release_round(&pool, &producer, &retry_topic, RESEND_AFTER)
+            .await
+        {
+            Ok(_) => {}
+            Err(ReleaseError::Database(sqlx::Error::Database(e)))
+                if e.code().as_deref() == Some("42P01") => {}
+            Err(e) => tracing::warn!(error = %e, "releasing held keys failed; trying again"),
+        }
+        if let Ok(census) = holds.census(&pool).await {
+            metrics.held(&census);
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = holds.kick.notified() => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn origin(offset: i64) -> Origin {
+        Origin {
+            topic: "orders".into(),
+            partition: 0,
+            offset,
+        }
+    }
+
+    fn view(state: HoldState, parked: i64) -> HeldView {
+        HeldView {
+            state,
+            head_letter: Some("letter".into()),
+            first: (parked > 0).then(|| (7, origin(3))),
+            parked,
+            in_flight: None,
+        }
+    }
+
+    const LIMITS: HoldLimits = HoldLimits {
+        per_key: 2,
+        per_group: 3,
+        alert_after: Duration::from_secs(60),
+    };
+
+    #[test]
+    fn a_message_runs_parks_or_releases_as_its_key_is_held() {
+        let held = view(HoldState::Held, 1);
+        let releasing = view(HoldState::Releasing, 1);
+        assert_eq!(classify(None, &Mark::Plain, false), Role::Free);
+        assert_eq!(classify(None, &Mark::Plain, true), Role::Park);
+        assert_eq!(classify(Some(&held), &Mark::Plain, false), Role::Park);
+        let head = Mark::Replay("letter".into());
+        assert_eq!(
+            classify(Some(&held), &head, false),
+            Role::Head("letter".into())
+        );
+        assert_eq!(
+            classify(Some(&held), &Mark::Replay("another".into()), false),
+            Role::Park,
+            "a replay of another letter of a held key waits behind it"
+        );
+        let release = Mark::Release {
+            seq: 7,
+            origin: origin(3),
+        };
+        assert_eq!(
+            classify(Some(&releasing), &release, false),
+            Role::Release(7)
+        );
+        assert_eq!(classify(Some(&held), &release, false), Role::Stale);
+        assert_eq!(classify(None, &release, false), Role::Stale);
+        let forged = Mark::Release {
+            seq: 7,
+            origin: origin(4),
+        };
+        assert_eq!(
+            classify(Some(&releasing), &forged, false),
+            Role::Stale,
+            "a release names the parked message's own position"
+        );
+    }
+
+    #[test]
+    fn parking_is_bounded_per_key_and_per_group() {
+        let one = view(HoldState::Held, 1);
+        let two = view(HoldState::Held, 2);
+        assert_eq!(
+            decide_park(Some(&one), false, 1, &LIMITS),
+            ParkDecision::Append
+        );
+        assert!(matches!(
+            decide_park(Some(&two), false, 2, &LIMITS),
+            ParkDecision::Full(_)
+        ));
+        assert!(matches!(
+            decide_park(Some(&one), false, 3, &LIMITS),
+            ParkDecision::Full(_)
+        ));
+        assert_eq!(decide_park(None, false, 0, &LIMITS), ParkDecision::NotHeld);
+        assert_eq!(decide_park(None, true, 0, &LIMITS), ParkDecision::Create);
+    }
+
+    #[test]
+    fn the_release_goes_one_message_at_a_time_and_lets_the_key_go_after_the_last() {
+        let held = view(HoldState::Held, 2);
+        assert_eq!(
+            advance(Some(&held), &Role::Head("letter".into())),
+            Advance::Release
+        );
+        assert_eq!(
+            advance(
+                Some(&view(HoldState::Held, 0)),
+                &Role::Head("letter".into())
+            ),
+            Advance::LetGo
+        );
+        let mut releasing = view(HoldState::Releasing, 2);
+        assert_eq!(next_release(&releasing, false, false), ReleaseStep::Send(7));
+        releasing.in_flight = Some(7);
+        assert_eq!(next_release(&releasing, false, false), ReleaseStep::Wait);
+        assert_eq!(next_release(&releasing, true, false), ReleaseStep::Send(7));
+        assert_eq!(next_release(&releasing, false, true), ReleaseStep::Wait);
+        assert_eq!(
+            advance(Some(&releasing), &Role::Release(7)),
+            Advance::Next(7)
+        );
+        assert_eq!(
+            advance(Some(&releasing), &Role::Release(8)),
+            Advance::Nothing,
+            "advancing twice is nothing"
+        );
+        assert_eq!(
+            advance(Some(&view(HoldState::Releasing, 1)), &Role::Release(7)),
+            Advance::Last(7)
+        );
+        assert_eq!(
+            next_release(&view(HoldState::Releasing, 0), false, false),
+            ReleaseStep::LetGo
+        );
+    }
+
+    #[test]
+    fn a_released_message_that_fails_for_good_is_the_new_head() {
+        let releasing = view(HoldState::Releasing, 2);
+        assert_eq!(
+            on_dead_letter(Some(&releasing), &Role::Release(7), false, true),
+            OnDeadLetter::ReHead { drop_seq: Some(7) }
+        );
+        assert_eq!(
+            on_dead_letter(None, &Role::Free, true, true),
+            OnDeadLetter::Hold
+        );
+        assert_eq!(
+            on_dead_letter(None, &Role::Free, true, false),
+            OnDeadLetter::Nothing,
+            "a keyless message holds nothing"
+        );
+        assert_eq!(
+            on_dead_letter(None, &Role::Free, false, true),
+            OnDeadLetter::Nothing
+        );
+    }
+}

@@ -1,0 +1,488 @@
+//! A model of per-key order through failures, checked exhaustively with `stateright`: the consumer's
+//! protocol around held keys (see `hold`), beside `model`'s protocol of batches.
+//!
+//! The decisions are the code's own: the model calls [`hold::classify`] (the pre-pass), [`hold::decide_park`]
+//! (the park transaction, read again under the key's lock), [`hold::on_dead_letter`] (the transaction that
+//! records a dead letter), [`hold::advance`] (the transaction after a head or a release finished) and
+//! [`hold::next_release`] (the releaser), and only plays the world around them: the partition, the
+//! group's retry topic, the operator replaying letters, the store, crashes.
+//!
+//! The world: one key, [`MESSAGES`] messages of it on its partition, consumed in order under the hold-key
+//! policy. A script says which fail for good on their first run (a gateway down: their replay succeeds).
+//! The consumer process may crash once anywhere (both workers start again from the committed offsets; a
+//! head or release whose step committed but whose advance did not comes back and is found done); the
+//! releaser may once send a release and die before recording it (a second copy follows). The operator
+//! replays every dead letter, any time.
+
+use saga_core::Origin;
+use stateright::{Model, Property};
+
+use crate::hold::{
+    self, Advance, HeldView, HoldLimits, HoldState, Mark, OnDeadLetter, ParkDecision, ReleaseStep,
+    Role,
+};
+
+/// Messages of the key on its partition.
+pub(crate) const MESSAGES: usize = 3;
+
+const LIMITS: HoldLimits = HoldLimits {
+    per_key: 100,
+    per_group: 100,
+    alert_after: std::time::Duration::from_secs(3600),
+};
+
+/// The key's row and its queue, as the store holds them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Held {
+    state: HoldState,
+    /// The dead letter at its head (its index among the letters).
+    head: Option<usize>,
+    /// The parked messages: (sequence number, message).
+    parked: Vec<(i64, usize)>,
+    in_flight: Option<i64>,
+}
+
+fn origin(m: usize) -> Origin {
+    Origin {
+        topic: "orders".into(),
+        partition: 0,
+        offset: m as i64,
+    }
+}
+
+fn letter_id(letter: usize) -> String {
+    format!("letter-{letter}")
+}
+
+impl Held {
+    fn view(&self) -> HeldView {
+        HeldView {
+            state: self.state,
+            head_letter: self.head.map(letter_id),
+            first: self.parked.first().map(|(s, m)| (*s, origin(*m))),
+            parked: self.parked.len() as i64,
+            in_flight: self.in_flight,
+        }
+    }
+}
+
+/// A worker of one topic: between messages, with the role of its next one read, or with a head or release
+/// whose step committed and whose advance is next.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Worker {
+    Idle,
+    Classified(Role),
+    Ran(Role),
+}
+
+/// The world.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct State {
+    /// The partition: the next message to consume, the committed offset, its worker.
+    p_pos: usize,
+    p_committed: usize,
+    p_worker: Worker,
+    /// The group's retry topic: what was sent to it, the next to consume, the committed offset, its worker.
+    retry: Vec<(usize, Mark)>,
+    r_pos: usize,
+    r_committed: usize,
+    r_worker: Worker,
+    held: Option<Held>,
+    next_seq: i64,
+    /// Effects in commit order, and which step keys are done.
+    effects: Vec<usize>,
+    done: [bool; MESSAGES],
+    /// Dead letters (their messages), and which the operator replayed.
+    letters: Vec<usize>,
+    replayed: Vec<bool>,
+    /// First runs still to fail, per message.
+    fails_left: [bool; MESSAGES],
+    crashes: u8,
+    lost_records: u8,
+}
+
+/// What happens next.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Step {
+    PartitionReads,
+    PartitionActs,
+    RetryReads,
+    RetryActs,
+    RetryAdvances,
+    CommitPartition,
+    CommitRetry,
+    Crash,
+    Release,
+    ReleaseAndDie,
+    Replay(usize),
+}
+
+/// The model: its scripts, and whether the releaser is the put-back bug (everything released at once).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct HoldModel {
+    pub release_all_at_once: bool,
+}
+
+impl State {
+    fn parked_total(&self) -> i64 {
+        self.held.as_ref().map_or(0, |h| h.parked.len() as i64)
+    }
+
+    fn view(&self) -> Option<HeldView> {
+        self.held.as_ref().map(Held::view)
+    }
+
+    /// The transaction of message `m` run with role `role`: its step (or its dead letter, with what that
+    /// does to the hold). Whether it committed a step (not a dead letter).
+    fn run(&mut self, m: usize, role: &Role) -> bool {
+        if self.fails_left[m] {
+            self.fails_left[m] = false;
+            let letter = self.letters.len();
+            self.letters.push(m);
+            self.replayed.push(false);
+            match hold::on_dead_letter(self.view().as_ref(), role, true, true) {
+                OnDeadLetter::Nothing => {}
+                OnDeadLetter::Hold => {
+                    if self.held.is_none() {
+                        self.held = Some(Held {
+                            state: HoldState::Held,
+                            head: Some(letter),
+                            parked: Vec::new(),
+                            in_flight: None,
+                        });
+                    }
+                }
+                OnDeadLetter::ReHead { drop_seq } => {
+                    let held = self.held.as_mut().expect("a view was read");
+                    if let Some(seq) = drop_seq {
+                        held.parked.retain(|(s, _)| *s != seq);
+                    }
+                    held.state = HoldState::Held;
+                    held.head = Some(letter);
+                    held.in_flight = None;
+                }
+            }
+            return false;
+        }
+        if !self.done[m] {
+            self.done[m] = true;
+            self.effects.push(m);
+        }
+        true
+    }
+
+    fn park(&mut self, m: usize) -> ParkDecision {
+        let decision = hold::decide_park(self.view().as_ref(), false, self.parked_total(), &LIMITS);
+        let held = self.held.as_ref();
+        // The store parks a message once (a redelivery of one parked already parks nothing).
+        if decision == ParkDecision::Append
+            && !held.is_some_and(|h| h.parked.iter().any(|(_, p)| *p == m))
+        {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            self.held
+                .as_mut()
+                .expect("appended to a held key")
+                .parked
+                .push((seq, m));
+        }
+        decision
+    }
+
+    fn advance(&mut self, role: &Role) {
+        match hold::advance(self.view().as_ref(), role) {
+            Advance::Nothing => {}
+            Advance::Release => {
+                let held = self.held.as_mut().expect("a view was read");
+                held.state = HoldState::Releasing;
+                held.in_flight = None;
+            }
+            Advance::LetGo => self.held = None,
+            Advance::Next(seq) => {
+                let held = self.held.as_mut().expect("a view was read");
+                held.parked.retain(|(s, _)| *s != seq);
+                held.in_flight = None;
+            }
+            Advance::Last(_) => self.held = None,
+        }
+    }
+
+    fn first_parked(&self, seq: i64) -> usize {
+        self.held
+            .as_ref()
+            .and_then(|h| h.parked.iter().find(|(s, _)| *s == seq))
+            .map(|(_, m)| *m)
+            .expect("the releaser sends a parked message")
+    }
+}
+
+impl Model for HoldModel {
+    type State = State;
+    type Action = Step;
+
+    fn init_states(&self) -> Vec<State> {
+        // The first message fails once; and, in a second world, the second too (a release that fails
+        // becomes the new head).
+        [[true, false, false], [true, true, false]]
+            .into_iter()
+            .map(|fails_left| State {
+                p_pos: 0,
+                p_committed: 0,
+                p_worker: Worker::Idle,
+                retry: Vec::new(),
+                r_pos: 0,
+                r_committed: 0,
+                r_worker: Worker::Idle,
+                held: None,
+                next_seq: 1,
+                effects: Vec::new(),
+                done: [false; MESSAGES],
+                letters: Vec::new(),
+                replayed: Vec::new(),
+                fails_left,
+                crashes: 0,
+                lost_records: 0,
+            })
+            .collect()
+    }
+
+    fn actions(&self, s: &State, actions: &mut Vec<Step>) {
+        match s.p_worker {
+            Worker::Idle if s.p_pos < MESSAGES => actions.push(Step::PartitionReads),
+            Worker::Classified(_) => actions.push(Step::PartitionActs),
+            _ => {}
+        }
+        match s.r_worker {
+            Worker::Idle if s.r_pos < s.retry.len() => actions.push(Step::RetryReads),
+            Worker::Classified(_) => actions.push(Step::RetryActs),
+            Worker::Ran(_) => actions.push(Step::RetryAdvances),
+            Worker::Idle => {}
+        }
+        if s.p_committed < s.p_pos {
+            actions.push(Step::CommitPartition);
+        }
+        if s.r_committed < s.r_pos {
+            actions.push(Step::CommitRetry);
+        }
+        let busy = s.p_committed < s.p_pos
+            || s.r_committed < s.r_pos
+            || s.p_worker != Worker::Idle
+            || s.r_worker != Worker::Idle;
+        if s.crashes == 0 && busy {
+            actions.push(Step::Crash);
+        }
+        if let Some(held) = &s.held {
+            let view = held.view();
+            if self.release_all_at_once {
+                if view.state == HoldState::Releasing {
+                    actions.push(Step::Release);
+                }
+            } else {
+                if next_release(&view, false) != ReleaseStep::Wait {
+                    actions.push(Step::Release);
+                }
+                if s.lost_records == 0 && matches!(next_release(&view, true), ReleaseStep::Send(_))
+                {
+                    actions.push(Step::ReleaseAndDie);
+                }
+            }
+        }
+        for (letter, replayed) in s.replayed.iter().enumerate() {
+            if !replayed {
+                actions.push(Step::Replay(letter));
+            }
+        }
+    }
+
+    fn next_state(&self, last: &State, step: Step) -> Option<State> {
+        let mut s = last.clone();
+        match step {
+            Step::PartitionReads => {
+                s.p_worker =
+                    Worker::Classified(hold::classify(s.view().as_ref(), &Mark::Plain, false));
+            }
+            Step::PartitionActs => {
+                let Worker::Classified(role) = s.p_worker.clone() else {
+                    unreachable!()
+                };
+                let m = s.p_pos;
+                match role {
+                    Role::Park => match s.park(m) {
+                        ParkDecision::Append | ParkDecision::Create => {
+                            s.p_pos += 1;
+                            s.p_worker = Worker::Idle;
+                        }
+                        ParkDecision::NotHeld => s.p_worker = Worker::Classified(Role::Free),
+                        ParkDecision::Full(_) => unreachable!("the caps are out of reach"),
+                    },
+                    role => {
+                        s.run(m, &role);
+                        s.p_pos += 1;
+                        s.p_worker = Worker::Idle;
+                    }
+                }
+            }
+            Step::RetryReads => {
+                let (_, mark) = &s.retry[s.r_pos];
+                s.r_worker = Worker::Classified(hold::classify(s.view().as_ref(), mark, false));
+            }
+            Step::RetryActs => {
+                let Worker::Classified(role) = s.r_worker.clone() else {
+                    unreachable!()
+                };
+                let m = s.retry[s.r_pos].0;
+                match role {
+                    Role::Stale => {
+                        s.r_pos += 1;
+                        s.r_worker = Worker::Idle;
+                    }
+                    Role::Park => match s.park(m) {
+                        ParkDecision::Append | ParkDecision::Create => {
+                            s.r_pos += 1;
+                            s.r_worker = Worker::Idle;
+                        }
+                        ParkDecision::NotHeld => s.r_worker = Worker::Classified(Role::Free),
+                        ParkDecision::Full(_) => unreachable!("the caps are out of reach"),
+                    },
+                    role @ (Role::Head(_) | Role::Release(_)) => {
+                        if s.run(m, &role) {
+                            s.r_worker = Worker::Ran(role);
+                        } else {
+                            s.r_pos += 1;
+                            s.r_worker = Worker::Idle;
+                        }
+                    }
+                    role => {
+                        s.run(m, &role);
+                        s.r_pos += 1;
+                        s.r_worker = Worker::Idle;
+                    }
+                }
+            }
+            Step::RetryAdvances => {
+                let Worker::Ran(role) = s.r_worker.clone() else {
+                    unreachable!()
+                };
+                s.advance(&role);
+                s.r_pos += 1;
+                s.r_worker = Worker::Idle;
+            }
+            Step::CommitPartition => s.p_committed = s.p_pos,
+            Step::CommitRetry => s.r_committed = s.r_pos,
+            Step::Crash => {
+                s.crashes += 1;
+                s.p_pos = s.p_committed;
+                s.r_pos = s.r_committed;
+                s.p_worker = Worker::Idle;
+                s.r_worker = Worker::Idle;
+            }
+            Step::Release if self.release_all_at_once => {
+                // The put-back bug: every parked message sent at once, and the key let go.
+                let held = s.held.take().expect("a held key");
+                for (_, m) in held.parked {
+                    s.retry.push((m, Mark::Plain));
+                }
+            }
+            Step::Release => {
+                let view = s.view().expect("a held key");
+                match next_release(&view, false) {
+                    ReleaseStep::Send(seq) => {
+                        let m = s.first_parked(seq);
+                        s.retry.push((m, release_mark(seq, m)));
+                        s.held.as_mut().expect("a held key").in_flight = Some(seq);
+                    }
+                    ReleaseStep::LetGo => s.held = None,
+                    ReleaseStep::Wait => unreachable!(),
+                }
+            }
+            Step::ReleaseAndDie => {
+                let view = s.view().expect("a held key");
+                let ReleaseStep::Send(seq) = next_release(&view, true) else {
+                    unreachable!()
+                };
+                let m = s.first_parked(seq);
+                s.retry.push((m, release_mark(seq, m)));
+                s.lost_records += 1;
+            }
+            Step::Replay(letter) => {
+                s.replayed[letter] = true;
+                let m = s.letters[letter];
+                s.retry.push((m, Mark::Replay(letter_id(letter))));
+            }
+        }
+        Some(s)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(
+                "per key, effects happen in offset order, each once",
+                |_, s: &State| s.effects.windows(2).all(|w| w[0] < w[1]),
+            ),
+            Property::always(
+                "with nothing left to do, every message took effect and no key is held",
+                |model: &Self, s: &State| {
+                    let mut next = Vec::new();
+                    model.actions(s, &mut next);
+                    !next.is_empty() || (s.effects.len() == MESSAGES && s.held.is_none())
+                },
+            ),
+            Property::sometimes("a message is parked", |_, s: &State| s.parked_total() > 0),
+            Property::sometimes("a release's copy is sent twice", |_, s: &State| {
+                s.lost_records > 0
+            }),
+        ]
+    }
+}
+
+fn next_release(view: &HeldView, resend_due: bool) -> ReleaseStep {
+    hold::next_release(view, resend_due, false)
+}
+
+fn release_mark(seq: i64, m: usize) -> Mark {
+    Mark::Release {
+        seq,
+        origin: origin(m),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use stateright::Checker;
+
+    use super::*;
+
+    fn check(model: HoldModel) -> impl Checker<HoldModel> {
+        let started = Instant::now();
+        let checker = model
+            .checker()
+            .threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
+            .spawn_bfs()
+            .join();
+        println!(
+            "hold model {model:?}: {} states ({} unique) to depth {}, {:?}",
+            checker.state_count(),
+            checker.unique_state_count(),
+            checker.max_depth(),
+            started.elapsed()
+        );
+        checker
+    }
+
+    #[test]
+    fn held_keys_keep_the_order_run_nothing_twice_and_lose_nothing_in_every_interleaving() {
+        check(HoldModel::default()).assert_properties();
+    }
+
+    #[test]
+    fn releasing_a_queue_all_at_once_is_found_to_reorder() {
+        let checker = check(HoldModel {
+            release_all_at_once: true,
+        });
+        let path =
+            checker.assert_any_discovery("per key, effects happen in offset order, each once");
+        println!("counterexample: {:?}", path.into_actions());
+    }
+}
