@@ -363,11 +363,23 @@ enum KeysCommand {
         #[arg(long, default_value_t = 100)]
         limit: i64,
     },
+    /// Release a held key by hand: its parked messages run in order, as if its head letter had been
+    /// discarded (the letter stays in its topic). For a key whose head cannot be replayed or discarded.
+    Release {
+        /// The key (as `saga keys held` shows it).
+        key: String,
+        /// The consumer group that holds it.
+        #[arg(long)]
+        group: String,
+        /// Who releases (default: the OS user).
+        #[arg(long)]
+        operator: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 enum StepsCommand {
-    /// Pause a step of a consumer group: from its next batch on, each message of the step is parked,
+    /// Pause a step of a consumer group: within about a second, each message of the step is parked,
     /// holding its key (the key's later messages park behind it), until `saga steps resume`.
     Pause {
         /// The step.
@@ -733,6 +745,21 @@ impl Cli {
                     )
                 })
             }
+            Command::Keys(KeysCommand::Release {
+                key,
+                group,
+                operator,
+            }) => {
+                let operator = operator_or_os_user(operator.as_ref());
+                let pool = self.pool().await?;
+                let released = holds::release(&pool, group, key, &operator).await?;
+                self.print(&released, || {
+                    format!(
+                        "key {} of group {} released by {operator}: its {} parked messages run in order",
+                        released.key, released.group, released.parked
+                    )
+                })
+            }
             Command::Steps(StepsCommand::Pause {
                 step,
                 group,
@@ -746,7 +773,7 @@ impl Cli {
                     if paused {
                         format!(
                             "step {step} of group {group} paused by {operator}: its messages are parked, in \
-                             order per key, from the group's next batches on"
+                             order per key, within about a second"
                         )
                     } else {
                         format!("step {step} of group {group} was paused already")

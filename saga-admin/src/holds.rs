@@ -176,6 +176,7 @@ pub async fn behind_letters(pool: &PgPool, letters: &[String]) -> Result<(i64, i
 /// its parked messages run in order. Whether a key was released.
 pub(crate) async fn release_discarded(
     tx: &mut PgConnection,
+    group: &str,
     letter: &str,
     by: &str,
 ) -> Result<bool, sqlx::Error> {
@@ -185,10 +186,11 @@ pub(crate) async fn release_discarded(
     let released = sqlx::query(
         "UPDATE saga_held_keys SET state = 'releasing', released_by = $2, released_at = now(), \
              in_flight = NULL, in_flight_at = NULL \
-         WHERE head_letter = $1 AND state = 'held'",
+         WHERE head_letter = $1 AND state = 'held' AND group_id = $3",
     )
     .bind(letter)
     .bind(format!("discard by {by}"))
+    .bind(group)
     .execute(tx)
     .await?;
     Ok(released.rows_affected() > 0)
@@ -251,7 +253,7 @@ async fn check_step(conn: &mut PgConnection, group: &str, step: &str) -> Result<
     Ok(())
 }
 
-/// Pauses `step` of `group`: from the next batch on, its messages are parked (each holding its key, in
+/// Pauses `step` of `group`: within about a second, its messages are parked (each holding its key, in
 /// order) while the group's other steps go on. Recorded with `operator` and `reason`. Whether it was not
 /// paused already.
 pub async fn pause(
@@ -383,4 +385,45 @@ pub async fn by_failure_group(
         })
         .collect::<Result<_, sqlx::Error>>()
         .map_err(Into::into)
+}
+
+/// Releases held key `key` of `group` by hand (`saga keys release`): its parked messages run in order, as if
+/// its head letter had been discarded; the letter stays in its topic. For a key whose head cannot be
+/// replayed or discarded. Recorded with `operator`. Bad input if the key is not held.
+pub async fn release(
+    pool: &PgPool,
+    group: &str,
+    key: &str,
+    operator: &str,
+) -> Result<HeldKey, AdminError> {
+    let mut tx = pool.begin().await?;
+    if !has_tables(&mut tx).await? {
+        return Err(AdminError::bad_input(
+            "this schema has no held keys (saga_held_keys): its consumer has not run with this version",
+        ));
+    }
+    let released = sqlx::query(
+        "UPDATE saga_held_keys SET state = 'releasing', released_by = $3, released_at = now(), \
+             in_flight = NULL, in_flight_at = NULL \
+         WHERE group_id = $1 AND key = $2 AND state = 'held'",
+    )
+    .bind(group)
+    .bind(key.as_bytes())
+    .bind(format!("release by {operator}"))
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    tx.commit().await?;
+    if released == 0 {
+        return Err(AdminError::bad_input(format!(
+            "key {:?} of group {:?} is not held (or is releasing already): see `saga keys held`",
+            printable(key, false),
+            printable(group, false)
+        )));
+    }
+    list(pool, Some(group), i64::MAX)
+        .await?
+        .into_iter()
+        .find(|h| h.key == printable(key, false))
+        .ok_or_else(|| AdminError::bad_input("the key was let go meanwhile"))
 }

@@ -800,7 +800,9 @@ async fn discard_one(
     .await?;
     if discarded.rows_affected() == 1 {
         // A key held behind the letter is released with it: its parked messages run, in order.
-        let detail = if crate::holds::release_discarded(&mut tx, &identity, operator).await? {
+        let detail = if crate::holds::release_discarded(&mut tx, &letter.group, &identity, operator)
+            .await?
+        {
             "discarded; the key it held is released"
         } else {
             "discarded"

@@ -138,8 +138,7 @@ async fn bad_input_gets_one_line_and_exit_code_2() {
     )
     .await;
 
-    // Pausing a step: not a step name; a schema whose consumer never ran (no held keys there); resuming
-    // needs a reason's default only.
+    // Pausing a step: not a step name; a group that does not run in this schema; no group named.
     expect_usage_error(
         saga.command(&[
             "steps", "pause", "no step", "--group", "g", "--reason", "outage",
@@ -151,10 +150,14 @@ async fn bad_input_gets_one_line_and_exit_code_2() {
         saga.command(&[
             "steps", "pause", "charge", "--group", "g", "--reason", "outage",
         ]),
-        "saga_held_keys",
+        "no consumer group \"g\" runs in this schema",
     )
     .await;
-    expect_usage_error(saga.command(&["steps", "pause", "charge"]), "--group").await;
+    expect_usage_error(
+        saga.command(&["steps", "pause", "charge"]),
+        "required arguments",
+    )
+    .await;
 
     // Settings: no database, no broker, no such schema; an unknown command.
     let mut no_db = saga.command(&["outbox", "status"]);

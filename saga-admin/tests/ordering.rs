@@ -17,8 +17,8 @@ use std::time::Duration;
 use saga_admin::dlq::{self, DlqFilter, ReplayOptions};
 use saga_admin::holds;
 use saga_consumer::{
-    Hooks, Message, OrderPolicy, RetryPolicy, SagaConsumer, SagaEvent, StepContext, StepError,
-    StepOutcome, StepResult, Topic, step_with,
+    ConsumerSettings, Hooks, Message, OrderPolicy, RetryPolicy, SagaConsumer, SagaEvent,
+    StepContext, StepError, StepOutcome, StepResult, Topic, step_with,
 };
 use saga_core::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka, wait_until};
@@ -245,10 +245,30 @@ fn consumer(
     shop: &Arc<Shop>,
     hold: bool,
 ) -> saga_consumer::SagaConsumerBuilder {
+    consumer_with(
+        ConsumerSettings::default(),
+        brokers,
+        orders,
+        pool,
+        shop,
+        hold,
+    )
+}
+
+/// [`consumer`], starting from `settings`.
+fn consumer_with(
+    settings: ConsumerSettings,
+    brokers: &str,
+    orders: &str,
+    pool: sqlx::PgPool,
+    shop: &Arc<Shop>,
+    hold: bool,
+) -> saga_consumer::SagaConsumerBuilder {
     let created: Topic<OrderCreated> = Topic::new(orders.to_owned());
     let cancelled: Topic<OrderCancelled> = Topic::new(orders.to_owned());
     let noted: Topic<OrderNoted> = Topic::new(orders.to_owned());
     let builder = SagaConsumer::builder()
+        .settings(settings)
         .brokers(brokers.to_owned())
         .group_id(format!("{orders}-group"))
         .dlq_topic(format!("{orders}.dlq"))
@@ -272,12 +292,14 @@ fn consumer(
 
 fn start(builder: saga_consumer::SagaConsumerBuilder) -> Running {
     let consumer = builder.build().expect("a valid consumer");
+    let ops = consumer.ops();
     let stop = CancellationToken::new();
     let handle = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
-    Running { stop, handle }
+    Running { stop, handle, ops }
 }
 
 struct Running {
+    ops: saga_consumer::OpsHandle,
     stop: CancellationToken,
     handle: tokio::task::JoinHandle<Result<(), saga_consumer::ConsumerError>>,
 }
@@ -444,6 +466,11 @@ async fn a_queue_is_released_in_order_and_a_release_that_fails_is_the_new_head()
 async fn a_paused_step_parks_its_messages_per_key_and_resuming_runs_them_in_order() {
     let f = Fixture::new("order-pause").await;
     let running = f.start(f.consumer(false));
+    // The consumer records its group as it starts: a pause names a group that runs here.
+    wait_until("the group recorded", WAIT, || async {
+        (f.db.count("saga_consumer_groups").await == 1).then_some(())
+    })
+    .await;
     let paused = holds::pause(
         &f.db.pool,
         &f.group,
@@ -454,6 +481,11 @@ async fn a_paused_step_parks_its_messages_per_key_and_resuming_runs_them_in_orde
     .await
     .unwrap();
     assert!(paused);
+    // A consumer whose group holds nothing reads its group's pauses once a second: its gauge says when.
+    wait_until("the consumer sees the pause", WAIT, || async {
+        (running.ops.sample("saga_consumer_paused_steps", "") == Some(1.0)).then_some(())
+    })
+    .await;
     f.send(
         7,
         "OrderNoted",
@@ -580,4 +612,114 @@ async fn a_consumer_killed_in_the_middle_of_a_release_runs_nothing_twice_and_kee
     assert_eq!(f.effects().await, effects, "nothing ran twice");
     assert_eq!(Fixture::of(&effects, 7), ["charge", "note-1", "note-2"]);
     assert_eq!(f.db.count("saga_dead_letters").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn past_the_cap_a_message_of_a_held_key_is_dead_lettered_with_the_reason_not_dropped() {
+    let f = Fixture::new("order-cap").await;
+    let mut settings = ConsumerSettings::default();
+    settings.hold_max_parked_per_key = 1;
+    let running = f.start(consumer_with(
+        settings,
+        &f.kafka.brokers,
+        &f.orders,
+        f.db.pool.clone(),
+        &f.shop,
+        true,
+    ));
+    f.shop.gateway_down.store(true, Ordering::SeqCst);
+    f.send(7, "OrderCreated", &OrderCreated { order_id: 7 })
+        .await;
+    f.wait_letters(1).await;
+    for n in 1..=2 {
+        f.send(
+            7,
+            "OrderNoted",
+            &OrderNoted {
+                order_id: 7,
+                note: n,
+            },
+        )
+        .await;
+    }
+    f.wait_committed(&f.orders, 3).await;
+    f.wait_letters(2).await;
+    let held = f.held().await;
+    assert_eq!((held.len(), held[0].parked), (1, 1), "{held:?}");
+    let kafka = KafkaConfig::new(f.kafka.brokers.clone());
+    let letters = dlq::list(&kafka, &f.db.pool, &f.dlq, &DlqFilter::default())
+        .await
+        .unwrap();
+    let full = letters.iter().find(|l| l.offset == 1).unwrap();
+    assert_eq!(full.reason, "hold-queue-full");
+    assert!(
+        full.error.contains("SAGA_HOLD_MAX_PARKED_PER_KEY"),
+        "{}",
+        full.error
+    );
+    assert_eq!(
+        held[0].head,
+        Some((f.dlq.clone(), 0, 0)),
+        "the cap makes no new head"
+    );
+
+    // The head replayed: the create and the parked note run, the key is let go; the note past the cap
+    // waits in the dead-letter topic for its own replay.
+    f.shop.gateway_down.store(false, Ordering::SeqCst);
+    f.replay(0).await;
+    f.wait_released().await;
+    assert_eq!(
+        Fixture::of(&f.wait_effects(2).await, 7),
+        ["charge", "note-1"]
+    );
+    f.replay(1).await;
+    let effects = f.wait_effects(3).await;
+    running.stop().await;
+    assert_eq!(Fixture::of(&effects, 7), ["charge", "note-1", "note-2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_releases_a_held_key_by_hand_and_its_letter_stays() {
+    let f = Fixture::new("order-release").await;
+    let running = f.start(f.consumer(true));
+    f.shop.gateway_down.store(true, Ordering::SeqCst);
+    f.send(7, "OrderCreated", &OrderCreated { order_id: 7 })
+        .await;
+    f.wait_letters(1).await;
+    f.send(7, "OrderCancelled", &OrderCancelled { order_id: 7 })
+        .await;
+    f.wait_committed(&f.orders, 2).await;
+    assert_eq!(f.held().await.len(), 1);
+    let target = common::Target {
+        database_url: f.db.url(),
+        schema: f.db.schema.clone(),
+        brokers: f.kafka.brokers.clone(),
+    };
+    let released = target
+        .json(&[
+            "keys",
+            "release",
+            "order-7",
+            "--group",
+            &f.group,
+            "--operator",
+            "ops",
+        ])
+        .await;
+    assert_eq!(released["state"], "releasing", "{released}");
+    assert_eq!(released["released_by"], "release by ops", "{released}");
+    let effects = f.wait_effects(1).await;
+    f.wait_released().await;
+    running.stop().await;
+    assert_eq!(
+        Fixture::of(&effects, 7),
+        ["cancel"],
+        "the create stays a letter"
+    );
+    // Not held (any more): one line, exit code 2.
+    saga_test_support::expect_usage_error(
+        target.command(&["keys", "release", "order-7", "--group", &f.group]),
+        "is not held",
+    )
+    .await;
 }

@@ -560,6 +560,7 @@ impl SagaConsumer {
             by_step: self.order_by_step,
             by_topic: self.order_by_topic,
             kick: Arc::new(tokio::sync::Notify::new()),
+            active: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         };
         let releaser = tokio::spawn(crate::hold::run_releaser(
             holds.clone(),

@@ -87,11 +87,15 @@ impl Executor {
         let kinds = deliveries.iter().map(Delivery::kind).collect();
         let attempts = deliveries.iter().map(|d| d.attempts).collect();
         let mut ids: HashMap<&[u8], u64> = HashMap::new();
+        // Only a message that runs as any other (or parks) follows its key's hold within the batch: a head, a
+        // release or a stale copy has its own part, never parked behind a letter of the batch.
         let keys = deliveries
             .iter()
             .map(|d| {
                 let next = ids.len() as u64;
-                d.raw.key.as_deref().map(|k| *ids.entry(k).or_insert(next))
+                hold::key_of_held(&d.raw)
+                    .filter(|_| matches!(d.hold, Role::Free | Role::Park))
+                    .map(|k| *ids.entry(k).or_insert(next))
             })
             .collect();
         let holds = deliveries.iter().map(|d| self.holds_key(d)).collect();
@@ -257,6 +261,9 @@ impl Executor {
     /// Reads the holds of `deliveries`' keys and the group's paused steps, and gives each its role;
     /// waits out an unavailable database. `false` if cancelled first.
     async fn classify(&self, deliveries: &mut [Delivery], cancel: &CancellationToken) -> bool {
+        if !self.holds.is_active() {
+            return true;
+        }
         let mut keys: Vec<&[u8]> = deliveries.iter().map(|d| hold::key_of(&d.raw)).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -284,7 +291,12 @@ impl Executor {
         };
         for delivery in deliveries.iter_mut() {
             let mark = hold::mark_of(&delivery.raw, delivery.replayed_from.as_ref());
-            let view = found.views.get(hold::key_of(&delivery.raw));
+            // A keyless message is held by nothing but its own step's pause (it has no key to order by); a
+            // release of one follows the queue of keyless messages.
+            let view = match (&mark, hold::key_of_held(&delivery.raw)) {
+                (hold::Mark::Plain | hold::Mark::Replay(_), None) => None,
+                _ => found.views.get(hold::key_of(&delivery.raw)),
+            };
             let paused = delivery
                 .step_name()
                 .is_some_and(|s| found.paused.contains(s));
@@ -374,6 +386,27 @@ impl Executor {
         released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> bool {
+        // Its part in its key's hold first, as `process` reads it: a message of a held key is parked (it
+        // never runs), a stale release copy is finished, and a head's or release's letter is the new head.
+        if !self.classify(std::slice::from_mut(delivery), cancel).await {
+            return false;
+        }
+        match delivery.hold {
+            Role::Stale => {
+                self.finish(delivery, ItemOutcome::Duplicate);
+                return true;
+            }
+            Role::Park => match self.park(delivery, cancel).await {
+                Some(ParkDecision::Append | ParkDecision::Create) => {
+                    self.finish(delivery, ItemOutcome::Parked);
+                    return true;
+                }
+                Some(ParkDecision::NotHeld) => delivery.hold = Role::Free,
+                Some(ParkDecision::Full(_)) => {}
+                None => return false,
+            },
+            Role::Free | Role::Head(_) | Role::Release(_) => {}
+        }
         delivery.attempts = deaths;
         self.dead_letter(
             delivery,
@@ -848,7 +881,15 @@ impl Executor {
         if let Some((delivery, holds)) = hold {
             let done = self
                 .holds
-                .on_dead_letter(&mut tx, &delivery.raw, &delivery.hold, holds, letter)
+                .on_dead_letter(
+                    &mut tx,
+                    &delivery.raw,
+                    delivery.original(),
+                    delivery.step_name(),
+                    &delivery.hold,
+                    holds,
+                    letter,
+                )
                 .await?;
             if done != OnDeadLetter::Nothing {
                 tracing::warn!(parent: &delivery.span, ?done, "its key is held behind this dead letter");

@@ -81,7 +81,7 @@ pub(crate) struct HeldView {
     /// The identity of the dead letter at its head, if a dead letter holds it.
     pub head_letter: Option<String>,
     /// The first parked message: its sequence number and where it was first consumed.
-    pub first: Option<(i64, Origin)>,
+    pub first: Option<(i64, Origin, String)>,
     /// How many are parked.
     pub parked: i64,
     /// The parked message last sent for release.
@@ -95,8 +95,12 @@ pub(crate) enum Mark {
     Plain,
     /// A replay of the dead letter of this identity.
     Replay(String),
-    /// A release of parked message `seq`, first consumed at `origin`.
-    Release { seq: i64, origin: Origin },
+    /// A release of parked message `seq`, first consumed at `origin`, whose payload has this [`digest`].
+    Release {
+        seq: i64,
+        origin: Origin,
+        digest: String,
+    },
 }
 
 /// What the consumer does with a message, given its key's hold.
@@ -121,11 +125,17 @@ pub(crate) enum Role {
 /// paused or not.
 pub(crate) fn classify(view: Option<&HeldView>, mark: &Mark, paused: bool) -> Role {
     match (mark, view) {
-        (Mark::Release { seq, origin }, Some(v))
-            if v.state == HoldState::Releasing
-                && v.first
-                    .as_ref()
-                    .is_some_and(|(s, o)| s == seq && o == origin) =>
+        (
+            Mark::Release {
+                seq,
+                origin,
+                digest,
+            },
+            Some(v),
+        ) if v.state == HoldState::Releasing
+            && v.first
+                .as_ref()
+                .is_some_and(|(s, o, d)| s == seq && o == origin && d == digest) =>
         {
             Role::Release(*seq)
         }
@@ -195,6 +205,10 @@ pub(crate) enum OnDeadLetter {
     /// The letter is the key's new head (the key held again); `drop_seq`, the released message it is, leaves
     /// the queue.
     ReHead { drop_seq: Option<i64> },
+    /// The key is held behind another letter already (it was held after this message was read, from
+    /// another partition or topic): the message joins the key's queue, to run again in its turn. Its letter
+    /// stays in the dead-letter topic for the record; replayed, it finds its step key done or parks.
+    Queue,
 }
 
 /// What dead-lettering a message of role `role` does, its key's view being `view`, under a policy that
@@ -217,6 +231,7 @@ pub(crate) fn on_dead_letter(
         (Role::Free, Some(v)) if holds && keyed && v.head_letter.is_none() => {
             OnDeadLetter::ReHead { drop_seq: None }
         }
+        (Role::Free, Some(_)) if holds && keyed => OnDeadLetter::Queue,
         _ => OnDeadLetter::Nothing,
     }
 }
@@ -248,7 +263,7 @@ pub(crate) fn advance(view: Option<&HeldView>, role: &Role) -> Advance {
                 Advance::Release
             }
         }
-        (Role::Release(seq), Some(v)) if v.first.as_ref().is_some_and(|(s, _)| s == seq) => {
+        (Role::Release(seq), Some(v)) if v.first.as_ref().is_some_and(|(s, _, _)| s == seq) => {
             if v.parked <= 1 {
                 Advance::Last(*seq)
             } else {
@@ -279,7 +294,7 @@ pub(crate) fn next_release(view: &HeldView, resend_due: bool, first_paused: bool
     match &view.first {
         None => ReleaseStep::LetGo,
         Some(_) if first_paused => ReleaseStep::Wait,
-        Some((seq, _)) if view.in_flight != Some(*seq) || resend_due => ReleaseStep::Send(*seq),
+        Some((seq, _, _)) if view.in_flight != Some(*seq) || resend_due => ReleaseStep::Send(*seq),
         Some(_) => ReleaseStep::Wait,
     }
 }
@@ -297,6 +312,11 @@ pub(crate) struct Holds {
     pub by_topic: HashMap<String, OrderPolicy>,
     /// Wakes the releaser (a key's release may go on).
     pub kick: std::sync::Arc<tokio::sync::Notify>,
+    /// Whether a batch must read its keys' holds: some policy holds keys, or the group's last census (every
+    /// second) found a held key or a paused step. Without either no key can be held (only a dead letter under
+    /// a hold-key policy, or a paused step's message, holds one), so the read is skipped; a pause takes
+    /// effect within about a second.
+    pub active: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What the pre-pass found for a batch: each key's view, and the group's paused steps.
@@ -306,9 +326,15 @@ pub(crate) struct BatchHolds {
     pub paused: HashSet<String>,
 }
 
-/// The key a message is held under: its Kafka key, or empty.
+/// The key a message is held under: its Kafka key, or empty (keyless messages of a paused step).
 pub(crate) fn key_of(raw: &RawMessage) -> &[u8] {
     raw.key.as_deref().unwrap_or_default()
+}
+
+/// The key a dead letter of the message may hold: its Kafka key, unless it has none or an empty one (both
+/// are keyless: nothing orders them).
+pub(crate) fn key_of_held(raw: &RawMessage) -> Option<&[u8]> {
+    raw.key.as_deref().filter(|k| !k.is_empty())
 }
 
 /// What a message on the retry topic says of itself (`replayed`: it came from the retry topic).
@@ -317,21 +343,33 @@ pub(crate) fn mark_of(raw: &RawMessage, replayed_from: Option<&Origin>) -> Mark 
         return Mark::Plain;
     };
     let text = |name| raw.headers.get_str(name).ok().flatten();
-    if let Some(seq) = text(replay::RELEASE).and_then(|s| s.parse().ok()) {
-        return Mark::Release {
+    // A replay of a letter is one, whatever else its headers say.
+    if let Some(letter) = text(replay::LETTER).filter(|l| !l.is_empty()) {
+        return Mark::Replay(letter.to_owned());
+    }
+    match text(replay::RELEASE).and_then(|s| s.parse().ok()) {
+        Some(seq) => Mark::Release {
             seq,
             origin: origin.clone(),
-        };
-    }
-    match text(replay::LETTER) {
-        Some(letter) if !letter.is_empty() => Mark::Replay(letter.to_owned()),
-        _ => Mark::Plain,
+            digest: digest(raw.payload.as_deref()),
+        },
+        None => Mark::Plain,
     }
 }
 
-const VIEW_COLUMNS: &str =
-    "h.state, h.head_letter, h.parked, h.in_flight, f.seq, f.topic, f.\"partition\", f.\"offset\"";
-const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partition\", p.\"offset\" \
+/// The digest a release is checked against: SHA-256 of the payload (empty if none), in hex, as the store's
+/// `sha256(coalesce(payload, ''))` computes it.
+pub(crate) fn digest(payload: Option<&[u8]>) -> String {
+    use sha2::{Digest as _, Sha256};
+    Sha256::digest(payload.unwrap_or_default())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+const VIEW_COLUMNS: &str = "h.state, h.head_letter, h.parked, h.in_flight, f.seq, f.topic, f.\"partition\", \
+     f.\"offset\", encode(sha256(coalesce(f.payload, ''::bytea)), 'hex') AS digest";
+const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partition\", p.\"offset\", p.payload \
      FROM saga_parked_messages p WHERE p.group_id = h.group_id AND p.key = h.key ORDER BY p.seq LIMIT 1) f \
      ON true";
 
@@ -345,6 +383,7 @@ fn view_of(row: &sqlx::postgres::PgRow) -> Result<HeldView, sqlx::Error> {
                 partition: row.try_get("partition")?,
                 offset: row.try_get("offset")?,
             },
+            row.try_get("digest")?,
         )),
         None => None,
     };
@@ -358,6 +397,19 @@ fn view_of(row: &sqlx::postgres::PgRow) -> Result<HeldView, sqlx::Error> {
 }
 
 impl Holds {
+    /// Whether some policy of this consumer holds keys.
+    pub(crate) fn any_policy_holds(&self) -> bool {
+        self.by_step
+            .values()
+            .chain(self.by_topic.values())
+            .any(|p| *p == OrderPolicy::HoldKey)
+    }
+
+    /// Whether a batch must read its keys' holds (see [`Holds::active`]).
+    pub(crate) fn is_active(&self) -> bool {
+        self.active.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// The policy of a message of `step` (if routed to one) consumed from `topic`.
     pub(crate) fn policy(&self, step: Option<&str>, topic: &str) -> OrderPolicy {
         step.and_then(|s| self.by_step.get(s))
@@ -414,15 +466,24 @@ impl Holds {
         if locked.is_none() {
             return Ok(None);
         }
+        self.view_locked(conn, key).await
+    }
+
+    /// The view of `key`, whose row `conn`'s transaction locked.
+    async fn view_locked(
+        &self,
+        conn: &mut PgConnection,
+        key: &[u8],
+    ) -> Result<Option<HeldView>, sqlx::Error> {
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {VIEW_COLUMNS} FROM saga_held_keys h {FIRST_PARKED} \
              WHERE h.group_id = $1 AND h.key = $2"
         )))
         .bind(&self.group)
         .bind(key)
-        .fetch_one(conn)
+        .fetch_optional(conn)
         .await?;
-        view_of(&row).map(Some)
+        row.as_ref().map(view_of).transpose()
     }
 
     /// Parks `raw` (first consumed at `original`, routed to `step`) behind its key's queue, in a transaction
@@ -518,17 +579,20 @@ impl Holds {
 
     /// Records in `tx` (the transaction that indexes the dead letter `letter` of `raw`) what the letter does
     /// to its key's hold (see [`on_dead_letter`]); `holds`: the message's policy holds keys.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn on_dead_letter(
         &self,
         tx: &mut PgConnection,
         raw: &RawMessage,
+        original: &Origin,
+        step: Option<&str>,
         role: &Role,
         holds: bool,
         letter: &crate::letters::IndexedLetter,
     ) -> Result<OnDeadLetter, sqlx::Error> {
         let key = key_of(raw);
         let view = self.lock(tx, key).await?;
-        let decision = on_dead_letter(view.as_ref(), role, holds, raw.key.is_some());
+        let decision = on_dead_letter(view.as_ref(), role, holds, key_of_held(raw).is_some());
         let head = |sql: &'static str| {
             sqlx::query(sql)
                 .bind(&self.group)
@@ -541,6 +605,7 @@ impl Holds {
         };
         match &decision {
             OnDeadLetter::Nothing => {}
+            OnDeadLetter::Queue => self.append(tx, raw, original, step).await?,
             OnDeadLetter::Hold => {
                 head(
                     "INSERT INTO saga_held_keys (group_id, key, cause, head_letter, head_topic, \
@@ -658,52 +723,57 @@ impl Holds {
         .bind(&self.group)
         .execute(pool)
         .await?;
+        // Only keys with something to do now, so that keys that wait (a paused step's message first, a
+        // release in flight) never crowd out the others. Each send is recorded, then made, outside the
+        // transaction: a send that fails is made again once `resend_after` passed.
         let mut tx = pool.begin().await?;
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT h.key, {VIEW_COLUMNS}, \
+            "SELECT * FROM (SELECT h.key, h.held_at, {VIEW_COLUMNS}, \
                  (h.in_flight_at IS NULL OR h.in_flight_at < now() - make_interval(secs => $2)) AS resend_due, \
                  EXISTS (SELECT 1 FROM saga_paused_steps s, saga_parked_messages p \
                      WHERE p.group_id = h.group_id AND p.key = h.key AND p.seq = f.seq \
                        AND s.group_id = h.group_id AND s.step = p.step) AS first_paused \
              FROM saga_held_keys h {FIRST_PARKED} \
-             WHERE h.group_id = $1 AND h.state = 'releasing' \
-             ORDER BY h.held_at LIMIT 64 FOR UPDATE OF h SKIP LOCKED"
+             WHERE h.group_id = $1 AND h.state = 'releasing') k \
+             WHERE k.seq IS NULL OR (NOT k.first_paused AND (k.in_flight IS DISTINCT FROM k.seq OR k.resend_due)) \
+             ORDER BY k.held_at LIMIT 64"
         )))
         .bind(&self.group)
         .bind(resend_after.as_secs_f64())
         .fetch_all(&mut *tx)
         .await?;
-        let mut sent = 0;
+        let mut sends = Vec::new();
         for row in &rows {
             let key: Vec<u8> = row.try_get("key")?;
-            let view = view_of(row)?;
-            match next_release(
-                &view,
-                row.try_get("resend_due")?,
-                row.try_get("first_paused")?,
-            ) {
+            // The key's row locked (skipped if another releaser holds it), and read again under the lock.
+            let Some(view) = self.lock_skipping(&mut tx, &key).await? else {
+                continue;
+            };
+            let resend_due: bool = row.try_get("resend_due")?;
+            let first_paused: bool = row.try_get("first_paused")?;
+            // (Read before the lock: at worst a release is sent once more, and its copy is stale.)
+            match next_release(&view, resend_due, first_paused) {
                 ReleaseStep::Wait => {}
                 ReleaseStep::LetGo => {
-                    sqlx::query(
-                        "DELETE FROM saga_held_keys WHERE group_id = $1 AND key = $2 AND parked <= 0 \
-                         AND NOT EXISTS (SELECT 1 FROM saga_parked_messages WHERE group_id = $1 AND key = $2)",
-                    )
-                    .bind(&self.group)
-                    .bind(&key)
-                    .execute(&mut *tx)
-                    .await?;
+                    sqlx::query("DELETE FROM saga_held_keys WHERE group_id = $1 AND key = $2")
+                        .bind(&self.group)
+                        .bind(&key)
+                        .execute(&mut *tx)
+                        .await?;
                 }
                 ReleaseStep::Send(seq) => {
-                    let parked = sqlx::query(
+                    let Some(parked) = sqlx::query(
                         "SELECT topic, \"partition\", \"offset\", message_key, payload, header_names, \
                              header_values FROM saga_parked_messages WHERE group_id = $1 AND key = $2 AND seq = $3",
                     )
                     .bind(&self.group)
                     .bind(&key)
                     .bind(seq)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                    send_release(producer, retry_topic, seq, &parked).await?;
+                    .fetch_optional(&mut *tx)
+                    .await?
+                    else {
+                        continue;
+                    };
                     sqlx::query(
                         "UPDATE saga_held_keys SET in_flight = $3, in_flight_at = now() \
                          WHERE group_id = $1 AND key = $2",
@@ -713,12 +783,35 @@ impl Holds {
                     .bind(seq)
                     .execute(&mut *tx)
                     .await?;
-                    sent += 1;
+                    sends.push((seq, parked));
                 }
             }
         }
         tx.commit().await?;
-        Ok(sent)
+        for (seq, parked) in &sends {
+            send_release(producer, retry_topic, *seq, parked).await?;
+        }
+        Ok(sends.len())
+    }
+
+    /// The view of `key`, locked until `conn`'s transaction ends, or `None` if it is not held or another
+    /// transaction holds its lock.
+    async fn lock_skipping(
+        &self,
+        conn: &mut PgConnection,
+        key: &[u8],
+    ) -> Result<Option<HeldView>, sqlx::Error> {
+        let locked: Option<i32> = sqlx::query_scalar(
+            "SELECT 1 FROM saga_held_keys WHERE group_id = $1 AND key = $2 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(&self.group)
+        .bind(key)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if locked.is_none() {
+            return Ok(None);
+        }
+        self.view_locked(conn, key).await
     }
 
     /// The group's holds, for the gauges: held keys, parked messages, the oldest hold's age, keys held
@@ -802,7 +895,8 @@ async fn send_release(
     let seq = seq.to_string();
     let mut headers = OwnedHeaders::new();
     for (name, value) in names.iter().zip(&values) {
-        if replay::ALL.contains(&name.as_str()) {
+        // A replay's count stays (its replay limit still applies); the rest of a replay's headers go.
+        if replay::ALL.contains(&name.as_str()) && name != replay::REPLAY_COUNT {
             continue;
         }
         headers = headers.insert(Header {
@@ -857,8 +951,18 @@ pub(crate) async fn run_releaser(
                 if e.code().as_deref() == Some("42P01") => {}
             Err(e) => tracing::warn!(error = %e, "releasing held keys failed; trying again"),
         }
-        if let Ok(census) = holds.census(&pool).await {
-            metrics.held(&census);
+        match holds.census(&pool).await {
+            Ok(census) => {
+                metrics.held(&census);
+                let active = holds.any_policy_holds() || census.keys > 0 || census.paused_steps > 0;
+                holds
+                    .active
+                    .store(active, std::sync::atomic::Ordering::Release);
+            }
+            // Not known: every batch reads its holds.
+            Err(_) => holds
+                .active
+                .store(true, std::sync::atomic::Ordering::Release),
         }
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -884,7 +988,7 @@ mod tests {
         HeldView {
             state,
             head_letter: Some("letter".into()),
-            first: (parked > 0).then(|| (7, origin(3))),
+            first: (parked > 0).then(|| (7, origin(3), digest(Some(b"{}")))),
             parked,
             in_flight: None,
         }
@@ -916,6 +1020,7 @@ mod tests {
         let release = Mark::Release {
             seq: 7,
             origin: origin(3),
+            digest: digest(Some(b"{}")),
         };
         assert_eq!(
             classify(Some(&releasing), &release, false),
@@ -926,11 +1031,22 @@ mod tests {
         let forged = Mark::Release {
             seq: 7,
             origin: origin(4),
+            digest: digest(Some(b"{}")),
         };
         assert_eq!(
             classify(Some(&releasing), &forged, false),
             Role::Stale,
             "a release names the parked message's own position"
+        );
+        let forged = Mark::Release {
+            seq: 7,
+            origin: origin(3),
+            digest: digest(Some(b"{\"amount\":1}")),
+        };
+        assert_eq!(
+            classify(Some(&releasing), &forged, false),
+            Role::Stale,
+            "and carries its payload"
         );
     }
 
@@ -1012,6 +1128,11 @@ mod tests {
         assert_eq!(
             on_dead_letter(None, &Role::Free, false, true),
             OnDeadLetter::Nothing
+        );
+        assert_eq!(
+            on_dead_letter(Some(&releasing), &Role::Free, true, true),
+            OnDeadLetter::Queue,
+            "held behind another letter meanwhile: it joins the queue"
         );
     }
 }

@@ -50,6 +50,11 @@ fn origin(m: usize) -> Origin {
     }
 }
 
+/// Message `m`'s payload.
+fn payload(m: usize) -> Vec<u8> {
+    format!("{{\"m\":{m}}}").into_bytes()
+}
+
 fn letter_id(letter: usize) -> String {
     format!("letter-{letter}")
 }
@@ -59,7 +64,10 @@ impl Held {
         HeldView {
             state: self.state,
             head_letter: self.head.map(letter_id),
-            first: self.parked.first().map(|(s, m)| (*s, origin(*m))),
+            first: self
+                .parked
+                .first()
+                .map(|(s, m)| (*s, origin(*m), hold::digest(Some(&payload(*m))))),
             parked: self.parked.len() as i64,
             in_flight: self.in_flight,
         }
@@ -142,6 +150,15 @@ impl State {
             self.replayed.push(false);
             match hold::on_dead_letter(self.view().as_ref(), role, true, true) {
                 OnDeadLetter::Nothing => {}
+                OnDeadLetter::Queue => {
+                    let seq = self.next_seq;
+                    self.next_seq += 1;
+                    self.held
+                        .as_mut()
+                        .expect("a view was read")
+                        .parked
+                        .push((seq, m));
+                }
                 OnDeadLetter::Hold => {
                     if self.held.is_none() {
                         self.held = Some(Held {
@@ -443,6 +460,7 @@ fn release_mark(seq: i64, m: usize) -> Mark {
     Mark::Release {
         seq,
         origin: origin(m),
+        digest: hold::digest(Some(&payload(m))),
     }
 }
 

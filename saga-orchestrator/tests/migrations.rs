@@ -39,12 +39,16 @@ async fn each_crate_applies_only_its_own_tables() {
             "saga_consumer_suspects",
             "saga_dead_letter_scans",
             "saga_dead_letters",
+            "saga_held_keys",
             "saga_idempotency_keys",
             "saga_key_gc_horizon",
             "saga_outbox",
             "saga_outbox_wal_incidents",
             "saga_outbox_wal_parked",
             "saga_outbox_wal_slot",
+            "saga_parked_messages",
+            "saga_paused_steps",
+            "saga_step_pause_log",
         ],
         "a choreographed service gets no orchestrator tables"
     );
@@ -116,7 +120,8 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
             20_261_123_000_001,
             20_261_124_000_002,
             20_261_126_000_001,
-            20_261_126_000_002
+            20_261_126_000_002,
+            20_261_126_000_003
         ]
     );
     assert_eq!(
