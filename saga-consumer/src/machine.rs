@@ -299,6 +299,8 @@ impl BatchMachine {
             }
             (Action::Park { index }, Event::Parked) => {
                 self.finished = index + 1;
+                // Its key is held now (a paused step's message holds it): the key's later messages wait.
+                self.hold_key_after(index);
             }
             (Action::Park { index }, Event::NotHeld { kind }) => {
                 debug_assert_ne!(kind, Kind::Held);
@@ -379,7 +381,14 @@ impl BatchMachine {
     /// After message `index` was dead-lettered: if its dead letter holds its key, the key's later messages
     /// in the batch are parked.
     fn hold_after(&mut self, index: usize) {
-        let (Some(true), Some(Some(key))) = (self.holds.get(index), self.keys.get(index)) else {
+        if self.holds.get(index) == Some(&true) {
+            self.hold_key_after(index);
+        }
+    }
+
+    /// Parks the later messages of message `index`'s key in the batch: its key is held.
+    fn hold_key_after(&mut self, index: usize) {
+        let Some(Some(key)) = self.keys.get(index) else {
             return;
         };
         let key = *key;
@@ -470,6 +479,22 @@ mod tests {
             ]
         );
         assert_eq!(m.finished(), 5);
+    }
+
+    #[test]
+    fn a_parked_message_holds_its_keys_later_messages_of_the_batch() {
+        // A paused step's message parks and holds its key: the key's cancel after it in the batch waits.
+        let mut m = BatchMachine::new(vec![Kind::Held, T, T], vec![0; 3], 3)
+            .with_holds(vec![Some(7), Some(7), Some(8)], vec![false; 3]);
+        let actions = drive(&mut m, ok);
+        assert_eq!(
+            actions,
+            [
+                Action::Park { index: 0 },
+                Action::Park { index: 1 },
+                Action::Transact { start: 2, end: 3 },
+            ]
+        );
     }
 
     #[test]

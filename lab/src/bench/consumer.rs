@@ -217,7 +217,7 @@ pub fn measured_consumer(
     batch_size: usize,
     concurrency: usize,
 ) -> saga_consumer::SagaConsumerBuilder {
-    SagaConsumer::builder()
+    let builder = SagaConsumer::builder()
         .kafka(kafka.clone())
         .group_id(format!("{topic}.{group}"))
         .dlq_topic(format!("{topic}.dlq"))
@@ -226,7 +226,12 @@ pub fn measured_consumer(
         .batch_size(batch_size)
         .concurrency(concurrency)
         .step(RecordWork::in_round(topic, round))
-        .outbox(super::outbox())
+        .outbox(super::outbox());
+    if super::hold_keys() {
+        builder.order_policy_for_topic(topic, saga_consumer::OrderPolicy::HoldKey)
+    } else {
+        builder
+    }
 }
 
 /// Rows per second written to `table`, from the first row's to the last row's timestamp, once it has

@@ -25,6 +25,19 @@ pub fn outbox() -> saga_consumer::Outbox {
         .unwrap_or_default()
 }
 
+/// Whether the measured consumer holds keys (`OrderPolicy::HoldKey` on its topic): `saga-bench --hold-keys`.
+static HOLD_KEYS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the measured consumer holds keys (see [`set_hold_keys`]).
+pub fn hold_keys() -> bool {
+    HOLD_KEYS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Makes the measured consumer hold keys (each of its batches then reads its keys' holds) or not.
+pub fn set_hold_keys(hold: bool) {
+    HOLD_KEYS.store(hold, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Makes `outbox` the one the benchmark's writers use.
 pub fn set_outbox(outbox: saga_consumer::Outbox) {
     *OUTBOX

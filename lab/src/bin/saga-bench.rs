@@ -105,6 +105,10 @@ struct Cli {
     /// wal needs wal_level = logical).
     #[arg(long, value_delimiter = ',', default_value = "table,wal", value_parser = parse_outbox_mode)]
     outbox_modes: Vec<OutboxMode>,
+    /// The measured consumer holds keys (`OrderPolicy::HoldKey` on its topic): each of its batches reads its
+    /// keys' holds, the cost of per-key order through failures when nothing is held.
+    #[arg(long)]
+    hold_keys: bool,
     /// Where to write the figures.
     #[arg(long, default_value = "target/saga-bench.json")]
     output: std::path::PathBuf,
@@ -147,6 +151,7 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    saga_lab::bench::set_hold_keys(cli.hold_keys);
     // `--mock-too false` leaves out the mock-cluster sections unless they are named.
     let section = |name: &str| {
         let named = cli.only.iter().any(|o| o == name);
