@@ -43,6 +43,8 @@ CREATE TABLE IF NOT EXISTS saga_parked_messages (
     header_names  TEXT[]      NOT NULL,
     header_values BYTEA[]     NOT NULL,
     timestamp_ms  BIGINT,
+    -- What its release must carry: SHA-256 over its key, payload and headers but a replay's (hex).
+    digest        TEXT        NOT NULL,
     parked_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
     PRIMARY KEY (group_id, key, seq)
 );

@@ -80,7 +80,7 @@ pub(crate) struct HeldView {
     pub state: HoldState,
     /// The identity of the dead letter at its head, if a dead letter holds it.
     pub head_letter: Option<String>,
-    /// The first parked message: its sequence number and where it was first consumed.
+    /// The first parked message: its sequence number, where it was first consumed, and its [`digest`].
     pub first: Option<(i64, Origin, String)>,
     /// How many are parked.
     pub parked: i64,
@@ -95,7 +95,7 @@ pub(crate) enum Mark {
     Plain,
     /// A replay of the dead letter of this identity.
     Replay(String),
-    /// A release of parked message `seq`, first consumed at `origin`, whose payload has this [`digest`].
+    /// A release of parked message `seq`, first consumed at `origin`, of this [`digest`].
     Release {
         seq: i64,
         origin: Origin,
@@ -351,25 +351,42 @@ pub(crate) fn mark_of(raw: &RawMessage, replayed_from: Option<&Origin>) -> Mark 
         Some(seq) => Mark::Release {
             seq,
             origin: origin.clone(),
-            digest: digest(raw.payload.as_deref()),
+            digest: digest(raw),
         },
         None => Mark::Plain,
     }
 }
 
-/// The digest a release is checked against: SHA-256 of the payload (empty if none), in hex, as the store's
-/// `sha256(coalesce(payload, ''))` computes it.
-pub(crate) fn digest(payload: Option<&[u8]>) -> String {
+/// What a release of `raw` must carry to be taken for it: SHA-256 over its key, payload and headers (but a
+/// replay's, which a release replaces), in hex. Recorded when the message is parked; a message on the retry
+/// topic that names a parked message but differs from it in any of these is not its release.
+pub(crate) fn digest(raw: &RawMessage) -> String {
     use sha2::{Digest as _, Sha256};
-    Sha256::digest(payload.unwrap_or_default())
+    let mut hash = Sha256::new();
+    let mut field = |bytes: Option<&[u8]>| match bytes {
+        None => hash.update([0u8]),
+        Some(bytes) => {
+            hash.update([1u8]);
+            hash.update((bytes.len() as u64).to_be_bytes());
+            hash.update(bytes);
+        }
+    };
+    field(raw.key.as_deref());
+    field(raw.payload.as_deref());
+    for header in raw
+        .headers
         .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+        .filter(|h| !replay::ALL.contains(&h.name.as_str()))
+    {
+        field(Some(header.name.as_bytes()));
+        field(header.value.as_deref());
+    }
+    hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 const VIEW_COLUMNS: &str = "h.state, h.head_letter, h.parked, h.in_flight, f.seq, f.topic, f.\"partition\", \
-     f.\"offset\", encode(sha256(coalesce(f.payload, ''::bytea)), 'hex') AS digest";
-const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partition\", p.\"offset\", p.payload \
+     f.\"offset\", f.digest";
+const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partition\", p.\"offset\", p.digest \
      FROM saga_parked_messages p WHERE p.group_id = h.group_id AND p.key = h.key ORDER BY p.seq LIMIT 1) f \
      ON true";
 
@@ -546,8 +563,8 @@ impl Holds {
         let values: Vec<Option<&[u8]>> = raw.headers.iter().map(|h| h.value.as_deref()).collect();
         let appended = sqlx::query(
             "INSERT INTO saga_parked_messages (group_id, key, topic, \"partition\", \"offset\", step, \
-                 message_key, payload, header_names, header_values, timestamp_ms) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11 \
+                 message_key, payload, header_names, header_values, timestamp_ms, digest) \
+             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12 \
              WHERE NOT EXISTS (SELECT 1 FROM saga_parked_messages WHERE group_id = $1 AND key = $2 \
                  AND topic = $3 AND \"partition\" = $4 AND \"offset\" = $5)",
         )
@@ -562,6 +579,7 @@ impl Holds {
         .bind(names)
         .bind(values)
         .bind(raw.timestamp_ms)
+        .bind(digest(raw))
         .execute(&mut *tx)
         .await?
         .rows_affected() as i64;
@@ -984,11 +1002,39 @@ mod tests {
         }
     }
 
+    fn raw(payload: &[u8]) -> RawMessage {
+        RawMessage {
+            origin: origin(3),
+            key: Some(b"order-7".to_vec()),
+            payload: Some(payload.to_vec()),
+            headers: saga_core::Headers::new().with("idempotency-key", "order-7"),
+            timestamp_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_release_carries_its_parked_messages_key_payload_and_headers_but_not_a_replays() {
+        let parked = raw(b"{}");
+        let mut released = parked.clone();
+        released.headers = parked
+            .headers
+            .clone()
+            .with(replay::RELEASE, "7")
+            .with(replay::ORIGINAL_TOPIC, "orders");
+        assert_eq!(digest(&released), digest(&parked));
+        let mut forged = parked.clone();
+        forged.headers = saga_core::Headers::new().with("idempotency-key", "order-8");
+        assert_ne!(digest(&forged), digest(&parked), "another saga's key");
+        let mut rekeyed = parked.clone();
+        rekeyed.key = None;
+        assert_ne!(digest(&rekeyed), digest(&parked));
+    }
+
     fn view(state: HoldState, parked: i64) -> HeldView {
         HeldView {
             state,
             head_letter: Some("letter".into()),
-            first: (parked > 0).then(|| (7, origin(3), digest(Some(b"{}")))),
+            first: (parked > 0).then(|| (7, origin(3), digest(&raw(b"{}")))),
             parked,
             in_flight: None,
         }
@@ -1020,7 +1066,7 @@ mod tests {
         let release = Mark::Release {
             seq: 7,
             origin: origin(3),
-            digest: digest(Some(b"{}")),
+            digest: digest(&raw(b"{}")),
         };
         assert_eq!(
             classify(Some(&releasing), &release, false),
@@ -1031,7 +1077,7 @@ mod tests {
         let forged = Mark::Release {
             seq: 7,
             origin: origin(4),
-            digest: digest(Some(b"{}")),
+            digest: digest(&raw(b"{}")),
         };
         assert_eq!(
             classify(Some(&releasing), &forged, false),
@@ -1041,7 +1087,7 @@ mod tests {
         let forged = Mark::Release {
             seq: 7,
             origin: origin(3),
-            digest: digest(Some(b"{\"amount\":1}")),
+            digest: digest(&raw(b"{\"amount\":1}")),
         };
         assert_eq!(
             classify(Some(&releasing), &forged, false),

@@ -50,9 +50,15 @@ fn origin(m: usize) -> Origin {
     }
 }
 
-/// Message `m`'s payload.
-fn payload(m: usize) -> Vec<u8> {
-    format!("{{\"m\":{m}}}").into_bytes()
+/// Message `m` as consumed.
+fn raw(m: usize) -> saga_core::RawMessage {
+    saga_core::RawMessage {
+        origin: origin(m),
+        key: Some(b"k".to_vec()),
+        payload: Some(format!("{{\"m\":{m}}}").into_bytes()),
+        headers: saga_core::Headers::new(),
+        timestamp_ms: None,
+    }
 }
 
 fn letter_id(letter: usize) -> String {
@@ -67,7 +73,7 @@ impl Held {
             first: self
                 .parked
                 .first()
-                .map(|(s, m)| (*s, origin(*m), hold::digest(Some(&payload(*m))))),
+                .map(|(s, m)| (*s, origin(*m), hold::digest(&raw(*m)))),
             parked: self.parked.len() as i64,
             in_flight: self.in_flight,
         }
@@ -460,7 +466,7 @@ fn release_mark(seq: i64, m: usize) -> Mark {
     Mark::Release {
         seq,
         origin: origin(m),
-        digest: hold::digest(Some(&payload(m))),
+        digest: hold::digest(&raw(m)),
     }
 }
 

@@ -78,6 +78,8 @@ mod guide {
     mod http_layer {}
     #[doc = include_str!("../../docs/guide/operating.md")]
     mod operating {}
+    #[doc = include_str!("../../docs/guide/ordering.md")]
+    mod ordering {}
     #[doc = include_str!("../../docs/guide/redis-fast-path.md")]
     mod redis_fast_path {}
     #[doc = include_str!("../../docs/guide/tracing.md")]
