@@ -466,16 +466,36 @@ impl Holds {
         Ok(holds)
     }
 
-    /// The view of `key`, locked until `conn`'s transaction ends.
+    /// The view of `key`, locked until `conn`'s transaction ends (waiting for the lock).
     async fn lock(
         &self,
         conn: &mut PgConnection,
         key: &[u8],
     ) -> Result<Option<HeldView>, sqlx::Error> {
-        // The key's row first (the lock), then its first parked message.
-        let locked: Option<i32> = sqlx::query_scalar(
-            "SELECT 1 FROM saga_held_keys WHERE group_id = $1 AND key = $2 FOR UPDATE",
-        )
+        self.lock_as(conn, key, "FOR UPDATE").await
+    }
+
+    /// The view of `key`, locked until `conn`'s transaction ends, or `None` if it is not held or another
+    /// transaction holds its lock.
+    async fn lock_skipping(
+        &self,
+        conn: &mut PgConnection,
+        key: &[u8],
+    ) -> Result<Option<HeldView>, sqlx::Error> {
+        self.lock_as(conn, key, "FOR UPDATE SKIP LOCKED").await
+    }
+
+    /// The view of `key`, its row locked by `locking` (a `FOR UPDATE` clause) first, then its first parked
+    /// message read.
+    async fn lock_as(
+        &self,
+        conn: &mut PgConnection,
+        key: &[u8],
+        locking: &'static str,
+    ) -> Result<Option<HeldView>, sqlx::Error> {
+        let locked: Option<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT 1 FROM saga_held_keys WHERE group_id = $1 AND key = $2 {locking}"
+        )))
         .bind(&self.group)
         .bind(key)
         .fetch_optional(&mut *conn)
@@ -483,15 +503,6 @@ impl Holds {
         if locked.is_none() {
             return Ok(None);
         }
-        self.view_locked(conn, key).await
-    }
-
-    /// The view of `key`, whose row `conn`'s transaction locked.
-    async fn view_locked(
-        &self,
-        conn: &mut PgConnection,
-        key: &[u8],
-    ) -> Result<Option<HeldView>, sqlx::Error> {
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {VIEW_COLUMNS} FROM saga_held_keys h {FIRST_PARKED} \
              WHERE h.group_id = $1 AND h.key = $2"
@@ -810,26 +821,6 @@ impl Holds {
             send_release(producer, retry_topic, *seq, parked).await?;
         }
         Ok(sends.len())
-    }
-
-    /// The view of `key`, locked until `conn`'s transaction ends, or `None` if it is not held or another
-    /// transaction holds its lock.
-    async fn lock_skipping(
-        &self,
-        conn: &mut PgConnection,
-        key: &[u8],
-    ) -> Result<Option<HeldView>, sqlx::Error> {
-        let locked: Option<i32> = sqlx::query_scalar(
-            "SELECT 1 FROM saga_held_keys WHERE group_id = $1 AND key = $2 FOR UPDATE SKIP LOCKED",
-        )
-        .bind(&self.group)
-        .bind(key)
-        .fetch_optional(&mut *conn)
-        .await?;
-        if locked.is_none() {
-            return Ok(None);
-        }
-        self.view_locked(conn, key).await
     }
 
     /// The group's holds, for the gauges: held keys, parked messages, the oldest hold's age, keys held

@@ -472,27 +472,12 @@ fn release_mark(seq: i64, m: usize) -> Mark {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Instant;
-
     use stateright::Checker;
 
     use super::*;
 
     fn check(model: HoldModel) -> impl Checker<HoldModel> {
-        let started = Instant::now();
-        let checker = model
-            .checker()
-            .threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
-            .spawn_bfs()
-            .join();
-        println!(
-            "hold model {model:?}: {} states ({} unique) to depth {}, {:?}",
-            checker.state_count(),
-            checker.unique_state_count(),
-            checker.max_depth(),
-            started.elapsed()
-        );
-        checker
+        crate::model::explore(&model, None)
     }
 
     #[test]

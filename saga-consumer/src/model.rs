@@ -576,10 +576,36 @@ impl Model for ConsumerModel {
     }
 }
 
+/// Explores `model` breadth first on every core, to `depth` steps if given (else to its end), and prints what
+/// it explored: the one way each of the crate's models is checked.
+pub(crate) fn explore<M>(model: &M, depth: Option<usize>) -> impl stateright::Checker<M> + use<M>
+where
+    M: Model + std::fmt::Debug + Clone + Send + Sync + 'static,
+    M::State: std::fmt::Debug + std::hash::Hash + Clone + Eq + Send + Sync,
+    M::Action: std::fmt::Debug + Clone + PartialEq + Send + Sync,
+{
+    use stateright::Checker;
+    let started = std::time::Instant::now();
+    let mut builder = model
+        .clone()
+        .checker()
+        .threads(std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if let Some(depth) = depth {
+        builder = builder.target_max_depth(depth);
+    }
+    let checker = builder.spawn_bfs().join();
+    println!(
+        "{model:?}: {} states ({} unique) to depth {}, {:?}",
+        checker.state_count(),
+        checker.unique_state_count(),
+        checker.max_depth(),
+        started.elapsed()
+    );
+    checker
+}
+
 #[cfg(test)]
 mod tests {
-    use std::time::Instant;
-
     use stateright::Checker;
 
     use super::*;
@@ -599,21 +625,7 @@ mod tests {
         } else {
             DEPTH
         };
-        let started = Instant::now();
-        let checker = model
-            .checker()
-            .threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
-            .target_max_depth(depth(default))
-            .spawn_bfs()
-            .join();
-        println!(
-            "consumer model {model:?}: {} states ({} unique) to depth {}, {:?}",
-            checker.state_count(),
-            checker.unique_state_count(),
-            checker.max_depth(),
-            started.elapsed()
-        );
-        checker
+        explore(&model, Some(depth(default)))
     }
 
     #[test]
