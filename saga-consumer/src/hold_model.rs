@@ -8,7 +8,10 @@
 //! group's retry topic, the operator replaying letters, the store, crashes.
 //!
 //! The world: one key, [`MESSAGES`] messages of it on its partition, consumed in order under the hold-key
-//! policy. A script says which fail for good on their first run (a gateway down: their replay succeeds).
+//! policy, in batches of up to [`BATCH`] that the real [`BatchMachine`] decides (one transaction, narrowed
+//! at a failure; a dead letter or a parked message holds the key's later messages of the batch). A script
+//! says which fail for good on their first run (a gateway down: their replay succeeds), and whether the
+//! second message's step starts paused (an operator resumes it, any time).
 //! The consumer process may crash once anywhere (both workers start again from the committed offsets; a
 //! head or release whose step committed but whose advance did not comes back and is found done); the
 //! releaser may once send a release and die before recording it (a second copy follows). The operator
@@ -21,6 +24,12 @@ use crate::hold::{
     self, Advance, HeldView, HoldLimits, HoldState, Mark, OnDeadLetter, ParkDecision, ReleaseStep,
     Role,
 };
+use crate::machine::{Action, BatchMachine, Event, Fault, Kind};
+
+/// Most messages of the partition in one batch.
+pub(crate) const BATCH: usize = 2;
+/// The message whose step may be paused.
+const PAUSABLE: usize = 1;
 
 /// Messages of the key on its partition.
 pub(crate) const MESSAGES: usize = 3;
@@ -89,13 +98,23 @@ pub(crate) enum Worker {
     Ran(Role),
 }
 
+/// The partition worker's batch: its first message, each message's role, and the machine.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct PartitionBatch {
+    base: usize,
+    roles: Vec<Role>,
+    machine: BatchMachine,
+}
+
 /// The world.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct State {
-    /// The partition: the next message to consume, the committed offset, its worker.
+    /// The partition: the next message to consume (finished before it), the committed offset, its batch.
     p_pos: usize,
     p_committed: usize,
-    p_worker: Worker,
+    p_batch: Option<PartitionBatch>,
+    /// Whether [`PAUSABLE`]'s step is paused.
+    paused: bool,
     /// The group's retry topic: what was sent to it, the next to consume, the committed offset, its worker.
     retry: Vec<(usize, Mark)>,
     r_pos: usize,
@@ -129,6 +148,7 @@ pub(crate) enum Step {
     Release,
     ReleaseAndDie,
     Replay(usize),
+    Resume,
 }
 
 /// The model: its scripts, and whether the releaser is the put-back bug (everything released at once).
@@ -138,6 +158,126 @@ pub(crate) struct HoldModel {
 }
 
 impl State {
+    fn paused(&self, m: usize) -> bool {
+        self.paused && m == PAUSABLE
+    }
+
+    /// Records message `m`'s dead letter and what it does to the hold, for a message of role `role`.
+    fn dead_letter(&mut self, m: usize, role: &Role) {
+        self.fails_left[m] = false;
+        let letter = self.letters.len();
+        self.letters.push(m);
+        self.replayed.push(false);
+        match hold::on_dead_letter(self.view().as_ref(), role, true, true) {
+            OnDeadLetter::Nothing => {}
+            OnDeadLetter::Queue => {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                self.held
+                    .as_mut()
+                    .expect("a view was read")
+                    .parked
+                    .push((seq, m));
+            }
+            OnDeadLetter::Hold => {
+                if self.held.is_none() {
+                    self.held = Some(Held {
+                        state: HoldState::Held,
+                        head: Some(letter),
+                        parked: Vec::new(),
+                        in_flight: None,
+                    });
+                }
+            }
+            OnDeadLetter::ReHead { drop_seq } => {
+                let held = self.held.as_mut().expect("a view was read");
+                if let Some(seq) = drop_seq {
+                    held.parked.retain(|(s, _)| *s != seq);
+                }
+                held.state = HoldState::Held;
+                held.head = Some(letter);
+                held.in_flight = None;
+            }
+        }
+    }
+
+    /// Reads a batch's holds (the pre-pass) and starts its machine.
+    fn partition_reads(&mut self) {
+        let base = self.p_pos;
+        let len = BATCH.min(MESSAGES - base);
+        let view = self.view();
+        let roles: Vec<Role> = (base..base + len)
+            .map(|m| hold::classify(view.as_ref(), &Mark::Plain, self.paused(m)))
+            .collect();
+        let kinds = roles
+            .iter()
+            .map(|r| {
+                if *r == Role::Park {
+                    Kind::Held
+                } else {
+                    Kind::Transactional
+                }
+            })
+            .collect();
+        let machine = BatchMachine::new(kinds, vec![0; len], 1)
+            .with_holds(vec![Some(0); len], vec![true; len]);
+        self.p_batch = Some(PartitionBatch {
+            base,
+            roles,
+            machine,
+        });
+    }
+
+    /// One action of the partition worker's machine, performed and answered.
+    fn partition_acts(&mut self) {
+        let mut batch = self.p_batch.take().expect("a batch in progress");
+        let action = batch.machine.next();
+        let event = match action {
+            Action::Done => {
+                self.p_pos = batch.base + batch.machine.finished();
+                return;
+            }
+            Action::Transact { start, end } => {
+                // One transaction: the first message that fails rolls it back and is named.
+                match (start..end).find(|i| self.fails_left[batch.base + i]) {
+                    Some(index) => Event::ItemFailed {
+                        index,
+                        fault: Fault::Permanent(format!("m{} fails", batch.base + index)),
+                    },
+                    None => {
+                        for i in start..end {
+                            let m = batch.base + i;
+                            if !self.done[m] {
+                                self.done[m] = true;
+                                self.effects.push(m);
+                            }
+                        }
+                        Event::Committed
+                    }
+                }
+            }
+            Action::DeadLetter { index, .. } => {
+                self.dead_letter(batch.base + index, &batch.roles[index]);
+                Event::DeadLettered
+            }
+            Action::Park { index } => match self.park(batch.base + index) {
+                ParkDecision::Append | ParkDecision::Create => Event::Parked,
+                // As the executor does: it runs as a message of a key not held.
+                ParkDecision::NotHeld => {
+                    batch.roles[index] = Role::Free;
+                    Event::NotHeld {
+                        kind: Kind::Transactional,
+                    }
+                }
+                ParkDecision::Full(_) => unreachable!("the caps are out of reach"),
+            },
+            other => unreachable!("{other:?} has no part in this world"),
+        };
+        batch.machine.on(event);
+        self.p_pos = batch.base + batch.machine.finished();
+        self.p_batch = Some(batch);
+    }
+
     fn parked_total(&self) -> i64 {
         self.held.as_ref().map_or(0, |h| h.parked.len() as i64)
     }
@@ -150,41 +290,7 @@ impl State {
     /// does to the hold). Whether it committed a step (not a dead letter).
     fn run(&mut self, m: usize, role: &Role) -> bool {
         if self.fails_left[m] {
-            self.fails_left[m] = false;
-            let letter = self.letters.len();
-            self.letters.push(m);
-            self.replayed.push(false);
-            match hold::on_dead_letter(self.view().as_ref(), role, true, true) {
-                OnDeadLetter::Nothing => {}
-                OnDeadLetter::Queue => {
-                    let seq = self.next_seq;
-                    self.next_seq += 1;
-                    self.held
-                        .as_mut()
-                        .expect("a view was read")
-                        .parked
-                        .push((seq, m));
-                }
-                OnDeadLetter::Hold => {
-                    if self.held.is_none() {
-                        self.held = Some(Held {
-                            state: HoldState::Held,
-                            head: Some(letter),
-                            parked: Vec::new(),
-                            in_flight: None,
-                        });
-                    }
-                }
-                OnDeadLetter::ReHead { drop_seq } => {
-                    let held = self.held.as_mut().expect("a view was read");
-                    if let Some(seq) = drop_seq {
-                        held.parked.retain(|(s, _)| *s != seq);
-                    }
-                    held.state = HoldState::Held;
-                    held.head = Some(letter);
-                    held.in_flight = None;
-                }
-            }
+            self.dead_letter(m, role);
             return false;
         }
         if !self.done[m] {
@@ -195,7 +301,24 @@ impl State {
     }
 
     fn park(&mut self, m: usize) -> ParkDecision {
-        let decision = hold::decide_park(self.view().as_ref(), false, self.parked_total(), &LIMITS);
+        let decision = hold::decide_park(
+            self.view().as_ref(),
+            self.paused(m),
+            self.parked_total(),
+            &LIMITS,
+        );
+        if decision == ParkDecision::Create {
+            // A paused step's message holds its key, with no letter at its head.
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            self.held = Some(Held {
+                state: HoldState::Held,
+                head: None,
+                parked: vec![(seq, m)],
+                in_flight: None,
+            });
+            return decision;
+        }
         let held = self.held.as_ref();
         // The store parks a message once (a redelivery of one parked already parks nothing).
         if decision == ParkDecision::Append
@@ -244,36 +367,45 @@ impl Model for HoldModel {
     type Action = Step;
 
     fn init_states(&self) -> Vec<State> {
-        // The first message fails once; and, in a second world, the second too (a release that fails
-        // becomes the new head).
-        [[true, false, false], [true, true, false]]
-            .into_iter()
-            .map(|fails_left| State {
-                p_pos: 0,
-                p_committed: 0,
-                p_worker: Worker::Idle,
-                retry: Vec::new(),
-                r_pos: 0,
-                r_committed: 0,
-                r_worker: Worker::Idle,
-                held: None,
-                next_seq: 1,
-                effects: Vec::new(),
-                done: [false; MESSAGES],
-                letters: Vec::new(),
-                replayed: Vec::new(),
-                fails_left,
-                crashes: 0,
-                lost_records: 0,
-            })
-            .collect()
+        // The first message fails once; in a second world, the second too (a release that fails becomes
+        // the new head); in a third, the second message's step starts paused; in a fourth, both.
+        [
+            ([true, false, false], false),
+            ([true, true, false], false),
+            ([false, false, false], true),
+            ([true, false, false], true),
+        ]
+        .into_iter()
+        .map(|(fails_left, paused)| State {
+            p_pos: 0,
+            p_committed: 0,
+            p_batch: None,
+            paused,
+            retry: Vec::new(),
+            r_pos: 0,
+            r_committed: 0,
+            r_worker: Worker::Idle,
+            held: None,
+            next_seq: 1,
+            effects: Vec::new(),
+            done: [false; MESSAGES],
+            letters: Vec::new(),
+            replayed: Vec::new(),
+            fails_left,
+            crashes: 0,
+            lost_records: 0,
+        })
+        .collect()
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Step>) {
-        match s.p_worker {
-            Worker::Idle if s.p_pos < MESSAGES => actions.push(Step::PartitionReads),
-            Worker::Classified(_) => actions.push(Step::PartitionActs),
-            _ => {}
+        match s.p_batch {
+            None if s.p_pos < MESSAGES => actions.push(Step::PartitionReads),
+            Some(_) => actions.push(Step::PartitionActs),
+            None => {}
+        }
+        if s.paused {
+            actions.push(Step::Resume);
         }
         match s.r_worker {
             Worker::Idle if s.r_pos < s.retry.len() => actions.push(Step::RetryReads),
@@ -289,7 +421,7 @@ impl Model for HoldModel {
         }
         let busy = s.p_committed < s.p_pos
             || s.r_committed < s.r_pos
-            || s.p_worker != Worker::Idle
+            || s.p_batch.is_some()
             || s.r_worker != Worker::Idle;
         if s.crashes == 0 && busy {
             actions.push(Step::Crash);
@@ -301,10 +433,11 @@ impl Model for HoldModel {
                     actions.push(Step::Release);
                 }
             } else {
-                if next_release(&view, false) != ReleaseStep::Wait {
+                if s.next_release(&view, false) != ReleaseStep::Wait {
                     actions.push(Step::Release);
                 }
-                if s.lost_records == 0 && matches!(next_release(&view, true), ReleaseStep::Send(_))
+                if s.lost_records == 0
+                    && matches!(s.next_release(&view, true), ReleaseStep::Send(_))
                 {
                     actions.push(Step::ReleaseAndDie);
                 }
@@ -320,34 +453,21 @@ impl Model for HoldModel {
     fn next_state(&self, last: &State, step: Step) -> Option<State> {
         let mut s = last.clone();
         match step {
-            Step::PartitionReads => {
-                s.p_worker =
-                    Worker::Classified(hold::classify(s.view().as_ref(), &Mark::Plain, false));
-            }
-            Step::PartitionActs => {
-                let Worker::Classified(role) = s.p_worker.clone() else {
-                    unreachable!()
-                };
-                let m = s.p_pos;
-                match role {
-                    Role::Park => match s.park(m) {
-                        ParkDecision::Append | ParkDecision::Create => {
-                            s.p_pos += 1;
-                            s.p_worker = Worker::Idle;
-                        }
-                        ParkDecision::NotHeld => s.p_worker = Worker::Classified(Role::Free),
-                        ParkDecision::Full(_) => unreachable!("the caps are out of reach"),
-                    },
-                    role => {
-                        s.run(m, &role);
-                        s.p_pos += 1;
-                        s.p_worker = Worker::Idle;
-                    }
+            Step::PartitionReads => s.partition_reads(),
+            Step::PartitionActs => s.partition_acts(),
+            Step::Resume => {
+                // `saga steps resume`: the keys the step's messages held are released.
+                s.paused = false;
+                if let Some(held) = s.held.as_mut().filter(|h| h.head.is_none()) {
+                    held.state = HoldState::Releasing;
+                    held.in_flight = None;
                 }
             }
             Step::RetryReads => {
                 let (_, mark) = &s.retry[s.r_pos];
-                s.r_worker = Worker::Classified(hold::classify(s.view().as_ref(), mark, false));
+                let m = s.retry[s.r_pos].0;
+                s.r_worker =
+                    Worker::Classified(hold::classify(s.view().as_ref(), mark, s.paused(m)));
             }
             Step::RetryActs => {
                 let Worker::Classified(role) = s.r_worker.clone() else {
@@ -396,7 +516,7 @@ impl Model for HoldModel {
                 s.crashes += 1;
                 s.p_pos = s.p_committed;
                 s.r_pos = s.r_committed;
-                s.p_worker = Worker::Idle;
+                s.p_batch = None;
                 s.r_worker = Worker::Idle;
             }
             Step::Release if self.release_all_at_once => {
@@ -408,7 +528,7 @@ impl Model for HoldModel {
             }
             Step::Release => {
                 let view = s.view().expect("a held key");
-                match next_release(&view, false) {
+                match s.next_release(&view, false) {
                     ReleaseStep::Send(seq) => {
                         let m = s.first_parked(seq);
                         s.retry.push((m, release_mark(seq, m)));
@@ -420,7 +540,7 @@ impl Model for HoldModel {
             }
             Step::ReleaseAndDie => {
                 let view = s.view().expect("a held key");
-                let ReleaseStep::Send(seq) = next_release(&view, true) else {
+                let ReleaseStep::Send(seq) = s.next_release(&view, true) else {
                     unreachable!()
                 };
                 let m = s.first_parked(seq);
@@ -458,8 +578,16 @@ impl Model for HoldModel {
     }
 }
 
-fn next_release(view: &HeldView, resend_due: bool) -> ReleaseStep {
-    hold::next_release(view, resend_due, false)
+impl State {
+    /// The releaser's decision for the key (whose first parked message may be of the paused step).
+    fn next_release(&self, view: &HeldView, resend_due: bool) -> ReleaseStep {
+        let first_paused = self
+            .held
+            .as_ref()
+            .and_then(|h| h.parked.first())
+            .is_some_and(|(_, m)| self.paused(*m));
+        hold::next_release(view, resend_due, first_paused)
+    }
 }
 
 fn release_mark(seq: i64, m: usize) -> Mark {
