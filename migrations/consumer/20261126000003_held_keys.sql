@@ -56,6 +56,8 @@ CREATE TABLE IF NOT EXISTS saga_paused_steps (
     paused_by  TEXT        NOT NULL,
     reason     TEXT        NOT NULL,
     paused_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    -- When consumers start parking its messages: a little after every consumer of the group has seen it.
+    effective_at TIMESTAMPTZ NOT NULL DEFAULT now(),
     PRIMARY KEY (group_id, step)
 );
 CREATE TABLE IF NOT EXISTS saga_step_pause_log (

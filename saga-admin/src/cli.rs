@@ -379,7 +379,7 @@ enum KeysCommand {
 
 #[derive(Debug, Subcommand)]
 enum StepsCommand {
-    /// Pause a step of a consumer group: within about a second, each message of the step is parked,
+    /// Pause a step of a consumer group: three seconds later, each message of the step is parked,
     /// holding its key (the key's later messages park behind it), until `saga steps resume`.
     Pause {
         /// The step.
@@ -773,7 +773,7 @@ impl Cli {
                     if paused {
                         format!(
                             "step {step} of group {group} paused by {operator}: its messages are parked, in \
-                             order per key, within about a second"
+                             order per key, three seconds from now"
                         )
                     } else {
                         format!("step {step} of group {group} was paused already")

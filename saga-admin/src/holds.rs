@@ -91,42 +91,48 @@ pub async fn list(
     if !has_tables(&mut conn).await? {
         return Ok(Vec::new());
     }
-    let rows = sqlx::query(
-        "SELECT group_id, key, state, cause, paused_step, head_topic, head_partition, head_offset, \
-             head_reason, parked, held_at, extract(epoch FROM now() - held_at)::bigint AS age, released_by \
-         FROM saga_held_keys WHERE $1::text IS NULL OR group_id = $1 ORDER BY held_at, group_id, key LIMIT $2",
-    )
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {HELD_COLUMNS} FROM saga_held_keys WHERE $1::text IS NULL OR group_id = $1 \
+         ORDER BY held_at, group_id, key LIMIT $2"
+    )))
     .bind(group)
     .bind(limit)
     .fetch_all(&mut *conn)
     .await?;
     rows.iter()
-        .map(|r| {
-            let key: Vec<u8> = r.try_get("key")?;
-            let head = match (
-                r.try_get::<Option<String>, _>("head_topic")?,
-                r.try_get::<Option<i32>, _>("head_partition")?,
-                r.try_get::<Option<i64>, _>("head_offset")?,
-            ) {
-                (Some(t), Some(p), Some(o)) => Some((t, p, o)),
-                _ => None,
-            };
-            Ok(HeldKey {
-                group: r.try_get("group_id")?,
-                key: printable(&String::from_utf8_lossy(&key), false).into_owned(),
-                state: r.try_get("state")?,
-                cause: r.try_get("cause")?,
-                paused_step: r.try_get("paused_step")?,
-                head,
-                head_reason: r.try_get("head_reason")?,
-                parked: r.try_get("parked")?,
-                held_at: r.try_get("held_at")?,
-                age_seconds: r.try_get("age")?,
-                released_by: r.try_get("released_by")?,
-            })
-        })
+        .map(held_key)
         .collect::<Result<_, sqlx::Error>>()
         .map_err(Into::into)
+}
+
+/// The columns [`held_key`] reads.
+const HELD_COLUMNS: &str = "group_id, key, state, cause, paused_step, head_topic, head_partition, head_offset, \
+     head_reason, parked, held_at, extract(epoch FROM now() - held_at)::bigint AS age, released_by";
+
+/// A held key from a row of [`HELD_COLUMNS`].
+fn held_key(r: &sqlx::postgres::PgRow) -> Result<HeldKey, sqlx::Error> {
+    let key: Vec<u8> = r.try_get("key")?;
+    let head = match (
+        r.try_get::<Option<String>, _>("head_topic")?,
+        r.try_get::<Option<i32>, _>("head_partition")?,
+        r.try_get::<Option<i64>, _>("head_offset")?,
+    ) {
+        (Some(t), Some(p), Some(o)) => Some((t, p, o)),
+        _ => None,
+    };
+    Ok(HeldKey {
+        group: r.try_get("group_id")?,
+        key: printable(&String::from_utf8_lossy(&key), false).into_owned(),
+        state: r.try_get("state")?,
+        cause: r.try_get("cause")?,
+        paused_step: r.try_get("paused_step")?,
+        head,
+        head_reason: r.try_get("head_reason")?,
+        parked: r.try_get("parked")?,
+        held_at: r.try_get("held_at")?,
+        age_seconds: r.try_get("age")?,
+        released_by: r.try_get("released_by")?,
+    })
 }
 
 /// Each group's held keys at a glance (groups holding none are left out).
@@ -253,8 +259,8 @@ async fn check_step(conn: &mut PgConnection, group: &str, step: &str) -> Result<
     Ok(())
 }
 
-/// Pauses `step` of `group`: within about a second, its messages are parked (each holding its key, in
-/// order) while the group's other steps go on. Recorded with `operator` and `reason`. Whether it was not
+/// Pauses `step` of `group`: three seconds later (`PAUSE_DELAY`), its messages are parked (each holding
+/// its key, in order) while the group's other steps go on. Recorded with `operator` and `reason`. Whether it was not
 /// paused already.
 pub async fn pause(
     pool: &PgPool,
@@ -271,13 +277,14 @@ pub async fn pause(
     let mut tx = pool.begin().await?;
     check_step(&mut tx, group, step).await?;
     let paused = sqlx::query(
-        "INSERT INTO saga_paused_steps (group_id, step, paused_by, reason) VALUES ($1, $2, $3, $4) \
-         ON CONFLICT DO NOTHING",
+        "INSERT INTO saga_paused_steps (group_id, step, paused_by, reason, effective_at) \
+         VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5)) ON CONFLICT DO NOTHING",
     )
     .bind(group)
     .bind(step)
     .bind(operator)
     .bind(reason)
+    .bind(saga_consumer::toolkit::PAUSE_DELAY.as_secs_f64())
     .execute(&mut *tx)
     .await?
     .rows_affected()
@@ -402,28 +409,23 @@ pub async fn release(
             "this schema has no held keys (saga_held_keys): its consumer has not run with this version",
         ));
     }
-    let released = sqlx::query(
+    let released = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE saga_held_keys SET state = 'releasing', released_by = $3, released_at = now(), \
              in_flight = NULL, in_flight_at = NULL \
-         WHERE group_id = $1 AND key = $2 AND state = 'held'",
-    )
+         WHERE group_id = $1 AND key = $2 AND state = 'held' RETURNING {HELD_COLUMNS}"
+    )))
     .bind(group)
     .bind(key.as_bytes())
     .bind(format!("release by {operator}"))
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
+    .fetch_optional(&mut *tx)
+    .await?;
     tx.commit().await?;
-    if released == 0 {
-        return Err(AdminError::bad_input(format!(
+    match released {
+        Some(row) => Ok(held_key(&row)?),
+        None => Err(AdminError::bad_input(format!(
             "key {:?} of group {:?} is not held (or is releasing already): see `saga keys held`",
             printable(key, false),
             printable(group, false)
-        )));
+        ))),
     }
-    list(pool, Some(group), i64::MAX)
-        .await?
-        .into_iter()
-        .find(|h| h.key == printable(key, false))
-        .ok_or_else(|| AdminError::bad_input("the key was let go meanwhile"))
 }

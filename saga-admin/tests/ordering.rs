@@ -481,9 +481,19 @@ async fn a_paused_step_parks_its_messages_per_key_and_resuming_runs_them_in_orde
     .await
     .unwrap();
     assert!(paused);
-    // A consumer whose group holds nothing reads its group's pauses once a second: its gauge says when.
-    wait_until("the consumer sees the pause", WAIT, || async {
+    // Every consumer of the group counts the pause within a second (its gauge says so); the pause takes
+    // effect a little later, when all of them read holds.
+    wait_until("the consumer counts the pause", WAIT, || async {
         (running.ops.sample("saga_consumer_paused_steps", "") == Some(1.0)).then_some(())
+    })
+    .await;
+    wait_until("the pause takes effect", WAIT, || async {
+        let effective: bool =
+            sqlx::query_scalar("SELECT bool_and(effective_at <= now()) FROM saga_paused_steps")
+                .fetch_one(&f.db.pool)
+                .await
+                .unwrap();
+        effective.then_some(())
     })
     .await;
     f.send(

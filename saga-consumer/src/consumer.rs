@@ -561,6 +561,7 @@ impl SagaConsumer {
             by_topic: self.order_by_topic,
             kick: Arc::new(tokio::sync::Notify::new()),
             active: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            census_at: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         };
         let releaser = tokio::spawn(crate::hold::run_releaser(
             holds.clone(),

@@ -209,6 +209,9 @@ impl Executor {
                     let Some(_permit) = start.permit().await else {
                         break;
                     };
+                    // Parked by the batch's own hold (a dead letter or a parked message before it) or by the
+                    // pre-pass: a refusal of it is no head and joins no queue.
+                    deliveries[index].hold = Role::Park;
                     match self.park(&deliveries[index], cancel).await {
                         Some(ParkDecision::Append | ParkDecision::Create) => {
                             self.finish(&deliveries[index], ItemOutcome::Parked);
@@ -261,7 +264,9 @@ impl Executor {
     /// Reads the holds of `deliveries`' keys and the group's paused steps, and gives each its role;
     /// waits out an unavailable database. `false` if cancelled first.
     async fn classify(&self, deliveries: &mut [Delivery], cancel: &CancellationToken) -> bool {
-        if !self.holds.is_active() {
+        // Nothing can be held (see `Holds::active`), unless a message came from the retry topic (a
+        // release or a replay is always read against its key).
+        if !self.holds.is_active() && deliveries.iter().all(|d| d.replayed_from.is_none()) {
             return true;
         }
         let mut keys: Vec<&[u8]> = deliveries.iter().map(|d| hold::key_of(&d.raw)).collect();
@@ -856,6 +861,21 @@ impl Executor {
                         return true;
                     }
                     index = false;
+                }
+                // Its hold refuses it too (a value the database cannot store in the queue): the letter is in
+                // its topic; the key is not held behind it.
+                Err(sqlx::Error::Database(e))
+                    if e.code()
+                        .is_some_and(|c| c.starts_with("22") || c.starts_with("54")) =>
+                {
+                    tracing::error!(
+                        dlq = %letter.dlq_topic,
+                        partition = letter.partition,
+                        offset = letter.offset,
+                        error = %e,
+                        "the held keys' tables refuse this message; its letter is in its topic, its key not held"
+                    );
+                    return true;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, ?wait, "indexing a dead letter failed; retrying");

@@ -133,6 +133,7 @@ pub(crate) fn classify(view: Option<&HeldView>, mark: &Mark, paused: bool) -> Ro
             },
             Some(v),
         ) if v.state == HoldState::Releasing
+            && !paused
             && v.first
                 .as_ref()
                 .is_some_and(|(s, o, d)| s == seq && o == origin && d == digest) =>
@@ -315,8 +316,26 @@ pub(crate) struct Holds {
     /// Whether a batch must read its keys' holds: some policy holds keys, or the group's last census (every
     /// second) found a held key or a paused step. Without either no key can be held (only a dead letter under
     /// a hold-key policy, or a paused step's message, holds one), so the read is skipped; a pause takes
-    /// effect within about a second.
+    /// effect [`PAUSE_DELAY`] after it is written, once every consumer's census counted it.
     pub active: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// When the last census ran, in milliseconds since the epoch: a census older than
+    /// [`CENSUS_FRESH`] counts as "active" whatever it found (the releaser may be stalled).
+    pub census_at: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// How long a census (which runs about once a second) is believed: past it, every batch reads its holds. A
+/// pause takes effect [`PAUSE_DELAY`] after it is written, later than that, so that every consumer of the
+/// group reads holds before any of them parks a message for it.
+pub(crate) const CENSUS_FRESH: Duration = Duration::from_millis(1_500);
+
+/// How long after `saga steps pause` a pause takes effect (see [`CENSUS_FRESH`]). The pause's row says so
+/// (`saga_paused_steps.effective_at`).
+pub const PAUSE_DELAY: Duration = Duration::from_secs(3);
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// What the pre-pass found for a batch: each key's view, and the group's paused steps.
@@ -424,7 +443,9 @@ impl Holds {
 
     /// Whether a batch must read its keys' holds (see [`Holds::active`]).
     pub(crate) fn is_active(&self) -> bool {
+        let census_at = self.census_at.load(std::sync::atomic::Ordering::Acquire);
         self.active.load(std::sync::atomic::Ordering::Acquire)
+            || now_ms().saturating_sub(census_at) > CENSUS_FRESH.as_millis() as u64
     }
 
     /// The policy of a message of `step` (if routed to one) consumed from `topic`.
@@ -443,7 +464,7 @@ impl Holds {
     ) -> Result<BatchHolds, sqlx::Error> {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "WITH paused AS (SELECT coalesce(array_agg(step), '{{}}') AS steps FROM saga_paused_steps \
-                 WHERE group_id = $1) \
+                 WHERE group_id = $1 AND effective_at <= now()) \
              SELECT paused.steps, h.key, {VIEW_COLUMNS} FROM paused \
              LEFT JOIN saga_held_keys h ON h.group_id = $1 AND h.key = ANY($2) {FIRST_PARKED}"
         )))
@@ -528,7 +549,8 @@ impl Holds {
         let view = self.lock(&mut tx, key).await?;
         let paused: bool = match step {
             Some(step) => sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM saga_paused_steps WHERE group_id = $1 AND step = $2)",
+                "SELECT EXISTS (SELECT 1 FROM saga_paused_steps WHERE group_id = $1 AND step = $2 \
+                 AND effective_at <= now())",
             )
             .bind(&self.group)
             .bind(step)
@@ -756,32 +778,45 @@ impl Holds {
         // release in flight) never crowd out the others. Each send is recorded, then made, outside the
         // transaction: a send that fails is made again once `resend_after` passed.
         let mut tx = pool.begin().await?;
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT * FROM (SELECT h.key, h.held_at, {VIEW_COLUMNS}, \
-                 (h.in_flight_at IS NULL OR h.in_flight_at < now() - make_interval(secs => $2)) AS resend_due, \
-                 EXISTS (SELECT 1 FROM saga_paused_steps s, saga_parked_messages p \
-                     WHERE p.group_id = h.group_id AND p.key = h.key AND p.seq = f.seq \
-                       AND s.group_id = h.group_id AND s.step = p.step) AS first_paused \
-             FROM saga_held_keys h {FIRST_PARKED} \
-             WHERE h.group_id = $1 AND h.state = 'releasing') k \
-             WHERE k.seq IS NULL OR (NOT k.first_paused AND (k.in_flight IS DISTINCT FROM k.seq OR k.resend_due)) \
-             ORDER BY k.held_at LIMIT 64"
-        )))
-        .bind(&self.group)
-        .bind(resend_after.as_secs_f64())
-        .fetch_all(&mut *tx)
-        .await?;
+        let candidates = |key: Option<&[u8]>| {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT * FROM (SELECT h.key, h.held_at, {VIEW_COLUMNS}, \
+                     (h.in_flight_at IS NULL OR h.in_flight_at < now() - make_interval(secs => $2)) AS resend_due, \
+                     EXISTS (SELECT 1 FROM saga_paused_steps s, saga_parked_messages p \
+                         WHERE p.group_id = h.group_id AND p.key = h.key AND p.seq = f.seq \
+                           AND s.group_id = h.group_id AND s.step = p.step AND s.effective_at <= now()) \
+                         AS first_paused \
+                 FROM saga_held_keys h {FIRST_PARKED} \
+                 WHERE h.group_id = $1 AND h.state = 'releasing' AND ($3::bytea IS NULL OR h.key = $3)) k \
+                 WHERE k.seq IS NULL OR (NOT k.first_paused AND (k.in_flight IS DISTINCT FROM k.seq OR k.resend_due)) \
+                 ORDER BY k.held_at LIMIT 64"
+            )))
+            .bind(&self.group)
+            .bind(resend_after.as_secs_f64())
+            .bind(key.map(<[u8]>::to_vec))
+        };
+        let keys: Vec<Vec<u8>> = candidates(None)
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(|r| r.try_get("key"))
+            .collect::<Result<_, _>>()?;
         let mut sends = Vec::new();
-        for row in &rows {
-            let key: Vec<u8> = row.try_get("key")?;
-            // The key's row locked (skipped if another releaser holds it), and read again under the lock.
-            let Some(view) = self.lock_skipping(&mut tx, &key).await? else {
+        for key in keys {
+            // The key's row locked (skipped if another releaser holds it), and all it is decided on read
+            // again under the lock.
+            if self.lock_skipping(&mut tx, &key).await?.is_none() {
+                continue;
+            }
+            let Some(row) = candidates(Some(&key)).fetch_optional(&mut *tx).await? else {
                 continue;
             };
-            let resend_due: bool = row.try_get("resend_due")?;
-            let first_paused: bool = row.try_get("first_paused")?;
-            // (Read before the lock: at worst a release is sent once more, and its copy is stale.)
-            match next_release(&view, resend_due, first_paused) {
+            let view = view_of(&row)?;
+            match next_release(
+                &view,
+                row.try_get("resend_due")?,
+                row.try_get("first_paused")?,
+            ) {
                 ReleaseStep::Wait => {}
                 ReleaseStep::LetGo => {
                     sqlx::query("DELETE FROM saga_held_keys WHERE group_id = $1 AND key = $2")
@@ -812,15 +847,31 @@ impl Holds {
                     .bind(seq)
                     .execute(&mut *tx)
                     .await?;
-                    sends.push((seq, parked));
+                    sends.push((key.clone(), seq, parked));
                 }
             }
         }
         tx.commit().await?;
-        for (seq, parked) in &sends {
-            send_release(producer, retry_topic, *seq, parked).await?;
+        let mut sent = 0;
+        for (key, seq, parked) in &sends {
+            match send_release(producer, retry_topic, *seq, parked).await {
+                Ok(()) => sent += 1,
+                Err(e) => {
+                    // Sent again at the next round, not after `resend_after`.
+                    tracing::warn!(error = %e, seq, "sending a release failed; sending it again");
+                    sqlx::query(
+                        "UPDATE saga_held_keys SET in_flight = NULL, in_flight_at = NULL \
+                         WHERE group_id = $1 AND key = $2 AND in_flight = $3",
+                    )
+                    .bind(&self.group)
+                    .bind(key)
+                    .bind(seq)
+                    .execute(pool)
+                    .await?;
+                }
+            }
         }
-        Ok(sends.len())
+        Ok(sent)
     }
 
     /// The group's holds, for the gauges: held keys, parked messages, the oldest hold's age, keys held
@@ -967,6 +1018,9 @@ pub(crate) async fn run_releaser(
                 holds
                     .active
                     .store(active, std::sync::atomic::Ordering::Release);
+                holds
+                    .census_at
+                    .store(now_ms(), std::sync::atomic::Ordering::Release);
             }
             // Not known: every batch reads its holds.
             Err(_) => holds

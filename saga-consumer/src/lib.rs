@@ -147,6 +147,9 @@ pub mod toolkit {
     pub use saga_runtime::store::migrate::owned_by;
     pub use saga_runtime::telemetry::init_tracing;
 
+    /// How long after it is written a pause takes effect (`saga_paused_steps.effective_at`).
+    pub use crate::hold::PAUSE_DELAY;
+
     /// Dead letters as records, and their index (`saga_dead_letters`).
     pub mod letters {
         pub use crate::letters::*;
