@@ -101,6 +101,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let ledger = run.ledger(&stats.expected).await?;
     let dead_letters = run.dead_letters().await?;
+    // Ordering through failures, on the same broker and database: a key held behind its dead letter and
+    // released, in order, by a replay.
+    let held_key = saga_lab::harness::held::order_7(
+        &run.broker,
+        &cli.flags.database_url,
+        &name,
+        cli.flags.keep,
+    )
+    .await;
     let duplicates_absorbed = run.duplicates_absorbed();
     let deaths = run
         .supervisor
@@ -136,7 +145,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         extra: Vec::new(),
     };
     summary.print();
+    match &held_key {
+        Ok(lines) => {
+            println!(
+                "\nordering through failures (OrderPolicy::HoldKey, a small order service of its own):"
+            );
+            for line in lines {
+                println!("  {line}");
+            }
+        }
+        Err(e) => println!("\nordering through failures: FAILED: {e:#}"),
+    }
     waited?;
+    held_key?;
     anyhow::ensure!(summary.ok(), "invariants violated");
     Ok(())
 }

@@ -4,6 +4,7 @@
 pub mod broker;
 pub mod client;
 pub mod duplicator;
+pub mod held;
 pub mod ledger;
 pub mod local;
 pub mod processes;
