@@ -156,6 +156,13 @@ async fn the_fault_mode_still_yields_one_charge_per_paid_order_and_one_shipment_
     // dead-lettered): that no step ran twice and nothing was dead-lettered is what shows exactly once.
     assert_eq!(line("steps run twice"), 0);
     assert_eq!(line("dead letters"), 0);
+    // Ordering through failures: a key held behind its dead letter, its cancel parked, both run in order
+    // once the letter is replayed (the demo checks the order and exits non-zero otherwise).
+    assert!(
+        stdout.contains("order-7 held, ")
+            && stdout.contains("order 7 charged, then cancelled (in order), its key let go"),
+        "{stdout}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
