@@ -843,39 +843,29 @@ impl Executor {
                     return true;
                 }
                 // A value the database refuses for good (data exceptions, program limits): retrying cannot
-                // help, and a partition must not stop for a letter's index. The letter is in its topic; its
-                // hold, if any, is recorded without it.
-                Err(sqlx::Error::Database(e))
-                    if index
-                        && e.code()
-                            .is_some_and(|c| c.starts_with("22") || c.starts_with("54")) =>
-                {
-                    tracing::error!(
-                        dlq = %letter.dlq_topic,
-                        partition = letter.partition,
-                        offset = letter.offset,
-                        error = %e,
-                        "the dead-letter index refuses this letter; it stays in its topic, unindexed"
-                    );
-                    if hold.is_none() {
-                        return true;
-                    }
-                    index = false;
-                }
-                // Its hold refuses it too (a value the database cannot store in the queue): the letter is in
-                // its topic; the key is not held behind it.
+                // help, and a partition must not stop for it. The letter is in its topic: first its index
+                // goes (its hold, if any, is recorded without it), then, refused again, its hold.
                 Err(sqlx::Error::Database(e))
                     if e.code()
                         .is_some_and(|c| c.starts_with("22") || c.starts_with("54")) =>
                 {
+                    let refused = if index {
+                        "the dead-letter index refuses this letter; it stays in its topic, unindexed"
+                    } else {
+                        "the held keys' tables refuse this message; its letter is in its topic, its key \
+                         not held"
+                    };
                     tracing::error!(
                         dlq = %letter.dlq_topic,
                         partition = letter.partition,
                         offset = letter.offset,
                         error = %e,
-                        "the held keys' tables refuse this message; its letter is in its topic, its key not held"
+                        "{refused}"
                     );
-                    return true;
+                    if !index || hold.is_none() {
+                        return true;
+                    }
+                    index = false;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, ?wait, "indexing a dead letter failed; retrying");
