@@ -717,16 +717,11 @@ impl Cli {
                         "head letter",
                     ]);
                     for h in &found {
-                        let by = match (&h.paused_step, &h.head_reason) {
-                            (Some(step), None) => format!("paused step {step}"),
-                            (_, Some(reason)) => format!("dead letter ({reason})"),
-                            _ => h.cause.clone(),
-                        };
                         t.row([
                             h.group.clone(),
                             h.key.clone(),
                             h.state.clone(),
-                            by,
+                            h.held_by(),
                             h.parked.to_string(),
                             duration::human(std::time::Duration::from_secs(
                                 h.age_seconds.max(0) as u64

@@ -21,8 +21,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::FutureRecord;
+use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use saga_consumer::KafkaConfig;
 use saga_consumer::toolkit::letters::{self, LetterFields};
@@ -929,45 +928,31 @@ async fn send(
     let operation = operation.map(|o| o.to_string()).unwrap_or_default();
     let partition = letter.original_partition.to_string();
     let offset = letter.original_offset.to_string();
-    let mut headers = OwnedHeaders::new();
-    for (name, value) in &letter.record.headers {
-        if name.starts_with(names::PREFIX) || replay::ALL.contains(&name.as_str()) {
-            continue;
-        }
-        headers = headers.insert(Header {
-            key: name,
-            value: value.as_deref(),
-        });
-    }
-    for (key, value) in [
-        (replay::REPLAY_COUNT, count.as_str()),
-        (replay::ORIGINAL_TOPIC, letter.original_topic.as_str()),
-        (replay::ORIGINAL_PARTITION, partition.as_str()),
-        (replay::ORIGINAL_OFFSET, offset.as_str()),
-        (replay::OPERATOR, operator),
-        (replay::LETTER, identity),
-        (replay::OPERATION, operation.as_str()),
-    ] {
-        if value.is_empty() {
-            continue;
-        }
-        headers = headers.insert(Header {
-            key,
-            value: Some(value),
-        });
-    }
-    let mut record = FutureRecord::<[u8], [u8]>::to(&owner.retry_topic).headers(headers);
-    if let Some(key) = letter.record.key.as_deref() {
-        record = record.key(key);
-    }
-    if let Some(payload) = letter.record.payload.as_deref() {
-        record = record.payload(payload);
-    }
-    let delivered = producer
-        .send(record, Duration::from_secs(30))
-        .await
-        .map_err(|(e, _)| AdminError::Kafka(format!("replaying to {}: {e}", owner.retry_topic)))?;
-    Ok((delivered.partition, delivered.offset))
+    replay::send(
+        producer,
+        replay::RetryMessage {
+            retry_topic: &owner.retry_topic,
+            key: letter.record.key.as_deref(),
+            payload: letter.record.payload.as_deref(),
+        },
+        letter
+            .record
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_deref())),
+        |name| !name.starts_with(names::PREFIX) && !replay::ALL.contains(&name),
+        &[
+            (replay::REPLAY_COUNT, count.as_str()),
+            (replay::ORIGINAL_TOPIC, letter.original_topic.as_str()),
+            (replay::ORIGINAL_PARTITION, partition.as_str()),
+            (replay::ORIGINAL_OFFSET, offset.as_str()),
+            (replay::OPERATOR, operator),
+            (replay::LETTER, identity),
+            (replay::OPERATION, operation.as_str()),
+        ],
+    )
+    .await
+    .map_err(|e| AdminError::Kafka(format!("replaying to {}: {e}", owner.retry_topic)))
 }
 
 /// One send of a replay, as `saga_dlq_replay_log` records it.

@@ -6,7 +6,7 @@
 //! time, when the head is replayed and succeeds, discarded, or its step resumed.
 
 use chrono::{DateTime, Utc};
-use saga_consumer::toolkit::printable;
+use saga_consumer::toolkit::{Released, printable, release_held};
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 
@@ -38,6 +38,17 @@ pub struct HeldKey {
     pub age_seconds: i64,
     /// Who released it, once releasing.
     pub released_by: Option<String>,
+}
+
+impl HeldKey {
+    /// What holds it, in words: its head letter's reason, or its paused step.
+    pub fn held_by(&self) -> String {
+        match (&self.head_reason, &self.paused_step) {
+            (Some(reason), _) => format!("dead letter ({reason})"),
+            (None, Some(step)) => format!("paused step {step}"),
+            (None, None) => self.cause.clone(),
+        }
+    }
 }
 
 /// A group's held keys at a glance.
@@ -189,17 +200,14 @@ pub(crate) async fn release_discarded(
     if !has_tables(tx).await? {
         return Ok(false);
     }
-    let released = sqlx::query(
-        "UPDATE saga_held_keys SET state = 'releasing', released_by = $2, released_at = now(), \
-             in_flight = NULL, in_flight_at = NULL \
-         WHERE head_letter = $1 AND state = 'held' AND group_id = $3",
+    let released = release_held(
+        tx,
+        group,
+        Released::BehindLetter(letter),
+        &format!("discard by {by}"),
     )
-    .bind(letter)
-    .bind(format!("discard by {by}"))
-    .bind(group)
-    .execute(tx)
     .await?;
-    Ok(released.rows_affected() > 0)
+    Ok(released > 0)
 }
 
 /// The paused steps (of `group`, if given).
@@ -320,17 +328,13 @@ pub async fn resume(
             printable(group, false)
         )));
     }
-    let released = sqlx::query(
-        "UPDATE saga_held_keys SET state = 'releasing', released_by = $3, released_at = now(), \
-             in_flight = NULL, in_flight_at = NULL \
-         WHERE group_id = $1 AND cause = 'paused' AND paused_step = $2 AND state = 'held'",
+    let released = release_held(
+        &mut tx,
+        group,
+        Released::PausedStep(step),
+        &format!("resume by {operator}"),
     )
-    .bind(group)
-    .bind(step)
-    .bind(format!("resume by {operator}"))
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
+    .await?;
     log(&mut tx, group, step, "resume", operator, reason).await?;
     tx.commit().await?;
     Ok(released)
@@ -409,18 +413,23 @@ pub async fn release(
             "this schema has no held keys (saga_held_keys): its consumer has not run with this version",
         ));
     }
-    let released = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE saga_held_keys SET state = 'releasing', released_by = $3, released_at = now(), \
-             in_flight = NULL, in_flight_at = NULL \
-         WHERE group_id = $1 AND key = $2 AND state = 'held' RETURNING {HELD_COLUMNS}"
+    let released = release_held(
+        &mut tx,
+        group,
+        Released::Key(key.as_bytes()),
+        &format!("release by {operator}"),
+    )
+    .await?;
+    // Read in the transaction that released it: the releaser cannot let it go meanwhile.
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {HELD_COLUMNS} FROM saga_held_keys WHERE group_id = $1 AND key = $2"
     )))
     .bind(group)
     .bind(key.as_bytes())
-    .bind(format!("release by {operator}"))
     .fetch_optional(&mut *tx)
     .await?;
     tx.commit().await?;
-    match released {
+    match row.filter(|_| released == 1) {
         Some(row) => Ok(held_key(&row)?),
         None => Err(AdminError::bad_input(format!(
             "key {:?} of group {:?} is not held (or is releasing already): see `saga keys held`",

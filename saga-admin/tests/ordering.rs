@@ -206,6 +206,20 @@ impl Fixture {
         .await;
     }
 
+    /// Order 7's create dead-lettered (the gateway down), then its notes 1 to `notes` consumed: with the
+    /// hold-key policy, parked behind the letter.
+    async fn hold_order_7_with_notes(&self, notes: i64) {
+        self.shop.gateway_down.store(true, Ordering::SeqCst);
+        self.send(7, "OrderCreated", &OrderCreated { order_id: 7 })
+            .await;
+        self.wait_letters(1).await;
+        for note in 1..=notes {
+            self.send(7, "OrderNoted", &OrderNoted { order_id: 7, note })
+                .await;
+        }
+        self.wait_committed(&self.orders, notes + 1).await;
+    }
+
     async fn held(&self) -> Vec<holds::HeldKey> {
         holds::list(&self.db.pool, Some(&self.group), 100)
             .await
@@ -389,23 +403,8 @@ async fn holding_the_key_runs_the_cancel_after_the_replayed_create() {
 async fn a_queue_is_released_in_order_and_a_release_that_fails_is_the_new_head() {
     let f = Fixture::new("order-queue").await;
     let running = f.start(f.consumer(true));
-    f.shop.gateway_down.store(true, Ordering::SeqCst);
     f.shop.failing_note.store(2, Ordering::SeqCst);
-    f.send(7, "OrderCreated", &OrderCreated { order_id: 7 })
-        .await;
-    f.wait_letters(1).await;
-    for n in 1..=3 {
-        f.send(
-            7,
-            "OrderNoted",
-            &OrderNoted {
-                order_id: 7,
-                note: n,
-            },
-        )
-        .await;
-    }
-    f.wait_committed(&f.orders, 4).await;
+    f.hold_order_7_with_notes(3).await;
     let held = f.held().await;
     assert_eq!((held.len(), held[0].parked), (1, 3), "{held:?}");
     // What the operator sees: the failure group holds one key with three messages behind it.
@@ -587,22 +586,7 @@ impl Fixture {
 async fn a_consumer_killed_in_the_middle_of_a_release_runs_nothing_twice_and_keeps_the_order() {
     let f = Fixture::new("order-crash").await;
     let running = f.start(f.consumer(true));
-    f.shop.gateway_down.store(true, Ordering::SeqCst);
-    f.send(7, "OrderCreated", &OrderCreated { order_id: 7 })
-        .await;
-    f.wait_letters(1).await;
-    for n in 1..=2 {
-        f.send(
-            7,
-            "OrderNoted",
-            &OrderNoted {
-                order_id: 7,
-                note: n,
-            },
-        )
-        .await;
-    }
-    f.wait_committed(&f.orders, 3).await;
+    f.hold_order_7_with_notes(2).await;
     running.stop().await;
     f.shop.gateway_down.store(false, Ordering::SeqCst);
     f.replay(0).await;
@@ -637,22 +621,7 @@ async fn past_the_cap_a_message_of_a_held_key_is_dead_lettered_with_the_reason_n
         &f.shop,
         true,
     ));
-    f.shop.gateway_down.store(true, Ordering::SeqCst);
-    f.send(7, "OrderCreated", &OrderCreated { order_id: 7 })
-        .await;
-    f.wait_letters(1).await;
-    for n in 1..=2 {
-        f.send(
-            7,
-            "OrderNoted",
-            &OrderNoted {
-                order_id: 7,
-                note: n,
-            },
-        )
-        .await;
-    }
-    f.wait_committed(&f.orders, 3).await;
+    f.hold_order_7_with_notes(2).await;
     f.wait_letters(2).await;
     let held = f.held().await;
     assert_eq!((held.len(), held[0].parked), (1, 1), "{held:?}");

@@ -86,23 +86,25 @@ impl Executor {
         }
         let kinds = deliveries.iter().map(Delivery::kind).collect();
         let attempts = deliveries.iter().map(|d| d.attempts).collect();
-        let mut ids: HashMap<&[u8], u64> = HashMap::new();
-        // Only a message that runs as any other (or parks) follows its key's hold within the batch: a head, a
-        // release or a stale copy has its own part, never parked behind a letter of the batch.
-        let keys = deliveries
-            .iter()
-            .map(|d| {
-                let next = ids.len() as u64;
-                hold::key_of_held(&d.raw)
-                    .filter(|_| matches!(d.hold, Role::Free | Role::Park))
-                    .map(|k| *ids.entry(k).or_insert(next))
-            })
-            .collect();
-        let holds = deliveries.iter().map(|d| self.holds_key(d)).collect();
-        let mut machine =
-            BatchMachine::new(kinds, attempts, self.retry.max_attempts).with_holds(keys, holds);
-        // Messages before this may be committed: a release's bookkeeping that did not get done stops it.
-        let mut limit = deliveries.len();
+        let mut machine = BatchMachine::new(kinds, attempts, self.retry.max_attempts);
+        // Where a key can be held in this batch (a policy holds keys, or the pre-pass found a hold): each
+        // message's key, so that a dead letter or a parked message holds the rest of its key's batch.
+        if self.holds.any_policy_holds() || deliveries.iter().any(|d| d.hold != Role::Free) {
+            let mut ids: HashMap<&[u8], u64> = HashMap::new();
+            // Only a message that runs as any other (or parks) follows its key's hold within the batch: a
+            // head, a release or a stale copy has its own part, never parked behind a letter of the batch.
+            let keys = deliveries
+                .iter()
+                .map(|d| {
+                    let next = ids.len() as u64;
+                    hold::key_of_held(&d.raw)
+                        .filter(|_| matches!(d.hold, Role::Free | Role::Park))
+                        .map(|k| *ids.entry(k).or_insert(next))
+                })
+                .collect();
+            let holds = deliveries.iter().map(|d| self.holds_key(d)).collect();
+            machine = machine.with_holds(keys, holds);
+        }
         while !cancel.is_cancelled() {
             // The kept connection serves back-to-back transactions only (the next batch's too): every
             // other action releases it first, and takes the proof.
@@ -115,10 +117,7 @@ impl Executor {
                     {
                         Ok(outcomes) => {
                             self.finish_batch(&deliveries[from..end], &outcomes);
-                            if let Some(at) =
-                                self.advance_holds(&deliveries[from..end], cancel).await
-                            {
-                                limit = from + at;
+                            if !self.advance_holds(&deliveries[from..end], cancel).await {
                                 break;
                             }
                             Event::Committed
@@ -163,12 +162,10 @@ impl Executor {
                                 &[outcome],
                             );
                             self.finish(&deliveries[index], outcome);
-                            if self
+                            if !self
                                 .advance_holds(std::slice::from_ref(&deliveries[index]), cancel)
                                 .await
-                                .is_some()
                             {
-                                limit = index;
                                 break;
                             }
                             Event::Committed
@@ -248,7 +245,8 @@ impl Executor {
         for (i, delivery) in deliveries.iter_mut().enumerate() {
             delivery.attempts = machine.attempts(i);
         }
-        machine.finished().min(limit)
+        // A batch left for a release's bookkeeping was not handed back as committed: not finished.
+        machine.finished()
     }
 
     /// Whether a dead letter of `delivery` holds its key: its policy says so, or it is its key's head or
@@ -272,27 +270,21 @@ impl Executor {
         let mut keys: Vec<&[u8]> = deliveries.iter().map(|d| hold::key_of(&d.raw)).collect();
         keys.sort_unstable();
         keys.dedup();
-        let mut times = 0;
-        let found = loop {
-            let read = match self.pool.acquire().await {
-                Ok(mut conn) => self.holds.read(&mut conn, &keys).await,
-                Err(e) => Err(e),
-            };
-            match read {
-                Ok(found) => break found,
+        let read = until_done("reading held keys", cancel, || async {
+            match self
+                .holds
+                .read(&mut *self.pool.acquire().await?, &keys)
+                .await
+            {
                 // A schema without the hold tables (the consumer's migrations not applied): nothing held.
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => {
-                    return true;
-                }
-                Err(e) => {
-                    times += 1;
-                    let wait = UNAVAILABLE_BACKOFF.wait_after(times);
-                    tracing::warn!(error = %e, ?wait, "reading held keys failed; retrying");
-                    if !sleep_or_cancel(wait, cancel).await {
-                        return false;
-                    }
-                }
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => Ok(None),
+                read => read.map(Some),
             }
+        });
+        let found = match read.await {
+            Some(Some(found)) => found,
+            Some(None) => return true,
+            None => return false,
         };
         for delivery in deliveries.iter_mut() {
             let mark = hold::mark_of(&delivery.raw, delivery.replayed_from.as_ref());
@@ -319,37 +311,23 @@ impl Executor {
     /// Parks `delivery` (see `hold::Holds::park`), retrying while the database is unavailable; `None` if
     /// cancelled first.
     async fn park(&self, delivery: &Delivery, cancel: &CancellationToken) -> Option<ParkDecision> {
-        let mut times = 0;
-        loop {
-            match self
-                .holds
-                .park(
-                    &self.pool,
-                    &delivery.raw,
-                    delivery.original(),
-                    delivery.step_name(),
-                )
-                .await
-            {
-                Ok(decision) => return Some(decision),
-                Err(e) => {
-                    times += 1;
-                    let wait = UNAVAILABLE_BACKOFF.wait_after(times);
-                    tracing::warn!(parent: &delivery.span, error = %e, ?wait, "parking a message failed; retrying");
-                    if !sleep_or_cancel(wait, cancel).await {
-                        return None;
-                    }
-                }
-            }
-        }
+        until_done("parking a message", cancel, || {
+            self.holds.park(
+                &self.pool,
+                &delivery.raw,
+                delivery.original(),
+                delivery.step_name(),
+            )
+        })
+        .await
     }
 
     /// Records, for each of `batch` that is a held key's head or release, that it is finished (see
-    /// `hold::advance`), retrying while the database is unavailable. Returns the index (in `batch`) of the
-    /// first it could not record before `cancel` fired: it and those after it must not be committed (they
-    /// come back, find their step key done, and record it then).
-    async fn advance_holds(&self, batch: &[Delivery], cancel: &CancellationToken) -> Option<usize> {
-        for (i, delivery) in batch.iter().enumerate() {
+    /// `hold::advance`), retrying while the database is unavailable. `false` if `cancel` fired before all
+    /// were recorded: the batch must not be committed (its messages come back, find their step keys done,
+    /// and record it then).
+    async fn advance_holds(&self, batch: &[Delivery], cancel: &CancellationToken) -> bool {
+        for delivery in batch {
             if !matches!(delivery.hold, Role::Head(_) | Role::Release(_)) {
                 continue;
             }
@@ -357,29 +335,17 @@ impl Executor {
                 Ok(Some(operator)) => format!("replay by {operator}"),
                 _ => "replay".to_owned(),
             };
-            let mut times = 0;
-            loop {
-                match self
-                    .holds
+            let advanced = until_done("recording a release", cancel, || {
+                self.holds
                     .advance(&self.pool, &delivery.raw, &delivery.hold, &by)
-                    .await
-                {
-                    Ok(done) => {
-                        tracing::info!(parent: &delivery.span, ?done, "held key advanced");
-                        break;
-                    }
-                    Err(e) => {
-                        times += 1;
-                        let wait = UNAVAILABLE_BACKOFF.wait_after(times);
-                        tracing::warn!(parent: &delivery.span, error = %e, ?wait, "recording a release failed; retrying");
-                        if !sleep_or_cancel(wait, cancel).await {
-                            return Some(i);
-                        }
-                    }
-                }
+            })
+            .await;
+            match advanced {
+                Some(done) => tracing::info!(parent: &delivery.span, ?done, "held key advanced"),
+                None => return false,
             }
         }
-        None
+        true
     }
 
     /// Dead-letters `delivery` for `reason`, as the consumer died on it repeatedly.
@@ -965,6 +931,29 @@ async fn release(conn: &mut sqlx::PgConnection, lease: &idempotency::Lease, erro
 pub(crate) fn discard_if_unavailable(conn: &mut PoolConnection<Postgres>, error: &sqlx::Error) {
     if StepError::is_connection_error(error) {
         conn.close_on_drop();
+    }
+}
+
+/// Runs `attempt` until it succeeds, waiting out its failures with the database's backoff (`what` names it in
+/// the log); `None` if `cancel` fires first.
+async fn until_done<T, F, Fut>(what: &str, cancel: &CancellationToken, mut attempt: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut times = 0;
+    loop {
+        match attempt().await {
+            Ok(done) => return Some(done),
+            Err(e) => {
+                times += 1;
+                let wait = UNAVAILABLE_BACKOFF.wait_after(times);
+                tracing::warn!(error = %e, ?wait, "{what} failed; retrying");
+                if !sleep_or_cancel(wait, cancel).await {
+                    return None;
+                }
+            }
+        }
     }
 }
 

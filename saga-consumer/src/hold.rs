@@ -24,8 +24,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureProducer;
 use saga_core::{Origin, RawMessage};
 use saga_runtime::replay;
 use sqlx::{PgConnection, PgPool, Row};
@@ -487,41 +486,32 @@ impl Holds {
         Ok(holds)
     }
 
-    /// The view of `key`, locked until `conn`'s transaction ends (waiting for the lock).
-    async fn lock(
-        &self,
-        conn: &mut PgConnection,
-        key: &[u8],
-    ) -> Result<Option<HeldView>, sqlx::Error> {
-        self.lock_as(conn, key, "FOR UPDATE").await
-    }
-
-    /// The view of `key`, locked until `conn`'s transaction ends, or `None` if it is not held or another
-    /// transaction holds its lock.
-    async fn lock_skipping(
-        &self,
-        conn: &mut PgConnection,
-        key: &[u8],
-    ) -> Result<Option<HeldView>, sqlx::Error> {
-        self.lock_as(conn, key, "FOR UPDATE SKIP LOCKED").await
-    }
-
-    /// The view of `key`, its row locked by `locking` (a `FOR UPDATE` clause) first, then its first parked
-    /// message read.
-    async fn lock_as(
+    /// Locks `key`'s row until `conn`'s transaction ends, as `locking` (a `FOR UPDATE` clause) says:
+    /// whether it is held (and, skipping locked rows, not locked by another transaction).
+    async fn lock_row(
         &self,
         conn: &mut PgConnection,
         key: &[u8],
         locking: &'static str,
-    ) -> Result<Option<HeldView>, sqlx::Error> {
+    ) -> Result<bool, sqlx::Error> {
         let locked: Option<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT 1 FROM saga_held_keys WHERE group_id = $1 AND key = $2 {locking}"
         )))
         .bind(&self.group)
         .bind(key)
-        .fetch_optional(&mut *conn)
+        .fetch_optional(conn)
         .await?;
-        if locked.is_none() {
+        Ok(locked.is_some())
+    }
+
+    /// The view of `key`, locked until `conn`'s transaction ends (waiting for the lock): its row locked
+    /// first, then its first parked message read.
+    async fn lock(
+        &self,
+        conn: &mut PgConnection,
+        key: &[u8],
+    ) -> Result<Option<HeldView>, sqlx::Error> {
+        if !self.lock_row(conn, key, "FOR UPDATE").await? {
             return Ok(None);
         }
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -726,7 +716,7 @@ impl Holds {
         match decision {
             Advance::Nothing => {}
             Advance::Release => {
-                release_key(&mut tx, &self.group, key, by).await?;
+                release(&mut tx, &self.group, Released::Key(key), by).await?;
             }
             Advance::LetGo => {
                 let_go.execute(&mut *tx).await?;
@@ -766,13 +756,12 @@ impl Holds {
     ) -> Result<usize, ReleaseError> {
         // Keys a paused step held whose step is no longer paused (a message parked as the step resumed):
         // released like the others.
-        sqlx::query(
-            "UPDATE saga_held_keys h SET state = 'releasing', released_by = 'resume', released_at = now() \
-             WHERE h.group_id = $1 AND h.state = 'held' AND h.cause = 'paused' AND NOT EXISTS \
-                 (SELECT 1 FROM saga_paused_steps s WHERE s.group_id = h.group_id AND s.step = h.paused_step)",
+        release(
+            &mut *pool.acquire().await?,
+            &self.group,
+            Released::PauseGone,
+            "resume",
         )
-        .bind(&self.group)
-        .execute(pool)
         .await?;
         // Only keys with something to do now, so that keys that wait (a paused step's message first, a
         // release in flight) never crowd out the others. Each send is recorded, then made, outside the
@@ -805,7 +794,10 @@ impl Holds {
         for key in keys {
             // The key's row locked (skipped if another releaser holds it), and all it is decided on read
             // again under the lock.
-            if self.lock_skipping(&mut tx, &key).await?.is_none() {
+            if !self
+                .lock_row(&mut tx, &key, "FOR UPDATE SKIP LOCKED")
+                .await?
+            {
                 continue;
             }
             let Some(row) = candidates(Some(&key)).fetch_optional(&mut *tx).await? else {
@@ -898,24 +890,54 @@ impl Holds {
     }
 }
 
-/// Marks `key` of `group` releasing (its head replayed and done, or discarded), recording who released it.
-pub(crate) async fn release_key(
-    tx: &mut PgConnection,
+/// Which held keys of a group [`release`] lets go of.
+#[derive(Debug, Clone, Copy)]
+pub enum Released<'a> {
+    /// This key: its head succeeded, or an operator releases it by hand.
+    Key(&'a [u8]),
+    /// The key whose head is the dead letter of this identity: the letter was discarded.
+    BehindLetter(&'a str),
+    /// The keys this paused step's messages held: the step resumed.
+    PausedStep(&'a str),
+    /// The keys whose paused step is no longer paused (a message parked as its step resumed).
+    PauseGone,
+}
+
+/// Marks the keys of `group` that `which` selects, and that are `held`, releasing: their parked messages
+/// run in order. Recorded as released `by`. The number of keys released.
+pub async fn release(
+    conn: &mut PgConnection,
     group: &str,
-    key: &[u8],
+    which: Released<'_>,
     by: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE saga_held_keys SET state = 'releasing', released_by = $3, released_at = now(), \
+) -> Result<u64, sqlx::Error> {
+    let (condition, key, text) = match which {
+        Released::Key(key) => ("h.key = $3", Some(key), None),
+        Released::BehindLetter(letter) => ("h.head_letter = $4", None, Some(letter)),
+        Released::PausedStep(step) => (
+            "h.cause = 'paused' AND h.paused_step = $4",
+            None,
+            Some(step),
+        ),
+        Released::PauseGone => (
+            "h.cause = 'paused' AND NOT EXISTS (SELECT 1 FROM saga_paused_steps s \
+             WHERE s.group_id = h.group_id AND s.step = h.paused_step)",
+            None,
+            None,
+        ),
+    };
+    let released = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE saga_held_keys h SET state = 'releasing', released_by = $2, released_at = now(), \
              in_flight = NULL, in_flight_at = NULL \
-         WHERE group_id = $1 AND key = $2",
-    )
+         WHERE h.group_id = $1 AND h.state = 'held' AND {condition}"
+    )))
     .bind(group)
-    .bind(key)
     .bind(by)
-    .execute(tx)
+    .bind(key)
+    .bind(text)
+    .execute(conn)
     .await?;
-    Ok(())
+    Ok(released.rows_affected())
 }
 
 /// A group's holds at a glance.
@@ -953,39 +975,28 @@ async fn send_release(
     let partition = parked.try_get::<i32, _>("partition")?.to_string();
     let offset = parked.try_get::<i64, _>("offset")?.to_string();
     let seq = seq.to_string();
-    let mut headers = OwnedHeaders::new();
-    for (name, value) in names.iter().zip(&values) {
+    replay::send(
+        producer,
+        replay::RetryMessage {
+            retry_topic,
+            key: key.as_deref(),
+            payload: payload.as_deref(),
+        },
+        names
+            .iter()
+            .map(String::as_str)
+            .zip(values.iter().map(Option::as_deref)),
         // A replay's count stays (its replay limit still applies); the rest of a replay's headers go.
-        if replay::ALL.contains(&name.as_str()) && name != replay::REPLAY_COUNT {
-            continue;
-        }
-        headers = headers.insert(Header {
-            key: name,
-            value: value.as_deref(),
-        });
-    }
-    for (name, value) in [
-        (replay::ORIGINAL_TOPIC, topic.as_str()),
-        (replay::ORIGINAL_PARTITION, partition.as_str()),
-        (replay::ORIGINAL_OFFSET, offset.as_str()),
-        (replay::RELEASE, seq.as_str()),
-    ] {
-        headers = headers.insert(Header {
-            key: name,
-            value: Some(value),
-        });
-    }
-    let mut record = FutureRecord::<[u8], [u8]>::to(retry_topic).headers(headers);
-    if let Some(key) = key.as_deref() {
-        record = record.key(key);
-    }
-    if let Some(payload) = payload.as_deref() {
-        record = record.payload(payload);
-    }
-    producer
-        .send(record, Duration::from_secs(30))
-        .await
-        .map_err(|(e, _)| ReleaseError::Kafka(e.to_string()))?;
+        |name| name == replay::REPLAY_COUNT || !replay::ALL.contains(&name),
+        &[
+            (replay::ORIGINAL_TOPIC, topic.as_str()),
+            (replay::ORIGINAL_PARTITION, partition.as_str()),
+            (replay::ORIGINAL_OFFSET, offset.as_str()),
+            (replay::RELEASE, seq.as_str()),
+        ],
+    )
+    .await
+    .map_err(|e| ReleaseError::Kafka(e.to_string()))?;
     Ok(())
 }
 
@@ -1002,16 +1013,9 @@ pub(crate) async fn run_releaser(
     /// A release sent and not finished after this long is sent again (the copy that comes second is stale).
     const RESEND_AFTER: Duration = Duration::from_secs(60);
     loop {
-        match holds
-            .release_round(&pool, &producer, &retry_topic, RESEND_AFTER)
-            .await
-        {
-            Ok(_) => {}
-            Err(ReleaseError::Database(sqlx::Error::Database(e)))
-                if e.code().as_deref() == Some("42P01") => {}
-            Err(e) => tracing::warn!(error = %e, "releasing held keys failed; trying again"),
-        }
-        match holds.census(&pool).await {
+        // The census first: it keeps the batches' gate fresh, and a group that holds no key has nothing to
+        // release (a round then costs nothing).
+        let holds_keys = match holds.census(&pool).await {
             Ok(census) => {
                 metrics.held(&census);
                 let active = holds.any_policy_holds() || census.keys > 0 || census.paused_steps > 0;
@@ -1021,11 +1025,26 @@ pub(crate) async fn run_releaser(
                 holds
                     .census_at
                     .store(now_ms(), std::sync::atomic::Ordering::Release);
+                census.keys > 0
             }
-            // Not known: every batch reads its holds.
-            Err(_) => holds
-                .active
-                .store(true, std::sync::atomic::Ordering::Release),
+            // Not known: every batch reads its holds, and the round runs.
+            Err(_) => {
+                holds
+                    .active
+                    .store(true, std::sync::atomic::Ordering::Release);
+                true
+            }
+        };
+        if holds_keys {
+            match holds
+                .release_round(&pool, &producer, &retry_topic, RESEND_AFTER)
+                .await
+            {
+                Ok(_) => {}
+                Err(ReleaseError::Database(sqlx::Error::Database(e)))
+                    if e.code().as_deref() == Some("42P01") => {}
+                Err(e) => tracing::warn!(error = %e, "releasing held keys failed; trying again"),
+            }
         }
         tokio::select! {
             _ = cancel.cancelled() => return,

@@ -149,6 +149,8 @@ pub mod toolkit {
 
     /// How long after it is written a pause takes effect (`saga_paused_steps.effective_at`).
     pub use crate::hold::PAUSE_DELAY;
+    /// Releasing held keys (`saga_held_keys`): what a discard, a resume or `saga keys release` does.
+    pub use crate::hold::{Released, release as release_held};
 
     /// Dead letters as records, and their index (`saga_dead_letters`).
     pub mod letters {

@@ -39,6 +39,53 @@ pub const ALL: [&str; 8] = [
     RELEASE,
 ];
 
+/// A message a group's retry topic receives: a replay of a dead letter, or a release of a held key's parked
+/// message.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryMessage<'a> {
+    /// The group's retry topic.
+    pub retry_topic: &'a str,
+    /// The message's key.
+    pub key: Option<&'a [u8]>,
+    /// Its payload.
+    pub payload: Option<&'a [u8]>,
+}
+
+/// Produces `message` with the headers of `headers` that `keep` lets through, then `set` (those with an
+/// empty value left out); once the broker acknowledged it, its partition and offset.
+pub async fn send<'a>(
+    producer: &rdkafka::producer::FutureProducer,
+    message: RetryMessage<'_>,
+    headers: impl IntoIterator<Item = (&'a str, Option<&'a [u8]>)>,
+    keep: impl Fn(&str) -> bool,
+    set: &[(&str, &str)],
+) -> Result<(i32, i64), rdkafka::error::KafkaError> {
+    use rdkafka::message::{Header, OwnedHeaders};
+    let mut owned = OwnedHeaders::new();
+    for (key, value) in headers.into_iter().filter(|(name, _)| keep(name)) {
+        owned = owned.insert(Header { key, value });
+    }
+    for (key, value) in set.iter().filter(|(_, value)| !value.is_empty()) {
+        owned = owned.insert(Header {
+            key,
+            value: Some(*value),
+        });
+    }
+    let mut record =
+        rdkafka::producer::FutureRecord::<[u8], [u8]>::to(message.retry_topic).headers(owned);
+    if let Some(key) = message.key {
+        record = record.key(key);
+    }
+    if let Some(payload) = message.payload {
+        record = record.payload(payload);
+    }
+    let delivered = producer
+        .send(record, std::time::Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| e)?;
+    Ok((delivered.partition, delivered.offset))
+}
+
 /// Why a message on a retry topic cannot be routed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(

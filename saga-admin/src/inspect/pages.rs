@@ -194,11 +194,6 @@ fn held_table(held: &[crate::holds::HeldKey], paused: &[crate::holds::PausedStep
              <th>parked</th><th>held for</th><th>head letter</th></tr>",
         );
         for h in held {
-            let by = match (&h.paused_step, &h.head_reason) {
-                (_, Some(reason)) => format!("dead letter ({reason})"),
-                (Some(step), None) => format!("paused step {step}"),
-                _ => h.cause.clone(),
-            };
             let head = match &h.head {
                 Some((topic, partition, offset)) => format!(
                     "<a href=\"/dlq/{}/{partition}/{offset}\">{}/{partition}/{offset}</a>",
@@ -214,7 +209,7 @@ fn held_table(held: &[crate::holds::HeldKey], paused: &[crate::holds::PausedStep
                 h.parked,
                 esc(&h.group),
                 esc(&h.state),
-                esc(&by),
+                esc(&h.held_by()),
                 h.parked,
                 crate::duration::human(std::time::Duration::from_secs(h.age_seconds.max(0) as u64)),
                 k = esc(&h.key),
