@@ -327,8 +327,8 @@ pub(crate) struct Holds {
 /// group reads holds before any of them parks a message for it.
 pub(crate) const CENSUS_FRESH: Duration = Duration::from_millis(1_500);
 
-/// How long after `saga steps pause` a pause takes effect (see [`CENSUS_FRESH`]). The pause's row says so
-/// (`saga_paused_steps.effective_at`).
+/// How long after `saga steps pause` a pause takes effect: later than a consumer believes its census
+/// (`CENSUS_FRESH`). The pause's row says so (`saga_paused_steps.effective_at`).
 pub const PAUSE_DELAY: Duration = Duration::from_secs(3);
 
 fn now_ms() -> u64 {
