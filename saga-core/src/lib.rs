@@ -54,6 +54,7 @@ pub mod headers;
 mod key;
 mod step;
 pub mod testing;
+mod two_phase;
 
 pub use config::{BadInput, ConfigProblem, KafkaConfig, OutboxMode};
 pub use context::{BatchContext, StepContext};
@@ -64,9 +65,9 @@ pub use envelope::{
 };
 pub use envelope::{Event, Lineage, Message};
 pub use event::{FromEvent, SagaEvent, Topic};
-pub use function::{FnStep, StepFn, StepFnWith, step, step_with};
+pub use function::{FnStep, LayeredStep, StepCall, StepFn, StepFnWith, step, step_with};
 #[doc(hidden)]
-pub use function::{Stateful, Stateless};
+pub use function::{Invoke, Stateful, Stateless};
 #[doc(hidden)]
 pub use headers::{Header, HeaderError, Headers, TraceParent};
 #[doc(hidden)]
@@ -81,6 +82,7 @@ pub use sqlx;
 pub use step::{
     ErrorKind, SagaStep, StepError, StepOutcome, StepResult, Subscription, TwoPhaseStep,
 };
+pub use two_phase::{CallFn, CompleteFn, TwoPhaseFn, two_phase};
 
 /// What `#[derive(SagaEvent)]` expands to uses; not an API.
 #[doc(hidden)]

@@ -1,0 +1,217 @@
+//! Two-phase steps written as two async functions: `two_phase("charge", client, charge, record_charge)`,
+//! the external call and the completing transaction, with the fencing, leases and external keys the
+//! framework's (see [`TwoPhaseStep`]).
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::context::StepContext;
+use crate::envelope::Message;
+use crate::event::{SagaEvent, Topic};
+use crate::key::StepName;
+use crate::step::{StepError, StepResult, Subscription, TwoPhaseStep};
+
+/// A two-phase step's external call as an async function of the message and the step's state (the
+/// client): an `async fn(&Message<P>, &S) -> Result<R, StepError>`, or such an async closure. It runs
+/// outside any transaction and may run more than once for one message, so it hands the outside system
+/// [`Message::external_key`] as that system's idempotency key.
+pub trait CallFn<'a, P: 'a, S: 'a, R>: Send + Sync + 'static {
+    /// The future the call returns.
+    type Future: Future<Output = Result<R, StepError>> + Send + 'a;
+
+    /// Calls the function.
+    fn call(&self, msg: &'a Message<P>, state: &'a S) -> Self::Future;
+}
+
+impl<'a, P: 'a, S: 'a, R, F, Fut> CallFn<'a, P, S, R> for F
+where
+    F: Fn(&'a Message<P>, &'a S) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<R, StepError>> + Send + 'a,
+{
+    type Future = Fut;
+
+    fn call(&self, msg: &'a Message<P>, state: &'a S) -> Fut {
+        self(msg, state)
+    }
+}
+
+/// A two-phase step's completion as an async function: `async fn(&Message<P>, R, &mut StepContext<'_>,
+/// &S) -> StepResult`, given what the call returned, in the transaction that marks the step key done.
+pub trait CompleteFn<'a, P: 'a, S: 'a, R>: Send + Sync + 'static {
+    /// The future the call returns.
+    type Future: Future<Output = StepResult> + Send + 'a;
+
+    /// Calls the function.
+    fn call(
+        &self,
+        msg: &'a Message<P>,
+        response: R,
+        ctx: &'a mut StepContext<'a>,
+        state: &'a S,
+    ) -> Self::Future;
+}
+
+impl<'a, P: 'a, S: 'a, R, F, Fut> CompleteFn<'a, P, S, R> for F
+where
+    F: Fn(&'a Message<P>, R, &'a mut StepContext<'a>, &'a S) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = StepResult> + Send + 'a,
+{
+    type Future = Fut;
+
+    fn call(
+        &self,
+        msg: &'a Message<P>,
+        response: R,
+        ctx: &'a mut StepContext<'a>,
+        state: &'a S,
+    ) -> Fut {
+        self(msg, response, ctx, state)
+    }
+}
+
+/// A two-phase step made of two async functions: see [`two_phase`].
+pub struct TwoPhaseFn<E, S, R, C, K> {
+    name: StepName,
+    subscriptions: Vec<Subscription>,
+    lease: Duration,
+    state: S,
+    call: C,
+    complete: K,
+    types: std::marker::PhantomData<fn() -> (E, R)>,
+}
+
+impl<E, S, R, C, K> std::fmt::Debug for TwoPhaseFn<E, S, R, C, K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TwoPhaseFn")
+            .field("name", &self.name)
+            .field("subscriptions", &self.subscriptions)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A two-phase step named `name`: `call` makes the external call outside any transaction (with `state`,
+/// the client it needs), and `complete` records its result in the transaction that marks the step key
+/// done. The runtime leases the key before the call and fences the completion by the lease, exactly as
+/// for a [`TwoPhaseStep`]; the lease lasts 30 seconds unless [`TwoPhaseFn::lease`] says otherwise. A step
+/// whose functions need no state passes `()`.
+///
+/// # Panics
+/// If `name` is not a valid step name (see [`StepName`]): a literal, checked when the service is built.
+///
+/// # Examples
+///
+/// ```
+/// use saga_core::{Message, SagaEvent, StepContext, StepError, StepOutcome, StepResult, Topic, two_phase};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize, SagaEvent)]
+/// #[saga(crate = "saga_core")]
+/// struct OrderPlaced { order_id: i64, cents: i64 }
+///
+/// /// A payment provider's client (its own idempotency on the key it is handed).
+/// struct Provider;
+/// impl Provider {
+///     async fn charge(&self, idempotency_key: &str, cents: i64) -> Result<String, std::io::Error> {
+///         Ok(format!("ch_{idempotency_key}_{cents}"))
+///     }
+/// }
+///
+/// async fn charge(msg: &Message<OrderPlaced>, provider: &Provider) -> Result<String, StepError> {
+///     // The external key carries the tenant: never hand the bare step key to a provider.
+///     provider.charge(msg.external_key().as_str(), msg.payload().cents).await.map_err(StepError::transient)
+/// }
+///
+/// async fn record_charge(msg: &Message<OrderPlaced>, charge_id: String, ctx: &mut StepContext<'_>, _: &Provider) -> StepResult {
+///     sqlx::query("INSERT INTO payments (order_id, charge_id) VALUES ($1, $2)")
+///         .bind(msg.payload().order_id)
+///         .bind(&charge_id)
+///         .execute(ctx.conn())
+///         .await?;
+///     StepOutcome::completed_with(&serde_json::json!({ "charge_id": charge_id }))
+/// }
+///
+/// let orders: Topic<OrderPlaced> = Topic::new("saga.orders");
+/// let charge = two_phase("charge", Provider, charge, record_charge).on(&orders);
+/// # let _ = charge;
+/// ```
+pub fn two_phase<E, S, R, C, K>(
+    name: &'static str,
+    state: S,
+    call: C,
+    complete: K,
+) -> TwoPhaseFn<E, S, R, C, K>
+where
+    E: SagaEvent,
+    S: Send + Sync + 'static,
+    R: Send + 'static,
+    C: for<'a> CallFn<'a, E, S, R>,
+    K: for<'a> CompleteFn<'a, E, S, R>,
+{
+    TwoPhaseFn {
+        name: StepName::from_static(name),
+        subscriptions: Vec::new(),
+        lease: Duration::from_secs(30),
+        state,
+        call,
+        complete,
+        types: std::marker::PhantomData,
+    }
+}
+
+impl<E: SagaEvent, S, R, C, K> TwoPhaseFn<E, S, R, C, K> {
+    /// Consumes the events of `topic` too.
+    #[must_use]
+    pub fn on(mut self, topic: &Topic<E>) -> Self {
+        self.subscriptions.extend(Subscription::to(topic));
+        self
+    }
+
+    /// How long a lease lasts (default 30 s): after that another worker may take the key over, so it must
+    /// exceed the longest external call.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+}
+
+impl<E, S, R, C, K> TwoPhaseStep for TwoPhaseFn<E, S, R, C, K>
+where
+    E: SagaEvent,
+    S: Send + Sync + 'static,
+    R: Send + 'static,
+    C: for<'a> CallFn<'a, E, S, R>,
+    K: for<'a> CompleteFn<'a, E, S, R>,
+{
+    type Payload = E;
+    type Response = R;
+
+    fn name(&self) -> StepName {
+        self.name.clone()
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        self.subscriptions.clone()
+    }
+
+    fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    async fn call(&self, msg: &Message<E>) -> Result<R, StepError> {
+        self.call.call(msg, &self.state).await
+    }
+
+    async fn complete(
+        &self,
+        msg: &Message<E>,
+        response: R,
+        ctx: &mut StepContext<'_>,
+    ) -> StepResult {
+        let mut ctx = ctx.reborrow();
+        self.complete
+            .call(msg, response, &mut ctx, &self.state)
+            .await
+    }
+}
