@@ -112,6 +112,31 @@ pub enum Ship {
     ArrangeShipment(PaymentProcessed),
 }
 
+/// What the payment service replies to the orchestrator's `ProcessPayment`.
+#[derive(Debug, Clone, PartialEq, Eq, SagaEvent)]
+pub enum PaymentReply {
+    /// Charged.
+    PaymentProcessed(PaymentProcessed),
+    /// Declined.
+    PaymentFailed(Setback),
+}
+
+/// What the payment service replies to the orchestrator's `RefundPayment`.
+#[derive(Debug, Clone, PartialEq, Eq, SagaEvent)]
+pub enum RefundReply {
+    /// Refunded (or nothing was charged).
+    PaymentRefunded(Setback),
+}
+
+/// What the shipping service replies to the orchestrator's `ArrangeShipment`.
+#[derive(Debug, Clone, PartialEq, Eq, SagaEvent)]
+pub enum ShipmentReply {
+    /// Arranged.
+    ShipmentArranged(ShipmentArranged),
+    /// The address cannot be served.
+    ShipmentFailed(Setback),
+}
+
 impl Charge {
     /// The order to charge.
     pub fn order(&self) -> &OrderCreated {

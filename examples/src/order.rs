@@ -19,28 +19,26 @@ use futures::future::BoxFuture;
 use saga_consumer::Outbox;
 use saga_consumer::fast_path::FastPath;
 use saga_consumer::http::{IdempotencyLayer, IdempotentRequest};
-use saga_consumer::{
-    Message, SagaEvent, StepContext, StepError, StepName, StepOutcome, StepResult,
-};
+use saga_consumer::{Message, StepContext, StepError, StepName, StepOutcome, StepResult};
 use saga_orchestrator::definition::DefinitionError;
 use saga_orchestrator::{
-    Command, Decision, OnTimeout, Orchestrator, SagaDefinition, SagaHooks, SagaInstance,
-    SagaStatus, Step,
+    Command, LegacyData, OnTimeout, Orchestrator, SagaChange, SagaDefinition, SagaHooks,
+    SagaStatus, Step, Verdict,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 use crate::events::{
-    Charge, OrderCreated, OrderRequest, PaymentProcessed, PaymentSetback, Refund, Setback, Ship,
-    ShipmentArranged, ShipmentSetback, Topics,
+    Charge, OrderCreated, OrderRequest, PaymentProcessed, PaymentReply, PaymentSetback, Refund,
+    RefundReply, Setback, Ship, ShipmentArranged, ShipmentReply, ShipmentSetback, Topics,
 };
 
 #[derive(Clone)]
 struct AppState {
     pool: PgPool,
     topics: Topics,
-    orchestrator: Option<Orchestrator>,
+    orchestrator: Option<Orchestrator<OrderSaga>>,
 }
 
 /// The HTTP API, writing its events to the service's `outbox`; with an orchestrator, orders start
@@ -49,7 +47,7 @@ pub fn router(
     pool: PgPool,
     topics: Topics,
     outbox: &Outbox,
-    orchestrator: Option<Orchestrator>,
+    orchestrator: Option<Orchestrator<OrderSaga>>,
     fast_path: Option<FastPath>,
 ) -> Router {
     let create = post(create_order).layer(
@@ -69,82 +67,103 @@ pub fn router(
         })
 }
 
+/// The orchestrated order saga's data: the order it started with, and what its steps brought back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrderSaga {
+    /// The order.
+    pub order: OrderCreated,
+    /// The charge, once the payment step succeeded.
+    pub payment: Option<PaymentProcessed>,
+    /// The shipment, once arranged.
+    pub shipment: Option<ShipmentArranged>,
+}
+
+impl OrderSaga {
+    /// The saga of a new `order`.
+    pub fn new(order: OrderCreated) -> Self {
+        let (payment, shipment) = (None, None);
+        Self {
+            order,
+            payment,
+            shipment,
+        }
+    }
+}
+
+const PROCESS_PAYMENT: &str = "process-payment";
+const ARRANGE_SHIPMENT: &str = "arrange-shipment";
+
 /// The orchestrated order saga: `process-payment` (compensated by `RefundPayment`), then
 /// `arrange-shipment`.
-pub fn order_saga(topics: &Topics) -> Result<SagaDefinition, DefinitionError> {
+pub fn order_saga(topics: &Topics) -> Result<SagaDefinition<OrderSaga>, DefinitionError> {
+    let charge = |saga: &OrderSaga| Charge::ProcessPayment(saga.order.clone());
+    let refund = |saga: &OrderSaga, why: &str| {
+        let (order_id, reason) = (saga.order.order_id, why.to_owned());
+        Refund::RefundPayment(Setback { order_id, reason })
+    };
     let payment = Step::new(
-        "process-payment",
-        Command::to(&topics.payment_commands, |data| {
-            Charge::ProcessPayment(reply(data, "input"))
-        }),
+        PROCESS_PAYMENT,
+        Command::to(&topics.payment_commands, charge),
     )?
-    .succeeds_on(PaymentProcessed::TYPES)
-    .fails_on([PaymentSetback::PAYMENT_FAILED])
+    .replies(|saga: &mut OrderSaga, reply: PaymentReply| match reply {
+        PaymentReply::PaymentProcessed(paid) => {
+            saga.payment = Some(paid);
+            Verdict::Succeeded
+        }
+        PaymentReply::PaymentFailed(declined) => Verdict::Failed(declined.reason),
+    })
     .compensate_with(
-        Command::to(&topics.refund_commands, |data| {
-            Refund::RefundPayment(Setback {
-                order_id: reply::<OrderCreated>(data, "input").order_id,
-                reason: data["arrange-shipment"]["reason"]
-                    .as_str()
-                    .unwrap_or("the saga was compensated")
-                    .to_owned(),
-            })
-        }),
-        [PaymentSetback::PAYMENT_REFUNDED],
+        Command::undo(&topics.refund_commands, refund),
+        |_: &mut OrderSaga, _: RefundReply| {},
         Duration::from_secs(10),
     )
     .timeout(Duration::from_secs(60), OnTimeout::Fail);
+    let ship = |saga: &OrderSaga| {
+        let paid = saga.payment.clone();
+        paid.map(Ship::ArrangeShipment).ok_or("no payment to ship")
+    };
     let shipment = Step::new(
-        "arrange-shipment",
-        Command::to(&topics.shipping_commands, |data| {
-            Ship::ArrangeShipment(reply(data, "process-payment"))
-        }),
+        ARRANGE_SHIPMENT,
+        Command::try_to(&topics.shipping_commands, ship),
     )?
-    .succeeds_on(ShipmentArranged::TYPES)
-    .fails_on([ShipmentSetback::SHIPMENT_FAILED])
+    .replies(|saga: &mut OrderSaga, reply: ShipmentReply| match reply {
+        ShipmentReply::ShipmentArranged(arranged) => {
+            saga.shipment = Some(arranged);
+            Verdict::Succeeded
+        }
+        ShipmentReply::ShipmentFailed(failed) => Verdict::Failed(failed.reason),
+    })
     .timeout(Duration::from_secs(60), OnTimeout::Fail);
-    Ok(
-        SagaDefinition::new("order-fulfillment", &topics.order_replies)?
-            .step(payment)
-            .step(shipment),
-    )
+    let saga = SagaDefinition::new("order-fulfillment", &topics.order_replies)?;
+    Ok(saga.step(payment).step(shipment).reads_0_2(read_0_2))
 }
 
-/// What the saga's data holds under `at`: its input (the `OrderCreated` it started with) or a step's
-/// reply, each written there by this service from the same type.
-fn reply<T: serde::de::DeserializeOwned>(data: &serde_json::Value, at: &str) -> T {
-    serde_json::from_value(data[at].clone())
-        .unwrap_or_else(|e| panic!("the saga's {at} is not what this service wrote there: {e}"))
+/// An order saga stored by 0.2: its input was the order, and each step's reply was kept under the
+/// step's name.
+fn read_0_2(stored: &LegacyData) -> Result<OrderSaga, String> {
+    Ok(OrderSaga {
+        order: stored.input()?,
+        payment: stored.reply(PROCESS_PAYMENT),
+        shipment: stored.reply(ARRANGE_SHIPMENT),
+    })
 }
 
 /// Keeps an order in step with its orchestrated saga: its status and its history.
 #[derive(Debug)]
 pub struct OrderSagaHooks;
 
-impl SagaHooks for OrderSagaHooks {
+impl SagaHooks<OrderSaga> for OrderSagaHooks {
     fn transitioned<'a>(
         &'a self,
         conn: &'a mut PgConnection,
-        before: &'a SagaInstance,
-        decision: &'a Decision,
+        change: &'a SagaChange<'a, OrderSaga>,
     ) -> BoxFuture<'a, Result<(), StepError>> {
         Box::pin(async move {
-            let Some(order_id) = before.data["input"]["order_id"]
-                .as_str()
-                .and_then(|id| Uuid::parse_str(id).ok())
-            else {
-                return Err(StepError::permanent("an order saga without an order id"));
-            };
-            let note = format!(
-                "saga {}: {} ({})",
-                decision.next.status.as_str(),
-                decision.step.as_deref().unwrap_or("-"),
-                decision.cause
-            );
-            let (from, to): (&[&str], &str) = match decision.next.status {
-                SagaStatus::Running if decision.step.as_deref() == Some("arrange-shipment") => {
-                    (&["PENDING"], "PAID")
-                }
+            let saga = change.data();
+            let (status, step) = (change.status(), change.step.unwrap_or("-"));
+            let note = format!("saga {}: {step} ({})", status.as_str(), change.cause);
+            let (from, to): (&[&str], &str) = match status {
+                SagaStatus::Running if saga.payment.is_some() => (&["PENDING"], "PAID"),
                 SagaStatus::Running => (&[], "PENDING"),
                 SagaStatus::Compensating => (&["PENDING", "PAID"], "COMPENSATING"),
                 SagaStatus::Completed => (&["PENDING", "PAID"], "COMPLETED"),
@@ -152,15 +171,8 @@ impl SagaHooks for OrderSagaHooks {
                 // A status of a later version: the order keeps what it has.
                 _ => return Ok(()),
             };
-            advance(
-                conn,
-                order_id,
-                from,
-                to,
-                decision.next.failure.as_deref(),
-                &note,
-            )
-            .await?;
+            let reason = change.after.failure.as_deref();
+            advance(conn, saga.order.order_id, from, to, reason, &note).await?;
             Ok(())
         })
     }
@@ -222,13 +234,12 @@ async fn create_order(
             .map_err(|e| e.to_string())?;
         match &app.orchestrator {
             Some(orchestrator) => {
-                let input = serde_json::to_value(OrderCreated {
+                let saga = OrderSaga::new(OrderCreated {
                     order_id,
                     request: body.clone(),
-                })
-                .map_err(|e| e.to_string())?;
+                });
                 let (saga_id, _) = orchestrator
-                    .start(&mut conn, &request.lineage(), input)
+                    .start(&mut conn, &request.lineage(), saga)
                     .await
                     .map_err(|e| e.to_string())?;
                 sqlx::query("UPDATE orders SET saga_id = $2 WHERE order_id = $1")

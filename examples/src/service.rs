@@ -13,8 +13,7 @@ use outbox_relay::Relay;
 use saga_consumer::fast_path::FastPath;
 use saga_consumer::setup::connect_postgres;
 use saga_consumer::{
-    Hooks, KafkaConfig, OrderPolicy, OutboxMode, SagaService, SagaServiceBuilder, StepName, step,
-    step_with,
+    Hooks, KafkaConfig, OrderPolicy, OutboxMode, SagaService, SagaServiceBuilder, step, step_with,
 };
 use saga_orchestrator::Orchestrator;
 use sqlx::PgPool;
@@ -298,19 +297,14 @@ pub async fn steps(
             } else {
                 (&topics.charges, &topics.refunds, "refund-payment")
             };
+            let payments = payment::Payments {
+                gateway,
+                pool: pool.clone(),
+                outcomes,
+            };
             let builder = builder
-                .two_phase_step(payment::ProcessPayment {
-                    gateway: gateway.clone(),
-                    charges: charges.clone(),
-                    outcomes: outcomes.clone(),
-                })
-                .two_phase_step(payment::RefundPayment {
-                    gateway,
-                    pool: pool.clone(),
-                    name: StepName::new(refund_name)?,
-                    refunds: refunds.clone(),
-                    outcomes,
-                });
+                .two_phase_step(payment::process_payment(payments.clone(), charges))
+                .two_phase_step(payment::refund_payment(refund_name, payments, refunds));
             if orchestrated {
                 builder
             } else {
@@ -367,7 +361,7 @@ pub async fn main(service: Service, about: &'static str) -> anyhow::Result<()> {
 }
 
 /// The orchestrator of the order saga.
-pub fn orchestrator(args: &ServiceArgs) -> anyhow::Result<Orchestrator> {
+pub fn orchestrator(args: &ServiceArgs) -> anyhow::Result<Orchestrator<order::OrderSaga>> {
     Ok(Orchestrator::new(order::order_saga(&args.topics())?)?.with_hooks(order::OrderSagaHooks))
 }
 

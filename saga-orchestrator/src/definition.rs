@@ -1,23 +1,65 @@
-//! The saga definition API: an ordered list of steps, each with a command to send, the replies that
-//! complete or fail it, an optional compensation, and a timeout.
+//! The saga definition API: the saga's data as a type of the user's (`D`), and its steps in order, each
+//! with the command it sends (built from `&D`), the typed replies that update `D` and complete or fail it,
+//! an optional compensation, and a timeout. A definition carries a version: instances keep the version
+//! they started with (see [`crate::Orchestrator::keep_running`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use saga_core::{KeyError, SagaEvent, StepName, Topic};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
-/// Builds a command from the saga's data (what it was started with, plus every reply so far under its step's
-/// name): its event type and its JSON payload.
-type BuildFn = Arc<dyn Fn(&serde_json::Value) -> (String, serde_json::Value) + Send + Sync>;
+/// A saga's data: a type of the user's, stored as JSON with the instance. Every
+/// `Serialize + DeserializeOwned + Clone` type that is `Send + Sync` is one.
+pub trait SagaData: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {}
 
-/// A command the orchestrator sends: to a participant's command topic, built from the saga's data.
-#[derive(Clone)]
-pub struct Command {
-    topic: String,
-    build: BuildFn,
+impl<T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> SagaData for T {}
+
+/// Builds a command from the saga's data and, for a compensation, why the saga compensates: its event
+/// type and its JSON payload, or why it could not.
+type BuildFn<D> =
+    Arc<dyn Fn(&D, &str) -> Result<(String, serde_json::Value), String> + Send + Sync>;
+
+/// Applies a reply (its event type and JSON payload) to the saga's data: what it means for the step, or
+/// why the reply cannot be read.
+type ReplyFn<D> = Arc<dyn Fn(&mut D, &str, &[u8]) -> Result<Verdict, String> + Send + Sync>;
+
+/// What a reply means for its step: returned by the function a step's [`Step::replies`] names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Verdict {
+    /// The step completed: the saga runs the next one (or completes).
+    Succeeded,
+    /// The step failed for good, for this reason: the saga compensates the steps before it.
+    Failed(String),
 }
 
-impl Command {
+/// A command the orchestrator sends: to a participant's command topic, built from the saga's data.
+pub struct Command<D> {
+    topic: String,
+    build: BuildFn<D>,
+}
+
+impl<D> Clone for Command<D> {
+    fn clone(&self) -> Self {
+        Self {
+            topic: self.topic.clone(),
+            build: Arc::clone(&self.build),
+        }
+    }
+}
+
+/// A typed event as a command's event type and JSON payload.
+fn encoded<E: SagaEvent>(event: &E) -> Result<(String, serde_json::Value), String> {
+    let payload = event
+        .to_json()
+        .and_then(|json| serde_json::from_slice(&json))
+        .map_err(|e| format!("the command {} does not serialize: {e}", event.event_type()))?;
+    Ok((event.event_type().to_owned(), payload))
+}
+
+impl<D: SagaData> Command<D> {
     /// A command to `topic`: the event `build` makes from the saga's data (its type is the event's; on a
     /// topic of an event family, the variant's).
     ///
@@ -32,31 +74,55 @@ impl Command {
     /// #[saga(crate = "saga_core")]
     /// struct ProcessPayment { order_id: String }
     ///
+    /// #[derive(Clone, Serialize, Deserialize)]
+    /// struct Order { order_id: String }
+    ///
     /// let commands: Topic<ProcessPayment> = Topic::new("saga.payment-commands");
-    /// let charge = Command::to(&commands, |data| ProcessPayment {
-    ///     order_id: data["input"]["order_id"].as_str().unwrap_or_default().to_owned(),
-    /// });
-    /// let (event_type, payload) = charge.build(&serde_json::json!({ "input": { "order_id": "7" } }));
+    /// let charge = Command::to(&commands, |order: &Order| ProcessPayment { order_id: order.order_id.clone() });
+    /// let (event_type, payload) = charge.build(&Order { order_id: "7".into() }).unwrap();
     /// assert_eq!((event_type.as_str(), payload["order_id"].as_str()), ("ProcessPayment", Some("7")));
     /// ```
     pub fn to<E: SagaEvent>(
         topic: &Topic<E>,
-        build: impl Fn(&serde_json::Value) -> E + Send + Sync + 'static,
+        build: impl Fn(&D) -> E + Send + Sync + 'static,
     ) -> Self {
         Self {
             topic: topic.name().to_owned(),
-            build: Arc::new(move |data| {
-                let event = build(data);
-                let payload = event
-                    .to_json()
-                    .and_then(|json| serde_json::from_slice(&json))
-                    .unwrap_or_else(|e| {
-                        // A payload type whose Serialize fails (a map with non-string keys): said loudly.
-                        tracing::error!(error = %e, "a saga command does not serialize; sending null");
-                        serde_json::Value::Null
-                    });
-                (event.event_type().to_owned(), payload)
+            build: Arc::new(move |data, _why| encoded(&build(data))),
+        }
+    }
+
+    /// A command to `topic` that may not be buildable from the data (a value a step's reply should have
+    /// recorded is missing): `build` returns the event, or why not. A command that cannot be built leaves
+    /// the saga where it is, and the reply or timer that led to it is refused with the reason (the reply
+    /// dead-lettered, the timer tried again with backoff).
+    pub fn try_to<E: SagaEvent, W: std::fmt::Display>(
+        topic: &Topic<E>,
+        build: impl Fn(&D) -> Result<E, W> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            topic: topic.name().to_owned(),
+            build: Arc::new(move |data, _why| {
+                let event = build(data).map_err(|why| {
+                    format!(
+                        "the command to {} cannot be built: {why}",
+                        std::any::type_name::<E>()
+                    )
+                })?;
+                encoded(&event)
             }),
+        }
+    }
+
+    /// A compensation's command to `topic`: the event `build` makes from the saga's data and why the saga
+    /// compensates (the failed step's reason, or that a step timed out).
+    pub fn undo<E: SagaEvent>(
+        topic: &Topic<E>,
+        build: impl Fn(&D, &str) -> E + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            topic: topic.name().to_owned(),
+            build: Arc::new(move |data, why| encoded(&build(data, why))),
         }
     }
 
@@ -65,27 +131,38 @@ impl Command {
     pub fn new(
         topic: impl Into<String>,
         event_type: impl Into<String>,
-        payload: impl Fn(&serde_json::Value) -> serde_json::Value + Send + Sync + 'static,
+        payload: impl Fn(&D) -> serde_json::Value + Send + Sync + 'static,
     ) -> Self {
         let event_type = event_type.into();
         Self {
             topic: topic.into(),
-            build: Arc::new(move |data| (event_type.clone(), payload(data))),
+            build: Arc::new(move |data, _why| Ok((event_type.clone(), payload(data)))),
         }
     }
 
+    /// The command for the saga's `data`: its event type and payload, or why it could not be built.
+    pub fn build(&self, data: &D) -> Result<(String, serde_json::Value), String> {
+        (self.build)(data, "")
+    }
+}
+
+impl<D> Command<D> {
     /// The participant's command topic.
     pub fn topic(&self) -> &str {
         &self.topic
     }
 
-    /// The command for the saga's `data`: its event type and payload.
-    pub fn build(&self, data: &serde_json::Value) -> (String, serde_json::Value) {
-        (self.build)(data)
+    /// The command for the saga's `data` and, for a compensation, why the saga compensates.
+    pub(crate) fn build_for(
+        &self,
+        data: &D,
+        why: Option<&str>,
+    ) -> Result<(String, serde_json::Value), String> {
+        (self.build)(data, why.unwrap_or_default())
     }
 }
 
-impl std::fmt::Debug for Command {
+impl<D> std::fmt::Debug for Command<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Command")
             .field("topic", &self.topic)
@@ -106,88 +183,289 @@ pub enum OnTimeout {
     },
 }
 
+/// The replies a step (or a compensation) expects: their event types, and what applies one to the data.
+pub(crate) struct Replies<D> {
+    /// The event types.
+    pub(crate) types: Vec<String>,
+    apply: ReplyFn<D>,
+}
+
+impl<D> Clone for Replies<D> {
+    fn clone(&self) -> Self {
+        Self {
+            types: self.types.clone(),
+            apply: Arc::clone(&self.apply),
+        }
+    }
+}
+
+impl<D> Replies<D> {
+    /// Typed replies `R`: decoded by their event type, handed to `on_reply`.
+    fn typed<R: SagaEvent>(
+        on_reply: impl Fn(&mut D, R) -> Verdict + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            types: R::TYPES.iter().map(|t| (*t).to_owned()).collect(),
+            apply: Arc::new(move |data, event_type, payload| {
+                let reply = R::from_event(event_type, payload).map_err(|e| {
+                    format!(
+                        "the reply {event_type} does not decode as {}: {e}",
+                        std::any::type_name::<R>()
+                    )
+                })?;
+                Ok(on_reply(data, reply))
+            }),
+        }
+    }
+
+    /// Whether `event_type` is one of them.
+    pub(crate) fn expects(&self, event_type: &str) -> bool {
+        self.types.iter().any(|t| t == event_type)
+    }
+
+    /// Applies the reply to `data`.
+    pub(crate) fn apply(
+        &self,
+        data: &mut D,
+        event_type: &str,
+        payload: &[u8],
+    ) -> Result<Verdict, String> {
+        (self.apply)(data, event_type, payload)
+    }
+}
+
 /// A compensating action.
-#[derive(Debug, Clone)]
 #[non_exhaustive]
-pub struct Compensation {
+pub struct Compensation<D> {
     /// The command that undoes the step. The participant's step for it must be named
     /// `compensate-{step}`, so its key is `{original-key}:compensate-{step}`.
-    pub command: Command,
+    pub command: Command<D>,
     /// The replies that confirm it.
-    pub done_on: Vec<String>,
+    pub(crate) done: Replies<D>,
     /// How long to wait for a confirmation before sending the command again (same key). A compensation is
     /// never skipped.
     pub resend_after: Duration,
 }
 
+impl<D> Clone for Compensation<D> {
+    fn clone(&self) -> Self {
+        Self {
+            command: self.command.clone(),
+            done: self.done.clone(),
+            resend_after: self.resend_after,
+        }
+    }
+}
+
+impl<D> Compensation<D> {
+    /// The event types that confirm it.
+    pub fn done_on(&self) -> &[String] {
+        &self.done.types
+    }
+}
+
+impl<D> std::fmt::Debug for Compensation<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Compensation")
+            .field("command", &self.command)
+            .field("done_on", &self.done.types)
+            .field("resend_after", &self.resend_after)
+            .finish()
+    }
+}
+
 /// One step of a saga.
-#[derive(Debug, Clone)]
 #[non_exhaustive]
-pub struct Step {
+pub struct Step<D> {
     /// The step's name; the participant's step handling the command must have the same name, so that its
     /// key is `{original-key}:{step}`.
     pub name: StepName,
     /// The command that runs it.
-    pub command: Command,
-    /// Replies that complete it.
-    pub succeeds_on: Vec<String>,
-    /// Replies that fail it (permanently): the saga compensates the steps before it.
-    pub fails_on: Vec<String>,
+    pub command: Command<D>,
+    /// The replies that complete or fail it.
+    pub(crate) replies: Option<Replies<D>>,
     /// How to undo it, if it can be undone.
-    pub compensation: Option<Compensation>,
+    pub compensation: Option<Compensation<D>>,
     /// How long to wait for a reply.
     pub timeout: Duration,
     /// What a timeout means.
     pub on_timeout: OnTimeout,
 }
 
-impl Step {
-    /// A step `name` run by `command`, with a 30-second timeout that fails it.
-    pub fn new(name: &str, command: Command) -> Result<Self, KeyError> {
+impl<D> Clone for Step<D> {
+    fn clone(&self) -> Self {
+        Self {
+            name: self.name.clone(),
+            command: self.command.clone(),
+            replies: self.replies.clone(),
+            compensation: self.compensation.clone(),
+            timeout: self.timeout,
+            on_timeout: self.on_timeout,
+        }
+    }
+}
+
+impl<D> std::fmt::Debug for Step<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Step")
+            .field("name", &self.name)
+            .field("command", &self.command)
+            .field("replies", &self.reply_types())
+            .field("compensation", &self.compensation)
+            .field("timeout", &self.timeout)
+            .field("on_timeout", &self.on_timeout)
+            .finish()
+    }
+}
+
+impl<D: SagaData> Step<D> {
+    /// A step `name` run by `command`, with a 30-second timeout that fails it. It needs its replies
+    /// ([`Step::replies`]).
+    pub fn new(name: &str, command: Command<D>) -> Result<Self, KeyError> {
         Ok(Self {
             name: StepName::new(name)?,
             command,
-            succeeds_on: Vec::new(),
-            fails_on: Vec::new(),
+            replies: None,
             compensation: None,
             timeout: Duration::from_secs(30),
             on_timeout: OnTimeout::Fail,
         })
     }
 
-    /// Replies that complete the step, by event type: `E::TYPES` of an event, or a family's variants'
-    /// constants.
-    pub fn succeeds_on<I: IntoIterator<Item = S>, S: AsRef<str>>(mut self, types: I) -> Self {
-        self.succeeds_on = types.into_iter().map(|t| t.as_ref().to_owned()).collect();
-        self
-    }
-
-    /// Replies that fail the step, by event type.
-    pub fn fails_on<I: IntoIterator<Item = S>, S: AsRef<str>>(mut self, types: I) -> Self {
-        self.fails_on = types.into_iter().map(|t| t.as_ref().to_owned()).collect();
-        self
-    }
-
-    /// The step's compensation, confirmed by `done_on`, re-sent every `resend_after` until confirmed.
-    pub fn compensate_with<I: IntoIterator<Item = S>, S: AsRef<str>>(
+    /// The replies that complete or fail the step: every event type of `R` (an event, or a family of
+    /// them), decoded and handed with the saga's data to `on_reply`, which records what it needs in the
+    /// data and says whether the step succeeded. A reply that does not decode as `R` is dead-lettered with
+    /// the reason, and the saga stays where it is.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use saga_core::{SagaEvent, Topic};
+    /// use saga_orchestrator::{Command, Step, Verdict};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Clone, Serialize, Deserialize)]
+    /// struct Charged { charge_id: String }
+    /// #[derive(Clone, Serialize, Deserialize)]
+    /// struct Declined { reason: String }
+    ///
+    /// /// What the payment service answers.
+    /// #[derive(SagaEvent)]
+    /// #[saga(crate = "saga_core")]
+    /// enum PaymentReply { PaymentProcessed(Charged), PaymentFailed(Declined) }
+    ///
+    /// #[derive(Serialize, Deserialize, SagaEvent)]
+    /// #[saga(crate = "saga_core")]
+    /// struct ProcessPayment { order_id: u64 }
+    ///
+    /// #[derive(Clone, Default, Serialize, Deserialize)]
+    /// struct Order { order_id: u64, charge_id: Option<String> }
+    ///
+    /// let commands: Topic<ProcessPayment> = Topic::new("saga.payment-commands");
+    /// let charge = Step::new("process-payment", Command::to(&commands, |o: &Order| ProcessPayment { order_id: o.order_id }))?
+    ///     .replies(|order: &mut Order, reply: PaymentReply| match reply {
+    ///         PaymentReply::PaymentProcessed(charged) => {
+    ///             order.charge_id = Some(charged.charge_id);
+    ///             Verdict::Succeeded
+    ///         }
+    ///         PaymentReply::PaymentFailed(declined) => Verdict::Failed(declined.reason),
+    ///     });
+    /// # let _ = charge;
+    /// # Ok::<(), saga_core::KeyError>(())
+    /// ```
+    #[must_use]
+    pub fn replies<R: SagaEvent>(
         mut self,
-        command: Command,
+        on_reply: impl Fn(&mut D, R) -> Verdict + Send + Sync + 'static,
+    ) -> Self {
+        self.replies = Some(Replies::typed(on_reply));
+        self
+    }
+
+    /// Replies of types known only at run time: `types`, each handed to `on_reply` with its event type and
+    /// JSON payload. Prefer [`Step::replies`].
+    #[must_use]
+    pub fn replies_of<I: IntoIterator<Item = S>, S: AsRef<str>>(
+        mut self,
+        types: I,
+        on_reply: impl Fn(&mut D, &str, serde_json::Value) -> Verdict + Send + Sync + 'static,
+    ) -> Self {
+        self.replies = Some(Replies::raw(types, move |data, event_type, payload| {
+            Ok(on_reply(data, event_type, payload))
+        }));
+        self
+    }
+
+    /// The step's compensation: `command` (see [`Command::undo`]), confirmed by any reply of `R`, which
+    /// `on_done` records in the data; re-sent every `resend_after` until confirmed.
+    #[must_use]
+    pub fn compensate_with<R: SagaEvent>(
+        mut self,
+        command: Command<D>,
+        on_done: impl Fn(&mut D, R) + Send + Sync + 'static,
+        resend_after: Duration,
+    ) -> Self {
+        self.compensation = Some(Compensation {
+            command,
+            done: Replies::typed(move |data: &mut D, reply: R| {
+                on_done(data, reply);
+                Verdict::Succeeded
+            }),
+            resend_after,
+        });
+        self
+    }
+
+    /// A compensation confirmed by replies of types known only at run time. Prefer
+    /// [`Step::compensate_with`].
+    #[must_use]
+    pub fn compensate_with_types<I: IntoIterator<Item = S>, S: AsRef<str>>(
+        mut self,
+        command: Command<D>,
         done_on: I,
         resend_after: Duration,
     ) -> Self {
         self.compensation = Some(Compensation {
             command,
-            done_on: done_on.into_iter().map(|t| t.as_ref().to_owned()).collect(),
+            done: Replies::raw(done_on, |_, _, _| Ok(Verdict::Succeeded)),
             resend_after,
         });
         self
     }
 
     /// The reply timeout and what it means.
+    #[must_use]
     pub fn timeout(mut self, after: Duration, then: OnTimeout) -> Self {
         self.timeout = after;
         self.on_timeout = then;
         self
+    }
+}
+
+impl<D> Replies<D> {
+    /// Replies of run-time types, their payload handed to `apply` as JSON.
+    fn raw<I: IntoIterator<Item = S>, S: AsRef<str>>(
+        types: I,
+        apply: impl Fn(&mut D, &str, serde_json::Value) -> Result<Verdict, String>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        Self {
+            types: types.into_iter().map(|t| t.as_ref().to_owned()).collect(),
+            apply: Arc::new(move |data, event_type, payload| {
+                let json = serde_json::from_slice(payload)
+                    .map_err(|e| format!("the reply {event_type} is not JSON: {e}"))?;
+                apply(data, event_type, json)
+            }),
+        }
+    }
+}
+
+impl<D> Step<D> {
+    /// The event types of the replies that complete or fail the step.
+    pub fn reply_types(&self) -> &[String] {
+        self.replies.as_ref().map_or(&[], |r| r.types.as_slice())
     }
 
     /// `compensate-{step}`: the name of the participant step that compensates this one. Fails if that is
@@ -251,42 +529,155 @@ pub enum DefinitionError {
         /// Why it is invalid.
         reason: KeyError,
     },
-    /// A step expects no reply at all.
-    #[error("saga {saga}: step {step} has no reply that completes it")]
+    /// A step expects no reply at all (it was given no [`Step::replies`]).
+    #[error("saga {saga}: step {step} has no replies (Step::replies)")]
     NoReply {
         /// The saga type.
         saga: String,
         /// The step.
         step: String,
     },
+    /// The definition's version is 0: versions start at 1.
+    #[error("saga {0}: versions start at 1")]
+    VersionZero(String),
+    /// Two definitions an orchestrator runs share a version, or are of different saga types.
+    #[error("saga {saga}: {reason}")]
+    Versions {
+        /// The saga type.
+        saga: String,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
-/// A saga type: its steps in order, and the topic its participants reply on.
+/// Reads the data of an instance stored by 0.2 (`{"input": ..., "<step>": <reply>, ...}`) as `D`.
+type LegacyFn<D> = Arc<dyn Fn(&LegacyData) -> Result<D, String> + Send + Sync>;
+
+/// The data of an instance stored by 0.2, before saga data had a type: what it was started with, and
+/// each reply's payload under its step's (or compensation's) name. A definition that reads them
+/// ([`SagaDefinition::reads_0_2`]) turns it into its type.
 #[derive(Debug, Clone)]
+pub struct LegacyData(serde_json::Value);
+
+impl LegacyData {
+    /// Data as 0.2 stored it.
+    pub fn new(stored: serde_json::Value) -> Self {
+        Self(stored)
+    }
+
+    /// What the instance was started with, as `T`.
+    pub fn input<T: DeserializeOwned>(&self) -> Result<T, String> {
+        T::deserialize(&self.0["input"]).map_err(|e| format!("the 0.2 input does not read: {e}"))
+    }
+
+    /// The reply step `step` received, as `T`: `None` if it has none, or if it is not a `T` (a step's
+    /// failure reply is stored under the same name as its success).
+    pub fn reply<T: DeserializeOwned>(&self, step: &str) -> Option<T> {
+        self.0.get(step).and_then(|v| T::deserialize(v).ok())
+    }
+}
+
+/// A saga type: its data type `D`, its steps in order, the topic its participants reply on, and its
+/// version.
 #[non_exhaustive]
-pub struct SagaDefinition {
+pub struct SagaDefinition<D> {
     /// The saga type, such as `order-fulfillment`.
     pub saga_type: StepName,
     /// Where participants send their replies.
     pub reply_topic: String,
+    /// The definition's version (from 1): instances keep the version they started with.
+    pub version: u32,
     /// The steps, in order.
-    pub steps: Vec<Step>,
+    pub steps: Vec<Step<D>>,
+    legacy: Option<LegacyFn<D>>,
 }
 
-impl SagaDefinition {
-    /// A saga type `saga_type` whose replies arrive on `reply_topic`.
+impl<D> Clone for SagaDefinition<D> {
+    fn clone(&self) -> Self {
+        Self {
+            saga_type: self.saga_type.clone(),
+            reply_topic: self.reply_topic.clone(),
+            version: self.version,
+            steps: self.steps.clone(),
+            legacy: self.legacy.clone(),
+        }
+    }
+}
+
+impl<D> std::fmt::Debug for SagaDefinition<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SagaDefinition")
+            .field("saga_type", &self.saga_type)
+            .field("reply_topic", &self.reply_topic)
+            .field("version", &self.version)
+            .field("steps", &self.steps)
+            .field("reads_0_2", &self.legacy.is_some())
+            .finish()
+    }
+}
+
+impl<D: SagaData> SagaDefinition<D> {
+    /// Version 1 of saga type `saga_type`, whose replies arrive on `reply_topic`.
     pub fn new(saga_type: &str, reply_topic: impl Into<String>) -> Result<Self, DefinitionError> {
         Ok(Self {
             saga_type: StepName::new(saga_type)?,
             reply_topic: reply_topic.into(),
+            version: 1,
             steps: Vec::new(),
+            legacy: None,
         })
     }
 
+    /// The same definition as version `version`. Change the version whenever the steps change (one
+    /// added, removed, renamed or reordered): instances keep running the version they started with, so
+    /// the orchestrator keeps the versions that still have instances ([`crate::Orchestrator::keep_running`]).
+    #[must_use]
+    pub fn version(mut self, version: u32) -> Self {
+        self.version = version;
+        self
+    }
+
     /// Appends a step.
-    pub fn step(mut self, step: Step) -> Self {
+    #[must_use]
+    pub fn step(mut self, step: Step<D>) -> Self {
         self.steps.push(step);
         self
+    }
+
+    /// Reads instances stored by 0.2 (whose data had no type) with `read`: 0.2 instances run on this
+    /// definition, which must be version 1 (0.2 had one version). Without it, such an instance is refused
+    /// with a reason (its replies dead-lettered, its timer marked stuck), never misread.
+    #[must_use]
+    pub fn reads_0_2(
+        mut self,
+        read: impl Fn(&LegacyData) -> Result<D, String> + Send + Sync + 'static,
+    ) -> Self {
+        self.legacy = Some(Arc::new(read));
+        self
+    }
+
+    /// The data of an instance as stored: `D`'s JSON, or (with no version, written by 0.2) the 0.2 form
+    /// read by [`SagaDefinition::reads_0_2`].
+    pub(crate) fn read_data(
+        &self,
+        stored: &serde_json::Value,
+        from_0_2: bool,
+    ) -> Result<D, String> {
+        if from_0_2 {
+            let read = self.legacy.as_ref().ok_or_else(|| {
+                format!(
+                    "the instance was stored by 0.2, and version {} of {} does not read 0.2 data                      (SagaDefinition::reads_0_2)",
+                    self.version, self.saga_type
+                )
+            })?;
+            return read(&LegacyData(stored.clone()));
+        }
+        D::deserialize(stored).map_err(|e| {
+            format!(
+                "the saga's data does not read as {}: {e}",
+                std::any::type_name::<D>()
+            )
+        })
     }
 
     /// Checks the definition.
@@ -294,6 +685,18 @@ impl SagaDefinition {
         let saga = self.saga_type.to_string();
         if self.steps.is_empty() {
             return Err(DefinitionError::Empty(saga));
+        }
+        if self.version == 0 {
+            return Err(DefinitionError::VersionZero(saga));
+        }
+        if self.legacy.is_some() && self.version != 1 {
+            return Err(DefinitionError::Versions {
+                saga,
+                reason: format!(
+                    "version {} reads 0.2 data, which only version 1 may (0.2 instances run on version 1)",
+                    self.version
+                ),
+            });
         }
         let mut names = std::collections::HashSet::new();
         let mut replies = std::collections::HashSet::new();
@@ -314,19 +717,14 @@ impl SagaDefinition {
                     });
                 }
             }
-            if step.succeeds_on.is_empty() {
+            if step.reply_types().is_empty() {
                 return Err(DefinitionError::NoReply {
                     saga,
                     step: step.name.to_string(),
                 });
             }
-            let compensation_replies = step.compensation.iter().flat_map(|c| &c.done_on);
-            for reply in step
-                .succeeds_on
-                .iter()
-                .chain(&step.fails_on)
-                .chain(compensation_replies)
-            {
+            let compensation_replies = step.compensation.iter().flat_map(|c| c.done_on());
+            for reply in step.reply_types().iter().chain(compensation_replies) {
                 if !replies.insert(reply.as_str()) {
                     return Err(DefinitionError::AmbiguousReply {
                         saga,
@@ -350,13 +748,18 @@ mod tests {
 
     use super::*;
 
-    fn step(name: &str) -> Step {
-        Step::new(name, Command::new("commands", "Do", |d| d["input"].clone()))
-            .unwrap()
-            .succeeds_on([format!("{name}-done")])
+    type Data = serde_json::Value;
+
+    fn step(name: &str) -> Step<Data> {
+        Step::new(
+            name,
+            Command::new("commands", "Do", |d: &Data| d["input"].clone()),
+        )
+        .unwrap()
+        .replies_of([format!("{name}-done")], |_, _, _| Verdict::Succeeded)
     }
 
-    fn refusal(definition: &SagaDefinition) -> (String, String) {
+    fn refusal(definition: &SagaDefinition<Data>) -> (String, String) {
         match definition.validate() {
             Err(DefinitionError::DerivedName { step, derived, .. }) => (step, derived),
             other => panic!("expected a refused derived name, got {other:?}"),
@@ -367,14 +770,13 @@ mod tests {
     fn a_step_whose_derived_names_are_invalid_is_refused_naming_it_never_renamed() {
         // 45 characters: a valid step name, but `compensate-` makes 56, over the limit of 54.
         let long = "s".repeat(45);
-        let compensated =
-            SagaDefinition::new("orders", "replies")
-                .unwrap()
-                .step(step(&long).compensate_with(
-                    Command::new("commands", "Undo", |d| d["input"].clone()),
-                    ["undone"],
-                    Duration::from_secs(1),
-                ));
+        let compensated = SagaDefinition::new("orders", "replies").unwrap().step(
+            step(&long).compensate_with_types(
+                Command::new("commands", "Undo", |d: &Data| d["input"].clone()),
+                ["undone"],
+                Duration::from_secs(1),
+            ),
+        );
         assert_eq!(
             refusal(&compensated),
             (long.clone(), format!("compensate-{long}"))
@@ -395,14 +797,13 @@ mod tests {
 
         // The longest name that leaves room for every derived one.
         let fits = "f".repeat(MAX_STEP_NAME_LEN - "on-compensate-".len());
-        let fine =
-            SagaDefinition::new("orders", "replies")
-                .unwrap()
-                .step(step(&fits).compensate_with(
-                    Command::new("commands", "Undo", |d| d["input"].clone()),
-                    ["undone"],
-                    Duration::from_secs(1),
-                ));
+        let fine = SagaDefinition::new("orders", "replies").unwrap().step(
+            step(&fits).compensate_with_types(
+                Command::new("commands", "Undo", |d: &Data| d["input"].clone()),
+                ["undone"],
+                Duration::from_secs(1),
+            ),
+        );
         fine.validate().unwrap();
         assert_eq!(
             fine.steps[0].compensation_name().unwrap().as_str(),

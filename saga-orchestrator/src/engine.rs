@@ -6,7 +6,7 @@ use std::time::Duration;
 use saga_core::StepName;
 use serde_json::Value;
 
-use crate::definition::{OnTimeout, SagaDefinition};
+use crate::definition::{OnTimeout, SagaDefinition, Verdict};
 
 /// Where a saga instance stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,27 +53,27 @@ impl SagaStatus {
 /// The state a decision depends on.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
-pub struct SagaState {
+pub struct SagaState<D> {
     /// Where it stands.
     pub status: SagaStatus,
     /// The step being run or compensated.
     pub step_index: usize,
     /// Sends of the current command so far.
     pub attempt: u32,
-    /// `{"input": <start data>, "<step>": <reply payload>, ...}`.
-    pub data: Value,
+    /// The saga's data.
+    pub data: D,
     /// Why it is compensating.
     pub failure: Option<String>,
 }
 
-impl SagaState {
-    /// The state of a new instance started with `input`.
-    pub(crate) fn started(input: Value) -> Self {
+impl<D> SagaState<D> {
+    /// The state of a new instance started with `data`.
+    pub(crate) fn started(data: D) -> Self {
         Self {
             status: SagaStatus::Running,
             step_index: 0,
             attempt: 1,
-            data: Value::Object(serde_json::Map::from_iter([("input".to_owned(), input)])),
+            data,
             failure: None,
         }
     }
@@ -88,8 +88,8 @@ pub(crate) enum SagaEvent<'a> {
     Reply {
         /// The reply's event type.
         event_type: &'a str,
-        /// Its payload.
-        payload: &'a Value,
+        /// Its JSON payload.
+        payload: &'a [u8],
     },
     /// The current step's deadline passed.
     Timeout,
@@ -117,9 +117,9 @@ pub struct Outgoing {
 /// A decision: the next state, the command to send and when the next deadline falls.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
-pub struct Decision {
+pub struct Decision<D> {
     /// The next state.
-    pub next: SagaState,
+    pub next: SagaState<D>,
     /// The command to send, if any.
     pub send: Option<Outgoing>,
     /// The new deadline, from now; `None` clears it (the saga ended).
@@ -130,24 +130,34 @@ pub struct Decision {
     pub step: Option<String>,
 }
 
+/// Why no decision could be made: the user's code refused its input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// A reply did not decode as the step's reply type.
+    Reply(String),
+    /// A command could not be built from the data.
+    Command(String),
+}
+
 /// `compensate-{step}`, which [`SagaDefinition::validate`] (run by `Orchestrator::new`, the only way a
 /// definition reaches `decide`) checked.
-fn compensation_name(step: &crate::definition::Step) -> StepName {
+fn compensation_name<D>(step: &crate::definition::Step<D>) -> StepName {
     step.compensation_name()
         .expect("the orchestrator validated its definition's derived names when it was built")
 }
 
-/// Decides what `event` does to an instance in `state`. `None`: nothing (a stale, duplicate or unrelated
-/// reply, or an event for an ended saga).
-pub(crate) fn decide(
-    def: &SagaDefinition,
-    state: &SagaState,
+/// Decides what `event` does to an instance in `state`. `Ok(None)`: nothing (a stale, duplicate or
+/// unrelated reply, or an event for an ended saga); `Err`: the reply or a command refused by the user's
+/// code, which leaves the instance as it is.
+pub(crate) fn decide<D: Clone>(
+    def: &SagaDefinition<D>,
+    state: &SagaState<D>,
     event: SagaEvent<'_>,
-) -> Option<Decision> {
+) -> Result<Option<Decision<D>>, Refusal> {
     match (state.status, event) {
-        (_, _) if state.status.is_final() => None,
+        (_, _) if state.status.is_final() => Ok(None),
         (SagaStatus::Running, SagaEvent::Started) => {
-            Some(run_step(def, state, state.step_index, 1, "started"))
+            run_step(def, state, state.step_index, 1, "started").map(Some)
         }
         (
             SagaStatus::Running,
@@ -157,48 +167,52 @@ pub(crate) fn decide(
             },
         ) => {
             let i = state.step_index;
-            let step = def.steps.get(i)?;
-            if step.succeeds_on.iter().any(|t| t == event_type) {
-                let mut next = state.clone();
-                next.data[step.name.as_str()] = payload.clone();
-                if i + 1 < def.steps.len() {
-                    Some(run_step(def, &next, i + 1, 1, event_type))
-                } else {
+            let Some(replies) = def.steps.get(i).and_then(|s| s.replies.as_ref()) else {
+                return Ok(None);
+            };
+            if !replies.expects(event_type) {
+                return Ok(None);
+            }
+            let step = &def.steps[i];
+            let mut next = state.clone();
+            match replies
+                .apply(&mut next.data, event_type, payload)
+                .map_err(Refusal::Reply)?
+            {
+                Verdict::Succeeded if i + 1 < def.steps.len() => {
+                    run_step(def, &next, i + 1, 1, event_type).map(Some)
+                }
+                Verdict::Succeeded => {
                     next.status = SagaStatus::Completed;
-                    Some(Decision {
+                    Ok(Some(Decision {
                         next,
                         send: None,
                         deadline: None,
                         cause: event_type.to_owned(),
                         step: Some(step.name.to_string()),
-                    })
+                    }))
                 }
-            } else if step.fails_on.iter().any(|t| t == event_type) {
-                let reason = payload.get("reason").and_then(Value::as_str).map_or_else(
-                    || format!("{} failed: {event_type}", step.name),
-                    str::to_owned,
-                );
-                let mut next = state.clone();
-                next.data[step.name.as_str()] = payload.clone();
-                next.failure = Some(reason);
-                // The step did not take effect: undo the ones before it.
-                Some(compensate_from(def, next, i.checked_sub(1), event_type))
-            } else {
-                None
+                Verdict::Failed(reason) => {
+                    next.failure = Some(reason);
+                    // The step did not take effect: undo the ones before it.
+                    compensate_from(def, next, i.checked_sub(1), event_type).map(Some)
+                }
             }
         }
         (SagaStatus::Running, SagaEvent::Timeout) => {
             let i = state.step_index;
-            let step = def.steps.get(i)?;
+            let Some(step) = def.steps.get(i) else {
+                return Ok(None);
+            };
             match step.on_timeout {
                 OnTimeout::Retry { attempts } if state.attempt < attempts => {
-                    Some(run_step(def, state, i, state.attempt + 1, "timeout"))
+                    run_step(def, state, i, state.attempt + 1, "timeout").map(Some)
                 }
                 _ => {
                     let mut next = state.clone();
                     next.failure = Some(format!("{} timed out", step.name));
                     // Its effect may have happened: undo it too (compensations tolerate a missing effect).
-                    Some(compensate_from(def, next, Some(i), "timeout"))
+                    compensate_from(def, next, Some(i), "timeout").map(Some)
                 }
             }
         }
@@ -210,64 +224,69 @@ pub(crate) fn decide(
             },
         ) => {
             let j = state.step_index;
-            let step = def.steps.get(j)?;
-            let compensation = step.compensation.as_ref()?;
-            if !compensation.done_on.iter().any(|t| t == event_type) {
-                return None;
+            let Some(compensation) = def.steps.get(j).and_then(|s| s.compensation.as_ref()) else {
+                return Ok(None);
+            };
+            if !compensation.done.expects(event_type) {
+                return Ok(None);
             }
             let mut next = state.clone();
-            next.data[compensation_name(step).as_str()] = payload.clone();
-            Some(compensate_from(def, next, j.checked_sub(1), event_type))
+            compensation
+                .done
+                .apply(&mut next.data, event_type, payload)
+                .map_err(Refusal::Reply)?;
+            compensate_from(def, next, j.checked_sub(1), event_type).map(Some)
         }
         (SagaStatus::Running, SagaEvent::Retry) => {
             // The current step again, as a new attempt with the same key: a participant that completed
             // it absorbs the command; one that dead-lettered it runs it.
-            def.steps.get(state.step_index)?;
-            Some(run_step(
-                def,
-                state,
-                state.step_index,
-                state.attempt + 1,
-                RETRY_CAUSE,
-            ))
+            if def.steps.get(state.step_index).is_none() {
+                return Ok(None);
+            }
+            run_step(def, state, state.step_index, state.attempt + 1, RETRY_CAUSE).map(Some)
         }
         (SagaStatus::Compensating, event @ (SagaEvent::Retry | SagaEvent::Timeout)) => {
             // Never skipped: send the compensation again, with the same key.
             let j = state.step_index;
             let mut next = state.clone();
             next.attempt += 1;
-            let (send, resend_after) = compensation_command(def, &next, j)?;
+            let Some((send, resend_after)) = compensation_command(def, &next, j)? else {
+                return Ok(None);
+            };
             let cause = match event {
                 SagaEvent::Retry => RETRY_CAUSE,
                 _ => "timeout",
             };
-            Some(Decision {
+            Ok(Some(Decision {
                 send: Some(send),
                 deadline: Some(resend_after),
                 cause: cause.into(),
                 step: Some(compensation_name(&def.steps[j]).to_string()),
                 next,
-            })
+            }))
         }
-        _ => None,
+        _ => Ok(None),
     }
 }
 
 /// Runs step `i` (send its command) as attempt `attempt`.
-fn run_step(
-    def: &SagaDefinition,
-    state: &SagaState,
+fn run_step<D: Clone>(
+    def: &SagaDefinition<D>,
+    state: &SagaState<D>,
     i: usize,
     attempt: u32,
     cause: &str,
-) -> Decision {
+) -> Result<Decision<D>, Refusal> {
     let step = &def.steps[i];
     let mut next = state.clone();
     next.status = SagaStatus::Running;
     next.step_index = i;
     next.attempt = attempt;
-    let (event_type, payload) = step.command.build(&next.data);
-    Decision {
+    let (event_type, payload) = step
+        .command
+        .build_for(&next.data, None)
+        .map_err(Refusal::Command)?;
+    Ok(Decision {
         send: Some(Outgoing {
             step: step.name.clone(),
             topic: step.command.topic().to_owned(),
@@ -278,17 +297,17 @@ fn run_step(
         cause: cause.to_owned(),
         step: Some(step.name.to_string()),
         next,
-    }
+    })
 }
 
 /// Starts (or continues) compensating from step `from` downwards: the highest step at or below it that
 /// has a compensation; none left means the saga is compensated.
-fn compensate_from(
-    def: &SagaDefinition,
-    mut next: SagaState,
+fn compensate_from<D>(
+    def: &SagaDefinition<D>,
+    mut next: SagaState<D>,
     from: Option<usize>,
     cause: &str,
-) -> Decision {
+) -> Result<Decision<D>, Refusal> {
     let target = from.and_then(|k| (0..=k).rev().find(|&j| def.steps[j].compensation.is_some()));
     match target {
         Some(j) => {
@@ -296,37 +315,46 @@ fn compensate_from(
             next.step_index = j;
             next.attempt = 1;
             let (send, resend_after) =
-                compensation_command(def, &next, j).expect("the target step has a compensation");
-            Decision {
+                compensation_command(def, &next, j)?.expect("the target step has a compensation");
+            Ok(Decision {
                 send: Some(send),
                 deadline: Some(resend_after),
                 cause: cause.to_owned(),
                 step: Some(compensation_name(&def.steps[j]).to_string()),
                 next,
-            }
+            })
         }
         None => {
             next.status = SagaStatus::Compensated;
-            Decision {
+            Ok(Decision {
                 send: None,
                 deadline: None,
                 cause: cause.to_owned(),
                 step: None,
                 next,
-            }
+            })
         }
     }
 }
 
-fn compensation_command(
-    def: &SagaDefinition,
-    state: &SagaState,
+/// The compensation command of step `j`, built for why the saga compensates; `None` if it has none.
+fn compensation_command<D>(
+    def: &SagaDefinition<D>,
+    state: &SagaState<D>,
     j: usize,
-) -> Option<(Outgoing, Duration)> {
-    let step = def.steps.get(j)?;
-    let compensation = step.compensation.as_ref()?;
-    let (event_type, payload) = compensation.command.build(&state.data);
-    Some((
+) -> Result<Option<(Outgoing, Duration)>, Refusal> {
+    let Some(step) = def.steps.get(j) else {
+        return Ok(None);
+    };
+    let Some(compensation) = step.compensation.as_ref() else {
+        return Ok(None);
+    };
+    let why = state.failure.as_deref().unwrap_or("the saga compensates");
+    let (event_type, payload) = compensation
+        .command
+        .build_for(&state.data, Some(why))
+        .map_err(Refusal::Command)?;
+    Ok(Some((
         Outgoing {
             step: compensation_name(step),
             topic: compensation.command.topic().to_owned(),
@@ -334,7 +362,7 @@ fn compensation_command(
             payload,
         },
         compensation.resend_after,
-    ))
+    )))
 }
 
 #[cfg(test)]
@@ -344,20 +372,32 @@ mod tests {
     use super::*;
     use crate::definition::{Command, Step};
 
-    /// Three steps a, b, c; a and b can be compensated, c cannot.
-    fn definition() -> SagaDefinition {
+    /// Three steps a, b, c; a and b can be compensated, c cannot. The data is JSON: each reply's payload
+    /// is kept under its step's name.
+    fn definition() -> SagaDefinition<Value> {
         let step = |name: &str, compensable: bool| {
             let upper = name.to_uppercase();
+            let key = name.to_owned();
             let s = Step::new(
                 name,
-                Command::new("commands", format!("Do{upper}"), |d| d.clone()),
+                Command::new("commands", format!("Do{upper}"), |d: &Value| d.clone()),
             )
             .unwrap()
-            .succeeds_on([format!("{upper}Done")])
-            .fails_on([format!("{upper}Failed")]);
+            .replies_of(
+                [format!("{upper}Done"), format!("{upper}Failed")],
+                move |data, event_type, payload| {
+                    let reason = payload["reason"].as_str().unwrap_or("failed").to_owned();
+                    data[key.as_str()] = payload;
+                    if event_type.ends_with("Done") {
+                        Verdict::Succeeded
+                    } else {
+                        Verdict::Failed(reason)
+                    }
+                },
+            );
             if compensable {
-                s.compensate_with(
-                    Command::new("commands", format!("Undo{upper}"), |d| d.clone()),
+                s.compensate_with_types(
+                    Command::new("commands", format!("Undo{upper}"), |d: &Value| d.clone()),
                     [format!("{upper}Undone")],
                     Duration::from_secs(5),
                 )
@@ -372,7 +412,7 @@ mod tests {
             .step(step("c", false))
     }
 
-    fn reply<'a>(event_type: &'a str, payload: &'a Value) -> SagaEvent<'a> {
+    fn reply<'a>(event_type: &'a str, payload: &'a [u8]) -> SagaEvent<'a> {
         SagaEvent::Reply {
             event_type,
             payload,
@@ -380,11 +420,11 @@ mod tests {
     }
 
     /// Runs `replies` from the start; returns the commands sent, in order, and the final status.
-    fn run(def: &SagaDefinition, events: &[SagaEvent<'_>]) -> (Vec<String>, SagaStatus) {
-        let mut state = SagaState::started(json!({"order": 1}));
+    fn run(def: &SagaDefinition<Value>, events: &[SagaEvent<'_>]) -> (Vec<String>, SagaStatus) {
+        let mut state = SagaState::started(json!({"input": {"order": 1}}));
         let mut sent = Vec::new();
         for event in std::iter::once(SagaEvent::Started).chain(events.iter().copied()) {
-            if let Some(d) = decide(def, &state, event) {
+            if let Some(d) = decide(def, &state, event).unwrap() {
                 sent.extend(d.send.map(|s| s.event_type));
                 state = d.next;
             }
@@ -396,14 +436,10 @@ mod tests {
     fn the_happy_path_runs_every_step_in_order() {
         let def = definition();
         def.validate().unwrap();
-        let ok = json!({});
+        let ok = b"{}".as_slice();
         let (sent, status) = run(
             &def,
-            &[
-                reply("ADone", &ok),
-                reply("BDone", &ok),
-                reply("CDone", &ok),
-            ],
+            &[reply("ADone", ok), reply("BDone", ok), reply("CDone", ok)],
         );
         assert_eq!(sent, vec!["DoA", "DoB", "DoC"]);
         assert_eq!(status, SagaStatus::Completed);
@@ -412,9 +448,9 @@ mod tests {
     #[test]
     fn a_failure_at_each_step_compensates_exactly_the_completed_steps_in_reverse() {
         let def = definition();
-        let ok = json!({});
-        let no = json!({"reason": "no"});
-        let (sent, status) = run(&def, &[reply("AFailed", &no)]);
+        let ok = b"{}".as_slice();
+        let no = br#"{"reason": "no"}"#.as_slice();
+        let (sent, status) = run(&def, &[reply("AFailed", no)]);
         assert_eq!(
             (sent, status),
             (vec!["DoA".into()], SagaStatus::Compensated)
@@ -423,9 +459,9 @@ mod tests {
         let (sent, status) = run(
             &def,
             &[
-                reply("ADone", &ok),
-                reply("BFailed", &no),
-                reply("AUndone", &ok),
+                reply("ADone", ok),
+                reply("BFailed", no),
+                reply("AUndone", ok),
             ],
         );
         assert_eq!(sent, vec!["DoA", "DoB", "UndoA"]);
@@ -434,11 +470,11 @@ mod tests {
         let (sent, status) = run(
             &def,
             &[
-                reply("ADone", &ok),
-                reply("BDone", &ok),
-                reply("CFailed", &no),
-                reply("BUndone", &ok),
-                reply("AUndone", &ok),
+                reply("ADone", ok),
+                reply("BDone", ok),
+                reply("CFailed", no),
+                reply("BUndone", ok),
+                reply("AUndone", ok),
             ],
         );
         assert_eq!(sent, vec!["DoA", "DoB", "DoC", "UndoB", "UndoA"]);
@@ -448,15 +484,15 @@ mod tests {
     #[test]
     fn a_timed_out_step_is_compensated_too_and_compensations_are_resent_not_skipped() {
         let def = definition();
-        let ok = json!({});
+        let ok = b"{}".as_slice();
         let (sent, status) = run(
             &def,
             &[
-                reply("ADone", &ok),
+                reply("ADone", ok),
                 SagaEvent::Timeout,
                 SagaEvent::Timeout,
-                reply("BUndone", &ok),
-                reply("AUndone", &ok),
+                reply("BUndone", ok),
+                reply("AUndone", ok),
             ],
         );
         assert_eq!(sent, vec!["DoA", "DoB", "UndoB", "UndoB", "UndoA"]);
@@ -478,8 +514,9 @@ mod tests {
     #[test]
     fn a_retry_resends_the_current_command_as_a_new_attempt_and_a_finished_saga_has_none() {
         let def = definition();
-        let started = decide(&def, &SagaState::started(json!({})), SagaEvent::Started).unwrap();
-        let retried = decide(&def, &started.next, SagaEvent::Retry).unwrap();
+        let decided = |state: &SagaState<Value>, event| decide(&def, state, event).unwrap();
+        let started = decided(&SagaState::started(json!({})), SagaEvent::Started).unwrap();
+        let retried = decided(&started.next, SagaEvent::Retry).unwrap();
         assert_eq!(retried.send, started.send, "the same command");
         assert_eq!(
             (
@@ -491,28 +528,28 @@ mod tests {
         );
         assert_eq!(retried.cause, RETRY_CAUSE);
         // Compensating: the compensation again.
-        let timed_out = decide(&def, &started.next, SagaEvent::Timeout).unwrap();
+        let timed_out = decided(&started.next, SagaEvent::Timeout).unwrap();
         assert_eq!(timed_out.next.status, SagaStatus::Compensating);
-        let again = decide(&def, &timed_out.next, SagaEvent::Retry).unwrap();
+        let again = decided(&timed_out.next, SagaEvent::Retry).unwrap();
         assert_eq!(again.send, timed_out.send);
         assert_eq!(again.next.attempt, timed_out.next.attempt + 1);
         // Finished: nothing to retry.
         let mut done = started.next;
         done.status = SagaStatus::Compensated;
-        assert!(decide(&def, &done, SagaEvent::Retry).is_none());
+        assert!(decided(&done, SagaEvent::Retry).is_none());
     }
 
     #[test]
     fn stale_and_unrelated_replies_change_nothing() {
         let def = definition();
-        let ok = json!({});
+        let ok = b"{}".as_slice();
         let (sent, status) = run(
             &def,
             &[
-                reply("BDone", &ok),
-                reply("Unknown", &ok),
-                reply("ADone", &ok),
-                reply("ADone", &ok),
+                reply("BDone", ok),
+                reply("Unknown", ok),
+                reply("ADone", ok),
+                reply("ADone", ok),
             ],
         );
         assert_eq!(sent, vec!["DoA", "DoB"]);
@@ -522,12 +559,27 @@ mod tests {
     #[test]
     fn replies_are_kept_in_the_data_for_later_commands() {
         let def = definition();
-        let state = SagaState::started(json!({"order": 7}));
-        let d = decide(&def, &state, reply("ADone", &json!({"charge": "ch_1"}))).unwrap();
+        let state = SagaState::started(json!({"input": {"order": 7}}));
+        let d = decide(&def, &state, reply("ADone", br#"{"charge": "ch_1"}"#))
+            .unwrap()
+            .unwrap();
         assert_eq!(
             d.next.data,
             json!({"input": {"order": 7}, "a": {"charge": "ch_1"}})
         );
         assert_eq!(d.send.unwrap().payload, d.next.data);
+    }
+
+    #[test]
+    fn a_reply_that_does_not_decode_is_refused_with_its_reason_and_moves_nothing() {
+        let def = definition();
+        let started = decide(&def, &SagaState::started(json!({})), SagaEvent::Started)
+            .unwrap()
+            .unwrap();
+        let refused = decide(&def, &started.next, reply("ADone", b"not json")).unwrap_err();
+        let Refusal::Reply(reason) = refused else {
+            panic!("expected a refused reply, got {refused:?}");
+        };
+        assert!(reason.contains("ADone"), "{reason}");
     }
 }

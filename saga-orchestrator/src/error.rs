@@ -45,6 +45,44 @@ pub enum OrchestratorError {
     /// Stored state this version cannot read.
     #[error("orchestrator: unreadable state: {0}")]
     Corrupt(String),
+    /// An instance's data does not read as the saga's data type (or, stored by 0.2, the definition does
+    /// not read 0.2 data).
+    #[error("saga {saga_id}: {reason}")]
+    Unreadable {
+        /// The instance.
+        saga_id: Uuid,
+        /// Why.
+        reason: String,
+    },
+    /// An instance runs a version of the definition this orchestrator does not have.
+    #[error(
+        "saga {saga_id} runs version {version} of its definition, and this orchestrator has versions \
+         {known:?} (keep version {version} with Orchestrator::keep_running until its instances finish)"
+    )]
+    UnknownVersion {
+        /// The instance.
+        saga_id: Uuid,
+        /// The version it runs.
+        version: i32,
+        /// The versions this orchestrator has.
+        known: Vec<u32>,
+    },
+    /// A reply does not decode as its step's reply type: the saga stays where it is.
+    #[error("saga {saga_id}: {reason}")]
+    BadReply {
+        /// The instance.
+        saga_id: Uuid,
+        /// Why.
+        reason: String,
+    },
+    /// A command could not be built from the saga's data.
+    #[error("saga {saga_id}: {reason}")]
+    BadCommand {
+        /// The instance.
+        saga_id: Uuid,
+        /// Why.
+        reason: String,
+    },
     /// A hook failed.
     #[error("orchestrator hook: {0}")]
     Hook(#[from] StepError),
@@ -78,6 +116,16 @@ impl From<OrchestratorError> for StepError {
             OrchestratorError::Database(_)
             | OrchestratorError::VersionConflict { .. }
             | OrchestratorError::OutboxUnavailable(_) => StepError::transient(e),
+            // Newer than every version here: a rolling deploy, whose newer orchestrators will take it.
+            OrchestratorError::UnknownVersion {
+                version, ref known, ..
+            } if known.iter().all(|&k| i64::from(k) < i64::from(version)) => {
+                StepError::transient(e)
+            }
+            OrchestratorError::UnknownVersion { .. }
+            | OrchestratorError::Unreadable { .. }
+            | OrchestratorError::BadReply { .. }
+            | OrchestratorError::BadCommand { .. } => StepError::permanent(e),
             OrchestratorError::UnknownSaga { .. }
             | OrchestratorError::OutboxRefused(_)
             | OrchestratorError::NoSuchSaga(_)

@@ -16,33 +16,65 @@ use saga_core::{
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use crate::definition::{DefinitionError, SagaDefinition};
-use crate::engine::{Decision, SagaEvent, SagaState, decide};
+use crate::definition::{DefinitionError, SagaData, SagaDefinition};
+use crate::engine::{Decision, Refusal, SagaEvent, SagaState, SagaStatus, decide};
 use crate::error::OrchestratorError;
 use crate::store::{self, SagaInstance};
 
+/// A transition as hooks see it: the instance, its state before and after (with the saga's data), the
+/// step concerned and what caused it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct SagaChange<'a, D> {
+    /// The instance as stored before the transition (its id, key, tenant, version).
+    pub instance: &'a SagaInstance,
+    /// Its state before the transition.
+    pub before: &'a SagaState<D>,
+    /// Its state after it.
+    pub after: &'a SagaState<D>,
+    /// The step (or compensation) concerned.
+    pub step: Option<&'a str>,
+    /// What caused it: `started`, a reply's event type, `timeout`, `retry`.
+    pub cause: &'a str,
+}
+
+impl<D> SagaChange<'_, D> {
+    /// The saga's data after the transition.
+    pub fn data(&self) -> &D {
+        &self.after.data
+    }
+
+    /// Where the saga stands after the transition.
+    pub fn status(&self) -> SagaStatus {
+        self.after.status
+    }
+}
+
 /// What a service does on its own tables when one of its sagas moves: record the history, mark the
-/// order completed or cancelled. Runs in the transition's transaction.
+/// order completed or cancelled. Runs in the transition's transaction, with the saga's data.
 ///
 /// # Examples
 ///
 /// ```
 /// use futures::future::BoxFuture;
-/// use saga_orchestrator::{Decision, SagaHooks, SagaInstance, SagaStatus};
+/// use saga_orchestrator::{SagaChange, SagaHooks, SagaStatus};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Clone, Serialize, Deserialize)]
+/// struct Order { order_id: i64 }
 ///
 /// struct MarkOrders;
 ///
-/// impl SagaHooks for MarkOrders {
+/// impl SagaHooks<Order> for MarkOrders {
 ///     fn transitioned<'a>(
 ///         &'a self,
 ///         conn: &'a mut sqlx::PgConnection,
-///         before: &'a SagaInstance,
-///         decision: &'a Decision,
+///         change: &'a SagaChange<'a, Order>,
 ///     ) -> BoxFuture<'a, Result<(), saga_core::StepError>> {
 ///         Box::pin(async move {
-///             if decision.next.status == SagaStatus::Completed {
-///                 sqlx::query("UPDATE orders SET status = 'COMPLETED' WHERE saga_id = $1")
-///                     .bind(before.saga_id)
+///             if change.status() == SagaStatus::Completed {
+///                 sqlx::query("UPDATE orders SET status = 'COMPLETED' WHERE order_id = $1")
+///                     .bind(change.data().order_id)
 ///                     .execute(conn)
 ///                     .await?;
 ///             }
@@ -52,61 +84,99 @@ use crate::store::{self, SagaInstance};
 /// }
 /// # let _ = MarkOrders;
 /// ```
-pub trait SagaHooks: Send + Sync + 'static {
-    /// Called after each transition, with the instance as it was before it and the decision taken.
+pub trait SagaHooks<D>: Send + Sync + 'static {
+    /// Called after each transition.
     fn transitioned<'a>(
         &'a self,
         conn: &'a mut PgConnection,
-        before: &'a SagaInstance,
-        decision: &'a Decision,
+        change: &'a SagaChange<'a, D>,
     ) -> BoxFuture<'a, Result<(), saga_core::StepError>>;
 }
 
 /// No hooks.
 struct NoHooks;
 
-impl SagaHooks for NoHooks {
+impl<D> SagaHooks<D> for NoHooks {
     fn transitioned<'a>(
         &'a self,
         _conn: &'a mut PgConnection,
-        _before: &'a SagaInstance,
-        _decision: &'a Decision,
+        _change: &'a SagaChange<'a, D>,
     ) -> BoxFuture<'a, Result<(), saga_core::StepError>> {
         Box::pin(async { Ok(()) })
     }
 }
 
-/// The orchestrator of one saga type.
-#[derive(Clone)]
-pub struct Orchestrator {
-    inner: Arc<Inner>,
+/// The orchestrator of one saga type, whose data is `D`.
+pub struct Orchestrator<D> {
+    inner: Arc<Inner<D>>,
 }
 
-#[derive(Clone)]
-struct Inner {
-    definition: SagaDefinition,
-    hooks: Arc<dyn SagaHooks>,
+impl<D> Clone for Orchestrator<D> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct Inner<D> {
+    /// The definition new instances start on.
+    definition: SagaDefinition<D>,
+    /// Earlier versions whose instances still run, newest first.
+    kept: Vec<SagaDefinition<D>>,
+    hooks: Arc<dyn SagaHooks<D>>,
     timer_interval: Duration,
     /// Where its commands are written: the service's outbox.
     outbox: Option<saga_consumer::Outbox>,
 }
 
-impl std::fmt::Debug for Orchestrator {
+impl<D> Clone for Inner<D> {
+    fn clone(&self) -> Self {
+        Self {
+            definition: self.definition.clone(),
+            kept: self.kept.clone(),
+            hooks: Arc::clone(&self.hooks),
+            timer_interval: self.timer_interval,
+            outbox: self.outbox.clone(),
+        }
+    }
+}
+
+impl<D> std::fmt::Debug for Orchestrator<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Orchestrator")
             .field("saga_type", &self.inner.definition.saga_type)
+            .field("version", &self.inner.definition.version)
+            .field(
+                "kept",
+                &self
+                    .inner
+                    .kept
+                    .iter()
+                    .map(|d| d.version)
+                    .collect::<Vec<_>>(),
+            )
             .field("timer_interval", &self.inner.timer_interval)
             .finish_non_exhaustive()
     }
 }
 
-impl Orchestrator {
-    /// An orchestrator for `definition` (validated).
-    pub fn new(definition: SagaDefinition) -> Result<Self, DefinitionError> {
+/// What a due instance's timer did.
+enum Fired {
+    /// The instance moved.
+    Moved,
+    /// It could not move, for this reason: it is marked stuck.
+    Stuck(String),
+}
+
+impl<D: SagaData> Orchestrator<D> {
+    /// An orchestrator for `definition` (validated): new instances start on its version.
+    pub fn new(definition: SagaDefinition<D>) -> Result<Self, DefinitionError> {
         definition.validate()?;
         Ok(Self {
             inner: Arc::new(Inner {
                 definition,
+                kept: Vec::new(),
                 hooks: Arc::new(NoHooks),
                 timer_interval: Duration::from_secs(1),
                 outbox: None,
@@ -114,23 +184,63 @@ impl Orchestrator {
         })
     }
 
-    /// The same orchestrator with `hooks`.
-    pub fn with_hooks(self, hooks: impl SagaHooks) -> Self {
+    fn with_inner(self, change: impl FnOnce(&mut Inner<D>)) -> Self {
         let mut inner = (*self.inner).clone();
-        inner.hooks = Arc::new(hooks);
+        change(&mut inner);
         Self {
             inner: Arc::new(inner),
         }
     }
 
+    /// The same orchestrator, still running the instances that started on `earlier`, an earlier version
+    /// of the same saga type: they finish on the definition they started with (its steps, its
+    /// compensations), while new instances start on the current one. Keep a version until none of its
+    /// instances runs (`saga sagas list`); an instance of a version the orchestrator does not have is never
+    /// misread: its replies are refused (dead-lettered, or retried if it is newer than every version here,
+    /// as during a rolling deploy) and its timer marked stuck, each with the reason.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use saga_orchestrator::{Orchestrator, SagaDefinition};
+    /// # fn example<D: saga_orchestrator::SagaData>(v1: SagaDefinition<D>, v2: SagaDefinition<D>) -> Result<(), saga_orchestrator::definition::DefinitionError> {
+    /// // v2 added a step; instances that started on v1 finish on v1.
+    /// let orchestrator = Orchestrator::new(v2.version(2))?.keep_running(v1)?;
+    /// # let _ = orchestrator; Ok(()) }
+    /// ```
+    pub fn keep_running(self, earlier: SagaDefinition<D>) -> Result<Self, DefinitionError> {
+        earlier.validate()?;
+        let saga = self.inner.definition.saga_type.to_string();
+        if earlier.saga_type != self.inner.definition.saga_type {
+            return Err(DefinitionError::Versions {
+                saga,
+                reason: format!(
+                    "a definition of {} cannot run its instances",
+                    earlier.saga_type
+                ),
+            });
+        }
+        if self.definitions().any(|d| d.version == earlier.version) {
+            return Err(DefinitionError::Versions {
+                saga,
+                reason: format!("two definitions are version {}", earlier.version),
+            });
+        }
+        Ok(self.with_inner(|inner| {
+            inner.kept.push(earlier);
+            inner.kept.sort_by(|a, b| b.version.cmp(&a.version));
+        }))
+    }
+
+    /// The same orchestrator with `hooks`.
+    pub fn with_hooks(self, hooks: impl SagaHooks<D>) -> Self {
+        self.with_inner(|inner| inner.hooks = Arc::new(hooks))
+    }
+
     /// The same orchestrator, looking for due timers every `every` (default 1 s) when it runs in a
     /// service.
     pub fn with_timer_interval(self, every: Duration) -> Self {
-        let mut inner = (*self.inner).clone();
-        inner.timer_interval = every;
-        Self {
-            inner: Arc::new(inner),
-        }
+        self.with_inner(|inner| inner.timer_interval = every)
     }
 
     /// The same orchestrator, writing its commands to `outbox`: the service's
@@ -138,105 +248,146 @@ impl Orchestrator {
     /// [`SagaServiceBuilder::with`] is given it; one that starts sagas elsewhere (an HTTP route) must be
     /// given it too, or it writes a table outbox.
     pub fn with_outbox(self, outbox: &saga_consumer::Outbox) -> Self {
-        let mut inner = (*self.inner).clone();
-        inner.outbox = Some(outbox.clone());
-        Self {
-            inner: Arc::new(inner),
-        }
+        self.with_inner(|inner| inner.outbox = Some(outbox.clone()))
     }
 
-    /// The definition.
-    pub fn definition(&self) -> &SagaDefinition {
+    /// The definition new instances start on.
+    pub fn definition(&self) -> &SagaDefinition<D> {
         &self.inner.definition
     }
 
-    /// Starts an instance for `lineage`'s key and tenant with `input`, in the caller's transaction, and
-    /// sends the first command. Idempotent on the key: starting again returns the existing instance. The
-    /// flag says whether it was created.
+    /// Every definition it runs: the current one, then the kept ones, newest first.
+    fn definitions(&self) -> impl Iterator<Item = &SagaDefinition<D>> {
+        std::iter::once(&self.inner.definition).chain(&self.inner.kept)
+    }
+
+    /// The definition `instance` runs (a 0.2 instance: version 1), and its data read.
+    fn read(
+        &self,
+        instance: &SagaInstance,
+    ) -> Result<(&SagaDefinition<D>, SagaState<D>), OrchestratorError> {
+        let version = instance.definition_version.unwrap_or(1);
+        let definition = self
+            .definitions()
+            .find(|d| i64::from(d.version) == i64::from(version))
+            .ok_or_else(|| OrchestratorError::UnknownVersion {
+                saga_id: instance.saga_id,
+                version,
+                known: self.definitions().map(|d| d.version).collect(),
+            })?;
+        let data = definition
+            .read_data(&instance.data, instance.stored_by_0_2())
+            .map_err(|reason| OrchestratorError::Unreadable {
+                saga_id: instance.saga_id,
+                reason,
+            })?;
+        Ok((definition, instance.state(data)?))
+    }
+
+    /// Starts an instance for `lineage`'s key and tenant with `data`, on the current definition, in the
+    /// caller's transaction, and sends the first command. Idempotent on the key: starting again returns
+    /// the existing instance. The flag says whether it was created.
     pub async fn start(
         &self,
         conn: &mut PgConnection,
         lineage: &Lineage,
-        input: serde_json::Value,
+        data: D,
     ) -> Result<(Uuid, bool), OrchestratorError> {
         let def = &self.inner.definition;
+        let json = serde_json::to_value(&data).map_err(|e| OrchestratorError::Unreadable {
+            saga_id: Uuid::nil(),
+            reason: format!("the saga's data does not serialize: {e}"),
+        })?;
         let (instance, created) = store::insert(
             conn,
             def.saga_type.as_str(),
             lineage.tenant(),
             lineage.idempotency_key(),
-            &SagaState::started(input),
+            &json,
+            i32::try_from(def.version).unwrap_or(i32::MAX),
         )
         .await?;
         if created {
-            let decision = decide(def, &instance.state()?, SagaEvent::Started)
+            let state = SagaState::started(data);
+            let decision = decide(def, &state, SagaEvent::Started)
+                .map_err(|r| refused(&instance, r))?
                 .ok_or_else(|| OrchestratorError::Corrupt("a new saga did not start".into()))?;
-            self.transition(conn, &instance, &decision, lineage).await?;
+            self.transition(conn, &instance, def, &state, &decision, lineage)
+                .await?;
         }
         Ok((instance.saga_id, created))
     }
 
-    /// Handles a reply: finds the instance by the reply's key and tenant, decides, and applies the decision
-    /// (versioned) in the caller's transaction. Returns whether anything changed (a stale or duplicate
-    /// reply changes nothing).
+    /// Handles a reply: finds the instance by the reply's key and tenant, decides on the definition it
+    /// runs, and applies the decision (versioned) in the caller's transaction. Returns whether anything
+    /// changed (a stale or duplicate reply changes nothing). A reply that does not decode as its step's
+    /// reply type is refused ([`OrchestratorError::BadReply`]): the consumer dead-letters it with the
+    /// reason, and the saga stays where it is.
     pub async fn on_reply(
         &self,
         conn: &mut PgConnection,
         reply: &EventMetadata,
         payload: &serde_json::Value,
     ) -> Result<bool, OrchestratorError> {
-        let def = &self.inner.definition;
+        let saga_type = self.inner.definition.saga_type.as_str();
         let instance = store::by_key(
             conn,
-            def.saga_type.as_str(),
+            saga_type,
             reply.tenant.as_str(),
             reply.idempotency_key.as_str(),
         )
         .await?
         .ok_or_else(|| OrchestratorError::UnknownSaga {
-            saga_type: def.saga_type.to_string(),
+            saga_type: saga_type.to_owned(),
             tenant: reply.tenant.to_string(),
             key: reply.idempotency_key.to_string(),
         })?;
+        let (def, state) = self.read(&instance)?;
+        let bytes = serde_json::to_vec(payload).map_err(|e| OrchestratorError::BadReply {
+            saga_id: instance.saga_id,
+            reason: e.to_string(),
+        })?;
         let event = SagaEvent::Reply {
             event_type: &reply.event_type,
-            payload,
+            payload: &bytes,
         };
-        let Some(decision) = decide(def, &instance.state()?, event) else {
+        let Some(decision) = decide(def, &state, event).map_err(|r| refused(&instance, r))? else {
             tracing::debug!(saga = %instance.saga_id, reply = %reply.event_type, "reply changes nothing");
             return Ok(false);
         };
-        self.transition(conn, &instance, &decision, &Lineage::caused_by(reply))
-            .await?;
+        self.transition(
+            conn,
+            &instance,
+            def,
+            &state,
+            &decision,
+            &Lineage::caused_by(reply),
+        )
+        .await?;
         Ok(true)
     }
 
     /// Fires the due timers of up to `limit` instances in one transaction, skipping instances another
     /// instance of the orchestrator is handling. Each instance moves in a savepoint of its own: one whose
-    /// transition fails (its hook errs, its data is unreadable) is rolled back alone, marked with the error
-    /// (`timer_failures`, `last_error`) and tried again later with backoff, while the others move. One the
-    /// definition has no move for (it was at a step the definition no longer has) is marked stuck with the
-    /// reason and its deadline cleared: it is never due again until someone moves it. Returns how many
-    /// moved.
+    /// transition fails (its hook errs, a command cannot be built) is rolled back alone, marked with the
+    /// error (`timer_failures`, `last_error`) and tried again later with backoff, while the others move.
+    /// One the orchestrator has no move for (it was at a step its definition no longer has, it runs a
+    /// version this orchestrator does not have, its data does not read) is marked stuck with the reason
+    /// and its deadline cleared: it is never due again until someone moves it. Returns how many moved.
     pub async fn fire_due(&self, pool: &PgPool, limit: i64) -> Result<usize, OrchestratorError> {
-        let def = &self.inner.definition;
+        let saga_type = self.inner.definition.saga_type.as_str();
         let mut tx = pool.begin().await?;
-        let due = store::lock_due(&mut tx, def.saga_type.as_str(), limit).await?;
+        let due = store::lock_due(&mut tx, saga_type, limit).await?;
         let mut moved = 0;
         for instance in &due {
             let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
             match self.fire_one(&mut savepoint, instance).await {
-                Ok(true) => {
+                Ok(Fired::Moved) => {
                     savepoint.commit().await?;
                     moved += 1;
                 }
-                Ok(false) => {
+                Ok(Fired::Stuck(reason)) => {
                     savepoint.commit().await?;
-                    let reason = format!(
-                        "its deadline passed at step {} ({}), and the definition of {} has no move for it \
-                         (a step removed from the definition?)",
-                        instance.step_index, instance.status, instance.saga_type
-                    );
                     tracing::error!(saga = %instance.saga_id, %reason, "a saga is stuck; its timer is cleared");
                     store::mark_stuck(&mut tx, instance, &reason).await?;
                 }
@@ -255,19 +406,31 @@ impl Orchestrator {
         &self,
         conn: &mut PgConnection,
         instance: &SagaInstance,
-    ) -> Result<bool, OrchestratorError> {
+    ) -> Result<Fired, OrchestratorError> {
+        let (def, state) = match self.read(instance) {
+            Ok(read) => read,
+            Err(
+                e @ (OrchestratorError::UnknownVersion { .. }
+                | OrchestratorError::Unreadable { .. }),
+            ) => return Ok(Fired::Stuck(e.to_string())),
+            Err(e) => return Err(e),
+        };
         // Due because an operator asked for a retry, or because its deadline passed.
         let event = if instance.retry_requested_by.is_some() {
             SagaEvent::Retry
         } else {
             SagaEvent::Timeout
         };
-        let Some(decision) = decide(&self.inner.definition, &instance.state()?, event) else {
-            return Ok(false);
+        let Some(decision) = decide(def, &state, event).map_err(|r| refused(instance, r))? else {
+            return Ok(Fired::Stuck(format!(
+                "its deadline passed at step {} ({}), and version {} of {} has no move for it \
+                 (a step removed from the definition without a new version?)",
+                instance.step_index, instance.status, def.version, instance.saga_type
+            )));
         };
-        self.transition(conn, instance, &decision, &instance.lineage()?)
+        self.transition(conn, instance, def, &state, &decision, &instance.lineage()?)
             .await?;
-        Ok(true)
+        Ok(Fired::Moved)
     }
 
     /// Fires due timers every `every` until `shutdown` resolves. A service that registered the orchestrator
@@ -302,7 +465,9 @@ impl Orchestrator {
         &self,
         conn: &mut PgConnection,
         instance: &SagaInstance,
-        decision: &Decision,
+        def: &SagaDefinition<D>,
+        before: &SagaState<D>,
+        decision: &Decision<D>,
         lineage: &Lineage,
     ) -> Result<(), OrchestratorError> {
         let table;
@@ -313,52 +478,73 @@ impl Orchestrator {
                 table.runtime()
             }
         };
-        store::apply(conn, instance, decision, lineage, outbox).await?;
-        self.inner
-            .hooks
-            .transitioned(conn, instance, decision)
-            .await?;
+        let data = serde_json::to_value(&decision.next.data).map_err(|e| {
+            OrchestratorError::Unreadable {
+                saga_id: instance.saga_id,
+                reason: format!("the saga's data does not serialize: {e}"),
+            }
+        })?;
+        let version = i32::try_from(def.version).unwrap_or(i32::MAX);
+        store::apply(conn, instance, decision, &data, version, lineage, outbox).await?;
+        let change = SagaChange {
+            instance,
+            before,
+            after: &decision.next,
+            step: decision.step.as_deref(),
+            cause: &decision.cause,
+        };
+        self.inner.hooks.transitioned(conn, &change).await?;
         tracing::info!(
             saga = %instance.saga_id,
             from = %instance.status,
             to = decision.next.status.as_str(),
             step = decision.step.as_deref().unwrap_or(""),
             cause = %decision.cause,
+            version = def.version,
             "saga transition"
         );
         Ok(())
     }
 
     /// The consumer steps that deliver replies: `on-{step}` for each step's replies and
-    /// `on-compensate-{step}` for each compensation's, on the definition's reply topic. Each reply is
-    /// deduplicated by its step key like any message.
-    pub fn reply_steps(&self) -> Vec<ReplyStep> {
-        let def = &self.inner.definition;
-        let mut steps = Vec::new();
-        for step in &def.steps {
-            let types: Vec<&String> = step.succeeds_on.iter().chain(&step.fails_on).collect();
-            steps.push(self.reply_step(&format!("on-{}", step.name), &types));
-            if let Some(c) = &step.compensation {
-                let types: Vec<&String> = c.done_on.iter().collect();
-                steps.push(self.reply_step(&format!("on-compensate-{}", step.name), &types));
+    /// `on-compensate-{step}` for each compensation's, on the definition's reply topic, for every version
+    /// it runs (a step of several versions has one reply step, subscribed to all their replies). Each reply
+    /// is deduplicated by its step key like any message, and decided on by the definition its instance
+    /// runs.
+    pub fn reply_steps(&self) -> Vec<ReplyStep<D>> {
+        let mut steps: Vec<ReplyStep<D>> = Vec::new();
+        for def in self.definitions() {
+            for step in &def.steps {
+                let mut add = |name: String, types: &[String]| {
+                    // Checked when the orchestrator was built (`SagaDefinition::validate`): never replaced.
+                    let name = StepName::new(&name).expect(
+                        "the orchestrator validated its definition's derived names when it was built",
+                    );
+                    let subscriptions = types
+                        .iter()
+                        .map(|t| Subscription::new(&def.reply_topic, t.as_str()));
+                    match steps.iter_mut().find(|s| s.name == name) {
+                        Some(existing) => {
+                            for subscription in subscriptions {
+                                if !existing.subscriptions.contains(&subscription) {
+                                    existing.subscriptions.push(subscription);
+                                }
+                            }
+                        }
+                        None => steps.push(ReplyStep {
+                            orchestrator: self.clone(),
+                            name,
+                            subscriptions: subscriptions.collect(),
+                        }),
+                    }
+                };
+                add(format!("on-{}", step.name), step.reply_types());
+                if let Some(c) = &step.compensation {
+                    add(format!("on-compensate-{}", step.name), c.done_on());
+                }
             }
         }
         steps
-    }
-
-    fn reply_step(&self, name: &str, types: &[&String]) -> ReplyStep {
-        let topic = &self.inner.definition.reply_topic;
-        ReplyStep {
-            orchestrator: self.clone(),
-            // Checked when the orchestrator was built (`SagaDefinition::validate`): never replaced.
-            name: StepName::new(name).expect(
-                "the orchestrator validated its definition's derived names when it was built",
-            ),
-            subscriptions: types
-                .iter()
-                .map(|t| Subscription::new(topic, t.as_str()))
-                .collect(),
-        }
     }
 
     /// Registers the reply steps with a consumer (for a consumer run on its own; a `SagaService` takes
@@ -370,16 +556,33 @@ impl Orchestrator {
         builder
     }
 
-    /// An instance of this saga type, by id.
+    /// An instance of this saga type, by id, with its data read (`None` if there is none).
     pub async fn instance(
         &self,
         pool: &PgPool,
         saga_id: Uuid,
-    ) -> Result<Option<SagaInstance>, OrchestratorError> {
-        store::load(pool, saga_id).await
+    ) -> Result<Option<(SagaInstance, D)>, OrchestratorError> {
+        let Some(instance) = store::load(pool, saga_id).await? else {
+            return Ok(None);
+        };
+        let (_, state) = self.read(&instance)?;
+        Ok(Some((instance, state.data)))
     }
 }
 
+/// The orchestrator's error for what the user's code refused.
+fn refused(instance: &SagaInstance, refusal: Refusal) -> OrchestratorError {
+    match refusal {
+        Refusal::Reply(reason) => OrchestratorError::BadReply {
+            saga_id: instance.saga_id,
+            reason,
+        },
+        Refusal::Command(reason) => OrchestratorError::BadCommand {
+            saga_id: instance.saga_id,
+            reason,
+        },
+    }
+}
 /// Adds the orchestrator to a service: its reply steps, its tables, and its timers as a background task.
 ///
 /// # Examples
@@ -393,7 +596,7 @@ impl Orchestrator {
 ///     .build()?;
 /// # let _ = service; Ok(()) }
 /// ```
-impl Extension for Orchestrator {
+impl<D: SagaData> Extension for Orchestrator<D> {
     fn extend(self, mut service: SagaServiceBuilder) -> SagaServiceBuilder {
         // Its commands go where the service's events go.
         let this = if self.inner.outbox.is_none() {
@@ -417,13 +620,13 @@ impl Extension for Orchestrator {
 
 /// A consumer step delivering replies of one saga step to the orchestrator.
 #[derive(Debug)]
-pub struct ReplyStep {
-    orchestrator: Orchestrator,
+pub struct ReplyStep<D> {
+    orchestrator: Orchestrator<D>,
     name: StepName,
     subscriptions: Vec<Subscription>,
 }
 
-impl SagaStep for ReplyStep {
+impl<D: SagaData> SagaStep for ReplyStep<D> {
     type Payload = serde_json::Value;
 
     fn name(&self) -> StepName {

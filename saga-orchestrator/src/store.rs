@@ -52,20 +52,28 @@ pub struct SagaInstance {
     pub created_at: DateTime<Utc>,
     /// When it last changed.
     pub updated_at: DateTime<Utc>,
+    /// The version of the definition it runs (the one it started with); `None` for an instance stored by
+    /// 0.2, which runs on version 1.
+    pub definition_version: Option<i32>,
 }
 
 impl SagaInstance {
-    /// The state decisions depend on.
-    pub(crate) fn state(&self) -> Result<SagaState, OrchestratorError> {
+    /// The state decisions depend on, with the instance's `data` read.
+    pub(crate) fn state<D>(&self, data: D) -> Result<SagaState<D>, OrchestratorError> {
         Ok(SagaState {
             status: SagaStatus::parse(&self.status)
                 .ok_or_else(|| OrchestratorError::Corrupt(format!("status {:?}", self.status)))?,
             step_index: usize::try_from(self.step_index)
                 .map_err(|_| OrchestratorError::Corrupt(format!("step {}", self.step_index)))?,
             attempt: u32::try_from(self.attempt).unwrap_or(1),
-            data: self.data.clone(),
+            data,
             failure: self.failure.clone(),
         })
+    }
+
+    /// Whether 0.2 stored it (its data has the untyped form of 0.2).
+    pub fn stored_by_0_2(&self) -> bool {
+        self.definition_version.is_none()
     }
 
     /// The lineage commands of this saga inherit when no message causes them (the start, a timeout).
@@ -103,7 +111,7 @@ pub struct Transition {
 
 const COLUMNS: &str = "saga_id, saga_type, tenant_id, idempotency_key, status, step_index, attempt, step_keys, \
      data, failure, deadline, version, created_at, updated_at, timer_failures, last_error, stuck_reason, \
-     retry_requested_by";
+     retry_requested_by, definition_version";
 
 fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
     Ok(SagaInstance {
@@ -125,29 +133,34 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<SagaInstance, sqlx::Error> {
         last_error: row.try_get(15)?,
         stuck_reason: row.try_get(16)?,
         retry_requested_by: row.try_get(17)?,
+        definition_version: row.try_get(18)?,
     })
 }
 
-/// Creates an instance of `saga_type` for (`tenant`, `key`) in state `state`, or returns the one that
-/// exists (the start is idempotent on the client's key). The flag says whether it was created.
+/// Creates an instance of `saga_type` for (`tenant`, `key`), running version `definition_version`, with
+/// `data`, or returns the one that exists (the start is idempotent on the client's key). The flag says
+/// whether it was created.
 pub(crate) async fn insert(
     conn: &mut PgConnection,
     saga_type: &str,
     tenant: &TenantId,
     key: &IdempotencyKey,
-    state: &SagaState,
+    data: &serde_json::Value,
+    definition_version: i32,
 ) -> Result<(SagaInstance, bool), OrchestratorError> {
     let inserted = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, data, version) \
-         VALUES ($1, $2, $3, $4, $5, 0, $6, 0) \
+        "INSERT INTO saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, data, \
+             version, definition_version) \
+         VALUES ($1, $2, $3, $4, $5, 0, $6, 0, $7) \
          ON CONFLICT (tenant_id, saga_type, idempotency_key) DO NOTHING RETURNING {COLUMNS}"
     )))
     .bind(Uuid::now_v7())
     .bind(saga_type)
     .bind(tenant.as_str())
     .bind(key.as_str())
-    .bind(state.status.as_str())
-    .bind(&state.data)
+    .bind(SagaStatus::Running.as_str())
+    .bind(data)
+    .bind(definition_version)
     .fetch_optional(&mut *conn)
     .await?;
     if let Some(row) = inserted {
@@ -340,12 +353,16 @@ pub(crate) async fn lock_due(
 }
 
 /// Applies `decision` to `instance` in the caller's transaction: the versioned update (a concurrent
-/// transition makes it fail with [`OrchestratorError::VersionConflict`]), the history row, and the
-/// command in the outbox, inheriting `lineage`.
-pub(crate) async fn apply(
+/// transition makes it fail with [`OrchestratorError::VersionConflict`]) writing `data` (the next state's,
+/// as JSON) and the definition's version it runs, the history row, and the command in the outbox,
+/// inheriting `lineage`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn apply<D>(
     conn: &mut PgConnection,
     instance: &SagaInstance,
-    decision: &Decision,
+    decision: &Decision<D>,
+    data: &serde_json::Value,
+    definition_version: i32,
     lineage: &Lineage,
     outbox: &saga_runtime::store::outbox::Outbox,
 ) -> Result<(), OrchestratorError> {
@@ -365,7 +382,8 @@ pub(crate) async fn apply(
              step_keys = CASE WHEN $9::text IS NULL THEN step_keys \
                               ELSE step_keys || jsonb_build_object($9::text, $10::text) END, \
              version = version + 1, updated_at = now(), timer_failures = 0, last_error = NULL, \
-             stuck_reason = NULL, stuck_at = NULL, retry_requested_by = NULL, retry_requested_at = NULL \
+             stuck_reason = NULL, stuck_at = NULL, retry_requested_by = NULL, retry_requested_at = NULL, \
+             definition_version = $11 \
          WHERE saga_id = $1 AND version = $2",
     )
     .bind(instance.saga_id)
@@ -373,11 +391,12 @@ pub(crate) async fn apply(
     .bind(next.status.as_str())
     .bind(i32::try_from(next.step_index).unwrap_or(i32::MAX))
     .bind(i32::try_from(next.attempt).unwrap_or(i32::MAX))
-    .bind(&next.data)
+    .bind(data)
     .bind(&next.failure)
     .bind(deadline_ms)
     .bind(step_key.as_ref().map(|(s, _)| s.as_str()))
     .bind(step_key.as_ref().map(|(_, k)| k.as_str()))
+    .bind(definition_version)
     .execute(&mut *conn)
     .await?;
     if updated.rows_affected() == 0 {
@@ -461,12 +480,12 @@ pub(crate) async fn mark_stuck(
 }
 
 /// Writes the history row of a transition to `version`.
-pub(crate) async fn record(
+pub(crate) async fn record<D>(
     conn: &mut PgConnection,
     saga_id: Uuid,
     version: i32,
     from: Option<&str>,
-    decision: &Decision,
+    decision: &Decision<D>,
     retry: Option<(&str, i32)>,
 ) -> Result<(), OrchestratorError> {
     sqlx::query(

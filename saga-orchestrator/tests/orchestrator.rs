@@ -10,7 +10,7 @@ use saga_core::{
     StepResult, Subscription, TenantId,
 };
 use saga_orchestrator::{
-    Command, OnTimeout, Orchestrator, OrchestratorError, SagaDefinition, SagaStatus, Step,
+    Command, OnTimeout, Orchestrator, OrchestratorError, SagaDefinition, SagaStatus, Step, Verdict,
 };
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use serde_json::{Value, json};
@@ -79,20 +79,33 @@ fn definition(
     replies: &str,
     timeout: Duration,
     on_timeout: OnTimeout,
-) -> SagaDefinition {
+) -> SagaDefinition<Value> {
     let step = |name: &str, compensable: bool| {
         let up = name.to_uppercase();
+        let key = name.to_owned();
         let s = Step::new(
             name,
-            Command::new(commands, format!("Do{up}"), |d| d["input"].clone()),
+            Command::new(commands, format!("Do{up}"), |d: &Value| d["input"].clone()),
         )
         .unwrap()
-        .succeeds_on([format!("{up}Done")])
-        .fails_on([format!("{up}Failed")])
+        .replies_of(
+            [format!("{up}Done"), format!("{up}Failed")],
+            move |data: &mut Value, event_type, reply| {
+                // Kept for later commands, under the step's name.
+                data[key.as_str()] = reply.clone();
+                if event_type.ends_with("Done") {
+                    Verdict::Succeeded
+                } else {
+                    Verdict::Failed(reply["reason"].as_str().unwrap_or("failed").to_owned())
+                }
+            },
+        )
         .timeout(timeout, on_timeout);
         if compensable {
-            s.compensate_with(
-                Command::new(commands, format!("Undo{up}"), |d| d["input"].clone()),
+            s.compensate_with_types(
+                Command::new(commands, format!("Undo{up}"), |d: &Value| {
+                    d["input"].clone()
+                }),
                 [format!("{up}Undone")],
                 Duration::from_secs(2),
             )
@@ -182,7 +195,7 @@ impl World {
     }
 
     /// An orchestrator of the test saga on this world's topics.
-    fn orchestrator(&self, timeout: Duration, on_timeout: OnTimeout) -> Orchestrator {
+    fn orchestrator(&self, timeout: Duration, on_timeout: OnTimeout) -> Orchestrator<Value> {
         Orchestrator::new(definition(
             &self.commands,
             &self.replies,
@@ -194,7 +207,7 @@ impl World {
 
     /// A world with its relay, its participants and one orchestrator running; a step without a reply
     /// within `timeout` fails.
-    async fn running(name: &str, timeout: Duration) -> (Self, Orchestrator) {
+    async fn running(name: &str, timeout: Duration) -> (Self, Orchestrator<Value>) {
         let mut w = Self::new(name).await;
         let o = w.orchestrator(timeout, OnTimeout::Fail);
         w.start_relay();
@@ -246,7 +259,7 @@ impl World {
     /// An orchestrator instance: its reply consumer and its timers, until `stop`.
     fn start_orchestrator(
         &mut self,
-        orchestrator: &Orchestrator,
+        orchestrator: &Orchestrator<Value>,
         group: &str,
         stop: CancellationToken,
     ) {
@@ -261,10 +274,18 @@ impl World {
         });
     }
 
-    async fn start_saga(&self, orchestrator: &Orchestrator, key: &str, input: Value) -> uuid::Uuid {
+    async fn start_saga(
+        &self,
+        orchestrator: &Orchestrator<Value>,
+        key: &str,
+        input: Value,
+    ) -> uuid::Uuid {
         let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default());
         let mut tx = self.db.pool.begin().await.unwrap();
-        let (id, created) = orchestrator.start(&mut tx, &lineage, input).await.unwrap();
+        let (id, created) = orchestrator
+            .start(&mut tx, &lineage, json!({ "input": input }))
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         assert!(created);
         id
@@ -486,5 +507,76 @@ async fn a_timed_out_step_compensates() {
         .unwrap()
         .unwrap();
     assert_eq!(instance.failure.as_deref(), Some("b timed out"));
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn instances_started_on_version_1_finish_on_it_after_version_2_is_deployed() {
+    let mut w = World::new("orch-versions").await;
+    let definition = |version: u32| {
+        definition(
+            &w.commands,
+            &w.replies,
+            Duration::from_secs(60),
+            OnTimeout::Fail,
+        )
+        .version(version)
+    };
+    // Version 1 has the steps a and b; version 2 adds c.
+    let mut v1 = definition(1);
+    v1.steps.truncate(2);
+    let v2 = definition(2);
+    w.start_relay();
+
+    // Version 1 runs and starts a saga; its participants are not up yet, so it is still at step a when
+    // version 1's orchestrator stops for the deploy.
+    let old = Orchestrator::new(v1.clone()).unwrap();
+    let old_stop = CancellationToken::new();
+    w.start_orchestrator(&old, "orchestrator", old_stop.clone());
+    let first = w.start_saga(&old, "v1-order", json!({})).await;
+    old_stop.cancel();
+
+    // Version 2 is deployed, keeping version 1 for the instances that started on it.
+    let new = Orchestrator::new(v2).unwrap().keep_running(v1).unwrap();
+    w.start_orchestrator(&new, "orchestrator", w.stop.clone());
+    w.start_participants();
+    let second = w.start_saga(&new, "v2-order", json!({})).await;
+
+    w.wait_status(first, SagaStatus::Completed).await;
+    w.wait_status(second, SagaStatus::Completed).await;
+    let effects_of = |key: &'static str| {
+        let pool = w.db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT kind FROM effects WHERE step_key LIKE $1 || ':%' ORDER BY seq",
+            )
+            .bind(key)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        effects_of("v1-order").await,
+        ["a", "b"],
+        "finished on version 1"
+    );
+    assert_eq!(
+        effects_of("v2-order").await,
+        ["a", "b", "c"],
+        "ran version 2"
+    );
+    for (saga, version) in [(first, 1), (second, 2)] {
+        let instance = saga_orchestrator::store::load(&w.db.pool, saga)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(instance.definition_version, Some(version));
+    }
+    assert_eq!(
+        commands_sent(&w.db.pool, "DoC").await,
+        1,
+        "c only for version 2"
+    );
     w.stop().await;
 }

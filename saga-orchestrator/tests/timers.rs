@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use saga_core::{IdempotencyKey, Lineage, StepError, TenantId};
 use saga_orchestrator::{
-    Command, Decision, OnTimeout, Orchestrator, SagaDefinition, SagaHooks, SagaInstance, Step,
+    Command, OnTimeout, Orchestrator, SagaChange, SagaDefinition, SagaHooks, Step, Verdict,
 };
 use saga_test_support::TestDb;
 use sqlx::PgConnection;
@@ -15,15 +15,16 @@ use uuid::Uuid;
 /// Fails every transition of the saga started with key `poison`.
 struct FailsFor(&'static str);
 
-impl SagaHooks for FailsFor {
+type Data = serde_json::Value;
+
+impl SagaHooks<Data> for FailsFor {
     fn transitioned<'a>(
         &'a self,
         _conn: &'a mut PgConnection,
-        before: &'a SagaInstance,
-        _decision: &'a Decision,
+        change: &'a SagaChange<'a, Data>,
     ) -> BoxFuture<'a, Result<(), StepError>> {
         Box::pin(async move {
-            if before.idempotency_key == self.0 && before.version >= 1 {
+            if change.instance.idempotency_key == self.0 && change.instance.version >= 1 {
                 Err(StepError::permanent(
                     "the order row is locked by a migration",
                 ))
@@ -34,21 +35,21 @@ impl SagaHooks for FailsFor {
     }
 }
 
-fn definition() -> SagaDefinition {
+fn definition() -> SagaDefinition<Data> {
     SagaDefinition::new("timer-saga", "timer.replies")
         .unwrap()
         .step(
             Step::new(
                 "a",
-                Command::new("timer.commands", "DoA", |d| d["input"].clone()),
+                Command::new("timer.commands", "DoA", |d: &Data| d["input"].clone()),
             )
             .unwrap()
-            .succeeds_on(["ADone"])
+            .replies_of(["ADone"], |_, _, _| Verdict::Succeeded)
             .timeout(Duration::from_secs(60), OnTimeout::Fail),
         )
 }
 
-async fn start(db: &TestDb, orchestrator: &Orchestrator, key: &str) -> Uuid {
+async fn start(db: &TestDb, orchestrator: &Orchestrator<Data>, key: &str) -> Uuid {
     let mut tx = db.pool.begin().await.unwrap();
     let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default());
     let (id, _) = orchestrator
