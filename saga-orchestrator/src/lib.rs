@@ -3,11 +3,14 @@
 //! Orchestrated sagas, beside the choreographed ones: an orchestrator owns each saga instance's state in
 //! PostgreSQL and drives its steps by sending commands and reacting to replies.
 //!
-//! - [`SagaDefinition`]: the steps in order, each with its command, the replies that complete or fail it,
-//!   an optional [`definition::Compensation`] and a timeout.
+//! - [`SagaDefinition`]: the saga's data (a type of the user's, `D`), its steps in order, each with its
+//!   command (built from `&D`), its typed replies (applied to `D`, each returning a [`Verdict`]), an optional
+//!   [`definition::Compensation`] and a timeout; and its version.
 //! - [`Orchestrator`]: starts instances (idempotent on the client's key), handles replies through
 //!   ordinary consumer steps (deduplicated by their step keys), fires durable timers, and applies every
 //!   transition as an optimistic-concurrency update in the same transaction as the commands it sends.
+//!   Instances keep the version they started with ([`Orchestrator::keep_running`]); those stored by 0.2 are
+//!   read by the definition that says how ([`SagaDefinition::reads_0_2`]).
 //! - On a permanent failure it compensates the completed steps in reverse, each with its own key
 //!   `{original-key}:compensate-{step}`; a compensation is re-sent until confirmed, never skipped.
 //!
@@ -18,20 +21,34 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use saga_orchestrator::{Command, OnTimeout, Orchestrator, SagaDefinition, Step};
+//! use saga_consumer::{SagaEvent, Topic};
+//! use saga_orchestrator::{Command, OnTimeout, Orchestrator, SagaDefinition, Step, Verdict};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Clone, Serialize, Deserialize)]
+//! struct Order { order_id: i64, charge_id: Option<String> }
+//!
+//! #[derive(Serialize, Deserialize, SagaEvent)]
+//! struct ProcessPayment { order_id: i64 }
+//! #[derive(Serialize, Deserialize, SagaEvent)]
+//! struct PaymentProcessed { charge_id: String }
+//! #[derive(Serialize, Deserialize, SagaEvent)]
+//! struct ArrangeShipment { order_id: i64 }
+//! #[derive(Serialize, Deserialize, SagaEvent)]
+//! struct ShipmentArranged { order_id: i64 }
+//!
+//! const PAYMENTS: Topic<ProcessPayment> = Topic::fixed("payment-commands");
+//! const SHIPPING: Topic<ArrangeShipment> = Topic::fixed("shipping-commands");
 //!
 //! # fn example(pool: saga_consumer::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-//! let payment = Step::new("process-payment", Command::new("payment-commands", "ProcessPayment", |d| d["input"].clone()))?
-//!     .succeeds_on(["PaymentProcessed"])
-//!     .fails_on(["PaymentFailed"])
-//!     .compensate_with(
-//!         Command::new("payment-commands", "RefundPayment", |d| d["input"].clone()),
-//!         ["PaymentRefunded"],
-//!         Duration::from_secs(10),
-//!     )
+//! let payment = Step::new("process-payment", Command::to(&PAYMENTS, |o: &Order| ProcessPayment { order_id: o.order_id }))?
+//!     .replies(|o: &mut Order, paid: PaymentProcessed| {
+//!         o.charge_id = Some(paid.charge_id);
+//!         Verdict::Succeeded
+//!     })
 //!     .timeout(Duration::from_secs(60), OnTimeout::Fail);
-//! let shipment = Step::new("arrange-shipment", Command::new("shipping-commands", "ArrangeShipment", |d| d["process-payment"].clone()))?
-//!     .succeeds_on(["ShipmentArranged"]);
+//! let shipment = Step::new("arrange-shipment", Command::to(&SHIPPING, |o: &Order| ArrangeShipment { order_id: o.order_id }))?
+//!     .replies(|_: &mut Order, _: ShipmentArranged| Verdict::Succeeded);
 //! let saga = SagaDefinition::new("order-fulfillment", "order-replies")?.step(payment).step(shipment);
 //!
 //! // Its reply steps, its tables and its timers join the service.

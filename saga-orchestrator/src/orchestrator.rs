@@ -228,7 +228,7 @@ impl<D: SagaData> Orchestrator<D> {
         }
         Ok(self.with_inner(|inner| {
             inner.kept.push(earlier);
-            inner.kept.sort_by(|a, b| b.version.cmp(&a.version));
+            inner.kept.sort_by_key(|d| std::cmp::Reverse(d.version));
         }))
     }
 
@@ -588,7 +588,7 @@ fn refused(instance: &SagaInstance, refusal: Refusal) -> OrchestratorError {
 /// # Examples
 ///
 /// ```no_run
-/// # fn example(orchestrator: saga_orchestrator::Orchestrator, pool: saga_consumer::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// # fn example<D: saga_orchestrator::SagaData>(orchestrator: saga_orchestrator::Orchestrator<D>, pool: saga_consumer::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let service = saga_consumer::SagaService::builder()
 ///     .from_env()
 ///     .pool(pool)
