@@ -850,6 +850,7 @@ impl Cli {
                         "key",
                         "status",
                         "step",
+                        "definition",
                         "updated",
                         "timer failures",
                         "stuck",
@@ -862,6 +863,7 @@ impl Cli {
                             s.idempotency_key.clone(),
                             s.status.clone(),
                             s.step_index.to_string(),
+                            definition_version(s),
                             s.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
                             s.timer_failures.to_string(),
                             s.stuck_reason.clone().unwrap_or_default(),
@@ -879,13 +881,14 @@ impl Cli {
                     // that would look like the command's own.
                     let flat = |text: &str| one_line(text, usize::MAX);
                     let mut out = format!(
-                        "saga {} ({}), key {} of tenant {}: {} at step {}, version {}\n",
+                        "saga {} ({}), key {} of tenant {}: {} at step {} of definition {}, revision {}\n",
                         i.saga_id,
                         flat(&i.saga_type),
                         flat(&i.idempotency_key),
                         flat(&i.tenant),
                         i.status,
                         i.step_index,
+                        definition_version(i),
                         i.version
                     );
                     if let Some(failure) = &i.failure {
@@ -1665,6 +1668,15 @@ impl RecordView {
             &serde_json::to_string_pretty(&self.payload).unwrap_or_default(),
         ));
         out
+    }
+}
+
+/// The definition version an instance runs, as the toolkit shows it: `v2`, or `v1 (0.2)` for an instance
+/// stored by 0.2, which runs version 1.
+fn definition_version(instance: &saga_orchestrator::SagaInstance) -> String {
+    match instance.definition_version {
+        Some(version) => format!("v{version}"),
+        None => "v1 (0.2)".to_owned(),
     }
 }
 

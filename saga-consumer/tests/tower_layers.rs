@@ -46,7 +46,7 @@ async fn reserve(
     if slow {
         tokio::time::sleep(Duration::from_secs(3)).await;
     } else {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
     Ok(StepOutcome::completed())
 }
@@ -129,12 +129,13 @@ async fn stock_tower_layers_wrap_a_step_a_timeout_rolls_back_retries_and_dead_le
     let letter = &letters[0];
     assert_eq!(letter.json()["n"], 3);
     let error = letter.header(dlq_headers::ERROR).unwrap_or_default();
-    assert!(error.contains("timed out"), "{error}");
+    // tower's timeout, not the runtime's own handler timeout ("handler timed out after …").
+    assert!(error.contains("request timed out"), "{error}");
     assert_eq!(letter.header(dlq_headers::ATTEMPTS), Some("2"));
 
-    // The concurrency limit held across the partitions.
+    // The concurrency limit held across the partitions, which ran side by side up to it.
     let most = behaviour.most_running.load(Ordering::SeqCst);
-    assert!((1..=2).contains(&most), "{most} handlers at once");
+    assert_eq!(most, 2, "handlers at once");
     stop.cancel();
     tokio::time::timeout(WAIT, running)
         .await

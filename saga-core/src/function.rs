@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 
 use tower_layer::Layer;
@@ -151,7 +151,8 @@ impl<E, F, S> std::fmt::Debug for FnStep<E, F, S> {
 /// every message it had processed new to it.
 ///
 /// # Panics
-/// If `name` is not a valid step name (see [`StepName`]): a literal, checked when the service is built.
+/// If `name` is not a valid step name (see [`StepName`]), at once: it is a literal, so a test or the
+/// service's first start finds it.
 ///
 /// # Examples
 ///
@@ -201,7 +202,7 @@ where
 /// handler gets `&state` as its third argument.
 ///
 /// # Panics
-/// If `name` is not a valid step name (see [`step`]).
+/// If `name` is not a valid step name (see [`step`]), at once.
 ///
 /// # Examples
 ///
@@ -259,6 +260,10 @@ impl<E: SagaEvent, F, S> FnStep<E, F, S> {
     /// as it is, any other (a timeout's `Elapsed`) transient, so the message is retried and, once its
     /// budget is spent, dead-lettered with that error as the reason.
     ///
+    /// As axum does with a route's service, the layered service is cloned for each message, made ready and
+    /// called: a layer whose state must span messages shares it between its clones (a concurrency limit's
+    /// semaphore, a counter behind an `Arc`). A layer whose service is not `Clone` does not fit.
+    ///
     /// # Examples
     ///
     /// ```
@@ -297,11 +302,12 @@ impl<E: SagaEvent, F, S> FnStep<E, F, S> {
     ///     .layer(layer);
     /// # let _ = mark_paid;
     /// ```
+    #[must_use]
     pub fn layer<L: Layer<Self>>(self, layer: L) -> LayeredStep<E, L::Service> {
         LayeredStep {
             name: self.name.clone(),
             subscriptions: self.subscriptions.clone(),
-            service: Mutex::new(layer.layer(self)),
+            service: layer.layer(self),
             event: std::marker::PhantomData,
         }
     }
@@ -378,9 +384,9 @@ where
 pub struct LayeredStep<E, Svc> {
     name: StepName,
     subscriptions: Vec<Subscription>,
-    /// One service for every call, so that a layer's state (a concurrency limit's permits, a rate
-    /// limit's window) is the step's, not a call's: locked only to make it ready and call it.
-    service: Mutex<Svc>,
+    /// Cloned for each message, so that every call has its own readiness (and its own waker); the layers'
+    /// shared state (a concurrency limit's semaphore) is shared by the clones.
+    service: Svc,
     event: std::marker::PhantomData<fn() -> E>,
 }
 
@@ -395,15 +401,12 @@ impl<E, Svc> std::fmt::Debug for LayeredStep<E, Svc> {
 
 impl<E, Svc> LayeredStep<E, Svc> {
     /// Wraps the layered handler in one more `layer` (outside the ones before it).
+    #[must_use]
     pub fn layer<L: Layer<Svc>>(self, layer: L) -> LayeredStep<E, L::Service> {
-        let service = self
-            .service
-            .into_inner()
-            .unwrap_or_else(PoisonError::into_inner);
         LayeredStep {
             name: self.name,
             subscriptions: self.subscriptions,
-            service: Mutex::new(layer.layer(service)),
+            service: layer.layer(self.service),
             event: std::marker::PhantomData,
         }
     }
@@ -423,7 +426,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 impl<E, Svc> SagaStep for LayeredStep<E, Svc>
 where
     E: SagaEvent,
-    Svc: for<'a> Service<StepCall<'a, E>, Response = StepOutcome> + Send + 'static,
+    Svc: for<'a> Service<StepCall<'a, E>, Response = StepOutcome> + Clone + Send + Sync + 'static,
     for<'a> <Svc as Service<StepCall<'a, E>>>::Future: Send,
     for<'a> <Svc as Service<StepCall<'a, E>>>::Error: Into<BoxError>,
 {
@@ -438,20 +441,13 @@ where
     }
 
     async fn handle(&self, msg: &Message<E>, ctx: &mut StepContext<'_>) -> StepResult {
-        let mut call = Some(StepCall::new(msg, ctx.reborrow()));
-        // Ready and called under one lock: another message's call cannot take this one's readiness.
-        let response = std::future::poll_fn(|cx| {
-            let mut service = self.service.lock().unwrap_or_else(PoisonError::into_inner);
-            match service.poll_ready(cx) {
-                Poll::Ready(Ok(())) => {
-                    let call = call.take().expect("a step's call is made once");
-                    Poll::Ready(Ok(service.call(call)))
-                }
-                Poll::Ready(Err(e)) => Poll::Ready(Err(step_error(e))),
-                Poll::Pending => Poll::Pending,
-            }
-        })
-        .await?;
-        response.await.map_err(step_error)
+        let mut service = self.service.clone();
+        std::future::poll_fn(|cx| Service::<StepCall<'_, E>>::poll_ready(&mut service, cx))
+            .await
+            .map_err(step_error)?;
+        service
+            .call(StepCall::new(msg, ctx.reborrow()))
+            .await
+            .map_err(step_error)
     }
 }

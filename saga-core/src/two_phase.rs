@@ -97,7 +97,8 @@ impl<E, S, R, C, K> std::fmt::Debug for TwoPhaseFn<E, S, R, C, K> {
 /// whose functions need no state passes `()`.
 ///
 /// # Panics
-/// If `name` is not a valid step name (see [`StepName`]): a literal, checked when the service is built.
+/// If `name` is not a valid step name (see [`StepName`]), at once: it is a literal, so a test or the
+/// service's first start finds it.
 ///
 /// # Examples
 ///

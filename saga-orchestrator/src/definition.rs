@@ -666,7 +666,8 @@ impl<D: SagaData> SagaDefinition<D> {
         if from_0_2 {
             let read = self.legacy.as_ref().ok_or_else(|| {
                 format!(
-                    "the instance was stored by 0.2, and version {} of {} does not read 0.2 data                      (SagaDefinition::reads_0_2)",
+                    "the instance was stored by 0.2, and version {} of {} does not read 0.2 data \
+                     (SagaDefinition::reads_0_2)",
                     self.version, self.saga_type
                 )
             })?;
@@ -688,6 +689,12 @@ impl<D: SagaData> SagaDefinition<D> {
         }
         if self.version == 0 {
             return Err(DefinitionError::VersionZero(saga));
+        }
+        if i32::try_from(self.version).is_err() {
+            return Err(DefinitionError::Versions {
+                saga,
+                reason: format!("version {} is over {}", self.version, i32::MAX),
+            });
         }
         if self.legacy.is_some() && self.version != 1 {
             return Err(DefinitionError::Versions {
@@ -734,6 +741,21 @@ impl<D: SagaData> SagaDefinition<D> {
             }
         }
         Ok(())
+    }
+
+    /// Each reply type with the reply step that consumes it: `on-{step}` for a step's replies,
+    /// `on-compensate-{step}` for its compensation's.
+    pub(crate) fn reply_routes(&self) -> Vec<(String, String)> {
+        let mut routes = Vec::new();
+        for step in &self.steps {
+            for reply in step.reply_types() {
+                routes.push((reply.clone(), format!("on-{}", step.name)));
+            }
+            for done in step.compensation.iter().flat_map(|c| c.done_on()) {
+                routes.push((done.clone(), format!("on-compensate-{}", step.name)));
+            }
+        }
+        routes
     }
 
     /// The index of step `name`.

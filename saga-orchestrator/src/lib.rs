@@ -72,7 +72,7 @@ pub mod store;
 pub use definition::{Command, LegacyData, OnTimeout, SagaData, SagaDefinition, Step, Verdict};
 pub use engine::{Decision, Outgoing, SagaState, SagaStatus};
 pub use error::OrchestratorError;
-pub use orchestrator::{Orchestrator, ReplyStep, SagaChange, SagaHooks};
+pub use orchestrator::{Orchestrator, RawReply, ReplyStep, SagaChange, SagaHooks};
 pub use store::{SagaInstance, Transition};
 
 /// The README's code, compiled and checked as doc tests so that it cannot rot.

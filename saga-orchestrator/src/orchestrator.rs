@@ -226,6 +226,28 @@ impl<D: SagaData> Orchestrator<D> {
                 reason: format!("two definitions are version {}", earlier.version),
             });
         }
+        // A reply step takes one reply per instance (its step key is the saga's key and its name): a reply
+        // type the versions route to different reply steps would let one version's reply step consume the
+        // reply another version's instance expects from a later step, and that later reply would then be
+        // a duplicate to it.
+        for (reply, route) in earlier.reply_routes() {
+            let clash = self.definitions().find_map(|d| {
+                d.reply_routes()
+                    .into_iter()
+                    .find(|(r, other)| *r == reply && *other != route)
+                    .map(|(_, other)| (d.version, other))
+            });
+            if let Some((version, other)) = clash {
+                return Err(DefinitionError::Versions {
+                    saga,
+                    reason: format!(
+                        "reply {reply} goes to {route} in version {} and to {other} in version {version}: \
+                         give the step of one version a reply type of its own",
+                        earlier.version
+                    ),
+                });
+            }
+        }
         Ok(self.with_inner(|inner| {
             inner.kept.push(earlier);
             inner.kept.sort_by_key(|d| std::cmp::Reverse(d.version));
@@ -294,9 +316,9 @@ impl<D: SagaData> Orchestrator<D> {
         data: D,
     ) -> Result<(Uuid, bool), OrchestratorError> {
         let def = &self.inner.definition;
-        let json = serde_json::to_value(&data).map_err(|e| OrchestratorError::Unreadable {
+        let json = stored_form(&data).map_err(|reason| OrchestratorError::Unreadable {
             saga_id: Uuid::nil(),
-            reason: format!("the saga's data does not serialize: {e}"),
+            reason,
         })?;
         let (instance, created) = store::insert(
             conn,
@@ -327,7 +349,7 @@ impl<D: SagaData> Orchestrator<D> {
         &self,
         conn: &mut PgConnection,
         reply: &EventMetadata,
-        payload: &serde_json::Value,
+        payload: &[u8],
     ) -> Result<bool, OrchestratorError> {
         let saga_type = self.inner.definition.saga_type.as_str();
         let instance = store::by_key(
@@ -342,14 +364,14 @@ impl<D: SagaData> Orchestrator<D> {
             tenant: reply.tenant.to_string(),
             key: reply.idempotency_key.to_string(),
         })?;
+        if SagaStatus::parse(&instance.status).is_some_and(SagaStatus::is_final) {
+            // A late duplicate for an ended saga: nothing to read, nothing to do.
+            return Ok(false);
+        }
         let (def, state) = self.read(&instance)?;
-        let bytes = serde_json::to_vec(payload).map_err(|e| OrchestratorError::BadReply {
-            saga_id: instance.saga_id,
-            reason: e.to_string(),
-        })?;
         let event = SagaEvent::Reply {
             event_type: &reply.event_type,
-            payload: &bytes,
+            payload,
         };
         let Some(decision) = decide(def, &state, event).map_err(|r| refused(&instance, r))? else {
             tracing::debug!(saga = %instance.saga_id, reply = %reply.event_type, "reply changes nothing");
@@ -377,7 +399,10 @@ impl<D: SagaData> Orchestrator<D> {
     pub async fn fire_due(&self, pool: &PgPool, limit: i64) -> Result<usize, OrchestratorError> {
         let saga_type = self.inner.definition.saga_type.as_str();
         let mut tx = pool.begin().await?;
-        let due = store::lock_due(&mut tx, saga_type, limit).await?;
+        // Instances of a newer version are left to the orchestrators that have it (a rolling deploy).
+        let newest = self.definitions().map(|d| d.version).max().unwrap_or(1);
+        let newest = i32::try_from(newest).unwrap_or(i32::MAX);
+        let due = store::lock_due(&mut tx, saga_type, newest, limit).await?;
         let mut moved = 0;
         for instance in &due {
             let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
@@ -570,6 +595,19 @@ impl<D: SagaData> Orchestrator<D> {
     }
 }
 
+/// The saga's data as it is stored, checked to read back as `D`: a value JSON cannot hold (a NaN, which
+/// becomes `null`) is refused before it is written, not found unreadable at the next transition.
+fn stored_form<D: SagaData>(data: &D) -> Result<serde_json::Value, String> {
+    let json = serde_json::to_value(data)
+        .map_err(|e| format!("the saga's data does not serialize: {e}"))?;
+    D::deserialize(&json).map_err(|e| {
+        format!(
+            "the saga's data would not read back after it is stored ({e}): a NaN or an infinity?"
+        )
+    })?;
+    Ok(json)
+}
+
 /// The orchestrator's error for what the user's code refused.
 fn refused(instance: &SagaInstance, refusal: Refusal) -> OrchestratorError {
     match refusal {
@@ -626,8 +664,18 @@ pub struct ReplyStep<D> {
     subscriptions: Vec<Subscription>,
 }
 
+/// A reply's payload as it came: decoded by the reply type of the step it answers, once.
+#[derive(Debug)]
+pub struct RawReply(Vec<u8>);
+
+impl saga_core::FromEvent for RawReply {
+    fn from_event(_event_type: &str, payload: &[u8]) -> Result<Self, serde_json::Error> {
+        Ok(Self(payload.to_vec()))
+    }
+}
+
 impl<D: SagaData> SagaStep for ReplyStep<D> {
-    type Payload = serde_json::Value;
+    type Payload = RawReply;
 
     fn name(&self) -> StepName {
         self.name.clone()
@@ -637,14 +685,10 @@ impl<D: SagaData> SagaStep for ReplyStep<D> {
         self.subscriptions.clone()
     }
 
-    async fn handle(
-        &self,
-        msg: &Message<serde_json::Value>,
-        ctx: &mut StepContext<'_>,
-    ) -> StepResult {
+    async fn handle(&self, msg: &Message<RawReply>, ctx: &mut StepContext<'_>) -> StepResult {
         let moved = self
             .orchestrator
-            .on_reply(ctx.conn(), msg.metadata(), msg.payload())
+            .on_reply(ctx.conn(), msg.metadata(), &msg.payload().0)
             .await?;
         StepOutcome::completed_with(&serde_json::json!({ "moved": moved }))
     }

@@ -331,19 +331,22 @@ pub async fn request_retry(
     }
 }
 
-/// Locks and returns up to `limit` instances of `saga_type` whose deadline passed, skipping those another
-/// transaction holds.
+/// Locks and returns up to `limit` instances of `saga_type` whose deadline passed and whose definition
+/// version is at most `newest` (a 0.2 instance runs version 1), skipping those another transaction holds.
 pub(crate) async fn lock_due(
     conn: &mut PgConnection,
     saga_type: &str,
+    newest: i32,
     limit: i64,
 ) -> Result<Vec<SagaInstance>, OrchestratorError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM saga_instances \
-         WHERE saga_type = $1 AND deadline <= now() ORDER BY deadline LIMIT $2 FOR UPDATE SKIP LOCKED"
+         WHERE saga_type = $1 AND deadline <= now() AND coalesce(definition_version, 1) <= $3 \
+         ORDER BY deadline LIMIT $2 FOR UPDATE SKIP LOCKED"
     )))
     .bind(saga_type)
     .bind(limit)
+    .bind(newest)
     .fetch_all(conn)
     .await?;
     rows.iter()
@@ -446,6 +449,7 @@ pub(crate) async fn timer_failed(
     instance: &SagaInstance,
     error: &str,
 ) -> Result<(), OrchestratorError> {
+    let error = bounded(error);
     sqlx::query(
         "UPDATE saga_instances SET timer_failures = timer_failures + 1, last_error = $3, \
              deadline = now() + least(power(2, least(timer_failures, 9)), 300) * interval '1 second' \
@@ -466,6 +470,7 @@ pub(crate) async fn mark_stuck(
     instance: &SagaInstance,
     reason: &str,
 ) -> Result<(), OrchestratorError> {
+    let reason = bounded(reason);
     sqlx::query(
         "UPDATE saga_instances SET deadline = NULL, stuck_reason = $3, stuck_at = now(), \
              retry_requested_by = NULL, retry_requested_at = NULL \
@@ -504,4 +509,19 @@ pub(crate) async fn record<D>(
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// The most of a reason (the user's code may word it) kept with an instance.
+const MAX_REASON_BYTES: usize = 2048;
+
+/// `reason`, cut at a character boundary to at most [`MAX_REASON_BYTES`].
+fn bounded(reason: &str) -> &str {
+    if reason.len() <= MAX_REASON_BYTES {
+        return reason;
+    }
+    let mut end = MAX_REASON_BYTES;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
 }

@@ -456,7 +456,7 @@ async fn two_orchestrator_instances_racing_on_one_saga_leave_one_transition() {
             .with("ce_type", "ADone"),
     )
     .unwrap();
-    let payload = json!({ "by": "a" });
+    let payload = json!({ "by": "a" }).to_string().into_bytes();
     // Both instances got the reply (say, a redelivery during a rebalance) and handle it at the same moment.
     let mut first = w.db.pool.begin().await.unwrap();
     let mut second = w.db.pool.begin().await.unwrap();

@@ -54,10 +54,15 @@ const COMMANDS: Topic<Charge> = Topic::fixed("versions.commands");
 const REFUNDS: Topic<Refund> = Topic::fixed("versions.commands");
 const SHIPPING: Topic<Ship> = Topic::fixed("versions.commands");
 
-/// `charge` (refunded on compensation), then `ship`; version 1 reads 0.2 instances.
+/// `charge` (refunded on compensation), then `ship`.
 fn definition() -> SagaDefinition<Order> {
+    definition_charging_with("charge")
+}
+
+/// [`definition`], its first step named `charge_step`.
+fn definition_charging_with(charge_step: &str) -> SagaDefinition<Order> {
     let charge = Step::new(
-        "charge",
+        charge_step,
         Command::to(&COMMANDS, |o: &Order| Charge {
             order_id: o.order_id.clone(),
         }),
@@ -209,7 +214,7 @@ async fn an_instance_stored_by_0_2_is_read_by_the_declared_migration_and_written
     let mut tx = db.pool.begin().await.unwrap();
     assert!(
         orchestrator
-            .on_reply(&mut tx, &confirmed, &json!({}))
+            .on_reply(&mut tx, &confirmed, b"{}")
             .await
             .unwrap()
     );
@@ -255,10 +260,10 @@ async fn a_reply_of_the_wrong_shape_is_refused_with_its_reason_and_moves_nothing
     let orchestrator = Orchestrator::new(definition()).unwrap();
     let saga_id = start(&db, &orchestrator, "order-8").await;
 
-    let wrong = json!({ "charge": 12 });
+    let wrong = br#"{ "charge": 12 }"#;
     let mut tx = db.pool.begin().await.unwrap();
     let refused = orchestrator
-        .on_reply(&mut tx, &reply("order-8", "Charged"), &wrong)
+        .on_reply(&mut tx, &reply("order-8", "Charged"), wrong)
         .await
         .unwrap_err();
     tx.rollback().await.unwrap();
@@ -278,11 +283,11 @@ async fn a_reply_of_the_wrong_shape_is_refused_with_its_reason_and_moves_nothing
     assert_eq!(data.charge, None);
 
     // The right shape moves it, and the next command is built from what the reply recorded.
-    let right = json!({ "charge_id": "ch_8" });
+    let right = br#"{ "charge_id": "ch_8" }"#;
     let mut tx = db.pool.begin().await.unwrap();
     assert!(
         orchestrator
-            .on_reply(&mut tx, &reply("order-8", "Charged"), &right)
+            .on_reply(&mut tx, &reply("order-8", "Charged"), right)
             .await
             .unwrap()
     );
@@ -303,10 +308,10 @@ async fn an_instance_of_a_version_the_orchestrator_does_not_have_is_refused_neve
     v2.steps.truncate(1);
     let v2_only = Orchestrator::new(v2.clone()).unwrap();
 
-    let charged = json!({ "charge_id": "ch_9" });
+    let charged = br#"{ "charge_id": "ch_9" }"#;
     let mut tx = db.pool.begin().await.unwrap();
     let refused = v2_only
-        .on_reply(&mut tx, &reply("order-9", "Charged"), &charged)
+        .on_reply(&mut tx, &reply("order-9", "Charged"), charged)
         .await
         .unwrap_err();
     tx.rollback().await.unwrap();
@@ -331,7 +336,7 @@ async fn an_instance_of_a_version_the_orchestrator_does_not_have_is_refused_neve
         .unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     let newer = old_only
-        .on_reply(&mut tx, &reply("order-9", "Charged"), &charged)
+        .on_reply(&mut tx, &reply("order-9", "Charged"), charged)
         .await
         .unwrap_err();
     tx.rollback().await.unwrap();
@@ -363,7 +368,7 @@ async fn an_instance_of_a_version_the_orchestrator_does_not_have_is_refused_neve
         .unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     assert!(
-        both.on_reply(&mut tx, &reply("order-9", "Charged"), &charged)
+        both.on_reply(&mut tx, &reply("order-9", "Charged"), charged)
             .await
             .unwrap()
     );
@@ -374,4 +379,25 @@ async fn an_instance_of_a_version_the_orchestrator_does_not_have_is_refused_neve
         (1, Some(1))
     );
     assert_eq!(outbox_payloads(&db, "Ship").await.len(), 1);
+}
+
+#[test]
+fn versions_that_send_one_reply_type_to_differently_named_steps_are_refused() {
+    // Version 2 renamed `charge` to `authorize`, keeping its reply type: the reply steps `on-charge` and
+    // `on-authorize` would both take an instance's `Charged`, and one of them would then take it for an
+    // instance of the other version, for which a later reply would be a duplicate.
+    let renamed = Orchestrator::new(definition_charging_with("authorize").version(2)).unwrap();
+    let refused = renamed.keep_running(definition()).unwrap_err();
+    let message = refused.to_string();
+    assert!(
+        message.contains("Charged")
+            && message.contains("on-charge")
+            && message.contains("on-authorize"),
+        "{message}"
+    );
+    // The same names in both versions are fine.
+    Orchestrator::new(definition().version(2))
+        .unwrap()
+        .keep_running(definition())
+        .unwrap();
 }
