@@ -15,8 +15,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use std::time::Duration;
 
+#[cfg(not(feature = "redis"))]
+use crate::service::FastPath;
 use futures::future::BoxFuture;
 use saga_consumer::Outbox;
+#[cfg(feature = "redis")]
 use saga_consumer::fast_path::FastPath;
 use saga_consumer::http::{IdempotencyLayer, IdempotentRequest};
 use saga_consumer::{Message, StepContext, StepError, StepName, StepOutcome, StepResult};
@@ -50,11 +53,13 @@ pub fn router(
     orchestrator: Option<Orchestrator<OrderSaga>>,
     fast_path: Option<FastPath>,
 ) -> Router {
-    let create = post(create_order).layer(
-        IdempotencyLayer::new(pool.clone(), StepName::from_static("create-order"))
-            .with_outbox(outbox)
-            .with_fast_path(fast_path),
-    );
+    let idempotency = IdempotencyLayer::new(pool.clone(), StepName::from_static("create-order"))
+        .with_outbox(outbox);
+    #[cfg(feature = "redis")]
+    let idempotency = idempotency.with_fast_path(fast_path);
+    #[cfg(not(feature = "redis"))]
+    let None = fast_path;
+    let create = post(create_order).layer(idempotency);
     let orchestrator = orchestrator.map(|o| o.with_outbox(outbox));
     Router::new()
         .route("/orders", create)

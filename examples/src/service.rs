@@ -10,6 +10,7 @@ use clap::{Args, ValueEnum};
 use std::future::Future;
 
 use outbox_relay::Relay;
+#[cfg(feature = "redis")]
 use saga_consumer::fast_path::FastPath;
 use saga_consumer::setup::connect_postgres;
 use saga_consumer::{
@@ -416,6 +417,7 @@ pub async fn run(
     let pool = prepare(service, &args).await?;
     // REDIS_URL turns the Redis fast path on: for the consumer (the service does that), and for the HTTP
     // layer, given the same.
+    #[cfg(feature = "redis")]
     let fast_path = match args.saga.fast_path.settings(&args.saga.relay.retention)? {
         Some(settings) => {
             let fast = FastPath::new(settings, &pool).await?;
@@ -424,6 +426,9 @@ pub async fn run(
         }
         None => None,
     };
+    #[cfg(not(feature = "redis"))]
+    let fast_path: Option<FastPath> = None;
+    #[cfg(feature = "redis")]
     let consumer_fast_path = fast_path.clone();
     let mut saga = args.saga.clone();
     // The demo's defaults where unset, and the example's own names for the group and its topics.
@@ -435,9 +440,12 @@ pub async fn run(
         .args(&saga)
         .pool(pool.clone())
         .consumer(|c| {
-            c.commit_interval(Duration::from_millis(250))
-                .session_timeout(Duration::from_secs(6))
-                .fast_path(consumer_fast_path)
+            let c = c
+                .commit_interval(Duration::from_millis(250))
+                .session_timeout(Duration::from_secs(6));
+            #[cfg(feature = "redis")]
+            let c = c.fast_path(consumer_fast_path);
+            c
         });
     if args.crash_after_commit > 0.0 {
         builder = builder.hooks(crash_after_commit(args.crash_after_commit));
@@ -467,3 +475,9 @@ pub async fn run(
     builder.build()?.run(shutdown).await?;
     Ok(())
 }
+
+/// Without the feature `redis` there is no fast path: the type a service's fast path would have, with no
+/// value.
+#[cfg(not(feature = "redis"))]
+#[derive(Debug, Clone)]
+pub enum FastPath {}

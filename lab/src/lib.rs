@@ -5,9 +5,11 @@
 //!
 //! - [`harness`]: the whole saga with real processes (or in this process), a client, the ledger checks and
 //!   fault injection: behind `saga-demo`, `chaos` and the end-to-end tests.
-//! - [`bench`](mod@bench): the measurements of `saga-bench`, each beside the limit of the work it measures.
+//! - `bench` (feature `bench`, on by default): the measurements of `saga-bench`, each beside the limit of the
+//!   work it measures.
 
 #![deny(missing_docs)]
 
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod harness;

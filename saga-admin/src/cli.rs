@@ -7,7 +7,9 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use saga_consumer::ConfigProblem;
 use saga_consumer::KafkaConfig;
-use saga_consumer::settings::{DatabaseArgs, KafkaArgs, RedisArgs, SchemaArgs};
+#[cfg(feature = "redis")]
+use saga_consumer::settings::RedisArgs;
+use saga_consumer::settings::{DatabaseArgs, KafkaArgs, SchemaArgs};
 use saga_consumer::toolkit::{connect_postgres, required_postgres_url};
 use saga_consumer::toolkit::{printable, printable_json};
 use serde::Serialize;
@@ -106,6 +108,7 @@ enum Command {
     #[command(subcommand)]
     Outbox(OutboxCommand),
     /// The Redis fast path's keys.
+    #[cfg(feature = "redis")]
     #[command(subcommand)]
     Redis(RedisCommand),
     /// One saga across every service schema of the database: its step keys, the events they wrote (with
@@ -452,6 +455,7 @@ enum SagasCommand {
 }
 
 #[derive(Debug, Subcommand)]
+#[cfg(feature = "redis")]
 enum RedisCommand {
     /// Delete every key of the fast path's namespace. Run it after the service's database was restored to
     /// an earlier point (Redis may remember completions the restored database lost), with the services
@@ -1078,6 +1082,7 @@ impl Cli {
                     )
                 })
             }
+            #[cfg(feature = "redis")]
             Command::Redis(RedisCommand::Forget { redis }) => {
                 let (redis_url, namespace) = (&redis.redis_url, &redis.namespace);
                 let url = redis_url

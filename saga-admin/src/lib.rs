@@ -44,6 +44,7 @@
 mod broker;
 mod cli;
 #[doc(hidden)]
+#[cfg(feature = "redis")]
 pub mod configuration;
 pub mod dlq;
 // Public for the fuzz targets only (fuzz/), not part of the API.
