@@ -46,6 +46,7 @@ struct AppState {
 
 /// The HTTP API, writing its events to the service's `outbox`; with an orchestrator, orders start
 /// orchestrated sagas; with a fast path, `POST /orders` answers in-flight and replayed keys from Redis.
+#[cfg_attr(not(feature = "redis"), allow(clippy::needless_pass_by_value))]
 pub fn router(
     pool: PgPool,
     topics: Topics,

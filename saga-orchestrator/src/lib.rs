@@ -62,6 +62,7 @@
 
 #![deny(missing_docs)]
 
+mod clock;
 pub mod definition;
 mod engine;
 mod error;
@@ -69,6 +70,7 @@ pub mod migrate;
 mod orchestrator;
 pub mod store;
 
+pub use clock::SagaClock;
 pub use definition::{Command, LegacyData, OnTimeout, SagaData, SagaDefinition, Step, Verdict};
 pub use engine::{Decision, Outgoing, SagaState, SagaStatus};
 pub use error::OrchestratorError;

@@ -16,6 +16,7 @@ use saga_core::{
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
+use crate::clock::SagaClock;
 use crate::definition::{DefinitionError, SagaData, SagaDefinition};
 use crate::engine::{Decision, Refusal, SagaEvent, SagaState, SagaStatus, decide};
 use crate::error::OrchestratorError;
@@ -128,6 +129,8 @@ struct Inner<D> {
     timer_interval: Duration,
     /// Where its commands are written: the service's outbox.
     outbox: Option<saga_consumer::Outbox>,
+    /// What deadlines are set and fired by.
+    clock: SagaClock,
 }
 
 impl<D> Clone for Inner<D> {
@@ -138,6 +141,7 @@ impl<D> Clone for Inner<D> {
             hooks: Arc::clone(&self.hooks),
             timer_interval: self.timer_interval,
             outbox: self.outbox.clone(),
+            clock: self.clock.clone(),
         }
     }
 }
@@ -180,6 +184,7 @@ impl<D: SagaData> Orchestrator<D> {
                 hooks: Arc::new(NoHooks),
                 timer_interval: Duration::from_secs(1),
                 outbox: None,
+                clock: SagaClock::system(),
             }),
         })
     }
@@ -271,6 +276,13 @@ impl<D: SagaData> Orchestrator<D> {
     /// given it too, or it writes a table outbox.
     pub fn with_outbox(self, outbox: &saga_consumer::Outbox) -> Self {
         self.with_inner(|inner| inner.outbox = Some(outbox.clone()))
+    }
+
+    /// The same orchestrator on `clock`: a test's [`SagaClock::manual`], advanced to make timeouts due
+    /// without waiting for them. Deadlines are the database's `now()` plus the clock's offset, when they are
+    /// set and when they are fired.
+    pub fn with_clock(self, clock: &SagaClock) -> Self {
+        self.with_inner(|inner| inner.clock = clock.clone())
     }
 
     /// The definition new instances start on.
@@ -402,7 +414,8 @@ impl<D: SagaData> Orchestrator<D> {
         // Instances of a newer version are left to the orchestrators that have it (a rolling deploy).
         let newest = self.definitions().map(|d| d.version).max().unwrap_or(1);
         let newest = i32::try_from(newest).unwrap_or(i32::MAX);
-        let due = store::lock_due(&mut tx, saga_type, newest, limit).await?;
+        let now = self.inner.clock.offset_ms();
+        let due = store::lock_due(&mut tx, saga_type, newest, now, limit).await?;
         let mut moved = 0;
         for instance in &due {
             let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
@@ -419,7 +432,7 @@ impl<D: SagaData> Orchestrator<D> {
                 Err(e) => {
                     savepoint.rollback().await?;
                     tracing::warn!(saga = %instance.saga_id, error = %e, "a saga's timer failed to fire; will retry");
-                    store::timer_failed(&mut tx, instance, &e.to_string()).await?;
+                    store::timer_failed(&mut tx, instance, &e.to_string(), now).await?;
                 }
             }
         }
@@ -510,7 +523,11 @@ impl<D: SagaData> Orchestrator<D> {
             }
         })?;
         let version = i32::try_from(def.version).unwrap_or(i32::MAX);
-        store::apply(conn, instance, decision, &data, version, lineage, outbox).await?;
+        let now = self.inner.clock.offset_ms();
+        store::apply(
+            conn, instance, decision, &data, version, now, lineage, outbox,
+        )
+        .await?;
         let change = SagaChange {
             instance,
             before,

@@ -331,22 +331,26 @@ pub async fn request_retry(
     }
 }
 
-/// Locks and returns up to `limit` instances of `saga_type` whose deadline passed and whose definition
-/// version is at most `newest` (a 0.2 instance runs version 1), skipping those another transaction holds.
+/// Locks and returns up to `limit` instances of `saga_type` whose deadline passed (by the database's
+/// `now()` shifted by `offset_ms`, the orchestrator's clock) and whose definition version is at most
+/// `newest` (a 0.2 instance runs version 1), skipping those another transaction holds.
 pub(crate) async fn lock_due(
     conn: &mut PgConnection,
     saga_type: &str,
     newest: i32,
+    offset_ms: i64,
     limit: i64,
 ) -> Result<Vec<SagaInstance>, OrchestratorError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM saga_instances \
-         WHERE saga_type = $1 AND deadline <= now() AND coalesce(definition_version, 1) <= $3 \
+         WHERE saga_type = $1 AND deadline <= now() + $4 * interval '1 millisecond' \
+           AND coalesce(definition_version, 1) <= $3 \
          ORDER BY deadline LIMIT $2 FOR UPDATE SKIP LOCKED"
     )))
     .bind(saga_type)
     .bind(limit)
     .bind(newest)
+    .bind(offset_ms)
     .fetch_all(conn)
     .await?;
     rows.iter()
@@ -366,6 +370,7 @@ pub(crate) async fn apply<D>(
     decision: &Decision<D>,
     data: &serde_json::Value,
     definition_version: i32,
+    offset_ms: i64,
     lineage: &Lineage,
     outbox: &saga_runtime::store::outbox::Outbox,
 ) -> Result<(), OrchestratorError> {
@@ -381,7 +386,8 @@ pub(crate) async fn apply<D>(
     });
     let updated = sqlx::query(
         "UPDATE saga_instances SET status = $3, step_index = $4, attempt = $5, data = $6, failure = $7, \
-             deadline = CASE WHEN $8::bigint IS NULL THEN NULL ELSE now() + $8 * interval '1 millisecond' END, \
+             deadline = CASE WHEN $8::bigint IS NULL THEN NULL \
+                             ELSE now() + ($12 + $8) * interval '1 millisecond' END, \
              step_keys = CASE WHEN $9::text IS NULL THEN step_keys \
                               ELSE step_keys || jsonb_build_object($9::text, $10::text) END, \
              version = version + 1, updated_at = now(), timer_failures = 0, last_error = NULL, \
@@ -400,6 +406,7 @@ pub(crate) async fn apply<D>(
     .bind(step_key.as_ref().map(|(s, _)| s.as_str()))
     .bind(step_key.as_ref().map(|(_, k)| k.as_str()))
     .bind(definition_version)
+    .bind(offset_ms)
     .execute(&mut *conn)
     .await?;
     if updated.rows_affected() == 0 {
@@ -442,22 +449,25 @@ pub(crate) async fn apply<D>(
     Ok(())
 }
 
-/// Records that `instance`'s timer failed to fire with `error`, and puts its deadline off by a backoff that
-/// grows with its failures (1 s, 2 s, 4 s, ... up to 5 minutes), so that it is not picked first every time.
+/// Records that `instance`'s timer failed to fire with `error`, and puts its deadline off (from the
+/// orchestrator's clock, `now()` shifted by `offset_ms`) by a backoff that grows with its failures (1 s, 2 s, 4 s, ... up to 5 minutes), so that it is not picked first every time.
 pub(crate) async fn timer_failed(
     conn: &mut PgConnection,
     instance: &SagaInstance,
     error: &str,
+    offset_ms: i64,
 ) -> Result<(), OrchestratorError> {
     let error = bounded(error);
     sqlx::query(
         "UPDATE saga_instances SET timer_failures = timer_failures + 1, last_error = $3, \
-             deadline = now() + least(power(2, least(timer_failures, 9)), 300) * interval '1 second' \
+             deadline = now() + $4 * interval '1 millisecond' \
+                        + least(power(2, least(timer_failures, 9)), 300) * interval '1 second' \
          WHERE saga_id = $1 AND version = $2",
     )
     .bind(instance.saga_id)
     .bind(instance.version)
     .bind(error)
+    .bind(offset_ms)
     .execute(conn)
     .await?;
     Ok(())

@@ -401,3 +401,39 @@ fn versions_that_send_one_reply_type_to_differently_named_steps_are_refused() {
         .keep_running(definition())
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_manual_clock_advanced_by_an_hour_fires_an_hour_long_timeout_at_once() {
+    let db = db("versions-clock").await;
+    let clock = saga_orchestrator::SagaClock::manual();
+    let hour = Duration::from_secs(3600);
+    let mut definition = definition();
+    definition.steps[0].timeout = hour;
+    let orchestrator = Orchestrator::new(definition).unwrap().with_clock(&clock);
+    let began = std::time::Instant::now();
+    let saga_id = start(&db, &orchestrator, "order-10").await;
+
+    // Not due a minute before the hour is up, by the advanced clock.
+    clock.advance(hour - Duration::from_secs(60));
+    assert_eq!(orchestrator.fire_due(&db.pool, 10).await.unwrap(), 0);
+    // Due once it is.
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(orchestrator.fire_due(&db.pool, 10).await.unwrap(), 1);
+    let (instance, _) = orchestrator
+        .instance(&db.pool, saga_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(instance.status, SagaStatus::Compensating.as_str());
+    assert_eq!(
+        outbox_payloads(&db, "Refund").await,
+        [json!({ "order_id": "order-10", "why": "charge timed out" })]
+    );
+    // The compensation's deadline is set by the same clock: due after its resend interval, not at once.
+    assert_eq!(orchestrator.fire_due(&db.pool, 10).await.unwrap(), 0);
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(orchestrator.fire_due(&db.pool, 10).await.unwrap(), 1);
+    assert_eq!(outbox_payloads(&db, "Refund").await.len(), 2, "re-sent");
+    let took = began.elapsed();
+    assert!(took < Duration::from_secs(1), "an hour in {took:?}");
+}

@@ -57,7 +57,7 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(child) = cli.child {
-        return child.run().await;
+        return Box::pin(child.run()).await;
     }
     // Before the broker starts: the database must answer and the broker binary be there.
     saga_runtime::config::connect_postgres("DATABASE_URL", &cli.flags.database_url, None, 1)

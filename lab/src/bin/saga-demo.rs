@@ -46,7 +46,7 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(child) = cli.child {
-        return child.run().await;
+        return Box::pin(child.run()).await;
     }
     let name = run_name("demo");
     let broker = match std::env::var("KAFKA_BROKERS") {
