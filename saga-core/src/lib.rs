@@ -48,6 +48,7 @@ mod config;
 mod context;
 mod envelope;
 mod event;
+pub mod faults;
 mod function;
 #[doc(hidden)]
 pub mod headers;

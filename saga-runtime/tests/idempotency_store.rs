@@ -394,14 +394,19 @@ async fn a_concurrent_transactional_claim_waits_for_the_first_and_wins_if_it_rol
     );
     let pool = db.pool.clone();
     let (t2, k2) = (t.clone(), k.clone());
+    // The first transaction holds the key for 300 ms from the moment the second one claims it: the wait
+    // is measured from there, not from before its connection was opened.
+    let (claiming, claims) = tokio::sync::oneshot::channel();
     let second = tokio::spawn(async move {
         let mut conn = pool.acquire().await.unwrap();
         let mut tx = conn.begin().await.unwrap();
         let started = Instant::now();
+        claiming.send(()).unwrap();
         let claim = claim_in_transaction(&mut tx, &[(t2, k2)]).await.unwrap();
         tx.commit().await.unwrap();
         (claim, started.elapsed())
     });
+    claims.await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     first.rollback().await.unwrap();
     let (claim, waited) = second.await.unwrap();

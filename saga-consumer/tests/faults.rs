@@ -1,0 +1,121 @@
+//! The test kit's fault injection against the real broker and PostgreSQL: failing every message once after
+//! its handler ran (as a crash before the commit would) leaves a step that writes through its transaction
+//! with one effect per message, and exposes a step that writes elsewhere: its effects double.
+
+use std::time::Duration;
+
+use saga_consumer::faults::fail_after_handler;
+use saga_consumer::{
+    Message, RetryPolicy, SagaService, StepContext, StepOutcome, StepResult, Topic, step, step_with,
+};
+use saga_test_support::{TestDb, TestKafka, wait_until};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+mod steps;
+
+use steps::{Placed, place_orders};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Records the order in the step's transaction: its effect commits with its step key, or not at all.
+async fn careful(msg: &Message<Placed>, ctx: &mut StepContext<'_>) -> StepResult {
+    sqlx::query("INSERT INTO careful (n) VALUES ($1)")
+        .bind(msg.payload().n)
+        .execute(ctx.conn())
+        .await?;
+    Ok(StepOutcome::completed())
+}
+
+/// Records the order through a pool of its own, outside the step's transaction: deliberately not
+/// idempotent.
+async fn careless(msg: &Message<Placed>, _ctx: &mut StepContext<'_>, pool: &PgPool) -> StepResult {
+    sqlx::query("INSERT INTO careless (n) VALUES ($1)")
+        .bind(msg.payload().n)
+        .execute(pool)
+        .await?;
+    Ok(StepOutcome::completed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failing_after_the_handler_keeps_a_transactional_step_once_and_catches_a_careless_one() {
+    let db = TestDb::empty("faults").await;
+    for table in ["careful", "careless"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {table} (seq BIGSERIAL PRIMARY KEY, n BIGINT NOT NULL)"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("faults", 2).await;
+    // A service subscribes one step to an event type of a topic: the careless step reads a copy.
+    let copy = kafka.topic("faults-copy", 2).await;
+    let group = format!("{topic}-group");
+    for suffix in ["dlq", "retry"] {
+        kafka.create_topic(&format!("{group}.{suffix}"), 1).await;
+        kafka.delete_on_drop(&format!("{group}.{suffix}"));
+    }
+    let (orders, copies): (Topic<Placed>, Topic<Placed>) = (Topic::new(&topic), Topic::new(&copy));
+    let (crash_careful, crash_careless) = (fail_after_handler(1), fail_after_handler(1));
+    let service = SagaService::builder()
+        .brokers(&kafka.brokers)
+        .group_id(&group)
+        .pool(db.pool.clone())
+        .retry(RetryPolicy::with_attempts_and_backoff(
+            3,
+            Duration::from_millis(50),
+            Duration::from_millis(100),
+        ))
+        .step(
+            step("careful", careful)
+                .on(&orders)
+                .layer(crash_careful.clone()),
+        )
+        .step(
+            step_with("careless", db.pool.clone(), careless)
+                .on(&copies)
+                .layer(crash_careless.clone()),
+        )
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
+    place_orders(&kafka, &topic, 1..=4).await;
+    place_orders(&kafka, &copy, 1..=4).await;
+
+    let count = |table: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM {table}"
+            )))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    wait_until("every order's steps done", WAIT, || async {
+        let done: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM saga_idempotency_keys WHERE status = 'completed'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        (done == 8).then_some(())
+    })
+    .await;
+    // Each step ran twice per order: the injected failure, then the retry.
+    assert_eq!((crash_careful.calls(), crash_careless.calls()), (8, 8));
+    // The transactional step's first run rolled back: one effect per order.
+    assert_eq!(count("careful").await, 4);
+    // The careless step's first run stayed: caught, two effects per order.
+    assert_eq!(count("careless").await, 8);
+    stop.cancel();
+    tokio::time::timeout(WAIT, running)
+        .await
+        .expect("the service stops")
+        .unwrap()
+        .unwrap();
+}
