@@ -428,6 +428,18 @@ pub async fn run(
     };
     #[cfg(not(feature = "redis"))]
     let fast_path: Option<FastPath> = None;
+    #[cfg(not(feature = "redis"))]
+    if std::env::var_os("REDIS_URL").is_some_and(|url| !url.is_empty()) {
+        tracing::warn!(
+            "REDIS_URL is set, but this build has no Redis fast path (feature `redis`): ignored"
+        );
+    }
+    #[cfg(not(feature = "otel"))]
+    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some_and(|url| !url.is_empty()) {
+        tracing::warn!(
+            "OTEL_EXPORTER_OTLP_ENDPOINT is set, but this build exports no traces (feature `otel`): ignored"
+        );
+    }
     #[cfg(feature = "redis")]
     let consumer_fast_path = fast_path.clone();
     let mut saga = args.saga.clone();

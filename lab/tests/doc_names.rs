@@ -88,7 +88,8 @@ fn files(root: &Path) -> Vec<String> {
         for entry in entries.flatten() {
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name == "target" || name.starts_with('.') {
+            // A vendored crate's names are not this project's.
+            if name == "target" || name == "vendor" || name.starts_with('.') {
                 continue;
             }
             let relative = path

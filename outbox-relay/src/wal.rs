@@ -106,10 +106,12 @@ pub(crate) fn replication_config(
         .unwrap_or_else(|| user.clone());
     let mut cfg = ReplicationConfig::new(host, user, password, database, slot, wal::PUBLICATION);
     cfg.port = parsed.port().unwrap_or(5432);
+    // A private CA's certificate, as libpq takes it; without it, the webpki roots.
+    let root = query.get("sslrootcert").map(std::path::PathBuf::from);
     cfg.tls = match query.get("sslmode").map(String::as_str) {
         Some("require") => TlsConfig::require(),
-        Some("verify-ca") => TlsConfig::verify_ca(None),
-        Some("verify-full") => TlsConfig::verify_full(None),
+        Some("verify-ca") => TlsConfig::verify_ca(root),
+        Some("verify-full") => TlsConfig::verify_full(root),
         _ => TlsConfig::disabled(),
     };
     // Confirmations reach the server within a second: the slot's lag, and the WAL it holds, stay small.

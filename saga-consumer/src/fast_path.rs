@@ -291,6 +291,7 @@ impl FastPath {
         settings: FastPathSettings,
         namespace: impl Into<String>,
     ) -> Result<Self, ConfigProblem> {
+        install_tls_provider();
         let client = redis::Client::open(settings.url.as_str()).map_err(|e| {
             ConfigProblem::new(
                 "REDIS_URL",
@@ -675,6 +676,15 @@ fn glob_escape(text: &str) -> String {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Makes rustls's ring provider the process's default, for `rediss://` connections: Redis's TLS builds its
+/// configuration from the process default, and a build where another crate also turned on rustls's
+/// aws-lc provider (crates.io's pgwire-replication does) would otherwise have two and no default. A
+/// provider installed before (by the application, say) stays.
+fn install_tls_provider() {
+    // An error only says that a default is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 #[cfg(test)]

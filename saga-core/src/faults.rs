@@ -8,8 +8,9 @@
 //!   is idempotent in the way the framework means.
 //! - [`fail_before_handler`]: the step fails before its handler runs (a dependency briefly down).
 //!
-//! Each counts per message (its tenant and idempotency key), so a message fails its first `times` calls
-//! and then runs normally.
+//! Each counts per message and step (the message's external key: its tenant, its saga's key and the
+//! step), so a layer shared by several steps fails each step's first `times` calls of a message, and then
+//! the step runs normally.
 //!
 //! # Examples
 //!
@@ -73,8 +74,8 @@ pub fn fail_before_handler(times: u32) -> FaultLayer {
 pub struct FaultLayer {
     when: When,
     times: u32,
-    /// Calls so far, per message (tenant and idempotency key), shared by the layer's services.
-    calls: Arc<Mutex<HashMap<(String, String), u32>>>,
+    /// Calls so far, per message and step (its external key), shared by the layer's services.
+    calls: Arc<Mutex<HashMap<String, u32>>>,
 }
 
 impl FaultLayer {
@@ -86,12 +87,10 @@ impl FaultLayer {
         }
     }
 
-    /// Whether this call of the message with `tenant` and `key` fails.
-    fn fails(&self, tenant: &str, key: &str) -> bool {
+    /// Whether this call of the step with external key `key` fails.
+    fn fails(&self, key: &str) -> bool {
         let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
-        let seen = calls
-            .entry((tenant.to_owned(), key.to_owned()))
-            .or_insert(0);
+        let seen = calls.entry(key.to_owned()).or_insert(0);
         *seen += 1;
         *seen <= self.times
     }
@@ -140,10 +139,7 @@ where
     }
 
     fn call(&mut self, call: StepCall<'a, E>) -> Self::Future {
-        let fails = self.plan.fails(
-            call.msg.tenant().as_str(),
-            call.msg.idempotency_key().as_str(),
-        );
+        let fails = self.plan.fails(call.msg.external_key().as_str());
         if fails && self.plan.when == When::Before {
             return FaultFuture {
                 handler: None,

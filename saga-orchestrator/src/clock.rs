@@ -1,6 +1,7 @@
 //! The orchestrator's clock: the database's `now()`, which every deadline is written and read against,
 //! shifted by an offset that only a test moves. A test advances it by an hour and the sagas whose timeout
-//! fell within that hour are due at once, without sleeping.
+//! fell within that hour are due at once, without sleeping. Only deadlines follow it: how long a saga has
+//! not moved (`saga sagas list --stuck`) is measured by the database's own clock.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -34,7 +35,8 @@ impl SagaClock {
         Self::default()
     }
 
-    /// A clock a test moves with [`SagaClock::advance`]; it starts at the database's `now()`.
+    /// A clock a test moves with [`SagaClock::advance`]; it starts at the database's `now()` (the same
+    /// value as [`SagaClock::system`]: the name says what the test means to do with it).
     pub fn manual() -> Self {
         Self::default()
     }
@@ -43,7 +45,12 @@ impl SagaClock {
     /// given this clock (and its clones) sees the move.
     pub fn advance(&self, by: Duration) {
         let ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
-        self.offset_ms.fetch_add(ms, Ordering::SeqCst);
+        // Saturating: a clock moved past the end of time stays there rather than wrapping into the past.
+        let _ = self
+            .offset_ms
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                Some(now.saturating_add(ms))
+            });
     }
 
     /// How far the clock was moved, in milliseconds: added to `now()` wherever a deadline is set or read.
