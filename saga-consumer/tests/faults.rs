@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use saga_consumer::faults::fail_after_handler;
 use saga_consumer::{
-    Message, RetryPolicy, SagaService, StepContext, StepOutcome, StepResult, Topic, step, step_with,
+    Message, SagaService, StepContext, StepOutcome, StepResult, Topic, step, step_with,
 };
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use sqlx::PgPool;
@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 mod steps;
 
-use steps::{Placed, place_orders};
+use steps::{Placed, dead_letter_and_retry_topics, place_orders, quick_retries};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -53,10 +53,7 @@ async fn failing_after_the_handler_keeps_a_transactional_step_once_and_catches_a
     // A service subscribes one step to an event type of a topic: the careless step reads a copy.
     let copy = kafka.topic("faults-copy", 2).await;
     let group = format!("{topic}-group");
-    for suffix in ["dlq", "retry"] {
-        kafka.create_topic(&format!("{group}.{suffix}"), 1).await;
-        kafka.delete_on_drop(&format!("{group}.{suffix}"));
-    }
+    dead_letter_and_retry_topics(&kafka, &group).await;
     let (orders, copies): (Topic<Placed>, Topic<Placed>) = (Topic::new(&topic), Topic::new(&copy));
     // One layer for both steps: it counts each step's runs of a message apart.
     let crash = fail_after_handler(1);
@@ -64,11 +61,7 @@ async fn failing_after_the_handler_keeps_a_transactional_step_once_and_catches_a
         .brokers(&kafka.brokers)
         .group_id(&group)
         .pool(db.pool.clone())
-        .retry(RetryPolicy::with_attempts_and_backoff(
-            3,
-            Duration::from_millis(50),
-            Duration::from_millis(100),
-        ))
+        .retry(quick_retries(3))
         .step(step("careful", careful).on(&orders).layer(crash.clone()))
         .step(
             step_with("careless", db.pool.clone(), careless)

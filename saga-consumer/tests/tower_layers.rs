@@ -8,8 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use saga_consumer::{
-    Message, RetryPolicy, SagaService, StepContext, StepOutcome, StepResult, Topic, dlq_headers,
-    step_with,
+    Message, SagaService, StepContext, StepOutcome, StepResult, Topic, dlq_headers, step_with,
 };
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use tokio_util::sync::CancellationToken;
@@ -18,7 +17,7 @@ use tower::timeout::TimeoutLayer;
 
 mod steps;
 
-use steps::{Placed, place_orders};
+use steps::{Placed, dead_letter_and_retry_topics, place_orders, quick_retries};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -78,10 +77,7 @@ async fn stock_tower_layers_wrap_a_step_a_timeout_rolls_back_retries_and_dead_le
     let kafka = TestKafka::new().await;
     let topic = kafka.topic("tower-layers", 4).await;
     let group = format!("{topic}-group");
-    for suffix in ["dlq", "retry"] {
-        kafka.create_topic(&format!("{group}.{suffix}"), 1).await;
-        kafka.delete_on_drop(&format!("{group}.{suffix}"));
-    }
+    dead_letter_and_retry_topics(&kafka, &group).await;
     let behaviour = Arc::new(Behaviour::default());
     let step = step_with("reserve", Arc::clone(&behaviour), reserve)
         .on(&Topic::new(&topic))
@@ -91,11 +87,7 @@ async fn stock_tower_layers_wrap_a_step_a_timeout_rolls_back_retries_and_dead_le
         .brokers(&kafka.brokers)
         .group_id(&group)
         .pool(db.pool.clone())
-        .retry(RetryPolicy::with_attempts_and_backoff(
-            2,
-            Duration::from_millis(100),
-            Duration::from_millis(200),
-        ))
+        .retry(quick_retries(2))
         .step(step)
         .build()
         .unwrap();

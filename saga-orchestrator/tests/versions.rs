@@ -185,11 +185,7 @@ async fn an_instance_stored_by_0_2_is_read_by_the_declared_migration_and_written
         outbox_payloads(&db, "Refund").await,
         [json!({ "order_id": "o-7", "why": "ship timed out" })]
     );
-    let (instance, data) = orchestrator
-        .instance(&db.pool, saga_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let (instance, data) = read(&db, &orchestrator, saga_id).await;
     assert_eq!(instance.status, SagaStatus::Compensating.as_str());
     assert_eq!(
         instance.definition_version,
@@ -219,11 +215,7 @@ async fn an_instance_stored_by_0_2_is_read_by_the_declared_migration_and_written
             .unwrap()
     );
     tx.commit().await.unwrap();
-    let (done, _) = orchestrator
-        .instance(&db.pool, saga_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let (done, _) = read(&db, &orchestrator, saga_id).await;
     assert_eq!(done.status, SagaStatus::Compensated.as_str());
 }
 
@@ -239,6 +231,19 @@ fn reply(key: &str, event_type: &str) -> EventMetadata {
         traceparent: None,
         span_context: None,
     }
+}
+
+/// Instance `saga_id` and its data, as `orchestrator` reads them.
+async fn read(
+    db: &TestDb,
+    orchestrator: &Orchestrator<Order>,
+    saga_id: Uuid,
+) -> (saga_orchestrator::SagaInstance, Order) {
+    orchestrator
+        .instance(&db.pool, saga_id)
+        .await
+        .unwrap()
+        .expect("the instance exists")
 }
 
 async fn start(db: &TestDb, orchestrator: &Orchestrator<Order>, key: &str) -> Uuid {
@@ -274,11 +279,7 @@ async fn a_reply_of_the_wrong_shape_is_refused_with_its_reason_and_moves_nothing
     // The consumer dead-letters it, with that reason, rather than retrying it.
     let step_error = StepError::from(refused);
     assert_eq!(step_error.kind(), ErrorKind::Permanent);
-    let (instance, data) = orchestrator
-        .instance(&db.pool, saga_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let (instance, data) = read(&db, &orchestrator, saga_id).await;
     assert_eq!((instance.step_index, instance.version), (0, 1), "no move");
     assert_eq!(data.charge, None);
 
@@ -373,7 +374,7 @@ async fn an_instance_of_a_version_the_orchestrator_does_not_have_is_refused_neve
             .unwrap()
     );
     tx.commit().await.unwrap();
-    let (instance, _) = both.instance(&db.pool, saga_id).await.unwrap().unwrap();
+    let (instance, _) = read(&db, &both, saga_id).await;
     assert_eq!(
         (instance.step_index, instance.definition_version),
         (1, Some(1))
@@ -419,11 +420,7 @@ async fn a_manual_clock_advanced_by_an_hour_fires_an_hour_long_timeout_at_once()
     // Due once it is.
     clock.advance(Duration::from_secs(61));
     assert_eq!(orchestrator.fire_due(&db.pool, 10).await.unwrap(), 1);
-    let (instance, _) = orchestrator
-        .instance(&db.pool, saga_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let (instance, _) = read(&db, &orchestrator, saga_id).await;
     assert_eq!(instance.status, SagaStatus::Compensating.as_str());
     assert_eq!(
         outbox_payloads(&db, "Refund").await,

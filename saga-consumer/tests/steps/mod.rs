@@ -72,3 +72,20 @@ pub async fn read_reserved(
     ns.sort_unstable();
     (published, ns)
 }
+
+/// Creates the dead-letter and retry topics of `group` (one partition each), deleted when `kafka` drops.
+pub async fn dead_letter_and_retry_topics(kafka: &saga_test_support::TestKafka, group: &str) {
+    for suffix in ["dlq", "retry"] {
+        kafka.create_topic(&format!("{group}.{suffix}"), 1).await;
+        kafka.delete_on_drop(&format!("{group}.{suffix}"));
+    }
+}
+
+/// `attempts` in all, retried after 50 to 100 ms: a test's failing message is dead-lettered quickly.
+pub fn quick_retries(attempts: u32) -> saga_consumer::RetryPolicy {
+    saga_consumer::RetryPolicy::with_attempts_and_backoff(
+        attempts,
+        std::time::Duration::from_millis(50),
+        std::time::Duration::from_millis(100),
+    )
+}
