@@ -95,7 +95,8 @@ impl FaultLayer {
         *seen <= self.times
     }
 
-    /// How many calls the layer saw in all, failed ones included.
+    /// How many calls the layer saw in all, failed ones included (and the re-runs the runtime makes of the
+    /// messages before a failed one in a batch, when it narrows the batch down).
     pub fn calls(&self) -> u32 {
         let calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
         calls.values().sum()
