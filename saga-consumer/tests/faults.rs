@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 mod steps;
 
-use steps::{Placed, dead_letter_and_retry_topics, place_orders, quick_retries};
+use steps::{Placed, dead_letter_and_retry_topics, place_orders, quick_retries, stop_service};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -102,10 +102,5 @@ async fn failing_after_the_handler_keeps_a_transactional_step_once_and_catches_a
     assert_eq!(count("careful").await, 4);
     // The careless step's first run stayed: caught, two effects per order.
     assert_eq!(count("careless").await, 8);
-    stop.cancel();
-    tokio::time::timeout(WAIT, running)
-        .await
-        .expect("the service stops")
-        .unwrap()
-        .unwrap();
+    stop_service(stop, running).await;
 }

@@ -14,7 +14,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 mod steps;
 
-use steps::{Placed, Reserved, place_orders, read_reserved, reserve_on};
+use steps::{Placed, Reserved, place_orders, read_reserved, reserve_on, stop_service};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_steps_emit() {
@@ -61,12 +61,7 @@ async fn a_service_migrates_creates_its_topics_consumes_and_publishes_what_its_s
             .all(|m| m.header("ce_type") == Some(Reserved::TYPES[0]))
     );
     assert_eq!(db.count("reservations").await, 5);
-    stop.cancel();
-    tokio::time::timeout(WAIT, running)
-        .await
-        .expect("the service stops")
-        .unwrap()
-        .unwrap();
+    stop_service(stop, running).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 mod steps;
 
-use steps::{Placed, place_orders, read_reserved, reserve_on};
+use steps::{Placed, place_orders, read_reserved, reserve_on, stop_service};
 
 const WAIT: Duration = Duration::from_secs(60);
 const HOUR: Duration = Duration::from_secs(3600);
@@ -51,12 +51,7 @@ fn run(
 }
 
 async fn stop(stop: CancellationToken, running: tokio::task::JoinHandle<Result<(), ServiceError>>) {
-    stop.cancel();
-    tokio::time::timeout(WAIT, running)
-        .await
-        .expect("the service stops")
-        .unwrap()
-        .unwrap();
+    stop_service(stop, running).await;
 }
 
 /// The retention settings a service is given reach its embedded relay, as they reach `outbox-relay run`

@@ -17,7 +17,7 @@ use tower::timeout::TimeoutLayer;
 
 mod steps;
 
-use steps::{Placed, dead_letter_and_retry_topics, place_orders, quick_retries};
+use steps::{Placed, dead_letter_and_retry_topics, place_orders, quick_retries, stop_service};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -128,10 +128,5 @@ async fn stock_tower_layers_wrap_a_step_a_timeout_rolls_back_retries_and_dead_le
     // The concurrency limit held across the partitions, which ran side by side up to it.
     let most = behaviour.most_running.load(Ordering::SeqCst);
     assert_eq!(most, 2, "handlers at once");
-    stop.cancel();
-    tokio::time::timeout(WAIT, running)
-        .await
-        .expect("the service stops")
-        .unwrap()
-        .unwrap();
+    stop_service(stop, running).await;
 }

@@ -44,11 +44,8 @@ use std::task::{Context, Poll};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::function::StepCall;
+use crate::function::{BoxError, StepCall};
 use crate::step::{StepError, StepOutcome};
-
-/// An error as tower layers return them.
-type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Where a [`FaultLayer`] fails a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -421,7 +421,7 @@ fn step_error(error: impl Into<BoxError>) -> StepError {
 }
 
 /// An error as tower layers return them.
-type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 impl<E, Svc> SagaStep for LayeredStep<E, Svc>
 where

@@ -478,12 +478,22 @@ impl<D> Step<D> {
     /// The names this step needs besides its own: the reply step `on-{step}` and, with a compensation,
     /// `compensate-{step}` and its reply step `on-compensate-{step}`. Each must be a valid step name.
     fn derived_names(&self) -> Vec<String> {
-        let mut names = vec![format!("on-{}", self.name)];
+        let mut names = vec![self.reply_step()];
         if self.compensation.is_some() {
             names.push(format!("compensate-{}", self.name));
-            names.push(format!("on-compensate-{}", self.name));
+            names.push(self.compensation_reply_step());
         }
         names
+    }
+
+    /// `on-{step}`: the consumer step that delivers the step's replies.
+    fn reply_step(&self) -> String {
+        format!("on-{}", self.name)
+    }
+
+    /// `on-compensate-{step}`: the consumer step that delivers its compensation's confirmations.
+    fn compensation_reply_step(&self) -> String {
+        format!("on-compensate-{}", self.name)
     }
 }
 
@@ -749,10 +759,10 @@ impl<D: SagaData> SagaDefinition<D> {
         let mut routes = Vec::new();
         for step in &self.steps {
             for reply in step.reply_types() {
-                routes.push((reply.clone(), format!("on-{}", step.name)));
+                routes.push((reply.clone(), step.reply_step()));
             }
             for done in step.compensation.iter().flat_map(|c| c.done_on()) {
-                routes.push((done.clone(), format!("on-compensate-{}", step.name)));
+                routes.push((done.clone(), step.compensation_reply_step()));
             }
         }
         routes

@@ -556,33 +556,20 @@ impl<D: SagaData> Orchestrator<D> {
     pub fn reply_steps(&self) -> Vec<ReplyStep<D>> {
         let mut steps: Vec<ReplyStep<D>> = Vec::new();
         for def in self.definitions() {
-            for step in &def.steps {
-                let mut add = |name: String, types: &[String]| {
-                    // Checked when the orchestrator was built (`SagaDefinition::validate`): never replaced.
-                    let name = StepName::new(&name).expect(
-                        "the orchestrator validated its definition's derived names when it was built",
-                    );
-                    let subscriptions = types
-                        .iter()
-                        .map(|t| Subscription::new(&def.reply_topic, t.as_str()));
-                    match steps.iter_mut().find(|s| s.name == name) {
-                        Some(existing) => {
-                            for subscription in subscriptions {
-                                if !existing.subscriptions.contains(&subscription) {
-                                    existing.subscriptions.push(subscription);
-                                }
-                            }
-                        }
-                        None => steps.push(ReplyStep {
-                            orchestrator: self.clone(),
-                            name,
-                            subscriptions: subscriptions.collect(),
-                        }),
-                    }
-                };
-                add(format!("on-{}", step.name), step.reply_types());
-                if let Some(c) = &step.compensation {
-                    add(format!("on-compensate-{}", step.name), c.done_on());
+            for (reply, name) in def.reply_routes() {
+                let subscription = Subscription::new(&def.reply_topic, &reply);
+                match steps.iter_mut().find(|s| s.name.as_str() == name) {
+                    Some(existing) if existing.subscriptions.contains(&subscription) => {}
+                    Some(existing) => existing.subscriptions.push(subscription),
+                    None => steps.push(ReplyStep {
+                        orchestrator: self.clone(),
+                        // Checked when the orchestrator was built (`SagaDefinition::validate`): never
+                        // replaced.
+                        name: StepName::new(&name).expect(
+                            "the orchestrator validated its definition's derived names when it was built",
+                        ),
+                        subscriptions: vec![subscription],
+                    }),
                 }
             }
         }

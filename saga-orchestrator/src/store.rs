@@ -8,6 +8,8 @@ use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
+use saga_consumer::toolkit::letters::indexable;
+
 use crate::engine::{Decision, SagaState, SagaStatus};
 use crate::error::OrchestratorError;
 
@@ -457,7 +459,7 @@ pub(crate) async fn timer_failed(
     error: &str,
     offset_ms: i64,
 ) -> Result<(), OrchestratorError> {
-    let error = bounded(error);
+    let error = indexable(error, MAX_REASON_BYTES);
     sqlx::query(
         "UPDATE saga_instances SET timer_failures = timer_failures + 1, last_error = $3, \
              deadline = now() + $4 * interval '1 millisecond' \
@@ -480,7 +482,7 @@ pub(crate) async fn mark_stuck(
     instance: &SagaInstance,
     reason: &str,
 ) -> Result<(), OrchestratorError> {
-    let reason = bounded(reason);
+    let reason = indexable(reason, MAX_REASON_BYTES);
     sqlx::query(
         "UPDATE saga_instances SET deadline = NULL, stuck_reason = $3, stuck_at = now(), \
              retry_requested_by = NULL, retry_requested_at = NULL \
@@ -521,17 +523,6 @@ pub(crate) async fn record<D>(
     Ok(())
 }
 
-/// The most of a reason (the user's code may word it) kept with an instance.
+/// The most of a reason (the user's code may word it) kept with an instance: cut to it, NULs replaced, as
+/// the dead-letter index keeps a letter's error.
 const MAX_REASON_BYTES: usize = 2048;
-
-/// `reason`, cut at a character boundary to at most [`MAX_REASON_BYTES`].
-fn bounded(reason: &str) -> &str {
-    if reason.len() <= MAX_REASON_BYTES {
-        return reason;
-    }
-    let mut end = MAX_REASON_BYTES;
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    &reason[..end]
-}

@@ -206,17 +206,34 @@ async fn an_instance_stored_by_0_2_is_read_by_the_declared_migration_and_written
     );
 
     // Its confirmation finishes it, on the typed form.
-    let confirmed = reply("old-order", "Refunded");
-    let mut tx = db.pool.begin().await.unwrap();
     assert!(
-        orchestrator
-            .on_reply(&mut tx, &confirmed, b"{}")
+        deliver(&db, &orchestrator, "old-order", "Refunded", b"{}")
             .await
             .unwrap()
     );
-    tx.commit().await.unwrap();
     let (done, _) = read(&db, &orchestrator, saga_id).await;
     assert_eq!(done.status, SagaStatus::Compensated.as_str());
+}
+
+/// Hands `orchestrator` a reply of `event_type` carrying `payload` for the saga started with `key`, in a
+/// transaction of its own: committed when the reply is handled, rolled back when it is refused.
+async fn deliver(
+    db: &TestDb,
+    orchestrator: &Orchestrator<Order>,
+    key: &str,
+    event_type: &str,
+    payload: &[u8],
+) -> Result<bool, OrchestratorError> {
+    let mut tx = db.pool.begin().await.unwrap();
+    let handled = orchestrator
+        .on_reply(&mut tx, &reply(key, event_type), payload)
+        .await;
+    if handled.is_ok() {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+    handled
 }
 
 fn reply(key: &str, event_type: &str) -> EventMetadata {
@@ -266,12 +283,9 @@ async fn a_reply_of_the_wrong_shape_is_refused_with_its_reason_and_moves_nothing
     let saga_id = start(&db, &orchestrator, "order-8").await;
 
     let wrong = br#"{ "charge": 12 }"#;
-    let mut tx = db.pool.begin().await.unwrap();
-    let refused = orchestrator
-        .on_reply(&mut tx, &reply("order-8", "Charged"), wrong)
+    let refused = deliver(&db, &orchestrator, "order-8", "Charged", wrong)
         .await
         .unwrap_err();
-    tx.rollback().await.unwrap();
     assert!(
         matches!(&refused, OrchestratorError::BadReply { reason, .. } if reason.contains("Charged")),
         "{refused}"
@@ -285,14 +299,11 @@ async fn a_reply_of_the_wrong_shape_is_refused_with_its_reason_and_moves_nothing
 
     // The right shape moves it, and the next command is built from what the reply recorded.
     let right = br#"{ "charge_id": "ch_8" }"#;
-    let mut tx = db.pool.begin().await.unwrap();
     assert!(
-        orchestrator
-            .on_reply(&mut tx, &reply("order-8", "Charged"), right)
+        deliver(&db, &orchestrator, "order-8", "Charged", right)
             .await
             .unwrap()
     );
-    tx.commit().await.unwrap();
     assert_eq!(
         outbox_payloads(&db, "Ship").await,
         [json!({ "order_id": "order-8", "charge_id": "ch_8" })]
@@ -310,12 +321,9 @@ async fn an_instance_of_a_version_the_orchestrator_does_not_have_is_refused_neve
     let v2_only = Orchestrator::new(v2.clone()).unwrap();
 
     let charged = br#"{ "charge_id": "ch_9" }"#;
-    let mut tx = db.pool.begin().await.unwrap();
-    let refused = v2_only
-        .on_reply(&mut tx, &reply("order-9", "Charged"), charged)
+    let refused = deliver(&db, &v2_only, "order-9", "Charged", charged)
         .await
         .unwrap_err();
-    tx.rollback().await.unwrap();
     assert!(
         matches!(
             refused,
@@ -335,12 +343,9 @@ async fn an_instance_of_a_version_the_orchestrator_does_not_have_is_refused_neve
         .execute(&db.pool)
         .await
         .unwrap();
-    let mut tx = db.pool.begin().await.unwrap();
-    let newer = old_only
-        .on_reply(&mut tx, &reply("order-9", "Charged"), charged)
+    let newer = deliver(&db, &old_only, "order-9", "Charged", charged)
         .await
         .unwrap_err();
-    tx.rollback().await.unwrap();
     assert_eq!(StepError::from(newer).kind(), ErrorKind::Transient);
     sqlx::query("UPDATE saga_instances SET definition_version = 1 WHERE saga_id = $1")
         .bind(saga_id)
@@ -367,13 +372,11 @@ async fn an_instance_of_a_version_the_orchestrator_does_not_have_is_refused_neve
         .unwrap()
         .keep_running(definition())
         .unwrap();
-    let mut tx = db.pool.begin().await.unwrap();
     assert!(
-        both.on_reply(&mut tx, &reply("order-9", "Charged"), charged)
+        deliver(&db, &both, "order-9", "Charged", charged)
             .await
             .unwrap()
     );
-    tx.commit().await.unwrap();
     let (instance, _) = read(&db, &both, saga_id).await;
     assert_eq!(
         (instance.step_index, instance.definition_version),

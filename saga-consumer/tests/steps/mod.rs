@@ -89,3 +89,17 @@ pub fn quick_retries(attempts: u32) -> saga_consumer::RetryPolicy {
         std::time::Duration::from_millis(100),
     )
 }
+
+/// Stops a service started with `tokio::spawn(service.run(stop.cancelled_owned()))`, and checks that it
+/// stops within a minute and without an error.
+pub async fn stop_service(
+    stop: tokio_util::sync::CancellationToken,
+    running: tokio::task::JoinHandle<Result<(), saga_consumer::ServiceError>>,
+) {
+    stop.cancel();
+    tokio::time::timeout(std::time::Duration::from_secs(60), running)
+        .await
+        .expect("the service stops")
+        .unwrap()
+        .unwrap();
+}
