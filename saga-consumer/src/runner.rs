@@ -636,6 +636,25 @@ impl SagaService {
         self.consumer.settings()
     }
 
+    /// The topics its consumer subscribes to: its steps', the ignored ones, and its retry topic.
+    pub fn topics(&self) -> Vec<String> {
+        self.consumer.topics()
+    }
+
+    /// Its dead-letter topic.
+    pub fn dlq_topic(&self) -> String {
+        self.consumer.dlq_topic()
+    }
+
+    /// Its consumer group.
+    pub fn group_id(&self) -> &str {
+        self.consumer
+            .settings()
+            .group_id
+            .as_deref()
+            .expect("build() checked that the group id is set")
+    }
+
     /// Starts building a service.
     pub fn builder() -> SagaServiceBuilder {
         SagaServiceBuilder::new()

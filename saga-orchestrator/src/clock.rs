@@ -53,6 +53,11 @@ impl SagaClock {
             });
     }
 
+    /// How far the clock was moved in all (zero for [`SagaClock::system`]).
+    pub fn advanced(&self) -> Duration {
+        Duration::from_millis(u64::try_from(self.offset_ms()).unwrap_or(0))
+    }
+
     /// How far the clock was moved, in milliseconds: added to `now()` wherever a deadline is set or read.
     pub(crate) fn offset_ms(&self) -> i64 {
         self.offset_ms.load(Ordering::SeqCst)

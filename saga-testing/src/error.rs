@@ -1,0 +1,84 @@
+//! What can go wrong in the kit itself (not in the system under test: that is [`crate::Busy`] or a failed
+//! assertion).
+
+/// An error of the test's own code (its service setup).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A failure of the kit: the database or the mock cluster refused something, a service could not be built
+/// or stopped with an error, or a published message did not decode as the type asked for.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KitError {
+    /// PostgreSQL refused a statement of the kit's (creating a schema, reading the outbox).
+    #[error("PostgreSQL: {0}")]
+    Postgres(#[from] sqlx::Error),
+    /// A setting is wrong (`DATABASE_URL` does not parse, the server does not answer).
+    #[error("{0}")]
+    Config(#[from] saga_consumer::ConfigProblem),
+    /// The mock cluster or a client of it failed.
+    #[error("the mock Kafka cluster: {0}")]
+    Kafka(String),
+    /// The test's own service setup failed, or the service could not be built or stopped with an error.
+    #[error("the {service} service: {error}")]
+    Service {
+        /// The service's name in the test.
+        service: String,
+        /// What went wrong.
+        error: BoxError,
+    },
+    /// No service of that name was started in this test.
+    #[error("no service named {0:?} runs in this test")]
+    NoService(String),
+    /// A second service of the same name.
+    #[error("a service named {0:?} runs in this test already")]
+    DuplicateService(String),
+    /// A service name the kit cannot make a schema of.
+    #[error(
+        "the service name {0:?} is not 1 to 20 lower-case letters, digits, '-' or '_' (it names the \
+         service's schema and consumer group)"
+    )]
+    BadServiceName(String),
+    /// The test asked the kit for something it does not do.
+    #[error("{0}")]
+    Unsupported(String),
+    /// An HTTP request to a service's routes could not be made or read.
+    #[error("HTTP: {0}")]
+    Http(String),
+    /// A message of the asked-for event type does not decode as the type.
+    #[error("the message at {topic}/{partition}@{offset} does not decode as {wanted}: {error}")]
+    Undecodable {
+        /// Its topic.
+        topic: String,
+        /// Its partition.
+        partition: i32,
+        /// Its offset.
+        offset: i64,
+        /// The Rust type asked for.
+        wanted: &'static str,
+        /// Why.
+        error: String,
+    },
+    /// An event could not be encoded, or its key is not a valid idempotency key.
+    #[error("the event to send: {0}")]
+    Event(String),
+    /// Reading a topic back did not reach its end in time.
+    #[error("reading {topic} back: {detail}")]
+    Read {
+        /// The topic.
+        topic: String,
+        /// What was missing.
+        detail: String,
+    },
+    /// The system was not quiet in time: what was still busy.
+    #[error("{0}")]
+    Busy(#[from] crate::Busy),
+    /// The orchestrator's tables could not be read.
+    #[error("the saga instances: {0}")]
+    Orchestrator(#[from] saga_orchestrator::OrchestratorError),
+}
+
+impl From<rdkafka::error::KafkaError> for KitError {
+    fn from(e: rdkafka::error::KafkaError) -> Self {
+        Self::Kafka(e.to_string())
+    }
+}

@@ -1,0 +1,279 @@
+//! A service of the system under test, run as a task of the test process: what its setup is given
+//! ([`ServiceSetup`]), and the kit's record of it while it runs (started again after a simulated crash).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use saga_consumer::settings::ServiceArgs;
+use saga_consumer::{OpsHandle, OutboxMode, SagaService, SagaServiceBuilder, ServiceError};
+use saga_orchestrator::{Orchestrator, SagaClock, SagaData};
+use sqlx::PgPool;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::KitError;
+use crate::cluster::Cluster;
+use crate::error::BoxError;
+
+/// How often an orchestrator set up by [`ServiceSetup::orchestrator`] looks for due timers.
+const TIMER_INTERVAL: Duration = Duration::from_millis(20);
+
+/// The session timeout of the kit's services.
+pub(crate) const SESSION_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// How long a service may take to stop.
+const STOP: Duration = Duration::from_secs(30);
+
+/// What a service's setup is given: its PostgreSQL schema and pool, a builder already pointed at the mock
+/// cluster with the kit's quick settings, and the test's clock.
+#[derive(Debug, Clone)]
+pub struct ServiceSetup {
+    name: String,
+    schema: String,
+    pool: PgPool,
+    args: ServiceArgs,
+    clock: SagaClock,
+}
+
+impl ServiceSetup {
+    /// The service's name in the test.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The service's schema, made for this test (the pool's `search_path`).
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// A pool on the service's schema: the framework's tables and the service's own go there.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The PostgreSQL URL of the test's database.
+    pub fn database_url(&self) -> &str {
+        self.args
+            .database
+            .database_url
+            .as_deref()
+            .unwrap_or_default()
+    }
+
+    /// The mock cluster's `bootstrap.servers`.
+    pub fn brokers(&self) -> &str {
+        self.args.kafka.brokers.as_deref().unwrap_or_default()
+    }
+
+    /// The framework's settings the kit runs the service with: the mock cluster, the group
+    /// `{test}.{name}`, offsets committed every 20 ms, three attempts 5 ms apart before a dead letter, the
+    /// relay's fallback poll every 20 ms. Returned by value for a service that builds from settings of its
+    /// own: change them and pass them to [`SagaServiceBuilder::args`].
+    pub fn args(&self) -> ServiceArgs {
+        self.args.clone()
+    }
+
+    /// A service builder with [`ServiceSetup::args`] and [`ServiceSetup::pool`], and a session timeout of
+    /// 4 s: add the steps. (After a member leaves, the mock cluster makes the group's next join wait the
+    /// session timeout less a second; a session shorter than its 3 s wait for a new group's first members
+    /// would expire them while they wait.)
+    pub fn builder(&self) -> SagaServiceBuilder {
+        SagaService::builder()
+            .args(&self.args)
+            .pool(self.pool.clone())
+            .consumer(|c| c.session_timeout(SESSION_TIMEOUT))
+    }
+
+    /// The test's clock ([`crate::SagaTest::advance`] moves it).
+    pub fn clock(&self) -> &SagaClock {
+        &self.clock
+    }
+
+    /// `orchestrator` on the test's clock, looking for due timers every 20 ms: a timeout fires as soon as
+    /// the test moves the clock past it.
+    pub fn orchestrator<D: SagaData>(&self, orchestrator: Orchestrator<D>) -> Orchestrator<D> {
+        orchestrator
+            .with_clock(&self.clock)
+            .with_timer_interval(TIMER_INTERVAL)
+    }
+}
+
+/// A service's setup: called when the service starts, and again when it starts after a simulated crash.
+pub(crate) type Setup = Arc<
+    dyn Fn(ServiceSetup) -> BoxFuture<'static, Result<SagaServiceBuilder, BoxError>> + Send + Sync,
+>;
+
+/// A service of the test, running or stopped.
+pub(crate) struct Running {
+    pub(crate) setup: ServiceSetup,
+    make: Setup,
+    /// Its consumer group.
+    pub(crate) group: String,
+    /// The topics it consumes.
+    pub(crate) topics: Vec<String>,
+    /// Its dead-letter topic.
+    pub(crate) dlq: String,
+    stop: CancellationToken,
+    task: Option<JoinHandle<Result<(), ServiceError>>>,
+    /// How it ended, once it stopped on its own.
+    ended: Option<String>,
+    /// Its readiness.
+    ops: Option<OpsHandle>,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("name", &self.setup.name)
+            .field("group", &self.group)
+            .field("topics", &self.topics)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Running {
+    /// Makes the service's schema and pool, builds it with `make` and starts it.
+    pub(crate) async fn start(
+        name: &str,
+        schema: String,
+        args: ServiceArgs,
+        clock: SagaClock,
+        cluster: &Cluster,
+        make: Setup,
+    ) -> Result<Self, KitError> {
+        let url = args.database.database_url.clone().unwrap_or_default();
+        let admin = saga_consumer::setup::connect_postgres("DATABASE_URL", &url, None, 1).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE SCHEMA {}",
+            quote_ident(&schema)
+        )))
+        .execute(&admin)
+        .await?;
+        admin.close().await;
+        let pool =
+            saga_consumer::setup::connect_postgres("DATABASE_URL", &url, Some(&schema), 8).await?;
+        let setup = ServiceSetup {
+            name: name.to_owned(),
+            schema,
+            pool,
+            args,
+            clock,
+        };
+        let mut running = Self {
+            setup,
+            make,
+            group: String::new(),
+            topics: Vec::new(),
+            dlq: String::new(),
+            stop: CancellationToken::new(),
+            task: None,
+            ended: None,
+            ops: None,
+        };
+        if let Err(e) = running.run(cluster).await {
+            // Nothing of a service that never ran is left behind.
+            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP SCHEMA IF EXISTS {} CASCADE",
+                quote_ident(&running.setup.schema)
+            )))
+            .execute(&running.setup.pool)
+            .await;
+            return Err(e);
+        }
+        Ok(running)
+    }
+
+    /// Builds the service again and starts it.
+    pub(crate) async fn run(&mut self, cluster: &Cluster) -> Result<(), KitError> {
+        let failed = |error: BoxError| KitError::Service {
+            service: self.setup.name.clone(),
+            error,
+        };
+        let builder = (self.make)(self.setup.clone()).await.map_err(failed)?;
+        if builder.outbox().mode() != OutboxMode::Table {
+            // The quiet-wait reads the table outbox; a WAL outbox's events would go unseen.
+            return Err(failed(
+                "the kit runs services with the table outbox (SAGA_OUTBOX_MODE=table); this one writes \
+                 another"
+                    .into(),
+            ));
+        }
+        let service = builder.build().map_err(|e| failed(e.into()))?;
+        self.group = service.group_id().to_owned();
+        self.topics = service.topics();
+        self.dlq = service.dlq_topic();
+        self.ops = Some(service.ops());
+        for topic in self.topics.iter().chain([&self.dlq]) {
+            cluster.create_topic(topic)?;
+        }
+        self.stop = CancellationToken::new();
+        self.ended = None;
+        self.task = Some(tokio::spawn(
+            service.run(self.stop.clone().cancelled_owned()),
+        ));
+        Ok(())
+    }
+
+    /// The running service's ops handle.
+    pub(crate) fn ops(&self) -> Option<OpsHandle> {
+        self.ops.clone()
+    }
+
+    /// Whether the service is ready: its migrations applied, its partitions assigned.
+    pub(crate) fn is_ready(&self) -> bool {
+        self.task.is_some() && self.ops.as_ref().is_some_and(OpsHandle::is_ready)
+    }
+
+    /// Why the service stopped on its own, if it did (a service stops only when the test stops it).
+    pub(crate) async fn stopped(&mut self) -> Option<String> {
+        if self.task.as_ref().is_some_and(JoinHandle::is_finished)
+            && let Some(task) = self.task.take()
+        {
+            self.ended = Some(match task.await {
+                Ok(Ok(())) => "it stopped on its own".to_owned(),
+                Ok(Err(e)) => format!("it stopped: {e}"),
+                Err(e) => format!("it panicked: {e}"),
+            });
+        }
+        match (&self.task, &self.ended) {
+            (None, None) => Some("it is not running (a restart failed?)".to_owned()),
+            _ => self.ended.clone(),
+        }
+    }
+
+    /// Stops the service (what it is in, it finishes) and returns how it ended.
+    pub(crate) async fn stop(&mut self) -> Result<(), KitError> {
+        self.stop.cancel();
+        let Some(task) = self.task.take() else {
+            return match self.ended.take() {
+                Some(ended) => Err(KitError::Service {
+                    service: self.setup.name.clone(),
+                    error: ended.into(),
+                }),
+                None => Ok(()),
+            };
+        };
+        let failed = |error: BoxError| KitError::Service {
+            service: self.setup.name.clone(),
+            error,
+        };
+        match tokio::time::timeout(STOP, task).await {
+            Err(_) => Err(failed(format!("did not stop within {STOP:?}").into())),
+            Ok(Err(e)) => Err(failed(e.to_string().into())),
+            Ok(Ok(result)) => result.map_err(|e| failed(e.into())),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // A test that ends without stopping the kit leaves no service running behind it.
+        self.stop.cancel();
+    }
+}
+
+/// Quotes an SQL identifier.
+pub(crate) fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}

@@ -1,0 +1,381 @@
+//! The test kit on its own terms, on librdkafka's mock cluster and the real PostgreSQL: virtual time fires a
+//! one-hour saga timeout without waiting an hour, a quiet-wait that runs out names what was busy, and the
+//! faults it injects catch a step that is not idempotent while a careful one keeps one effect per order.
+
+use std::time::{Duration, Instant};
+
+use saga_consumer::{
+    Message, SagaEvent, StepContext, StepError, StepOutcome, StepResult, Topic, step, step_with,
+};
+use saga_orchestrator::{Command, OnTimeout, Orchestrator, SagaDefinition, Step, Verdict};
+use saga_testing::faults::fail_after_handler;
+use saga_testing::{Culprit, KitError, SagaTest, ServiceSetup};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+#[derive(Debug, Clone, Serialize, Deserialize, SagaEvent)]
+struct Placed {
+    n: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, SagaEvent)]
+struct Noted {
+    n: i64,
+}
+
+/// The saga's data: the order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Order {
+    n: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, SagaEvent)]
+struct Reserved {
+    n: i64,
+}
+
+/// A saga of one step whose participant never answers: it times out after an hour.
+fn slow_saga(test: &SagaTest) -> SagaDefinition<Order> {
+    let replies = test.topic::<Reserved>("replies");
+    SagaDefinition::new("reserve-saga", replies.name())
+        .unwrap()
+        .step(
+            Step::new(
+                "reserve",
+                Command::to(&test.topic::<Placed>("reservations"), |o: &Order| Placed {
+                    n: o.n,
+                }),
+            )
+            .unwrap()
+            .replies(|_o: &mut Order, _r: Reserved| Verdict::Succeeded)
+            .timeout(Duration::from_secs(3600), OnTimeout::Fail),
+        )
+}
+
+async fn start_saga(
+    msg: &Message<Placed>,
+    ctx: &mut StepContext<'_>,
+    orchestrator: &Orchestrator<Order>,
+) -> StepResult {
+    let order = Order { n: msg.payload().n };
+    orchestrator
+        .start(ctx.conn(), &msg.lineage(), order)
+        .await?;
+    Ok(StepOutcome::completed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn virtual_time_fires_a_one_hour_saga_timeout_without_waiting_an_hour() {
+    let mut test = SagaTest::start("kit-time").await.unwrap();
+    let orders = test.topic::<Placed>("orders");
+    test.create_topic(test.topic::<Placed>("reservations").name())
+        .unwrap();
+    let (input, definition) = (orders.clone(), slow_saga(&test));
+    test.service("orders", move |s: &ServiceSetup| {
+        let builder = s.builder();
+        let orchestrator = s
+            .orchestrator(Orchestrator::new(definition.clone()).unwrap())
+            .with_outbox(&builder.outbox());
+        builder
+            .step(step_with("start-saga", orchestrator.clone(), start_saga).on(&input))
+            .with(orchestrator)
+    })
+    .await
+    .unwrap();
+    test.send(&orders, "order-1", &Placed { n: 1 })
+        .await
+        .unwrap();
+    test.wait_quiet().await.unwrap();
+    let sagas = test.sagas("orders").await.unwrap();
+    assert_eq!(sagas.len(), 1);
+    assert_eq!(sagas[0].status, "running", "waiting for its reply");
+
+    let advanced = Instant::now();
+    test.advance(Duration::from_secs(3600));
+    // Were the hour waited for, the wait would run out: a timer due is busy.
+    test.set_quiet_timeout(Duration::from_secs(5));
+    test.wait_quiet().await.unwrap();
+    let fired_after = advanced.elapsed();
+    let sagas = test.sagas("orders").await.unwrap();
+    assert_eq!(
+        sagas[0].status, "compensated",
+        "the timeout failed the step: {:?}",
+        sagas[0]
+    );
+    println!("a one-hour timeout fired {fired_after:?} after the clock moved");
+    test.stop().await.unwrap();
+}
+
+/// Takes its time: a message is in flight for two seconds.
+async fn slow(_msg: &Message<Placed>, _ctx: &mut StepContext<'_>) -> StepResult {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    Ok(StepOutcome::completed())
+}
+
+async fn note(msg: &Message<Placed>, ctx: &mut StepContext<'_>, out: &Topic<Noted>) -> StepResult {
+    let n = msg.payload().n;
+    ctx.emit(out, n.to_string(), &Noted { n })?;
+    Ok(StepOutcome::completed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_quiet_wait_that_runs_out_names_the_service_and_what_it_had_left() {
+    let mut test = SagaTest::start("kit-busy").await.unwrap();
+    let (orders, notes) = (test.topic::<Placed>("orders"), test.topic::<Noted>("notes"));
+    let input = orders.clone();
+    test.service("slow", move |s: &ServiceSetup| {
+        s.builder().step(step("slow", slow).on(&input))
+    })
+    .await
+    .unwrap();
+    // A service whose relay runs apart, and was never started: its events stay in the outbox.
+    let (input, out) = (orders.clone(), notes.clone());
+    test.service("unrelayed", move |s: &ServiceSetup| {
+        s.builder()
+            .embedded_relay(false)
+            .step(step_with("note", out.clone(), note).on(&input))
+    })
+    .await
+    .unwrap();
+    test.send(&orders, "order-1", &Placed { n: 1 })
+        .await
+        .unwrap();
+
+    let Err(KitError::Busy(busy)) = test.wait_quiet_for(Duration::from_millis(500)).await else {
+        panic!("a message is in flight: the system is not quiet");
+    };
+    let text = busy.to_string();
+    assert!(
+        busy.culprits.iter().any(|c| matches!(c,
+            Culprit::Unconsumed { service, topic, behind: 1, .. }
+                if service == "slow" && topic == orders.name())),
+        "{text}"
+    );
+    assert!(text.contains("the slow service has 1 message(s)"), "{text}");
+    // The slow step finishes; the unpublished event stays.
+    test.set_quiet_timeout(Duration::from_secs(5));
+    let Err(KitError::Busy(busy)) = test.wait_quiet().await else {
+        panic!("an event is unpublished: the system is not quiet");
+    };
+    assert!(!busy.concerns("slow"), "the slow step finished: {busy}");
+    assert_eq!(
+        busy.culprits,
+        vec![Culprit::Unpublished {
+            service: "unrelayed".to_owned(),
+            rows: 1,
+            topic: notes.name().to_owned(),
+            key: Some("1".to_owned()),
+        }],
+        "{busy}"
+    );
+    assert!(test.published(&notes).await.unwrap().is_empty());
+    test.stop().await.unwrap();
+}
+
+/// Records the order in the step's transaction: its effect commits with its step key, or not at all.
+async fn careful(msg: &Message<Placed>, ctx: &mut StepContext<'_>) -> StepResult {
+    sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+        .bind(msg.payload().n)
+        .execute(ctx.conn())
+        .await?;
+    Ok(StepOutcome::completed())
+}
+
+/// Records the order through a pool of its own, outside the step's transaction: deliberately not
+/// idempotent.
+async fn careless(msg: &Message<Placed>, _ctx: &mut StepContext<'_>, pool: &PgPool) -> StepResult {
+    sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+        .bind(msg.payload().n)
+        .execute(pool)
+        .await?;
+    Ok(StepOutcome::completed())
+}
+
+/// A service whose table `effects` counts its step's effects; `carefully` chooses the step, and `crash`
+/// loses each message's first run after its handler ran.
+async fn effects_service(
+    s: ServiceSetup,
+    orders: Topic<Placed>,
+    carefully: bool,
+    crash: bool,
+) -> Result<saga_consumer::SagaServiceBuilder, sqlx::Error> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS effects (seq BIGSERIAL PRIMARY KEY, n BIGINT NOT NULL)",
+    )
+    .execute(s.pool())
+    .await?;
+    let builder = s.builder();
+    let times = u32::from(crash);
+    Ok(if carefully {
+        builder.step(
+            step("record", careful)
+                .on(&orders)
+                .layer(fail_after_handler(times)),
+        )
+    } else {
+        builder.step(
+            step_with("record", s.pool().clone(), careless)
+                .on(&orders)
+                .layer(fail_after_handler(times)),
+        )
+    })
+}
+
+async fn effects(test: &SagaTest, service: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(test.pool(service).unwrap())
+        .await
+        .unwrap()
+}
+
+/// The redeliveries service `service` skipped since it last started.
+fn skipped(test: &SagaTest, service: &str) -> f64 {
+    let ops = test.ops(service).unwrap();
+    ops.sample("saga_consumer_duplicates_total", "step=\"record\"")
+        .unwrap_or(0.0)
+}
+
+/// Starts the careful and the careless service on `orders`.
+async fn careful_and_careless(test: &mut SagaTest, orders: &Topic<Placed>, crash: bool) {
+    for (name, carefully) in [("careful", true), ("careless", false)] {
+        let input = orders.clone();
+        test.service_async(name, move |s| {
+            effects_service(s, input.clone(), carefully, crash)
+        })
+        .await
+        .unwrap();
+    }
+}
+
+async fn send_orders(
+    test: &SagaTest,
+    orders: &Topic<Placed>,
+    range: std::ops::RangeInclusive<i64>,
+) {
+    for n in range {
+        test.send(orders, &format!("order-{n}"), &Placed { n })
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn losing_each_first_run_after_the_handler_catches_a_step_that_writes_outside_its_transaction()
+ {
+    let mut test = SagaTest::start("kit-crash").await.unwrap();
+    let orders = test.topic::<Placed>("orders");
+    careful_and_careless(&mut test, &orders, true).await;
+    send_orders(&test, &orders, 1..=3).await;
+    test.wait_quiet().await.unwrap();
+    assert_eq!(effects(&test, "careful").await, 3, "one effect per order");
+    let careless = effects(&test, "careless").await;
+    assert!(careless >= 6, "caught: {careless} effects of 3 orders");
+    test.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redeliveries_after_a_crash_before_the_offset_commit_and_duplicates_are_absorbed() {
+    let mut test = SagaTest::start("kit-redeliver").await.unwrap();
+    let orders = test.topic::<Placed>("orders");
+    careful_and_careless(&mut test, &orders, false).await;
+    send_orders(&test, &orders, 1..=3).await;
+    test.wait_quiet().await.unwrap();
+
+    for service in ["careful", "careless"] {
+        let again = test.crash_before_offset_commit(service).await.unwrap();
+        assert_eq!(again, 3, "{service}: its three orders are delivered again");
+    }
+    test.wait_quiet().await.unwrap();
+    for service in ["careful", "careless"] {
+        // Delivered again, and skipped: their step keys are done.
+        assert_eq!(skipped(&test, service), 3.0, "{service}");
+        assert_eq!(effects(&test, service).await, 3, "{service}");
+    }
+
+    // Every message of the topic twice: the three there, and two more.
+    test.duplicate_deliveries(&[orders.name()]).unwrap();
+    send_orders(&test, &orders, 4..=5).await;
+    test.wait_quiet().await.unwrap();
+    assert_eq!(test.duplicates(), 5);
+    for service in ["careful", "careless"] {
+        assert_eq!(skipped(&test, service), 3.0 + 5.0, "{service}");
+        assert_eq!(effects(&test, service).await, 5, "{service}");
+    }
+    // The copies are the kit's, not the system's: the topic shows the five orders.
+    assert_eq!(test.published(&orders).await.unwrap().len(), 5);
+    assert!(matches!(
+        test.duplicate_deliveries(&[orders.name()]),
+        Err(KitError::Unsupported(_))
+    ));
+    test.stop().await.unwrap();
+}
+
+/// Notes every order; refuses order 13 for good.
+async fn note_or_refuse(
+    msg: &Message<Placed>,
+    ctx: &mut StepContext<'_>,
+    out: &Topic<Noted>,
+) -> StepResult {
+    if msg.payload().n == 13 {
+        return Err(StepError::permanent("order 13 is refused"));
+    }
+    note(msg, ctx, out).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn published_events_and_dead_letters_are_read_back_typed() {
+    let mut test = SagaTest::start("kit-published").await.unwrap();
+    let (orders, notes) = (test.topic::<Placed>("orders"), test.topic::<Noted>("notes"));
+    let (input, out) = (orders.clone(), notes.clone());
+    test.service("notes", move |s: &ServiceSetup| {
+        s.builder()
+            .step(step_with("note", out.clone(), note_or_refuse).on(&input))
+    })
+    .await
+    .unwrap();
+    for n in [7, 8, 13] {
+        test.send(&orders, &format!("order-{n}"), &Placed { n })
+            .await
+            .unwrap();
+    }
+    test.wait_quiet().await.unwrap();
+    let published = test.published(&notes).await.unwrap();
+    assert_eq!(published.len(), 2);
+    let seven = published.one(|e| e.n == 7);
+    assert_eq!(
+        seven.idempotency_key().as_str(),
+        "order-7",
+        "the saga's key"
+    );
+    published.none(|e| e.n == 13);
+    // Another type's view of the topic skips these events.
+    assert!(
+        test.published(&test.topic::<Reserved>("notes"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let letters = test.dead_letters("notes").await.unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let letter = &letters[0];
+    assert_eq!(letter.topic, orders.name());
+    assert_eq!(letter.step.as_deref(), Some("note"));
+    assert_eq!(letter.idempotency_key.as_deref(), Some("order-13"));
+    assert!(letter.error.contains("order 13 is refused"), "{letter:?}");
+    test.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unknown_service_and_an_unreachable_database_are_clear_errors() {
+    let test = SagaTest::start("kit-errors").await.unwrap();
+    let err = test.pool("nobody").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "no service named \"nobody\" runs in this test"
+    );
+    test.stop().await.unwrap();
+    let err = SagaTest::start_with("kit-errors", Some("not a database URL".into()), 1)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("DATABASE_URL"), "{err}");
+}
