@@ -229,18 +229,25 @@ pub fn quote_ident(name: &str) -> String {
 /// for the payment service). Returns the service's pool.
 pub async fn prepare(service: Service, args: &ServiceArgs) -> anyhow::Result<PgPool> {
     let pool = args.pool(&args.schema(service), 12).await?;
-    saga_consumer::migrate::migrate(&pool)
+    migrate(service, args, &pool).await?;
+    Ok(pool)
+}
+
+/// Applies the framework's and `service`'s migrations to `pool` (and the gateway's to its schema, for the
+/// payment service).
+pub async fn migrate(service: Service, args: &ServiceArgs, pool: &PgPool) -> anyhow::Result<()> {
+    saga_consumer::migrate::migrate(pool)
         .await
         .context("applying the framework's migrations")?;
     if service == Service::Order {
         // The order service shows its saga instances (GET /sagas/{id}) in either mode.
-        saga_orchestrator::migrate::migrate(&pool)
+        saga_orchestrator::migrate::migrate(pool)
             .await
             .context("applying the orchestrator's migrations")?;
     }
     service
         .migrator()
-        .run(&pool)
+        .run(pool)
         .await
         .context("applying the service's migrations")?;
     if service == Service::Payment {
@@ -250,7 +257,7 @@ pub async fn prepare(service: Service, args: &ServiceArgs) -> anyhow::Result<PgP
             .await
             .context("applying the gateway's migrations")?;
     }
-    Ok(pool)
+    Ok(())
 }
 
 fn gateway_migrator() -> Migrator {

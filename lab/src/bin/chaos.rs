@@ -7,7 +7,7 @@ use std::time::Duration;
 use saga_lab::harness::broker::Broker;
 use saga_lab::harness::run::{Run, RunOptions, plan, submit_orders};
 use saga_lab::harness::summary::Summary;
-use saga_lab::harness::{ChildCommand, RunFlags, duplicator, ledger, run_name};
+use saga_lab::harness::{ChildCommand, RunFlags, ledger, run_name};
 use saga_test_support::PrivateBroker;
 use tokio_util::sync::CancellationToken;
 
@@ -213,7 +213,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         ledger: &ledger,
         client: &stats,
         duplicates_absorbed,
-        duplicates_injected: duplicator::count(&copies),
+        duplicates_injected: copies.copies(),
         deaths,
         dead_letters,
         extra,

@@ -5,7 +5,7 @@ use std::time::Duration;
 use saga_lab::harness::broker::Broker;
 use saga_lab::harness::run::{Run, RunOptions, plan};
 use saga_lab::harness::summary::Summary;
-use saga_lab::harness::{ChildCommand, RunFlags, duplicator, run_name};
+use saga_lab::harness::{ChildCommand, RunFlags, run_name};
 use tokio_util::sync::CancellationToken;
 
 /// mimalloc, not the system's allocator: with glibc's malloc, allocation was about a quarter of the
@@ -139,7 +139,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         ledger: &ledger,
         client: &stats,
         duplicates_absorbed,
-        duplicates_injected: copies.map_or(0, |c| duplicator::count(&c)),
+        duplicates_injected: copies.map_or(0, |c| c.copies()),
         deaths,
         dead_letters,
         extra: Vec::new(),

@@ -3,7 +3,6 @@
 
 pub mod broker;
 pub mod client;
-pub mod duplicator;
 pub mod held;
 pub mod ledger;
 pub mod local;

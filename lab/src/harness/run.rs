@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use saga_runtime::config::connect_postgres;
+use saga_testing::duplicate::Duplicator;
 use sqlx::PgPool;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
@@ -319,15 +320,15 @@ impl Run {
         });
     }
 
-    /// Delivers every event on the run's topics a second time, until `stop`; returns the count of copies
-    /// (see [`crate::harness::duplicator`]).
-    pub fn duplicate_events(&self, stop: CancellationToken) -> anyhow::Result<Arc<AtomicU64>> {
-        crate::harness::duplicator::start(
+    /// Delivers every event on the run's topics a second time, until `stop` (see
+    /// [`saga_testing::duplicate`]).
+    pub fn duplicate_events(&self, stop: CancellationToken) -> anyhow::Result<Duplicator> {
+        Ok(Duplicator::start(
             &self.args.kafka(),
             &format!("{}.duplicator", self.args.topic_prefix),
             &self.args.topics().all(),
             stop,
-        )
+        )?)
     }
 
     /// Submits `orders` to this run's API; see [`submit_orders`].
