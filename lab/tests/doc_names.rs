@@ -173,6 +173,7 @@ impl Source {
             "saga_orchestrator" => "saga-orchestrator/",
             "saga_admin" => "saga-admin/",
             "saga_test_support" => "saga-test-support/",
+            "saga_testing" => "saga-testing/",
             "outbox_relay" => "outbox-relay/",
             "saga_examples" => "examples/",
             "saga_lab" => "lab/",
