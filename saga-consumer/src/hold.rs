@@ -408,6 +408,23 @@ const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partit
      FROM saga_parked_messages p WHERE p.group_id = h.group_id AND p.key = h.key ORDER BY p.seq LIMIT 1) f \
      ON true";
 
+/// Whether the first parked message of held key `h` (its [`FIRST_PARKED`] `f`) waits for a paused step.
+const FIRST_PAUSED: &str = "EXISTS (SELECT 1 FROM saga_paused_steps s, saga_parked_messages p \
+     WHERE p.group_id = h.group_id AND p.key = h.key AND p.seq = f.seq \
+       AND s.group_id = h.group_id AND s.step = p.step AND s.effective_at <= now())";
+
+/// How many keys group `group` is releasing whose next parked message does not wait for a paused step:
+/// the releaser's work still to do (a test kit's quiet-wait counts it as busy).
+pub async fn releasing_keys(pool: &PgPool, group: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM saga_held_keys h {FIRST_PARKED} \
+         WHERE h.group_id = $1 AND h.state = 'releasing' AND NOT {FIRST_PAUSED}"
+    )))
+    .bind(group)
+    .fetch_one(pool)
+    .await
+}
+
 fn view_of(row: &sqlx::postgres::PgRow) -> Result<HeldView, sqlx::Error> {
     let seq: Option<i64> = row.try_get("seq")?;
     let first = match seq {
@@ -771,10 +788,7 @@ impl Holds {
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "SELECT * FROM (SELECT h.key, h.held_at, {VIEW_COLUMNS}, \
                      (h.in_flight_at IS NULL OR h.in_flight_at < now() - make_interval(secs => $2)) AS resend_due, \
-                     EXISTS (SELECT 1 FROM saga_paused_steps s, saga_parked_messages p \
-                         WHERE p.group_id = h.group_id AND p.key = h.key AND p.seq = f.seq \
-                           AND s.group_id = h.group_id AND s.step = p.step AND s.effective_at <= now()) \
-                         AS first_paused \
+                     {FIRST_PAUSED} AS first_paused \
                  FROM saga_held_keys h {FIRST_PARKED} \
                  WHERE h.group_id = $1 AND h.state = 'releasing' AND ($3::bytea IS NULL OR h.key = $3)) k \
                  WHERE k.seq IS NULL OR (NOT k.first_paused AND (k.in_flight IS DISTINCT FROM k.seq OR k.resend_due)) \

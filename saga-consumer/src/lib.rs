@@ -132,8 +132,8 @@ pub mod telemetry {
     pub use saga_runtime::trace::{SampledOut, SampledOutFilter};
 }
 
-/// What the framework's own operators' toolkit (`saga-admin`: the `saga` command and its inspector) shares
-/// with the runtime: Kafka clients, replay headers, the key store's rows, terminal-safe printing. Not part
+/// What the framework's own operators' toolkit (`saga-admin`: the `saga` command and its inspector) and its
+/// test kit (`saga-testing`) share with the runtime: Kafka clients, replay headers, the key store's rows, terminal-safe printing. Not part
 /// of the API: no semver promise, and nothing a service needs.
 #[doc(hidden)]
 pub mod toolkit {
@@ -150,7 +150,7 @@ pub mod toolkit {
     /// How long after it is written a pause takes effect (`saga_paused_steps.effective_at`).
     pub use crate::hold::PAUSE_DELAY;
     /// Releasing held keys (`saga_held_keys`): what a discard, a resume or `saga keys release` does.
-    pub use crate::hold::{Released, release as release_held};
+    pub use crate::hold::{Released, release as release_held, releasing_keys};
 
     /// Dead letters as records, and their index (`saga_dead_letters`).
     pub mod letters {

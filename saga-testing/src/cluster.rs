@@ -15,6 +15,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use saga_consumer::{Headers, Origin, RawMessage};
 
 use crate::KitError;
+use crate::error::kafka;
 
 /// How long one request to the mock cluster may take.
 const REQUEST: Duration = Duration::from_secs(10);
@@ -53,12 +54,16 @@ impl std::fmt::Debug for Cluster {
 impl Cluster {
     /// A mock cluster of one broker, whose topics get `partitions` partitions.
     pub(crate) fn start(partitions: i32) -> Result<Self, KitError> {
-        let mock = MockCluster::new(1)?;
+        let mock = MockCluster::new(1).map_err(kafka)?;
         let brokers = mock.bootstrap_servers();
-        let producer = config(&brokers)
-            .set("enable.idempotence", "true")
-            .set("linger.ms", "0")
-            .create()?;
+        // The relay's producer: keys partitioned with murmur2, so that an event the test sends and one a
+        // service emits with the same key share a partition.
+        let producer = saga_runtime::kafka::idempotent_producer(
+            &saga_consumer::KafkaConfig::new(&brokers),
+            Duration::ZERO,
+            REQUEST,
+        )
+        .map_err(kafka)?;
         Ok(Self {
             mock,
             brokers,
@@ -83,7 +88,7 @@ impl Cluster {
         match self.mock.create_topic(topic, self.partitions, 1) {
             // Made by a producer (the mock cluster creates a topic on first use).
             Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::TopicAlreadyExists) => {}
-            other => other?,
+            other => other.map_err(kafka)?,
         }
         created.insert(topic.to_owned());
         Ok(())
@@ -110,7 +115,7 @@ impl Cluster {
             .producer
             .send(record, REQUEST)
             .await
-            .map_err(|(e, _)| e)?;
+            .map_err(|(e, _)| kafka(e))?;
         Ok((delivered.partition, delivered.offset))
     }
 
@@ -123,17 +128,22 @@ impl Cluster {
             let reader: BaseConsumer = config(&brokers)
                 .set("group.id", "saga-testing-reader")
                 .set("enable.auto.commit", "false")
-                .create()?;
+                .create()
+                .map_err(kafka)?;
             let mut ends = BTreeMap::new();
             let mut assignment = TopicPartitionList::new();
             for partition in partitions(&reader, &topic)? {
-                let (low, high) = reader.fetch_watermarks(&topic, partition, REQUEST)?;
+                let (low, high) = reader
+                    .fetch_watermarks(&topic, partition, REQUEST)
+                    .map_err(kafka)?;
                 if high > low {
                     ends.insert(partition, high);
-                    assignment.add_partition_offset(&topic, partition, Offset::Offset(low))?;
+                    assignment
+                        .add_partition_offset(&topic, partition, Offset::Offset(low))
+                        .map_err(kafka)?;
                 }
             }
-            reader.assign(&assignment)?;
+            reader.assign(&assignment).map_err(kafka)?;
             let mut messages = Vec::new();
             let deadline = Instant::now() + REQUEST;
             while !ends.is_empty() {
@@ -146,7 +156,7 @@ impl Cluster {
                 let Some(message) = reader.poll(Duration::from_millis(100)) else {
                     continue;
                 };
-                let message = message?;
+                let message = message.map_err(kafka)?;
                 let (partition, offset) = (message.partition(), message.offset());
                 if ends.get(&partition).is_some_and(|end| offset + 1 >= *end) {
                     ends.remove(&partition);
@@ -182,12 +192,14 @@ impl Cluster {
             let mut asked = TopicPartitionList::new();
             for topic in &topics {
                 for partition in partitions(&client, topic)? {
-                    let (low, high) = client.fetch_watermarks(topic, partition, REQUEST)?;
+                    let (low, high) = client
+                        .fetch_watermarks(topic, partition, REQUEST)
+                        .map_err(kafka)?;
                     ends.insert((topic.clone(), partition), (low, high));
                     asked.add_partition(topic, partition);
                 }
             }
-            let committed = client.committed_offsets(asked, REQUEST)?;
+            let committed = client.committed_offsets(asked, REQUEST).map_err(kafka)?;
             Ok(ends
                 .into_iter()
                 .map(|((topic, partition), (low, high))| {
@@ -227,33 +239,38 @@ impl Cluster {
                     crate::service::SESSION_TIMEOUT.as_millis().to_string(),
                 )
                 .set("heartbeat.interval.ms", "1000")
-                .create()?;
+                .create()
+                .map_err(kafka)?;
             let names: Vec<&str> = topics_owned.iter().map(String::as_str).collect();
-            member.subscribe(&names)?;
+            member.subscribe(&names).map_err(kafka)?;
             let mut start = TopicPartitionList::new();
             let mut again = 0;
             let mut wanted = 0;
             for topic in &topics_owned {
                 for partition in partitions(&member, topic)? {
-                    let (low, high) = member.fetch_watermarks(topic, partition, REQUEST)?;
-                    start.add_partition_offset(topic, partition, Offset::Offset(low))?;
+                    let (low, high) = member
+                        .fetch_watermarks(topic, partition, REQUEST)
+                        .map_err(kafka)?;
+                    start
+                        .add_partition_offset(topic, partition, Offset::Offset(low))
+                        .map_err(kafka)?;
                     again += high - low;
                     wanted += 1;
                 }
             }
             // The only member: every partition is assigned to it.
             let deadline = Instant::now() + Duration::from_secs(30);
-            while member.assignment()?.count() < wanted {
+            while member.assignment().map_err(kafka)?.count() < wanted {
                 if Instant::now() > deadline {
                     return Err(KitError::Kafka(format!(
                         "rewinding {group_name}: its partitions were not assigned within 30 s"
                     )));
                 }
                 if let Some(Err(e)) = member.poll(Duration::from_millis(50)) {
-                    return Err(e.into());
+                    return Err(kafka(e));
                 }
             }
-            member.commit(&start, CommitMode::Sync)?;
+            member.commit(&start, CommitMode::Sync).map_err(kafka)?;
             member.unsubscribe();
             Ok(again)
         })
@@ -278,7 +295,8 @@ impl Cluster {
             config(&self.brokers)
                 .set("group.id", group)
                 .set("enable.auto.commit", "false")
-                .create()?,
+                .create()
+                .map_err(kafka)?,
         );
         groups.insert(group.to_owned(), client.clone());
         Ok(client)
@@ -296,7 +314,7 @@ fn config(brokers: &str) -> ClientConfig {
 
 /// The partitions of `topic`, in order.
 fn partitions(client: &BaseConsumer, topic: &str) -> Result<Vec<i32>, KitError> {
-    let metadata = client.fetch_metadata(Some(topic), REQUEST)?;
+    let metadata = client.fetch_metadata(Some(topic), REQUEST).map_err(kafka)?;
     let mut partitions: Vec<i32> = metadata
         .topics()
         .iter()

@@ -15,6 +15,7 @@ use saga_consumer::KafkaConfig;
 use tokio_util::sync::CancellationToken;
 
 use crate::KitError;
+use crate::error::kafka as kafka_error;
 
 /// The header marking a copy, so that copies are not copied again.
 pub const COPY_HEADER: &str = "x-saga-duplicate";
@@ -30,11 +31,35 @@ pub struct Duplicator {
 impl Duplicator {
     /// Starts copying every message of `topics` once, reading them as consumer group `group` (whose
     /// committed offsets say what was copied), until `stop` is cancelled.
+    ///
+    /// The consumer is left to the process's end rather than closed when `stop` is cancelled: closing waits
+    /// for the broker to confirm the leave, which a broker restarted under it may never do.
     pub fn start(
         kafka: &KafkaConfig,
         group: &str,
         topics: &[&str],
         stop: CancellationToken,
+    ) -> Result<Self, KitError> {
+        Self::run(kafka, group, topics, stop, true)
+    }
+
+    /// Like [`Duplicator::start`], closing the consumer when `stop` is cancelled (a broker that stays up, as
+    /// the test kit's mock cluster does).
+    pub(crate) fn start_closing(
+        kafka: &KafkaConfig,
+        group: &str,
+        topics: &[&str],
+        stop: CancellationToken,
+    ) -> Result<Self, KitError> {
+        Self::run(kafka, group, topics, stop, false)
+    }
+
+    fn run(
+        kafka: &KafkaConfig,
+        group: &str,
+        topics: &[&str],
+        stop: CancellationToken,
+        leak: bool,
     ) -> Result<Self, KitError> {
         let consumer: StreamConsumer = saga_runtime::kafka::client_config(kafka)
             .set("group.id", group)
@@ -43,19 +68,22 @@ impl Duplicator {
             .set("auto.commit.interval.ms", "50")
             // A message's offset is stored once its copy was acknowledged: a committed offset means copied.
             .set("enable.auto.offset.store", "false")
-            .create()?;
-        consumer.subscribe(topics)?;
+            .create()
+            .map_err(kafka_error)?;
+        consumer.subscribe(topics).map_err(kafka_error)?;
         let producer = saga_runtime::kafka::idempotent_producer(
             kafka,
             Duration::from_millis(2),
             Duration::from_secs(30),
-        )?;
+        )
+        .map_err(kafka_error)?;
         let copies = Arc::new(AtomicU64::new(0));
         let counter = copies.clone();
-        // Closing a consumer waits for the broker to confirm it left its group, which a broker restarted
-        // under it may never do, and a worker thread blocked there keeps the program from exiting: the
-        // consumer is left to the process's end instead.
-        let consumer: &'static StreamConsumer = Box::leak(Box::new(consumer));
+        let consumer: Arc<StreamConsumer> = Arc::new(consumer);
+        if leak {
+            // A worker thread blocked in the close would keep the program from exiting.
+            std::mem::forget(consumer.clone());
+        }
         tokio::spawn(async move {
             let mut stream = consumer.stream();
             loop {

@@ -77,8 +77,8 @@ pub enum KitError {
     Orchestrator(#[from] saga_orchestrator::OrchestratorError),
 }
 
-impl From<rdkafka::error::KafkaError> for KitError {
-    fn from(e: rdkafka::error::KafkaError) -> Self {
-        Self::Kafka(e.to_string())
-    }
+/// A Kafka client's error, as the kit reports it (no rdkafka type in the kit's API).
+#[allow(clippy::needless_pass_by_value)] // `map_err(kafka)` hands the error over
+pub(crate) fn kafka(e: rdkafka::error::KafkaError) -> KitError {
+    KitError::Kafka(e.to_string())
 }

@@ -9,8 +9,9 @@
 //!   pool, a builder pointed at the mock cluster with quick settings, the test's clock).
 //! - [`SagaTest::send`] an event in, or [`http::send`] a request to a service's routes.
 //! - [`SagaTest::wait_quiet`]: until no message is in flight (every service's group has committed the end
-//!   of every partition it reads), no outbox row is unpublished and no saga timer is due. When the wait
-//!   runs out it fails with [`Busy`], naming each [`Culprit`]: the service and what it still had to do.
+//!   of every partition it reads), no outbox row is unpublished, no saga timer is due or failing, no held
+//!   key is being released and every service runs. When the wait runs out it fails with [`Busy`], naming
+//!   each [`Culprit`]: the service and what it still had to do.
 //! - [`SagaTest::published`]: the events of one type on a topic ("one `PaymentProcessed` for order 7":
 //!   [`Events::one`]); [`SagaTest::dead_letters`] of a service; [`SagaTest::sagas`], the orchestrator's
 //!   instances and their states.
@@ -21,7 +22,7 @@
 //!   ([`SagaTest::duplicate_deliveries`]).
 //!
 //! The services write their outbox as rows (the table outbox), which the quiet-wait reads; the retries of
-//! a failing step are 5 ms apart, three attempts before a dead letter.
+//! a failing step are 5 to 20 ms apart, three attempts before a dead letter.
 //!
 //! # Examples
 //!
@@ -106,17 +107,28 @@ const QUIET_TIMEOUT: Duration = Duration::from_secs(30);
 const READY: Duration = Duration::from_secs(30);
 
 /// One test's system: the mock cluster, the services, their schemas, the clock.
-#[derive(Debug)]
 pub struct SagaTest {
+    // Dropped before the cluster: the services stop before their broker goes.
+    services: Vec<Running>,
     name: String,
     database_url: String,
     cluster: Cluster,
     clock: SagaClock,
-    services: Vec<Running>,
     duplicator: Option<(Duplicator, CancellationToken)>,
     quiet_timeout: Duration,
     /// Whether [`SagaTest::stop`] ran (else dropping the test drops its schemas).
     stopped: bool,
+}
+
+impl std::fmt::Debug for SagaTest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the database URL: it may hold a password.
+        f.debug_struct("SagaTest")
+            .field("name", &self.name)
+            .field("brokers", &self.cluster.brokers())
+            .field("services", &self.services)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Drop for SagaTest {
@@ -124,52 +136,70 @@ impl Drop for SagaTest {
         if self.stopped || self.services.is_empty() {
             return;
         }
-        // A test that panicked (or forgot `stop`): its services are cancelled as their records drop; the
-        // schemas are dropped here, on a runtime of their own, since a drop cannot await.
         if let Some((_, stop)) = self.duplicator.take() {
             stop.cancel();
+        }
+        for running in &mut self.services {
+            running.abort();
         }
         let schemas: Vec<String> = self
             .services
             .iter()
             .map(|s| s.setup.schema().to_owned())
             .collect();
+        if std::thread::panicking() {
+            // A failed test's schemas are kept to be looked at.
+            eprintln!(
+                "saga-testing: the test failed; its schemas are kept: {}",
+                schemas.join(", ")
+            );
+            return;
+        }
+        // A test that forgot `stop`: its schemas are dropped here, on a runtime of their own, since a drop
+        // cannot await.
         let url = self.database_url.clone();
         let dropped = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .ok()?;
-            runtime.block_on(drop_schemas(&url, &schemas)).ok()
+                .map_err(|e| KitError::Unsupported(e.to_string()))?;
+            runtime.block_on(drop_schemas(&url, &schemas))
         })
         .join();
-        if !matches!(dropped, Ok(Some(()))) {
-            eprintln!(
-                "saga-testing: the schemas of {} were not dropped",
+        match dropped {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("saga-testing: dropping the schemas of {}: {e}", self.name),
+            Err(_) => eprintln!(
+                "saga-testing: dropping the schemas of {} panicked",
                 self.name
-            );
+            ),
         }
     }
 }
 
-/// Drops `schemas` (waiting at most 10 s for a lock a service's connection may still hold).
+/// Drops `schemas` (waiting at most 10 s for a lock a service's connection may still hold), each even when
+/// another could not be; returns the first failure.
 async fn drop_schemas(url: &str, schemas: &[String]) -> Result<(), KitError> {
     let admin = saga_consumer::setup::connect_postgres("DATABASE_URL", url, None, 1).await?;
     let mut conn = admin.acquire().await?;
     sqlx::query("SET lock_timeout = '10s'")
         .execute(&mut *conn)
         .await?;
+    let mut first_error = None;
     for schema in schemas {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
+        let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
             "DROP SCHEMA IF EXISTS {} CASCADE",
             quote_ident(schema)
         )))
         .execute(&mut *conn)
-        .await?;
+        .await;
+        if let Err(e) = dropped {
+            first_error.get_or_insert(KitError::from(e));
+        }
     }
     drop(conn);
     admin.close().await;
-    Ok(())
+    first_error.map_or(Ok(()), Err)
 }
 
 impl SagaTest {
@@ -196,11 +226,11 @@ impl SagaTest {
             .close()
             .await;
         Ok(Self {
+            services: Vec::new(),
             name: unique(name),
             database_url,
             cluster: Cluster::start(partitions)?,
             clock: SagaClock::manual(),
-            services: Vec::new(),
             duplicator: None,
             quiet_timeout: QUIET_TIMEOUT,
             stopped: false,
@@ -502,7 +532,7 @@ impl SagaTest {
             self.cluster.create_topic(topic)?;
         }
         let stop = CancellationToken::new();
-        let duplicator = Duplicator::start(
+        let duplicator = Duplicator::start_closing(
             &KafkaConfig::new(self.cluster.brokers()),
             &format!("{}.duplicator", self.name),
             topics,
@@ -517,8 +547,9 @@ impl SagaTest {
         self.duplicator.as_ref().map_or(0, |(d, _)| d.copies())
     }
 
-    /// Simulates a crash of service `service` after its database commits and before its offset commits:
-    /// stops it, moves its group's committed offsets back to the start of every partition it reads (as
+    /// Simulates a crash of service `service` after its database commits and before its offset commits.
+    /// It first waits until the system is quiet (failing with [`KitError::Busy`] if it is not), then stops
+    /// the service, moves its group's committed offsets back to the start of every partition it reads (as
     /// if none of its offset commits had reached the broker), and starts it again from its setup. Every
     /// message it consumed is delivered again. Returns how many.
     pub async fn crash_before_offset_commit(&mut self, service: &str) -> Result<i64, KitError> {

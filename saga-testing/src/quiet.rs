@@ -11,6 +11,7 @@ use crate::cluster::Position;
 /// What kept the system from being quiet when a wait ran out: each culprit names the service and what it
 /// had still to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 #[error("still busy after {waited_ms} ms: {}", list(.culprits))]
 pub struct Busy {
     /// How long the wait lasted, in milliseconds.
@@ -276,8 +277,9 @@ pub(crate) async fn timers(
         .collect())
 }
 
-/// The held keys group `group` of `service` is releasing: the releaser sends their parked messages to the
-/// retry topic outside any transaction, so nothing else shows that work.
+/// The held keys group `group` of `service` is releasing (but for those waiting on a paused step): the
+/// releaser sends their parked messages to the retry topic outside any transaction, so nothing else shows
+/// that work.
 pub(crate) async fn releasing(
     service: &str,
     group: &str,
@@ -289,12 +291,7 @@ pub(crate) async fn releasing(
     if !exists {
         return Ok(Vec::new());
     }
-    let keys: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM saga_held_keys WHERE group_id = $1 AND state = 'releasing'",
-    )
-    .bind(group)
-    .fetch_one(pool)
-    .await?;
+    let keys = saga_consumer::toolkit::releasing_keys(pool, group).await?;
     Ok(if keys > 0 {
         vec![Culprit::Releasing {
             service: service.to_owned(),

@@ -184,8 +184,16 @@ impl Running {
         Ok(running)
     }
 
-    /// Builds the service again and starts it.
+    /// Builds the service again and starts it; a failure is also kept as how the service ended.
     pub(crate) async fn run(&mut self, cluster: &Cluster) -> Result<(), KitError> {
+        let started = self.build_and_run(cluster).await;
+        if let Err(e) = &started {
+            self.ended = Some(format!("it did not start: {e}"));
+        }
+        started
+    }
+
+    async fn build_and_run(&mut self, cluster: &Cluster) -> Result<(), KitError> {
         let failed = |error: BoxError| KitError::Service {
             service: self.setup.name.clone(),
             error,
@@ -246,7 +254,7 @@ impl Running {
     pub(crate) async fn stop(&mut self) -> Result<(), KitError> {
         self.stop.cancel();
         let Some(task) = self.task.take() else {
-            return match self.ended.take() {
+            return match self.ended.clone() {
                 Some(ended) => Err(KitError::Service {
                     service: self.setup.name.clone(),
                     error: ended.into(),
@@ -262,6 +270,16 @@ impl Running {
             Err(_) => Err(failed(format!("did not stop within {STOP:?}").into())),
             Ok(Err(e)) => Err(failed(e.to_string().into())),
             Ok(Ok(result)) => result.map_err(|e| failed(e.into())),
+        }
+    }
+}
+
+impl Running {
+    /// Stops the service at once, without waiting for it (a test that is being torn down).
+    pub(crate) fn abort(&mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            task.abort();
         }
     }
 }

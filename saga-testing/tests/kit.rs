@@ -112,9 +112,21 @@ async fn slow(_msg: &Message<Placed>, _ctx: &mut StepContext<'_>) -> StepResult 
     Ok(StepOutcome::completed())
 }
 
+/// Notes the order, keyed by the order's number.
 async fn note(msg: &Message<Placed>, ctx: &mut StepContext<'_>, out: &Topic<Noted>) -> StepResult {
     let n = msg.payload().n;
     ctx.emit(out, n.to_string(), &Noted { n })?;
+    Ok(StepOutcome::completed())
+}
+
+/// Notes the order, keyed like the order itself (its idempotency key).
+async fn note_by_key(
+    msg: &Message<Placed>,
+    ctx: &mut StepContext<'_>,
+    out: &Topic<Noted>,
+) -> StepResult {
+    let n = msg.payload().n;
+    ctx.emit(out, msg.idempotency_key().as_str(), &Noted { n })?;
     Ok(StepOutcome::completed())
 }
 
@@ -319,7 +331,7 @@ async fn note_or_refuse(
     if msg.payload().n == 13 {
         return Err(StepError::permanent("order 13 is refused"));
     }
-    note(msg, ctx, out).await
+    note_by_key(msg, ctx, out).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -333,10 +345,15 @@ async fn published_events_and_dead_letters_are_read_back_typed() {
     })
     .await
     .unwrap();
+    // Both topics of the test's partition count: a key's partition is the same on both.
+    test.create_topic(notes.name()).unwrap();
+    let mut partitions = std::collections::HashMap::new();
     for n in [7, 8, 13] {
-        test.send(&orders, &format!("order-{n}"), &Placed { n })
+        let (partition, _) = test
+            .send(&orders, &format!("order-{n}"), &Placed { n })
             .await
             .unwrap();
+        partitions.insert(n, partition);
     }
     test.wait_quiet().await.unwrap();
     let published = test.published(&notes).await.unwrap();
@@ -347,6 +364,11 @@ async fn published_events_and_dead_letters_are_read_back_typed() {
         "order-7",
         "the saga's key"
     );
+    // The kit's producer partitions a key as the relay does: the test's event and the service's, both keyed
+    // `order-7`, share a partition.
+    for message in published.messages() {
+        assert_eq!(message.partition(), partitions[&message.payload().n]);
+    }
     published.none(|e| e.n == 13);
     // Another type's view of the topic skips these events.
     assert!(
@@ -378,4 +400,104 @@ async fn an_unknown_service_and_an_unreachable_database_are_clear_errors() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("DATABASE_URL"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn names_a_second_service_of_a_schema_and_the_wal_outbox_are_refused() {
+    let mut test = SagaTest::start("kit-refusals").await.unwrap();
+    let orders = test.topic::<Placed>("orders");
+    for bad in ["Payment", "a.b", "", "a-name-longer-than-20"] {
+        let input = orders.clone();
+        let refused = test
+            .service(bad, move |s: &ServiceSetup| {
+                s.builder().step(step("slow", slow).on(&input))
+            })
+            .await;
+        assert!(
+            matches!(&refused, Err(KitError::BadServiceName(name)) if name == bad),
+            "{refused:?}"
+        );
+    }
+    let input = orders.clone();
+    test.service("a_b", move |s: &ServiceSetup| {
+        s.builder().step(step("slow", slow).on(&input))
+    })
+    .await
+    .unwrap();
+    let input = orders.clone();
+    let clash = test
+        .service("a-b", move |s: &ServiceSetup| {
+            s.builder().step(step("slow", slow).on(&input))
+        })
+        .await;
+    assert!(
+        matches!(clash, Err(KitError::DuplicateService(_))),
+        "{clash:?}"
+    );
+    let input = orders.clone();
+    let wal = test
+        .service("wal", move |s: &ServiceSetup| {
+            s.builder()
+                .outbox_mode(saga_consumer::OutboxMode::Wal)
+                .step(step("slow", slow).on(&input))
+        })
+        .await
+        .unwrap_err();
+    assert!(wal.to_string().contains("table outbox"), "{wal}");
+    test.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_service_that_stops_is_named_and_a_test_dropped_without_stop_drops_its_schemas() {
+    let mut test = SagaTest::start("kit-stopped").await.unwrap();
+    let orders = test.topic::<Placed>("orders");
+    // The service's task fails when the test says so.
+    let give_up = std::sync::Arc::new(tokio::sync::Notify::new());
+    let told = give_up.clone();
+    test.service("fragile", move |s: &ServiceSetup| {
+        let told = told.clone();
+        s.builder().step(step("slow", slow).on(&orders)).task(
+            "fails-when-told",
+            |_ctx| async move {
+                told.notified().await;
+                Err("the task gave up".into())
+            },
+        )
+    })
+    .await
+    .unwrap();
+    give_up.notify_one();
+    let schema: String = sqlx::query_scalar("SELECT current_schema()")
+        .fetch_one(test.pool("fragile").unwrap())
+        .await
+        .unwrap();
+    // Quiet until the service has stopped, then never again.
+    let mut busy = None;
+    for _ in 0..100 {
+        match test.wait_quiet_for(Duration::from_millis(100)).await {
+            Ok(()) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(KitError::Busy(b)) => {
+                busy = Some(b);
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let busy = busy.expect("a stopped service is not quiet");
+    assert!(
+        busy.culprits.iter().any(|c| matches!(c,
+            Culprit::Stopped { service, reason } if service == "fragile" && reason.contains("gave up"))),
+        "{busy}"
+    );
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let pool = PgPool::connect(&url).await.unwrap();
+    drop(test);
+    let left: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(&schema)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(!left, "{schema} dropped with the test");
 }
