@@ -33,33 +33,13 @@ impl Duplicator {
     /// committed offsets say what was copied), until `stop` is cancelled.
     ///
     /// The consumer is left to the process's end rather than closed when `stop` is cancelled: closing waits
-    /// for the broker to confirm the leave, which a broker restarted under it may never do.
+    /// for the broker to confirm the leave, which a broker restarted (or a mock cluster dropped) under it
+    /// may never do.
     pub fn start(
         kafka: &KafkaConfig,
         group: &str,
         topics: &[&str],
         stop: CancellationToken,
-    ) -> Result<Self, KitError> {
-        Self::run(kafka, group, topics, stop, true)
-    }
-
-    /// Like [`Duplicator::start`], closing the consumer when `stop` is cancelled (a broker that stays up, as
-    /// the test kit's mock cluster does).
-    pub(crate) fn start_closing(
-        kafka: &KafkaConfig,
-        group: &str,
-        topics: &[&str],
-        stop: CancellationToken,
-    ) -> Result<Self, KitError> {
-        Self::run(kafka, group, topics, stop, false)
-    }
-
-    fn run(
-        kafka: &KafkaConfig,
-        group: &str,
-        topics: &[&str],
-        stop: CancellationToken,
-        leak: bool,
     ) -> Result<Self, KitError> {
         let consumer: StreamConsumer = saga_runtime::kafka::client_config(kafka)
             .set("group.id", group)
@@ -79,11 +59,8 @@ impl Duplicator {
         .map_err(kafka_error)?;
         let copies = Arc::new(AtomicU64::new(0));
         let counter = copies.clone();
-        let consumer: Arc<StreamConsumer> = Arc::new(consumer);
-        if leak {
-            // A worker thread blocked in the close would keep the program from exiting.
-            std::mem::forget(consumer.clone());
-        }
+        // A worker thread blocked in the close would keep the program (or a test's runtime) from ending.
+        let consumer: &'static StreamConsumer = Box::leak(Box::new(consumer));
         tokio::spawn(async move {
             let mut stream = consumer.stream();
             loop {

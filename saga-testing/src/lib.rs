@@ -108,7 +108,7 @@ const READY: Duration = Duration::from_secs(30);
 
 /// One test's system: the mock cluster, the services, their schemas, the clock.
 pub struct SagaTest {
-    // Dropped before the cluster: the services stop before their broker goes.
+    // Dropped first: the services are told to stop before their broker goes.
     services: Vec<Running>,
     name: String,
     database_url: String,
@@ -133,11 +133,11 @@ impl std::fmt::Debug for SagaTest {
 
 impl Drop for SagaTest {
     fn drop(&mut self) {
-        if self.stopped || self.services.is_empty() {
-            return;
-        }
         if let Some((_, stop)) = self.duplicator.take() {
             stop.cancel();
+        }
+        if self.stopped || self.services.is_empty() {
+            return;
         }
         for running in &mut self.services {
             running.abort();
@@ -182,6 +182,16 @@ impl Drop for SagaTest {
 async fn drop_schemas(url: &str, schemas: &[String]) -> Result<(), KitError> {
     let admin = saga_consumer::setup::connect_postgres("DATABASE_URL", url, None, 1).await?;
     let mut conn = admin.acquire().await?;
+    // A service's transaction cut short (its task aborted while the test's runtime is blocked here) holds
+    // its locks until its session ends: the test's own sessions on its own schemas are ended first.
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM (SELECT DISTINCT l.pid FROM pg_locks l \
+             JOIN pg_class c ON c.oid = l.relation JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = ANY($1) AND l.pid <> pg_backend_pid()) holders",
+    )
+    .bind(schemas)
+    .execute(&mut *conn)
+    .await?;
     sqlx::query("SET lock_timeout = '10s'")
         .execute(&mut *conn)
         .await?;
@@ -532,7 +542,7 @@ impl SagaTest {
             self.cluster.create_topic(topic)?;
         }
         let stop = CancellationToken::new();
-        let duplicator = Duplicator::start_closing(
+        let duplicator = Duplicator::start(
             &KafkaConfig::new(self.cluster.brokers()),
             &format!("{}.duplicator", self.name),
             topics,

@@ -27,13 +27,23 @@ const STOP: Duration = Duration::from_secs(30);
 
 /// What a service's setup is given: its PostgreSQL schema and pool, a builder already pointed at the mock
 /// cluster with the kit's quick settings, and the test's clock.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServiceSetup {
     name: String,
     schema: String,
     pool: PgPool,
     args: ServiceArgs,
     clock: SagaClock,
+}
+
+impl std::fmt::Debug for ServiceSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the settings: their database URL may hold a password.
+        f.debug_struct("ServiceSetup")
+            .field("name", &self.name)
+            .field("schema", &self.schema)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ServiceSetup {

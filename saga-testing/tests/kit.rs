@@ -501,3 +501,66 @@ async fn a_service_that_stops_is_named_and_a_test_dropped_without_stop_drops_its
             .unwrap();
     assert!(!left, "{schema} dropped with the test");
 }
+
+/// Writes its row, then takes its time with its transaction open.
+async fn slow_writer(msg: &Message<Placed>, ctx: &mut StepContext<'_>) -> StepResult {
+    sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+        .bind(msg.payload().n)
+        .execute(ctx.conn())
+        .await?;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    Ok(StepOutcome::completed())
+}
+
+/// On a runtime of one thread, which the test's drop blocks: the aborted step's transaction cannot roll
+/// back, and its locks stay until its session is ended.
+#[tokio::test]
+async fn a_test_dropped_while_a_step_holds_its_transaction_open_still_drops_its_schemas() {
+    let mut test = SagaTest::start("kit-dropped").await.unwrap();
+    let orders = test.topic::<Placed>("orders");
+    let input = orders.clone();
+    test.service_async("writer", move |s| {
+        let input = input.clone();
+        async move {
+            sqlx::query("CREATE TABLE IF NOT EXISTS effects (n BIGINT NOT NULL)")
+                .execute(s.pool())
+                .await?;
+            Ok::<_, sqlx::Error>(s.builder().step(step("write", slow_writer).on(&input)))
+        }
+    })
+    .await
+    .unwrap();
+    let schema: String = sqlx::query_scalar("SELECT current_schema()")
+        .fetch_one(test.pool("writer").unwrap())
+        .await
+        .unwrap();
+    test.send(&orders, "order-1", &Placed { n: 1 })
+        .await
+        .unwrap();
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let pool = PgPool::connect(&url).await.unwrap();
+    let locked = || {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = 'effects' AND l.mode = 'RowExclusiveLock')",
+        )
+        .bind(&schema)
+        .fetch_one(&pool)
+    };
+    let mut waited = 0;
+    while !locked().await.unwrap() {
+        waited += 1;
+        assert!(waited < 200, "the step never wrote its row");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(test);
+    let left: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(&schema)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(!left, "{schema} dropped with the test");
+}
