@@ -564,3 +564,45 @@ async fn a_test_dropped_while_a_step_holds_its_transaction_open_still_drops_its_
             .unwrap();
     assert!(!left, "{schema} dropped with the test");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_service_whose_setup_fails_on_its_restart_is_named_as_not_started() {
+    let mut test = SagaTest::start("kit-restart").await.unwrap();
+    let orders = test.topic::<Placed>("orders");
+    let setups = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counted = setups.clone();
+    test.service_async("flaky", move |s| {
+        let first = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        let builder = s.builder().step(step("slow", slow).on(&orders));
+        async move {
+            if first {
+                Ok(builder)
+            } else {
+                Err("its configuration went missing")
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let restarted = test.crash_before_offset_commit("flaky").await;
+    assert!(
+        matches!(&restarted, Err(KitError::Service { service, error })
+            if service == "flaky" && error.to_string().contains("went missing")),
+        "{restarted:?}"
+    );
+    assert_eq!(setups.load(std::sync::atomic::Ordering::SeqCst), 2);
+    let Err(KitError::Busy(busy)) = test.wait_quiet_for(Duration::from_millis(200)).await else {
+        panic!("a service that did not start again is not quiet");
+    };
+    assert!(
+        busy.culprits.iter().any(|c| matches!(c,
+            Culprit::Stopped { service, reason } if service == "flaky" && reason.contains("did not start"))),
+        "{busy}"
+    );
+    // `stop` reports it too.
+    let stopped = test.stop().await;
+    assert!(
+        matches!(&stopped, Err(KitError::Service { service, .. }) if service == "flaky"),
+        "{stopped:?}"
+    );
+}
