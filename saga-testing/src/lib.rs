@@ -95,7 +95,7 @@ pub use service::ServiceSetup;
 
 use cluster::{Cluster, Position};
 use duplicate::Duplicator;
-use service::{Running, quote_ident};
+use service::{Running, drop_schemas};
 
 /// The database the kit uses when `DATABASE_URL` is unset.
 const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -175,41 +175,6 @@ impl Drop for SagaTest {
             ),
         }
     }
-}
-
-/// Drops `schemas` (waiting at most 10 s for a lock a service's connection may still hold), each even when
-/// another could not be; returns the first failure.
-async fn drop_schemas(url: &str, schemas: &[String]) -> Result<(), KitError> {
-    let admin = saga_consumer::setup::connect_postgres("DATABASE_URL", url, None, 1).await?;
-    let mut conn = admin.acquire().await?;
-    // A service's transaction cut short (its task aborted while the test's runtime is blocked here) holds
-    // its locks until its session ends: the test's own sessions on its own schemas are ended first.
-    sqlx::query(
-        "SELECT pg_terminate_backend(pid) FROM (SELECT DISTINCT l.pid FROM pg_locks l \
-             JOIN pg_class c ON c.oid = l.relation JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE n.nspname = ANY($1) AND l.pid <> pg_backend_pid()) holders",
-    )
-    .bind(schemas)
-    .execute(&mut *conn)
-    .await?;
-    sqlx::query("SET lock_timeout = '10s'")
-        .execute(&mut *conn)
-        .await?;
-    let mut first_error = None;
-    for schema in schemas {
-        let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP SCHEMA IF EXISTS {} CASCADE",
-            quote_ident(schema)
-        )))
-        .execute(&mut *conn)
-        .await;
-        if let Err(e) = dropped {
-            first_error.get_or_insert(KitError::from(e));
-        }
-    }
-    drop(conn);
-    admin.close().await;
-    first_error.map_or(Ok(()), Err)
 }
 
 impl SagaTest {
@@ -356,7 +321,7 @@ impl SagaTest {
     async fn ready(&mut self, name: &str) -> Result<(), KitError> {
         let started = Instant::now();
         loop {
-            let running = self.running(name)?;
+            let running = find_mut(&mut self.services, name)?;
             if let Some(reason) = running.stopped().await {
                 return Err(KitError::Service {
                     service: name.to_owned(),
@@ -374,13 +339,6 @@ impl SagaTest {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-    }
-
-    fn running(&mut self, name: &str) -> Result<&mut Running, KitError> {
-        self.services
-            .iter_mut()
-            .find(|s| s.setup.name() == name)
-            .ok_or_else(|| KitError::NoService(name.to_owned()))
     }
 
     fn service_ref(&self, name: &str) -> Result<&Running, KitError> {
@@ -565,16 +523,10 @@ impl SagaTest {
     pub async fn crash_before_offset_commit(&mut self, service: &str) -> Result<i64, KitError> {
         // Whatever it was in, it finishes first: the crash is of the offsets, not of a transaction.
         self.wait_quiet().await?;
-        let running = self.running(service)?;
+        let running = find_mut(&mut self.services, service)?;
         running.stop().await?;
-        let (group, topics) = (running.group.clone(), running.topics.clone());
-        let rewound = self.cluster.rewind(&group, &topics).await;
+        let rewound = self.cluster.rewind(&running.group, &running.topics).await;
         // Started again whatever happened: a failed rewind is reported, not a service left stopped.
-        let running = self
-            .services
-            .iter_mut()
-            .find(|s| s.setup.name() == service)
-            .ok_or_else(|| KitError::NoService(service.to_owned()))?;
         running.run(&self.cluster).await?;
         self.ready(service).await?;
         rewound
@@ -610,6 +562,15 @@ impl SagaTest {
         }
         first_error.map_or(Ok(()), Err)
     }
+}
+
+/// The service named `name` among `services` (a function of the field, so that the cluster can be borrowed
+/// beside it).
+fn find_mut<'a>(services: &'a mut [Running], name: &str) -> Result<&'a mut Running, KitError> {
+    services
+        .iter_mut()
+        .find(|s| s.setup.name() == name)
+        .ok_or_else(|| KitError::NoService(name.to_owned()))
 }
 
 /// A group's positions on its topics' partitions.

@@ -192,10 +192,7 @@ pub(crate) fn unconsumed(
 pub(crate) async fn outbox(service: &str, pool: &PgPool) -> Result<Vec<Culprit>, KitError> {
     let mut culprits = Vec::new();
     // A service that failed before its migrations ran has no outbox: it is reported as stopped.
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass('saga_outbox') IS NOT NULL")
-        .fetch_one(pool)
-        .await?;
-    if !exists {
+    if !has_table(pool, "saga_outbox").await? {
         return Ok(culprits);
     }
     let (rows, topic, key): (i64, Option<String>, Option<String>) = sqlx::query_as(
@@ -236,10 +233,7 @@ pub(crate) async fn timers(
     pool: &PgPool,
     advanced_ms: i64,
 ) -> Result<Vec<Culprit>, KitError> {
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass('saga_instances') IS NOT NULL")
-        .fetch_one(pool)
-        .await?;
-    if !exists {
+    if !has_table(pool, "saga_instances").await? {
         return Ok(Vec::new());
     }
     // Due on the orchestrator's own terms (its `lock_due`: the deadline against `now()` moved by the
@@ -285,10 +279,7 @@ pub(crate) async fn releasing(
     group: &str,
     pool: &PgPool,
 ) -> Result<Vec<Culprit>, KitError> {
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass('saga_held_keys') IS NOT NULL")
-        .fetch_one(pool)
-        .await?;
-    if !exists {
+    if !has_table(pool, "saga_held_keys").await? {
         return Ok(Vec::new());
     }
     let keys = saga_consumer::toolkit::releasing_keys(pool, group).await?;
@@ -300,4 +291,13 @@ pub(crate) async fn releasing(
     } else {
         Vec::new()
     })
+}
+
+/// Whether the service's schema (`pool`'s `search_path`) has table `table`: the orchestrator's are there
+/// only for a service that orchestrates, and none before the migrations ran.
+async fn has_table(pool: &PgPool, table: &str) -> Result<bool, KitError> {
+    Ok(sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(table)
+        .fetch_one(pool)
+        .await?)
 }

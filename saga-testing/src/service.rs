@@ -183,12 +183,7 @@ impl Running {
         };
         if let Err(e) = running.run(cluster).await {
             // Nothing of a service that never ran is left behind.
-            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                "DROP SCHEMA IF EXISTS {} CASCADE",
-                quote_ident(&running.setup.schema)
-            )))
-            .execute(&running.setup.pool)
-            .await;
+            let _ = drop_schemas(&url, std::slice::from_ref(&running.setup.schema)).await;
             return Err(e);
         }
         Ok(running)
@@ -301,7 +296,42 @@ impl Drop for Running {
     }
 }
 
+/// Drops `schemas` (waiting at most 10 s for a lock a service's connection may still hold), each even when
+/// another could not be; returns the first failure.
+pub(crate) async fn drop_schemas(url: &str, schemas: &[String]) -> Result<(), KitError> {
+    let admin = saga_consumer::setup::connect_postgres("DATABASE_URL", url, None, 1).await?;
+    let mut conn = admin.acquire().await?;
+    // A service's transaction cut short (its task aborted while the test's runtime is blocked here) holds
+    // its locks until its session ends: the test's own sessions on its own schemas are ended first.
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM (SELECT DISTINCT l.pid FROM pg_locks l \
+             JOIN pg_class c ON c.oid = l.relation JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = ANY($1) AND l.pid <> pg_backend_pid()) holders",
+    )
+    .bind(schemas)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query("SET lock_timeout = '10s'")
+        .execute(&mut *conn)
+        .await?;
+    let mut first_error = None;
+    for schema in schemas {
+        let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {} CASCADE",
+            quote_ident(schema)
+        )))
+        .execute(&mut *conn)
+        .await;
+        if let Err(e) = dropped {
+            first_error.get_or_insert(KitError::from(e));
+        }
+    }
+    drop(conn);
+    admin.close().await;
+    first_error.map_or(Ok(()), Err)
+}
+
 /// Quotes an SQL identifier.
-pub(crate) fn quote_ident(name: &str) -> String {
+fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }

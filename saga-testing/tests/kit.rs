@@ -447,6 +447,29 @@ async fn names_a_second_service_of_a_schema_and_the_wal_outbox_are_refused() {
     test.stop().await.unwrap();
 }
 
+/// A pool on the test database, outside any test's schema.
+async fn database() -> PgPool {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    PgPool::connect(&url).await.unwrap()
+}
+
+/// The schema of service `service`.
+async fn schema_of(test: &SagaTest, service: &str) -> String {
+    sqlx::query_scalar("SELECT current_schema()")
+        .fetch_one(test.pool(service).unwrap())
+        .await
+        .unwrap()
+}
+
+async fn schema_exists(pool: &PgPool, schema: &str) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+        .bind(schema)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_that_stops_is_named_and_a_test_dropped_without_stop_drops_its_schemas() {
     let mut test = SagaTest::start("kit-stopped").await.unwrap();
@@ -467,10 +490,7 @@ async fn a_service_that_stops_is_named_and_a_test_dropped_without_stop_drops_its
     .await
     .unwrap();
     give_up.notify_one();
-    let schema: String = sqlx::query_scalar("SELECT current_schema()")
-        .fetch_one(test.pool("fragile").unwrap())
-        .await
-        .unwrap();
+    let schema = schema_of(&test, "fragile").await;
     // Quiet until the service has stopped, then never again.
     let mut busy = None;
     for _ in 0..100 {
@@ -489,17 +509,12 @@ async fn a_service_that_stops_is_named_and_a_test_dropped_without_stop_drops_its
             Culprit::Stopped { service, reason } if service == "fragile" && reason.contains("gave up"))),
         "{busy}"
     );
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-    let pool = PgPool::connect(&url).await.unwrap();
+    let pool = database().await;
     drop(test);
-    let left: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
-            .bind(&schema)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert!(!left, "{schema} dropped with the test");
+    assert!(
+        !schema_exists(&pool, &schema).await,
+        "{schema} dropped with the test"
+    );
 }
 
 /// Writes its row, then takes its time with its transaction open.
@@ -530,16 +545,11 @@ async fn a_test_dropped_while_a_step_holds_its_transaction_open_still_drops_its_
     })
     .await
     .unwrap();
-    let schema: String = sqlx::query_scalar("SELECT current_schema()")
-        .fetch_one(test.pool("writer").unwrap())
-        .await
-        .unwrap();
+    let schema = schema_of(&test, "writer").await;
     test.send(&orders, "order-1", &Placed { n: 1 })
         .await
         .unwrap();
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-    let pool = PgPool::connect(&url).await.unwrap();
+    let pool = database().await;
     let locked = || {
         sqlx::query_scalar::<_, bool>(
             "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
@@ -556,13 +566,10 @@ async fn a_test_dropped_while_a_step_holds_its_transaction_open_still_drops_its_
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     drop(test);
-    let left: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
-            .bind(&schema)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert!(!left, "{schema} dropped with the test");
+    assert!(
+        !schema_exists(&pool, &schema).await,
+        "{schema} dropped with the test"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
