@@ -108,7 +108,9 @@ impl RelaySettings {
 #[non_exhaustive]
 pub enum RelayError {
     /// A setting keeps it from starting; names the setting and what to do.
-    #[error(transparent)]
+    // Not transparent: the cause stays in the error's chain, where `exit_code` finds a
+    // configuration problem (exit code 2).
+    #[error("{0}")]
     Config(#[from] ConfigProblem),
     /// The Kafka producer could not be created.
     #[error("kafka: {0}")]
@@ -497,6 +499,9 @@ impl Relay {
     }
 
     async fn run_until(self, shutdown: CancellationToken) -> Result<(), RelayError> {
+        // A producer the broker refuses (credentials, certificate, protocol) would retry for ever: one line
+        // naming the setting instead.
+        saga_runtime::kafka::probe(&self.kafka, "KAFKA_BROKERS").await?;
         self.ops.register(|r| self.metrics.register(r));
         if let Some(addr) = self.settings.ops_addr {
             let bound = self.ops.serve(addr, shutdown.clone()).await?;
@@ -541,12 +546,19 @@ impl Relay {
                 self.hooks.clone(),
             )?;
             let url = self.settings.replication_url.clone().unwrap_or_default();
-            tokio::join!(
-                self.run_table(&mut table_publisher, &shutdown, Role::BesideTheLog),
-                self.run_wal(&mut publisher, &url, &shutdown),
+            // A replication connection its settings refuse stops the table's publishing too.
+            let stop = shutdown.child_token();
+            let (_, wal) = tokio::join!(
+                self.run_table(&mut table_publisher, &stop, Role::BesideTheLog),
+                async {
+                    let ended = self.run_wal(&mut publisher, &url, &stop).await;
+                    stop.cancel();
+                    ended
+                },
             );
             table_publisher.flush(Duration::from_secs(5));
             publisher.flush(Duration::from_secs(5));
+            wal?;
         } else {
             // `message.timeout.ms=0`: the table relay waits for the broker forever rather than fail a row.
             let mut publisher = Publisher::new(

@@ -51,6 +51,9 @@ enum WalEnd {
     Standby(String),
     /// The database or the stream failed: reconnect.
     Failed(String),
+    /// The replication connection's settings cannot work (its URL, its TLS, its credentials): waiting
+    /// mends nothing, the relay stops with the setting to change.
+    Refused(ConfigProblem),
     /// Shutdown.
     Shutdown,
 }
@@ -106,14 +109,7 @@ pub(crate) fn replication_config(
         .unwrap_or_else(|| user.clone());
     let mut cfg = ReplicationConfig::new(host, user, password, database, slot, wal::PUBLICATION);
     cfg.port = parsed.port().unwrap_or(5432);
-    // A private CA's certificate, as libpq takes it; without it, the webpki roots.
-    let root = query.get("sslrootcert").map(std::path::PathBuf::from);
-    cfg.tls = match query.get("sslmode").map(String::as_str) {
-        Some("require") => TlsConfig::require(),
-        Some("verify-ca") => TlsConfig::verify_ca(root),
-        Some("verify-full") => TlsConfig::verify_full(root),
-        _ => TlsConfig::disabled(),
-    };
+    cfg.tls = replication_tls(&query).map_err(bad)?;
     // Confirmations reach the server within a second: the slot's lag, and the WAL it holds, stay small.
     cfg.status_interval = Duration::from_secs(1);
     cfg.idle_wakeup_interval = Duration::from_secs(1);
@@ -123,6 +119,33 @@ pub(crate) fn replication_config(
     // SAGA_OUTBOX_MAX_TRANSACTION_BYTES), not the library's 8,192.
     cfg.buffer_events = READ_AHEAD_MESSAGES;
     Ok(cfg)
+}
+
+/// The replication connection's TLS, as libpq and the database pool read the URL: `sslmode` (`prefer`, TLS
+/// when the server offers it, where the URL says nothing), `sslrootcert` (a private CA; without it, the
+/// webpki roots) and `sslcert`/`sslkey` (a client certificate).
+fn replication_tls(query: &HashMap<String, String>) -> Result<TlsConfig, String> {
+    let path = |name: &str| query.get(name).map(std::path::PathBuf::from);
+    let root = path("sslrootcert");
+    let mut tls = match query.get("sslmode").map(String::as_str) {
+        None | Some("prefer") => TlsConfig {
+            mode: pgwire_replication::SslMode::Prefer,
+            ..TlsConfig::default()
+        },
+        // `allow` tries plaintext first: the server answers it unless it insists on TLS.
+        Some("disable" | "allow") => TlsConfig::disabled(),
+        Some("require") => TlsConfig::require(),
+        Some("verify-ca") => TlsConfig::verify_ca(root),
+        Some("verify-full") => TlsConfig::verify_full(root),
+        Some(other) => {
+            return Err(format!(
+                "has sslmode={other:?}, which is not disable, allow, prefer, require, verify-ca or verify-full"
+            ));
+        }
+    };
+    tls.client_cert_pem_path = path("sslcert");
+    tls.client_key_pem_path = path("sslkey");
+    Ok(tls)
 }
 
 fn percent_decode(text: &str) -> String {
@@ -148,10 +171,21 @@ fn classify(e: &PgWireError) -> WalEnd {
     let text = e.to_string();
     // 55006 object_in_use: "replication slot ... is active for PID ...".
     if text.contains("55006") || text.contains("is active for PID") {
-        WalEnd::Standby(text)
-    } else {
-        WalEnd::Failed(text)
+        return WalEnd::Standby(text);
     }
+    // TLS (a certificate the CA did not sign, a server without TLS where the URL asks for it, a file that
+    // does not read) and authentication (28000, 28P01) are the URL's to fix, not the server's to recover.
+    let refused = matches!(e, PgWireError::Tls(_) | PgWireError::Auth(_))
+        || text.contains("28P01")
+        || text.contains("28000");
+    if refused {
+        return WalEnd::Refused(ConfigProblem::new(
+            "SAGA_REPLICATION_URL",
+            format!("the replication connection is refused: {text}"),
+            "fix its sslmode, sslrootcert, user or password (by default it is DATABASE_URL)",
+        ));
+    }
+    WalEnd::Failed(text)
 }
 
 /// The events read from the slot and not yet settled, with what is decided about them (row `i`'s id is
@@ -269,7 +303,7 @@ impl Relay {
         publisher: &mut Publisher,
         url: &str,
         shutdown: &CancellationToken,
-    ) {
+    ) -> Result<(), ConfigProblem> {
         let mut wait = Duration::from_millis(200);
         let mut standing_by = false;
         let mut last_failure = String::new();
@@ -283,6 +317,10 @@ impl Relay {
             self.metrics.wal_active.set(0);
             let pause = match end {
                 WalEnd::Shutdown => break,
+                WalEnd::Refused(problem) => {
+                    self.ready.set(false);
+                    return Err(problem);
+                }
                 WalEnd::Standby(holder) => {
                     if !standing_by {
                         tracing::info!(%holder, "another relay reads the outbox's slot; standing by");
@@ -312,6 +350,7 @@ impl Relay {
                 () = tokio::time::sleep(pause) => {}
             }
         }
+        Ok(())
     }
 
     /// One session with the slot: see the module documentation.
@@ -339,7 +378,7 @@ impl Relay {
         };
         let cfg = match replication_config(url, &outbox.slot) {
             Ok(cfg) => cfg,
-            Err(e) => return WalEnd::Failed(e.to_string()),
+            Err(problem) => return WalEnd::Refused(problem),
         };
         let mut client = match ReplicationClient::connect(cfg).await {
             Ok(client) => client,
@@ -798,6 +837,27 @@ mod tests {
         let local = replication_config("postgres://postgres@127.0.0.1/test", "slot").unwrap();
         assert_eq!((local.port, local.password.as_str()), (5432, ""));
         assert!(!local.tls.mode.requires_tls());
+        assert_eq!(
+            local.tls.mode,
+            pgwire_replication::SslMode::Prefer,
+            "as the pool"
+        );
+        let verified = replication_config(
+            "postgres://x@db/y?sslmode=verify-full&sslrootcert=/ca.pem&sslcert=/c.pem&sslkey=/c.key",
+            "slot",
+        )
+        .unwrap();
+        assert_eq!(verified.tls.mode, pgwire_replication::SslMode::VerifyFull);
+        assert_eq!(
+            verified.tls.ca_pem_path.as_deref(),
+            Some(std::path::Path::new("/ca.pem"))
+        );
+        assert_eq!(
+            verified.tls.client_key_pem_path.as_deref(),
+            Some(std::path::Path::new("/c.key"))
+        );
+        let refused = replication_config("postgres://x@db/y?sslmode=verify", "slot").unwrap_err();
+        assert_eq!(refused.setting, "SAGA_REPLICATION_URL", "{refused}");
         assert!(replication_config("mysql://x@y/z", "slot").is_err());
         assert!(replication_config("not a url", "slot").is_err());
         assert_eq!(pg_time(0).timestamp(), 946_684_800);

@@ -648,3 +648,92 @@ async fn a_table_row_failing_at_the_switch_holds_only_its_key_across_the_table_a
     );
     relay.stop().await;
 }
+
+/// `url` with TLS verified against the local CA (`sslmode=verify-full`, `sslrootcert`), as a deployment
+/// names its database.
+fn verify_full(url: &str, ca: &str) -> String {
+    let ca = std::path::Path::new(&saga_test_support::tls_file(ca))
+        .display()
+        .to_string();
+    let joiner = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{joiner}sslmode=verify-full&sslrootcert={ca}")
+}
+
+/// The database pool and the replication connection both take `sslmode=verify-full` with a private CA: the
+/// relay reads its slot over TLS (the server says so of the walsender's connection) and publishes; a CA that
+/// did not sign the server's certificate is refused at start, naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_pool_and_the_replication_connection_take_verify_full_with_a_private_ca() {
+    let db = TestDb::new("wal-tls").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("wal-tls", 1).await;
+    let url = verify_full(&db.url(), "ca.pem");
+    let pool = saga_runtime::config::connect_postgres("DATABASE_URL", &url, None, 8)
+        .await
+        .unwrap();
+    let pool_tls: bool =
+        sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(pool_tls, "the pool's connection is over TLS");
+    let relay = start(
+        builder(&kafka.brokers, pool.clone())
+            .mode(OutboxMode::Wal)
+            .replication_url(url.clone()),
+    );
+    wait_until("the relay reads its slot", WAIT, || async {
+        slot_read(&db).await.then_some(())
+    })
+    .await;
+    let slot = wal::slot_name(db.database(), &db.schema);
+    let walsender_tls: bool = wait_until("the walsender of the slot", WAIT, || async {
+        sqlx::query_scalar(
+            "SELECT s.ssl FROM pg_replication_slots r JOIN pg_stat_ssl s ON s.pid = r.active_pid \
+             WHERE r.slot_name = $1",
+        )
+        .bind(&slot)
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    assert!(walsender_tls, "the replication connection is over TLS");
+    emit(&db, &[row(&topic, "key-1", 1), row(&topic, "key-1", 2)]).await;
+    let messages = read(&kafka, &topic, 2).await;
+    assert_eq!(
+        check_per_key_order(&messages, &BTreeMap::from([("key-1".to_owned(), 2)])),
+        0
+    );
+    relay.stop().await;
+
+    let refused = saga_runtime::config::connect_postgres(
+        "DATABASE_URL",
+        &verify_full(&db.url(), "other-ca.pem"),
+        None,
+        1,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.setting, "DATABASE_URL", "{refused}");
+
+    // A replication connection whose certificate check fails stops the relay, naming the setting: no
+    // endless retry of what waiting cannot mend.
+    let refusing = builder(&kafka.brokers, db.pool.clone())
+        .mode(OutboxMode::Wal)
+        .replication_url(verify_full(&db.url(), "other-ca.pem"))
+        .build()
+        .unwrap();
+    let ended = tokio::time::timeout(
+        Duration::from_secs(30),
+        refusing.run(std::future::pending()),
+    )
+    .await
+    .expect("the relay stops by itself");
+    match ended {
+        Err(outbox_relay::RelayError::Config(problem)) => {
+            assert_eq!(problem.setting, "SAGA_REPLICATION_URL", "{problem}");
+        }
+        other => panic!("a configuration problem expected, got {other:?}"),
+    }
+}

@@ -11,6 +11,7 @@ pub mod redis;
 pub mod relay;
 pub mod saga;
 pub mod scale;
+pub mod tls;
 
 /// The outbox the benchmark's writers use now (the consumer's rounds, the ceilings, the HTTP layer's):
 /// `saga-bench` sets it for each outbox mode it measures.
@@ -208,6 +209,9 @@ pub struct Report {
     /// The relay and saga figures with the outbox on the write-ahead log (the top-level ones are the
     /// table's).
     pub wal: Option<serde_json::Value>,
+    /// The consumer with its database connections over TLS against plaintext, on the mock cluster (the
+    /// `consumer-tls` section).
+    pub consumer_tls: Option<tls::TlsFigures>,
     /// The operators' toolkit over a dead-letter topic of many letters (the `dlq-index` section).
     pub dlq_index: Option<dlq::DlqFigures>,
     /// The machine the figures were measured on.
@@ -275,6 +279,15 @@ impl Report {
                 fmt(self.kafka_consume_only_msgs_per_s, "msg/s"),
                 "",
                 "",
+            ),
+            (
+                "consumer, database over TLS / plaintext (mock cluster)",
+                fmt(self.consumer_tls.as_ref().map(|t| t.tls_vs_plain_ratio), ""),
+                "≥ 0.85",
+                check(
+                    self.consumer_tls.as_ref().map(|t| t.tls_vs_plain_ratio),
+                    |v| v >= 0.85,
+                ),
             ),
             (
                 "relay, 100k-row backlog",

@@ -69,8 +69,8 @@ struct Cli {
     /// framework's own cost from the broker's.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     mock_too: bool,
-    /// Only these sections (broker, consumer, consumer-mock, relay, relay-mock, scale, http, redis, otel,
-    /// saga, saga-mock, dlq-index); all but dlq-index by default. `dlq-index` runs only when named, with
+    /// Only these sections (broker, consumer, consumer-mock, consumer-tls, relay, relay-mock, scale, http,
+    /// redis, otel, saga, saga-mock, dlq-index); all but dlq-index by default. `dlq-index` runs only when named, with
     /// the `saga` binary built beside this one (cargo build --release -p saga-admin). The `-mock` ones, `redis` and `otel` run on librdkafka's
     /// in-process mock cluster; they, and `http`, need no broker.
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
@@ -115,10 +115,11 @@ struct Cli {
 }
 
 /// The sections of a run, in the order they run.
-const SECTIONS: [&str; 12] = [
+const SECTIONS: [&str; 13] = [
     "broker",
     "consumer",
     "consumer-mock",
+    "consumer-tls",
     "relay",
     "relay-mock",
     "scale",
@@ -131,8 +132,9 @@ const SECTIONS: [&str; 12] = [
 ];
 
 /// The sections that need no broker (the mock cluster stands in, or no Kafka at all).
-const BROKER_FREE: [&str; 6] = [
+const BROKER_FREE: [&str; 7] = [
     "consumer-mock",
+    "consumer-tls",
     "relay-mock",
     "saga-mock",
     "http",
@@ -328,6 +330,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             saga_lab::bench::set_outbox(saga_consumer::Outbox::table());
         }
+    }
+    if section("consumer-tls") {
+        report.consumer_tls = Some(tls_figures(&cli, &args, &mut schemas, &progress).await?);
     }
     if section("relay") {
         let topic = format!("{run}.relay");
@@ -633,6 +638,56 @@ async fn fresh_schema(
     schemas.push(name.to_owned());
     saga_consumer::migrate::migrate(&pool).await?;
     Ok(pool)
+}
+
+/// The `consumer-tls` section: the consumer on the mock cluster with its database connections over TLS
+/// (`sslmode=require`) against plaintext (`sslmode=disable`), in turns, in one run.
+async fn tls_figures(
+    cli: &Cli,
+    args: &ServiceArgs,
+    schemas: &mut Vec<String>,
+    progress: &Progress,
+) -> anyhow::Result<saga_lab::bench::tls::TlsFigures> {
+    progress.note("consumer over TLS against plaintext, on librdkafka's mock cluster");
+    let mock = Broker::mock()?;
+    let kafka = KafkaConfig::new(mock.brokers());
+    let work = format!("{}.mock_tls.work", args.topic_prefix);
+    let topics = [
+        work.clone(),
+        format!("{work}.dlq"),
+        format!("{work}.retry"),
+        format!("{work}.done"),
+    ];
+    mock.create_topics(&topics, cli.partitions).await?;
+    saga_lab::bench::consumer::produce(&kafka, &work, cli.messages, progress).await?;
+    let mut pools = Vec::new();
+    for (side, sslmode) in [("plain", "disable"), ("tls", "require")] {
+        let mut side_args = args.clone();
+        side_args.saga.database.database_url = Some(saga_lab::bench::tls::with_sslmode(
+            args.database_url(),
+            sslmode,
+        ));
+        let pool = fresh_schema(
+            &side_args,
+            &format!("{}_tls_{side}", args.schema_prefix),
+            schemas,
+        )
+        .await?;
+        saga_lab::bench::consumer::create_effects_table(&pool).await?;
+        pools.push(pool);
+    }
+    saga_lab::bench::set_outbox(saga_consumer::Outbox::table());
+    saga_lab::bench::tls::figures(
+        &kafka,
+        &pools[0],
+        &pools[1],
+        &work,
+        cli.messages,
+        cli.batch_size,
+        usize::try_from(cli.partitions)?,
+        progress,
+    )
+    .await
 }
 
 /// The machine of the run: CPU, cores, memory, kernel, PostgreSQL, the build's commit.

@@ -226,14 +226,9 @@ fn build_rustls_config(
         )));
     }
 
-    // Operator hint: VerifyFull + IP literal is a common misconfiguration
-    if verify_hostname && host.parse::<std::net::IpAddr>().is_ok() && tls.sni_hostname.is_none() {
-        return Err(PgWireError::Tls(format!(
-            "TLS config error: VerifyFull enabled but host '{host}' is an IP address. \
-             Hint: use a DNS name matching the certificate, or set tls.sni_hostname, \
-             or use VerifyCa mode."
-        )));
-    }
+    // VerifyFull with an IP literal: rustls checks the certificate's IP address SANs, as libpq does
+    // (vendored change: the published crate refused it).
+    let _ = host;
 
     // ---- Root certificate store ----
     let roots = build_root_store(tls)?;
