@@ -201,14 +201,19 @@ impl ServiceArgs {
             .await?
             .close()
             .await;
-        saga_consumer::setup::probe_broker(&self.kafka()).await?;
+        saga_consumer::setup::probe_broker(&self.kafka()?).await?;
         Ok(())
     }
 
-    /// The Kafka configuration: the brokers, and librdkafka properties from `KAFKA_PROPERTY_*`.
-    pub fn kafka(&self) -> KafkaConfig {
-        KafkaConfig::with_env_properties(Some(self.brokers().to_owned()))
-            .unwrap_or_else(|_| KafkaConfig::new(self.brokers()))
+    /// The Kafka configuration: the brokers, the security settings (`KAFKA_SECURITY_PROTOCOL`, SASL, TLS)
+    /// and librdkafka properties from `KAFKA_PROPERTY_*`; settings that cannot work together are a
+    /// [`saga_consumer::ConfigProblem`] naming the one to change.
+    pub fn kafka(&self) -> Result<KafkaConfig, saga_consumer::ConfigProblem> {
+        self.saga
+            .kafka
+            .secure(KafkaConfig::with_env_properties(Some(
+                self.brokers().to_owned(),
+            ))?)
     }
 }
 
@@ -386,7 +391,7 @@ pub async fn run_relay(
     // The relay's settings are the framework's (RELAY_*, retention, SAGA_OUTBOX_MODE): those a service's
     // embedded relay reads too.
     let settings = args.saga.relay.settings(
-        Some(args.kafka()),
+        Some(args.kafka()?),
         &args.saga.outbox,
         Some(args.database_url()),
     )?;
@@ -413,7 +418,7 @@ pub async fn run(
         let names = args.all_topics();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         saga_consumer::setup::ensure_topics(
-            &args.kafka(),
+            &args.kafka()?,
             &refs,
             partitions,
             args.saga.topic_replication,

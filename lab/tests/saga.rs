@@ -73,6 +73,19 @@ async fn the_happy_path_and_both_compensation_paths_end_to_end() {
     saga.stop().await;
 }
 
+/// The same saga with every client of every service on the secured broker (TLS only, SASL/SCRAM): the
+/// three paths end to end, the ledgers exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_saga_runs_end_to_end_over_sasl_ssl() {
+    let saga = LocalSaga::start_secured("saga-sasl-ssl").await;
+    assert_eq!(
+        saga.args.saga.kafka.security_protocol,
+        Some(saga_consumer::settings::SecurityProtocol::SaslSsl)
+    );
+    run_all_three_paths(&saga, "sasl").await;
+    saga.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn http_retries_with_the_same_key_return_the_stored_response_and_create_one_order() {
     let saga = LocalSaga::start("saga-http").await;

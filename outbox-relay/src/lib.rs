@@ -34,6 +34,7 @@
 mod cli;
 mod gc;
 mod hooks;
+mod kafka_security;
 mod key_order;
 mod metrics;
 #[cfg(test)]
@@ -55,6 +56,7 @@ pub use cli::command;
 pub use cli::main;
 pub use gc::{RetentionPolicy, RetentionReport, run_retention};
 pub use hooks::{PublishAttempt, PublishHooks};
+pub use kafka_security::{SaslMechanism, Secret, SecurityProtocol};
 pub use parked::{ParkedEvent, discard_parked, parked_events, retry_parked};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
 pub use saga_core::{KafkaConfig, OutboxMode};

@@ -4,11 +4,15 @@
 //! setting, retention included, the same way. The configuration page is generated from them.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use saga_core::{ConfigProblem, KafkaConfig, OutboxMode};
 
 use crate::gc::RetentionPolicy;
+use crate::kafka_security::{
+    SaslMechanism, Secret, Security, SecurityProtocol, parse_readable_file, parse_secret,
+};
 use crate::relay::RelaySettings;
 use crate::store::AfterPublish;
 
@@ -34,23 +38,117 @@ pub struct SchemaArgs {
 }
 saga_runtime::settings_group!(SchemaArgs);
 
-/// The broker.
+/// The broker, and how to reach it when it is secured: TLS and SASL, declared here for every client of the
+/// framework (a service's consumer and relay, `outbox-relay`, `saga`, the inspector). Secrets are set through
+/// their variables (`--help` never shows their values, nor does any `Debug`).
 #[derive(Debug, Clone, clap::Args)]
 #[group(id = "saga_kafka")]
 #[non_exhaustive]
 pub struct KafkaArgs {
-    /// Kafka bootstrap servers (required). Any librdkafka property is set with `KAFKA_PROPERTY_{NAME}`
-    /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
+    /// Kafka bootstrap servers (required). Any other librdkafka property is set with
+    /// `KAFKA_PROPERTY_{NAME}` (`KAFKA_PROPERTY_SSL_ENDPOINT_IDENTIFICATION_ALGORITHM=none` sets
+    /// `ssl.endpoint.identification.algorithm`), applied after these settings.
     #[arg(long = "brokers", env = "KAFKA_BROKERS", global = true)]
     pub brokers: Option<String>,
+    /// How clients talk to the broker: `plaintext` (the default), `ssl` (TLS; mutual TLS with a client
+    /// certificate), `sasl_ssl` (SASL over TLS: managed clusters) or `sasl_plaintext`.
+    #[arg(
+        long = "kafka-security-protocol",
+        env = "KAFKA_SECURITY_PROTOCOL",
+        value_enum,
+        ignore_case = true,
+        global = true
+    )]
+    pub security_protocol: Option<SecurityProtocol>,
+    /// The SASL mechanism: `SCRAM-SHA-512`, `SCRAM-SHA-256`, `PLAIN` (over TLS only) or `OAUTHBEARER`
+    /// (librdkafka fetches tokens from `KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL`).
+    #[arg(
+        long = "kafka-sasl-mechanism",
+        env = "KAFKA_SASL_MECHANISM",
+        value_enum,
+        ignore_case = true,
+        global = true
+    )]
+    pub sasl_mechanism: Option<SaslMechanism>,
+    /// The SASL user (PLAIN, SCRAM).
+    #[arg(
+        long = "kafka-sasl-username",
+        env = "KAFKA_SASL_USERNAME",
+        global = true
+    )]
+    pub sasl_username: Option<String>,
+    /// The SASL user's password (PLAIN, SCRAM): set it in the environment, not on the command line, where
+    /// other users of the machine can read it.
+    #[arg(long = "kafka-sasl-password", env = "KAFKA_SASL_PASSWORD", hide_env_values = true, value_parser = parse_secret, global = true)]
+    pub sasl_password: Option<Secret>,
+    /// A PEM file of the CA certificates that signed the broker's certificate (default: the system's).
+    #[arg(long = "kafka-ssl-ca-location", env = "KAFKA_SSL_CA_LOCATION", value_parser = parse_readable_file, global = true)]
+    pub ssl_ca_location: Option<PathBuf>,
+    /// Mutual TLS: the client's certificate (PEM).
+    #[arg(long = "kafka-ssl-certificate-location", env = "KAFKA_SSL_CERTIFICATE_LOCATION", value_parser = parse_readable_file, global = true)]
+    pub ssl_certificate_location: Option<PathBuf>,
+    /// Mutual TLS: the client certificate's private key (PEM).
+    #[arg(long = "kafka-ssl-key-location", env = "KAFKA_SSL_KEY_LOCATION", value_parser = parse_readable_file, global = true)]
+    pub ssl_key_location: Option<PathBuf>,
+    /// The passphrase of an encrypted private key.
+    #[arg(long = "kafka-ssl-key-password", env = "KAFKA_SSL_KEY_PASSWORD", hide_env_values = true, value_parser = parse_secret, global = true)]
+    pub ssl_key_password: Option<Secret>,
+    /// OAUTHBEARER: the OIDC token endpoint librdkafka asks for tokens (client credentials grant).
+    #[arg(
+        long = "kafka-sasl-oauthbearer-token-endpoint-url",
+        env = "KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",
+        global = true
+    )]
+    pub oauthbearer_token_endpoint_url: Option<String>,
+    /// OAUTHBEARER: the client id.
+    #[arg(
+        long = "kafka-sasl-oauthbearer-client-id",
+        env = "KAFKA_SASL_OAUTHBEARER_CLIENT_ID",
+        global = true
+    )]
+    pub oauthbearer_client_id: Option<String>,
+    /// OAUTHBEARER: the client's secret.
+    #[arg(long = "kafka-sasl-oauthbearer-client-secret", env = "KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET", hide_env_values = true, value_parser = parse_secret, global = true)]
+    pub oauthbearer_client_secret: Option<Secret>,
+    /// OAUTHBEARER: the scope to ask for, if the provider wants one.
+    #[arg(
+        long = "kafka-sasl-oauthbearer-scope",
+        env = "KAFKA_SASL_OAUTHBEARER_SCOPE",
+        global = true
+    )]
+    pub oauthbearer_scope: Option<String>,
 }
 saga_runtime::settings_group!(KafkaArgs);
 
 impl KafkaArgs {
-    /// The client configuration: the brokers (a [`ConfigProblem`] naming `KAFKA_BROKERS` when missing) and
-    /// the `KAFKA_PROPERTY_*` properties.
+    /// The client configuration: the brokers (a [`ConfigProblem`] naming `KAFKA_BROKERS` when missing), the
+    /// security settings (settings that cannot work together are a [`ConfigProblem`] naming the one to
+    /// change), then the `KAFKA_PROPERTY_*` properties.
     pub fn config(&self) -> Result<KafkaConfig, ConfigProblem> {
-        KafkaConfig::with_env_properties(self.brokers.clone())
+        let config = KafkaConfig::with_env_properties(self.brokers.clone())?;
+        self.security().apply(config)
+    }
+
+    /// The security settings alone, added to `config` (a configuration built from another broker list).
+    pub fn secure(&self, config: KafkaConfig) -> Result<KafkaConfig, ConfigProblem> {
+        self.security().apply(config)
+    }
+
+    fn security(&self) -> Security<'_> {
+        Security {
+            protocol: self.security_protocol,
+            mechanism: self.sasl_mechanism,
+            username: self.sasl_username.as_deref(),
+            password: self.sasl_password.as_ref(),
+            ca: self.ssl_ca_location.as_deref(),
+            certificate: self.ssl_certificate_location.as_deref(),
+            key: self.ssl_key_location.as_deref(),
+            key_password: self.ssl_key_password.as_ref(),
+            oidc_endpoint: self.oauthbearer_token_endpoint_url.as_deref(),
+            oidc_client_id: self.oauthbearer_client_id.as_deref(),
+            oidc_client_secret: self.oauthbearer_client_secret.as_ref(),
+            oidc_scope: self.oauthbearer_scope.as_deref(),
+        }
     }
 }
 

@@ -541,8 +541,12 @@ enum WalCommand {
 }
 
 impl Cli {
-    fn kafka(&self) -> Result<KafkaConfig, ConfigProblem> {
-        self.kafka.config()
+    /// The broker, checked: an unreachable broker, or one that refuses the client (credentials, certificate,
+    /// protocol), is a [`ConfigProblem`] naming the setting, never an empty answer.
+    async fn kafka(&self) -> Result<KafkaConfig, ConfigProblem> {
+        let kafka = self.kafka.config()?;
+        saga_consumer::setup::probe_broker(&kafka).await?;
+        Ok(kafka)
     }
 
     async fn pool(&self) -> Result<PgPool, ConfigProblem> {
@@ -560,7 +564,7 @@ impl Cli {
                     return self.group_letters(select.topic.as_deref(), group).await;
                 }
                 let topic = select.topic.as_deref().unwrap_or_default();
-                let kafka = self.kafka()?;
+                let kafka = self.kafka().await?;
                 let letters =
                     dlq::list(&kafka, &self.pool().await?, topic, &select.filter()?).await?;
                 self.print(&letters, || {
@@ -599,7 +603,7 @@ impl Cli {
                 partition,
                 offset,
             }) => {
-                let record = dlq::show(&self.kafka()?, topic, *partition, *offset).await?;
+                let record = dlq::show(&self.kafka().await?, topic, *partition, *offset).await?;
                 let view = RecordView::of(&record);
                 self.print(&view, || view.render(topic))
             }
@@ -629,7 +633,7 @@ impl Cli {
                     return self.bulk_replay(&topics, group, &options, *yes).await;
                 }
                 let topic = select.topic.as_deref().unwrap_or_default();
-                let kafka = self.kafka()?;
+                let kafka = self.kafka().await?;
                 let pool = self.pool().await?;
                 let report = dlq::replay(&kafka, &pool, topic, &filter, &options).await?;
                 self.print(&report, || {
@@ -926,7 +930,7 @@ impl Cli {
                 })
             }
             Command::Lag { group, topics } => {
-                let kafka = self.kafka()?;
+                let kafka = self.kafka().await?;
                 let topics = if topics.is_empty() {
                     lag::known_topics(&self.pool().await?, group).await?
                 } else {
@@ -1159,7 +1163,7 @@ impl Cli {
                 options.public_names.clone_from(public_names);
                 options.read_only = *read_only;
                 options.secure_cookies = *secure_cookies;
-                let (kafka, pool) = (self.kafka()?, self.pool().await?);
+                let (kafka, pool) = (self.kafka().await?, self.pool().await?);
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("listening on {listen}"))?;
@@ -1194,7 +1198,7 @@ impl Cli {
     }
 
     async fn groups(&self, topics: &[String]) -> anyhow::Result<()> {
-        let (kafka, pool) = (self.kafka()?, self.pool().await?);
+        let (kafka, pool) = (self.kafka().await?, self.pool().await?);
         let topics = self.group_topics(&pool, topics).await?;
         let found = groups::groups(&kafka, &pool, &topics).await?;
         self.print(&found, || {
@@ -1229,7 +1233,7 @@ impl Cli {
     }
 
     async fn group_letters(&self, topic: Option<&str>, id: &str) -> anyhow::Result<()> {
-        let (kafka, pool) = (self.kafka()?, self.pool().await?);
+        let (kafka, pool) = (self.kafka().await?, self.pool().await?);
         let topics: Vec<String> = topic.iter().map(|t| (*t).to_owned()).collect();
         let topics = self.group_topics(&pool, &topics).await?;
         let (group, letters) = groups::find(&kafka, &pool, &topics, id).await?;
@@ -1274,7 +1278,7 @@ impl Cli {
         options: &ReplayOptions,
         yes: bool,
     ) -> anyhow::Result<()> {
-        let (kafka, pool) = (self.kafka()?, self.pool().await?);
+        let (kafka, pool) = (self.kafka().await?, self.pool().await?);
         let topics = self.group_topics(&pool, topics).await?;
         let plan = operations::plan_replay(&kafka, &pool, &topics, group, options).await?;
         self.run_plan(
@@ -1298,7 +1302,7 @@ impl Cli {
         yes: bool,
         operator: &str,
     ) -> anyhow::Result<()> {
-        let (kafka, pool) = (self.kafka()?, self.pool().await?);
+        let (kafka, pool) = (self.kafka().await?, self.pool().await?);
         let plan = match (group, undo) {
             (_, Some(undo)) => operations::plan_undo(&pool, undo).await?,
             (Some(group), None) => {
@@ -1402,7 +1406,7 @@ impl Cli {
             }
             Some(OperationsCommand::Resume { id, operator }) => {
                 let options = ReplayOptions::default().by(operator_or_os_user(operator.as_ref()));
-                let operation = operations::run(&self.kafka()?, &pool, *id, &options).await?;
+                let operation = operations::run(&self.kafka().await?, &pool, *id, &options).await?;
                 self.print(&operation, || operation_line(&operation))
             }
         }

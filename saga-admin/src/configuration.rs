@@ -53,8 +53,10 @@ pub fn page() -> String {
     let mut shown: Vec<(&str, &str, Vec<Documented>)> = vec![
         (
             "The database and the broker",
-            "Any librdkafka property is set with `KAFKA_PROPERTY_{NAME}`: `KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` \
-             sets `security.protocol`.",
+            "TLS and SASL to the broker are settings of their own ([connecting to your clusters](connecting.md) \
+             has worked examples); any other librdkafka property is set with `KAFKA_PROPERTY_{NAME}` \
+             (`KAFKA_PROPERTY_SSL_ENDPOINT_IDENTIFICATION_ALGORITHM=none` sets \
+             `ssl.endpoint.identification.algorithm`), applied after them.",
             [
                 documented_group::<DatabaseArgs>(),
                 documented_group::<SchemaArgs>(),

@@ -158,10 +158,9 @@ impl ConsumerSettings {
         let kafka: crate::settings::KafkaArgs = from_vars(&get)?;
         let consumer: crate::settings::ConsumerArgs = from_vars(&get)?;
         let retention: crate::settings::RetentionArgs = from_vars(&get)?;
-        // KAFKA_PROPERTY_* are read from the process's environment.
-        let kafka = kafka.brokers.map(|b| {
-            KafkaConfig::with_env_properties(Some(b.clone())).unwrap_or(KafkaConfig::new(b))
-        });
+        // KAFKA_PROPERTY_* are read from the process's environment; a missing broker list is left for
+        // `validate`, security settings that cannot work together are refused here.
+        let kafka = kafka.brokers.as_ref().map(|_| kafka.config()).transpose()?;
         consumer.settings(kafka, &retention)
     }
 

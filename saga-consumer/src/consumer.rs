@@ -545,6 +545,11 @@ impl SagaConsumer {
             .kafka
             .clone()
             .ok_or(ConfigError::Missing("brokers (KAFKA_BROKERS)"))?;
+        // A client the broker refuses (credentials, certificate, protocol) stops the start in one line
+        // naming the setting; librdkafka would retry it for ever.
+        saga_runtime::kafka::probe(&kafka, "KAFKA_BROKERS")
+            .await
+            .map_err(ConfigError::Problem)?;
         let producer = saga_runtime::kafka::idempotent_producer(
             &kafka,
             Duration::from_millis(5),

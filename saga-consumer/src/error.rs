@@ -45,7 +45,9 @@ pub enum ConfigError {
     )]
     DuplicateStepName(String),
     /// A setting is missing or does not parse; names it and what to do.
-    #[error(transparent)]
+    // Not transparent: the cause stays in the error's chain, where `exit_code` finds a
+    // configuration problem (exit code 2).
+    #[error("{0}")]
     Problem(#[from] saga_runtime::config::ConfigProblem),
     /// The dead-letter topic is one the consumer reads.
     #[error("the dead-letter topic {0:?} is also consumed; dead letters would come back")]
@@ -62,7 +64,9 @@ pub enum ConfigError {
 #[non_exhaustive]
 pub enum ConsumerError {
     /// The configuration is invalid.
-    #[error(transparent)]
+    // Not transparent: the cause stays in the error's chain, where `exit_code` finds a
+    // configuration problem (exit code 2).
+    #[error("{0}")]
     Config(#[from] ConfigError),
     /// The Kafka client failed to start or to subscribe (librdkafka's message).
     #[error("kafka: {0}")]

@@ -37,7 +37,9 @@ type TaskFn = Box<dyn FnOnce(TaskContext) -> BoxFuture<'static, Result<(), TaskE
 #[non_exhaustive]
 pub enum ServiceError {
     /// The consumer's settings are incomplete or invalid (names the setting).
-    #[error(transparent)]
+    // Not transparent: the cause stays in the error's chain, where `exit_code` finds a
+    // configuration problem (exit code 2).
+    #[error("{0}")]
     Config(#[from] ConfigError),
     /// The relay's settings are incomplete or invalid, or it failed.
     #[error("relay: {0}")]
@@ -49,7 +51,9 @@ pub enum ServiceError {
     #[error("creating topics: {0}")]
     Topics(String),
     /// The consumer failed.
-    #[error(transparent)]
+    // Not transparent: the cause stays in the error's chain, where `exit_code` finds a
+    // configuration problem (exit code 2).
+    #[error("{0}")]
     Consumer(#[from] ConsumerError),
     /// A background task failed.
     #[error("task {name}: {error}")]
@@ -234,11 +238,19 @@ impl SagaServiceBuilder {
     /// Takes every setting from `args` (a binary's command line that flattens [`ServiceArgs`], or
     /// [`ServiceArgs::from_env`]); later calls override them.
     pub fn args(mut self, args: &ServiceArgs) -> Self {
-        let kafka = args.kafka.config().ok();
-        let settings = args
-            .consumer
-            .settings(kafka.clone(), &args.relay.retention)
-            .and_then(|consumer| {
+        // A missing broker list is for `build` to report; security settings that cannot work together are
+        // reported now, never dropped (a service would reach the broker without them).
+        let kafka = args.kafka.brokers.as_ref().map(|_| args.kafka.config());
+        let settings = kafka
+            .transpose()
+            .and_then(|kafka| {
+                Ok((
+                    args.consumer
+                        .settings(kafka.clone(), &args.relay.retention)?,
+                    kafka,
+                ))
+            })
+            .and_then(|(consumer, kafka)| {
                 let relay = args.relay.settings(
                     kafka,
                     &args.outbox,
@@ -665,12 +677,16 @@ impl SagaService {
         OpsHandle::new(self.ops.handle())
     }
 
-    /// Checks (or creates) the topics and their retention, applies the migrations, opens the outbox, then
+    /// Checks the broker (a client it refuses is a [`ConfigProblem`] naming the setting), checks (or creates)
+    /// the topics and their retention, applies the migrations, opens the outbox, then
     /// runs the consumer, the embedded relay and the tasks until `shutdown` resolves (any future: [`crate::shutdown_signal`], a token's
     /// `cancelled()`), or until one part fails or ends on its own: then every other part is stopped too
     /// (each finishes what it is in) and the first failure is returned.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServiceError> {
-        // The topics first: a service that refuses to start leaves nothing behind (in WAL mode, a slot).
+        // The broker first, as the service's clients will reach it: a refused password or certificate is
+        // one line naming the setting, not a consumer retrying for ever.
+        saga_runtime::kafka::probe(&self.kafka, "KAFKA_BROKERS").await?;
+        // The topics next: a service that refuses to start leaves nothing behind (in WAL mode, a slot).
         if let Some((partitions, replication)) = self.create_topics {
             // The steps' topics, the retry topic and the dead-letter topic.
             let mut topics = self.consumer.topics();

@@ -28,7 +28,10 @@ use std::time::Duration;
 
 use saga_core::{ConfigProblem, KafkaConfig};
 
-pub use outbox_relay::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SchemaArgs};
+pub use outbox_relay::{
+    DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SaslMechanism, SchemaArgs,
+    Secret, SecurityProtocol,
+};
 
 use crate::config::{AssignmentStrategy, ConsumerSettings};
 use crate::retry::RetryPolicy;

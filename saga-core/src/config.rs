@@ -4,8 +4,9 @@
 use std::fmt;
 
 /// Where the broker is, and extra librdkafka properties: the framework's own Kafka settings type, free of
-/// any client library's types. The consumer, the relay and the `saga` command take it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// any client library's types. The consumer, the relay and the `saga` command take it. Its `Debug` shows
+/// the value of no property that holds a secret ([`KafkaConfig::is_secret`]).
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
@@ -55,6 +56,45 @@ impl KafkaConfig {
             brokers,
             properties: properties_from_env(),
         })
+    }
+}
+
+impl KafkaConfig {
+    /// Whether the librdkafka property `name` holds a secret (a password, a client secret, a private key
+    /// or a JAAS configuration): its value is never shown.
+    pub fn is_secret(name: &str) -> bool {
+        let name = name.to_ascii_lowercase();
+        [
+            "password",
+            "secret",
+            "jaas",
+            "ssl.key.pem",
+            "keystore",
+            "oauthbearer.config",
+        ]
+        .iter()
+        .any(|word| name.contains(word))
+    }
+}
+
+impl fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let properties: Vec<(&str, &str)> = self
+            .properties
+            .iter()
+            .map(|(name, value)| {
+                let shown = if Self::is_secret(name) {
+                    "<redacted>"
+                } else {
+                    value.as_str()
+                };
+                (name.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("properties", &properties)
+            .finish()
     }
 }
 

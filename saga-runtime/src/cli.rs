@@ -82,7 +82,17 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
                 eprintln!("error: {}", printable(&bad.to_string(), false));
                 ExitCode::from(USAGE_ERROR)
             } else {
-                let line = format!("{e:#}")
+                // A wrapper that shows its cause as its own message (`#[error("{0}")]`, which keeps the
+                // cause in the chain) is not said twice.
+                let mut parts: Vec<String> = Vec::new();
+                for cause in e.chain() {
+                    let text = cause.to_string();
+                    if !parts.last().is_some_and(|last| last.ends_with(&text)) {
+                        parts.push(text);
+                    }
+                }
+                let line = parts
+                    .join(": ")
                     .split_whitespace()
                     .collect::<Vec<_>>()
                     .join(" ");

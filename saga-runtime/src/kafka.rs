@@ -12,8 +12,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureProducer;
 use saga_core::Headers;
 
-use crate::config::ConfigProblem;
-
+pub use crate::kafka_probe::probe;
 pub use saga_core::KafkaConfig;
 
 /// The variable naming the brokers.
@@ -63,30 +62,6 @@ pub fn producer_config(
         client.set(name, value);
     }
     client
-}
-
-/// Checks that a broker answers a metadata request at `config.brokers` within
-/// [`crate::config::STARTUP_TIMEOUT`]; `var` names the setting that chose the brokers.
-pub async fn probe(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem> {
-    let problem = |detail: String| {
-        ConfigProblem::new(
-            var,
-            format!("no Kafka broker answers at {} ({detail})", config.brokers),
-            format!("start the broker or point {var} at a running one"),
-        )
-    };
-    let client: BaseConsumer = client_config(config)
-        .set("log_level", "2")
-        .create()
-        .map_err(|e| problem(e.to_string()))?;
-    tokio::task::spawn_blocking(move || {
-        client
-            .fetch_metadata(None, crate::config::STARTUP_TIMEOUT)
-            .map(|_| ())
-    })
-    .await
-    .map_err(|e| problem(e.to_string()))?
-    .map_err(|e| problem(e.to_string()))
 }
 
 /// Creates the topics that do not exist yet, with `partitions` partitions and replication factor

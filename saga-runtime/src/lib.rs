@@ -32,6 +32,7 @@
 pub mod cli;
 pub mod config;
 pub mod kafka;
+mod kafka_probe;
 pub mod ops;
 pub mod replay;
 pub mod settings;

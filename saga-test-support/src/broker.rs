@@ -16,6 +16,8 @@ pub struct PrivateBroker {
     /// The broker's address, for `bootstrap.servers`.
     pub brokers: String,
     port: u16,
+    /// The address the broker tells clients to use (its own, unless a front stands before it).
+    advertised: String,
     dir: PathBuf,
     child: Option<Child>,
 }
@@ -32,6 +34,12 @@ impl PrivateBroker {
     /// Starts a new broker and waits until it answers a metadata request. Panics with installation advice
     /// if the `nisshi` binary cannot be found.
     pub async fn launch(name: &str) -> Self {
+        Self::launch_behind(name, None).await
+    }
+
+    /// Like [`PrivateBroker::launch`], for a broker that clients reach through a front at `advertised`
+    /// (such as a [`MutualTlsFront`](crate::MutualTlsFront)): the broker tells them that address.
+    pub async fn launch_behind(name: &str, advertised: Option<String>) -> Self {
         let port = crate::free_local_addr().port();
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../target/test-brokers")
@@ -40,6 +48,7 @@ impl PrivateBroker {
         let mut broker = Self {
             brokers: format!("127.0.0.1:{port}"),
             port,
+            advertised: advertised.unwrap_or_else(|| format!("127.0.0.1:{port}")),
             dir,
             child: None,
         };
@@ -57,6 +66,7 @@ impl PrivateBroker {
             )
         });
         let listener = format!("tcp://127.0.0.1:{}", self.port);
+        let advertised = format!("tcp://{}", self.advertised);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -70,7 +80,7 @@ impl PrivateBroker {
                 "--listener-url",
                 &listener,
                 "--advertised-listener-url",
-                &listener,
+                &advertised,
                 "--group-initial-rebalance-delay",
                 "0s",
                 "--group-poll-interval",

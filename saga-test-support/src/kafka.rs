@@ -48,6 +48,8 @@ impl ReadMessage {
 pub struct TestKafka {
     /// The bootstrap servers.
     pub brokers: String,
+    /// The librdkafka properties of every client of this broker (its security, for the secured one).
+    properties: Vec<(String, String)>,
     admin: AdminClient<DefaultClientContext>,
     topics: Mutex<Vec<String>>,
 }
@@ -69,14 +71,23 @@ impl TestKafka {
 
     /// Connects to the broker at `brokers`.
     pub async fn with_brokers(brokers: &str) -> Self {
-        let admin: AdminClient<DefaultClientContext> = client_config(brokers)
+        Self::with_properties(brokers, Vec::new()).await
+    }
+
+    /// Connects to the secured broker `scripts/dev-services` starts (`KAFKA_SECURE_BROKERS`): SASL_SSL as
+    /// its SCRAM user, the local CA.
+    pub async fn secured() -> Self {
+        Self::with_properties(&crate::secure_brokers(), crate::sasl_ssl_properties()).await
+    }
+
+    /// Connects to the broker at `brokers` with librdkafka `properties` on every client.
+    pub async fn with_properties(brokers: &str, properties: Vec<(String, String)>) -> Self {
+        let admin: AdminClient<DefaultClientContext> = client_config_with(brokers, &properties)
             .create()
             .expect("creating a Kafka admin client");
-        let brokers_owned = brokers.to_owned();
+        let probe_config = client_config_with(brokers, &properties);
         let reachable = tokio::task::spawn_blocking(move || {
-            let probe: BaseConsumer = client_config(&brokers_owned)
-                .create()
-                .expect("creating a Kafka client");
+            let probe: BaseConsumer = probe_config.create().expect("creating a Kafka client");
             probe
                 .fetch_metadata(None, Duration::from_secs(10))
                 .map(|_| ())
@@ -88,6 +99,7 @@ impl TestKafka {
         }
         Self {
             brokers: brokers.to_owned(),
+            properties,
             admin,
             topics: Mutex::new(Vec::new()),
         }
@@ -95,7 +107,15 @@ impl TestKafka {
 
     /// A client configuration for this broker.
     pub fn config(&self) -> ClientConfig {
-        client_config(&self.brokers)
+        client_config_with(&self.brokers, &self.properties)
+    }
+
+    /// The framework's configuration of this broker (its address and properties).
+    pub fn kafka_config(&self) -> saga_runtime::kafka::KafkaConfig {
+        self.properties.iter().fold(
+            saga_runtime::kafka::KafkaConfig::new(self.brokers.clone()),
+            |config, (name, value)| config.with_property(name, value),
+        )
     }
 
     /// Creates a uniquely named topic (`{prefix}-{time}-{random}`) with `partitions` partitions and waits
@@ -377,8 +397,7 @@ impl TestKafka {
 
     /// The end offset (the next offset to be written) of every partition of `topic`.
     pub async fn end_offsets(&self, topic: &str) -> BTreeMap<i32, i64> {
-        let kafka = saga_runtime::kafka::KafkaConfig::new(self.brokers.clone());
-        saga_runtime::kafka::watermarks(&kafka, topic)
+        saga_runtime::kafka::watermarks(&self.kafka_config(), topic)
             .await
             .expect("watermarks")
             .unwrap_or_default()
@@ -420,11 +439,19 @@ impl Drop for TestKafka {
 
 /// A client configuration for `brokers` with the settings every test client uses.
 pub(crate) fn client_config(brokers: &str) -> ClientConfig {
+    client_config_with(brokers, &[])
+}
+
+/// [`client_config`] with librdkafka `properties` (a secured broker's).
+fn client_config_with(brokers: &str, properties: &[(String, String)]) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", brokers)
         .set("broker.address.family", "v4")
         .set("socket.timeout.ms", "10000")
         .set("log_level", "3");
+    for (name, value) in properties {
+        config.set(name, value);
+    }
     config
 }

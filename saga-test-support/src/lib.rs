@@ -7,6 +7,8 @@
 //!   produce and to read a topic back.
 //! - [`PrivateBroker`]: a broker process of the test's own, for tests that stop and restart the broker.
 //! - [`PrivatePostgres`]: a PostgreSQL cluster of the test's own, for tests that need a second server.
+//! - [`sasl_ssl_env`], [`MutualTlsFront`]: the secured broker `scripts/dev-services` starts (TLS, SASL/SCRAM)
+//!   and a mutual-TLS front for a broker of the test's own; [`tls_dir`]: the local CA and certificates.
 //! - [`free_local_addr`]: an address for a server started (and restarted) on a port chosen in advance.
 //!
 //! The services come from `DATABASE_URL` / `KAFKA_BROKERS`, or, where those are unset and a Docker engine
@@ -36,6 +38,7 @@ mod env;
 mod kafka;
 mod ports;
 mod postgres;
+mod secure;
 mod services;
 mod usage;
 
@@ -45,5 +48,12 @@ pub use env::{database_url, kafka_brokers, unique_name, wait_until};
 pub use kafka::{ReadMessage, TestKafka};
 pub use ports::free_local_addr;
 pub use postgres::PrivatePostgres;
+pub use secure::{
+    KEY_PASSPHRASE, MutualTlsFront, SECURE_PASSWORD, SECURE_USER, sasl_ssl_env,
+    sasl_ssl_properties, secure_brokers, tls_dir, tls_file,
+};
 pub use services::{Services, services};
-pub use usage::{expect_configuration_mistakes_named, expect_usage_error};
+pub use usage::{
+    LEAK_CANARY, expect_configuration_mistakes_named, expect_help_hides_secrets,
+    expect_security_mistakes_named, expect_usage_error,
+};

@@ -88,3 +88,115 @@ async fn configuration_mistakes_named(path: String, broker: bool) {
     command.arg("--no-such-flag");
     expect_usage_error(command, "--no-such-flag").await;
 }
+
+/// A password no test uses elsewhere: wherever it shows, a secret leaked.
+pub const LEAK_CANARY: &str = "canary-password-7f3a9e";
+
+/// Asserts that each binary of `paths` (started with `args`, a command that talks to Kafka at start) meets
+/// the mistakes a team makes against a secured cluster with one line naming the setting, exit code 2, within
+/// 30 seconds, and never shows the password: a wrong SASL password, a CA that did not sign the broker's
+/// certificate, a plaintext client at the TLS listener (each against the secured broker
+/// `scripts/dev-services` starts). The database of the test must be reachable.
+pub async fn expect_security_mistakes_named(paths: &[&str], args: &[&str]) {
+    let mut checks = tokio::task::JoinSet::new();
+    for path in paths {
+        for mistake in SecurityMistake::ALL {
+            let (path, args) = (
+                path.to_string(),
+                args.iter().map(ToString::to_string).collect(),
+            );
+            checks.spawn(security_mistake_named(path, args, mistake));
+        }
+    }
+    while let Some(done) = checks.join_next().await {
+        if let Err(e) = done {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum SecurityMistake {
+    WrongPassword,
+    UnknownCa,
+    PlaintextAtTls,
+}
+
+impl SecurityMistake {
+    const ALL: [Self; 3] = [Self::WrongPassword, Self::UnknownCa, Self::PlaintextAtTls];
+
+    /// The environment of the mistake, and the setting its line must name.
+    fn env(self) -> (Vec<(&'static str, String)>, &'static str) {
+        let mut env = crate::sasl_ssl_env();
+        let mut set = |name: &'static str, value: String| {
+            env.retain(|(n, _)| *n != name);
+            env.push((name, value));
+        };
+        match self {
+            Self::WrongPassword => {
+                set("KAFKA_SASL_PASSWORD", LEAK_CANARY.to_owned());
+                (env, "KAFKA_SASL_PASSWORD")
+            }
+            Self::UnknownCa => {
+                let other = crate::tls_file("other-ca.pem").display().to_string();
+                set("KAFKA_SSL_CA_LOCATION", other);
+                set("KAFKA_SASL_PASSWORD", LEAK_CANARY.to_owned());
+                (env, "KAFKA_SSL_CA_LOCATION")
+            }
+            Self::PlaintextAtTls => {
+                let brokers = crate::secure_brokers();
+                (vec![("KAFKA_BROKERS", brokers)], "KAFKA_SECURITY_PROTOCOL")
+            }
+        }
+    }
+}
+
+async fn security_mistake_named(path: String, args: Vec<String>, mistake: SecurityMistake) {
+    let (env, setting) = mistake.env();
+    let mut command = program(&path);
+    command
+        .args(&args)
+        .env("DATABASE_URL", crate::TestDb::database_url())
+        .envs(env);
+    let started = std::time::Instant::now();
+    let line = expect_usage_error(command, setting).await;
+    let took = started.elapsed();
+    assert!(
+        took < std::time::Duration::from_secs(30),
+        "{path} {mistake:?}: took {took:?} to say {line}"
+    );
+    assert!(
+        !line.contains(LEAK_CANARY),
+        "{path} {mistake:?} shows the password: {line}"
+    );
+}
+
+/// Asserts that `path args --help`, run with every secret setting set to [`LEAK_CANARY`], lists the
+/// secret settings but shows none of their values.
+pub async fn expect_help_hides_secrets(path: &str, args: &[&str]) {
+    let output = tokio::process::Command::new(path)
+        .args(args)
+        .arg("--help")
+        .env("KAFKA_SASL_PASSWORD", LEAK_CANARY)
+        .env("KAFKA_SSL_KEY_PASSWORD", LEAK_CANARY)
+        .env("KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET", LEAK_CANARY)
+        .output()
+        .await
+        .expect("starting the binary");
+    let help = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{path} --help failed: {help}");
+    for setting in [
+        "KAFKA_SASL_PASSWORD",
+        "KAFKA_SSL_KEY_PASSWORD",
+        "KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET",
+    ] {
+        assert!(
+            help.contains(setting),
+            "{path} --help does not list {setting}:\n{help}"
+        );
+    }
+    assert!(
+        !help.contains(LEAK_CANARY),
+        "{path} --help shows a secret:\n{help}"
+    );
+}

@@ -5,7 +5,10 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use saga_test_support::{TestDb, TestKafka, free_local_addr, unique_name, wait_until};
+use saga_consumer::settings::KafkaArgs;
+use saga_test_support::{
+    TestDb, TestKafka, free_local_addr, sasl_ssl_env, unique_name, wait_until,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::harness::client::{self, send};
@@ -43,9 +46,25 @@ impl LocalSaga {
 
     /// Starts the saga, orchestrated or choreographed, and waits until its order API answers.
     pub async fn start_with(name: &str, orchestrated: bool) -> Self {
+        Self::start_on(name, orchestrated, TestKafka::new().await, &[]).await
+    }
+
+    /// Starts the choreographed saga on the secured broker `scripts/dev-services` starts: every client of
+    /// every service (consumers, relays, topic creation) over SASL_SSL with SCRAM-SHA-512 and the local CA.
+    pub async fn start_secured(name: &str) -> Self {
+        Self::start_on(name, false, TestKafka::secured().await, &sasl_ssl_env()).await
+    }
+
+    /// Starts the saga on `kafka`, its services given the Kafka settings `security` (variables and values,
+    /// read through the framework's declarations as a service reads its environment).
+    async fn start_on(
+        name: &str,
+        orchestrated: bool,
+        kafka: TestKafka,
+        security: &[(&str, String)],
+    ) -> Self {
         // The schema of its own only makes sure the test database exists; the services make theirs.
         let db = TestDb::empty(name).await;
-        let kafka = TestKafka::new().await;
         let prefix = unique_name(name);
         let mut args = ServiceArgs::local(
             TestDb::database_url(),
@@ -53,6 +72,14 @@ impl LocalSaga {
             format!("e2e_{}", prefix.replace('-', "_")),
             prefix,
         );
+        args.saga.kafka = KafkaArgs::from_vars(|var| {
+            security
+                .iter()
+                .find(|(name, _)| *name == var)
+                .map(|(_, value)| value.clone())
+        })
+        .expect("the security settings parse");
+        args.saga.kafka.brokers = Some(kafka.brokers.clone());
         args.http_addr = free_local_addr();
         args.gateway_latency_ms = 1;
         args.orchestrated = orchestrated;

@@ -324,7 +324,7 @@ impl Run {
     /// [`saga_testing::duplicate`]).
     pub fn duplicate_events(&self, stop: CancellationToken) -> anyhow::Result<Duplicator> {
         Ok(Duplicator::start(
-            &self.args.kafka(),
+            &self.args.kafka()?,
             &format!("{}.duplicator", self.args.topic_prefix),
             &self.args.topics().all(),
             stop,

@@ -247,7 +247,9 @@ impl Outbox {
 #[non_exhaustive]
 pub enum OpenError {
     /// A setting, the slot's state or the schema's switch keeps it from starting (names what to do).
-    #[error(transparent)]
+    // Not transparent: the cause stays in the error's chain, where `exit_code` finds a
+    // configuration problem (exit code 2).
+    #[error("{0}")]
     Config(#[from] saga_core::ConfigProblem),
     /// The database failed.
     #[error("opening the outbox: {0}")]
