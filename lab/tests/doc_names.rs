@@ -42,10 +42,12 @@ const EXTERNAL_NAMES: &[(&str, &str)] = &[
     ("Origin", "an HTTP request header"),
     ("Referer", "an HTTP request header"),
     ("Secure", "a cookie attribute"),
+    ("Debug", "Rust's formatting trait"),
 ];
 
 /// Settings that other software reads.
 const EXTERNAL_SETTINGS: &[(&str, &str)] = &[
+    ("TCP_NODELAY", "a TCP socket option (the database connections set it)"),
     ("RUST_LOG", "tracing-subscriber's filter"),
     ("OTEL_EXPORTER_OTLP_ENDPOINT", "the OpenTelemetry SDK"),
     ("OTEL_SDK_DISABLED", "the OpenTelemetry SDK"),
