@@ -126,6 +126,12 @@ impl From<rdkafka::error::KafkaError> for RelayError {
     }
 }
 
+/// When a relay session's periodic work is due next.
+struct Maintenance {
+    rebalance: Instant,
+    backlog: Instant,
+}
+
 /// Builds a [`Relay`].
 ///
 /// # Examples
@@ -625,79 +631,31 @@ impl Relay {
             self.ready.set(true);
         }
         tracing::info!(%schema, "relay connected");
-
-        let mut next_rebalance = Instant::now();
-        let mut next_backlog = Instant::now();
+        let mut next = Maintenance {
+            rebalance: Instant::now(),
+            backlog: Instant::now(),
+        };
         loop {
             if shutdown.is_cancelled() {
                 owner.leave(&mut conn).await.ok();
                 return Ok(());
             }
-            if Instant::now() >= next_rebalance {
-                let change = owner.rebalance(&mut conn).await?;
-                if !change.acquired.is_empty() || !change.released.is_empty() {
-                    tracing::info!(
-                        members = change.members,
-                        acquired = ?change.acquired,
-                        released = ?change.released,
-                        owned = owner.owned().len(),
-                        "shards rebalanced"
-                    );
-                }
-                self.metrics
-                    .owned_shards
-                    .set(i64::try_from(owner.owned().len()).unwrap_or(0));
-                next_rebalance = Instant::now() + self.settings.rebalance_interval;
-                if role == Role::BesideTheLog {
-                    let unparked = store::unpark_due(&mut conn, &owner.owned()).await?;
-                    if unparked > 0 {
-                        tracing::info!(unparked, "parked outbox rows tried again");
-                    }
-                }
-            }
-            if Instant::now() >= next_backlog {
-                self.sample_backlog().await;
-                next_backlog = Instant::now() + self.settings.backlog_interval;
-            }
-            let shards = owner.owned();
-            let fetch_started = Instant::now();
+            self.maintain(&mut conn, owner, &mut next, role).await?;
             let held = retries.held();
-            let rows = if shards.is_empty() {
-                Vec::new()
-            } else {
-                store::fetch_unpublished(
-                    &mut conn,
-                    &shards,
-                    &held,
-                    self.settings.batch_size,
-                    role == Role::BesideTheLog,
-                )
-                .await?
-            };
-            let fetched_in = fetch_started.elapsed();
+            let fetched = Instant::now();
+            let rows = self.fetch(&mut conn, &owner.owned(), &held, role).await?;
+            let fetched_in = fetched.elapsed();
             if rows.is_empty() {
-                let wait = self
-                    .settings
-                    .poll_interval
-                    .min(next_rebalance.saturating_duration_since(Instant::now()))
-                    .max(Duration::from_millis(10));
-                if held.is_empty() {
-                    wait_for_wakeup(&mut listener, &schema, wait, shutdown).await?;
-                } else {
-                    // Rows wait for a retry: come back when one may be due; notifications are irrelevant.
-                    tokio::select! {
-                        _ = shutdown.cancelled() => {}
-                        _ = tokio::time::sleep(wait.min(Duration::from_millis(100))) => {}
-                    }
-                }
+                self.wait_for_rows(&mut listener, &schema, &held, &next, shutdown)
+                    .await?;
                 continue;
             }
-            let publish_started = Instant::now();
+            let published = Instant::now();
             let Some(outcome) = publisher.publish(&rows, shutdown).await else {
                 continue; // shutdown: nothing marked, the rows are published again later
             };
-            let published_in = publish_started.elapsed();
-            let mark_started = Instant::now();
+            let published_in = published.elapsed();
+            let marked = Instant::now();
             store::mark_published(&mut conn, &outcome.acked, self.settings.after_publish).await?;
             tracing::debug!(
                 rows = rows.len(),
@@ -705,7 +663,7 @@ impl Relay {
                 held_back = outcome.held_back,
                 ?fetched_in,
                 ?published_in,
-                marked_in = ?mark_started.elapsed(),
+                marked_in = ?marked.elapsed(),
                 "batch"
             );
             for acked in &outcome.acked {
@@ -714,42 +672,142 @@ impl Relay {
             self.metrics
                 .observe_commit_to_ack(outcome.acked.iter().map(Acked::latency_seconds));
             self.metrics.published.inc_by(outcome.acked.len() as u64);
-            // Beside the log, a row failing for longer than the park bound is parked (its key's events in
-            // the log wait behind it): a failing row must not keep the relays off the slot for good.
-            let mut broker_answers = None;
-            for failed in &outcome.failed {
-                let expired = role == Role::BesideTheLog
-                    && retries.failing_for(failed.id) >= self.settings.park_after_time
-                    && match broker_answers {
-                        Some(answers) => answers,
-                        None => *broker_answers.insert(publisher.broker_answers().await),
-                    };
-                let parked = store::record_failure(
-                    &mut conn,
-                    failed.id,
-                    &failed.error,
-                    failed.refused,
-                    self.settings.park_after,
-                    expired,
-                )
+            self.record_failures(&mut conn, publisher, &rows, &outcome, retries, role)
                 .await?;
-                if parked {
-                    tracing::error!(
-                        id = failed.id,
-                        error = %failed.error,
-                        "this outbox row cannot be published; parked (its key's later rows go on)"
-                    );
-                    retries.done(failed.id);
-                    self.metrics.parked.inc();
-                } else {
-                    tracing::warn!(id = failed.id, error = %failed.error, "publication failed; will retry");
-                    if let Some(row) = rows.iter().find(|r| r.id == failed.id) {
-                        retries.failed(failed.id, order_key(row));
-                    }
+        }
+    }
+
+    /// The session's periodic work: rebalancing the shards (and, beside the log, trying parked rows
+    /// again), and sampling the backlog.
+    async fn maintain(
+        &self,
+        conn: &mut PgConnection,
+        owner: &mut ShardOwner,
+        next: &mut Maintenance,
+        role: Role,
+    ) -> Result<(), sqlx::Error> {
+        if Instant::now() >= next.rebalance {
+            let change = owner.rebalance(conn).await?;
+            if !change.acquired.is_empty() || !change.released.is_empty() {
+                tracing::info!(
+                    members = change.members,
+                    acquired = ?change.acquired,
+                    released = ?change.released,
+                    owned = owner.owned().len(),
+                    "shards rebalanced"
+                );
+            }
+            self.metrics
+                .owned_shards
+                .set(i64::try_from(owner.owned().len()).unwrap_or(0));
+            next.rebalance = Instant::now() + self.settings.rebalance_interval;
+            if role == Role::BesideTheLog {
+                let unparked = store::unpark_due(conn, &owner.owned()).await?;
+                if unparked > 0 {
+                    tracing::info!(unparked, "parked outbox rows tried again");
                 }
             }
-            self.metrics.failures.inc_by(outcome.failed.len() as u64);
         }
+        if Instant::now() >= next.backlog {
+            self.sample_backlog().await;
+            next.backlog = Instant::now() + self.settings.backlog_interval;
+        }
+        Ok(())
+    }
+
+    /// The next rows of `shards` to publish, leaving out the keys `held` behind a failed row.
+    async fn fetch(
+        &self,
+        conn: &mut PgConnection,
+        shards: &[i16],
+        held: &[OrderKey],
+        role: Role,
+    ) -> Result<Vec<store::OutboxRow>, sqlx::Error> {
+        if shards.is_empty() {
+            return Ok(Vec::new());
+        }
+        store::fetch_unpublished(
+            conn,
+            shards,
+            held,
+            self.settings.batch_size,
+            role == Role::BesideTheLog,
+        )
+        .await
+    }
+
+    /// Nothing to publish: waits for a commit's notification (or the fallback poll), or, while rows wait
+    /// for a retry, until one may be due.
+    async fn wait_for_rows(
+        &self,
+        listener: &mut PgListener,
+        schema: &str,
+        held: &[OrderKey],
+        next: &Maintenance,
+        shutdown: &CancellationToken,
+    ) -> Result<(), sqlx::Error> {
+        let wait = self
+            .settings
+            .poll_interval
+            .min(next.rebalance.saturating_duration_since(Instant::now()))
+            .max(Duration::from_millis(10));
+        if held.is_empty() {
+            return wait_for_wakeup(listener, schema, wait, shutdown).await;
+        }
+        // Rows wait for a retry: come back when one may be due; notifications are irrelevant.
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = tokio::time::sleep(wait.min(Duration::from_millis(100))) => {}
+        }
+        Ok(())
+    }
+
+    /// Records the rows whose publication failed: parked after their attempts (or, beside the log, after
+    /// failing longer than the park bound: a failing row must not keep the relays off the slot for good),
+    /// else retried, holding their keys.
+    async fn record_failures(
+        &self,
+        conn: &mut PgConnection,
+        publisher: &Publisher,
+        rows: &[store::OutboxRow],
+        outcome: &crate::publisher::BatchOutcome,
+        retries: &mut Retries,
+        role: Role,
+    ) -> Result<(), sqlx::Error> {
+        let mut broker_answers = None;
+        for failed in &outcome.failed {
+            let expired = role == Role::BesideTheLog
+                && retries.failing_for(failed.id) >= self.settings.park_after_time
+                && match broker_answers {
+                    Some(answers) => answers,
+                    None => *broker_answers.insert(publisher.broker_answers().await),
+                };
+            let parked = store::record_failure(
+                conn,
+                failed.id,
+                &failed.error,
+                failed.refused,
+                self.settings.park_after,
+                expired,
+            )
+            .await?;
+            if parked {
+                tracing::error!(
+                    id = failed.id,
+                    error = %failed.error,
+                    "this outbox row cannot be published; parked (its key's later rows go on)"
+                );
+                retries.done(failed.id);
+                self.metrics.parked.inc();
+            } else {
+                tracing::warn!(id = failed.id, error = %failed.error, "publication failed; will retry");
+                if let Some(row) = rows.iter().find(|r| r.id == failed.id) {
+                    retries.failed(failed.id, order_key(row));
+                }
+            }
+        }
+        self.metrics.failures.inc_by(outcome.failed.len() as u64);
+        Ok(())
     }
 
     async fn sample_backlog(&self) {

@@ -295,6 +295,45 @@ impl Confirmations {
     }
 }
 
+/// Where a session with the slot stands: the batch read and not yet published, the transaction being
+/// read, the keys held, what to confirm, and when to look at parked events and the lag again.
+struct StreamState {
+    batch: Batch,
+    holds: Holds<OrderKey>,
+    failing: FailingTopics,
+    in_transaction: bool,
+    commit_time: DateTime<Utc>,
+    commit_lsn: Lsn,
+    last_commit: Option<(Lsn, DateTime<Utc>)>,
+    confirmations: Confirmations,
+    started: bool,
+    next_lag: Instant,
+    next_release: Instant,
+}
+
+impl StreamState {
+    fn new(park_after: u32) -> Self {
+        Self {
+            batch: Batch::new(park_after),
+            holds: Holds::default(),
+            failing: FailingTopics::default(),
+            in_transaction: false,
+            commit_time: Utc::now(),
+            commit_lsn: Lsn::from_u64(0),
+            last_commit: None,
+            confirmations: Confirmations::default(),
+            started: false,
+            next_lag: Instant::now(),
+            next_release: Instant::now(),
+        }
+    }
+
+    /// Between transactions, with nothing read and not published.
+    fn idle(&self) -> bool {
+        self.batch.is_empty() && !self.in_transaction
+    }
+}
+
 impl Relay {
     /// The WAL relay's loop: sessions with the slot, standing by while another relay reads it, reconnecting
     /// after a failure, until `shutdown`.
@@ -433,175 +472,227 @@ impl Relay {
         publisher: &mut Publisher,
         shutdown: &CancellationToken,
     ) -> WalEnd {
-        let batch_size = usize::try_from(self.settings.batch_size).unwrap_or(usize::MAX);
-        let batch_bytes = self.settings.max_batch_bytes;
-        let mut holds: Holds<OrderKey> = Holds::default();
-        let mut failing = FailingTopics::default();
+        let mut st = StreamState::new(self.settings.park_after);
         match parked::held_keys(&self.pool).await {
-            Ok(keys) => holds.reset(keys),
+            Ok(keys) => st.holds.reset(keys),
             Err(e) => return WalEnd::Failed(e.to_string()),
         }
-        self.metrics.wal_held_keys.set(holds.len() as i64);
-        let mut batch = Batch::new(self.settings.park_after);
-        let mut in_transaction = false;
-        let mut commit_time = Utc::now();
-        let mut commit_lsn = Lsn::from_u64(0);
-        let mut last_commit: Option<(Lsn, DateTime<Utc>)> = None;
-        let mut confirmations = Confirmations::default();
-        let mut started = false;
-        let mut next_lag = Instant::now();
-        let mut next_release = Instant::now();
+        self.metrics.wal_held_keys.set(st.holds.len() as i64);
         loop {
-            let idle = batch.is_empty() && !in_transaction;
-            if idle && Instant::now() >= next_release {
-                // Between transactions, with nothing pending: parked events that are due (every second
-                // while a key is held; otherwise the held keys are only looked at again every ten seconds,
-                // for rows a late table-mode writer adds), and what to record.
-                if let Err(end) = self
-                    .release(publisher, &mut holds, &mut failing, shutdown)
-                    .await
-                {
-                    return end;
-                }
-                next_release = Instant::now()
-                    + if holds.len() > 0 {
-                        Duration::from_secs(1)
-                    } else {
-                        Duration::from_secs(10)
-                    };
-                self.record_confirmations(outbox, &mut confirmations);
+            if let Err(end) = self
+                .between_transactions(&mut st, outbox, publisher, shutdown)
+                .await
+            {
+                return end;
             }
-            if holds.len() > 0 {
-                next_release = next_release.min(Instant::now() + Duration::from_secs(1));
-            }
-            // Publish what was read once nothing more is waiting (or the batch is full), at a commit.
-            let received = if !batch.is_empty() && !in_transaction {
-                match tokio::time::timeout(Duration::ZERO, client.recv()).await {
-                    Ok(received) => received,
-                    Err(_) => {
-                        if let Err(end) = self
-                            .settle(publisher, &mut batch, &mut holds, &mut failing, shutdown)
-                            .await
-                        {
-                            return end;
-                        }
-                        if let Some((lsn, at)) = last_commit {
-                            client.update_applied_lsn(lsn);
-                            confirmations.note(lsn, Some(at));
-                        }
-                        continue;
-                    }
-                }
-            } else if idle {
-                tokio::select! {
-                    () = shutdown.cancelled() => return WalEnd::Shutdown,
-                    received = client.recv() => received,
-                    () = tokio::time::sleep_until(next_release.into()) => continue,
-                }
-            } else {
-                tokio::select! {
-                    () = shutdown.cancelled() => return WalEnd::Shutdown,
-                    received = client.recv() => received,
-                }
-            };
-            let event = match received {
+            let event = match self.receive(&mut st, client, publisher, shutdown).await {
                 Ok(Some(event)) => event,
-                Ok(None) => return WalEnd::Failed("the replication stream ended".into()),
-                Err(e) => return classify(&e),
+                Ok(None) => continue,
+                Err(end) => return end,
             };
-            if !started {
-                started = true;
+            if !st.started {
+                st.started = true;
                 self.metrics.wal_active.set(1);
                 self.ready.set(true);
                 tracing::info!(slot = %outbox.slot, schema = %outbox.schema, "the WAL relay reads the outbox's slot");
             }
-            match event {
-                ReplicationEvent::Begin {
-                    final_lsn,
-                    commit_time_micros,
-                    ..
-                } => {
-                    in_transaction = true;
-                    commit_time = pg_time(commit_time_micros);
-                    commit_lsn = final_lsn;
-                }
-                ReplicationEvent::Message {
-                    transactional: true,
-                    lsn,
-                    prefix,
-                    content,
-                } if prefix == outbox.prefix => match wal::decode(&content) {
-                    Ok(events) => {
-                        batch.bytes += content.len();
-                        for (index, event) in events.into_iter().enumerate() {
-                            let origin = Origin {
-                                tenant: event.tenant.clone(),
-                                commit_lsn,
-                                message_lsn: lsn,
-                                index: i32::try_from(index).unwrap_or(i32::MAX),
-                            };
-                            batch.push(event, origin, commit_time, &holds);
-                        }
+            if let Err(end) = self
+                .on_event(event, &mut st, client, outbox, publisher, shutdown)
+                .await
+            {
+                return end;
+            }
+            self.sample_lag(&mut st).await;
+        }
+    }
+
+    /// Between transactions, with nothing pending: parked events that are due (every second while a key
+    /// is held; otherwise the held keys are only looked at again every ten seconds, for rows a late
+    /// table-mode writer adds), and what to record.
+    async fn between_transactions(
+        &self,
+        st: &mut StreamState,
+        outbox: &WalOutbox,
+        publisher: &mut Publisher,
+        shutdown: &CancellationToken,
+    ) -> Result<(), WalEnd> {
+        if st.idle() && Instant::now() >= st.next_release {
+            self.release(publisher, &mut st.holds, &mut st.failing, shutdown)
+                .await?;
+            st.next_release = Instant::now()
+                + if st.holds.len() > 0 {
+                    Duration::from_secs(1)
+                } else {
+                    Duration::from_secs(10)
+                };
+            self.record_confirmations(outbox, &mut st.confirmations);
+        }
+        if st.holds.len() > 0 {
+            st.next_release = st.next_release.min(Instant::now() + Duration::from_secs(1));
+        }
+        Ok(())
+    }
+
+    /// The stream's next event. What was read is published once nothing more is waiting (or the batch is
+    /// full), at a commit: then `Ok(None)`, and the loop goes on.
+    async fn receive(
+        &self,
+        st: &mut StreamState,
+        client: &mut ReplicationClient,
+        publisher: &mut Publisher,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<ReplicationEvent>, WalEnd> {
+        let received = if !st.batch.is_empty() && !st.in_transaction {
+            match tokio::time::timeout(Duration::ZERO, client.recv()).await {
+                Ok(received) => received,
+                Err(_) => {
+                    self.settle(
+                        publisher,
+                        &mut st.batch,
+                        &mut st.holds,
+                        &mut st.failing,
+                        shutdown,
+                    )
+                    .await?;
+                    if let Some((lsn, at)) = st.last_commit {
+                        client.update_applied_lsn(lsn);
+                        st.confirmations.note(lsn, Some(at));
                     }
-                    Err(e) => {
-                        // Never held forever: set aside, visible, with the reason.
-                        tracing::error!(error = %e, lsn = %commit_lsn, "an outbox message does not decode; parking it");
-                        match parked::park_undecodable(
-                            &self.pool,
-                            &commit_lsn.to_pg_string(),
-                            &lsn.to_pg_string(),
-                            &content,
-                            &e.to_string(),
+                    return Ok(None);
+                }
+            }
+        } else if st.idle() {
+            tokio::select! {
+                () = shutdown.cancelled() => return Err(WalEnd::Shutdown),
+                received = client.recv() => received,
+                () = tokio::time::sleep_until(st.next_release.into()) => return Ok(None),
+            }
+        } else {
+            tokio::select! {
+                () = shutdown.cancelled() => return Err(WalEnd::Shutdown),
+                received = client.recv() => received,
+            }
+        };
+        match received {
+            Ok(Some(event)) => Ok(Some(event)),
+            Ok(None) => Err(WalEnd::Failed("the replication stream ended".into())),
+            Err(e) => Err(classify(&e)),
+        }
+    }
+
+    /// One event of the stream: a transaction's begin, its outbox messages, its commit (publishing a full
+    /// batch), a keep-alive (confirming what nothing is owed for).
+    async fn on_event(
+        &self,
+        event: ReplicationEvent,
+        st: &mut StreamState,
+        client: &mut ReplicationClient,
+        outbox: &WalOutbox,
+        publisher: &mut Publisher,
+        shutdown: &CancellationToken,
+    ) -> Result<(), WalEnd> {
+        match event {
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                st.in_transaction = true;
+                st.commit_time = pg_time(commit_time_micros);
+                st.commit_lsn = final_lsn;
+            }
+            ReplicationEvent::Message {
+                transactional: true,
+                lsn,
+                prefix,
+                content,
+            } if prefix == outbox.prefix => self.on_message(st, lsn, &content).await?,
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                st.in_transaction = false;
+                st.last_commit = Some((end_lsn, st.commit_time));
+                let batch_size = usize::try_from(self.settings.batch_size).unwrap_or(usize::MAX);
+                let full = st.batch.rows.len() >= batch_size
+                    || st.batch.bytes >= self.settings.max_batch_bytes;
+                if st.batch.is_empty() || full {
+                    // A full batch is published (settled) first; with nothing of this schema pending,
+                    // the transaction is done with.
+                    if !st.batch.is_empty() {
+                        self.settle(
+                            publisher,
+                            &mut st.batch,
+                            &mut st.holds,
+                            &mut st.failing,
+                            shutdown,
                         )
-                        .await
-                        {
-                            Ok(new) => {
-                                self.metrics.parked.inc_by(new);
-                            }
-                            Err(e) => return WalEnd::Failed(e.to_string()),
-                        }
+                        .await?;
                     }
-                },
-                ReplicationEvent::Commit { end_lsn, .. } => {
-                    in_transaction = false;
-                    last_commit = Some((end_lsn, commit_time));
-                    if batch.is_empty() {
-                        // Nothing of this schema is pending: the transaction is done with.
-                        client.update_applied_lsn(end_lsn);
-                        confirmations.note(end_lsn, Some(commit_time));
-                    } else if batch.rows.len() >= batch_size || batch.bytes >= batch_bytes {
-                        if let Err(end) = self
-                            .settle(publisher, &mut batch, &mut holds, &mut failing, shutdown)
-                            .await
-                        {
-                            return end;
-                        }
-                        client.update_applied_lsn(end_lsn);
-                        confirmations.note(end_lsn, Some(commit_time));
-                    }
-                }
-                // The server read the log up to here, and sent everything it decoded before: with nothing
-                // pending, nothing before it is owed.
-                ReplicationEvent::KeepAlive { wal_end, .. }
-                    if batch.is_empty() && !in_transaction =>
-                {
-                    client.update_applied_lsn(wal_end);
-                    confirmations.note(wal_end, None);
-                }
-                ReplicationEvent::StoppedAt { .. } => {
-                    return WalEnd::Failed("the replication stream stopped".into());
-                }
-                _ => {}
-            }
-            if Instant::now() >= next_lag {
-                next_lag = Instant::now() + self.settings.backlog_interval;
-                if let Ok(Some(lag)) = wal::slot_lag(&self.pool).await {
-                    self.metrics.wal_lag_bytes.set(lag.lag_bytes);
-                    self.metrics
-                        .wal_lag_seconds
-                        .set(lag.lag_seconds.unwrap_or(0.0).round() as i64);
+                    client.update_applied_lsn(end_lsn);
+                    st.confirmations.note(end_lsn, Some(st.commit_time));
                 }
             }
+            // The server read the log up to here, and sent everything it decoded before: with nothing
+            // pending, nothing before it is owed.
+            ReplicationEvent::KeepAlive { wal_end, .. } if st.idle() => {
+                client.update_applied_lsn(wal_end);
+                st.confirmations.note(wal_end, None);
+            }
+            ReplicationEvent::StoppedAt { .. } => {
+                return Err(WalEnd::Failed("the replication stream stopped".into()));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// One transaction's outbox message at `lsn`: its events join the batch; one that does not decode,
+    /// or holds what cannot be parked as text, is parked whole as bytes (never held forever).
+    async fn on_message(
+        &self,
+        st: &mut StreamState,
+        lsn: Lsn,
+        content: &[u8],
+    ) -> Result<(), WalEnd> {
+        match wal::decode(content).and_then(|events| wal::storable(&events).map(|()| events)) {
+            Ok(events) => {
+                st.batch.bytes += content.len();
+                for (index, event) in events.into_iter().enumerate() {
+                    let origin = Origin {
+                        tenant: event.tenant.clone(),
+                        commit_lsn: st.commit_lsn,
+                        message_lsn: lsn,
+                        index: i32::try_from(index).unwrap_or(i32::MAX),
+                    };
+                    st.batch.push(event, origin, st.commit_time, &st.holds);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, lsn = %st.commit_lsn, "an outbox message does not decode; parking it");
+                let new = parked::park_undecodable(
+                    &self.pool,
+                    &st.commit_lsn.to_pg_string(),
+                    &lsn.to_pg_string(),
+                    content,
+                    &e.to_string(),
+                )
+                .await
+                .map_err(|e| WalEnd::Failed(e.to_string()))?;
+                self.metrics.parked.inc_by(new);
+            }
+        }
+        Ok(())
+    }
+
+    /// The slot's lag, sampled every backlog interval.
+    async fn sample_lag(&self, st: &mut StreamState) {
+        if Instant::now() < st.next_lag {
+            return;
+        }
+        st.next_lag = Instant::now() + self.settings.backlog_interval;
+        if let Ok(Some(lag)) = wal::slot_lag(&self.pool).await {
+            self.metrics.wal_lag_bytes.set(lag.lag_bytes);
+            self.metrics
+                .wal_lag_seconds
+                .set(lag.lag_seconds.unwrap_or(0.0).round() as i64);
         }
     }
 

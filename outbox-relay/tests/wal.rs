@@ -737,3 +737,38 @@ async fn the_pool_and_the_replication_connection_take_verify_full_with_a_private
         other => panic!("a configuration problem expected, got {other:?}"),
     }
 }
+
+/// A transaction's message in the log holding an event with a NUL character (written by a version that did
+/// not refuse it at write) cannot be parked as text: it is parked whole as bytes, with the reason, and the
+/// relay reads on; it never re-reads the same batch for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_logged_event_holding_a_nul_character_is_parked_as_bytes_and_the_relay_reads_on() {
+    let db = TestDb::new("wal-nul-parked").await;
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("wal-nul-parked", 1).await;
+    let mut bad = row(&topic, "key-1", 1);
+    bad.partition_key = Some("key\0one".into());
+    let relay = start(wal_builder(&kafka.brokers, &db));
+    // A message written before the slot exists is never decoded: the relay makes it first.
+    wait_until("the relay reads its slot", WAIT, || async {
+        slot_read(&db).await.then_some(())
+    })
+    .await;
+    emit(&db, &[bad]).await;
+    emit(&db, &[row(&topic, "key-2", 1)]).await;
+    let messages = read(&kafka, &topic, 1).await;
+    assert_eq!(
+        check_per_key_order(&messages, &BTreeMap::from([("key-2".to_owned(), 1)])),
+        0
+    );
+    let (index, error): (i32, String) = wait_until("the message parked", WAIT, || async {
+        sqlx::query_as("SELECT event_index, error FROM saga_outbox_wal_parked")
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    assert_eq!(index, -1, "parked whole, as bytes");
+    assert!(error.contains("NUL"), "{error}");
+    relay.stop().await;
+}

@@ -101,7 +101,9 @@ impl OrchestratorError {
         use saga_runtime::store::outbox::OutboxError;
         match e {
             OutboxError::Database(e) => Self::Database(e),
-            OutboxError::TooLarge { .. } => Self::OutboxRefused(e.to_string()),
+            OutboxError::TooLarge { .. } | OutboxError::Refused { .. } => {
+                Self::OutboxRefused(e.to_string())
+            }
             other => Self::OutboxUnavailable(other.to_string()),
         }
     }

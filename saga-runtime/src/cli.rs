@@ -125,6 +125,50 @@ pub fn printable(text: &str, keep_newlines: bool) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// `bytes` (a Kafka key, which may be anything) as text that tells every two byte strings apart: valid
+/// UTF-8 as it is, but a backslash written `\\`, control and invisible format characters as `\u{..}`
+/// (as [`printable`] does), and each byte that is not UTF-8 as `\x..`. Plain keys (`order-7`) read as they
+/// are; two different keys never look the same.
+pub fn printable_bytes(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
+    let plain = |c: char| !(c == '\\' || c.is_control() || is_invisible_format(c));
+    if let Ok(text) = std::str::from_utf8(bytes)
+        && text.chars().all(plain)
+    {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(bytes.len() + 16);
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            match c {
+                '\\' => out.push_str("\\\\"),
+                c if plain(c) => out.push(c),
+                c => out.push_str(&format!("\\u{{{:x}}}", u32::from(c))),
+            }
+        }
+        for byte in chunk.invalid() {
+            out.push_str(&format!("\\x{byte:02x}"));
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// `bytes` in lowercase hexadecimal, two digits a byte (empty for none): a key's exact bytes, to act on.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes hexadecimal `text` (two digits a byte, either case) names; `None` for anything else.
+pub fn parse_hex(text: &str) -> Option<Vec<u8>> {
+    let text = text.trim();
+    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok())
+        .collect()
+}
+
 /// JSON text (`serde_json`'s, which escapes C0 controls only) with DEL, C1 controls and invisible format
 /// characters escaped as `\uXXXX` too: the same value for a parser, harmless on a terminal.
 pub fn printable_json(json: &str) -> std::borrow::Cow<'_, str> {
@@ -160,6 +204,43 @@ fn is_invisible_format(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn printable_bytes_tells_every_two_keys_apart_and_leaves_plain_ones_as_they_are() {
+        let keys: [&[u8]; 8] = [
+            b"order-7",
+            b"\\u{7}",
+            b"\x07",
+            b"\xff\x00k",
+            b"\\xff\\x00k",
+            "\u{fffd}".as_bytes(),
+            b"\xef\xbf",
+            b"",
+        ];
+        let shown: Vec<String> = keys
+            .iter()
+            .map(|k| printable_bytes(k).into_owned())
+            .collect();
+        for (i, a) in shown.iter().enumerate() {
+            assert!(!a.chars().any(char::is_control), "{a:?}");
+            for b in &shown[i + 1..] {
+                assert_ne!(a, b, "two keys look the same");
+            }
+        }
+        assert_eq!(shown[0], "order-7");
+        assert_eq!(shown[3], "\\xff\\u{0}k");
+    }
+
+    #[test]
+    fn hex_round_trips_and_refuses_what_is_not_hex() {
+        for bytes in [&b""[..], b"\x00\xffk", b"order-7"] {
+            assert_eq!(parse_hex(&hex(bytes)).as_deref(), Some(bytes));
+        }
+        assert_eq!(parse_hex("FF00"), Some(vec![0xff, 0]));
+        for bad in ["f", "zz", "0x00", "00 11"] {
+            assert_eq!(parse_hex(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn escape_sequences_and_direction_overrides_are_shown_not_obeyed() {

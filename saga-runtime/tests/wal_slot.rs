@@ -341,3 +341,79 @@ async fn events_over_the_size_limit_are_refused_at_write_time() {
         "the table mode's write at the limit"
     );
 }
+
+/// A check of the slot that does not answer (a connection whose peer vanished would block it for the
+/// kernel's retransmission timeout; here the slot's table is locked by another session) stops the writers
+/// within the check's deadline, and they go on once a check answers.
+#[tokio::test]
+async fn a_check_of_the_slot_that_does_not_answer_stops_the_writers_until_one_does() {
+    let db = TestDb::new("wal-slot-hang").await;
+    let opened = outbox::open(
+        &db.pool,
+        wal::OutboxMode::Wal,
+        outbox::DEFAULT_MAX_TRANSACTION_BYTES,
+        Duration::from_millis(100),
+    )
+    .await
+    .unwrap();
+    write(&db.pool, &opened, &[event("before")]).await.unwrap();
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE saga_outbox_wal_slot IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let locked = Instant::now();
+    let deadline = locked + wal::monitor::CHECK_DEADLINE + Duration::from_secs(5);
+    while opened.health().is_writable() {
+        assert!(
+            Instant::now() < deadline,
+            "a check that never answers left the outbox writable"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        locked.elapsed() >= wal::monitor::CHECK_DEADLINE / 2,
+        "stopped by the deadline, not at once"
+    );
+    let problem = opened.health().problem().unwrap_or_default();
+    assert!(problem.contains("could not be checked"), "{problem}");
+    assert!(write(&db.pool, &opened, &[event("during")]).await.is_err());
+    blocker.rollback().await.unwrap();
+    let deadline = Instant::now() + wal::monitor::CHECK_DEADLINE + Duration::from_secs(5);
+    while !opened.health().is_writable() {
+        assert!(Instant::now() < deadline, "the writers never went on");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    write(&db.pool, &opened, &[event("after")]).await.unwrap();
+}
+
+/// An event holding a NUL character where the outbox keeps text is refused at write, in the log's mode as
+/// in the table's: never written to fail where the relay parks it.
+#[tokio::test]
+async fn an_event_holding_a_nul_character_is_refused_at_write_in_both_modes() {
+    for mode in [wal::OutboxMode::Wal, wal::OutboxMode::Table] {
+        let db = TestDb::new("wal-nul").await;
+        let opened = outbox::open(
+            &db.pool,
+            mode,
+            outbox::DEFAULT_MAX_TRANSACTION_BYTES,
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+        let mut bad_key = event("k");
+        bad_key.partition_key = Some("a\0b".into());
+        let mut bad_header = event("k");
+        bad_header.headers.push(("x-note".into(), "a\0b".into()));
+        for (bad, what) in [(bad_key, "key"), (bad_header, "header \"x-note\" value")] {
+            let refused = write(&db.pool, &opened, &[event("fine"), bad])
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&refused, outbox::OutboxError::Refused { what: w } if w == what)
+                    && !refused.is_unavailable(),
+                "{mode:?}: {refused}"
+            );
+        }
+    }
+}

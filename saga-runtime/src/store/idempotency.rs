@@ -108,11 +108,15 @@ impl StoreError {
         }
     }
 
-    /// Whether running the same work again cannot succeed (events larger than the outbox accepts).
+    /// Whether running the same work again cannot succeed (events larger than the outbox accepts, or
+    /// holding what it cannot store).
     pub fn is_permanent(&self) -> bool {
         matches!(
             self,
-            Self::Outbox(super::outbox::OutboxError::TooLarge { .. })
+            Self::Outbox(
+                super::outbox::OutboxError::TooLarge { .. }
+                    | super::outbox::OutboxError::Refused { .. }
+            )
         )
     }
 }

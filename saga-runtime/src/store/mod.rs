@@ -2,6 +2,7 @@
 //! their migrations. Used by the consumer, the relay, the orchestrator and the HTTP layer; services reach it
 //! through those (`ctx.emit`, `IdempotentRequest::emit`, the runner's migrations), not directly.
 
+pub mod fault;
 pub mod gc;
 pub mod idempotency;
 pub mod migrate;

@@ -33,6 +33,14 @@ pub enum OutboxError {
     /// events. Waited out like an unavailable database, never dead-lettered.
     #[error("the outbox is not writable: {0}")]
     Unwritable(String),
+    /// An event holds a NUL character (in its topic, key or a header), which the outbox cannot store as
+    /// text: refused at write in both modes, as the table refuses it, never written to the log to fail
+    /// where it is parked.
+    #[error("an event's {what} holds a NUL character, which the outbox cannot store")]
+    Refused {
+        /// Which part of which event, such as `header "x-note" value`.
+        what: String,
+    },
     /// A transaction's events are larger than the outbox accepts.
     #[error(
         "the transaction's events take {bytes} bytes, over the outbox's limit of {limit} \
@@ -53,7 +61,7 @@ impl OutboxError {
         match self {
             Self::Database(e) => saga_core::StepError::is_connection_error(e),
             Self::Unwritable(_) => true,
-            Self::TooLarge { .. } => false,
+            Self::TooLarge { .. } | Self::Refused { .. } => false,
         }
     }
 }
@@ -216,6 +224,7 @@ impl Outbox {
             return Ok(Vec::new());
         }
         self.check_writable()?;
+        storable(messages)?;
         let bytes = wal::encoded_len(messages);
         if bytes > self.max_transaction_bytes {
             return Err(OutboxError::TooLarge {
@@ -240,6 +249,31 @@ impl Outbox {
         }
         Ok(append_rows(conn, messages).await?)
     }
+}
+
+/// Refuses events that hold a NUL character where the outbox keeps text (the topic, the key, a header's
+/// name or value): the table's `text` columns refuse it, and the log's parked events are text too.
+pub fn storable(messages: &[OutboxMessage]) -> Result<(), OutboxError> {
+    let nul = |text: &str| text.contains('\0');
+    for message in messages {
+        let what = if nul(&message.topic) {
+            Some("topic".to_owned())
+        } else if message.partition_key.as_deref().is_some_and(nul) {
+            Some("key".to_owned())
+        } else {
+            message.headers.iter().find_map(|(name, value)| {
+                if nul(name) {
+                    Some(format!("header name {name:?}"))
+                } else {
+                    nul(value).then(|| format!("header {name:?} value"))
+                }
+            })
+        };
+        if let Some(what) = what {
+            return Err(OutboxError::Refused { what });
+        }
+    }
+    Ok(())
 }
 
 /// Why a process's outbox could not be opened.

@@ -86,6 +86,25 @@ fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
 #[error("an outbox message of the write-ahead log does not decode: {0}")]
 pub struct DecodeError(String);
 
+/// Refuses decoded events that hold a NUL character in their topic, key or a header: what the relay keeps as
+/// text (a parked event) cannot store it. Writers refuse such events (`outbox::storable`); a log written
+/// by a version that did not is read with this, and the transaction's message parked whole as bytes.
+pub fn storable(events: &[WalEvent]) -> Result<(), DecodeError> {
+    let nul = |text: &str| text.contains('\0');
+    for (index, event) in events.iter().enumerate() {
+        let refused = nul(&event.topic)
+            || event.partition_key.as_deref().is_some_and(nul)
+            || event.headers.iter().any(|(n, v)| nul(n) || nul(v));
+        if refused {
+            return Err(DecodeError(format!(
+                "event {index} holds a NUL character in its topic, key or a header, which the relay cannot \
+                 park as text; the transaction's events are parked as bytes"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Decodes a batch [`encode`] made. Refuses, naming what, anything else: an unknown version, a length
 /// beyond the message, text that is not UTF-8, bytes left over.
 pub fn decode(bytes: &[u8]) -> Result<Vec<WalEvent>, DecodeError> {

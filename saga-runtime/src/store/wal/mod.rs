@@ -22,7 +22,7 @@ pub mod slot;
 use saga_core::OutboxMessage;
 use sqlx::PgConnection;
 
-pub use codec::{DecodeError, WalEvent, decode, encode, encoded_len};
+pub use codec::{DecodeError, WalEvent, decode, encode, encoded_len, storable};
 pub use saga_core::OutboxMode;
 pub use slot::{
     PrepareError, RecoverError, Recovery, SlotLag, SlotRecord, SlotState, WalOutbox, drop_slot,

@@ -19,6 +19,12 @@ use crate::store::outbox::OutboxHealth;
 /// How often the slot is checked by default.
 pub const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 
+/// The longest one check may take, the connection's acquisition included. Past it the connection is
+/// dropped and the outbox is unwritable until a check answers: a connection whose peer vanished without a
+/// reset (an unplanned failover) would otherwise block the check for the kernel's retransmission timeout,
+/// about 15 minutes, while writers commit events to a log nobody may read.
+pub const CHECK_DEADLINE: Duration = Duration::from_secs(5);
+
 /// What makes the outbox unwritable in `state`, for `slot`; `None` when it is usable.
 fn problem(state: &SlotState, slot: &str) -> Option<String> {
     let why = match state {
@@ -37,8 +43,10 @@ fn problem(state: &SlotState, slot: &str) -> Option<String> {
     ))
 }
 
-/// Checks the current schema's slot once and sets `health` from it; records a loss in the schema. Database
-/// errors leave `health` as it was (an unavailable database stops writers by itself).
+/// Checks the current schema's slot once and sets `health` from it (writable again once it is healthy,
+/// whatever stopped the writers before); records a loss in the schema. Database errors leave `health` as
+/// it was (an unavailable database stops writers by itself); a check that does not answer in time does not
+/// (see [`spawn`]).
 pub async fn check(
     conn: &mut sqlx::PgConnection,
     slot: &str,
@@ -60,9 +68,11 @@ pub async fn check(
 }
 
 /// Checks `slot` every `every` (see [`check`]) on a connection of its own (a busy pool must not delay it),
-/// until the last clone of `health` is dropped.
+/// each check within [`CHECK_DEADLINE`] (or `every`, if longer), until the last clone of `health` is
+/// dropped.
 pub fn spawn(pool: PgPool, slot: String, health: &OutboxHealth, every: Duration) -> JoinHandle<()> {
     let weak = health.downgrade();
+    let deadline = CHECK_DEADLINE.max(every);
     tokio::spawn(async move {
         let mut conn: Option<sqlx::PgConnection> = None;
         loop {
@@ -73,20 +83,32 @@ pub fn spawn(pool: PgPool, slot: String, health: &OutboxHealth, every: Duration)
                 }
                 return;
             };
-            if conn.is_none() {
-                match pool.acquire().await {
-                    Ok(c) => conn = Some(c.detach()),
-                    Err(e) => {
-                        tracing::debug!(error = %e, "cannot check the WAL outbox's slot");
-                        continue;
+            let checked = tokio::time::timeout(deadline, async {
+                let c = match conn.as_mut() {
+                    Some(c) => c,
+                    None => conn.insert(pool.acquire().await?.detach()),
+                };
+                check(c, &slot, &health).await
+            })
+            .await;
+            match checked {
+                Ok(Ok(())) => {}
+                // An unavailable database stops the writers by itself.
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "cannot check the WAL outbox's slot");
+                    conn = None;
+                }
+                Err(_) => {
+                    // Dropped, not closed: a connection that does not answer would block its close too.
+                    conn = None;
+                    let problem = format!(
+                        "the WAL outbox's slot {slot} could not be checked within {deadline:?} (the database \
+                         does not answer): writers stop until a check answers"
+                    );
+                    if health.set(Some(problem)) {
+                        tracing::error!(%slot, "the outbox is not writable: its slot cannot be checked");
                     }
                 }
-            }
-            if let Some(c) = conn.as_mut()
-                && let Err(e) = check(c, &slot, &health).await
-            {
-                tracing::debug!(error = %e, "cannot check the WAL outbox's slot");
-                conn = None;
             }
         }
     })
