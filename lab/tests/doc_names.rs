@@ -47,7 +47,10 @@ const EXTERNAL_NAMES: &[(&str, &str)] = &[
 
 /// Settings that other software reads.
 const EXTERNAL_SETTINGS: &[(&str, &str)] = &[
-    ("TCP_NODELAY", "a TCP socket option (the database connections set it)"),
+    (
+        "TCP_NODELAY",
+        "a TCP socket option (the database connections set it)",
+    ),
     ("RUST_LOG", "tracing-subscriber's filter"),
     ("OTEL_EXPORTER_OTLP_ENDPOINT", "the OpenTelemetry SDK"),
     ("OTEL_SDK_DISABLED", "the OpenTelemetry SDK"),

@@ -368,9 +368,14 @@ enum KeysCommand {
     },
     /// Release a held key by hand: its parked messages run in order, as if its head letter had been
     /// discarded (the letter stays in its topic). For a key whose head cannot be replayed or discarded.
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["key", "key_hex"])))]
     Release {
-        /// The key (as `saga keys held` shows it).
-        key: String,
+        /// The key, as plain text (its UTF-8 bytes).
+        key: Option<String>,
+        /// The key's exact bytes in hexadecimal, as `saga keys held --json` gives them (`key_hex`): for a
+        /// key that is not plain text (a zero byte, bytes that are not UTF-8).
+        #[arg(long = "key-hex", value_parser = parse_key_hex)]
+        key_hex: Option<KeyHex>,
         /// The consumer group that holds it.
         #[arg(long)]
         group: String,
@@ -750,12 +755,18 @@ impl Cli {
             }
             Command::Keys(KeysCommand::Release {
                 key,
+                key_hex,
                 group,
                 operator,
             }) => {
                 let operator = operator_or_os_user(operator.as_ref());
                 let pool = self.pool().await?;
-                let released = holds::release(&pool, group, key, &operator).await?;
+                let bytes = key_hex
+                    .as_ref()
+                    .map(|k| k.0.clone())
+                    .or_else(|| key.as_ref().map(|k| k.as_bytes().to_vec()))
+                    .unwrap_or_default();
+                let released = holds::release(&pool, group, &bytes, &operator).await?;
                 self.print(&released, || {
                     format!(
                         "key {} of group {} released by {operator}: its {} parked messages run in order",
@@ -1714,4 +1725,18 @@ mod tests {
             assert!(!token_on_command_line(args(allowed)), "{allowed:?}");
         }
     }
+}
+
+/// A key's exact bytes, given in hexadecimal (`--key-hex`).
+#[derive(Debug, Clone)]
+struct KeyHex(Vec<u8>);
+
+/// `--key-hex`: a key's bytes in hexadecimal.
+fn parse_key_hex(text: &str) -> Result<KeyHex, String> {
+    saga_consumer::toolkit::parse_hex(text)
+        .map(KeyHex)
+        .ok_or_else(|| {
+            "not hexadecimal (two digits a byte, as `saga keys held --json` gives key_hex)"
+                .to_owned()
+        })
 }

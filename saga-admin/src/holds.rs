@@ -6,7 +6,9 @@
 //! time, when the head is replayed and succeeds, discarded, or its step resumed.
 
 use chrono::{DateTime, Utc};
-use saga_consumer::toolkit::{Released, printable, release_held};
+use saga_consumer::toolkit::{
+    HoldCause, HoldState, Released, hex, printable, printable_bytes, release_held,
+};
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 
@@ -18,11 +20,15 @@ use crate::error::AdminError;
 pub struct HeldKey {
     /// The consumer group that holds it.
     pub group: String,
-    /// The Kafka key, as text (bytes that are not UTF-8 replaced, control characters escaped).
+    /// The Kafka key, as text that tells every two keys apart: UTF-8 as it is, a backslash `\\`, control
+    /// characters `\u{..}`, bytes that are not UTF-8 `\x..`.
     pub key: String,
-    /// `held` (nothing of it runs) or `releasing` (its parked messages run one at a time, in order).
+    /// The key's exact bytes, in hexadecimal: what `saga keys release --key-hex` and the page act on.
+    pub key_hex: String,
+    /// `held` (nothing of it runs) or `releasing` (its parked messages run one at a time, in order);
+    /// `unknown: …` for a state this version does not know (a newer consumer wrote it).
     pub state: String,
-    /// `dead-letter` (its head letter failed) or `paused` (its step is paused).
+    /// `dead-letter` (its head letter failed) or `paused` (its step is paused); `unknown: …` likewise.
     pub cause: String,
     /// The paused step, for `paused`.
     pub paused_step: Option<String>,
@@ -116,6 +122,22 @@ pub async fn list(
         .map_err(Into::into)
 }
 
+/// Held key `key` of `group`, if it is held.
+pub async fn one(pool: &PgPool, group: &str, key: &[u8]) -> Result<Option<HeldKey>, AdminError> {
+    let mut conn = pool.acquire().await?;
+    if !has_tables(&mut conn).await? {
+        return Ok(None);
+    }
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {HELD_COLUMNS} FROM saga_held_keys WHERE group_id = $1 AND key = $2"
+    )))
+    .bind(group)
+    .bind(key)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(row.as_ref().map(held_key).transpose()?)
+}
+
 /// The columns [`held_key`] reads.
 const HELD_COLUMNS: &str = "group_id, key, state, cause, paused_step, head_topic, head_partition, head_offset, \
      head_reason, parked, held_at, extract(epoch FROM now() - held_at)::bigint AS age, released_by";
@@ -131,11 +153,15 @@ fn held_key(r: &sqlx::postgres::PgRow) -> Result<HeldKey, sqlx::Error> {
         (Some(t), Some(p), Some(o)) => Some((t, p, o)),
         _ => None,
     };
+    let state: String = r.try_get("state")?;
+    let cause: String = r.try_get("cause")?;
+    let unknown = |text: &str| format!("unknown: {}", printable(text, false));
     Ok(HeldKey {
         group: r.try_get("group_id")?,
-        key: printable(&String::from_utf8_lossy(&key), false).into_owned(),
-        state: r.try_get("state")?,
-        cause: r.try_get("cause")?,
+        key: printable_bytes(&key).into_owned(),
+        key_hex: hex(&key),
+        state: HoldState::parse(&state).map_or_else(|_| unknown(&state), |s| s.as_str().to_owned()),
+        cause: HoldCause::parse(&cause).map_or_else(|_| unknown(&cause), |c| c.as_str().to_owned()),
         paused_step: r.try_get("paused_step")?,
         head,
         head_reason: r.try_get("head_reason")?,
@@ -181,9 +207,10 @@ pub async fn behind_letters(pool: &PgPool, letters: &[String]) -> Result<(i64, i
     }
     let row = sqlx::query(
         "SELECT count(*)::bigint AS keys, coalesce(sum(parked), 0)::bigint AS parked FROM saga_held_keys \
-         WHERE head_letter = ANY($1) AND state = 'held'",
+         WHERE head_letter = ANY($1) AND state = $2",
     )
     .bind(letters)
+    .bind(HoldState::Held.as_str())
     .fetch_one(&mut *conn)
     .await?;
     Ok((row.try_get("keys")?, row.try_get("parked")?))
@@ -218,13 +245,14 @@ pub async fn paused(pool: &PgPool, group: Option<&str>) -> Result<Vec<PausedStep
     }
     let rows = sqlx::query(
         "SELECT s.group_id, s.step, s.paused_by, s.reason, s.paused_at, \
-             (SELECT count(*) FROM saga_held_keys h WHERE h.group_id = s.group_id AND h.cause = 'paused' \
+             (SELECT count(*) FROM saga_held_keys h WHERE h.group_id = s.group_id AND h.cause = $2 \
                  AND h.paused_step = s.step)::bigint AS keys, \
              (SELECT coalesce(sum(parked), 0) FROM saga_held_keys h WHERE h.group_id = s.group_id \
-                 AND h.cause = 'paused' AND h.paused_step = s.step)::bigint AS parked \
+                 AND h.cause = $2 AND h.paused_step = s.step)::bigint AS parked \
          FROM saga_paused_steps s WHERE $1::text IS NULL OR s.group_id = $1 ORDER BY s.group_id, s.step",
     )
     .bind(group)
+    .bind(HoldCause::Paused.as_str())
     .fetch_all(&mut *conn)
     .await?;
     rows.iter()
@@ -404,8 +432,20 @@ pub async fn by_failure_group(
 pub async fn release(
     pool: &PgPool,
     group: &str,
-    key: &str,
+    key: &[u8],
     operator: &str,
+) -> Result<HeldKey, AdminError> {
+    release_pinned(pool, group, key, operator, None).await
+}
+
+/// [`release`], refused unless the key is still held since `held_at` (what a confirmation page showed):
+/// a key let go and held again meanwhile is another hold, not released unseen.
+pub async fn release_pinned(
+    pool: &PgPool,
+    group: &str,
+    key: &[u8],
+    operator: &str,
+    held_at: Option<DateTime<Utc>>,
 ) -> Result<HeldKey, AdminError> {
     let mut tx = pool.begin().await?;
     if !has_tables(&mut tx).await? {
@@ -413,10 +453,25 @@ pub async fn release(
             "this schema has no held keys (saga_held_keys): its consumer has not run with this version",
         ));
     }
+    if let Some(shown) = held_at {
+        let now: Option<DateTime<Utc>> = sqlx::query_scalar(
+            "SELECT held_at FROM saga_held_keys WHERE group_id = $1 AND key = $2 FOR UPDATE",
+        )
+        .bind(group)
+        .bind(key)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if now != Some(shown) {
+            return Err(AdminError::bad_input(
+                "the key changed since the page showed it (let go, or held again): nothing was done; open it \
+                 again",
+            ));
+        }
+    }
     let released = release_held(
         &mut tx,
         group,
-        Released::Key(key.as_bytes()),
+        Released::Key(key),
         &format!("release by {operator}"),
     )
     .await?;
@@ -425,15 +480,17 @@ pub async fn release(
         "SELECT {HELD_COLUMNS} FROM saga_held_keys WHERE group_id = $1 AND key = $2"
     )))
     .bind(group)
-    .bind(key.as_bytes())
+    .bind(key)
     .fetch_optional(&mut *tx)
     .await?;
     tx.commit().await?;
     match row.filter(|_| released == 1) {
         Some(row) => Ok(held_key(&row)?),
         None => Err(AdminError::bad_input(format!(
-            "key {:?} of group {:?} is not held (or is releasing already): see `saga keys held`",
-            printable(key, false),
+            "key {} (hex {}) of group {:?} is not held (or is releasing already): see `saga keys held` \
+             (a key that is not plain text: `--key-hex`, as `saga keys held --json` gives it)",
+            printable_bytes(key),
+            hex(key),
             printable(group, false)
         ))),
     }

@@ -221,7 +221,7 @@ impl Fixture {
     }
 
     async fn held(&self) -> Vec<holds::HeldKey> {
-        holds::list(&self.db.pool, Some(&self.group), 100)
+        holds::list(&self.db.pool, Some(&self.group), 1_000)
             .await
             .unwrap()
     }
@@ -701,4 +701,258 @@ async fn an_operator_releases_a_held_key_by_hand_and_its_letter_stays() {
         "is not held",
     )
     .await;
+}
+
+impl Fixture {
+    /// `event` of `event_type` for order `order_id`, with Kafka key `key` (any bytes), to `partition`.
+    async fn send_keyed<E: Serialize>(
+        &self,
+        key: &[u8],
+        partition: Option<i32>,
+        event_type: &str,
+        event: &E,
+        idempotency: &str,
+    ) {
+        self.kafka
+            .produce_bytes(
+                &self.producer,
+                &self.orders,
+                partition,
+                Some(key),
+                &[("idempotency-key", idempotency), ("ce_type", event_type)],
+                &serde_json::to_vec(event).unwrap(),
+            )
+            .await;
+    }
+}
+
+/// Two dead letters of one key at the same moment (its messages on two partitions of one group, both
+/// failing at once): the second is queued behind the first, never lost, so that once the head is replayed
+/// each partition's effects of the key come in its offset order. (A decision on a key that was not held
+/// took no lock: both letters found it free, one held it, the other was neither head nor queued, and ran,
+/// replayed, after its partition's later message.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_letters_of_one_key_at_once_both_stay_in_its_order() {
+    const KEYS: i64 = 40;
+    let mut f = Fixture::new("order-two-letters").await;
+    // Two partitions of the orders topic: each key's messages are sent to both.
+    let orders = f.kafka.topic("order-two-letters-2p", 2).await;
+    f.group = format!("{orders}-group");
+    f.dlq = format!("{orders}.dlq");
+    f.retry = format!("{}.retry", f.group);
+    f.kafka.create_topic(&f.dlq, 1).await;
+    f.kafka.create_topic(&f.retry, 1).await;
+    f.orders = orders;
+    // Per key: on partition 0 its create (the gateway is down) then note 0; on partition 1 note 9 (refused)
+    // then note 1. The first message of each partition fails for good, at about the same moment.
+    f.shop.gateway_down.store(true, Ordering::SeqCst);
+    f.shop.failing_note.store(9, Ordering::SeqCst);
+    for order in 0..KEYS {
+        let key = format!("order-{order}");
+        let create = OrderCreated { order_id: order };
+        let id = format!("{key}-create");
+        f.send_keyed(key.as_bytes(), Some(0), "OrderCreated", &create, &id)
+            .await;
+        let refused = OrderNoted {
+            order_id: order,
+            note: 9,
+        };
+        let id = format!("{key}-note-9");
+        f.send_keyed(key.as_bytes(), Some(1), "OrderNoted", &refused, &id)
+            .await;
+        for partition in [0, 1] {
+            let noted = OrderNoted {
+                order_id: order,
+                note: i64::from(partition),
+            };
+            let id = format!("{key}-note-{partition}");
+            f.send_keyed(key.as_bytes(), Some(partition), "OrderNoted", &noted, &id)
+                .await;
+        }
+    }
+    let mut settings = ConsumerSettings::default();
+    settings.concurrency = 2;
+    let running = f.start(consumer_with(
+        settings,
+        &f.kafka.brokers,
+        &f.orders,
+        f.db.pool.clone(),
+        &f.shop,
+        true,
+    ));
+    wait_until("both partitions consumed", WAIT, || async {
+        let committed = f.kafka.committed_offsets(&f.group, &f.orders).await;
+        (committed == BTreeMap::from([(0, 2 * KEYS), (1, 2 * KEYS)])).then_some(())
+    })
+    .await;
+    // Every key: held behind one letter, with the other failing message (its letter queued, or, when it
+    // was read after the key was held, parked without running) and both notes queued. Most keys' two
+    // letters were written at about the same moment: the race this is about.
+    let letters = f.db.count("saga_dead_letters").await;
+    assert!(
+        letters > KEYS + KEYS / 2,
+        "the two letters of most keys: {letters}"
+    );
+    let held = f.held().await;
+    assert_eq!(held.len(), usize::try_from(KEYS).unwrap());
+    let lost: Vec<&str> = held
+        .iter()
+        .filter(|h| h.parked != 3)
+        .map(|h| h.key.as_str())
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "keys whose second letter is neither head nor queued: {lost:?}"
+    );
+    // The gateway is back; each head is replayed; every queue is released in order.
+    f.shop.gateway_down.store(false, Ordering::SeqCst);
+    f.shop.failing_note.store(-1, Ordering::SeqCst);
+    for h in &held {
+        let (_, _, offset) = h.head.clone().expect("a letter heads each key");
+        f.replay(offset).await;
+    }
+    let effects = f.wait_effects(usize::try_from(4 * KEYS).unwrap()).await;
+    f.wait_released().await;
+    running.stop().await;
+    for order in 0..KEYS {
+        let mine = Fixture::of(&effects, order);
+        assert_eq!(mine.len(), 4, "order {order}: {mine:?}");
+        let at = |what: &str| mine.iter().position(|w| w == what).unwrap();
+        assert!(
+            at("charge") < at("note-0"),
+            "order {order}, partition 0: {mine:?}"
+        );
+        assert!(
+            at("note-9") < at("note-1"),
+            "order {order}, partition 1: {mine:?}"
+        );
+    }
+}
+
+/// A message whose key is too large for the held keys' index (3,000 bytes), of a paused step: parking it is
+/// refused for good (SQLSTATE 54000), so it is dead-lettered with the reason (`store-refused`), and its
+/// partition goes on: the step's other keys are parked, another step's messages run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_3000_byte_key_behind_a_paused_step_stops_nothing_else() {
+    let f = Fixture::new("order-big-key").await;
+    let running = f.start(f.consumer(false));
+    wait_until("the group recorded", WAIT, || async {
+        (f.db.count("saga_consumer_groups").await == 1).then_some(())
+    })
+    .await;
+    holds::pause(&f.db.pool, &f.group, "note-order", "ops", "notes down")
+        .await
+        .unwrap();
+    wait_until("the pause takes effect", WAIT, || async {
+        let effective: bool =
+            sqlx::query_scalar("SELECT bool_and(effective_at <= now()) FROM saga_paused_steps")
+                .fetch_one(&f.db.pool)
+                .await
+                .unwrap();
+        (effective && running.ops.sample("saga_consumer_paused_steps", "") == Some(1.0))
+            .then_some(())
+    })
+    .await;
+    // Bytes that do not compress: PostgreSQL compresses a long index entry before it refuses it.
+    let mut seed: u32 = 7;
+    let big: Vec<u8> = (0..3_000)
+        .map(|_| {
+            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            (seed >> 16) as u8
+        })
+        .collect();
+    let noted = |order_id| OrderNoted { order_id, note: 1 };
+    f.send_keyed(&big, None, "OrderNoted", &noted(1), "big-note")
+        .await;
+    f.send(2, "OrderNoted", &noted(2)).await;
+    f.send(3, "OrderCancelled", &OrderCancelled { order_id: 3 })
+        .await;
+    f.send(4, "OrderCancelled", &OrderCancelled { order_id: 4 })
+        .await;
+    f.wait_committed(&f.orders, 4).await;
+    let effects = f.effects().await;
+    assert_eq!(
+        effects,
+        [(3, "cancel".to_owned()), (4, "cancel".to_owned())],
+        "the other step's messages ran"
+    );
+    let held = f.held().await;
+    assert_eq!(held.len(), 1, "order 2's note is parked: {held:?}");
+    assert_eq!(held[0].key, "order-2");
+    f.wait_letters(1).await;
+    let letters = f
+        .kafka
+        .read_all(&f.dlq, 1, Duration::from_millis(500), WAIT)
+        .await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].header("dlq-reason"), Some("store-refused"));
+    let error = letters[0].header("dlq-error").unwrap_or_default();
+    assert!(
+        error.contains("54000") || error.contains("index row"),
+        "{error}"
+    );
+    running.stop().await;
+}
+
+/// A held key that is not text (a zero byte, a byte that is not UTF-8) is listed with its exact bytes and
+/// released by them; its text alone cannot release another key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_that_is_not_text_is_listed_and_released_by_its_exact_bytes() {
+    let f = Fixture::new("order-hex-key").await;
+    let running = f.start(f.consumer(true));
+    f.shop.gateway_down.store(true, Ordering::SeqCst);
+    let key: &[u8] = b"\x00\xffk";
+    f.send_keyed(
+        key,
+        None,
+        "OrderCreated",
+        &OrderCreated { order_id: 7 },
+        "hex-create",
+    )
+    .await;
+    f.wait_letters(1).await;
+    f.send_keyed(
+        key,
+        None,
+        "OrderCancelled",
+        &OrderCancelled { order_id: 7 },
+        "hex-cancel",
+    )
+    .await;
+    f.wait_committed(&f.orders, 2).await;
+    let target = common::Target {
+        database_url: f.db.url(),
+        schema: f.db.schema.clone(),
+        brokers: f.kafka.brokers.clone(),
+    };
+    let listed = target.json(&["keys", "held", "--group", &f.group]).await;
+    let held = &listed[0];
+    assert_eq!(held["key_hex"], "00ff6b", "{listed}");
+    assert_eq!(held["key"], "\\u{0}\\xffk", "{listed}");
+    // Its text, typed back, names other bytes: not held.
+    saga_test_support::expect_usage_error(
+        target.command(&["keys", "release", "\\u{0}\\xffk", "--group", &f.group]),
+        "is not held",
+    )
+    .await;
+    saga_test_support::expect_usage_error(
+        target.command(&["keys", "release", "--key-hex", "zz", "--group", &f.group]),
+        "not hexadecimal",
+    )
+    .await;
+    let released = target
+        .json(&[
+            "keys",
+            "release",
+            "--key-hex",
+            "00ff6b",
+            "--group",
+            &f.group,
+        ])
+        .await;
+    assert_eq!(released["state"], "releasing", "{released}");
+    let effects = f.wait_effects(1).await;
+    f.wait_released().await;
+    running.stop().await;
+    assert_eq!(Fixture::of(&effects, 7), ["cancel"]);
 }

@@ -27,8 +27,8 @@ use saga_core::StepError;
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::dedup::ClaimKind;
 use crate::guard::CommitPermit;
+use crate::step_tx::ClaimKind;
 
 /// The connection a partition worker keeps between back-to-back transactions.
 #[derive(Default)]

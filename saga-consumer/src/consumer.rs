@@ -522,13 +522,12 @@ impl SagaConsumer {
 
     async fn run_until(self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
         let topics = self.topics();
-        let settings = self.settings;
-        let group = settings
+        let group = self
+            .settings
             .group_id
             .clone()
             .ok_or(ConfigError::Missing("group id"))?;
-        let dlq_topic = settings.dlq_topic();
-        let retry_topic = settings.retry_topic();
+        let (dlq_topic, retry_topic) = (self.settings.dlq_topic(), self.settings.retry_topic());
         record_group(&self.pool, &group, &dlq_topic, &retry_topic, &topics).await?;
         let metrics = ConsumerMetrics::default();
         self.ops.register(|registry| metrics.register(registry));
@@ -536,12 +535,12 @@ impl SagaConsumer {
         if let Some(fast) = &self.fast_path {
             fast.register(&self.ops);
         }
-        if let Some(addr) = settings.ops_addr {
+        if let Some(addr) = self.settings.ops_addr {
             let bound = self.ops.serve(addr, shutdown.clone()).await?;
             tracing::info!(%bound, "ops endpoint listening");
         }
-
-        let kafka = settings
+        let kafka = self
+            .settings
             .kafka
             .clone()
             .ok_or(ConfigError::Missing("brokers (KAFKA_BROKERS)"))?;
@@ -555,19 +554,7 @@ impl SagaConsumer {
             Duration::from_millis(5),
             Duration::from_secs(30),
         )?;
-        let holds = Holds {
-            group: group.clone(),
-            limits: HoldLimits {
-                per_key: settings.hold_max_parked_per_key.into(),
-                per_group: settings.hold_max_parked.into(),
-                alert_after: settings.hold_alert_after,
-            },
-            by_step: self.order_by_step,
-            by_topic: self.order_by_topic,
-            kick: Arc::new(tokio::sync::Notify::new()),
-            active: Arc::new(std::sync::atomic::AtomicBool::new(true)),
-            census_at: Arc::new(std::sync::atomic::AtomicU64::new(0)),
-        };
+        let holds = self.holds(&group);
         let releaser = tokio::spawn(crate::hold::run_releaser(
             holds.clone(),
             self.pool.clone(),
@@ -576,30 +563,14 @@ impl SagaConsumer {
             metrics.clone(),
             shutdown.clone(),
         ));
-        let executor = Executor {
-            pool: self.pool.clone(),
-            service: self.service,
-            dead_letters: DeadLetters::new(producer, dlq_topic.clone(), group.clone()),
-            retry: settings.retry.clone(),
-            metrics: metrics.clone(),
-            hooks: self.hooks,
-            guard: CrashGuard::new(
-                self.pool.clone(),
-                group.clone(),
-                settings.crash_loop_limit,
-                metrics.database_unreachable.clone(),
-            ),
-            lease_holder: lease_holder(&group),
-            fast_path: self.fast_path,
-            outbox: self.outbox.runtime().clone(),
-            holds,
-        };
+        let settings = self.settings.clone();
+        let ops = self.ops.clone();
         let shared = Arc::new(WorkerShared {
-            executor,
             router: Router::new(&self.steps, &self.ignored, group.clone(), retry_topic),
             tracker: Arc::new(OffsetTracker::default()),
             permits: Arc::new(Semaphore::new(settings.concurrency)),
             batch_size: settings.batch_size,
+            executor: self.executor(&group, holds, producer, dlq_topic.clone(), metrics.clone()),
         });
         let dispatcher = Arc::new(Dispatcher::new(
             shared,
@@ -607,75 +578,147 @@ impl SagaConsumer {
             settings.batch_size.saturating_mul(4).max(64),
             settings.revoke_timeout,
             metrics,
-            self.ops.clone(),
+            ops,
         ));
-
-        let mut config = saga_runtime::kafka::client_config(&kafka);
-        config
-            .set("group.id", &group)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("enable.partition.eof", "false")
-            .set(
-                "partition.assignment.strategy",
-                settings.assignment.as_str(),
-            )
-            .set(
-                "session.timeout.ms",
-                settings.session_timeout.as_millis().to_string(),
-            )
-            .set(
-                "heartbeat.interval.ms",
-                (settings.session_timeout.as_millis() / 4)
-                    .max(100)
-                    .to_string(),
-            )
-            .set(
-                "fetch.wait.max.ms",
-                settings.fetch_wait.as_millis().to_string(),
-            )
-            // Prefetch at most 16 MB in all, not librdkafka's 64 MB; and when that is reached, fetch again
-            // 50 ms later rather than after librdkafka's default of 1 s, which starves fast workers.
-            .set("queued.max.messages.kbytes", "16384")
-            .set("fetch.queue.backoff.ms", "50")
-            .set("statistics.interval.ms", "5000");
-        for (name, value) in &kafka.properties {
-            config.set(name, value);
-        }
-        let consumer: BaseConsumer<PollContext> = config.create_with_context(PollContext {
-            dispatcher: dispatcher.clone(),
-        })?;
-
-        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-        let thread_shutdown = shutdown.clone();
-        let commit_interval = settings.commit_interval;
-        let shutdown_timeout = settings.shutdown_timeout;
-        std::thread::Builder::new()
-            .name(format!("saga-poll-{group}"))
-            .spawn(move || {
-                let result = (|| {
-                    check_topics(&consumer, &topics, &dlq_topic)?;
-                    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-                    consumer.subscribe(&names)?;
-                    tracing::info!(?topics, group = %group, dlq = %dlq_topic, "consumer started");
-                    poll_loop(
-                        consumer,
-                        &dispatcher,
-                        &thread_shutdown,
-                        commit_interval,
-                        shutdown_timeout,
-                    )
-                })();
-                let _ = done_tx.send(result);
-            })
-            .map_err(|e| ConsumerError::PollThread(e.to_string()))?;
-        let result = done_rx
+        let consumer: BaseConsumer<PollContext> = client_config(&settings, &kafka, &group)
+            .create_with_context(PollContext {
+                dispatcher: dispatcher.clone(),
+            })?;
+        let done = spawn_poll_thread(
+            consumer, dispatcher, &settings, topics, dlq_topic, group, shutdown,
+        )?;
+        let result = done
             .await
             .map_err(|_| ConsumerError::PollThread("the poll thread panicked".into()));
         releaser.abort();
         result?
     }
+
+    /// The group's held keys and paused steps, under this consumer's order policies.
+    fn holds(&self, group: &str) -> Holds {
+        let settings = &self.settings;
+        Holds {
+            group: group.to_owned(),
+            limits: HoldLimits {
+                per_key: settings.hold_max_parked_per_key.into(),
+                per_group: settings.hold_max_parked.into(),
+                alert_after: settings.hold_alert_after,
+            },
+            by_step: self.order_by_step.clone(),
+            by_topic: self.order_by_topic.clone(),
+            kick: Arc::new(tokio::sync::Notify::new()),
+            active: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            census_at: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        }
+    }
+
+    /// What every partition worker of the group processes messages with.
+    fn executor(
+        self,
+        group: &str,
+        holds: Holds,
+        producer: rdkafka::producer::FutureProducer,
+        dlq_topic: String,
+        metrics: ConsumerMetrics,
+    ) -> Executor {
+        let settings = self.settings;
+        Executor {
+            dead_letters: DeadLetters::new(producer, dlq_topic, group.to_owned()),
+            guard: CrashGuard::new(
+                self.pool.clone(),
+                group.to_owned(),
+                settings.crash_loop_limit,
+                metrics.database_unreachable.clone(),
+                settings.retry.clone(),
+            ),
+            retry: settings.retry,
+            metrics,
+            pool: self.pool,
+            service: self.service,
+            hooks: self.hooks,
+            lease_holder: lease_holder(group),
+            fast_path: self.fast_path,
+            outbox: self.outbox.runtime().clone(),
+            holds,
+        }
+    }
+}
+
+/// The consumer's librdkafka configuration for `group`.
+fn client_config(
+    settings: &ConsumerSettings,
+    kafka: &KafkaConfig,
+    group: &str,
+) -> rdkafka::ClientConfig {
+    let mut config = saga_runtime::kafka::client_config(kafka);
+    config
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("enable.partition.eof", "false")
+        .set(
+            "partition.assignment.strategy",
+            settings.assignment.as_str(),
+        )
+        .set(
+            "session.timeout.ms",
+            settings.session_timeout.as_millis().to_string(),
+        )
+        .set(
+            "heartbeat.interval.ms",
+            (settings.session_timeout.as_millis() / 4)
+                .max(100)
+                .to_string(),
+        )
+        .set(
+            "fetch.wait.max.ms",
+            settings.fetch_wait.as_millis().to_string(),
+        )
+        // Prefetch at most 16 MB in all, not librdkafka's 64 MB; and when that is reached, fetch again 50 ms
+        // later rather than after librdkafka's default of 1 s, which starves fast workers.
+        .set("queued.max.messages.kbytes", "16384")
+        .set("fetch.queue.backoff.ms", "50")
+        .set("statistics.interval.ms", "5000");
+    for (name, value) in &kafka.properties {
+        config.set(name, value);
+    }
+    config
+}
+
+/// Starts the poll loop on a thread of its own (it owns the rdkafka consumer): the receiver hears how it
+/// ended.
+fn spawn_poll_thread(
+    consumer: BaseConsumer<PollContext>,
+    dispatcher: Arc<Dispatcher>,
+    settings: &ConsumerSettings,
+    topics: Vec<String>,
+    dlq_topic: String,
+    group: String,
+    shutdown: CancellationToken,
+) -> Result<tokio::sync::oneshot::Receiver<Result<(), ConsumerError>>, ConsumerError> {
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let (commit_interval, shutdown_timeout) = (settings.commit_interval, settings.shutdown_timeout);
+    std::thread::Builder::new()
+        .name(format!("saga-poll-{group}"))
+        .spawn(move || {
+            let result = (|| {
+                check_topics(&consumer, &topics, &dlq_topic)?;
+                let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+                consumer.subscribe(&names)?;
+                tracing::info!(?topics, group = %group, dlq = %dlq_topic, "consumer started");
+                poll_loop(
+                    consumer,
+                    &dispatcher,
+                    &shutdown,
+                    commit_interval,
+                    shutdown_timeout,
+                )
+            })();
+            let _ = done_tx.send(result);
+        })
+        .map_err(|e| ConsumerError::PollThread(e.to_string()))?;
+    Ok(done_rx)
 }
 
 /// Records in the schema that `group` runs here, with its dead-letter and retry topics: `saga dlq replay`

@@ -1,4 +1,5 @@
-//! Deduplication around the handler, for a batch of one partition's messages inside one transaction.
+//! Deduplication around the handler, for a batch of one partition's messages inside one step transaction
+//! (`step_tx`).
 //!
 //! All step keys of the batch are claimed with one statement; handlers run only for new keys; the outcomes
 //! and the emitted outbox rows are written with one statement each. The caller commits. If any handler
@@ -6,23 +7,23 @@
 //! keeps per-message semantics (see `executor`).
 //!
 //! The claim comes in two kinds ([`ClaimKind`]). Where the worker expects every key to be new, a plain
-//! `INSERT` claims them ([`claim_new_in_transaction`]), at about half the cost in PostgreSQL of checking each
-//! row for a conflict; should one exist after all, the statement fails, the caller rolls back and runs the
-//! batch again with the checking claim ([`claim_in_transaction`]), which it keeps using while its batches
-//! meet existing keys (redeliveries come in runs: after a crash, a rebalance, a replay).
+//! `INSERT` claims them, at about half the cost in PostgreSQL of checking each row for a conflict; should
+//! one exist after all, the statement fails, the caller rolls back and runs the batch again with the
+//! checking claim, which it keeps using while its batches meet existing keys (redeliveries come in runs:
+//! after a crash, a rebalance, a replay).
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use saga_core::{OutboxMessage, StepError, StepKey, StepOutcome, TenantId};
-use saga_runtime::store::idempotency::{
-    Claim, NewClaims, StoreError, claim_in_transaction, claim_new_in_transaction, record_outcomes,
-};
+use saga_runtime::store::idempotency::{Claim, StoreError};
 
 use crate::delivery::{Delivery, Route};
 use crate::metrics::{ConsumerMetrics, StepOnly, observe_since};
 use crate::service::{StepItem, StepRequest, StepService};
+pub(crate) use crate::step_tx::ClaimKind;
+use crate::step_tx::{Claimed, KeyMayBeGone, Outcomes, StepTx};
 
 /// How one message of a committed batch ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,15 +98,6 @@ pub(crate) enum BatchError {
     KeysExist,
 }
 
-/// How [`run_batch`] claims the batch's step keys.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ClaimKind {
-    /// All keys are expected to be new: one plain `INSERT`, failing with [`BatchError::KeysExist`] otherwise.
-    New,
-    /// Each key is checked: new, duplicate or leased ([`claim_in_transaction`]).
-    Checked,
-}
-
 /// A batch run whose transaction may commit.
 #[derive(Debug)]
 pub(crate) struct BatchRun {
@@ -155,15 +147,14 @@ enum Slot {
 }
 
 /// Claims the batch's keys (as `claim` says), runs the handlers of new ones through `service`, records
-/// outcomes and appends the emitted events, all on `conn` (inside the caller's transaction, of which the
-/// claim must be the first statement). Every delivery must be routed to a transactional step or ignored.
+/// outcomes and appends the emitted events, all in `tx` (of which the claim must be the first statement).
+/// Every delivery must be routed to a transactional step or ignored.
 pub(crate) async fn run_batch(
     service: &dyn StepService,
-    conn: &mut sqlx::PgConnection,
+    tx: &mut StepTx<'_>,
     deliveries: &[Delivery],
     metrics: &ConsumerMetrics,
     claim: ClaimKind,
-    outbox: &saga_runtime::store::outbox::Outbox,
 ) -> Result<BatchRun, BatchError> {
     let mut keys: Vec<(TenantId, StepKey)> = Vec::with_capacity(deliveries.len());
     let mut seen: HashMap<(&TenantId, &StepKey), usize> = HashMap::with_capacity(deliveries.len());
@@ -186,17 +177,13 @@ pub(crate) async fn run_batch(
         })
         .collect();
     let claiming = Instant::now();
-    let claims = match claim {
-        ClaimKind::New => match claim_new_in_transaction(conn, &keys)
-            .await
-            .map_err(BatchError::Store)?
-        {
-            NewClaims::Claimed => vec![Claim::New; keys.len()],
-            NewClaims::SomeExist => return Err(BatchError::KeysExist),
-        },
-        ClaimKind::Checked => claim_in_transaction(conn, &keys)
-            .await
-            .map_err(BatchError::Store)?,
+    let claims = match tx
+        .claim_keys(&keys, claim)
+        .await
+        .map_err(BatchError::Store)?
+    {
+        Claimed::Keys(claims) => claims,
+        Claimed::KeysExist => return Err(BatchError::KeysExist),
     };
     observe_since(&metrics.phases.claim, claiming);
     let met_existing_keys = claims.iter().any(|c| !matches!(c, Claim::New));
@@ -234,7 +221,7 @@ pub(crate) async fn run_batch(
             new.push((index, key_index));
         }
     }
-    refuse_keys_maybe_gone(conn, deliveries, &new).await?;
+    refuse_keys_maybe_gone(tx, deliveries, &new).await?;
     // Consecutive new messages of one step are handled with one call.
     let handling = Instant::now();
     for group in
@@ -242,7 +229,7 @@ pub(crate) async fn run_batch(
     {
         handle_group(
             service,
-            conn,
+            tx.conn(),
             deliveries,
             group,
             metrics,
@@ -258,13 +245,9 @@ pub(crate) async fn run_batch(
         .iter()
         .map(|(k, outcome)| (&keys[*k].0, &keys[*k].1, outcome))
         .collect();
-    record_outcomes(conn, &records)
+    tx.record(Outcomes::Keys(&records), &emitted)
         .await
         .map_err(BatchError::Store)?;
-    outbox
-        .append(conn, &emitted)
-        .await
-        .map_err(|e| BatchError::Store(e.into()))?;
     observe_since(&metrics.phases.record, recording);
     Ok(BatchRun {
         outcomes: results
@@ -276,9 +259,9 @@ pub(crate) async fn run_batch(
 }
 
 /// A message whose new key (just claimed) may have been deleted by retention after its step ran fails for
-/// good, to be dead-lettered, rather than run again silently: see [`key_may_be_gone`].
+/// good, to be dead-lettered, rather than run again silently: see [`KeyMayBeGone`].
 async fn refuse_keys_maybe_gone(
-    conn: &mut sqlx::PgConnection,
+    tx: &mut StepTx<'_>,
     deliveries: &[Delivery],
     new: &[(usize, usize)],
 ) -> Result<(), BatchError> {
@@ -286,71 +269,13 @@ async fn refuse_keys_maybe_gone(
         .iter()
         .map(|(index, _)| deliveries[*index].raw.timestamp_ms)
         .collect();
-    if let Some(position) = keys_maybe_gone(conn, &times)
-        .await
-        .map_err(BatchError::from)?
-    {
+    if let Some(position) = tx.horizon(&times).await.map_err(BatchError::Store)? {
         return Err(BatchError::Item {
             index: new[position].0,
-            failure: Failure::Handler(StepError::permanent(KeyMayBeGone::at(
-                times[position].unwrap_or_default(),
-            ))),
+            failure: Failure::Handler(KeyMayBeGone::failure(times[position].unwrap_or_default())),
         });
     }
     Ok(())
-}
-
-/// Which of the messages written at `times` (milliseconds since the epoch), whose step keys were just
-/// claimed as new, may have had their key deleted by retention after their step ran, if any: the first. Only
-/// messages older than [`MAY_BE_GONE_AFTER`](saga_runtime::store::gc::MAY_BE_GONE_AFTER) are looked at,
-/// against the horizon retention has deleted up to (whatever the retention of the process that ran it).
-/// A message without a timestamp is taken as new.
-pub(crate) async fn keys_maybe_gone(
-    conn: &mut sqlx::PgConnection,
-    times: &[Option<i64>],
-) -> Result<Option<usize>, sqlx::Error> {
-    let old: Vec<(usize, i64)> = times
-        .iter()
-        .enumerate()
-        .filter_map(|(position, t)| t.filter(|t| old_enough(*t)).map(|t| (position, t)))
-        .collect();
-    if old.is_empty() {
-        return Ok(None);
-    }
-    let stamps: Vec<i64> = old.iter().map(|(_, t)| *t).collect();
-    let gone = saga_runtime::store::gc::keys_may_be_gone(conn, &stamps).await?;
-    Ok(old
-        .iter()
-        .zip(gone)
-        .find(|(_, gone)| *gone)
-        .map(|((position, _), _)| *position))
-}
-
-/// Whether a message written at `t` (milliseconds since the epoch) is old enough for some process's
-/// retention to have deleted its key: older than
-/// [`MAY_BE_GONE_AFTER`](saga_runtime::store::gc::MAY_BE_GONE_AFTER).
-pub(crate) fn old_enough(t: i64) -> bool {
-    let oldest_safe = chrono::Utc::now().timestamp_millis()
-        - i64::try_from(saga_runtime::store::gc::MAY_BE_GONE_AFTER.as_millis()).unwrap_or(i64::MAX);
-    t < oldest_safe
-}
-
-/// Why a message whose key may have been deleted by retention is not run.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub(crate) struct KeyMayBeGone(String);
-
-impl KeyMayBeGone {
-    /// For a message written at `t` (milliseconds since the epoch).
-    pub(crate) fn at(t: i64) -> Self {
-        let at = chrono::DateTime::from_timestamp_millis(t).unwrap_or_default();
-        Self(format!(
-            "the message was written at {} and its step key is not in the store: older than what key \
-             retention (SAGA_KEY_RETENTION_HOURS) has deleted, its key may have been deleted after its step \
-             ran, so it is not run again; replay it if its step never ran",
-            at.to_rfc3339()
-        ))
-    }
 }
 
 /// Runs one handler call for `group` (indices into `deliveries`, with their key indices).

@@ -65,6 +65,9 @@ pub(crate) struct Delivery {
     pub known_done: bool,
     /// What its key's hold makes of it (see `hold`): it runs, is parked, or releases its key.
     pub hold: Role,
+    /// Its key's hold could not be read, for good (a row this version cannot read): it is dead-lettered
+    /// with this reason (`store-refused`) rather than run out of its key's order.
+    pub store_refused: Option<String>,
 }
 
 impl Delivery {
@@ -82,6 +85,9 @@ impl Delivery {
 
     /// How the batch machine processes it.
     pub(crate) fn kind(&self) -> Kind {
+        if self.store_refused.is_some() {
+            return Kind::Poison(DeadLetterReason::StoreRefused);
+        }
         if self.hold == Role::Park {
             return Kind::Held;
         }
@@ -106,6 +112,9 @@ impl Delivery {
 
     /// Why a poison message can never be handled (empty for others).
     pub(crate) fn poison_text(&self) -> String {
+        if let Some(refused) = &self.store_refused {
+            return refused.clone();
+        }
         match &self.route {
             Route::Poison(reason) => reason.to_string(),
             _ => String::new(),
@@ -242,6 +251,7 @@ impl Router {
             alone: None,
             known_done: false,
             hold: Role::Free,
+            store_refused: None,
         }
     }
 }

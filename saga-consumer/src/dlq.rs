@@ -61,6 +61,10 @@ pub enum DeadLetterReason {
     /// Its key is held and the parked messages reached a cap (`SAGA_HOLD_MAX_PARKED_PER_KEY`,
     /// `SAGA_HOLD_MAX_PARKED`): it could not be parked.
     HoldQueueFull,
+    /// A statement of the framework's own about it (parking it behind its held key, reading its key's
+    /// hold, recording its batch's start) failed for good: a key too large for an index, a header the
+    /// database refuses. Waiting would mend nothing; its partition goes on without it.
+    StoreRefused,
 }
 
 impl DeadLetterReason {
@@ -73,6 +77,7 @@ impl DeadLetterReason {
             Self::RetriesExhausted => "retries-exhausted",
             Self::CrashLoop => "crash-loop",
             Self::HoldQueueFull => "hold-queue-full",
+            Self::StoreRefused => "store-refused",
         }
     }
 }

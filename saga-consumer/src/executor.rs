@@ -9,41 +9,38 @@
 //! Poison messages are dead-lettered where they stand; two-phase steps run one message at a time. The
 //! decisions are the `machine`'s; this module performs them.
 
-use std::collections::HashMap;
-use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
-use futures::FutureExt;
 use saga_core::{ErrorKind, StepError};
-use saga_runtime::store::idempotency::{self, LeaseClaim, StoreError};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
-use crate::connection::{Released, WorkerConnection, commit, rollback};
+use crate::connection::{Released, WorkerConnection};
+pub(crate) use crate::db_retry::sleep_or_cancel;
+use crate::db_retry::{Budget, Tried, with_budget};
 use crate::dedup::{self, BatchError, Failure, ItemOutcome};
-use crate::delivery::{Delivery, Route};
+use crate::delivery::Delivery;
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
 use crate::fast::{self, FastPath};
 use crate::guard::{CommitPermit, CrashGuard, PendingStart};
-use crate::handler::StepMode;
-use crate::hold::{self, Holds, OnDeadLetter, OrderPolicy, ParkDecision, Role};
+use crate::hold::{Holds, OnDeadLetter, OrderPolicy, ParkDecision, Role};
 use crate::hooks::{CommitInfo, Hooks};
 use crate::letters;
-use crate::machine::{Action, BatchMachine, Event, Fault, Wait};
+use crate::machine::{Action, Event, Fault, Wait};
 use crate::metrics::{ConsumerMetrics, DeadLetterLabels, StepOnly, observe_since};
 use crate::retry::RetryPolicy;
-use crate::service::{BoxStepService, HandlerPanicked, HandlerTimedOut, StepItem, StepRequest};
+use crate::service::BoxStepService;
+use crate::step_tx::{self, StepTx};
 
-/// Waits between attempts when the database is unreachable; these do not spend a message's retry budget.
-const UNAVAILABLE_BACKOFF: RetryPolicy = RetryPolicy {
-    max_attempts: u32::MAX,
-    initial_backoff: Duration::from_millis(200),
-    max_backoff: Duration::from_secs(10),
-    multiplier: 2.0,
-    jitter: 0.2,
-};
+/// Why a batch's first message is dead-lettered alone, before anything of the batch runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Alone {
+    /// The consumer died on it this many times.
+    CrashLoop(u32),
+    /// The batch's start could not be recorded, for this reason.
+    Refused(String),
+}
 
 /// Everything a partition worker needs to process messages.
 pub(crate) struct Executor {
@@ -68,8 +65,10 @@ impl Executor {
     /// Processes one partition's `deliveries` in order. Returns how many, from the front, are finished
     /// (committed, skipped or dead-lettered): all of them unless `cancel` fired.
     ///
-    /// The decisions (what runs in one transaction, narrowing, retries, dead letters) are the
-    /// [`BatchMachine`]'s; this loop performs its actions. Nothing commits, and no message is
+    /// The stages after the crash-loop gate: the hold gate (`hold_gate`), then the
+    /// [`BatchMachine`](crate::machine::BatchMachine)'s decisions (what runs in one transaction, narrowing,
+    /// retries, dead letters), whose actions this loop performs, each by a method of its own; the step
+    /// transaction is `step_tx`'s. Nothing commits, and no message is
     /// dead-lettered or leased, without a [`CommitPermit`] from `start`; if it gives none (the batch's range
     /// turned out a suspect's, or the record was cancelled), processing stops there. Transactions run on
     /// `connection`'s kept connection where it has one; every other action gives it back first.
@@ -81,100 +80,21 @@ impl Executor {
         connection: &mut WorkerConnection,
     ) -> usize {
         // Each message's part in its key's hold, read before anything of the batch runs.
-        if !self.classify(deliveries, cancel).await {
+        let Some(mut machine) = self.hold_gate(deliveries, connection, cancel).await else {
             return 0;
-        }
-        let kinds = deliveries.iter().map(Delivery::kind).collect();
-        let attempts = deliveries.iter().map(|d| d.attempts).collect();
-        let mut machine = BatchMachine::new(kinds, attempts, self.retry.max_attempts);
-        // Where a key can be held in this batch (a policy holds keys, or the pre-pass found a hold): each
-        // message's key, so that a dead letter or a parked message holds the rest of its key's batch.
-        if self.holds.any_policy_holds() || deliveries.iter().any(|d| d.hold != Role::Free) {
-            let mut ids: HashMap<&[u8], u64> = HashMap::new();
-            // Only a message that runs as any other (or parks) follows its key's hold within the batch: a
-            // head, a release or a stale copy has its own part, never parked behind a letter of the batch.
-            let keys = deliveries
-                .iter()
-                .map(|d| {
-                    let next = ids.len() as u64;
-                    hold::key_of_held(&d.raw)
-                        .filter(|_| matches!(d.hold, Role::Free | Role::Park))
-                        .map(|k| *ids.entry(k).or_insert(next))
-                })
-                .collect();
-            let holds = deliveries.iter().map(|d| self.holds_key(d)).collect();
-            machine = machine.with_holds(keys, holds);
-        }
+        };
         while !cancel.is_cancelled() {
             // The kept connection serves back-to-back transactions only (the next batch's too): every
             // other action releases it first, and takes the proof.
             let event = match machine.next() {
                 Action::Done => break,
                 Action::Transact { start: from, end } => {
-                    match self
-                        .transact(&deliveries[from..end], start, connection)
+                    self.on_transact(deliveries, from..end, start, connection, cancel)
                         .await
-                    {
-                        Ok(outcomes) => {
-                            self.finish_batch(&deliveries[from..end], &outcomes);
-                            if !self.advance_holds(&deliveries[from..end], cancel).await {
-                                break;
-                            }
-                            Event::Committed
-                        }
-                        Err(BatchError::Item { index, failure }) => Event::ItemFailed {
-                            index: from + index,
-                            fault: fault_of(&failure),
-                        },
-                        Err(BatchError::Group) => Event::GroupFailed {
-                            fault: Fault::Transient(
-                                "a handler call for several messages failed".into(),
-                            ),
-                        },
-                        Err(BatchError::Store(e)) => {
-                            if !e.is_connection_error() && end - from > 1 {
-                                tracing::debug!(error = %e, messages = end - from, "a batch statement failed; narrowing down");
-                            }
-                            Event::GroupFailed {
-                                fault: fault_of(&Failure::Store(e)),
-                            }
-                        }
-                        // The batch may not commit (see `guard::PendingStart`): nothing of it did.
-                        Err(BatchError::NotStarted) => break,
-                        Err(BatchError::KeysExist) => {
-                            unreachable!("transact runs such a batch again itself")
-                        }
-                    }
                 }
                 Action::TwoPhase { index } => {
-                    let released = connection.release();
-                    let Some(permit) = start.permit().await else {
-                        break;
-                    };
-                    match self
-                        .two_phase_attempt(&deliveries[index], &permit, &released)
+                    self.on_two_phase(&deliveries[index], index, start, connection, cancel)
                         .await
-                    {
-                        Ok(outcome) => {
-                            fast::after_commit(
-                                self.fast_path.as_ref(),
-                                std::slice::from_ref(&deliveries[index]),
-                                &[outcome],
-                            );
-                            self.finish(&deliveries[index], outcome);
-                            if !self
-                                .advance_holds(std::slice::from_ref(&deliveries[index]), cancel)
-                                .await
-                            {
-                                break;
-                            }
-                            Event::Committed
-                        }
-                        Err(failure) => Event::ItemFailed {
-                            index,
-                            fault: fault_of(&failure),
-                        },
-                    }
                 }
                 Action::DeadLetter {
                     index,
@@ -182,64 +102,30 @@ impl Executor {
                     error,
                     attempts,
                 } => {
-                    let released = connection.release();
-                    let Some(permit) = start.permit().await else {
-                        break;
-                    };
                     let delivery = &mut deliveries[index];
                     delivery.attempts = attempts;
-                    let error = if error.is_empty() {
-                        delivery.poison_text()
-                    } else {
-                        error
-                    };
-                    if !self
-                        .dead_letter(delivery, reason, error, &permit, &released, cancel)
+                    self.on_dead_letter(delivery, reason, error, start, connection, cancel)
                         .await
-                    {
-                        break;
-                    }
-                    Event::DeadLettered
                 }
                 Action::Park { index } => {
-                    let _released = connection.release();
-                    let Some(_permit) = start.permit().await else {
-                        break;
-                    };
-                    // Parked by the batch's own hold (a dead letter or a parked message before it) or by the
-                    // pre-pass: a refusal of it is no head and joins no queue.
-                    deliveries[index].hold = Role::Park;
-                    match self.park(&deliveries[index], cancel).await {
-                        Some(ParkDecision::Append | ParkDecision::Create) => {
-                            self.finish(&deliveries[index], ItemOutcome::Parked);
-                            Event::Parked
-                        }
-                        Some(ParkDecision::NotHeld) => {
-                            deliveries[index].hold = Role::Free;
-                            Event::NotHeld {
-                                kind: deliveries[index].unheld_kind(),
-                            }
-                        }
-                        Some(ParkDecision::Full(reason)) => Event::ParkRefused { reason },
-                        None => break,
-                    }
+                    self.on_park(&mut deliveries[index], start, connection, cancel)
+                        .await
                 }
                 Action::Wait { index, wait } => {
-                    let released = connection.release();
-                    // A retry may commit: not before the batch's start is recorded.
-                    if start.permit().await.is_none() {
-                        break;
-                    }
                     let reason = machine.retry_reason().unwrap_or_default();
-                    if !self
-                        .wait(&mut deliveries[index], wait, &reason, &released, cancel)
-                        .await
-                    {
-                        break;
-                    }
-                    Event::Waited
+                    self.on_wait(
+                        &mut deliveries[index],
+                        wait,
+                        &reason,
+                        start,
+                        connection,
+                        cancel,
+                    )
+                    .await
                 }
             };
+            // None: stop here (cancelled, or the batch may not take effect).
+            let Some(event) = event else { break };
             machine.on(event);
         }
         for (i, delivery) in deliveries.iter_mut().enumerate() {
@@ -249,84 +135,229 @@ impl Executor {
         machine.finished()
     }
 
+    /// [`Action::Transact`]: one step transaction over `deliveries[range]`.
+    async fn on_transact(
+        &self,
+        deliveries: &[Delivery],
+        range: std::ops::Range<usize>,
+        start: &mut PendingStart,
+        connection: &mut WorkerConnection,
+        cancel: &CancellationToken,
+    ) -> Option<Event> {
+        let (from, len) = (range.start, range.len());
+        let batch = &deliveries[range];
+        Some(match self.transact(batch, start, connection).await {
+            Ok(outcomes) => {
+                self.finish_batch(batch, &outcomes);
+                if Self::advances_holds(batch)
+                    && !self
+                        .advance_holds(batch, &connection.release(), cancel)
+                        .await
+                {
+                    return None;
+                }
+                Event::Committed
+            }
+            Err(BatchError::Item { index, failure }) => Event::ItemFailed {
+                index: from + index,
+                fault: fault_of(&failure),
+            },
+            Err(BatchError::Group) => Event::GroupFailed {
+                fault: Fault::Transient("a handler call for several messages failed".into()),
+            },
+            Err(BatchError::Store(e)) => {
+                if !e.is_connection_error() && len > 1 {
+                    tracing::debug!(error = %e, messages = len, "a batch statement failed; narrowing down");
+                }
+                Event::GroupFailed {
+                    fault: fault_of(&Failure::Store(e)),
+                }
+            }
+            // The batch may not commit (see `guard::PendingStart`): nothing of it did.
+            Err(BatchError::NotStarted) => return None,
+            Err(BatchError::KeysExist) => unreachable!("transact runs such a batch again itself"),
+        })
+    }
+
+    /// [`Action::TwoPhase`]: one attempt of the two-phase step of `delivery` (at `index`).
+    async fn on_two_phase(
+        &self,
+        delivery: &Delivery,
+        index: usize,
+        start: &mut PendingStart,
+        connection: &mut WorkerConnection,
+        cancel: &CancellationToken,
+    ) -> Option<Event> {
+        let released = connection.release();
+        let permit = start.permit().await?;
+        Some(
+            match self.two_phase_attempt(delivery, &permit, &released).await {
+                Ok(outcome) => {
+                    let one = std::slice::from_ref(delivery);
+                    fast::after_commit(self.fast_path.as_ref(), one, &[outcome]);
+                    self.finish(delivery, outcome);
+                    if !self.advance_holds(one, &released, cancel).await {
+                        return None;
+                    }
+                    Event::Committed
+                }
+                Err(failure) => Event::ItemFailed {
+                    index,
+                    fault: fault_of(&failure),
+                },
+            },
+        )
+    }
+
+    /// [`Action::DeadLetter`]: `delivery` to the dead-letter topic, for `reason`.
+    async fn on_dead_letter(
+        &self,
+        delivery: &mut Delivery,
+        reason: DeadLetterReason,
+        error: String,
+        start: &mut PendingStart,
+        connection: &mut WorkerConnection,
+        cancel: &CancellationToken,
+    ) -> Option<Event> {
+        let released = connection.release();
+        let permit = start.permit().await?;
+        let error = if error.is_empty() {
+            delivery.poison_text()
+        } else {
+            error
+        };
+        self.dead_letter(delivery, reason, error, &permit, &released, cancel)
+            .await
+            .then_some(Event::DeadLettered)
+    }
+
+    /// [`Action::Park`]: `delivery` parked behind its key's queue (by the batch's own hold, a dead letter
+    /// or a parked message before it, or by the hold gate): a refusal of it is no head and joins no queue.
+    async fn on_park(
+        &self,
+        delivery: &mut Delivery,
+        start: &mut PendingStart,
+        connection: &mut WorkerConnection,
+        cancel: &CancellationToken,
+    ) -> Option<Event> {
+        let released = connection.release();
+        let _permit = start.permit().await?;
+        delivery.hold = Role::Park;
+        Some(match self.park(delivery, &released, cancel).await? {
+            Ok(ParkDecision::Append | ParkDecision::Create) => {
+                self.finish(delivery, ItemOutcome::Parked);
+                Event::Parked
+            }
+            Ok(ParkDecision::NotHeld) => {
+                delivery.hold = Role::Free;
+                Event::NotHeld {
+                    kind: delivery.unheld_kind(),
+                }
+            }
+            Ok(ParkDecision::Full(error)) => Event::ParkRefused {
+                reason: DeadLetterReason::HoldQueueFull,
+                error,
+            },
+            Err(error) => Event::ParkRefused {
+                reason: DeadLetterReason::StoreRefused,
+                error,
+            },
+        })
+    }
+
+    /// [`Action::Wait`]: the wait before `delivery`'s next attempt.
+    async fn on_wait(
+        &self,
+        delivery: &mut Delivery,
+        wait: Wait,
+        reason: &str,
+        start: &mut PendingStart,
+        connection: &mut WorkerConnection,
+        cancel: &CancellationToken,
+    ) -> Option<Event> {
+        let released = connection.release();
+        // A retry may commit: not before the batch's start is recorded.
+        start.permit().await?;
+        self.wait(delivery, wait, reason, &released, cancel)
+            .await
+            .then_some(Event::Waited)
+    }
+
     /// Whether a dead letter of `delivery` holds its key: its policy says so, or it is its key's head or
     /// release (which fails again: the new head).
     fn holds_key(&self, delivery: &Delivery) -> bool {
-        matches!(delivery.hold, Role::Release(_) | Role::Head(_))
-            || self
-                .holds
-                .policy(delivery.step_name(), &delivery.original().topic)
-                == OrderPolicy::HoldKey
+        matches!(delivery.hold, Role::Release(_) | Role::Head(_)) || self.policy_holds(delivery)
     }
 
-    /// Reads the holds of `deliveries`' keys and the group's paused steps, and gives each its role;
-    /// waits out an unavailable database. `false` if cancelled first.
-    async fn classify(&self, deliveries: &mut [Delivery], cancel: &CancellationToken) -> bool {
-        // Nothing can be held (see `Holds::active`), unless a message came from the retry topic (a
-        // release or a replay is always read against its key).
-        if !self.holds.is_active() && deliveries.iter().all(|d| d.replayed_from.is_none()) {
-            return true;
-        }
-        let mut keys: Vec<&[u8]> = deliveries.iter().map(|d| hold::key_of(&d.raw)).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        let read = until_done("reading held keys", cancel, || async {
-            match self
-                .holds
-                .read(&mut *self.pool.acquire().await?, &keys)
-                .await
-            {
-                // A schema without the hold tables (the consumer's migrations not applied): nothing held.
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => Ok(None),
-                read => read.map(Some),
-            }
-        });
-        let found = match read.await {
-            Some(Some(found)) => found,
-            Some(None) => return true,
-            None => return false,
-        };
-        for delivery in deliveries.iter_mut() {
-            let mark = hold::mark_of(&delivery.raw, delivery.replayed_from.as_ref());
-            // A keyless message is held by nothing but its own step's pause (it has no key to order by); a
-            // release of one follows the queue of keyless messages.
-            let view = match (&mark, hold::key_of_held(&delivery.raw)) {
-                (hold::Mark::Plain | hold::Mark::Replay(_), None) => None,
-                _ => found.views.get(hold::key_of(&delivery.raw)),
-            };
-            let paused = delivery
-                .step_name()
-                .is_some_and(|s| found.paused.contains(s));
-            delivery.hold = hold::classify(view, &mark, paused);
-            if delivery.hold == Role::Stale {
-                tracing::info!(parent: &delivery.span, "a release of a held key's message that ran already (or out of turn): skipped");
-                delivery.known_done = true;
-            } else if delivery.hold == Role::Park {
-                tracing::info!(parent: &delivery.span, paused, "its key is held: parked behind its queue");
-            }
-        }
-        true
+    /// Whether `delivery`'s order policy holds its key behind a dead letter of it.
+    pub(crate) fn policy_holds(&self, delivery: &Delivery) -> bool {
+        self.holds
+            .policy(delivery.step_name(), &delivery.original().topic)
+            == OrderPolicy::HoldKey
     }
 
-    /// Parks `delivery` (see `hold::Holds::park`), retrying while the database is unavailable; `None` if
+    /// Whether a batch of `deliveries` reads its keys' holds first: something may be held (see
+    /// `Holds::active`), or a message came from the retry topic (a release or a replay is always read
+    /// against its key).
+    pub(crate) fn must_read_holds(&self, deliveries: &[Delivery]) -> bool {
+        self.holds.is_active() || deliveries.iter().any(|d| d.replayed_from.is_some())
+    }
+
+    /// The budget of the framework's own statements about a message (see `db_retry`).
+    pub(crate) fn budget(&self) -> Budget<'_> {
+        Budget {
+            pool: &self.pool,
+            retry: &self.retry,
+            unreachable: &self.metrics.database_unreachable,
+        }
+    }
+
+    /// Parks `delivery` (see `hold::Holds::park`): `Some(Ok(decision))`, or `Some(Err(reason))` when the
+    /// database refuses it for good (a key too large for the index, a header it cannot store); `None` if
     /// cancelled first.
-    async fn park(&self, delivery: &Delivery, cancel: &CancellationToken) -> Option<ParkDecision> {
-        until_done("parking a message", cancel, || {
-            self.holds.park(
-                &self.pool,
-                &delivery.raw,
-                delivery.original(),
-                delivery.step_name(),
-            )
-        })
-        .await
+    async fn park(
+        &self,
+        delivery: &Delivery,
+        released: &Released<'_>,
+        cancel: &CancellationToken,
+    ) -> Option<Result<ParkDecision, String>> {
+        let parked = with_budget(
+            "parking it behind its held key",
+            &self.budget(),
+            cancel,
+            released,
+            |mut conn| async move {
+                let parked = self
+                    .holds
+                    .park(
+                        &mut conn,
+                        &delivery.raw,
+                        delivery.original(),
+                        delivery.step_name(),
+                    )
+                    .await;
+                (conn, parked)
+            },
+        )
+        .await;
+        match parked {
+            Tried::Done(decision) => Some(Ok(decision)),
+            Tried::Refused(error) => Some(Err(error)),
+            Tried::Cancelled => None,
+        }
     }
 
     /// Records, for each of `batch` that is a held key's head or release, that it is finished (see
-    /// `hold::advance`), retrying while the database is unavailable. `false` if `cancel` fired before all
-    /// were recorded: the batch must not be committed (its messages come back, find their step keys done,
-    /// and record it then).
-    async fn advance_holds(&self, batch: &[Delivery], cancel: &CancellationToken) -> bool {
+    /// `hold::advance`), waiting out an unavailable database. A record refused for good is logged: the
+    /// message took effect, and its key stays listed by `saga keys held` for an operator. `false` if
+    /// `cancel` fired before all were recorded: the batch must not be counted finished (its messages come
+    /// back, find their step keys done, and record it then).
+    async fn advance_holds(
+        &self,
+        batch: &[Delivery],
+        released: &Released<'_>,
+        cancel: &CancellationToken,
+    ) -> bool {
         for delivery in batch {
             if !matches!(delivery.hold, Role::Head(_) | Role::Release(_)) {
                 continue;
@@ -335,59 +366,90 @@ impl Executor {
                 Ok(Some(operator)) => format!("replay by {operator}"),
                 _ => "replay".to_owned(),
             };
-            let advanced = until_done("recording a release", cancel, || {
-                self.holds
-                    .advance(&self.pool, &delivery.raw, &delivery.hold, &by)
-            })
+            let advanced = with_budget(
+                "recording its held key's release",
+                &self.budget(),
+                cancel,
+                released,
+                |mut conn| {
+                    let by = &by;
+                    async move {
+                        let advanced = self
+                            .holds
+                            .advance(&mut conn, &delivery.raw, &delivery.hold, by)
+                            .await;
+                        (conn, advanced)
+                    }
+                },
+            )
             .await;
             match advanced {
-                Some(done) => tracing::info!(parent: &delivery.span, ?done, "held key advanced"),
-                None => return false,
+                Tried::Done(done) => {
+                    tracing::info!(parent: &delivery.span, ?done, "held key advanced")
+                }
+                Tried::Refused(error) => {
+                    tracing::error!(parent: &delivery.span, error = %error, "its held key's release cannot be recorded: see `saga keys held`");
+                }
+                Tried::Cancelled => return false,
             }
         }
         true
     }
 
-    /// Dead-letters `delivery` for `reason`, as the consumer died on it repeatedly.
-    pub(crate) async fn dead_letter_crash_loop(
+    /// Whether `batch` holds a held key's head or release, whose finish is recorded after its commit.
+    fn advances_holds(batch: &[Delivery]) -> bool {
+        batch
+            .iter()
+            .any(|d| matches!(d.hold, Role::Head(_) | Role::Release(_)))
+    }
+
+    /// Dead-letters the first message of a batch alone, as its start's record says: the consumer died on
+    /// it `deaths` times (`crash-loop`), or the record was refused for good (`store-refused`).
+    pub(crate) async fn dead_letter_alone(
         &self,
         delivery: &mut Delivery,
-        deaths: u32,
+        why: Alone,
         permit: &CommitPermit,
         released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> bool {
-        // Its part in its key's hold first, as `process` reads it: a message of a held key is parked (it
+        // Its part in its key's hold first, as the hold gate reads it: a message of a held key is parked (it
         // never runs), a stale release copy is finished, and a head's or release's letter is the new head.
-        if !self.classify(std::slice::from_mut(delivery), cancel).await {
-            return false;
+        let alone = std::slice::from_mut(delivery);
+        if self.must_read_holds(alone) {
+            let Some(found) = self.read_batch_holds(alone, released, cancel).await else {
+                return false;
+            };
+            self.apply_plan(alone, Some(&found));
         }
         match delivery.hold {
             Role::Stale => {
                 self.finish(delivery, ItemOutcome::Duplicate);
                 return true;
             }
-            Role::Park => match self.park(delivery, cancel).await {
-                Some(ParkDecision::Append | ParkDecision::Create) => {
+            Role::Park => match self.park(delivery, released, cancel).await {
+                Some(Ok(ParkDecision::Append | ParkDecision::Create)) => {
                     self.finish(delivery, ItemOutcome::Parked);
                     return true;
                 }
-                Some(ParkDecision::NotHeld) => delivery.hold = Role::Free,
-                Some(ParkDecision::Full(_)) => {}
+                Some(Ok(ParkDecision::NotHeld)) => delivery.hold = Role::Free,
+                Some(Ok(ParkDecision::Full(_)) | Err(_)) => {}
                 None => return false,
             },
             Role::Free | Role::Head(_) | Role::Release(_) => {}
         }
-        delivery.attempts = deaths;
-        self.dead_letter(
-            delivery,
-            DeadLetterReason::CrashLoop,
-            format!("the consumer died {deaths} times while processing this message"),
-            permit,
-            released,
-            cancel,
-        )
-        .await
+        let (reason, error) = match why {
+            Alone::CrashLoop(deaths) => {
+                delivery.attempts = deaths;
+                (
+                    DeadLetterReason::CrashLoop,
+                    format!("the consumer died {deaths} times while processing this message"),
+                )
+            }
+            Alone::Refused(error) => (DeadLetterReason::StoreRefused, error),
+        };
+        self.dead_letter(delivery, reason, error, permit, released, cancel)
+            .await
     }
 
     /// Waits before the next attempt of `delivery` as the machine says; returns `false` if cancelled first.
@@ -410,7 +472,7 @@ impl Executor {
             }
             Wait::Unavailable(times) => {
                 self.metrics.database_unreachable.inc();
-                let wait = UNAVAILABLE_BACKOFF.wait_after(times);
+                let wait = crate::db_retry::UNAVAILABLE_BACKOFF.wait_after(times);
                 tracing::warn!(parent: &delivery.span, error = %reason, ?wait, "database unavailable; waiting");
                 wait
             }
@@ -455,10 +517,6 @@ impl Executor {
         start: &mut PendingStart,
         connection: &mut WorkerConnection,
     ) -> Result<Vec<ItemOutcome>, BatchError> {
-        // An outbox that may not be written (its WAL slot lost): nothing commits, the batch waits intact.
-        self.outbox
-            .check_writable()
-            .map_err(|e| BatchError::Store(e.into()))?;
         match self.transact_once(batch, start, connection).await {
             Err(BatchError::KeysExist) => {
                 self.metrics.claims_rerun.inc();
@@ -494,22 +552,18 @@ impl Executor {
         let phases = &self.metrics.phases;
         let began = Instant::now();
         let claim = connection.claim_kind();
+        // An outbox that may not be written (its WAL slot lost): nothing commits, the batch waits intact.
+        step_tx::writable(&self.outbox).map_err(BatchError::Store)?;
         let mut lent = connection.lend(&self.pool).await?;
-        let mut tx = lent.begin().await?;
+        let mut tx = StepTx::begin(&self.outbox, lent.begin())
+            .await
+            .map_err(BatchError::Store)?;
         observe_since(&phases.begin, began);
-        let run = match dedup::run_batch(
-            &*self.service,
-            &mut tx,
-            batch,
-            &self.metrics,
-            claim,
-            &self.outbox,
-        )
-        .await
+        let run = match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics, claim).await
         {
             Ok(run) => run,
             Err(e) => {
-                let rolled_back = rollback(tx).await;
+                let rolled_back = tx.roll_back().await;
                 if matches!(e, BatchError::KeysExist) {
                     // Nothing but the claim ran: the batch runs again at once, checking each key.
                     lent.claimed(true);
@@ -524,12 +578,12 @@ impl Executor {
         };
         let recording = Instant::now();
         let Some(permit) = start.permit().await else {
-            let _ = rollback(tx).await;
+            let _ = tx.roll_back().await;
             return Err(BatchError::NotStarted);
         };
         observe_since(&phases.guard, recording);
         let committing = Instant::now();
-        let settled = match commit(tx, &permit).await {
+        let settled = match tx.commit(&permit).await {
             Ok(settled) => settled,
             Err(e) => {
                 lent.discard_if_unavailable(&e);
@@ -545,7 +599,8 @@ impl Executor {
         Ok(run.outcomes)
     }
 
-    fn after_commit(&self, batch: &[Delivery]) {
+    /// Tells the commit hooks (fault injection) that `batch` committed.
+    pub(crate) fn after_commit(&self, batch: &[Delivery]) {
         if let (Some(first), Some(last)) = (batch.first(), batch.last()) {
             self.hooks.after_db_commit(&CommitInfo {
                 topic: first.raw.origin.topic.clone(),
@@ -557,182 +612,6 @@ impl Executor {
         }
     }
 
-    /// One attempt of a two-phase step: lease, external call, completing transaction. The connections it
-    /// took are closed instead of given back if the database turned out unavailable.
-    async fn two_phase_attempt(
-        &self,
-        delivery: &Delivery,
-        permit: &CommitPermit,
-        _released: &Released<'_>,
-    ) -> Result<ItemOutcome, Failure> {
-        // Not even the external call while the outbox may not be written: its completion could not commit.
-        self.outbox
-            .check_writable()
-            .map_err(|e| Failure::Store(e.into()))?;
-        let mut held = TwoPhaseConnections::default();
-        let attempt = self.two_phase_attempt_on(delivery, permit, &mut held).await;
-        if let Err(failure) = &attempt
-            && failure.is_database_unavailable()
-        {
-            held.lease
-                .iter_mut()
-                .for_each(PoolConnection::close_on_drop);
-            held.completing
-                .iter_mut()
-                .for_each(PoolConnection::close_on_drop);
-        }
-        attempt
-    }
-
-    /// [`Self::two_phase_attempt`], on connections it keeps in `held`.
-    async fn two_phase_attempt_on(
-        &self,
-        delivery: &Delivery,
-        permit: &CommitPermit,
-        held: &mut TwoPhaseConnections,
-    ) -> Result<ItemOutcome, Failure> {
-        let Route::Step {
-            step,
-            decoded,
-            step_key,
-            tenant,
-        } = &delivery.route
-        else {
-            unreachable!("only step deliveries run two-phase")
-        };
-        let StepMode::TwoPhase(two_phase) = &step.mode else {
-            unreachable!("only two-phase steps run two-phase")
-        };
-        let store = |e: sqlx::Error| Failure::Store(StoreError::Database(e));
-        let conn = held.lease.insert(self.pool.acquire().await.map_err(store)?);
-        // A message old enough for retention to have deleted its key (after its call was made) is claimed
-        // in a transaction that also reads how far retention deleted: a first lease on such a key is rolled
-        // back, never left behind for a redelivery to take over past the check.
-        let old = delivery.raw.timestamp_ms.filter(|t| dedup::old_enough(*t));
-        let claim = match old {
-            Some(t) => {
-                let mut tx = sqlx::Connection::begin(&mut **conn).await.map_err(store)?;
-                let claim = idempotency::claim_lease(
-                    &mut tx,
-                    tenant,
-                    step_key,
-                    two_phase.lease(),
-                    &self.lease_holder,
-                )
-                .await
-                .map_err(Failure::Store)?;
-                if let LeaseClaim::Acquired(lease) = &claim
-                    && lease.attempt == 1
-                    && dedup::keys_maybe_gone(&mut tx, &[Some(t)])
-                        .await
-                        .map_err(store)?
-                        .is_some()
-                {
-                    tx.rollback().await.map_err(store)?;
-                    return Err(Failure::Handler(StepError::permanent(
-                        dedup::KeyMayBeGone::at(t),
-                    )));
-                }
-                tx.commit().await.map_err(store)?;
-                claim
-            }
-            None => idempotency::claim_lease(
-                conn,
-                tenant,
-                step_key,
-                two_phase.lease(),
-                &self.lease_holder,
-            )
-            .await
-            .map_err(Failure::Store)?,
-        };
-        let lease = match claim {
-            LeaseClaim::Acquired(lease) => lease,
-            LeaseClaim::Duplicate(_) => return Ok(ItemOutcome::Duplicate),
-            LeaseClaim::Busy { until } => return Err(Failure::Busy(until)),
-        };
-
-        // Phase two: the external call, outside any transaction, bounded by the lease.
-        let call = AssertUnwindSafe(tokio::time::timeout(
-            two_phase.lease(),
-            two_phase.call(decoded),
-        ))
-        .catch_unwind()
-        .instrument(delivery.span.clone())
-        .await;
-        let response = match call {
-            Ok(Ok(Ok(response))) => response,
-            outcome => {
-                let error = match outcome {
-                    Ok(Ok(Err(e))) => e,
-                    Ok(Err(_)) => StepError::transient(HandlerTimedOut(two_phase.lease())),
-                    Err(_) => StepError::permanent(HandlerPanicked(
-                        "the external call of a two-phase step panicked".into(),
-                    )),
-                    Ok(Ok(Ok(_))) => unreachable!(),
-                };
-                release(conn, &lease, &error).await;
-                return Err(Failure::Handler(error));
-            }
-        };
-
-        // Phase three: complete in a transaction fenced by the lease's attempt number.
-        let completing = held
-            .completing
-            .insert(self.pool.acquire().await.map_err(store)?);
-        let mut tx = sqlx::Connection::begin(&mut **completing)
-            .await
-            .map_err(store)?;
-        match idempotency::lock_lease(&mut tx, &lease).await {
-            Ok(()) => {}
-            Err(StoreError::Fenced { .. }) => return Ok(ItemOutcome::Superseded),
-            Err(e) => return Err(Failure::Store(e)),
-        }
-        let started = Instant::now();
-        let handled = self
-            .service
-            .call(StepRequest {
-                step,
-                items: vec![StepItem {
-                    decoded,
-                    tenant,
-                    origin: &delivery.raw.origin,
-                    span: &delivery.span,
-                }],
-                response: Some(response),
-                conn: &mut tx,
-            })
-            .await;
-        self.metrics
-            .handler_seconds
-            .get_or_create(&StepOnly {
-                step: step.name.to_string(),
-            })
-            .observe(started.elapsed().as_secs_f64());
-        let handled = match handled {
-            Ok(handled) => handled,
-            Err(error) => {
-                // Roll back before releasing: the transaction holds the lease's row lock.
-                let _ = tx.rollback().await;
-                release(conn, &lease, &error).await;
-                return Err(Failure::Handler(error));
-            }
-        };
-        let outcome = handled.outcomes.into_iter().next().ok_or_else(|| {
-            Failure::Handler(StepError::permanent("the handler returned no outcome"))
-        })?;
-        idempotency::complete_lease(&mut tx, &lease, &outcome)
-            .await
-            .map_err(Failure::Store)?;
-        self.outbox
-            .append(&mut tx, &handled.emitted)
-            .await
-            .map_err(|e| Failure::Store(e.into()))?;
-        commit(tx, permit).await.map_err(store)?;
-        self.after_commit(std::slice::from_ref(delivery));
-        Ok(ItemOutcome::of(&outcome))
-    }
-
     /// Produces `delivery` to the dead-letter topic. Returns whether it was acknowledged (`false`:
     /// cancelled first).
     async fn dead_letter(
@@ -741,7 +620,7 @@ impl Executor {
         reason: DeadLetterReason,
         error: String,
         _permit: &CommitPermit,
-        _released: &Released<'_>,
+        released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> bool {
         let letter = DeadLetter {
@@ -769,7 +648,7 @@ impl Executor {
         // letter without reading the topic, and a held key's later messages are parked.
         let holds = self.holds_key(delivery);
         if !self
-            .index_dead_letter(&indexed, Some((&*delivery, holds)), cancel)
+            .index_dead_letter(&indexed, Some((&*delivery, holds)), released, cancel)
             .await
         {
             return false;
@@ -785,38 +664,42 @@ impl Executor {
         true
     }
 
-    /// Records `letter` in the schema's dead-letter index, retrying while the database is unavailable;
-    /// `false` if `cancel` fires first (the message is not committed, and comes back). A schema without the
-    /// index (its migrations not applied) is said once per letter and left to the toolkit, which indexes
-    /// what it finds in the topic: a dead letter is never held back for its index.
+    /// Records `letter` in the schema's dead-letter index, with what it does to its key's hold, waiting out
+    /// an unavailable database; `false` if `cancel` fires first (the message is not committed, and comes
+    /// back). What the database refuses for good (a schema without the index, a key too large for the held
+    /// keys' index, a value a column refuses) must not stop a partition: the letter is in its topic, so
+    /// first its index goes (its hold is recorded without it), then, refused again, its hold.
     async fn index_dead_letter(
         &self,
         letter: &letters::IndexedLetter,
         hold: Option<(&Delivery, bool)>,
+        released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> bool {
-        let mut wait = Duration::from_millis(100);
-        let mut index = true;
-        loop {
-            match self.record_dead_letter(letter, hold, index).await {
-                Ok(()) => return true,
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => {
-                    tracing::warn!(
-                        dlq = %letter.dlq_topic,
-                        "the schema has no dead-letter index (saga_dead_letters): apply the consumer's \
-                         migrations; the toolkit indexes the letter when it reads the topic"
-                    );
-                    return true;
-                }
-                // A value the database refuses for good (data exceptions, program limits): retrying cannot
-                // help, and a partition must not stop for it. The letter is in its topic: first its index
-                // goes (its hold, if any, is recorded without it), then, refused again, its hold.
-                Err(sqlx::Error::Database(e))
-                    if e.code()
-                        .is_some_and(|c| c.starts_with("22") || c.starts_with("54")) =>
-                {
+        for index in [true, false] {
+            if !index && hold.is_none() {
+                break;
+            }
+            let recorded = with_budget(
+                "indexing its dead letter",
+                &self.budget(),
+                cancel,
+                released,
+                |mut conn| async move {
+                    let recorded = self
+                        .record_dead_letter(&mut conn, letter, hold, index)
+                        .await;
+                    (conn, recorded)
+                },
+            )
+            .await;
+            match recorded {
+                Tried::Done(()) => return true,
+                Tried::Cancelled => return false,
+                Tried::Refused(error) => {
                     let refused = if index {
-                        "the dead-letter index refuses this letter; it stays in its topic, unindexed"
+                        "the dead-letter index refuses this letter; it stays in its topic, unindexed (the \
+                         toolkit indexes what it finds there)"
                     } else {
                         "the held keys' tables refuse this message; its letter is in its topic, its key \
                          not held"
@@ -825,35 +708,25 @@ impl Executor {
                         dlq = %letter.dlq_topic,
                         partition = letter.partition,
                         offset = letter.offset,
-                        error = %e,
+                        error = %error,
                         "{refused}"
                     );
-                    if !index || hold.is_none() {
-                        return true;
-                    }
-                    index = false;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, ?wait, "indexing a dead letter failed; retrying");
-                    if !sleep_or_cancel(wait, cancel).await {
-                        return false;
-                    }
-                    wait = (wait * 2).min(Duration::from_secs(10));
                 }
             }
         }
+        true
     }
 
-    /// One transaction: what `letter` does to its key's hold (`hold`: its message, and whether its policy
-    /// holds keys), and, if `index`, its row in the dead-letter index.
+    /// One transaction on `conn`: what `letter` does to its key's hold (`hold`: its message, and whether
+    /// its policy holds keys), and, if `index`, its row in the dead-letter index.
     async fn record_dead_letter(
         &self,
+        conn: &mut sqlx::PgConnection,
         letter: &letters::IndexedLetter,
         hold: Option<(&Delivery, bool)>,
         index: bool,
     ) -> Result<(), sqlx::Error> {
-        let mut conn = self.pool.acquire().await?;
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let mut tx = sqlx::Connection::begin(conn).await?;
         if let Some((delivery, holds)) = hold {
             let done = self
                 .holds
@@ -911,57 +784,12 @@ impl Executor {
     }
 }
 
-/// The connections of a two-phase attempt: the lease's, and the completing transaction's.
-#[derive(Default)]
-struct TwoPhaseConnections {
-    lease: Option<PoolConnection<Postgres>>,
-    completing: Option<PoolConnection<Postgres>>,
-}
-
-/// Gives up a two-phase lease after a failure, so that the retry can take it over at once.
-async fn release(conn: &mut sqlx::PgConnection, lease: &idempotency::Lease, error: &StepError) {
-    if let Err(e) = idempotency::release_lease(conn, lease, &error.to_string()).await {
-        tracing::warn!(error = %e, "could not release a lease; it expires on its own");
-    }
-}
-
 /// Closes `conn` when it is returned instead of giving it back to the pool, if `error` says the database is
 /// unavailable: a connection left on a server that shuts down, or that a switchover made read-only, would
 /// fail every transaction it is given.
 pub(crate) fn discard_if_unavailable(conn: &mut PoolConnection<Postgres>, error: &sqlx::Error) {
     if StepError::is_connection_error(error) {
         conn.close_on_drop();
-    }
-}
-
-/// Runs `attempt` until it succeeds, waiting out its failures with the database's backoff (`what` names it in
-/// the log); `None` if `cancel` fires first.
-async fn until_done<T, F, Fut>(what: &str, cancel: &CancellationToken, mut attempt: F) -> Option<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
-{
-    let mut times = 0;
-    loop {
-        match attempt().await {
-            Ok(done) => return Some(done),
-            Err(e) => {
-                times += 1;
-                let wait = UNAVAILABLE_BACKOFF.wait_after(times);
-                tracing::warn!(error = %e, ?wait, "{what} failed; retrying");
-                if !sleep_or_cancel(wait, cancel).await {
-                    return None;
-                }
-            }
-        }
-    }
-}
-
-/// Sleeps for `wait`; returns `false` if `cancel` fired first.
-pub(crate) async fn sleep_or_cancel(wait: Duration, cancel: &CancellationToken) -> bool {
-    tokio::select! {
-        _ = cancel.cancelled() => false,
-        _ = tokio::time::sleep(wait) => true,
     }
 }
 

@@ -20,20 +20,20 @@
 //! transaction is rolled back and the batch goes the isolated way.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
-use saga_core::StepError;
 use sqlx::{PgPool, Row};
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::connection::Released;
-use crate::executor::{discard_if_unavailable, sleep_or_cancel};
+use crate::db_retry::{Budget, Tried, retrying};
+use crate::executor::discard_if_unavailable;
+use crate::retry::RetryPolicy;
 
 /// What to do with a batch about to start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum BatchStart {
     /// Process the batch normally.
     Normal,
@@ -41,6 +41,10 @@ pub(crate) enum BatchStart {
     Isolate,
     /// The first message took the consumer down this many times: dead-letter it.
     DeadLetter(u32),
+    /// The start could not be recorded, for good (not for an unavailable database, which is waited out):
+    /// the first message is dead-lettered with this reason, as processing without the record would blind
+    /// the detection.
+    Refused(String),
 }
 
 /// Records batch starts and ends for one consumer group.
@@ -52,18 +56,28 @@ pub(crate) struct CrashGuard {
     alone: Arc<RwLock<()>>,
     /// Counts each failed record that an unavailable database caused (it is retried, as in `executor`).
     unreachable: Counter,
+    /// The budget of a record that may pass again.
+    retry: RetryPolicy,
 }
 
 impl CrashGuard {
     /// `limit` is the number of deaths tolerated per message; 0 turns detection off. A record that fails
-    /// because the database is unavailable is counted in `unreachable`.
-    pub(crate) fn new(pool: PgPool, group: String, limit: u32, unreachable: Counter) -> Self {
+    /// because the database is unavailable is counted in `unreachable` and waited out; one that may pass
+    /// again is retried within `retry`.
+    pub(crate) fn new(
+        pool: PgPool,
+        group: String,
+        limit: u32,
+        unreachable: Counter,
+        retry: RetryPolicy,
+    ) -> Self {
         Self {
             pool,
             group,
             limit,
             alone: Arc::default(),
             unreachable,
+            retry,
         }
     }
 
@@ -103,8 +117,9 @@ impl CrashGuard {
         self.limit > 0
     }
 
-    /// [`CrashGuard::begin`], retried every second while the database fails; `None` if `cancel` fired
-    /// first. The worker waits for it with no connection kept.
+    /// Records a batch's start (`saga_consumer_begin_batch`), waiting out an unavailable database, retrying what may pass again within the
+    /// budget; a record refused for good is [`BatchStart::Refused`]. `None` if `cancel` fired first. The
+    /// worker waits for it with no connection kept.
     pub(crate) async fn begin_until_recorded(
         &self,
         topic: &str,
@@ -119,7 +134,8 @@ impl CrashGuard {
     }
 
     /// [`CrashGuard::begin_until_recorded`] for a record that runs beside the batch's transaction
-    /// ([`PendingStart::record`]).
+    /// ([`PendingStart::record`]: the one wait of a worker beside the connection it keeps, part of its next
+    /// transaction).
     async fn begin_retrying(
         &self,
         topic: &str,
@@ -128,42 +144,34 @@ impl CrashGuard {
         last: i64,
         cancel: &CancellationToken,
     ) -> Option<BatchStart> {
-        loop {
-            match self.begin(topic, partition, first, last).await {
-                Ok(start) => return Some(start),
-                Err(e) => {
-                    if StepError::is_connection_error(&e) {
-                        self.unreachable.inc();
-                    }
-                    tracing::warn!(error = %e, topic, partition, "cannot record the batch start; retrying");
-                    if !sleep_or_cancel(Duration::from_secs(1), cancel).await {
-                        return None;
-                    }
-                }
+        let budget = Budget {
+            pool: &self.pool,
+            retry: &self.retry,
+            unreachable: &self.unreachable,
+        };
+        let recorded = retrying(
+            "recording the batch's start",
+            &budget,
+            cancel,
+            |mut conn| async move {
+                let begun = self
+                    .begin_on(&mut conn, topic, partition, first, last)
+                    .await;
+                (conn, begun)
+            },
+        )
+        .await;
+        match recorded {
+            Tried::Done(start) => Some(start),
+            Tried::Refused(error) => {
+                tracing::error!(topic, partition, error = %error, "the batch's start cannot be recorded; its first message is dead-lettered");
+                Some(BatchStart::Refused(error))
             }
+            Tried::Cancelled => None,
         }
     }
 
-    /// Records that a batch `first..=last` of `topic`/`partition` begins. A database error goes to the
-    /// caller, which retries: processing without the record would blind the detection.
-    pub(crate) async fn begin(
-        &self,
-        topic: &str,
-        partition: i32,
-        first: i64,
-        last: i64,
-    ) -> Result<BatchStart, sqlx::Error> {
-        let mut conn = self.pool.acquire().await?;
-        let begun = self
-            .begin_on(&mut conn, topic, partition, first, last)
-            .await;
-        if let Err(e) = &begun {
-            discard_if_unavailable(&mut conn, e);
-        }
-        begun
-    }
-
-    /// [`CrashGuard::begin`] on `conn`.
+    /// Records on `conn` that a batch `first..=last` of `topic`/`partition` begins.
     async fn begin_on(
         &self,
         conn: &mut sqlx::PgConnection,
@@ -330,7 +338,7 @@ impl PendingStart {
             *self = Self::Known(task.await.ok().flatten());
         }
         match self {
-            Self::Known(start) => *start,
+            Self::Known(start) => start.clone(),
             Self::Recording(_) => unreachable!("resolved above"),
         }
     }
@@ -341,12 +349,13 @@ impl PendingStart {
         (self.resolve().await == Some(BatchStart::Normal)).then_some(CommitPermit(()))
     }
 
-    /// The permit to dead-letter the batch's first message for a crash loop, with the deaths the record
-    /// counted, once the record is in and says so; `None` if it says otherwise or was cancelled.
-    pub(crate) async fn crash_loop_permit(&mut self) -> Option<(CommitPermit, u32)> {
-        match self.resolve().await {
-            Some(BatchStart::DeadLetter(deaths)) => Some((CommitPermit(()), deaths)),
-            _ => None,
-        }
+    /// The permit to dead-letter the batch's first message alone (a crash loop, or a record refused for
+    /// good), once the record is in and says so; `None` if it says otherwise or was cancelled.
+    pub(crate) async fn alone_permit(&mut self) -> Option<CommitPermit> {
+        matches!(
+            self.resolve().await,
+            Some(BatchStart::DeadLetter(_) | BatchStart::Refused(_))
+        )
+        .then_some(CommitPermit(()))
     }
 }

@@ -54,9 +54,10 @@ pub(crate) struct HoldLimits {
     pub alert_after: Duration,
 }
 
-/// A held key's state.
+/// A held key's state (`saga_held_keys.state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum HoldState {
+#[non_exhaustive]
+pub enum HoldState {
     /// Nothing of it runs.
     Held,
     /// Its parked messages run one at a time, in order.
@@ -64,14 +65,74 @@ pub(crate) enum HoldState {
 }
 
 impl HoldState {
-    fn parse(text: &str) -> Self {
-        if text == "releasing" {
-            Self::Releasing
-        } else {
-            Self::Held
+    /// The state's name in the table.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Held => "held",
+            Self::Releasing => "releasing",
+        }
+    }
+
+    /// The state named `text`; a name this version does not know is an error, never another state.
+    pub fn parse(text: &str) -> Result<Self, UnknownHold> {
+        [Self::Held, Self::Releasing]
+            .into_iter()
+            .find(|s| s.as_str() == text)
+            .ok_or_else(|| UnknownHold::new("state", text))
+    }
+}
+
+/// Why a key is held (`saga_held_keys.cause`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HoldCause {
+    /// A dead letter of the key, at the head of its queue.
+    DeadLetter,
+    /// A paused step's message of the key.
+    Paused,
+}
+
+impl HoldCause {
+    /// The cause's name in the table.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::DeadLetter => "dead-letter",
+            Self::Paused => "paused",
+        }
+    }
+
+    /// The cause named `text`; a name this version does not know is an error.
+    pub fn parse(text: &str) -> Result<Self, UnknownHold> {
+        [Self::DeadLetter, Self::Paused]
+            .into_iter()
+            .find(|c| c.as_str() == text)
+            .ok_or_else(|| UnknownHold::new("cause", text))
+    }
+}
+
+/// A held key's row names a state or cause this version does not know (a newer consumer wrote it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("a held key's {what} is {value:?}, which this version does not know")]
+pub struct UnknownHold {
+    what: &'static str,
+    value: String,
+}
+
+impl UnknownHold {
+    fn new(what: &'static str, value: &str) -> Self {
+        Self {
+            what,
+            value: value.chars().take(64).collect(),
         }
     }
 }
+
+/// The states and causes as the statements name them: one source, [`HoldState::as_str`] and
+/// [`HoldCause::as_str`].
+const HELD: &str = HoldState::Held.as_str();
+const RELEASING: &str = HoldState::Releasing.as_str();
+const DEAD_LETTER: &str = HoldCause::DeadLetter.as_str();
+const PAUSED: &str = HoldCause::Paused.as_str();
 
 /// What the store says of a held key, as the decisions need it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -418,7 +479,7 @@ const FIRST_PAUSED: &str = "EXISTS (SELECT 1 FROM saga_paused_steps s, saga_park
 pub async fn releasing_keys(pool: &PgPool, group: &str) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM saga_held_keys h {FIRST_PARKED} \
-         WHERE h.group_id = $1 AND h.state = 'releasing' AND NOT {FIRST_PAUSED}"
+         WHERE h.group_id = $1 AND h.state = '{RELEASING}' AND NOT {FIRST_PAUSED}"
     )))
     .bind(group)
     .fetch_one(pool)
@@ -440,7 +501,8 @@ fn view_of(row: &sqlx::postgres::PgRow) -> Result<HeldView, sqlx::Error> {
         None => None,
     };
     Ok(HeldView {
-        state: HoldState::parse(row.try_get::<&str, _>("state")?),
+        state: HoldState::parse(row.try_get::<&str, _>("state")?)
+            .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
         head_letter: row.try_get("head_letter")?,
         first,
         parked: row.try_get("parked")?,
@@ -521,13 +583,28 @@ impl Holds {
         Ok(locked.is_some())
     }
 
-    /// The view of `key`, locked until `conn`'s transaction ends (waiting for the lock): its row locked
-    /// first, then its first parked message read.
+    /// The view of `key`, locked until `conn`'s transaction ends (waiting for the lock): the key itself
+    /// first, then its row, then its first parked message read.
+    ///
+    /// The key's lock is what makes a decision on a key that is not held safe: `FOR UPDATE` on a row that
+    /// does not exist locks nothing, so two transactions (two partitions' dead letters of one key) would
+    /// both find it free and both hold it, and one letter would be neither head nor queued. A
+    /// transaction-scoped advisory lock on the key serializes them: the second reads, in a statement of its
+    /// own (a new snapshot), what the first committed. Every transaction that decides on a key's hold
+    /// (parking, a dead letter, advancing) comes through here.
     async fn lock(
         &self,
         conn: &mut PgConnection,
         key: &[u8],
     ) -> Result<Option<HeldView>, sqlx::Error> {
+        sqlx::query(
+            "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '/saga_held_keys/' || $1 \
+                 || '/' || encode(sha256($2), 'hex'), 0))",
+        )
+        .bind(&self.group)
+        .bind(key)
+        .execute(&mut *conn)
+        .await?;
         if !self.lock_row(conn, key, "FOR UPDATE").await? {
             return Ok(None);
         }
@@ -546,13 +623,13 @@ impl Holds {
     /// of its own, unless its key was let go meanwhile or a cap is reached (see [`decide_park`]).
     pub(crate) async fn park(
         &self,
-        pool: &PgPool,
+        conn: &mut PgConnection,
         raw: &RawMessage,
         original: &Origin,
         step: Option<&str>,
     ) -> Result<ParkDecision, sqlx::Error> {
         let key = key_of(raw);
-        let mut tx = pool.begin().await?;
+        let mut tx = sqlx::Connection::begin(conn).await?;
         let view = self.lock(&mut tx, key).await?;
         let paused: bool = match step {
             Some(step) => sqlx::query_scalar(
@@ -574,12 +651,14 @@ impl Holds {
         let decision = decide_park(view.as_ref(), paused, group_parked, &self.limits);
         match &decision {
             ParkDecision::Create => {
+                // No conflict is possible: the key's lock is held, and it was not held (`lock`). A
+                // conflict here is a defect, and fails loudly rather than losing the message's place.
                 sqlx::query(
-                    "INSERT INTO saga_held_keys (group_id, key, cause, paused_step) \
-                     VALUES ($1, $2, 'paused', $3) ON CONFLICT (group_id, key) DO NOTHING",
+                    "INSERT INTO saga_held_keys (group_id, key, cause, paused_step) VALUES ($1, $2, $3, $4)",
                 )
                 .bind(&self.group)
                 .bind(key)
+                .bind(PAUSED)
                 .bind(step)
                 .execute(&mut *tx)
                 .await?;
@@ -660,15 +739,18 @@ impl Holds {
                 .bind(letter.partition)
                 .bind(letter.offset)
                 .bind(&letter.fields.reason)
+                .bind(HELD)
+                .bind(DEAD_LETTER)
         };
         match &decision {
             OnDeadLetter::Nothing => {}
             OnDeadLetter::Queue => self.append(tx, raw, original, step).await?,
             OnDeadLetter::Hold => {
+                // No conflict is possible: the key's lock is held, and it was not held (`lock`).
                 head(
-                    "INSERT INTO saga_held_keys (group_id, key, cause, head_letter, head_topic, \
+                    "INSERT INTO saga_held_keys (group_id, key, state, cause, head_letter, head_topic, \
                          head_partition, head_offset, head_reason) \
-                     VALUES ($1, $2, 'dead-letter', $3, $4, $5, $6, $7) ON CONFLICT (group_id, key) DO NOTHING",
+                     VALUES ($1, $2, $8, $9, $3, $4, $5, $6, $7)",
                 )
                 .execute(&mut *tx)
                 .await?;
@@ -694,7 +776,7 @@ impl Holds {
                     .await?;
                 }
                 head(
-                    "UPDATE saga_held_keys SET state = 'held', cause = 'dead-letter', head_letter = $3, \
+                    "UPDATE saga_held_keys SET state = $8, cause = $9, head_letter = $3, \
                          head_topic = $4, head_partition = $5, head_offset = $6, head_reason = $7, \
                          in_flight = NULL, in_flight_at = NULL, held_at = now() \
                      WHERE group_id = $1 AND key = $2",
@@ -710,13 +792,13 @@ impl Holds {
     /// transaction of its own; wakes the releaser if the key's release may go on.
     pub(crate) async fn advance(
         &self,
-        pool: &PgPool,
+        conn: &mut PgConnection,
         raw: &RawMessage,
         role: &Role,
         by: &str,
     ) -> Result<Advance, sqlx::Error> {
         let key = key_of(raw);
-        let mut tx = pool.begin().await?;
+        let mut tx = sqlx::Connection::begin(conn).await?;
         let view = self.lock(&mut tx, key).await?;
         let decision = advance(view.as_ref(), role);
         let delete_seq = |seq: i64| {
@@ -790,7 +872,7 @@ impl Holds {
                      (h.in_flight_at IS NULL OR h.in_flight_at < now() - make_interval(secs => $2)) AS resend_due, \
                      {FIRST_PAUSED} AS first_paused \
                  FROM saga_held_keys h {FIRST_PARKED} \
-                 WHERE h.group_id = $1 AND h.state = 'releasing' AND ($3::bytea IS NULL OR h.key = $3)) k \
+                 WHERE h.group_id = $1 AND h.state = '{RELEASING}' AND ($3::bytea IS NULL OR h.key = $3)) k \
                  WHERE k.seq IS NULL OR (NOT k.first_paused AND (k.in_flight IS DISTINCT FROM k.seq OR k.resend_due)) \
                  ORDER BY k.held_at LIMIT 64"
             )))
@@ -926,24 +1008,26 @@ pub async fn release(
     by: &str,
 ) -> Result<u64, sqlx::Error> {
     let (condition, key, text) = match which {
-        Released::Key(key) => ("h.key = $3", Some(key), None),
-        Released::BehindLetter(letter) => ("h.head_letter = $4", None, Some(letter)),
+        Released::Key(key) => ("h.key = $3".to_owned(), Some(key), None),
+        Released::BehindLetter(letter) => ("h.head_letter = $4".to_owned(), None, Some(letter)),
         Released::PausedStep(step) => (
-            "h.cause = 'paused' AND h.paused_step = $4",
+            format!("h.cause = '{PAUSED}' AND h.paused_step = $4"),
             None,
             Some(step),
         ),
         Released::PauseGone => (
-            "h.cause = 'paused' AND NOT EXISTS (SELECT 1 FROM saga_paused_steps s \
-             WHERE s.group_id = h.group_id AND s.step = h.paused_step)",
+            format!(
+                "h.cause = '{PAUSED}' AND NOT EXISTS (SELECT 1 FROM saga_paused_steps s \
+                 WHERE s.group_id = h.group_id AND s.step = h.paused_step)"
+            ),
             None,
             None,
         ),
     };
     let released = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE saga_held_keys h SET state = 'releasing', released_by = $2, released_at = now(), \
+        "UPDATE saga_held_keys h SET state = '{RELEASING}', released_by = $2, released_at = now(), \
              in_flight = NULL, in_flight_at = NULL \
-         WHERE h.group_id = $1 AND h.state = 'held' AND {condition}"
+         WHERE h.group_id = $1 AND h.state = '{HELD}' AND {condition}"
     )))
     .bind(group)
     .bind(by)

@@ -25,7 +25,7 @@ use futures::future::BoxFuture;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -35,8 +35,10 @@ use saga_core::StepOutcome;
 use saga_core::TraceParent;
 use saga_core::{Event, Lineage, OutboxMessage, SagaEvent, Topic};
 use saga_core::{IdempotencyKey, StepName, TenantId};
-use saga_runtime::store::idempotency::{self, KeyStatus, TryClaim};
+use saga_runtime::store::idempotency::{KeyStatus, StoreError, TryClaim};
 use saga_runtime::store::outbox;
+
+use crate::step_tx::{Outcomes, StepTx};
 
 /// The request header carrying the client's key (HTTP header names are case-insensitive).
 pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
@@ -193,7 +195,7 @@ struct Shared {
     /// The client's key, the tenant and the trace context of the events the request emits.
     lineage: Lineage,
     operation: StepName,
-    tx: Mutex<Option<Transaction<'static, Postgres>>>,
+    tx: Mutex<Option<StepTx<'static>>>,
     emitted: std::sync::Mutex<Vec<OutboxMessage>>,
 }
 
@@ -265,9 +267,9 @@ impl IdempotentRequest {
     /// keep it past the handler.
     pub async fn transaction(&self) -> RequestTransaction<'_> {
         RequestTransaction(MutexGuard::map(self.0.tx.lock().await, |tx| {
-            &mut **tx
-                .as_mut()
+            tx.as_mut()
                 .expect("the transaction is open until the handler returns")
+                .conn()
         }))
     }
 
@@ -304,7 +306,7 @@ impl IdempotentRequest {
         )
     }
 
-    async fn take(&self) -> Option<Transaction<'static, Postgres>> {
+    async fn take(&self) -> Option<StepTx<'static>> {
         self.0.tx.lock().await.take()
     }
 }
@@ -654,9 +656,9 @@ struct Claimed<B> {
 /// committed (just committed, or replayed): what the fast path may cache.
 type Answered = (Response<Full<Bytes>>, Option<serde_json::Value>);
 
-/// The request served with PostgreSQL alone: the claim inside the request's transaction decides.
+/// The request served with PostgreSQL alone: the claim inside the request's step transaction decides.
 async fn in_postgres<S, B, RB>(
-    mut inner: S,
+    inner: S,
     pool: PgPool,
     config: Arc<IdempotencyConfig>,
     claimed: Claimed<B>,
@@ -672,35 +674,63 @@ where
         hash,
         mut request,
     } = claimed;
-    let unavailable = |what: &str, e: &dyn std::fmt::Display| {
-        tracing::error!(error = %e, "{what}");
-        problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "idempotency store unavailable",
-        )
-    };
-    // An outbox that may not be written (its WAL slot lost): the request does not run at all.
-    if let Err(e) = config.outbox.runtime().check_writable() {
-        return Ok((unavailable("the outbox is not writable", &e), None));
-    }
-    let mut tx = match pool.begin().await {
+    let tx = match open_and_claim(&pool, &config, lineage.tenant(), &step_key, &hash).await {
         Ok(tx) => tx,
-        Err(e) => return Ok((unavailable("beginning a transaction", &e), None)),
+        Err(answered) => return Ok(answered),
     };
+    let handle = IdempotentRequest(Arc::new(Shared {
+        lineage,
+        operation: config.operation.clone(),
+        emitted: std::sync::Mutex::default(),
+        tx: Mutex::new(Some(tx)),
+    }));
+    request.extensions_mut().insert(handle.clone());
+    let (parts, body, tx) = match call_handler(inner, request, &handle).await? {
+        Ok(done) => done,
+        Err(answered) => return Ok(answered),
+    };
+    Ok(store_and_commit(tx, parts, body, &handle, &config, &step_key).await)
+}
+
+/// A 503 for what the database or the outbox could not do now (said in the log).
+fn unavailable(what: &str, e: &dyn std::fmt::Display) -> Response<Full<Bytes>> {
+    tracing::error!(error = %e, "{what}");
+    problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency store unavailable",
+    )
+}
+
+/// Opens the request's step transaction and claims its key: the transaction, or the answer when the
+/// key is another request's (422), in progress (409), or done (its stored response, replayed).
+async fn open_and_claim(
+    pool: &PgPool,
+    config: &IdempotencyConfig,
+    tenant: &TenantId,
+    step_key: &saga_core::StepKey,
+    hash: &[u8],
+) -> Result<StepTx<'static>, Answered> {
+    // An outbox that may not be written (its WAL slot lost): the request does not run at all.
+    let mut tx = StepTx::begin(config.outbox.runtime(), pool.begin())
+        .await
+        .map_err(|e| {
+            (
+                unavailable("the outbox is not writable, or no transaction began", &e),
+                None,
+            )
+        })?;
     let mut replayed = None;
-    let early = match idempotency::try_claim(&mut tx, lineage.tenant(), &step_key, &hash).await {
-        Err(e) => Some(unavailable("claiming an idempotency key", &e)),
-        Ok(TryClaim::Claimed) => None,
-        Ok(TryClaim::Busy) => Some(in_progress()),
-        Ok(TryClaim::Existing {
-            stored,
-            request_hash,
-        }) => Some(if request_hash.as_deref() != Some(hash.as_slice()) {
+    let early = match tx.claim_request(tenant, step_key, hash).await {
+        Err(e) => unavailable("claiming an idempotency key", &e),
+        Ok(TryClaim::Claimed) => return Ok(tx),
+        Ok(TryClaim::Busy) => in_progress(),
+        Ok(TryClaim::Existing { request_hash, .. }) if request_hash.as_deref() != Some(hash) => {
             problem(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "Idempotency-Key was used for a different request",
             )
-        } else {
+        }
+        Ok(TryClaim::Existing { stored, .. }) => {
             match (stored.status == KeyStatus::Completed)
                 .then_some(stored.outcome)
                 .flatten()
@@ -717,20 +747,25 @@ where
                     "the key's stored response cannot be replayed",
                 ),
             }
-        }),
+        }
     };
-    if let Some(response) = early {
-        roll_back(tx).await;
-        return Ok((response, replayed));
-    }
+    roll_back(tx).await;
+    Err((early, replayed))
+}
 
-    let handle = IdempotentRequest(Arc::new(Shared {
-        lineage,
-        operation: config.operation.clone(),
-        emitted: std::sync::Mutex::default(),
-        tx: Mutex::new(Some(tx)),
-    }));
-    request.extensions_mut().insert(handle.clone());
+/// Runs the handler with `request` (which carries `handle`): its response's parts and body, and the
+/// transaction it gave back; or the answer when it kept the transaction, its body failed or it answered
+/// 5xx (rolled back: the key is free for the retry).
+async fn call_handler<S, B, RB>(
+    mut inner: S,
+    request: Request<B>,
+    handle: &IdempotentRequest,
+) -> Result<Result<(http::response::Parts, Bytes, StepTx<'static>), Answered>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    RB: http_body::Body<Data = Bytes>,
+    RB::Error: Into<BoxError>,
+{
     // Every path below that does not commit rolls the transaction back before answering.
     let response = match inner.call(request).await {
         Ok(response) => response,
@@ -741,40 +776,50 @@ where
             return Err(e);
         }
     };
-    let Some(mut tx) = handle.take().await else {
-        return Ok((
+    let Some(tx) = handle.take().await else {
+        return Ok(Err((
             problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "the handler kept the transaction",
             ),
             None,
-        ));
+        )));
     };
     let (parts, body) = response.into_parts();
     // The error is dropped before the next await: it need not be `Send`.
-    let body = match body
+    let body = body
         .collect()
         .await
         .map(http_body_util::Collected::to_bytes)
-        .ok()
-    {
-        Some(bytes) => bytes,
-        None => {
-            roll_back(tx).await;
-            return Ok((
-                problem(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "the handler's response body failed",
-                ),
-                None,
-            ));
-        }
+        .ok();
+    let Some(body) = body else {
+        roll_back(tx).await;
+        return Ok(Err((
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the handler's response body failed",
+            ),
+            None,
+        )));
     };
     if parts.status.is_server_error() {
         // Rolled back: the key is free for the retry.
         roll_back(tx).await;
-        return Ok((Response::from_parts(parts, Full::new(body)), None));
+        return Ok(Err((Response::from_parts(parts, Full::new(body)), None)));
     }
+    Ok(Ok((parts, body, tx)))
+}
+
+/// Stores the response as the key's outcome with the events the handler emitted, and commits: the
+/// response, with what a replay answers; or what could not be stored, rolled back.
+async fn store_and_commit(
+    mut tx: StepTx<'static>,
+    parts: http::response::Parts,
+    body: Bytes,
+    handle: &IdempotentRequest,
+    config: &IdempotencyConfig,
+    step_key: &saga_core::StepKey,
+) -> Answered {
     if body.len() > config.max_stored_body_bytes {
         tracing::warn!(
             bytes = body.len(),
@@ -791,51 +836,49 @@ where
         config.max_stored_body_bytes,
     ) else {
         roll_back(tx).await;
-        return Ok((
+        return (
             problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "the handler's response is not UTF-8 and cannot be stored",
             ),
             None,
-        ));
+        );
     };
     let stored = serde_json::to_value(&stored).ok();
     let outcome = StepOutcome::Completed {
         result: stored.clone(),
     };
-    if let Err(e) =
-        idempotency::record_outcomes(&mut tx, &[(handle.tenant(), &step_key, &outcome)]).await
-    {
-        roll_back(tx).await;
-        return Ok((unavailable("storing the response", &e), None));
-    }
     let emitted = handle.take_emitted();
-    if let Err(e) = config.outbox.runtime().append(&mut tx, &emitted).await {
+    let records = [(handle.tenant(), step_key, &outcome)];
+    if let Err(e) = tx.record(Outcomes::Keys(&records), &emitted).await {
         roll_back(tx).await;
-        if matches!(e, outbox::OutboxError::TooLarge { .. }) {
+        let refused = match &e {
+            StoreError::Outbox(outbox::OutboxError::TooLarge { .. }) => {
+                Some("the request's events are larger than the outbox accepts")
+            }
+            StoreError::Outbox(outbox::OutboxError::Refused { .. }) => {
+                Some("the request's events hold what the outbox cannot store (a NUL character)")
+            }
+            _ => None,
+        };
+        if let Some(refused) = refused {
             tracing::error!(error = %e, "the request's events are refused");
-            return Ok((
-                problem(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "the request's events are larger than the outbox accepts",
-                ),
-                None,
-            ));
+            return (problem(StatusCode::INTERNAL_SERVER_ERROR, refused), None);
         }
-        return Ok((unavailable("writing the outbox", &e), None));
+        return (unavailable("storing the response and its events", &e), None);
     }
-    if let Err(e) = tx.commit().await {
-        return Ok((unavailable("committing", &e), None));
+    if let Err(e) = tx.commit_request().await {
+        return (unavailable("committing", &e), None);
     }
-    Ok((Response::from_parts(parts, Full::new(body)), stored))
+    (Response::from_parts(parts, Full::new(body)), stored)
 }
 
 /// Rolls `tx` back before the response goes out. Dropping it would also roll it back, but only once the
 /// pool takes the connection back, in a task of its own: until then the transaction keeps the key's
 /// advisory lock, and the client's next retry, arriving on another connection, would get a 409.
-async fn roll_back(tx: Transaction<'static, Postgres>) {
-    if let Err(e) = tx.rollback().await {
-        tracing::warn!(error = %e, "rolling back an idempotent request's transaction");
+async fn roll_back(tx: StepTx<'static>) {
+    if tx.roll_back().await.is_none() {
+        tracing::warn!("rolling back an idempotent request's transaction failed");
     }
 }
 

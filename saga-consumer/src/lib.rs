@@ -63,6 +63,8 @@
 mod config;
 mod connection;
 mod consumer;
+mod crash_gate;
+mod db_retry;
 mod dedup;
 mod delivery;
 mod dlq;
@@ -74,6 +76,7 @@ pub mod fast_path;
 mod guard;
 mod handler;
 mod hold;
+mod hold_gate;
 #[cfg(test)]
 mod hold_model;
 mod hooks;
@@ -94,6 +97,8 @@ mod runner;
 mod service;
 pub mod settings;
 pub mod setup;
+mod step_tx;
+mod two_phase;
 
 pub use config::{AssignmentStrategy, ConsumerSettings};
 pub use consumer::{SagaConsumer, SagaConsumerBuilder};
@@ -137,7 +142,9 @@ pub mod telemetry {
 /// of the API: no semver promise, and nothing a service needs.
 #[doc(hidden)]
 pub mod toolkit {
-    pub use saga_runtime::cli::{exit_code, parse, printable, printable_json};
+    pub use saga_runtime::cli::{
+        exit_code, hex, parse, parse_hex, printable, printable_bytes, printable_json,
+    };
     pub use saga_runtime::config::{connect_postgres, require_schema, required_postgres_url};
     pub use saga_runtime::kafka::{Watermarks, client_config, idempotent_producer, watermarks};
     pub use saga_runtime::replay;
@@ -149,6 +156,8 @@ pub mod toolkit {
 
     /// How long after it is written a pause takes effect (`saga_paused_steps.effective_at`).
     pub use crate::hold::PAUSE_DELAY;
+    /// A held key's state and cause, as the table names them: one source for the consumer and the toolkit.
+    pub use crate::hold::{HoldCause, HoldState, UnknownHold};
     /// Releasing held keys (`saga_held_keys`): what a discard, a resume or `saga keys release` does.
     pub use crate::hold::{Released, release as release_held, releasing_keys};
 

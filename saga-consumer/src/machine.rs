@@ -120,7 +120,13 @@ pub(crate) enum Event {
     /// Its key is no longer held: it runs as a message of `kind`.
     NotHeld { kind: Kind },
     /// Its key's queue is full: it is dead-lettered with this reason.
-    ParkRefused { reason: String },
+    ParkRefused {
+        /// Why it is dead-lettered: a cap ([`DeadLetterReason::HoldQueueFull`]) or a refused statement
+        /// ([`DeadLetterReason::StoreRefused`]).
+        reason: DeadLetterReason,
+        /// What refused it.
+        error: String,
+    },
 }
 
 /// A retry of one message that failed: its failure, counted or not.
@@ -157,7 +163,7 @@ pub(crate) struct BatchMachine {
     keys: Vec<Option<u64>>,
     holds: Vec<bool>,
     /// A message whose parking was refused: dead-lettered next, with the reason.
-    refused: Option<(usize, String)>,
+    refused: Option<(usize, DeadLetterReason, String)>,
 }
 
 impl BatchMachine {
@@ -219,10 +225,10 @@ impl BatchMachine {
     }
 
     fn decide(&mut self) -> Action {
-        if let Some((index, error)) = self.refused.take() {
+        if let Some((index, reason, error)) = self.refused.take() {
             return Action::DeadLetter {
                 index,
-                reason: DeadLetterReason::HoldQueueFull,
+                reason,
                 error,
                 attempts: self.attempts[index].max(1),
             };
@@ -306,8 +312,8 @@ impl BatchMachine {
                 debug_assert_ne!(kind, Kind::Held);
                 self.kinds[index] = kind;
             }
-            (Action::Park { index }, Event::ParkRefused { reason }) => {
-                self.refused = Some((index, reason));
+            (Action::Park { index }, Event::ParkRefused { reason, error }) => {
+                self.refused = Some((index, reason, error));
             }
             (Action::Wait { .. }, Event::Waited) => {}
             (Action::Transact { start, end }, Event::ItemFailed { index, fault }) => {
@@ -502,7 +508,8 @@ mod tests {
         let mut m = BatchMachine::new(vec![Kind::Held, T], vec![0; 2], 3);
         let actions = drive(&mut m, |a| match a {
             Action::Park { .. } => Event::ParkRefused {
-                reason: "full".into(),
+                reason: DeadLetterReason::HoldQueueFull,
+                error: "full".into(),
             },
             a => ok(a),
         });

@@ -1007,7 +1007,15 @@ async fn dlq_a_statement_the_database_refuses_narrows_the_batch_and_dead_letters
         .map(|m| m.header(dlq_headers::ORIGINAL_OFFSET).unwrap())
         .collect();
     assert_eq!(offsets, ["2", "4"], "the two culprits, and only they");
-    for m in &dead {
+    // A NUL in an emitted header is refused by the outbox at once, in any mode (it would be refused the
+    // same way again): dead-lettered on its first attempt, with the reason.
+    let (header, result) = (&dead[0], &dead[1]);
+    assert_eq!(header.header(dlq_headers::REASON), Some("handler-failed"));
+    assert_eq!(header.header(dlq_headers::ATTEMPTS), Some("1"));
+    let error = header.header(dlq_headers::ERROR).unwrap_or_default();
+    assert!(error.contains("NUL"), "{error}");
+    {
+        let m = result;
         assert_eq!(m.header(dlq_headers::REASON), Some("retries-exhausted"));
         assert_eq!(
             m.header(dlq_headers::ATTEMPTS),

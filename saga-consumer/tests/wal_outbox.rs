@@ -351,3 +351,70 @@ async fn a_writer_not_given_the_wal_outbox_refuses_once_the_schema_reads_the_log
     assert_eq!(s.db.count("saga_outbox").await, 0);
     s.stop().await;
 }
+
+/// Records the order and emits `Reserved` keyed with a NUL character, which the outbox cannot store.
+async fn reserve_with_a_nul_key(
+    msg: &saga_consumer::Message<steps::Placed>,
+    ctx: &mut saga_consumer::StepContext<'_>,
+    out: &saga_consumer::Topic<Reserved>,
+) -> saga_consumer::StepResult {
+    let n = msg.payload().n;
+    sqlx::query("INSERT INTO reservations (n) VALUES ($1)")
+        .bind(n)
+        .execute(ctx.conn())
+        .await?;
+    ctx.emit(out, format!("order\0{n}"), &Reserved { n })?;
+    Ok(saga_consumer::StepOutcome::completed())
+}
+
+/// In WAL mode an event holding a NUL character is refused when the step writes it, as the table refuses
+/// it (the log's bytes would take it, and the relay could not park it): the message is dead-lettered at
+/// once with the reason, nothing of its step commits, and the relay reads on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_event_holding_a_nul_character_is_refused_at_write_and_its_message_dead_lettered() {
+    let nul = unique_name("service-wal-nul-in");
+    let (topic, out) = (nul.clone(), format!("{nul}.out"));
+    let s = WalService::start("service-wal-nul", move |b| {
+        b.step(
+            saga_consumer::step_with(
+                "reserve-nul",
+                saga_consumer::Topic::<Reserved>::new(out),
+                reserve_with_a_nul_key,
+            )
+            .on(&saga_consumer::Topic::<steps::Placed>::new(topic)),
+        )
+    })
+    .await;
+    s.kafka.delete_on_drop(&nul);
+    place_orders(&s.kafka, &nul, [7]).await;
+    place_orders(&s.kafka, &s.topic, [8]).await;
+    let letters = s
+        .kafka
+        .read_all(
+            &format!("{}.dlq", s.group),
+            1,
+            Duration::from_millis(500),
+            WAIT,
+        )
+        .await;
+    assert_eq!(letters.len(), 1);
+    let error = letters[0].header("dlq-error").unwrap_or_default();
+    assert!(error.contains("NUL"), "{error}");
+    assert_eq!(
+        letters[0].header("dlq-attempts"),
+        Some("1"),
+        "dead-lettered at once"
+    );
+    let (_, ns) = read_reserved(&s.kafka, &s.out, 1, Duration::from_millis(500)).await;
+    assert_eq!(
+        ns,
+        [8],
+        "the other step's event is published: the relay reads on"
+    );
+    assert_eq!(
+        s.db.count("reservations").await,
+        1,
+        "only order 8's step committed"
+    );
+    s.stop().await;
+}

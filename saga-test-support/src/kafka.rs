@@ -263,6 +263,27 @@ impl TestKafka {
         headers: &[(&str, &str)],
         payload: &[u8],
     ) -> (i32, i64) {
+        self.produce_bytes(
+            producer,
+            topic,
+            partition,
+            key.map(str::as_bytes),
+            headers,
+            payload,
+        )
+        .await
+    }
+
+    /// [`TestKafka::produce_to`] with a key of any bytes (a zero byte, bytes that are not UTF-8).
+    pub async fn produce_bytes(
+        &self,
+        producer: &FutureProducer,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&[u8]>,
+        headers: &[(&str, &str)],
+        payload: &[u8],
+    ) -> (i32, i64) {
         let mut owned = OwnedHeaders::new();
         for (name, value) in headers {
             owned = owned.insert(Header {
@@ -270,7 +291,7 @@ impl TestKafka {
                 value: Some(*value),
             });
         }
-        let mut record = FutureRecord::<str, [u8]>::to(topic)
+        let mut record = FutureRecord::<[u8], [u8]>::to(topic)
             .payload(payload)
             .headers(owned);
         if let Some(key) = key {

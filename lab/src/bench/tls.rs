@@ -9,8 +9,9 @@ use crate::bench::Progress;
 use crate::bench::consumer;
 use saga_runtime::kafka::KafkaConfig;
 
-/// Rounds of each.
-pub const ROUNDS: usize = 3;
+/// Rounds of each. On a small machine one round's rate moves by a tenth or more from the next: five
+/// rounds, each pair in turn starting with the other side, and the medians.
+pub const ROUNDS: usize = 5;
 
 /// What the section measured.
 #[derive(Debug, Clone, Serialize)]
@@ -64,7 +65,10 @@ pub async fn figures(
     let mut rounds = Vec::with_capacity(ROUNDS);
     for round in 0..ROUNDS {
         let mut rates = [0.0; 2];
-        for (side, pool) in [plain, tls].into_iter().enumerate() {
+        // Each side goes first in every other round, so that a drift within a round falls on both.
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for side in order {
+            let pool = [plain, tls][side];
             // A group, and step keys, of the round's and the side's own.
             let run = consumer::framework(
                 kafka,

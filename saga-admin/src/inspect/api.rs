@@ -512,6 +512,48 @@ pub(super) async fn replay_letter(
     })
 }
 
+/// The exact bytes of a key named by hexadecimal path segment `key_hex`.
+pub(super) fn key_of_hex(key_hex: &str) -> Result<Vec<u8>, AdminError> {
+    saga_consumer::toolkit::parse_hex(key_hex)
+        .ok_or_else(|| AdminError::bad_input("the key is not hexadecimal"))
+}
+
+/// Releases a held key by hand (`saga keys release` from the page): pinned to the hold the confirmation
+/// showed (`held_at`), so a key let go and held again meanwhile is not released unseen.
+pub(super) async fn release_key(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    form: Option<Extension<FormFields>>,
+    headers: HeaderMap,
+    Path((group, key_hex)): Path<(String, String)>,
+) -> Response {
+    if let Some(refused) = read_only(&caller, &headers) {
+        return refused;
+    }
+    let pinned = form.as_ref().and_then(|Extension(f)| f.get("held_at"));
+    let released = async {
+        let key = key_of_hex(&key_hex)?;
+        let held_at = match (pinned, caller.scripted) {
+            (None, false) => {
+                return Err(AdminError::bad_input(
+                    "a release must be confirmed from the key's page: open it again",
+                ));
+            }
+            (None, true) => None,
+            (Some(text), _) => Some(
+                chrono::DateTime::parse_from_rfc3339(text)
+                    .map_err(|_| {
+                        AdminError::bad_input("the confirmation's held_at does not parse")
+                    })?
+                    .with_timezone(&chrono::Utc),
+            ),
+        };
+        crate::holds::release_pinned(&app.pool, &group, &key, &caller.operator, held_at).await
+    }
+    .await;
+    answer(&headers, StatusCode::OK, released, pages::key_released)
+}
+
 /// The form field (or query parameter) pinning a confirmation to its preview: see [`PlanPin`].
 pub(super) const PLAN_FIELD: &str = "plan";
 /// How long a preview may be confirmed.

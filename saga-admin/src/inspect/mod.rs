@@ -122,6 +122,10 @@ pub fn router(
             "/dlq/{topic}/{partition}/{offset}/replay",
             get(confirm_replay).post(api::replay_letter),
         )
+        .route(
+            "/keys/{group}/{key_hex}/release",
+            get(confirm_release_key).post(api::release_key),
+        )
         .route("/metrics", get(metrics::metrics));
     let api = Router::new()
         .route("/overview", get(api::overview))
@@ -137,6 +141,7 @@ pub fn router(
         .route("/operations/{id}/cancel", post(api::operation_cancel))
         .route("/operations/{id}/undo", post(api::operation_undo))
         .route("/operations/{id}/resume", post(api::operation_resume))
+        .route("/keys/{group}/{key_hex}/release", post(api::release_key))
         .route("/trace", get(api::trace))
         .route("/dlq/{topic}", get(api::dlq_topic))
         .route("/dlq/{topic}/{partition}/{offset}", get(api::dlq_letter))
@@ -195,6 +200,29 @@ async fn confirm_replay(
     };
     match crate::dlq::owner_of(&app.pool, &topic).await {
         Ok(owner) => Html(pages::confirm_replay(&letter, &owner, &caller)).into_response(),
+        Err(e) => api::failure(&e, true),
+    }
+}
+
+/// The confirmation before releasing a held key by hand.
+async fn confirm_release_key(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    Path((group, key_hex)): Path<(String, String)>,
+) -> Response {
+    if caller.read_only {
+        return api::failure(&AdminError::bad_input("this inspector is read-only"), true);
+    }
+    let held = match api::key_of_hex(&key_hex) {
+        Ok(key) => crate::holds::one(&app.pool, &group, &key).await,
+        Err(e) => Err(e),
+    };
+    match held {
+        Ok(Some(held)) => Html(pages::confirm_release_key(&held, &caller)).into_response(),
+        Ok(None) => api::failure(
+            &AdminError::bad_input("this key is not held (any more): see the overview"),
+            true,
+        ),
         Err(e) => api::failure(&e, true),
     }
 }

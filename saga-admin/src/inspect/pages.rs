@@ -191,7 +191,7 @@ fn held_table(held: &[crate::holds::HeldKey], paused: &[crate::holds::PausedStep
     } else {
         body.push_str(
             "<table id=\"held-keys\"><tr><th>group</th><th>key</th><th>state</th><th>held by</th>\
-             <th>parked</th><th>held for</th><th>head letter</th></tr>",
+             <th>parked</th><th>held for</th><th>head letter</th><th></th></tr>",
         );
         for h in held {
             let head = match &h.head {
@@ -202,10 +202,20 @@ fn held_table(held: &[crate::holds::HeldKey], paused: &[crate::holds::PausedStep
                 ),
                 None => String::new(),
             };
+            // The key's exact bytes are what the page acts on: its text only tells keys apart.
+            let release = if h.state == "held" {
+                format!(
+                    "<a class=\"release\" href=\"/keys/{}/{}/release\">release</a>",
+                    seg(&h.group),
+                    h.key_hex
+                )
+            } else {
+                String::new()
+            };
             let _ = write!(
                 body,
-                "<tr data-key=\"{k}\" data-parked=\"{}\"><td>{}</td><td>{k}</td><td>{}</td><td>{}</td>\
-                 <td class=\"num\">{}</td><td>{}</td><td>{head}</td></tr>",
+                "<tr data-key=\"{k}\" data-key-hex=\"{hex}\" data-parked=\"{}\"><td>{}</td><td>{k}</td>\
+                 <td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{head}</td><td>{release}</td></tr>",
                 h.parked,
                 esc(&h.group),
                 esc(&h.state),
@@ -213,6 +223,7 @@ fn held_table(held: &[crate::holds::HeldKey], paused: &[crate::holds::PausedStep
                 h.parked,
                 crate::duration::human(std::time::Duration::from_secs(h.age_seconds.max(0) as u64)),
                 k = esc(&h.key),
+                hex = esc(&h.key_hex),
             );
         }
         body.push_str("</table>");
@@ -702,6 +713,47 @@ pub(super) fn confirm_replay(letter: &DeadLetter, owner: &DlqOwner, caller: &Cal
         esc(&letter.identity())
     );
     page("Replay a dead letter?", &body)
+}
+
+/// The confirmation before releasing a held key by hand: a form that POSTs, with the session's CSRF token
+/// and the hold it shows (`held_at`).
+pub(super) fn confirm_release_key(held: &crate::holds::HeldKey, caller: &Caller) -> String {
+    let body = format!(
+        "<p>Release key <code id=\"key\">{}</code> (bytes <code id=\"key-hex\">{}</code>) of consumer group \
+         <code id=\"group\">{}</code>, held by {}, as <b id=\"operator\">{}</b>? Its {} parked messages run in \
+         their order, as if its head letter had been discarded; the letter stays in its topic.</p>\
+         <form method=\"post\" action=\"/api/keys/{}/{}/release\">\
+         <input type=\"hidden\" name=\"{}\" value=\"{}\">\
+         <input type=\"hidden\" name=\"held_at\" value=\"{}\">\
+         <button type=\"submit\" id=\"confirm\">Confirm release</button></form>",
+        esc(&held.key),
+        esc(&held.key_hex),
+        esc(&held.group),
+        esc(&held.held_by()),
+        esc(&caller.operator),
+        held.parked,
+        seg(&held.group),
+        esc(&held.key_hex),
+        CSRF_FIELD,
+        esc(&caller.csrf),
+        held.held_at
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+    );
+    page("Release a held key?", &body)
+}
+
+/// What a release by hand did.
+pub(super) fn key_released(held: &crate::holds::HeldKey) -> String {
+    let body = format!(
+        "<p id=\"released\" data-parked=\"{}\">Key <code>{}</code> of group {} released by {}: its {} parked \
+         messages run in order.</p><p><a href=\"/\">Back to the overview</a></p>",
+        held.parked,
+        esc(&held.key),
+        esc(&held.group),
+        esc(held.released_by.as_deref().unwrap_or("-")),
+        held.parked
+    );
+    page("Key released", &body)
 }
 
 /// What a replay did.
