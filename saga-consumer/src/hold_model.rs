@@ -1,29 +1,35 @@
 //! A model of per-key order through failures, checked exhaustively with `stateright`: the consumer's
 //! protocol around held keys (see `hold`), beside `model`'s protocol of batches.
 //!
-//! The decisions are the code's own: the model calls [`hold::classify`] (the pre-pass), [`hold::decide_park`]
-//! (the park transaction, read again under the key's lock), [`hold::on_dead_letter`] (the transaction that
-//! records a dead letter), [`hold::advance`] (the transaction after a head or a release finished) and
-//! [`hold::next_release`] (the releaser), and only plays the world around them: the partition, the
-//! group's retry topic, the operator replaying letters, the store, crashes.
+//! The decisions are the code's own: the model runs each batch through the hold gate's plan
+//! ([`hold_gate::plan`]: each message's part, and the keys the batch machine holds within the batch), the
+//! real [`BatchMachine`], and the store's decisions: [`hold::decide_park`] (the park transaction, read again
+//! under the key's lock), [`hold::on_dead_letter`] (the transaction that records a dead letter),
+//! [`hold::advance`] (the transaction after a head or a release finished) and [`hold::next_release`] (the
+//! releaser); it only plays the world around them: the partitions, the group's retry topic, the operator
+//! replaying letters, the store and its locks, crashes.
 //!
-//! The world: one key, [`MESSAGES`] messages of it on its partition, consumed in order under the hold-key
-//! policy, in batches of up to [`BATCH`] that the real [`BatchMachine`] decides (one transaction, narrowed
-//! at a failure; a dead letter or a parked message holds the key's later messages of the batch). A script
-//! says which fail for good on their first run (a gateway down: their replay succeeds), and whether the
-//! second message's step starts paused (an operator resumes it, any time).
-//! The consumer process may crash once anywhere (both workers start again from the committed offsets; a
-//! head or release whose step committed but whose advance did not comes back and is found done); the
-//! releaser may once send a release and die before recording it (a second copy follows). The operator
-//! replays every dead letter, any time.
+//! The worlds: one key, its messages on one partition or on two partitions of one group, consumed in order
+//! under the hold-key policy, in batches of up to [`BATCH`]. A script says which fail for good on their
+//! first run (a gateway down: their replay succeeds), and whether the second message's step starts paused
+//! (an operator resumes it, any time). On two partitions both first messages fail at once: their two dead
+//! letters race. A dead letter's transaction is two steps around the key's lock: it locks and reads the
+//! key, then records what the letter does to the hold and commits; every other transaction on the key waits
+//! for the lock. With `unlocked_absent_key` (the defect put back), a transaction on a key that is not held
+//! locks nothing (a `FOR UPDATE` on a row that does not exist), so two letters both find the key free.
+//! The consumer process may crash once anywhere in the one-partition worlds (both workers start again from
+//! the committed offsets; a head or release whose step committed but whose advance did not comes back and is
+//! found done); the releaser may once send a release and die before recording it (a second copy follows).
+//! The operator replays every dead letter, any time.
 
 use saga_core::Origin;
 use stateright::{Model, Property};
 
 use crate::hold::{
-    self, Advance, HeldView, HoldLimits, HoldState, Mark, OnDeadLetter, ParkDecision, ReleaseStep,
-    Role,
+    self, Advance, BatchHolds, HeldView, HoldLimits, HoldState, Mark, OnDeadLetter, ParkDecision,
+    ReleaseStep, Role,
 };
+use crate::hold_gate::{self, Facts};
 use crate::machine::{Action, BatchMachine, Event, Fault, Kind};
 
 /// Most messages of the partition in one batch.
@@ -31,8 +37,17 @@ pub(crate) const BATCH: usize = 2;
 /// The message whose step may be paused.
 const PAUSABLE: usize = 1;
 
-/// Messages of the key on its partition.
-pub(crate) const MESSAGES: usize = 3;
+/// Most messages of the key, on its partitions.
+pub(crate) const MESSAGES: usize = 4;
+
+/// The partitions of the group.
+const PARTITIONS: usize = 2;
+
+/// The step the pausable message belongs to (every other message's step is its own).
+const PAUSED_STEP: &str = "paused-step";
+
+/// The key's bytes.
+const KEY: &[u8] = b"k";
 
 const LIMITS: HoldLimits = HoldLimits {
     per_key: 100,
@@ -51,19 +66,45 @@ pub(crate) struct Held {
     in_flight: Option<i64>,
 }
 
-fn origin(m: usize) -> Origin {
+/// Where the messages are: how many of them each partition holds, in order (message `m` is the
+/// `m - first(p)`th of its partition).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Layout([usize; PARTITIONS]);
+
+impl Layout {
+    fn first(self, p: usize) -> usize {
+        self.0[..p].iter().sum()
+    }
+
+    fn len(self, p: usize) -> usize {
+        self.0[p]
+    }
+
+    fn messages(self) -> usize {
+        self.0.iter().sum()
+    }
+
+    fn partition_of(self, m: usize) -> usize {
+        (0..PARTITIONS)
+            .find(|p| m < self.first(*p) + self.len(*p))
+            .expect("a message of the world")
+    }
+}
+
+fn origin(layout: Layout, m: usize) -> Origin {
+    let p = layout.partition_of(m);
     Origin {
         topic: "orders".into(),
-        partition: 0,
-        offset: m as i64,
+        partition: p as i32,
+        offset: (m - layout.first(p)) as i64,
     }
 }
 
 /// Message `m` as consumed.
-fn raw(m: usize) -> saga_core::RawMessage {
+fn raw(layout: Layout, m: usize) -> saga_core::RawMessage {
     saga_core::RawMessage {
-        origin: origin(m),
-        key: Some(b"k".to_vec()),
+        origin: origin(layout, m),
+        key: Some(KEY.to_vec()),
         payload: Some(format!("{{\"m\":{m}}}").into_bytes()),
         headers: saga_core::Headers::new(),
         timestamp_ms: None,
@@ -75,22 +116,22 @@ fn letter_id(letter: usize) -> String {
 }
 
 impl Held {
-    fn view(&self) -> HeldView {
+    fn view(&self, layout: Layout) -> HeldView {
         HeldView {
             state: self.state,
             head_letter: self.head.map(letter_id),
             first: self
                 .parked
                 .first()
-                .map(|(s, m)| (*s, origin(*m), hold::digest(&raw(*m)))),
+                .map(|(s, m)| (*s, origin(layout, *m), hold::digest(&raw(layout, *m)))),
             parked: self.parked.len() as i64,
             in_flight: self.in_flight,
         }
     }
 }
 
-/// A worker of one topic: between messages, with the role of its next one read, or with a head or release
-/// whose step committed and whose advance is next.
+/// A worker of the retry topic: between messages, with the role of its next one read, or with a head or
+/// release whose step committed and whose advance is next.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Worker {
     Idle,
@@ -98,21 +139,30 @@ pub(crate) enum Worker {
     Ran(Role),
 }
 
-/// The partition worker's batch: its first message, each message's role, and the machine.
+/// A partition worker's batch: its first message, each message's role, the machine, and the dead letter
+/// whose transaction is open (the message's index in the batch, and the key's view once it is read).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct PartitionBatch {
     base: usize,
     roles: Vec<Role>,
     machine: BatchMachine,
+    letter: Option<(usize, Option<Option<HeldView>>)>,
+}
+
+/// A partition of the group: the next message to consume (finished before it), the committed offset, its
+/// batch.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub(crate) struct Partition {
+    pos: usize,
+    committed: usize,
+    batch: Option<PartitionBatch>,
 }
 
 /// The world.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct State {
-    /// The partition: the next message to consume (finished before it), the committed offset, its batch.
-    p_pos: usize,
-    p_committed: usize,
-    p_batch: Option<PartitionBatch>,
+    layout: Layout,
+    partitions: [Partition; PARTITIONS],
     /// Whether [`PAUSABLE`]'s step is paused.
     paused: bool,
     /// The group's retry topic: what was sent to it, the next to consume, the committed offset, its worker.
@@ -122,6 +172,8 @@ pub(crate) struct State {
     r_worker: Worker,
     held: Option<Held>,
     next_seq: i64,
+    /// The partition whose dead letter's transaction holds the key's lock.
+    key_lock: Option<usize>,
     /// Effects in commit order, and which step keys are done.
     effects: Vec<usize>,
     done: [bool; MESSAGES],
@@ -137,12 +189,16 @@ pub(crate) struct State {
 /// What happens next.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Step {
-    PartitionReads,
-    PartitionActs,
+    PartitionReads(usize),
+    PartitionActs(usize),
+    /// A partition's dead letter's transaction locks its key (waiting for the lock) and reads it.
+    LetterLocks(usize),
+    /// It records what the letter does to the hold, and commits (releasing the lock).
+    LetterCommits(usize),
     RetryReads,
     RetryActs,
     RetryAdvances,
-    CommitPartition,
+    CommitPartition(usize),
     CommitRetry,
     Crash,
     Release,
@@ -151,10 +207,12 @@ pub(crate) enum Step {
     Resume,
 }
 
-/// The model: its scripts, and whether the releaser is the put-back bug (everything released at once).
+/// The model: whether the releaser is the put-back bug (everything released at once), and whether a
+/// transaction on a key that is not held locks nothing (the other put-back bug).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct HoldModel {
     pub release_all_at_once: bool,
+    pub unlocked_absent_key: bool,
 }
 
 impl State {
@@ -162,13 +220,37 @@ impl State {
         self.paused && m == PAUSABLE
     }
 
-    /// Records message `m`'s dead letter and what it does to the hold, for a message of role `role`.
-    fn dead_letter(&mut self, m: usize, role: &Role) {
+    /// What the hold gate knows of message `m`, marked `mark`.
+    fn facts(&self, m: usize, mark: Mark) -> Facts<'static> {
+        Facts {
+            key: KEY,
+            keyed: true,
+            mark,
+            step: Some(if m == PAUSABLE { PAUSED_STEP } else { "a-step" }),
+            policy_holds: true,
+        }
+    }
+
+    /// What the gate reads for a batch: the key's view and the paused steps.
+    fn found(&self) -> BatchHolds {
+        let mut found = BatchHolds::default();
+        if let Some(view) = self.view() {
+            found.views.insert(KEY.to_vec(), view);
+        }
+        if self.paused {
+            found.paused.insert(PAUSED_STEP.to_owned());
+        }
+        found
+    }
+
+    /// Records message `m`'s dead letter and what it does to the hold, decided on `view` (read under the
+    /// key's lock, or, with the defect, without one), for a message of role `role`.
+    fn dead_letter(&mut self, m: usize, role: &Role, view: Option<&HeldView>) {
         self.fails_left[m] = false;
         let letter = self.letters.len();
         self.letters.push(m);
         self.replayed.push(false);
-        match hold::on_dead_letter(self.view().as_ref(), role, true, true) {
+        match hold::on_dead_letter(view, role, true, true) {
             OnDeadLetter::Nothing => {}
             OnDeadLetter::Queue => {
                 let seq = self.next_seq;
@@ -179,6 +261,7 @@ impl State {
                     .parked
                     .push((seq, m));
             }
+            // The insert: a key held meanwhile (only possible without the key's lock) takes no head.
             OnDeadLetter::Hold => {
                 if self.held.is_none() {
                     self.held = Some(Held {
@@ -201,15 +284,18 @@ impl State {
         }
     }
 
-    /// Reads a batch's holds (the pre-pass) and starts its machine.
-    fn partition_reads(&mut self) {
-        let base = self.p_pos;
-        let len = BATCH.min(MESSAGES - base);
-        let view = self.view();
-        let roles: Vec<Role> = (base..base + len)
-            .map(|m| hold::classify(view.as_ref(), &Mark::Plain, self.paused(m)))
+    /// Reads partition `p`'s next batch's holds (the hold gate) and starts its machine.
+    fn partition_reads(&mut self, p: usize) {
+        let base = self.layout.first(p) + self.partitions[p].pos;
+        let end = self.layout.first(p) + self.layout.len(p);
+        let len = BATCH.min(end - base);
+        let facts: Vec<Facts<'_>> = (base..base + len)
+            .map(|m| self.facts(m, Mark::Plain))
             .collect();
-        let kinds = roles
+        let plan = hold_gate::plan(&facts, Some(&self.found()));
+        // As a delivery's kind says: a parked message is held, the others run in the step's transaction.
+        let kinds = plan
+            .roles
             .iter()
             .map(|r| {
                 if *r == Role::Park {
@@ -219,22 +305,30 @@ impl State {
                 }
             })
             .collect();
-        let machine = BatchMachine::new(kinds, vec![0; len], 1)
-            .with_holds(vec![Some(0); len], vec![true; len]);
-        self.p_batch = Some(PartitionBatch {
+        let mut machine = BatchMachine::new(kinds, vec![0; len], 1);
+        if let Some((keys, holds)) = plan.machine_holds {
+            machine = machine.with_holds(keys, holds);
+        }
+        self.partitions[p].batch = Some(PartitionBatch {
             base,
-            roles,
+            roles: plan.roles,
             machine,
+            letter: None,
         });
     }
 
-    /// One action of the partition worker's machine, performed and answered.
-    fn partition_acts(&mut self) {
-        let mut batch = self.p_batch.take().expect("a batch in progress");
+    /// One action of partition `p`'s machine, performed and answered (a dead letter opens its transaction,
+    /// answered when it commits).
+    fn partition_acts(&mut self, p: usize) {
+        let mut batch = self.partitions[p]
+            .batch
+            .take()
+            .expect("a batch in progress");
         let action = batch.machine.next();
         let event = match action {
             Action::Done => {
-                self.p_pos = batch.base + batch.machine.finished();
+                self.partitions[p].pos =
+                    batch.base + batch.machine.finished() - self.layout.first(p);
                 return;
             }
             Action::Transact { start, end } => {
@@ -257,8 +351,9 @@ impl State {
                 }
             }
             Action::DeadLetter { index, .. } => {
-                self.dead_letter(batch.base + index, &batch.roles[index]);
-                Event::DeadLettered
+                batch.letter = Some((index, None));
+                self.partitions[p].batch = Some(batch);
+                return;
             }
             Action::Park { index } => match self.park(batch.base + index) {
                 ParkDecision::Append | ParkDecision::Create => Event::Parked,
@@ -274,8 +369,41 @@ impl State {
             other => unreachable!("{other:?} has no part in this world"),
         };
         batch.machine.on(event);
-        self.p_pos = batch.base + batch.machine.finished();
-        self.p_batch = Some(batch);
+        self.partitions[p].pos = batch.base + batch.machine.finished() - self.layout.first(p);
+        self.partitions[p].batch = Some(batch);
+    }
+
+    /// Partition `p`'s dead letter's transaction locks the key and reads it. With `unlocked`, a key not
+    /// held is not locked (a row lock on a row that does not exist).
+    fn letter_locks(&mut self, p: usize, unlocked: bool) {
+        let view = self.view();
+        if !(unlocked && view.is_none()) {
+            self.key_lock = Some(p);
+        }
+        let batch = self.partitions[p]
+            .batch
+            .as_mut()
+            .expect("a batch in progress");
+        let letter = batch.letter.as_mut().expect("a letter in progress");
+        letter.1 = Some(view);
+    }
+
+    /// Partition `p`'s dead letter's transaction records its letter and commits.
+    fn letter_commits(&mut self, p: usize) {
+        let mut batch = self.partitions[p]
+            .batch
+            .take()
+            .expect("a batch in progress");
+        let (index, view) = batch.letter.take().expect("a letter in progress");
+        let view = view.expect("the key was read");
+        let role = batch.roles[index].clone();
+        self.dead_letter(batch.base + index, &role, view.as_ref());
+        if self.key_lock == Some(p) {
+            self.key_lock = None;
+        }
+        batch.machine.on(Event::DeadLettered);
+        self.partitions[p].pos = batch.base + batch.machine.finished() - self.layout.first(p);
+        self.partitions[p].batch = Some(batch);
     }
 
     fn parked_total(&self) -> i64 {
@@ -283,14 +411,16 @@ impl State {
     }
 
     fn view(&self) -> Option<HeldView> {
-        self.held.as_ref().map(Held::view)
+        self.held.as_ref().map(|h| h.view(self.layout))
     }
 
-    /// The transaction of message `m` run with role `role`: its step (or its dead letter, with what that
-    /// does to the hold). Whether it committed a step (not a dead letter).
+    /// The transaction of message `m` run with role `role` by the retry worker: its step (or its dead
+    /// letter, with what that does to the hold, in one transaction under the key's lock). Whether it
+    /// committed a step (not a dead letter).
     fn run(&mut self, m: usize, role: &Role) -> bool {
         if self.fails_left[m] {
-            self.dead_letter(m, role);
+            let view = self.view();
+            self.dead_letter(m, role, view.as_ref());
             return false;
         }
         if !self.done[m] {
@@ -360,6 +490,45 @@ impl State {
             .map(|(_, m)| *m)
             .expect("the releaser sends a parked message")
     }
+
+    /// Whether nothing of the world is under way (every offset committed, no batch, no worker busy).
+    fn busy(&self) -> bool {
+        self.partitions
+            .iter()
+            .any(|p| p.committed < p.pos || p.batch.is_some())
+            || self.r_committed < self.r_pos
+            || self.r_worker != Worker::Idle
+    }
+}
+
+impl HoldModel {
+    /// The actions of the partitions: reading a batch, its machine's next action, its dead letter's two
+    /// steps, committing its offset.
+    fn partition_actions(&self, s: &State, actions: &mut Vec<Step>) {
+        let free = s.key_lock.is_none();
+        for (p, part) in s.partitions.iter().enumerate() {
+            match &part.batch {
+                None if part.pos < s.layout.len(p) => actions.push(Step::PartitionReads(p)),
+                // A park is a transaction on the key: it waits for the key's lock.
+                Some(batch) => match &batch.letter {
+                    None if free || !next_parks(batch) => actions.push(Step::PartitionActs(p)),
+                    None => {}
+                    Some((_, None)) if free => actions.push(Step::LetterLocks(p)),
+                    Some((_, None)) => {}
+                    Some((_, Some(_))) => actions.push(Step::LetterCommits(p)),
+                },
+                None => {}
+            }
+            if part.committed < part.pos {
+                actions.push(Step::CommitPartition(p));
+            }
+        }
+    }
+}
+
+/// Whether `batch`'s machine parks a message next (a transaction on the key).
+fn next_parks(batch: &PartitionBatch) -> bool {
+    matches!(batch.machine.clone().next(), Action::Park { .. })
 }
 
 impl Model for HoldModel {
@@ -367,19 +536,20 @@ impl Model for HoldModel {
     type Action = Step;
 
     fn init_states(&self) -> Vec<State> {
-        // The first message fails once; in a second world, the second too (a release that fails becomes
-        // the new head); in a third, the second message's step starts paused; in a fourth, both.
+        // On one partition: the first message fails once; in a second world, the second too (a release
+        // that fails becomes the new head); in a third, the second message's step starts paused; in a
+        // fourth, both. On two partitions: both first messages fail at once.
         [
-            ([true, false, false], false),
-            ([true, true, false], false),
-            ([false, false, false], true),
-            ([true, false, false], true),
+            (Layout([3, 0]), [true, false, false, false], false),
+            (Layout([3, 0]), [true, true, false, false], false),
+            (Layout([3, 0]), [false, false, false, false], true),
+            (Layout([3, 0]), [true, false, false, false], true),
+            (Layout([2, 2]), [true, false, true, false], false),
         ]
         .into_iter()
-        .map(|(fails_left, paused)| State {
-            p_pos: 0,
-            p_committed: 0,
-            p_batch: None,
+        .map(|(layout, fails_left, paused)| State {
+            layout,
+            partitions: Default::default(),
             paused,
             retry: Vec::new(),
             r_pos: 0,
@@ -387,47 +557,43 @@ impl Model for HoldModel {
             r_worker: Worker::Idle,
             held: None,
             next_seq: 1,
+            key_lock: None,
             effects: Vec::new(),
             done: [false; MESSAGES],
             letters: Vec::new(),
             replayed: Vec::new(),
             fails_left,
-            crashes: 0,
+            // The two-partition world does not crash: the one-partition worlds cover crashes, and its
+            // interleavings are the letters'.
+            crashes: u8::from(layout.len(1) > 0),
             lost_records: 0,
         })
         .collect()
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Step>) {
-        match s.p_batch {
-            None if s.p_pos < MESSAGES => actions.push(Step::PartitionReads),
-            Some(_) => actions.push(Step::PartitionActs),
-            None => {}
-        }
-        if s.paused {
+        self.partition_actions(s, actions);
+        let free = s.key_lock.is_none();
+        if s.paused && free {
             actions.push(Step::Resume);
         }
         match s.r_worker {
             Worker::Idle if s.r_pos < s.retry.len() => actions.push(Step::RetryReads),
+            Worker::Classified(_) | Worker::Ran(_) if !free => {}
             Worker::Classified(_) => actions.push(Step::RetryActs),
             Worker::Ran(_) => actions.push(Step::RetryAdvances),
             Worker::Idle => {}
         }
-        if s.p_committed < s.p_pos {
-            actions.push(Step::CommitPartition);
-        }
         if s.r_committed < s.r_pos {
             actions.push(Step::CommitRetry);
         }
-        let busy = s.p_committed < s.p_pos
-            || s.r_committed < s.r_pos
-            || s.p_batch.is_some()
-            || s.r_worker != Worker::Idle;
-        if s.crashes == 0 && busy {
+        if s.crashes == 0 && s.busy() {
             actions.push(Step::Crash);
         }
-        if let Some(held) = &s.held {
-            let view = held.view();
+        if let Some(held) = &s.held
+            && free
+        {
+            let view = held.view(s.layout);
             if self.release_all_at_once {
                 if view.state == HoldState::Releasing {
                     actions.push(Step::Release);
@@ -453,8 +619,10 @@ impl Model for HoldModel {
     fn next_state(&self, last: &State, step: Step) -> Option<State> {
         let mut s = last.clone();
         match step {
-            Step::PartitionReads => s.partition_reads(),
-            Step::PartitionActs => s.partition_acts(),
+            Step::PartitionReads(p) => s.partition_reads(p),
+            Step::PartitionActs(p) => s.partition_acts(p),
+            Step::LetterLocks(p) => s.letter_locks(p, self.unlocked_absent_key),
+            Step::LetterCommits(p) => s.letter_commits(p),
             Step::Resume => {
                 // `saga steps resume`: the keys the step's messages held are released.
                 s.paused = false;
@@ -464,44 +632,12 @@ impl Model for HoldModel {
                 }
             }
             Step::RetryReads => {
-                let (_, mark) = &s.retry[s.r_pos];
-                let m = s.retry[s.r_pos].0;
-                s.r_worker =
-                    Worker::Classified(hold::classify(s.view().as_ref(), mark, s.paused(m)));
+                let (m, mark) = s.retry[s.r_pos].clone();
+                let facts = [s.facts(m, mark)];
+                let role = hold_gate::plan(&facts, Some(&s.found())).roles.remove(0);
+                s.r_worker = Worker::Classified(role);
             }
-            Step::RetryActs => {
-                let Worker::Classified(role) = s.r_worker.clone() else {
-                    unreachable!()
-                };
-                let m = s.retry[s.r_pos].0;
-                match role {
-                    Role::Stale => {
-                        s.r_pos += 1;
-                        s.r_worker = Worker::Idle;
-                    }
-                    Role::Park => match s.park(m) {
-                        ParkDecision::Append | ParkDecision::Create => {
-                            s.r_pos += 1;
-                            s.r_worker = Worker::Idle;
-                        }
-                        ParkDecision::NotHeld => s.r_worker = Worker::Classified(Role::Free),
-                        ParkDecision::Full(_) => unreachable!("the caps are out of reach"),
-                    },
-                    role @ (Role::Head(_) | Role::Release(_)) => {
-                        if s.run(m, &role) {
-                            s.r_worker = Worker::Ran(role);
-                        } else {
-                            s.r_pos += 1;
-                            s.r_worker = Worker::Idle;
-                        }
-                    }
-                    role => {
-                        s.run(m, &role);
-                        s.r_pos += 1;
-                        s.r_worker = Worker::Idle;
-                    }
-                }
-            }
+            Step::RetryActs => retry_acts(&mut s),
             Step::RetryAdvances => {
                 let Worker::Ran(role) = s.r_worker.clone() else {
                     unreachable!()
@@ -510,13 +646,17 @@ impl Model for HoldModel {
                 s.r_pos += 1;
                 s.r_worker = Worker::Idle;
             }
-            Step::CommitPartition => s.p_committed = s.p_pos,
+            Step::CommitPartition(p) => s.partitions[p].committed = s.partitions[p].pos,
             Step::CommitRetry => s.r_committed = s.r_pos,
             Step::Crash => {
                 s.crashes += 1;
-                s.p_pos = s.p_committed;
+                for part in &mut s.partitions {
+                    part.pos = part.committed;
+                    part.batch = None;
+                }
+                // Open transactions roll back.
+                s.key_lock = None;
                 s.r_pos = s.r_committed;
-                s.p_batch = None;
                 s.r_worker = Worker::Idle;
             }
             Step::Release if self.release_all_at_once => {
@@ -531,7 +671,8 @@ impl Model for HoldModel {
                 match s.next_release(&view, false) {
                     ReleaseStep::Send(seq) => {
                         let m = s.first_parked(seq);
-                        s.retry.push((m, release_mark(seq, m)));
+                        let mark = release_mark(s.layout, seq, m);
+                        s.retry.push((m, mark));
                         s.held.as_mut().expect("a held key").in_flight = Some(seq);
                     }
                     ReleaseStep::LetGo => s.held = None,
@@ -544,7 +685,8 @@ impl Model for HoldModel {
                     unreachable!()
                 };
                 let m = s.first_parked(seq);
-                s.retry.push((m, release_mark(seq, m)));
+                let mark = release_mark(s.layout, seq, m);
+                s.retry.push((m, mark));
                 s.lost_records += 1;
             }
             Step::Replay(letter) => {
@@ -559,22 +701,83 @@ impl Model for HoldModel {
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
             Property::always(
-                "per key, effects happen in offset order, each once",
-                |_, s: &State| s.effects.windows(2).all(|w| w[0] < w[1]),
+                "per partition, effects happen in offset order, each once",
+                |_, s: &State| {
+                    let once = s
+                        .effects
+                        .iter()
+                        .enumerate()
+                        .all(|(i, m)| !s.effects[..i].contains(m));
+                    once && (0..PARTITIONS).all(|p| {
+                        let mine: Vec<usize> = s
+                            .effects
+                            .iter()
+                            .copied()
+                            .filter(|m| s.layout.partition_of(*m) == p)
+                            .collect();
+                        mine.windows(2).all(|w| w[0] < w[1])
+                    })
+                },
             ),
             Property::always(
                 "with nothing left to do, every message took effect and no key is held",
                 |model: &Self, s: &State| {
                     let mut next = Vec::new();
                     model.actions(s, &mut next);
-                    !next.is_empty() || (s.effects.len() == MESSAGES && s.held.is_none())
+                    !next.is_empty()
+                        || (s.effects.len() == s.layout.messages()
+                            && s.held.is_none()
+                            && s.key_lock.is_none())
                 },
             ),
             Property::sometimes("a message is parked", |_, s: &State| s.parked_total() > 0),
             Property::sometimes("a release's copy is sent twice", |_, s: &State| {
                 s.lost_records > 0
             }),
+            Property::sometimes(
+                "two dead letters of the key are in their transactions at once",
+                |_, s: &State| {
+                    s.partitions
+                        .iter()
+                        .all(|p| p.batch.as_ref().is_some_and(|b| b.letter.is_some()))
+                },
+            ),
         ]
+    }
+}
+
+/// The retry worker performs what its message's role says.
+fn retry_acts(s: &mut State) {
+    let Worker::Classified(role) = s.r_worker.clone() else {
+        unreachable!()
+    };
+    let m = s.retry[s.r_pos].0;
+    match role {
+        Role::Stale => {
+            s.r_pos += 1;
+            s.r_worker = Worker::Idle;
+        }
+        Role::Park => match s.park(m) {
+            ParkDecision::Append | ParkDecision::Create => {
+                s.r_pos += 1;
+                s.r_worker = Worker::Idle;
+            }
+            ParkDecision::NotHeld => s.r_worker = Worker::Classified(Role::Free),
+            ParkDecision::Full(_) => unreachable!("the caps are out of reach"),
+        },
+        role @ (Role::Head(_) | Role::Release(_)) => {
+            if s.run(m, &role) {
+                s.r_worker = Worker::Ran(role);
+            } else {
+                s.r_pos += 1;
+                s.r_worker = Worker::Idle;
+            }
+        }
+        role => {
+            s.run(m, &role);
+            s.r_pos += 1;
+            s.r_worker = Worker::Idle;
+        }
     }
 }
 
@@ -590,11 +793,11 @@ impl State {
     }
 }
 
-fn release_mark(seq: i64, m: usize) -> Mark {
+fn release_mark(layout: Layout, seq: i64, m: usize) -> Mark {
     Mark::Release {
         seq,
-        origin: origin(m),
-        digest: hold::digest(&raw(m)),
+        origin: origin(layout, m),
+        digest: hold::digest(&raw(layout, m)),
     }
 }
 
@@ -617,9 +820,21 @@ mod tests {
     fn releasing_a_queue_all_at_once_is_found_to_reorder() {
         let checker = check(HoldModel {
             release_all_at_once: true,
+            ..HoldModel::default()
         });
-        let path =
-            checker.assert_any_discovery("per key, effects happen in offset order, each once");
+        let path = checker
+            .assert_any_discovery("per partition, effects happen in offset order, each once");
+        println!("counterexample: {:?}", path.into_actions());
+    }
+
+    #[test]
+    fn a_key_locked_only_when_held_is_found_to_lose_a_letter_and_its_partitions_order() {
+        let checker = check(HoldModel {
+            unlocked_absent_key: true,
+            ..HoldModel::default()
+        });
+        let path = checker
+            .assert_any_discovery("per partition, effects happen in offset order, each once");
         println!("counterexample: {:?}", path.into_actions());
     }
 }
