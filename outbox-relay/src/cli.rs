@@ -169,11 +169,13 @@ impl Cli {
             self.database.database_url.as_deref(),
         )?;
         let pool = self.outbox_pool(4).await?;
-        // The relay checks the broker as it starts.
+        // At start, a broker that refuses the client or does not answer is one line naming the setting.
+        saga_runtime::kafka::probe(&kafka, "KAFKA_BROKERS").await?;
         Relay::builder()
             .settings(settings)
             .pool(pool)
             .build()?
+            .broker_checked()
             .run(saga_runtime::shutdown::wait_for_signal())
             .await?;
         Ok(())

@@ -136,22 +136,68 @@ fn problem(setting: &str, what: impl Into<String>, fix: impl Into<String>) -> Co
     ConfigProblem::new(setting, what, fix)
 }
 
+/// A `sasl.mechanism` as librdkafka will see it: one of the settings' values, or another that only a
+/// `KAFKA_PROPERTY_SASL_MECHANISM` can name (GSSAPI), whose needs are librdkafka's to check.
+#[derive(Clone, Copy)]
+enum Mechanism {
+    Known(SaslMechanism),
+    Other,
+}
+
+/// The settings as librdkafka will see them: a `KAFKA_PROPERTY_*` property comes after the settings, so
+/// where both name a property the escape hatch's (its last one) wins, and a property the hatch alone sets
+/// counts as set.
+struct Effective<'a> {
+    protocol: SecurityProtocol,
+    mechanism: Option<Mechanism>,
+    hatch: &'a [(String, String)],
+}
+
+impl<'a> Effective<'a> {
+    fn new(security: &Security<'_>, hatch: &'a [(String, String)]) -> Self {
+        let last = |property: &str| {
+            hatch
+                .iter()
+                .rev()
+                .find(|(name, _)| name == property)
+                .map(|(_, value)| value.trim())
+        };
+        let protocol = match last("security.protocol") {
+            // An unknown protocol is librdkafka's to refuse; the settings' checks read it as unset.
+            Some(value) => SecurityProtocol::parse(value).or(security.protocol),
+            None => security.protocol,
+        }
+        .unwrap_or(SecurityProtocol::Plaintext);
+        let mechanism = match last("sasl.mechanism") {
+            Some(value) => Some(
+                <SaslMechanism as clap::ValueEnum>::from_str(value, true)
+                    .map_or(Mechanism::Other, Mechanism::Known),
+            ),
+            None => security.mechanism.map(Mechanism::Known),
+        };
+        Self {
+            protocol,
+            mechanism,
+            hatch,
+        }
+    }
+
+    /// Whether a setting (`typed`) or one of the escape hatch's `properties` gives a value.
+    fn set(&self, typed: bool, properties: &[&str]) -> bool {
+        typed
+            || self
+                .hatch
+                .iter()
+                .any(|(name, _)| properties.contains(&name.as_str()))
+    }
+}
+
 impl Security<'_> {
     /// Adds the properties to `config` (whose `KAFKA_PROPERTY_*` properties it already holds, and which
-    /// stay last, as the escape hatch), after checking that the settings make one coherent whole.
+    /// stay last, as the escape hatch), after checking that the settings and the hatch's properties make
+    /// one coherent whole.
     pub(crate) fn apply(&self, mut config: KafkaConfig) -> Result<KafkaConfig, ConfigProblem> {
-        // The protocol a `KAFKA_PROPERTY_SECURITY_PROTOCOL` chose counts where the setting is unset.
-        let from_property = config
-            .properties
-            .iter()
-            .rev()
-            .find(|(name, _)| name == "security.protocol")
-            .and_then(|(_, value)| SecurityProtocol::parse(value));
-        let protocol = self
-            .protocol
-            .or(from_property)
-            .unwrap_or(SecurityProtocol::Plaintext);
-        self.check(protocol)?;
+        self.check(&Effective::new(self, &config.properties))?;
         let mut set: Vec<(&str, String)> = Vec::new();
         if let Some(p) = self.protocol {
             set.push(("security.protocol", p.as_str().to_owned()));
@@ -197,11 +243,20 @@ impl Security<'_> {
     }
 
     /// Refuses settings that cannot work together, naming the one to change.
-    fn check(&self, protocol: SecurityProtocol) -> Result<(), ConfigProblem> {
+    fn check(&self, e: &Effective<'_>) -> Result<(), ConfigProblem> {
+        let protocol = e.protocol;
+        let certificate = e.set(
+            self.certificate.is_some(),
+            &["ssl.certificate.location", "ssl.certificate.pem"],
+        );
+        let key = e.set(self.key.is_some(), &["ssl.key.location", "ssl.key.pem"]);
         let tls_files = [
-            ("KAFKA_SSL_CA_LOCATION", self.ca.is_some()),
-            ("KAFKA_SSL_CERTIFICATE_LOCATION", self.certificate.is_some()),
-            ("KAFKA_SSL_KEY_LOCATION", self.key.is_some()),
+            (
+                "KAFKA_SSL_CA_LOCATION",
+                e.set(self.ca.is_some(), &["ssl.ca.location", "ssl.ca.pem"]),
+            ),
+            ("KAFKA_SSL_CERTIFICATE_LOCATION", certificate),
+            ("KAFKA_SSL_KEY_LOCATION", key),
         ];
         if !protocol.uses_tls()
             && let Some((setting, _)) = tls_files.iter().find(|(_, set)| *set)
@@ -215,7 +270,7 @@ impl Security<'_> {
                 "set KAFKA_SECURITY_PROTOCOL to ssl or sasl_ssl",
             ));
         }
-        match (self.certificate.is_some(), self.key.is_some()) {
+        match (certificate, key) {
             (true, false) => {
                 return Err(problem(
                     "KAFKA_SSL_KEY_LOCATION",
@@ -232,24 +287,34 @@ impl Security<'_> {
             }
             _ => {}
         }
-        if self.key_password.is_some() && self.key.is_none() {
+        if e.set(self.key_password.is_some(), &["ssl.key.password"]) && !key {
             return Err(problem(
                 "KAFKA_SSL_KEY_PASSWORD",
                 "is set, but KAFKA_SSL_KEY_LOCATION is not",
                 "set the key's file, or unset its password",
             ));
         }
-        self.check_sasl(protocol)
+        self.check_sasl(e)
     }
 
-    fn check_sasl(&self, protocol: SecurityProtocol) -> Result<(), ConfigProblem> {
+    fn check_sasl(&self, e: &Effective<'_>) -> Result<(), ConfigProblem> {
+        let protocol = e.protocol;
         let sasl_settings = [
-            ("KAFKA_SASL_MECHANISM", self.mechanism.is_some()),
-            ("KAFKA_SASL_USERNAME", self.username.is_some()),
-            ("KAFKA_SASL_PASSWORD", self.password.is_some()),
+            ("KAFKA_SASL_MECHANISM", e.mechanism.is_some()),
+            (
+                "KAFKA_SASL_USERNAME",
+                e.set(self.username.is_some(), &["sasl.username"]),
+            ),
+            (
+                "KAFKA_SASL_PASSWORD",
+                e.set(self.password.is_some(), &["sasl.password"]),
+            ),
             (
                 "KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",
-                self.oidc_endpoint.is_some(),
+                e.set(
+                    self.oidc_endpoint.is_some(),
+                    &["sasl.oauthbearer.token.endpoint.url"],
+                ),
             ),
         ];
         if !protocol.uses_sasl() {
@@ -265,64 +330,95 @@ impl Security<'_> {
                 None => Ok(()),
             };
         }
-        let Some(mechanism) = self.mechanism else {
-            return Err(problem(
+        match e.mechanism {
+            None => Err(problem(
                 "KAFKA_SASL_MECHANISM",
                 format!(
                     "is not set, but KAFKA_SECURITY_PROTOCOL is {}",
                     protocol.as_str()
                 ),
                 "set it to SCRAM-SHA-512, SCRAM-SHA-256, PLAIN or OAUTHBEARER",
-            ));
-        };
-        match mechanism {
-            SaslMechanism::Oauthbearer => {
-                let oidc = [
-                    (
-                        "KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",
-                        self.oidc_endpoint.is_some(),
-                    ),
-                    (
-                        "KAFKA_SASL_OAUTHBEARER_CLIENT_ID",
-                        self.oidc_client_id.is_some(),
-                    ),
-                    (
-                        "KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET",
-                        self.oidc_client_secret.is_some(),
-                    ),
-                ];
-                if let Some((setting, _)) = oidc.iter().find(|(_, set)| !*set) {
-                    return Err(problem(
-                        setting,
-                        "is not set, but KAFKA_SASL_MECHANISM is OAUTHBEARER",
-                        "set the token endpoint, the client id and its secret (librdkafka fetches the tokens)",
-                    ));
-                }
-            }
-            _ => {
-                if self.username.is_none() {
-                    return Err(problem(
-                        "KAFKA_SASL_USERNAME",
-                        format!(
-                            "is not set, but KAFKA_SASL_MECHANISM is {}",
-                            mechanism.as_str()
-                        ),
-                        "set the user name and KAFKA_SASL_PASSWORD",
-                    ));
-                }
-                if self.password.is_none() {
-                    return Err(problem(
-                        "KAFKA_SASL_PASSWORD",
-                        format!(
-                            "is not set, but KAFKA_SASL_MECHANISM is {}",
-                            mechanism.as_str()
-                        ),
-                        "set the user's password",
-                    ));
-                }
-            }
+            )),
+            Some(Mechanism::Other) => Ok(()),
+            Some(Mechanism::Known(SaslMechanism::Oauthbearer)) => self.check_oidc(e),
+            Some(Mechanism::Known(mechanism)) => self.check_password(e, mechanism),
         }
-        Ok(())
+    }
+
+    /// OAUTHBEARER through librdkafka's OIDC client needs its endpoint and client credentials (unless the
+    /// escape hatch chose librdkafka's other token source, `sasl.oauthbearer.method=default`).
+    fn check_oidc(&self, e: &Effective<'_>) -> Result<(), ConfigProblem> {
+        let default_method = e
+            .hatch
+            .iter()
+            .rev()
+            .find(|(n, _)| n == "sasl.oauthbearer.method")
+            .is_some_and(|(_, v)| v.trim().eq_ignore_ascii_case("default"));
+        if default_method {
+            return Ok(());
+        }
+        let oidc = [
+            (
+                "KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",
+                e.set(
+                    self.oidc_endpoint.is_some(),
+                    &["sasl.oauthbearer.token.endpoint.url"],
+                ),
+            ),
+            (
+                "KAFKA_SASL_OAUTHBEARER_CLIENT_ID",
+                e.set(
+                    self.oidc_client_id.is_some(),
+                    &["sasl.oauthbearer.client.id"],
+                ),
+            ),
+            (
+                "KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET",
+                e.set(
+                    self.oidc_client_secret.is_some(),
+                    &["sasl.oauthbearer.client.secret"],
+                ),
+            ),
+        ];
+        match oidc.iter().find(|(_, set)| !*set) {
+            Some((setting, _)) => Err(problem(
+                setting,
+                "is not set, but KAFKA_SASL_MECHANISM is OAUTHBEARER",
+                "set the token endpoint, the client id and its secret (librdkafka fetches the tokens)",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// PLAIN and SCRAM need a user name and its password.
+    fn check_password(
+        &self,
+        e: &Effective<'_>,
+        mechanism: SaslMechanism,
+    ) -> Result<(), ConfigProblem> {
+        let needed = [
+            (
+                "KAFKA_SASL_USERNAME",
+                e.set(self.username.is_some(), &["sasl.username"]),
+                "set the user name and KAFKA_SASL_PASSWORD",
+            ),
+            (
+                "KAFKA_SASL_PASSWORD",
+                e.set(self.password.is_some(), &["sasl.password"]),
+                "set the user's password",
+            ),
+        ];
+        match needed.iter().find(|(_, set, _)| !*set) {
+            Some((setting, _, fix)) => Err(problem(
+                setting,
+                format!(
+                    "is not set, but KAFKA_SASL_MECHANISM is {}",
+                    mechanism.as_str()
+                ),
+                *fix,
+            )),
+            None => Ok(()),
+        }
     }
 }
 
@@ -385,6 +481,7 @@ mod tests {
 
     #[test]
     fn an_escape_hatch_property_comes_last_and_its_secret_is_not_shown_either() {
+        let file = readable_file();
         let config = args(&[
             ("KAFKA_BROKERS", "broker:9093"),
             ("KAFKA_SECURITY_PROTOCOL", "ssl"),
@@ -392,6 +489,8 @@ mod tests {
         .unwrap()
         .secure(
             saga_core::KafkaConfig::new("broker:9093")
+                .with_property("ssl.certificate.location", &file)
+                .with_property("ssl.key.location", &file)
                 .with_property("ssl.key.password", CANARY)
                 .with_property("security.protocol", "ssl"),
         )
@@ -402,6 +501,76 @@ mod tests {
             "KAFKA_PROPERTY_* stay last: {config:?}"
         );
         assert!(!format!("{config:?}").contains(CANARY));
+    }
+
+    #[test]
+    fn the_checks_read_what_librdkafka_will_the_escape_hatch_last() {
+        let file = readable_file();
+        let hatch = |properties: &[(&str, &str)]| {
+            properties
+                .iter()
+                .fold(saga_core::KafkaConfig::new("broker:9093"), |c, (n, v)| {
+                    c.with_property(*n, *v)
+                })
+        };
+        let settings = |vars: &[(&str, &str)]| {
+            let mut all = vec![("KAFKA_BROKERS", "broker:9093")];
+            all.extend_from_slice(vars);
+            args(&all).unwrap()
+        };
+        let sasl_ssl = [
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", "svc"),
+            ("sasl.password", CANARY),
+            ("ssl.ca.location", file.as_str()),
+        ];
+        // The hatch alone, complete: accepted, and passed on as it is.
+        let config = settings(&[]).secure(hatch(&sasl_ssl)).unwrap();
+        assert_eq!(config.properties.len(), sasl_ssl.len(), "{config:?}");
+        // The hatch's protocol with the settings' credentials: accepted.
+        settings(&[
+            ("KAFKA_SASL_MECHANISM", "PLAIN"),
+            ("KAFKA_SASL_USERNAME", "svc"),
+            ("KAFKA_SASL_PASSWORD", CANARY),
+        ])
+        .secure(hatch(&[("security.protocol", "sasl_ssl")]))
+        .unwrap();
+        // A mechanism only the hatch can name is librdkafka's to check.
+        settings(&[])
+            .secure(hatch(&[
+                ("security.protocol", "sasl_plaintext"),
+                ("sasl.mechanism", "GSSAPI"),
+            ]))
+            .unwrap();
+        type Pairs<'a> = &'a [(&'a str, &'a str)];
+        let refused: [(Pairs<'_>, Pairs<'_>, &str); 4] = [
+            // The hatch's protocol wins over the setting (it comes last): SASL settings without SASL.
+            (
+                &[
+                    ("KAFKA_SECURITY_PROTOCOL", "sasl_ssl"),
+                    ("KAFKA_SASL_MECHANISM", "PLAIN"),
+                    ("KAFKA_SASL_USERNAME", "svc"),
+                    ("KAFKA_SASL_PASSWORD", CANARY),
+                ],
+                &[("security.protocol", "ssl")],
+                "KAFKA_SASL_MECHANISM",
+            ),
+            (&[], &sasl_ssl[..1], "KAFKA_SASL_MECHANISM"),
+            (&[], &sasl_ssl[..4][..3], "KAFKA_SASL_PASSWORD"),
+            (
+                &[("KAFKA_SECURITY_PROTOCOL", "ssl")],
+                &[("ssl.certificate.pem", "-----BEGIN CERTIFICATE-----")],
+                "KAFKA_SSL_KEY_LOCATION",
+            ),
+        ];
+        for (vars, properties, setting) in refused {
+            let problem = settings(vars).secure(hatch(properties)).unwrap_err();
+            assert_eq!(
+                problem.setting, setting,
+                "{vars:?} {properties:?}: {problem}"
+            );
+        }
     }
 
     #[test]

@@ -24,8 +24,9 @@ use crate::publisher::{Acked, OrderKey, Publisher, order_key};
 use crate::shards::ShardOwner;
 use crate::store::{self, AfterPublish};
 
-/// How the relay runs. Build it with [`Relay::builder`] (and [`RelayBuilder::from_env`]).
-#[derive(Debug, Clone)]
+/// How the relay runs. Build it with [`Relay::builder`] (and [`RelayBuilder::from_env`]). Its `Debug`
+/// shows the replication URL without its password.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct RelaySettings {
     /// The broker (`KAFKA_BROKERS`, required; `KAFKA_PROPERTY_*`).
@@ -68,6 +69,32 @@ pub struct RelaySettings {
     /// WAL mode: a batch is published, at a commit, once the messages read into it take this many bytes
     /// (default 16 MiB, the writers' default largest transaction): what the relay holds at once.
     pub max_batch_bytes: usize,
+}
+
+impl std::fmt::Debug for RelaySettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelaySettings")
+            .field("kafka", &self.kafka)
+            .field("batch_size", &self.batch_size)
+            .field("poll_interval", &self.poll_interval)
+            .field("linger", &self.linger)
+            .field("after_publish", &self.after_publish)
+            .field("rebalance_interval", &self.rebalance_interval)
+            .field("backlog_interval", &self.backlog_interval)
+            .field("park_after", &self.park_after)
+            .field("retention", &self.retention)
+            .field("retention_interval", &self.retention_interval)
+            .field("ops_addr", &self.ops_addr)
+            .field("mode", &self.mode)
+            .field(
+                "replication_url",
+                &crate::settings::redacted(self.replication_url.as_deref()),
+            )
+            .field("standby_interval", &self.standby_interval)
+            .field("park_after_time", &self.park_after_time)
+            .field("max_batch_bytes", &self.max_batch_bytes)
+            .finish()
+    }
 }
 
 impl Default for RelaySettings {
@@ -353,6 +380,7 @@ impl RelayBuilder {
             ops,
             ready,
             hooks: self.hooks,
+            broker_checked: false,
         })
     }
 }
@@ -367,6 +395,8 @@ pub struct Relay {
     /// This relay's readiness check (`relay`).
     pub(crate) ready: ReadyFlag,
     hooks: PublishHooks,
+    /// Whether the caller checked the broker already (the service that embeds it, the binary).
+    broker_checked: bool,
 }
 
 impl std::fmt::Debug for Relay {
@@ -498,16 +528,31 @@ impl Relay {
         RelayProbe(self.metrics.clone())
     }
 
+    /// The caller checked the broker with the same settings already (the service that embeds the relay, the
+    /// binary): the relay does not check it again. Not part of the API.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn broker_checked(mut self) -> Self {
+        self.broker_checked = true;
+        self
+    }
+
     /// Runs until `shutdown` resolves (any future: a signal, a token's `cancelled()`). Database and broker
-    /// outages are waited out, never fatal; retention runs beside it when configured.
+    /// outages are waited out, never fatal; retention runs beside it when configured. A broker that refuses
+    /// the client (its credentials, its certificate, its protocol) is: an error naming the setting.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), RelayError> {
         saga_runtime::shutdown::run_until(shutdown, |token| self.run_until(token)).await
     }
 
     async fn run_until(self, shutdown: CancellationToken) -> Result<(), RelayError> {
         // A producer the broker refuses (credentials, certificate, protocol) would retry for ever: one line
-        // naming the setting instead.
-        saga_runtime::kafka::probe(&self.kafka, "KAFKA_BROKERS").await?;
+        // naming the setting instead. A broker that does not answer yet is waited for.
+        if !self.broker_checked {
+            tokio::select! {
+                checked = saga_runtime::kafka::refusal(&self.kafka, "KAFKA_BROKERS") => checked?,
+                () = shutdown.cancelled() => return Ok(()),
+            }
+        }
         self.ops.register(|r| self.metrics.register(r));
         if let Some(addr) = self.settings.ops_addr {
             let bound = self.ops.serve(addr, shutdown.clone()).await?;

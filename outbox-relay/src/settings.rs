@@ -17,13 +17,31 @@ use crate::relay::RelaySettings;
 use crate::store::AfterPublish;
 
 /// The database.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Clone, clap::Args)]
 #[group(id = "saga_database")]
 #[non_exhaustive]
 pub struct DatabaseArgs {
     /// The PostgreSQL URL of the service's database.
-    #[arg(long = "database-url", env = "DATABASE_URL", global = true)]
+    #[arg(
+        long = "database-url",
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        global = true
+    )]
     pub database_url: Option<String>,
+}
+
+impl std::fmt::Debug for DatabaseArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseArgs")
+            .field("database_url", &redacted(self.database_url.as_deref()))
+            .finish()
+    }
+}
+
+/// A URL as `Debug` may show it: without its password.
+pub(crate) fn redacted(url: Option<&str>) -> Option<String> {
+    url.map(saga_runtime::config::redact)
 }
 saga_runtime::settings_group!(DatabaseArgs);
 
@@ -270,7 +288,7 @@ impl RetentionArgs {
 }
 
 /// The relay: how it publishes, and its retention.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Clone, clap::Args)]
 #[group(id = "saga_relay")]
 #[non_exhaustive]
 pub struct RelayArgs {
@@ -314,13 +332,36 @@ pub struct RelayArgs {
     pub ops_addr: Option<SocketAddr>,
     /// WAL mode: the URL of the replication connection (default: `DATABASE_URL`); its role needs the
     /// `REPLICATION` attribute (`sslmode=require` asks for TLS).
-    #[arg(long = "replication-url", env = "SAGA_REPLICATION_URL")]
+    #[arg(
+        long = "replication-url",
+        env = "SAGA_REPLICATION_URL",
+        hide_env_values = true
+    )]
     pub replication_url: Option<String>,
     /// Retention.
     #[command(flatten)]
     pub retention: RetentionArgs,
 }
 saga_runtime::settings_group!(RelayArgs);
+
+impl std::fmt::Debug for RelayArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayArgs")
+            .field("batch_size", &self.batch_size)
+            .field("poll_interval_ms", &self.poll_interval_ms)
+            .field("linger_ms", &self.linger_ms)
+            .field("delete_published", &self.delete_published)
+            .field("park_after_attempts", &self.park_after_attempts)
+            .field("park_after_secs", &self.park_after_secs)
+            .field("ops_addr", &self.ops_addr)
+            .field(
+                "replication_url",
+                &redacted(self.replication_url.as_deref()),
+            )
+            .field("retention", &self.retention)
+            .finish()
+    }
+}
 
 impl RelayArgs {
     /// The relay's settings from these, with `kafka` and `outbox` (the relay reads the service's mode);
@@ -365,6 +406,30 @@ mod tests {
             (name == "SAGA_KEY_RETENTION_HOURS").then(|| hours.to_owned())
         })
         .unwrap()
+    }
+
+    #[test]
+    fn no_debug_of_the_settings_shows_a_urls_password() {
+        const CANARY: &str = "canary-url-secret-9e1";
+        let url = format!("postgres://svc:{CANARY}@db.internal/sagas");
+        let vars = |name: &str| {
+            matches!(name, "DATABASE_URL" | "SAGA_REPLICATION_URL").then(|| url.clone())
+        };
+        let database = super::DatabaseArgs::from_vars(vars).unwrap();
+        let relay = super::RelayArgs::from_vars(vars).unwrap();
+        let settings = relay
+            .settings(None, &super::OutboxArgs::from_vars(vars).unwrap(), None)
+            .unwrap();
+        assert_eq!(database.database_url.as_deref(), Some(url.as_str()));
+        assert_eq!(settings.replication_url.as_deref(), Some(url.as_str()));
+        for shown in [
+            format!("{database:?}"),
+            format!("{relay:?}"),
+            format!("{settings:?}"),
+        ] {
+            assert!(!shown.contains(CANARY), "{shown}");
+            assert!(shown.contains("svc:***@db.internal"), "{shown}");
+        }
     }
 
     #[test]

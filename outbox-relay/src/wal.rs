@@ -123,11 +123,26 @@ pub(crate) fn replication_config(
 
 /// The replication connection's TLS, as libpq and the database pool read the URL: `sslmode` (`prefer`, TLS
 /// when the server offers it, where the URL says nothing), `sslrootcert` (a private CA; without it, the
-/// webpki roots) and `sslcert`/`sslkey` (a client certificate).
+/// webpki roots) and `sslcert`/`sslkey` (a client certificate); where the URL does not name one, the
+/// variable libpq and the pool read (`PGSSLMODE`, `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`).
 fn replication_tls(query: &HashMap<String, String>) -> Result<TlsConfig, String> {
-    let path = |name: &str| query.get(name).map(std::path::PathBuf::from);
-    let root = path("sslrootcert");
-    let mut tls = match query.get("sslmode").map(String::as_str) {
+    replication_tls_with(query, |var| std::env::var(var).ok())
+}
+
+/// [`replication_tls`] with the environment read through `env`.
+fn replication_tls_with(
+    query: &HashMap<String, String>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<TlsConfig, String> {
+    let value = |name: &str, var: &str| {
+        query
+            .get(name)
+            .cloned()
+            .or_else(|| env(var).filter(|v| !v.is_empty()))
+    };
+    let path = |name: &str, var: &str| value(name, var).map(std::path::PathBuf::from);
+    let root = path("sslrootcert", "PGSSLROOTCERT");
+    let mut tls = match value("sslmode", "PGSSLMODE").as_deref() {
         None | Some("prefer") => TlsConfig {
             mode: pgwire_replication::SslMode::Prefer,
             ..TlsConfig::default()
@@ -139,12 +154,13 @@ fn replication_tls(query: &HashMap<String, String>) -> Result<TlsConfig, String>
         Some("verify-full") => TlsConfig::verify_full(root),
         Some(other) => {
             return Err(format!(
-                "has sslmode={other:?}, which is not disable, allow, prefer, require, verify-ca or verify-full"
+                "has sslmode={other:?} (or PGSSLMODE), which is not disable, allow, prefer, require, \
+                 verify-ca or verify-full"
             ));
         }
     };
-    tls.client_cert_pem_path = path("sslcert");
-    tls.client_key_pem_path = path("sslkey");
+    tls.client_cert_pem_path = path("sslcert", "PGSSLCERT");
+    tls.client_key_pem_path = path("sslkey", "PGSSLKEY");
     Ok(tls)
 }
 
@@ -167,18 +183,15 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// What ended a replication connection: a refusal the URL must fix stops the relay with one line; anything
+/// else (a connection lost, a handshake cut short, a server restarting) is retried.
 fn classify(e: &PgWireError) -> WalEnd {
     let text = e.to_string();
     // 55006 object_in_use: "replication slot ... is active for PID ...".
-    if text.contains("55006") || text.contains("is active for PID") {
+    if text.contains("(SQLSTATE 55006)") || text.contains("is active for PID") {
         return WalEnd::Standby(text);
     }
-    // TLS (a certificate the CA did not sign, a server without TLS where the URL asks for it, a file that
-    // does not read) and authentication (28000, 28P01) are the URL's to fix, not the server's to recover.
-    let refused = matches!(e, PgWireError::Tls(_) | PgWireError::Auth(_))
-        || text.contains("28P01")
-        || text.contains("28000");
-    if refused {
+    if refused_for_good(e, &text) {
         return WalEnd::Refused(ConfigProblem::new(
             "SAGA_REPLICATION_URL",
             format!("the replication connection is refused: {text}"),
@@ -186,6 +199,26 @@ fn classify(e: &PgWireError) -> WalEnd {
         ));
     }
     WalEnd::Failed(text)
+}
+
+/// A refusal that waiting does not mend: a certificate the CA did not sign or that names another host, a
+/// server without TLS where the URL asks for it, a file that does not read, the server's refusal of the
+/// client's certificate, credentials refused (SQLSTATE 28000, 28P01). A handshake the network cut short is
+/// not one.
+fn refused_for_good(e: &PgWireError, text: &str) -> bool {
+    const TLS_REFUSALS: [&str; 6] = [
+        "invalid peer certificate",
+        "TLS config error",
+        "server does not support TLS",
+        "invalid SNI hostname",
+        "received fatal alert",
+        "not supported over Unix",
+    ];
+    match e {
+        PgWireError::Tls(_) => TLS_REFUSALS.iter().any(|r| text.contains(r)),
+        PgWireError::Auth(_) => true,
+        _ => text.contains("(SQLSTATE 28000)") || text.contains("(SQLSTATE 28P01)"),
+    }
 }
 
 /// The events read from the slot and not yet settled, with what is decided about them (row `i`'s id is
@@ -908,6 +941,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_refusal_of_the_url_stops_the_relay_a_handshake_cut_short_is_retried() {
+        let refused = [
+            PgWireError::Tls(
+                "TLS handshake failed: invalid peer certificate: UnknownIssuer".into(),
+            ),
+            PgWireError::Tls("server does not support TLS (SSLRequest rejected)".into()),
+            PgWireError::Tls(
+                "TLS handshake failed: received fatal alert: CertificateRequired".into(),
+            ),
+            PgWireError::Tls("TLS config error: failed to open CA PEM '/x': not found".into()),
+            PgWireError::Auth("SCRAM server error: invalid-proof".into()),
+            PgWireError::Server(
+                "password authentication failed for user \"x\" (SQLSTATE 28P01)".into(),
+            ),
+        ];
+        for e in &refused {
+            assert!(matches!(classify(e), WalEnd::Refused(_)), "{e}");
+        }
+        let retried = [
+            PgWireError::Tls(
+                "TLS handshake failed: Connection reset by peer (os error 104)".into(),
+            ),
+            PgWireError::Tls("TLS handshake failed: unexpected end of file".into()),
+            PgWireError::Server("the database system is starting up (SQLSTATE 57P03)".into()),
+            // A message that merely holds the digits of a refusal's code.
+            PgWireError::Server("relation \"t28000\" does not exist (SQLSTATE 42P01)".into()),
+        ];
+        for e in &retried {
+            assert!(matches!(classify(e), WalEnd::Failed(_)), "{e}");
+        }
+    }
+
+    #[test]
     fn a_url_gives_the_replication_connection_its_settings() {
         let cfg = replication_config(
             "postgres://us%40er:p%3Ass@db.example:6543/sagas?sslmode=require&options=-c%20search_path%3Dx",
@@ -946,6 +1012,38 @@ mod tests {
         assert_eq!(
             verified.tls.client_key_pem_path.as_deref(),
             Some(std::path::Path::new("/c.key"))
+        );
+        let from_env = |var: &str| {
+            [
+                ("PGSSLMODE", "verify-ca"),
+                ("PGSSLROOTCERT", "/env-ca.pem"),
+                ("PGSSLKEY", "/env.key"),
+            ]
+            .iter()
+            .find(|(v, _)| *v == var)
+            .map(|(_, value)| (*value).to_owned())
+        };
+        let query = |q: &[(&str, &str)]| -> HashMap<String, String> {
+            q.iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        let by_env = replication_tls_with(&query(&[]), from_env).unwrap();
+        assert_eq!(by_env.mode, pgwire_replication::SslMode::VerifyCa);
+        assert_eq!(
+            by_env.ca_pem_path.as_deref(),
+            Some(std::path::Path::new("/env-ca.pem"))
+        );
+        let url_first = replication_tls_with(
+            &query(&[("sslmode", "require"), ("sslkey", "/url.key")]),
+            from_env,
+        )
+        .unwrap();
+        assert_eq!(url_first.mode, pgwire_replication::SslMode::Require);
+        assert_eq!(
+            url_first.client_key_pem_path.as_deref(),
+            Some(std::path::Path::new("/url.key")),
+            "the URL's parameter before the variable, as libpq"
         );
         let refused = replication_config("postgres://x@db/y?sslmode=verify", "slot").unwrap_err();
         assert_eq!(refused.setting, "SAGA_REPLICATION_URL", "{refused}");

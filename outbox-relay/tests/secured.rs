@@ -11,16 +11,34 @@ use std::time::Duration;
 use saga_runtime::store::outbox;
 use saga_test_support::{
     SECURE_PASSWORD, TestDb, TestKafka, expect_help_hides_secrets, expect_security_mistakes_named,
-    free_local_addr, sasl_ssl_env, wait_until,
+    free_local_addr, sasl_ssl_env, sasl_ssl_properties, secure_brokers, wait_until,
 };
 
 use common::{WAIT, check_per_key_order, row};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_publishes_over_sasl_ssl_and_shows_the_password_nowhere() {
-    let db = TestDb::new("relay-secured").await;
+    publishes_over_sasl_ssl("relay-secured", sasl_ssl_env()).await;
+}
+
+/// The same settings given through the escape hatch alone (`KAFKA_PROPERTY_*`): the checks read what
+/// librdkafka will, so they pass, and the relay publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_publishes_over_sasl_ssl_set_through_the_escape_hatch_alone() {
+    let mut env = vec![("KAFKA_BROKERS".to_owned(), secure_brokers())];
+    env.extend(sasl_ssl_properties().into_iter().map(|(name, value)| {
+        let variable = format!("KAFKA_PROPERTY_{}", name.replace('.', "_").to_uppercase());
+        (variable, value)
+    }));
+    publishes_over_sasl_ssl("relay-secured-hatch", env).await;
+}
+
+/// Runs the relay binary with `env`, publishes 20 rows of four keys, and checks their order and that
+/// neither the metrics nor the debug log show the password.
+async fn publishes_over_sasl_ssl<K: AsRef<std::ffi::OsStr>>(name: &str, env: Vec<(K, String)>) {
+    let db = TestDb::new(name).await;
     let kafka = TestKafka::secured().await;
-    let topic = kafka.topic("relay-secured", 2).await;
+    let topic = kafka.topic(name, 2).await;
     let mut expected = BTreeMap::new();
     let mut tx = db.pool.begin().await.unwrap();
     for seq in 1..=20 {
@@ -43,7 +61,7 @@ async fn the_relay_publishes_over_sasl_ssl_and_shows_the_password_nowhere() {
             "0",
         ])
         .args(["--relay-ops-addr", &ops.to_string()])
-        .envs(sasl_ssl_env())
+        .envs(env)
         .env("RUST_LOG", "debug")
         .env("KAFKA_PROPERTY_DEBUG", "security,conf,broker")
         .stdout(std::process::Stdio::null())

@@ -1733,6 +1733,14 @@ struct KeyHex(Vec<u8>);
 
 /// `--key-hex`: a key's bytes in hexadecimal.
 fn parse_key_hex(text: &str) -> Result<KeyHex, String> {
+    // An unset variable must not name the keyless messages' hold: that one is named as the key `''`.
+    if text.trim().is_empty() {
+        return Err(
+            "is empty (the hold of a paused step's messages without a key is released with `saga keys \
+             release ''`)"
+                .to_owned(),
+        );
+    }
     saga_consumer::toolkit::parse_hex(text)
         .map(KeyHex)
         .ok_or_else(|| {

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tower_layer::Layer;
 
 use crate::config::{AssignmentStrategy, ConsumerSettings};
+use crate::db_retry::Stopper;
 use crate::delivery::Router;
 use crate::dlq::DeadLetters;
 use crate::error::{ConfigError, ConsumerError};
@@ -416,6 +417,7 @@ impl SagaConsumerBuilder {
             outbox: self.outbox,
             order_by_step: self.order_by_step,
             order_by_topic: self.order_by_topic,
+            broker_checked: false,
         })
     }
 }
@@ -435,6 +437,8 @@ pub struct SagaConsumer {
     outbox: crate::Outbox,
     order_by_step: HashMap<String, OrderPolicy>,
     order_by_topic: HashMap<String, OrderPolicy>,
+    /// Whether the service that runs it checked the broker already.
+    broker_checked: bool,
 }
 
 impl SagaConsumer {
@@ -491,6 +495,11 @@ impl SagaConsumer {
         self.fast_path.is_some()
     }
 
+    /// The service that runs it checked the broker already.
+    pub(crate) fn set_broker_checked(&mut self) {
+        self.broker_checked = true;
+    }
+
     /// Where its steps write their events (before it runs).
     pub(crate) fn set_outbox(&mut self, outbox: crate::Outbox) {
         self.outbox = outbox;
@@ -545,15 +554,24 @@ impl SagaConsumer {
             .clone()
             .ok_or(ConfigError::Missing("brokers (KAFKA_BROKERS)"))?;
         // A client the broker refuses (credentials, certificate, protocol) stops the start in one line
-        // naming the setting; librdkafka would retry it for ever.
-        saga_runtime::kafka::probe(&kafka, "KAFKA_BROKERS")
-            .await
-            .map_err(ConfigError::Problem)?;
+        // naming the setting; librdkafka would retry it for ever. A broker that does not answer yet is
+        // waited for, as an outage is.
+        if !self.broker_checked {
+            tokio::select! {
+                checked = saga_runtime::kafka::refusal(&kafka, "KAFKA_BROKERS") => {
+                    checked.map_err(ConfigError::Problem)?;
+                }
+                () = shutdown.cancelled() => return Ok(()),
+            }
+        }
         let producer = saga_runtime::kafka::idempotent_producer(
             &kafka,
             Duration::from_millis(5),
             Duration::from_secs(30),
         )?;
+        // A fault that is the operator's (the schema, the role) stops everything below, with the reason.
+        let stopper = Stopper::under(&shutdown);
+        let stop = stopper.token().clone();
         let holds = self.holds(&group);
         let releaser = tokio::spawn(crate::hold::run_releaser(
             holds.clone(),
@@ -561,7 +579,7 @@ impl SagaConsumer {
             producer.clone(),
             retry_topic.clone(),
             metrics.clone(),
-            shutdown.clone(),
+            stop.clone(),
         ));
         let settings = self.settings.clone();
         let ops = self.ops.clone();
@@ -570,7 +588,14 @@ impl SagaConsumer {
             tracker: Arc::new(OffsetTracker::default()),
             permits: Arc::new(Semaphore::new(settings.concurrency)),
             batch_size: settings.batch_size,
-            executor: self.executor(&group, holds, producer, dlq_topic.clone(), metrics.clone()),
+            executor: self.executor(
+                &group,
+                holds,
+                producer,
+                dlq_topic.clone(),
+                metrics.clone(),
+                stopper.clone(),
+            ),
         });
         let dispatcher = Arc::new(Dispatcher::new(
             shared,
@@ -585,13 +610,20 @@ impl SagaConsumer {
                 dispatcher: dispatcher.clone(),
             })?;
         let done = spawn_poll_thread(
-            consumer, dispatcher, &settings, topics, dlq_topic, group, shutdown,
+            consumer, dispatcher, &settings, topics, dlq_topic, group, stop,
         )?;
         let result = done
             .await
             .map_err(|_| ConsumerError::PollThread("the poll thread panicked".into()));
         releaser.abort();
-        result?
+        let result = result?;
+        match stopper.reason() {
+            Some(reason) => Err(ConsumerError::Database(format!(
+                "the database refuses the framework's statements ({reason}); run the migrations of \
+                 this version and check the role's privileges"
+            ))),
+            None => result,
+        }
     }
 
     /// The group's held keys and paused steps, under this consumer's order policies.
@@ -620,6 +652,7 @@ impl SagaConsumer {
         producer: rdkafka::producer::FutureProducer,
         dlq_topic: String,
         metrics: ConsumerMetrics,
+        stopper: Stopper,
     ) -> Executor {
         let settings = self.settings;
         Executor {
@@ -630,6 +663,7 @@ impl SagaConsumer {
                 settings.crash_loop_limit,
                 metrics.database_unreachable.clone(),
                 settings.retry.clone(),
+                stopper.clone(),
             ),
             retry: settings.retry,
             metrics,
@@ -640,6 +674,7 @@ impl SagaConsumer {
             fast_path: self.fast_path,
             outbox: self.outbox.runtime().clone(),
             holds,
+            stopper,
         }
     }
 }

@@ -65,7 +65,6 @@ pub(crate) fn run_of(start: &BatchStart, take: usize) -> (Run, usize) {
         BatchStart::Normal => (Run::Batch, take),
         BatchStart::Isolate => (Run::Isolated, 1),
         BatchStart::DeadLetter(deaths) => (Run::Alone(Alone::CrashLoop(*deaths)), 1),
-        BatchStart::Refused(error) => (Run::Alone(Alone::Refused(error.clone())), 1),
     }
 }
 
@@ -381,10 +380,6 @@ mod tests {
         assert_eq!(
             run_of(&BatchStart::DeadLetter(3), 7),
             (Run::Alone(Alone::CrashLoop(3)), 1)
-        );
-        assert_eq!(
-            run_of(&BatchStart::Refused("no".into()), 7),
-            (Run::Alone(Alone::Refused("no".into())), 1)
         );
     }
 

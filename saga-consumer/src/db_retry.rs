@@ -1,9 +1,11 @@
 //! The one loop over the framework's own statements outside a step's transaction (reading held keys,
 //! parking, recording a release, indexing a dead letter, recording a batch's start): an unavailable
 //! database is waited out without a budget, and the connection that reported it is closed; a statement that
-//! may pass again is retried within the consumer's retry budget; anything else ends the loop with the
-//! reason, for the message's dead letter (invariant 9). It takes a [`Released`]: the worker keeps no
-//! connection while it waits (invariant 18).
+//! may pass again is retried within a budget (the consumer's retry budget, and never fewer than
+//! [`MIN_ATTEMPTS`]); a schema or role that is not what the framework needs stops the consumer with the
+//! reason ([`Stopper`]: the operator's problem, no message's); anything else ends the loop with the reason,
+//! for the message's dead letter (invariant 9). It takes a [`Released`]: the worker keeps no connection
+//! while it waits (invariant 18).
 
 use std::future::Future;
 use std::time::Duration;
@@ -26,6 +28,46 @@ pub(crate) const UNAVAILABLE_BACKOFF: RetryPolicy = RetryPolicy {
     jitter: 0.2,
 };
 
+/// The fewest attempts of a statement that may pass again (a deadlock, a lock timeout), whatever the
+/// handlers' retry budget (which may be one: a step that must not be retried says nothing of the
+/// framework's own statements).
+pub(crate) const MIN_ATTEMPTS: u32 = 5;
+
+/// Stops the consumer, once, with the reason: a fault that is the operator's (the schema, the role), not a
+/// message's. The consumer's poll loop watches its token; `run` returns the reason.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Stopper {
+    token: CancellationToken,
+    reason: std::sync::Arc<std::sync::OnceLock<String>>,
+}
+
+impl Stopper {
+    /// A stopper that also stops when `shutdown` fires.
+    pub(crate) fn under(shutdown: &CancellationToken) -> Self {
+        Self {
+            token: shutdown.child_token(),
+            reason: std::sync::Arc::default(),
+        }
+    }
+
+    /// Stops the consumer for `reason` (the first reason is kept).
+    pub(crate) fn stop(&self, reason: String) {
+        tracing::error!(reason = %reason, "the database refuses the framework's statements; the consumer stops");
+        let _ = self.reason.set(reason);
+        self.token.cancel();
+    }
+
+    /// What the consumer's loops stop on: the shutdown, or a [`Stopper::stop`].
+    pub(crate) fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+
+    /// Why the consumer was stopped, if it was.
+    pub(crate) fn reason(&self) -> Option<&str> {
+        self.reason.get().map(String::as_str)
+    }
+}
+
 /// How a loop of [`with_budget`] ended.
 #[derive(Debug)]
 pub(crate) enum Tried<T> {
@@ -33,7 +75,7 @@ pub(crate) enum Tried<T> {
     Done(T),
     /// They failed for good (or still failed when the budget was spent): what and why, on one line.
     Refused(String),
-    /// `cancel` fired first.
+    /// `cancel` fired first, or the consumer is stopping ([`Stopper`]).
     Cancelled,
 }
 
@@ -45,6 +87,8 @@ pub(crate) struct Budget<'a> {
     pub retry: &'a RetryPolicy,
     /// Counts each wait for an unavailable database.
     pub unreachable: &'a Counter,
+    /// Stops the consumer on the operator's problem.
+    pub stopper: &'a Stopper,
 }
 
 /// A connection of the pool, lent to one attempt and handed back with its result (so that one that
@@ -107,9 +151,17 @@ where
                 budget.unreachable.inc();
                 UNAVAILABLE_BACKOFF.wait_after(unavailable)
             }
-            DbFault::Transient if transient.saturating_add(1) < budget.retry.max_attempts => {
+            DbFault::Transient
+                if transient.saturating_add(1) < budget.retry.max_attempts.max(MIN_ATTEMPTS) =>
+            {
                 transient += 1;
                 budget.retry.wait_after(transient)
+            }
+            DbFault::Operator => {
+                budget
+                    .stopper
+                    .stop(format!("{what}: {}", described(&error)));
+                return Tried::Cancelled;
             }
             _ => return Tried::Refused(format!("{what}: {}", described(&error))),
         };

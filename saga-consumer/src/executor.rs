@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::connection::{Released, WorkerConnection};
 pub(crate) use crate::db_retry::sleep_or_cancel;
-use crate::db_retry::{Budget, Tried, with_budget};
+use crate::db_retry::{Budget, Stopper, Tried, with_budget};
 use crate::dedup::{self, BatchError, Failure, ItemOutcome};
 use crate::delivery::Delivery;
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
@@ -38,8 +38,6 @@ use crate::step_tx::{self, StepTx};
 pub(crate) enum Alone {
     /// The consumer died on it this many times.
     CrashLoop(u32),
-    /// The batch's start could not be recorded, for this reason.
-    Refused(String),
 }
 
 /// Everything a partition worker needs to process messages.
@@ -59,6 +57,8 @@ pub(crate) struct Executor {
     pub outbox: saga_runtime::store::outbox::Outbox,
     /// The group's held keys and paused steps (see `hold`).
     pub holds: Holds,
+    /// Stops the consumer on a fault that is the operator's (see `db_retry`).
+    pub stopper: Stopper,
 }
 
 impl Executor {
@@ -309,6 +309,7 @@ impl Executor {
             pool: &self.pool,
             retry: &self.retry,
             unreachable: &self.metrics.database_unreachable,
+            stopper: &self.stopper,
         }
     }
 
@@ -446,7 +447,6 @@ impl Executor {
                     format!("the consumer died {deaths} times while processing this message"),
                 )
             }
-            Alone::Refused(error) => (DeadLetterReason::StoreRefused, error),
         };
         self.dead_letter(delivery, reason, error, permit, released, cancel)
             .await
@@ -668,7 +668,8 @@ impl Executor {
     /// an unavailable database; `false` if `cancel` fires first (the message is not committed, and comes
     /// back). What the database refuses for good (a schema without the index, a key too large for the held
     /// keys' index, a value a column refuses) must not stop a partition: the letter is in its topic, so
-    /// first its index goes (its hold is recorded without it), then, refused again, its hold.
+    /// first its index goes (its hold is recorded without it), then, refused again, its hold (the letter is
+    /// indexed without it).
     async fn index_dead_letter(
         &self,
         letter: &letters::IndexedLetter,
@@ -676,10 +677,11 @@ impl Executor {
         released: &Released<'_>,
         cancel: &CancellationToken,
     ) -> bool {
-        for index in [true, false] {
-            if !index && hold.is_none() {
-                break;
-            }
+        let attempts = match hold {
+            Some(_) => &[(true, hold), (false, hold), (true, None)][..],
+            None => &[(true, None)][..],
+        };
+        for &(index, hold) in attempts {
             let recorded = with_budget(
                 "indexing its dead letter",
                 &self.budget(),
@@ -697,12 +699,19 @@ impl Executor {
                 Tried::Done(()) => return true,
                 Tried::Cancelled => return false,
                 Tried::Refused(error) => {
-                    let refused = if index {
-                        "the dead-letter index refuses this letter; it stays in its topic, unindexed (the \
-                         toolkit indexes what it finds there)"
-                    } else {
-                        "the held keys' tables refuse this message; its letter is in its topic, its key \
-                         not held"
+                    let refused = match (index, hold) {
+                        (true, Some(_)) => {
+                            "the dead-letter index refuses this letter with its hold; its hold is recorded \
+                             alone"
+                        }
+                        (false, _) => {
+                            "the held keys' tables refuse this message: its key is not held, and its \
+                             letter is indexed alone"
+                        }
+                        (true, None) => {
+                            "the dead-letter index refuses this letter; it stays in its topic, unindexed \
+                             (the toolkit indexes what it finds there)"
+                        }
                     };
                     tracing::error!(
                         dlq = %letter.dlq_topic,

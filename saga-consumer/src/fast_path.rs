@@ -40,8 +40,8 @@ use saga_runtime::ops::Ops;
 /// How often a lost Redis is tried again, at most.
 pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Settings of the fast path.
-#[derive(Debug, Clone)]
+/// Settings of the fast path. Its `Debug` shows the URL without its password.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct FastPathSettings {
     /// The Redis URL (`REDIS_URL`).
@@ -61,6 +61,18 @@ pub struct FastPathSettings {
     /// Longest a Redis call may take before it is answered "unknown" (`REDIS_TIMEOUT_MS`, default 50 ms),
     /// and the longest a call waits for a connection another call is making.
     pub timeout: Duration,
+}
+
+impl std::fmt::Debug for FastPathSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastPathSettings")
+            .field("url", &saga_runtime::config::redact(&self.url))
+            .field("namespace", &self.namespace)
+            .field("lock_ttl", &self.lock_ttl)
+            .field("key_ttl", &self.key_ttl)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl FastPathSettings {

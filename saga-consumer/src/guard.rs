@@ -28,7 +28,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::connection::Released;
-use crate::db_retry::{Budget, Tried, retrying};
+use crate::db_retry::{Budget, Stopper, Tried, retrying};
 use crate::executor::discard_if_unavailable;
 use crate::retry::RetryPolicy;
 
@@ -41,10 +41,6 @@ pub(crate) enum BatchStart {
     Isolate,
     /// The first message took the consumer down this many times: dead-letter it.
     DeadLetter(u32),
-    /// The start could not be recorded, for good (not for an unavailable database, which is waited out):
-    /// the first message is dead-lettered with this reason, as processing without the record would blind
-    /// the detection.
-    Refused(String),
 }
 
 /// Records batch starts and ends for one consumer group.
@@ -58,6 +54,8 @@ pub(crate) struct CrashGuard {
     unreachable: Counter,
     /// The budget of a record that may pass again.
     retry: RetryPolicy,
+    /// Stops the consumer when the record is refused for good (the operator's problem).
+    stopper: Stopper,
 }
 
 impl CrashGuard {
@@ -70,6 +68,7 @@ impl CrashGuard {
         limit: u32,
         unreachable: Counter,
         retry: RetryPolicy,
+        stopper: Stopper,
     ) -> Self {
         Self {
             pool,
@@ -78,6 +77,7 @@ impl CrashGuard {
             alone: Arc::default(),
             unreachable,
             retry,
+            stopper,
         }
     }
 
@@ -118,7 +118,9 @@ impl CrashGuard {
     }
 
     /// Records a batch's start (`saga_consumer_begin_batch`), waiting out an unavailable database, retrying what may pass again within the
-    /// budget; a record refused for good is [`BatchStart::Refused`]. `None` if `cancel` fired first. The
+    /// budget. The record holds nothing of a message, so a refusal is the operator's: the consumer stops
+    /// with the reason ([`Stopper`]), and no message is dead-lettered for it. `None` then, or if `cancel`
+    /// fired first. The
     /// worker waits for it with no connection kept.
     pub(crate) async fn begin_until_recorded(
         &self,
@@ -148,6 +150,7 @@ impl CrashGuard {
             pool: &self.pool,
             retry: &self.retry,
             unreachable: &self.unreachable,
+            stopper: &self.stopper,
         };
         let recorded = retrying(
             "recording the batch's start",
@@ -164,8 +167,8 @@ impl CrashGuard {
         match recorded {
             Tried::Done(start) => Some(start),
             Tried::Refused(error) => {
-                tracing::error!(topic, partition, error = %error, "the batch's start cannot be recorded; its first message is dead-lettered");
-                Some(BatchStart::Refused(error))
+                self.stopper.stop(error);
+                None
             }
             Tried::Cancelled => None,
         }
@@ -349,13 +352,9 @@ impl PendingStart {
         (self.resolve().await == Some(BatchStart::Normal)).then_some(CommitPermit(()))
     }
 
-    /// The permit to dead-letter the batch's first message alone (a crash loop, or a record refused for
-    /// good), once the record is in and says so; `None` if it says otherwise or was cancelled.
+    /// The permit to dead-letter the batch's first message alone (a crash loop), once the record is in and
+    /// says so; `None` if it says otherwise or was cancelled.
     pub(crate) async fn alone_permit(&mut self) -> Option<CommitPermit> {
-        matches!(
-            self.resolve().await,
-            Some(BatchStart::DeadLetter(_) | BatchStart::Refused(_))
-        )
-        .then_some(CommitPermit(()))
+        matches!(self.resolve().await, Some(BatchStart::DeadLetter(_))).then_some(CommitPermit(()))
     }
 }

@@ -15,8 +15,9 @@
 //! (an operator resumes it, any time). On two partitions both first messages fail at once: their two dead
 //! letters race. A dead letter's transaction is two steps around the key's lock: it locks and reads the
 //! key, then records what the letter does to the hold and commits; every other transaction on the key waits
-//! for the lock. With `unlocked_absent_key` (the defect put back), a transaction on a key that is not held
-//! locks nothing (a `FOR UPDATE` on a row that does not exist), so two letters both find the key free.
+//! for the lock, as `hold::KEY_LOCK` (the lock `Holds::lock` takes) says. With `KeyLock::RowOnly` (the
+//! defect put back), a transaction on a key that is not held locks nothing (a `FOR UPDATE` on a row that
+//! does not exist), so two letters both find the key free.
 //! The consumer process may crash once anywhere in the one-partition worlds (both workers start again from
 //! the committed offsets; a head or release whose step committed but whose advance did not comes back and is
 //! found done); the releaser may once send a release and die before recording it (a second copy follows).
@@ -207,12 +208,21 @@ pub(crate) enum Step {
     Resume,
 }
 
-/// The model: whether the releaser is the put-back bug (everything released at once), and whether a
-/// transaction on a key that is not held locks nothing (the other put-back bug).
-#[derive(Debug, Clone, Copy, Default)]
+/// The model: whether the releaser is the put-back bug (everything released at once), and what a
+/// transaction on the key locks (production's `hold::KEY_LOCK`, or the other put-back bug).
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct HoldModel {
     pub release_all_at_once: bool,
-    pub unlocked_absent_key: bool,
+    pub key_lock: hold::KeyLock,
+}
+
+impl Default for HoldModel {
+    fn default() -> Self {
+        Self {
+            release_all_at_once: false,
+            key_lock: hold::KEY_LOCK,
+        }
+    }
 }
 
 impl State {
@@ -373,11 +383,10 @@ impl State {
         self.partitions[p].batch = Some(batch);
     }
 
-    /// Partition `p`'s dead letter's transaction locks the key and reads it. With `unlocked`, a key not
-    /// held is not locked (a row lock on a row that does not exist).
-    fn letter_locks(&mut self, p: usize, unlocked: bool) {
+    /// Partition `p`'s dead letter's transaction locks the key as `lock` says and reads it.
+    fn letter_locks(&mut self, p: usize, lock: hold::KeyLock) {
         let view = self.view();
-        if !(unlocked && view.is_none()) {
+        if lock.serializes(view.is_some()) {
             self.key_lock = Some(p);
         }
         let batch = self.partitions[p]
@@ -621,7 +630,7 @@ impl Model for HoldModel {
         match step {
             Step::PartitionReads(p) => s.partition_reads(p),
             Step::PartitionActs(p) => s.partition_acts(p),
-            Step::LetterLocks(p) => s.letter_locks(p, self.unlocked_absent_key),
+            Step::LetterLocks(p) => s.letter_locks(p, self.key_lock),
             Step::LetterCommits(p) => s.letter_commits(p),
             Step::Resume => {
                 // `saga steps resume`: the keys the step's messages held are released.
@@ -830,7 +839,7 @@ mod tests {
     #[test]
     fn a_key_locked_only_when_held_is_found_to_lose_a_letter_and_its_partitions_order() {
         let checker = check(HoldModel {
-            unlocked_absent_key: true,
+            key_lock: hold::KeyLock::RowOnly,
             ..HoldModel::default()
         });
         let path = checker

@@ -684,8 +684,13 @@ impl SagaService {
     /// (each finishes what it is in) and the first failure is returned.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServiceError> {
         // The broker first, as the service's clients will reach it: a refused password or certificate is
-        // one line naming the setting, not a consumer retrying for ever.
-        saga_runtime::kafka::probe(&self.kafka, "KAFKA_BROKERS").await?;
+        // one line naming the setting, not a consumer retrying for ever. Once: the consumer and the
+        // embedded relay do not check it again. A shutdown while it is checked stops the service.
+        tokio::pin!(shutdown);
+        tokio::select! {
+            checked = saga_runtime::kafka::probe(&self.kafka, "KAFKA_BROKERS") => checked?,
+            () = &mut shutdown => return Ok(()),
+        }
         // The topics next: a service that refuses to start leaves nothing behind (in WAL mode, a slot).
         if let Some((partitions, replication)) = self.create_topics {
             // The steps' topics, the retry topic and the dead-letter topic.
@@ -717,6 +722,7 @@ impl SagaService {
         self.ops.register(|r| health.register(r));
         self.ops.probe("outbox", true, move || health.is_writable());
         let mut consumer = self.consumer;
+        consumer.set_broker_checked();
         consumer.set_outbox(self.outbox.clone());
         // REDIS_URL turns the fast path on for the consumer (a service's HTTP layer is given its own).
         #[cfg(feature = "redis")]
@@ -742,7 +748,11 @@ impl SagaService {
             parts.spawn(async move {
                 (
                     "the relay".to_owned(),
-                    relay.run(relay_stop).await.map_err(Into::into),
+                    relay
+                        .broker_checked()
+                        .run(relay_stop)
+                        .await
+                        .map_err(Into::into),
                 )
             });
         }
@@ -760,7 +770,6 @@ impl SagaService {
             });
         }
 
-        tokio::pin!(shutdown);
         let mut first_error: Option<ServiceError> = None;
         let mut stopping = false;
         loop {

@@ -177,18 +177,31 @@ impl ConsumerArgs {
 
 /// Redis: where, and the namespace of the keys (feature `redis`).
 #[cfg(feature = "redis")]
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Clone, clap::Args)]
 #[group(id = "saga_redis")]
 #[non_exhaustive]
 pub struct RedisArgs {
     /// Turns the Redis fast path on: `redis://HOST:PORT/DB`.
-    #[arg(long = "redis-url", env = "REDIS_URL")]
+    #[arg(long = "redis-url", env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
     /// Prefix of every key (default: `saga:` and the cluster's system identifier, its current timeline, the
     /// database and the schema: deployments sharing a Redis differ, a copy restored or promoted gets a
     /// fresh one, and a service that sees its timeline change turns the fast path off until it restarts).
     #[arg(long = "redis-namespace", env = "REDIS_NAMESPACE")]
     pub namespace: Option<String>,
+}
+
+#[cfg(feature = "redis")]
+impl std::fmt::Debug for RedisArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisArgs")
+            .field(
+                "redis_url",
+                &self.redis_url.as_deref().map(saga_runtime::config::redact),
+            )
+            .field("namespace", &self.namespace)
+            .finish()
+    }
 }
 #[cfg(feature = "redis")]
 saga_runtime::settings_group!(RedisArgs);

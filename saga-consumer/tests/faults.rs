@@ -104,3 +104,79 @@ async fn failing_after_the_handler_keeps_a_transactional_step_once_and_catches_a
     assert_eq!(count("careless").await, 8);
     stop_service(stop, running).await;
 }
+
+/// A statement of the framework's that the schema refuses, whatever the message (here its crash-loop
+/// record, whose function an operator dropped: migrations behind the binary), is the operator's problem:
+/// the service stops with the reason; no message is dead-lettered for it and none is committed past.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_statement_the_schema_refuses_stops_the_service_naming_it_and_dead_letters_nothing() {
+    let db = TestDb::empty("faults-schema").await;
+    sqlx::query("CREATE TABLE careful (seq BIGSERIAL PRIMARY KEY, n BIGINT NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let kafka = TestKafka::new().await;
+    let topic = kafka.topic("faults-schema", 1).await;
+    let group = format!("{topic}-group");
+    dead_letter_and_retry_topics(&kafka, &group).await;
+    let orders: Topic<Placed> = Topic::new(&topic);
+    let service = SagaService::builder()
+        .brokers(&kafka.brokers)
+        .group_id(&group)
+        .pool(db.pool.clone())
+        .retry(quick_retries(1))
+        .step(step("careful", careful).on(&orders))
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(service.run(stop.clone().cancelled_owned()));
+    place_orders(&kafka, &topic, 1..=1).await;
+    let careful_rows = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM careful")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    wait_until("the first order's step done", WAIT, || async {
+        (careful_rows().await == 1).then_some(())
+    })
+    .await;
+    wait_until("its offset committed", WAIT, || async {
+        let committed = kafka.committed_offsets(&group, &topic).await;
+        (committed.get(&0) == Some(&1)).then_some(())
+    })
+    .await;
+
+    sqlx::query("DROP FUNCTION saga_consumer_begin_batch")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    place_orders(&kafka, &topic, 2..=3).await;
+    let ended = tokio::time::timeout(WAIT, running)
+        .await
+        .expect("the service stops by itself")
+        .unwrap();
+    let error = ended
+        .expect_err("the service stops with an error")
+        .to_string();
+    assert!(
+        error.contains("saga_consumer_begin_batch") || error.contains("42883"),
+        "the reason names the statement: {error}"
+    );
+    assert!(error.contains("migrations"), "and what to do: {error}");
+    assert_eq!(careful_rows().await, 1, "no later order ran");
+    assert_eq!(
+        kafka.committed_offsets(&group, &topic).await.get(&0),
+        Some(&1),
+        "nothing committed past the first order"
+    );
+    assert_eq!(
+        kafka
+            .end_offsets(&format!("{group}.dlq"))
+            .await
+            .values()
+            .sum::<i64>(),
+        0,
+        "nothing dead-lettered for the operator's problem"
+    );
+}

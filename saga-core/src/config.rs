@@ -60,8 +60,8 @@ impl KafkaConfig {
 }
 
 impl KafkaConfig {
-    /// Whether the librdkafka property `name` holds a secret (a password, a client secret, a private key
-    /// or a JAAS configuration): its value is never shown.
+    /// Whether the librdkafka property `name` holds a secret (a password or passphrase, a client secret, a
+    /// private key or a JAAS configuration): its value is never shown.
     pub fn is_secret(name: &str) -> bool {
         let name = name.to_ascii_lowercase();
         [
@@ -71,6 +71,8 @@ impl KafkaConfig {
             "ssl.key.pem",
             "keystore",
             "oauthbearer.config",
+            "passphrase",
+            "private.key",
         ]
         .iter()
         .any(|word| name.contains(word))
@@ -214,5 +216,37 @@ impl OutboxMode {
     )]
     pub fn from_env() -> Result<Self, ConfigProblem> {
         std::env::var("SAGA_OUTBOX_MODE").map_or(Ok(Self::Table), |v| Self::parse(&v))
+    }
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::KafkaConfig;
+
+    #[test]
+    fn every_property_that_holds_a_secret_is_kept_out_of_debug() {
+        let secrets = [
+            "sasl.password",
+            "ssl.key.password",
+            "ssl.key.pem",
+            "ssl.keystore.password",
+            "sasl.oauthbearer.client.secret",
+            "sasl.oauthbearer.config",
+            "sasl.oauthbearer.assertion.private.key.passphrase",
+            "sasl.oauthbearer.assertion.private.key.pem",
+            "sasl.jaas.config",
+        ];
+        let config = secrets
+            .iter()
+            .fold(KafkaConfig::new("broker:9093"), |c, name| {
+                c.with_property(*name, "canary-7f3")
+            })
+            .with_property("sasl.username", "svc");
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("canary-7f3"), "{shown}");
+        assert!(
+            shown.contains("svc"),
+            "what is not a secret is shown: {shown}"
+        );
     }
 }

@@ -188,22 +188,54 @@ pub fn printable_json(json: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// Zero-width and direction-changing format characters (Trojan Source's bidi overrides among them).
+/// Characters that show as nothing or as a plain space: zero-width and direction-changing format
+/// characters (Trojan Source's bidi overrides among them), spaces other than U+0020, fillers, variation
+/// selectors and tag characters. Two keys that differ only by one of them must not look the same.
 fn is_invisible_format(c: char) -> bool {
     matches!(
         c,
-        '\u{061c}'
-            | '\u{200b}'..='\u{200f}'
-            | '\u{202a}'..='\u{202e}'
-            | '\u{2060}'..='\u{2064}'
-            | '\u{2066}'..='\u{2069}'
+        '\u{00a0}'
+            | '\u{00ad}'
+            | '\u{034f}'
+            | '\u{061c}'
+            | '\u{115f}'
+            | '\u{1160}'
+            | '\u{180b}'..='\u{180f}'
+            | '\u{2000}'..='\u{200f}'
+            | '\u{2028}'..='\u{202f}'
+            | '\u{205f}'..='\u{2064}'
+            | '\u{2066}'..='\u{206f}'
+            | '\u{3000}'
+            | '\u{3164}'
+            | '\u{fe00}'..='\u{fe0f}'
             | '\u{feff}'
+            | '\u{ffa0}'
+            | '\u{fff9}'..='\u{fffb}'
+            | '\u{e0000}'..='\u{e007f}'
+            | '\u{e0100}'..='\u{e01ef}'
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_character_that_shows_as_nothing_or_a_space_is_escaped() {
+        for c in [
+            '\u{a0}',
+            '\u{ad}',
+            '\u{3164}',
+            '\u{fe0f}',
+            '\u{e0001}',
+            '\u{2028}',
+            '\u{202f}',
+        ] {
+            let key = format!("order-7{c}");
+            let shown = printable_bytes(key.as_bytes());
+            assert_eq!(shown, format!("order-7\\u{{{:x}}}", u32::from(c)), "{c:?}");
+        }
+    }
 
     #[test]
     fn printable_bytes_tells_every_two_keys_apart_and_leaves_plain_ones_as_they_are() {

@@ -12,7 +12,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureProducer;
 use saga_core::Headers;
 
-pub use crate::kafka_probe::probe;
+pub use crate::kafka_probe::{probe, refusal};
 pub use saga_core::KafkaConfig;
 
 /// The variable naming the brokers.

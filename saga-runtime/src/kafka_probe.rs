@@ -3,7 +3,8 @@
 //! listener are reported at once, as one line naming the setting (they do not mend themselves by waiting);
 //! a broker that does not answer is reported once the start-up timeout is up.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientContext;
@@ -17,7 +18,14 @@ use crate::kafka::{KafkaConfig, client_config};
 /// What the probe's client reported (its error events and its error log lines), as they came.
 #[derive(Default)]
 struct ProbeContext {
-    reasons: Mutex<Vec<String>>,
+    reasons: Mutex<Vec<Reason>>,
+}
+
+/// One report of the client, and when it came.
+#[derive(Clone, Debug)]
+struct Reason {
+    at: Instant,
+    text: String,
 }
 
 impl ProbeContext {
@@ -33,10 +41,13 @@ impl ProbeContext {
         self.reasons
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(text);
+            .push(Reason {
+                at: Instant::now(),
+                text,
+            });
     }
 
-    fn reasons(&self) -> Vec<String> {
+    fn reasons(&self) -> Vec<Reason> {
         self.reasons
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -82,8 +93,46 @@ const EVENTS_PER_ATTEMPT: usize = 256;
 /// Checks that a broker answers a metadata request at `config.brokers` within [`STARTUP_TIMEOUT`], with the
 /// configured security; `var` names the setting that chose the brokers. A client that the broker refuses
 /// (its credentials, its certificate, its protocol) is a [`ConfigProblem`] naming the setting to change, as
-/// soon as the client says so.
+/// soon as the client says so; so is a broker that does not answer in time. The check stops where the
+/// future is dropped (a shutdown racing it).
 pub async fn probe(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem> {
+    match attempt(config, var).await? {
+        Outcome::Answered | Outcome::Stopped => Ok(()),
+        Outcome::Refused(problem) => Err(problem),
+        Outcome::Unanswered(detail) => Err(unanswered(config, var, &detail)),
+    }
+}
+
+/// Like [`probe`], but a broker that does not answer is logged and waited out by the caller's clients:
+/// only a refusal (credentials, certificate, protocol) is a [`ConfigProblem`]. For what runs in a library
+/// whose documentation promises that an outage of the broker is never fatal.
+pub async fn refusal(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem> {
+    match attempt(config, var).await? {
+        Outcome::Answered | Outcome::Stopped => Ok(()),
+        Outcome::Refused(problem) => Err(problem),
+        Outcome::Unanswered(detail) => {
+            tracing::warn!(
+                brokers = %config.brokers,
+                detail = %shown(&detail),
+                "no Kafka broker answers yet; waiting for one"
+            );
+            Ok(())
+        }
+    }
+}
+
+/// Sets its flag when dropped: the probe's thread stops at its next attempt.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Asks for metadata until a broker answers, refuses the client, the start-up timeout passes or the
+/// caller's future is dropped.
+async fn attempt(config: &KafkaConfig, var: &str) -> Result<Outcome, ConfigProblem> {
     let client: BaseConsumer<ProbeContext> = client_config(config)
         // Informational lines and worse reach the context, which keeps what the diagnosis reads (the level
         // is set on the client after its properties: `log_level` would be overridden).
@@ -91,9 +140,14 @@ pub async fn probe(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem>
         .create_with_context(ProbeContext::default())
         .map_err(|e| creation_problem(&e, var))?;
     let checked = config.clone();
+    let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
+    let stopped = stop.0.clone();
     let outcome = tokio::task::spawn_blocking(move || {
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         loop {
+            if stopped.load(Ordering::Relaxed) {
+                return Outcome::Stopped;
+            }
             let attempt = client.fetch_metadata(None, ATTEMPT);
             if attempt.is_ok() {
                 return Outcome::Answered;
@@ -112,9 +166,9 @@ pub async fn probe(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem>
                 let detail = reasons
                     .iter()
                     .rev()
-                    .find(|r| !r.contains("brokers are down"))
+                    .find(|r| !r.text.contains("brokers are down"))
                     .or(reasons.last())
-                    .cloned()
+                    .map(|r| r.text.clone())
                     .or_else(|| attempt.err().map(|e| e.to_string()));
                 return Outcome::Unanswered(detail.unwrap_or_else(|| "no answer".to_owned()));
             }
@@ -122,11 +176,8 @@ pub async fn probe(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem>
     })
     .await
     .map_err(|e| unanswered(config, var, &e.to_string()))?;
-    match outcome {
-        Outcome::Answered => Ok(()),
-        Outcome::Refused(problem) => Err(problem),
-        Outcome::Unanswered(detail) => Err(unanswered(config, var, &detail)),
-    }
+    drop(stop);
+    Ok(outcome)
 }
 
 /// How the probe ended.
@@ -137,6 +188,8 @@ enum Outcome {
     Refused(ConfigProblem),
     /// Nothing answered within the start-up timeout: what the client said last.
     Unanswered(String),
+    /// The caller stopped waiting.
+    Stopped,
 }
 
 /// No broker answered at `config.brokers`, named by `var`.
@@ -179,98 +232,192 @@ fn creation_problem(error: &KafkaError, var: &str) -> ConfigProblem {
     ConfigProblem::new(setting, shown(&text), fix)
 }
 
-/// The setting a refusal names, what happened and what to do, from the client's reasons; `None` when they
-/// say nothing decisive yet (a broker that is starting may still answer).
-fn diagnose(reasons: &[String], config: &KafkaConfig) -> Option<ConfigProblem> {
-    refusal(reasons, config).or_else(|| closed_at_first_request(reasons, config))
-}
+/// How long a cause that a restarting broker could also produce must keep being reported before it is
+/// taken for the client's setting.
+const PERSISTENCE: Duration = Duration::from_secs(2);
 
-/// A listener that closes the connection at the client's first request, again and again, does not speak
-/// the client's protocol: a TLS listener reached in plaintext says nothing else (librdkafka's hint, "connecting
-/// to a SSL listener?", is gone from its newer versions).
-fn closed_at_first_request(reasons: &[String], config: &KafkaConfig) -> Option<ConfigProblem> {
-    let closed: Vec<&String> = reasons
+/// How many times such a cause must be reported, at least, within [`PERSISTENCE`] or more.
+const PERSISTENT_REPORTS: usize = 3;
+
+/// The setting a refusal names, what happened and what to do, from the client's reasons; `None` when they
+/// say nothing decisive yet (a broker that is starting may still answer). A cause only a client's setting
+/// produces is decisive at once; one that a broker restarting or a network dropping connections can also
+/// produce (a connection closed at the first request, a handshake cut short, a token endpoint that does
+/// not answer) only once it persisted.
+fn diagnose(reasons: &[Reason], config: &KafkaConfig) -> Option<ConfigProblem> {
+    let oauthbearer = config
+        .properties
         .iter()
-        .filter(|r| {
-            let r = r.to_ascii_lowercase();
-            r.contains("disconnected") && r.contains("state apiversion_query")
-        })
+        .rev()
+        .find(|(name, _)| name == "sasl.mechanism")
+        .is_some_and(|(_, value)| value.trim().eq_ignore_ascii_case("OAUTHBEARER"));
+    let causes: Vec<(&Reason, Cause)> = reasons
+        .iter()
+        .filter_map(|r| Cause::of(&r.text, oauthbearer).map(|c| (r, c)))
         .collect();
-    (closed.len() >= 2).then(|| {
-        ConfigProblem::new(
-            "KAFKA_SECURITY_PROTOCOL",
-            format!(
-                "the listener at {} closes the connection at the client's first request; it takes another \
-                 protocol, most likely TLS ({})",
-                config.brokers,
-                shown(closed[0])
-            ),
-            "set it to what the listener takes (ssl or sasl_ssl for a TLS listener)",
-        )
+    if let Some((reason, cause)) = causes.iter().find(|(_, c)| c.decisive()) {
+        return Some(cause.problem(&reason.text, &config.brokers));
+    }
+    causes.iter().find_map(|(first, cause)| {
+        let same: Vec<&Reason> = causes
+            .iter()
+            .filter(|(_, c)| c == cause)
+            .map(|(r, _)| *r)
+            .collect();
+        let last = same.last()?;
+        (same.len() >= PERSISTENT_REPORTS && last.at.duration_since(first.at) >= PERSISTENCE)
+            .then(|| cause.problem(&first.text, &config.brokers))
     })
 }
 
-/// A refusal one reason names for certain.
-fn refusal(reasons: &[String], config: &KafkaConfig) -> Option<ConfigProblem> {
-    let at = &config.brokers;
-    reasons.iter().find_map(|reason| {
-        let r = reason.to_ascii_lowercase();
-        let (setting, what, fix) = if r.contains("sasl authentication error")
-            || r.contains("authentication failed")
-            || r.contains("invalid credentials")
+/// What a client's report says about its settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// The broker refused the user name and password (decisive).
+    Credentials,
+    /// The broker refused the OAuth token (decisive).
+    Token,
+    /// The broker does not take the mechanism (decisive).
+    Mechanism,
+    /// The broker's certificate could not be verified (decisive).
+    BrokerCertificate,
+    /// The broker refused the client's certificate, or asked for one (decisive).
+    ClientCertificate,
+    /// The client's key could not be decrypted (decisive).
+    KeyPassword,
+    /// A plaintext client at a TLS or SASL listener: the connection closes at the first requests.
+    PlaintextAtSecured,
+    /// A TLS client at a plaintext listener.
+    TlsAtPlaintext,
+    /// A TLS handshake that failed without saying why.
+    Handshake,
+    /// librdkafka's OIDC client got no token from the endpoint.
+    NoToken,
+}
+
+impl Cause {
+    /// The cause one report names, if any; `oauthbearer` when the client authenticates by token.
+    fn of(text: &str, oauthbearer: bool) -> Option<Self> {
+        let r = text.to_ascii_lowercase();
+        let has = |words: &[&str]| words.iter().any(|w| r.contains(w));
+        Some(if has(&["failed to acquire sasl oauthbearer token"]) {
+            Self::NoToken
+        } else if has(&[
+            "sasl authentication error",
+            "authentication failed",
+            "invalid credentials",
+        ]) {
+            if oauthbearer {
+                Self::Token
+            } else {
+                Self::Credentials
+            }
+        } else if has(&["unsupported sasl mechanism"]) {
+            Self::Mechanism
+        } else if has(&["bad decrypt"]) {
+            Self::KeyPassword
+        } else if has(&[
+            "certificate required",
+            "peer did not return a certificate",
+            "alert unknown ca",
+            "alert bad certificate",
+            "alert certificate unknown",
+        ]) {
+            Self::ClientCertificate
+        } else if has(&["certificate verify failed", "could not be verified"]) {
+            Self::BrokerCertificate
+        } else if has(&[
+            "connecting to a plaintext",
+            "wrong version number",
+            "packet length too long",
+        ]) {
+            Self::TlsAtPlaintext
+        } else if has(&["connecting to a ssl listener", "might require sasl"])
+            || (r.contains("disconnected") && r.contains("state apiversion_query"))
         {
-            (
+            Self::PlaintextAtSecured
+        } else if has(&["ssl handshake failed"]) {
+            Self::Handshake
+        } else {
+            return None;
+        })
+    }
+
+    /// Whether only the client's settings produce it (else it must persist to count).
+    fn decisive(self) -> bool {
+        !matches!(
+            self,
+            Self::PlaintextAtSecured | Self::TlsAtPlaintext | Self::Handshake | Self::NoToken
+        )
+    }
+
+    /// The line naming the setting, with the report (`text`) as it came, for the brokers `at`.
+    fn problem(self, text: &str, at: &str) -> ConfigProblem {
+        let (setting, what, fix): (&str, String, &str) = match self {
+            Self::Credentials => (
                 "KAFKA_SASL_PASSWORD",
                 format!("the broker at {at} refused the SASL credentials"),
                 "check KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD (and KAFKA_SASL_MECHANISM)",
-            )
-        } else if r.contains("unsupported sasl mechanism") {
-            (
+            ),
+            Self::Token => (
+                "KAFKA_SASL_OAUTHBEARER_CLIENT_ID",
+                format!("the broker at {at} refused the OAuth token"),
+                "check the client id, its secret and KAFKA_SASL_OAUTHBEARER_SCOPE, and that the broker \
+                 trusts the token endpoint's issuer",
+            ),
+            Self::Mechanism => (
                 "KAFKA_SASL_MECHANISM",
                 format!("the broker at {at} does not take this SASL mechanism"),
                 "set it to one the broker lists",
-            )
-        } else if r.contains("certificate required")
-            || r.contains("peer did not return a certificate")
-        {
-            (
-                "KAFKA_SSL_CERTIFICATE_LOCATION",
-                format!("the broker at {at} asks for a client certificate (mutual TLS)"),
-                "set KAFKA_SSL_CERTIFICATE_LOCATION and KAFKA_SSL_KEY_LOCATION",
-            )
-        } else if r.contains("certificate verify failed") || r.contains("could not be verified") {
-            (
+            ),
+            Self::BrokerCertificate => (
                 "KAFKA_SSL_CA_LOCATION",
                 format!(
-                    "the certificate of the broker at {at} is not signed by a CA the client trusts"
+                    "the certificate of the broker at {at} could not be verified: its CA is not one the \
+                     client trusts, or it names another host, or it expired"
                 ),
-                "point KAFKA_SSL_CA_LOCATION at the CA that signed it",
-            )
-        } else if r.contains("connecting to a ssl listener")
-            || r.contains("connecting to a plaintext")
-            || r.contains("wrong version number")
-            || r.contains("packet length too long")
-        {
-            (
+                "point KAFKA_SSL_CA_LOCATION at the CA that signed it, and the brokers' addresses at the \
+                 names it holds",
+            ),
+            Self::ClientCertificate => (
+                "KAFKA_SSL_CERTIFICATE_LOCATION",
+                format!(
+                    "the broker at {at} refused the client certificate, or asks for one (mutual TLS)"
+                ),
+                "set KAFKA_SSL_CERTIFICATE_LOCATION and KAFKA_SSL_KEY_LOCATION to a certificate signed by \
+                 a CA the broker trusts",
+            ),
+            Self::KeyPassword => (
+                "KAFKA_SSL_KEY_PASSWORD",
+                "the client's private key could not be decrypted".to_owned(),
+                "check KAFKA_SSL_KEY_PASSWORD, the passphrase of KAFKA_SSL_KEY_LOCATION",
+            ),
+            Self::PlaintextAtSecured => (
                 "KAFKA_SECURITY_PROTOCOL",
-                format!("the client and the listener at {at} do not speak the same protocol"),
+                format!(
+                    "the listener at {at} keeps closing the connection at the client's first requests; it \
+                     takes another protocol, most likely TLS or SASL"
+                ),
                 "set it to what the listener takes (ssl or sasl_ssl for a TLS listener)",
-            )
-        } else if r.contains("ssl handshake failed") {
-            (
+            ),
+            Self::TlsAtPlaintext => (
+                "KAFKA_SECURITY_PROTOCOL",
+                format!("the listener at {at} does not speak TLS"),
+                "set it to what the listener takes (plaintext or sasl_plaintext)",
+            ),
+            Self::Handshake => (
                 "KAFKA_SSL_CA_LOCATION",
-                format!("the TLS handshake with the broker at {at} failed"),
+                format!("the TLS handshake with the broker at {at} keeps failing"),
                 "check KAFKA_SSL_CA_LOCATION, the client certificate and KAFKA_SECURITY_PROTOCOL",
-            )
-        } else {
-            return None;
+            ),
+            Self::NoToken => (
+                "KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",
+                "librdkafka's OIDC client gets no token from the endpoint".to_owned(),
+                "check the endpoint, KAFKA_SASL_OAUTHBEARER_CLIENT_ID and its secret",
+            ),
         };
-        Some(ConfigProblem::new(
-            setting,
-            format!("{what} ({})", shown(reason)),
-            fix,
-        ))
-    })
+        ConfigProblem::new(setting, format!("{what} ({})", shown(text)), fix)
+    }
 }
 
 /// A reason as a line may show it: what the broker or the client said is bounded and has no control
@@ -291,50 +438,109 @@ fn shown(reason: &str) -> String {
 mod tests {
     use super::*;
 
-    fn diagnosed(reason: &str) -> Option<String> {
-        diagnose(&[reason.to_owned()], &KafkaConfig::new("127.0.0.1:9093")).map(|p| p.setting)
+    /// The reports `texts`, `every` apart.
+    fn reports(texts: &[&str], every: Duration) -> Vec<Reason> {
+        let start = Instant::now();
+        (0u32..)
+            .zip(texts)
+            .map(|(i, text)| Reason {
+                at: start + every * i,
+                text: (*text).to_owned(),
+            })
+            .collect()
     }
 
+    fn diagnosed(texts: &[&str], every: Duration, config: &KafkaConfig) -> Option<String> {
+        diagnose(&reports(texts, every), config).map(|p| p.setting)
+    }
+
+    const VERIFY: &str = "ssl://127.0.0.1:9093/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed";
+    const TO_SSL: &str = "127.0.0.1:9093/bootstrap: Disconnected while requesting ApiVersion: might be caused by incorrect security.protocol configuration (connecting to a SSL listener?) or broker version is < 0.10 (see api.version.request)";
+    const CLOSED: &str = "127.0.0.1:9093/bootstrap: Disconnected: connection closed by peer: receive 0 after POLLIN (after 0ms in state APIVERSION_QUERY)";
+
     #[test]
-    fn each_refusal_names_its_setting() {
+    fn a_refusal_only_a_setting_makes_names_its_setting_at_once() {
+        let plain = KafkaConfig::new("127.0.0.1:9093");
         let cases = [
             (
                 "SASL authentication error: Authentication failed during authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512",
-                Some("KAFKA_SASL_PASSWORD"),
+                "KAFKA_SASL_PASSWORD",
             ),
-            (
-                "ssl://127.0.0.1:9093/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed",
-                Some("KAFKA_SSL_CA_LOCATION"),
-            ),
-            (
-                "127.0.0.1:9093/bootstrap: Disconnected while requesting ApiVersion: might be caused by incorrect security.protocol configuration (connecting to a SSL listener?) or broker version is < 0.10 (see api.version.request)",
-                Some("KAFKA_SECURITY_PROTOCOL"),
-            ),
+            (VERIFY, "KAFKA_SSL_CA_LOCATION"),
             (
                 "SSL handshake failed: error:0A00045C:SSL routines::tlsv13 alert certificate required",
-                Some("KAFKA_SSL_CERTIFICATE_LOCATION"),
+                "KAFKA_SSL_CERTIFICATE_LOCATION",
             ),
             (
-                "127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed: Connection refused",
-                None,
+                "SSL handshake failed: error:0A000418:SSL routines::tlsv1 alert unknown ca",
+                "KAFKA_SSL_CERTIFICATE_LOCATION",
+            ),
+            (
+                "ssl.key.location failed: error:1C800064:Provider routines::bad decrypt",
+                "KAFKA_SSL_KEY_PASSWORD",
+            ),
+            (
+                "Unsupported SASL mechanism: broker only supports PLAIN",
+                "KAFKA_SASL_MECHANISM",
             ),
         ];
         for (reason, setting) in cases {
-            assert_eq!(diagnosed(reason).as_deref(), setting, "{reason}");
+            assert_eq!(
+                diagnosed(&[reason], Duration::ZERO, &plain).as_deref(),
+                Some(setting),
+                "{reason}"
+            );
         }
+        let by_token =
+            KafkaConfig::new("127.0.0.1:9093").with_property("sasl.mechanism", "OAUTHBEARER");
+        assert_eq!(
+            diagnosed(&[cases[0].0], Duration::ZERO, &by_token).as_deref(),
+            Some("KAFKA_SASL_OAUTHBEARER_CLIENT_ID")
+        );
+        assert_eq!(
+            diagnosed(
+                &["127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed: Connection refused";
+                    9],
+                Duration::from_secs(1),
+                &plain
+            ),
+            None,
+            "a broker that is down is waited for"
+        );
     }
 
     #[test]
-    fn a_listener_closing_every_first_request_is_a_protocol_mismatch_one_close_is_not() {
-        let closed = "127.0.0.1:9093/bootstrap: Disconnected: connection closed by peer: receive 0 after \
-                      POLLIN (after 0ms in state APIVERSION_QUERY)";
+    fn what_a_restarting_broker_also_causes_counts_only_once_it_persisted() {
         let config = KafkaConfig::new("127.0.0.1:9093");
-        assert!(
-            diagnose(&[closed.to_owned()], &config).is_none(),
-            "a broker restarting"
+        for reason in [
+            TO_SSL,
+            CLOSED,
+            "127.0.0.1:9093/bootstrap: Disconnected: verify that security.protocol is correctly configured, broker might require SASL authentication",
+            "127.0.0.1:9092/bootstrap: SSL handshake failed: Disconnected: connecting to a PLAINTEXT broker listener?",
+            "127.0.0.1:9093/bootstrap: SSL handshake failed: error:0A000410:SSL routines::sslv3 alert handshake failure",
+            "Failed to acquire SASL OAUTHBEARER token: Failed to retrieve OIDC token from \"https://idp/token\": 503",
+        ] {
+            // A broker restarting: a few closes within a second.
+            assert_eq!(
+                diagnosed(&[reason; 4], Duration::from_millis(200), &config),
+                None,
+                "{reason}"
+            );
+            // Two reports far apart are not yet a pattern.
+            assert_eq!(
+                diagnosed(&[reason; 2], Duration::from_secs(5), &config),
+                None,
+                "{reason}"
+            );
+            assert!(
+                diagnosed(&[reason; 4], Duration::from_secs(1), &config).is_some(),
+                "{reason}"
+            );
+        }
+        assert_eq!(
+            diagnosed(&[TO_SSL; 4], Duration::from_secs(1), &config).as_deref(),
+            Some("KAFKA_SECURITY_PROTOCOL")
         );
-        let twice = diagnose(&[closed.to_owned(), closed.to_owned()], &config).unwrap();
-        assert_eq!(twice.setting, "KAFKA_SECURITY_PROTOCOL", "{twice}");
     }
 
     #[test]

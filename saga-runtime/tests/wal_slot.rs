@@ -387,6 +387,53 @@ async fn a_check_of_the_slot_that_does_not_answer_stops_the_writers_until_one_do
     write(&db.pool, &opened, &[event("after")]).await.unwrap();
 }
 
+/// A check the database refuses, again and again (here the slot's record table was renamed away; a
+/// revoked privilege or a connection that cannot be opened does the same), stops the writers once no check
+/// has answered for the deadline, and they go on once one answers.
+#[tokio::test]
+async fn a_check_of_the_slot_the_database_keeps_refusing_stops_the_writers_until_one_answers() {
+    let db = TestDb::new("wal-slot-refused").await;
+    let opened = outbox::open(
+        &db.pool,
+        wal::OutboxMode::Wal,
+        outbox::DEFAULT_MAX_TRANSACTION_BYTES,
+        Duration::from_millis(100),
+    )
+    .await
+    .unwrap();
+    write(&db.pool, &opened, &[event("before")]).await.unwrap();
+    sqlx::query("ALTER TABLE saga_outbox_wal_slot RENAME TO saga_outbox_wal_slot_away")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let refused = Instant::now();
+    let deadline = refused + wal::monitor::CHECK_DEADLINE + Duration::from_secs(5);
+    while opened.health().is_writable() {
+        assert!(
+            Instant::now() < deadline,
+            "checks the database refuses left the outbox writable"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        refused.elapsed() >= wal::monitor::CHECK_DEADLINE / 2,
+        "stopped once no check answered for the deadline, not at the first refusal"
+    );
+    let problem = opened.health().problem().unwrap_or_default();
+    assert!(problem.contains("could not be checked"), "{problem}");
+    assert!(write(&db.pool, &opened, &[event("during")]).await.is_err());
+    sqlx::query("ALTER TABLE saga_outbox_wal_slot_away RENAME TO saga_outbox_wal_slot")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + wal::monitor::CHECK_DEADLINE + Duration::from_secs(5);
+    while !opened.health().is_writable() {
+        assert!(Instant::now() < deadline, "the writers never went on");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    write(&db.pool, &opened, &[event("after")]).await.unwrap();
+}
+
 /// An event holding a NUL character where the outbox keeps text is refused at write, in the log's mode as
 /// in the table's: never written to fail where the relay parks it.
 #[tokio::test]

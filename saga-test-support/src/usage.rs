@@ -180,6 +180,19 @@ pub async fn expect_help_hides_secrets(path: &str, args: &[&str]) {
         .env("KAFKA_SASL_PASSWORD", LEAK_CANARY)
         .env("KAFKA_SSL_KEY_PASSWORD", LEAK_CANARY)
         .env("KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET", LEAK_CANARY)
+        // The URLs' passwords too, where a program takes them.
+        .env(
+            "DATABASE_URL",
+            format!("postgres://svc:{LEAK_CANARY}@db.internal/sagas"),
+        )
+        .env(
+            "SAGA_REPLICATION_URL",
+            format!("postgres://repl:{LEAK_CANARY}@db.internal/sagas"),
+        )
+        .env(
+            "REDIS_URL",
+            format!("redis://:{LEAK_CANARY}@cache.internal"),
+        )
         .output()
         .await
         .expect("starting the binary");

@@ -1,22 +1,29 @@
 //! What a failed statement of the framework means for the work it was part of: the database is unavailable
 //! (waited out, without a budget: invariant 9), the statement may pass when run again (retried with a
-//! budget), or it will fail again with the same data (the message's problem: it is dead-lettered with the
-//! reason, and its partition goes on).
+//! budget), the schema or the role is not what the framework needs (the operator's problem: the consumer
+//! stops with the reason), or it will fail again with the same data (the message's problem: it is
+//! dead-lettered with the reason, and its partition goes on).
 
 /// What a failed statement of the framework means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DbFault {
-    /// The database cannot take statements now ([`saga_core::StepError::is_connection_error`]): waited out
-    /// without spending a budget; the connection that reported it is closed.
+    /// The database cannot take statements now: a lost or refused connection, a server shutting down or
+    /// starting ([`saga_core::StepError::is_connection_error`]), resources it lacks (class 53: a full disk,
+    /// memory), a system or I/O error (class 58), a corrupted page (XX001, XX002). Waited out without
+    /// spending a budget; the connection that reported it is closed.
     Unavailable,
     /// May pass when run again unchanged: a serialization failure or deadlock (class 40), a lock not
-    /// available (55P03), a statement cancelled (57014), resources short for a moment (class 53 but
-    /// 53300, class 58, XX000). Retried with a budget, then taken as [`DbFault::Refused`].
+    /// available (55P03), a statement cancelled (57014), an internal error (XX000). Retried with a budget,
+    /// then taken as [`DbFault::Refused`].
     Transient,
+    /// The schema or the role is not what the framework needs, whatever the message: a table, column or
+    /// function missing or changed (class 42: migrations behind the binary), a privilege revoked (42501),
+    /// a database or schema gone (3D000, 3F000). The operator's problem: the consumer stops with the
+    /// reason, and no message is dead-lettered for it.
+    Operator,
     /// Fails again with the same data: a value the column refuses (class 22: a NUL in text), a constraint
-    /// (23), a statement this schema cannot run (42), a key too large for its index (54000), a row that does
-    /// not decode. The message's problem.
+    /// (23), a key too large for its index (54000), a row that does not decode. The message's problem.
     Refused,
 }
 
@@ -25,18 +32,14 @@ pub fn classify(error: &sqlx::Error) -> DbFault {
     if saga_core::StepError::is_connection_error(error) {
         return DbFault::Unavailable;
     }
-    match error {
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            Some(code)
-                if code.starts_with("40")
-                    || code.starts_with("53")
-                    || code.starts_with("58")
-                    || matches!(code, "55P03" | "57014" | "XX000") =>
-            {
-                DbFault::Transient
-            }
-            _ => DbFault::Refused,
-        },
+    let Some(code) = error.as_database_error().and_then(|db| db.code()) else {
+        return DbFault::Refused;
+    };
+    let class = code.get(..2).unwrap_or_default();
+    match (class, code.as_ref()) {
+        ("53" | "58", _) | (_, "XX001" | "XX002") => DbFault::Unavailable,
+        ("40", _) | (_, "55P03" | "57014" | "XX000") => DbFault::Transient,
+        ("42", _) | (_, "3D000" | "3F000") => DbFault::Operator,
         _ => DbFault::Refused,
     }
 }
@@ -97,15 +100,20 @@ mod tests {
     }
 
     #[test]
-    fn only_an_unavailable_database_is_unavailable_and_only_a_passing_failure_is_transient() {
-        for code in ["08006", "57P01", "57P03", "25006", "53300"] {
+    fn only_an_unavailable_database_is_waited_out_and_only_a_passing_failure_is_transient() {
+        for code in [
+            "08006", "57P01", "57P03", "25006", "53300", "53100", "53200", "58030", "XX001",
+        ] {
             assert_eq!(classify(&coded(code)), DbFault::Unavailable, "{code}");
         }
         assert_eq!(classify(&sqlx::Error::PoolTimedOut), DbFault::Unavailable);
-        for code in ["40P01", "40001", "55P03", "57014", "53200"] {
+        for code in ["40P01", "40001", "55P03", "57014", "XX000"] {
             assert_eq!(classify(&coded(code)), DbFault::Transient, "{code}");
         }
-        for code in ["22021", "54000", "23505", "42703", "42P01"] {
+        for code in ["42501", "42703", "42P01", "42883", "3F000"] {
+            assert_eq!(classify(&coded(code)), DbFault::Operator, "{code}");
+        }
+        for code in ["22021", "54000", "23505", "22P05"] {
             assert_eq!(classify(&coded(code)), DbFault::Refused, "{code}");
         }
         assert_eq!(classify(&sqlx::Error::RowNotFound), DbFault::Refused);

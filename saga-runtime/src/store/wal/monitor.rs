@@ -8,7 +8,7 @@
 //! HTTP entry points answer 503), readiness fails, `saga_outbox_writable` drops to 0, and the schema
 //! records the loss (`lost_at`), which only `saga outbox wal recover` clears.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
@@ -44,9 +44,8 @@ fn problem(state: &SlotState, slot: &str) -> Option<String> {
 }
 
 /// Checks the current schema's slot once and sets `health` from it (writable again once it is healthy,
-/// whatever stopped the writers before); records a loss in the schema. Database errors leave `health` as
-/// it was (an unavailable database stops writers by itself); a check that does not answer in time does not
-/// (see [`spawn`]).
+/// whatever stopped the writers before); records a loss in the schema. A database error leaves `health`
+/// as it was; [`spawn`] stops the writers once no check has answered for its deadline.
 pub async fn check(
     conn: &mut sqlx::PgConnection,
     slot: &str,
@@ -67,14 +66,17 @@ pub async fn check(
     Ok(())
 }
 
-/// Checks `slot` every `every` (see [`check`]) on a connection of its own (a busy pool must not delay it),
-/// each check within [`CHECK_DEADLINE`] (or `every`, if longer), until the last clone of `health` is
-/// dropped.
+/// Checks `slot` every `every` (see [`check`]) on a connection of its own, opened with the pool's options
+/// but outside it (a busy pool must not delay it), each check within [`CHECK_DEADLINE`] (or `every`, if
+/// longer), until the last clone of `health` is dropped. Once no check has answered for that long, whatever
+/// the reason (a check that hangs, one the database refuses, a connection that cannot be opened), the
+/// outbox is unwritable until one answers.
 pub fn spawn(pool: PgPool, slot: String, health: &OutboxHealth, every: Duration) -> JoinHandle<()> {
     let weak = health.downgrade();
     let deadline = CHECK_DEADLINE.max(every);
     tokio::spawn(async move {
         let mut conn: Option<sqlx::PgConnection> = None;
+        let mut answered = Instant::now();
         loop {
             tokio::time::sleep(every).await;
             let Some(health) = OutboxHealth::upgrade(&weak) else {
@@ -86,28 +88,34 @@ pub fn spawn(pool: PgPool, slot: String, health: &OutboxHealth, every: Duration)
             let checked = tokio::time::timeout(deadline, async {
                 let c = match conn.as_mut() {
                     Some(c) => c,
-                    None => conn.insert(pool.acquire().await?.detach()),
+                    None => conn.insert(
+                        sqlx::ConnectOptions::connect(pool.connect_options().as_ref()).await?,
+                    ),
                 };
                 check(c, &slot, &health).await
             })
             .await;
-            match checked {
-                Ok(Ok(())) => {}
-                // An unavailable database stops the writers by itself.
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "cannot check the WAL outbox's slot");
-                    conn = None;
+            let why = match checked {
+                Ok(Ok(())) => {
+                    answered = Instant::now();
+                    continue;
                 }
-                Err(_) => {
-                    // Dropped, not closed: a connection that does not answer would block its close too.
-                    conn = None;
-                    let problem = format!(
-                        "the WAL outbox's slot {slot} could not be checked within {deadline:?} (the database \
-                         does not answer): writers stop until a check answers"
-                    );
-                    if health.set(Some(problem)) {
-                        tracing::error!(%slot, "the outbox is not writable: its slot cannot be checked");
-                    }
+                Ok(Err(e)) => {
+                    tracing::warn!(%slot, error = %e, "cannot check the WAL outbox's slot");
+                    e.to_string()
+                }
+                Err(_) => format!("the database does not answer within {deadline:?}"),
+            };
+            // Dropped, not closed: a connection that does not answer would block its close too.
+            conn = None;
+            if answered.elapsed() >= deadline {
+                let problem = format!(
+                    "the WAL outbox's slot {slot} could not be checked for {:?} ({why}): writers stop until \
+                     a check answers",
+                    answered.elapsed()
+                );
+                if health.set(Some(problem)) {
+                    tracing::error!(%slot, "the outbox is not writable: its slot cannot be checked");
                 }
             }
         }
