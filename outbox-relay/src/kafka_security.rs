@@ -656,6 +656,10 @@ mod tests {
     fn a_file_that_cannot_be_read_or_an_unknown_protocol_is_refused_naming_its_variable() {
         let problem = args(&[("KAFKA_SSL_CA_LOCATION", "/no/such/ca.pem")]).unwrap_err();
         assert_eq!(problem.setting, "KAFKA_SSL_CA_LOCATION", "{problem}");
+        assert!(
+            problem.to_string().contains("cannot read /no/such/ca.pem"),
+            "the reason stays: {problem}"
+        );
         let problem = args(&[("KAFKA_SECURITY_PROTOCOL", "tls")]).unwrap_err();
         assert_eq!(problem.setting, "KAFKA_SECURITY_PROTOCOL", "{problem}");
     }

@@ -36,7 +36,9 @@ impl KafkaConfig {
 
     /// From the environment: `KAFKA_BROKERS` (required: a missing one is a [`ConfigProblem`], never a
     /// silent default), and every `KAFKA_PROPERTY_*` variable as a librdkafka property
-    /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`).
+    /// (`KAFKA_PROPERTY_SECURITY_PROTOCOL=ssl` sets `security.protocol`). It does not read the security
+    /// settings (`KAFKA_SECURITY_PROTOCOL`, `KAFKA_SASL_*`, `KAFKA_SSL_*`) nor check them together: a
+    /// service reads those with `outbox_relay::KafkaArgs::from_env()?.config()`.
     pub fn from_env() -> Result<Self, ConfigProblem> {
         Self::with_env_properties(std::env::var(BROKERS_VAR).ok())
     }

@@ -67,13 +67,45 @@ pub async fn connect_postgres(
         })
         .connect_with(options)
         .await
-        .map_err(|e| {
-            ConfigProblem::new(
-                url_var,
-                format!("PostgreSQL at {} does not answer ({e})", redact(url)),
-                format!("start PostgreSQL or point {url_var} at a running server"),
-            )
-        })
+        .map_err(|e| connection_problem(url_var, url, &e))
+}
+
+/// The line for a pool that could not connect: a refusal the URL must fix (its TLS, its credentials) named
+/// as such, else a server that does not answer.
+fn connection_problem(url_var: &str, url: &str, error: &sqlx::Error) -> ConfigProblem {
+    let text = without_password(&error.to_string(), url);
+    let code = error.as_database_error().and_then(|d| d.code());
+    // sqlx reports a handshake the server's certificate failed as an I/O error ("invalid peer
+    // certificate: UnknownIssuer").
+    let tls = matches!(error, sqlx::Error::Tls(_))
+        || (matches!(error, sqlx::Error::Io(_))
+            && ["certificate", "TLS", "handshake", "received fatal alert"]
+                .iter()
+                .any(|w| text.contains(w)));
+    let (what, fix) = if tls {
+        (
+            "refuses the connection's TLS",
+            format!(
+                "check {url_var}'s sslmode and sslrootcert (the CA that signed the server's certificate), \
+                 and that the host is a name the certificate holds"
+            ),
+        )
+    } else if matches!(code.as_deref(), Some("28000" | "28P01")) {
+        (
+            "refuses the credentials",
+            format!("check {url_var}'s user and password, and the server's pg_hba.conf"),
+        )
+    } else {
+        (
+            "does not answer",
+            format!("start PostgreSQL or point {url_var} at a running server"),
+        )
+    };
+    ConfigProblem::new(
+        url_var,
+        format!("PostgreSQL at {} {what} ({text})", redact(url)),
+        fix,
+    )
 }
 
 /// Checks that the pool's schema (the first of its `search_path`, chosen by the setting `schema_var`) exists;
@@ -210,6 +242,31 @@ fn password_parameter(url: &str) -> Option<(usize, &str, &str)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_tls_refusal_is_named_as_one_and_keeps_the_password_out() {
+        // The system's roots did not sign the local server's certificate (scripts/dev-services makes it).
+        let roots = "/etc/ssl/certs/ca-certificates.crt";
+        if !std::path::Path::new(roots).exists() {
+            eprintln!("skipped: no {roots}");
+            return;
+        }
+        let url = format!(
+            "postgres://svc:hunter2@127.0.0.1:5432/test?sslmode=verify-full&sslrootcert={roots}"
+        );
+        let url = url.as_str();
+        let problem = connect_postgres("DATABASE_URL", url, None, 1)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(problem.starts_with("DATABASE_URL"), "{problem}");
+        assert!(
+            problem.contains("refuses the connection's TLS"),
+            "{problem}"
+        );
+        assert!(problem.contains("sslrootcert"), "{problem}");
+        assert!(!problem.contains("hunter2"), "{problem}");
+    }
 
     #[tokio::test]
     async fn a_url_that_does_not_parse_is_named_without_its_password() {

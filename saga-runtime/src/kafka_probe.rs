@@ -161,6 +161,9 @@ async fn attempt(config: &KafkaConfig, var: &str) -> Result<Outcome, ConfigProbl
                 return Outcome::Refused(problem);
             }
             if Instant::now() >= deadline {
+                if let Some(problem) = diagnose_at_timeout(&reasons, &checked) {
+                    return Outcome::Refused(problem);
+                }
                 // What the client said last of a broker (not only that they are down), or the request's
                 // own error.
                 let detail = reasons
@@ -236,8 +239,18 @@ fn creation_problem(error: &KafkaError, var: &str) -> ConfigProblem {
 /// taken for the client's setting.
 const PERSISTENCE: Duration = Duration::from_secs(2);
 
-/// How many times such a cause must be reported, at least, within [`PERSISTENCE`] or more.
+/// How many times such a cause must be reported, at least, within [`PERSISTENCE`] or more (a report that
+/// says librdkafka suppressed identical ones counts them too).
 const PERSISTENT_REPORTS: usize = 3;
+
+/// How many times a report stands for: itself, and the identical ones librdkafka says it suppressed
+/// (`…, 2 identical error(s) suppressed)`).
+fn weight(text: &str) -> usize {
+    text.split_once(" identical error(s) suppressed")
+        .and_then(|(before, _)| before.rsplit([' ', '(']).next())
+        .and_then(|n| n.parse::<usize>().ok())
+        .map_or(1, |n| n.saturating_add(1))
+}
 
 /// The setting a refusal names, what happened and what to do, from the client's reasons; `None` when they
 /// say nothing decisive yet (a broker that is starting may still answer). A cause only a client's setting
@@ -258,6 +271,16 @@ fn diagnose(reasons: &[Reason], config: &KafkaConfig) -> Option<ConfigProblem> {
     if let Some((reason, cause)) = causes.iter().find(|(_, c)| c.decisive()) {
         return Some(cause.problem(&reason.text, &config.brokers));
     }
+    persistent(&causes, PERSISTENT_REPORTS, PERSISTENCE)
+        .map(|(reason, cause)| cause.problem(&reason.text, &config.brokers))
+}
+
+/// The first cause reported at least `reports` times (suppressed ones counted) over at least `span`.
+fn persistent<'a>(
+    causes: &[(&'a Reason, Cause)],
+    reports: usize,
+    span: Duration,
+) -> Option<(&'a Reason, Cause)> {
     causes.iter().find_map(|(first, cause)| {
         let same: Vec<&Reason> = causes
             .iter()
@@ -265,9 +288,20 @@ fn diagnose(reasons: &[Reason], config: &KafkaConfig) -> Option<ConfigProblem> {
             .map(|(r, _)| *r)
             .collect();
         let last = same.last()?;
-        (same.len() >= PERSISTENT_REPORTS && last.at.duration_since(first.at) >= PERSISTENCE)
-            .then(|| cause.problem(&first.text, &config.brokers))
+        let count: usize = same.iter().map(|r| weight(&r.text)).sum();
+        (count >= reports && last.at.duration_since(first.at) >= span).then_some((*first, *cause))
     })
+}
+
+/// At the start-up timeout: a cause a restarting broker could also produce, reported twice or more in all
+/// that time with no answer between, is taken for the setting rather than for a broker that is down.
+fn diagnose_at_timeout(reasons: &[Reason], config: &KafkaConfig) -> Option<ConfigProblem> {
+    let causes: Vec<(&Reason, Cause)> = reasons
+        .iter()
+        .filter_map(|r| Cause::of(&r.text, false).map(|c| (r, c)))
+        .collect();
+    persistent(&causes, 2, Duration::ZERO)
+        .map(|(reason, cause)| cause.problem(&reason.text, &config.brokers))
 }
 
 /// What a client's report says about its settings.
@@ -541,6 +575,18 @@ mod tests {
             diagnosed(&[TO_SSL; 4], Duration::from_secs(1), &config).as_deref(),
             Some("KAFKA_SECURITY_PROTOCOL")
         );
+        // librdkafka folds identical reports into one that says how many it suppressed.
+        let folded = "127.0.0.1:9093/bootstrap: Disconnected: connection closed by peer: receive 0 after POLLIN (after 0ms in state APIVERSION_QUERY, 1 identical error(s) suppressed)";
+        assert_eq!(weight(folded), 2);
+        assert_eq!(
+            diagnosed(&[CLOSED, folded], Duration::from_secs(3), &config).as_deref(),
+            Some("KAFKA_SECURITY_PROTOCOL")
+        );
+        // At the start-up timeout, twice in all that time is enough.
+        assert!(
+            diagnose_at_timeout(&reports(&[CLOSED, CLOSED], Duration::ZERO), &config).is_some()
+        );
+        assert!(diagnose_at_timeout(&reports(&[CLOSED], Duration::ZERO), &config).is_none());
     }
 
     #[test]

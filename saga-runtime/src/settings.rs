@@ -92,15 +92,22 @@ fn problem(
         .trim_start_matches("error: ")
         .to_owned();
     match found {
-        Some((_, env)) => ConfigProblem::new(
-            env.clone(),
-            format!(
-                "{:?} does not parse ({})",
-                get(env).unwrap_or_default(),
-                reason.split(" for '").next().unwrap_or(&reason)
-            ),
-            "fix its value",
-        ),
+        Some((_, env)) => {
+            // clap's "invalid value 'x' for '--flag <X>': why": the flag is the variable here; the why stays.
+            let what = reason.split(" for '").next().unwrap_or(&reason);
+            let why = reason
+                .split_once("': ")
+                .map(|(_, why)| format!(": {why}"))
+                .unwrap_or_default();
+            ConfigProblem::new(
+                env.clone(),
+                format!(
+                    "{:?} does not parse ({what}{why})",
+                    get(env).unwrap_or_default()
+                ),
+                "fix its value",
+            )
+        }
         None => ConfigProblem::new("settings", reason, "fix the settings"),
     }
 }

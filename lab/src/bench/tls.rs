@@ -38,6 +38,18 @@ pub fn with_sslmode(url: &str, mode: &str) -> String {
     format!("{base}?{}", pairs.join("&"))
 }
 
+/// `url`, with `sslmode` set to `mode` unless it names one already.
+pub fn with_default_sslmode(url: &str, mode: &str) -> String {
+    let named = url
+        .split_once('?')
+        .is_some_and(|(_, query)| query.split('&').any(|p| p.starts_with("sslmode=")));
+    if named {
+        url.to_owned()
+    } else {
+        with_sslmode(url, mode)
+    }
+}
+
 /// Whether `pool`'s connections are over TLS, as the server sees them.
 pub async fn over_tls(pool: &PgPool) -> anyhow::Result<bool> {
     Ok(
@@ -108,6 +120,18 @@ pub async fn figures(
 #[cfg(test)]
 mod tests {
     use super::with_sslmode;
+
+    #[test]
+    fn a_default_sslmode_leaves_one_the_url_names() {
+        assert_eq!(
+            super::with_default_sslmode("postgres://u@h/db", "disable"),
+            "postgres://u@h/db?sslmode=disable"
+        );
+        assert_eq!(
+            super::with_default_sslmode("postgres://u@h/db?sslmode=require", "disable"),
+            "postgres://u@h/db?sslmode=require"
+        );
+    }
 
     #[test]
     fn sslmode_is_set_once() {

@@ -148,7 +148,10 @@ fn parse_outbox_mode(text: &str) -> Result<OutboxMode, String> {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let cli: Cli = saga_runtime::cli::parse();
+    let mut cli: Cli = saga_runtime::cli::parse();
+    // Plaintext unless the URL says otherwise: the figures compare with earlier runs', taken before the
+    // pool preferred TLS (the `consumer-tls` section measures TLS beside it).
+    cli.database_url = saga_lab::bench::tls::with_default_sslmode(&cli.database_url, "disable");
     saga_runtime::cli::exit_code(run(cli).await)
 }
 
@@ -332,7 +335,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     if section("consumer-tls") {
-        report.consumer_tls = Some(tls_figures(&cli, &args, &mut schemas, &progress).await?);
+        let require = saga_lab::bench::tls::with_sslmode(&cli.database_url, "require");
+        match sqlx::PgPool::connect(&require).await {
+            Ok(pool) => {
+                pool.close().await;
+                report.consumer_tls = Some(tls_figures(&cli, &args, &mut schemas, &progress).await?);
+            }
+            Err(e) => progress.note(&format!(
+                "consumer-tls skipped: the server refuses sslmode=require ({e}); scripts/dev-services \
+                 gives the local PostgreSQL a certificate"
+            )),
+        }
     }
     if section("relay") {
         let topic = format!("{run}.relay");
