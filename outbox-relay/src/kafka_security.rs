@@ -155,20 +155,22 @@ struct Effective<'a> {
 
 impl<'a> Effective<'a> {
     fn new(security: &Security<'_>, hatch: &'a [(String, String)]) -> Self {
-        let last = |property: &str| {
+        // A property under any of librdkafka's names for it (`sasl.mechanisms` is its first name,
+        // `sasl.mechanism` an alias): the last one set wins.
+        let last = |aliases: &[&str]| {
             hatch
                 .iter()
                 .rev()
-                .find(|(name, _)| name == property)
+                .find(|(name, _)| aliases.contains(&name.as_str()))
                 .map(|(_, value)| value.trim())
         };
-        let protocol = match last("security.protocol") {
+        let protocol = match last(&["security.protocol"]) {
             // An unknown protocol is librdkafka's to refuse; the settings' checks read it as unset.
             Some(value) => SecurityProtocol::parse(value).or(security.protocol),
             None => security.protocol,
         }
         .unwrap_or(SecurityProtocol::Plaintext);
-        let mechanism = match last("sasl.mechanism") {
+        let mechanism = match last(&["sasl.mechanism", "sasl.mechanisms"]) {
             Some(value) => Some(
                 <SaslMechanism as clap::ValueEnum>::from_str(value, true)
                     .map_or(Mechanism::Other, Mechanism::Known),
@@ -348,13 +350,22 @@ impl Security<'_> {
     /// OAUTHBEARER through librdkafka's OIDC client needs its endpoint and client credentials (unless the
     /// escape hatch chose librdkafka's other token source, `sasl.oauthbearer.method=default`).
     fn check_oidc(&self, e: &Effective<'_>) -> Result<(), ConfigProblem> {
-        let default_method = e
-            .hatch
-            .iter()
-            .rev()
-            .find(|(n, _)| n == "sasl.oauthbearer.method")
-            .is_some_and(|(_, v)| v.trim().eq_ignore_ascii_case("default"));
-        if default_method {
+        let hatch = |property: &str| {
+            e.hatch
+                .iter()
+                .rev()
+                .find(|(n, _)| n == property)
+                .map(|(_, v)| v.trim())
+        };
+        // librdkafka's other token sources need no client secret: its default (unsecured) tokens, the JWT
+        // bearer grant (a signed assertion), and Azure's instance metadata service.
+        let default_method =
+            hatch("sasl.oauthbearer.method").is_some_and(|v| v.eq_ignore_ascii_case("default"));
+        let other_grant = hatch("sasl.oauthbearer.grant.type")
+            .is_some_and(|v| !v.eq_ignore_ascii_case("client_credentials"));
+        let metadata_service = hatch("sasl.oauthbearer.metadata.authentication.type")
+            .is_some_and(|v| !v.eq_ignore_ascii_case("none"));
+        if default_method || other_grant || metadata_service {
             return Ok(());
         }
         let oidc = [
@@ -536,6 +547,27 @@ mod tests {
         ])
         .secure(hatch(&[("security.protocol", "sasl_ssl")]))
         .unwrap();
+        // librdkafka's first name for the mechanism, as Confluent's client snippets write it.
+        settings(&[])
+            .secure(hatch(&[
+                ("security.protocol", "SASL_SSL"),
+                ("sasl.mechanisms", "PLAIN"),
+                ("sasl.username", "svc"),
+                ("sasl.password", CANARY),
+            ]))
+            .unwrap();
+        // OAUTHBEARER with a grant that needs no client secret.
+        settings(&[])
+            .secure(hatch(&[
+                ("security.protocol", "sasl_ssl"),
+                ("sasl.mechanism", "OAUTHBEARER"),
+                ("sasl.oauthbearer.method", "oidc"),
+                (
+                    "sasl.oauthbearer.grant.type",
+                    "urn:ietf:params:oauth:grant-type:jwt-bearer",
+                ),
+            ]))
+            .unwrap();
         // A mechanism only the hatch can name is librdkafka's to check.
         settings(&[])
             .secure(hatch(&[

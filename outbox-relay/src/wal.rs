@@ -134,15 +134,18 @@ fn replication_tls_with(
     query: &HashMap<String, String>,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<TlsConfig, String> {
-    let value = |name: &str, var: &str| {
-        query
-            .get(name)
-            .cloned()
+    // The URL's parameter under any name the pool reads (sqlx takes `ssl-mode` and the like too), else the
+    // variable.
+    let value = |names: &[&str], var: &str| {
+        names
+            .iter()
+            .find_map(|name| query.get(*name).cloned())
             .or_else(|| env(var).filter(|v| !v.is_empty()))
     };
-    let path = |name: &str, var: &str| value(name, var).map(std::path::PathBuf::from);
-    let root = path("sslrootcert", "PGSSLROOTCERT");
-    let mut tls = match value("sslmode", "PGSSLMODE").as_deref() {
+    let path = |names: &[&str], var: &str| value(names, var).map(std::path::PathBuf::from);
+    let root = path(&["sslrootcert", "ssl-root-cert", "ssl-ca"], "PGSSLROOTCERT");
+    let mode = value(&["sslmode", "ssl-mode"], "PGSSLMODE").map(|m| m.to_ascii_lowercase());
+    let mut tls = match mode.as_deref() {
         None | Some("prefer") => TlsConfig {
             mode: pgwire_replication::SslMode::Prefer,
             ..TlsConfig::default()
@@ -159,8 +162,8 @@ fn replication_tls_with(
             ));
         }
     };
-    tls.client_cert_pem_path = path("sslcert", "PGSSLCERT");
-    tls.client_key_pem_path = path("sslkey", "PGSSLKEY");
+    tls.client_cert_pem_path = path(&["sslcert", "ssl-cert"], "PGSSLCERT");
+    tls.client_key_pem_path = path(&["sslkey", "ssl-key"], "PGSSLKEY");
     Ok(tls)
 }
 
@@ -1040,6 +1043,23 @@ mod tests {
         )
         .unwrap();
         assert_eq!(url_first.mode, pgwire_replication::SslMode::Require);
+        let aliased = replication_tls_with(
+            &query(&[
+                ("ssl-mode", "VERIFY-FULL"),
+                ("ssl-root-cert", "/alias-ca.pem"),
+            ]),
+            |_| None,
+        )
+        .unwrap();
+        assert_eq!(
+            aliased.mode,
+            pgwire_replication::SslMode::VerifyFull,
+            "the names and the case the pool takes"
+        );
+        assert_eq!(
+            aliased.ca_pem_path.as_deref(),
+            Some(std::path::Path::new("/alias-ca.pem"))
+        );
         assert_eq!(
             url_first.client_key_pem_path.as_deref(),
             Some(std::path::Path::new("/url.key")),

@@ -239,16 +239,17 @@ pub(crate) fn indexed(topic: &str, record: &Record) -> IndexedLetter {
     )
 }
 
-/// [`sync`] before a read of `topic`'s letters: bad input (the topic does not exist) is the caller's; a
-/// sync that cannot be done now (the broker's error, a database user that may not write the index) leaves
-/// the index to be read as it is, said in the log.
+/// [`sync`] before a read of `topic`'s letters: bad input (the topic does not exist) is the caller's, and
+/// so is the broker's error (unreachable, or refusing to let the user read the topic): an index that
+/// could not be brought up to date must not pass for the topic's letters ("0 dead letters"). A database
+/// user that may not write the index reads it as it is, said in the log.
 pub async fn sync_for_reading(
     kafka: &KafkaConfig,
     pool: &PgPool,
     topic: &str,
 ) -> Result<(), AdminError> {
     match sync(kafka, pool, topic).await {
-        Err(e) if !matches!(e, AdminError::BadInput(_)) => {
+        Err(e) if !matches!(e, AdminError::BadInput(_) | AdminError::Kafka(_)) => {
             tracing::warn!(topic, error = %e, "the dead-letter index of a topic could not be brought up to date; read as it is");
             Ok(())
         }
@@ -256,18 +257,22 @@ pub async fn sync_for_reading(
     }
 }
 
-/// Syncs each of `topics` (see [`sync`]), for reading: a topic that does not exist holds nothing, and one
-/// that cannot be synced now (the broker's error, a database user that may not write the index) is read
-/// as its index holds it, said in the log; no topic keeps another from being read.
+/// Syncs each of `topics` (see [`sync`]), for reading: a topic that does not exist holds nothing; the
+/// broker's error is the caller's (see [`sync_for_reading`]); a database user that may not write the index
+/// reads it as it holds it, said in the log.
 pub async fn sync_all(
     kafka: &KafkaConfig,
     pool: &PgPool,
     topics: &[String],
 ) -> Result<(), AdminError> {
     for topic in topics {
-        // Only bad input comes back: a topic that does not exist, which holds nothing.
-        if let Err(e) = sync_for_reading(kafka, pool, topic).await {
-            tracing::debug!(topic = %topic, error = %e, "a dead-letter topic holds nothing");
+        match sync_for_reading(kafka, pool, topic).await {
+            Err(e @ AdminError::Kafka(_)) => return Err(e),
+            // Bad input: a topic that does not exist, which holds nothing.
+            Err(e) => {
+                tracing::debug!(topic = %topic, error = %e, "a dead-letter topic holds nothing")
+            }
+            Ok(()) => {}
         }
     }
     Ok(())

@@ -84,10 +84,10 @@ impl ClientContext for ProbeContext {
 
 impl ConsumerContext for ProbeContext {}
 
-/// How long one metadata request of the probe may take before the client's reports are read again.
-const ATTEMPT: Duration = Duration::from_millis(500);
+/// How often the client's reports are read while the metadata request is out.
+const ATTEMPT: Duration = Duration::from_millis(250);
 
-/// The most reports (error events, log lines) read after each request.
+/// The most reports (error events, log lines) read each time.
 const EVENTS_PER_ATTEMPT: usize = 256;
 
 /// Checks that a broker answers a metadata request at `config.brokers` within [`STARTUP_TIMEOUT`], with the
@@ -142,45 +142,71 @@ async fn attempt(config: &KafkaConfig, var: &str) -> Result<Outcome, ConfigProbl
     let checked = config.clone();
     let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
     let stopped = stop.0.clone();
-    let outcome = tokio::task::spawn_blocking(move || {
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
-        loop {
-            if stopped.load(Ordering::Relaxed) {
-                return Outcome::Stopped;
-            }
-            let attempt = client.fetch_metadata(None, ATTEMPT);
-            if attempt.is_ok() {
-                return Outcome::Answered;
-            }
-            // Error events and log lines reach the context only when the client is polled, one per call.
-            for _ in 0..EVENTS_PER_ATTEMPT {
-                let _ = client.poll(Duration::ZERO);
-            }
-            let reasons = client.context().reasons();
-            if let Some(problem) = diagnose(&reasons, &checked) {
-                return Outcome::Refused(problem);
-            }
-            if Instant::now() >= deadline {
-                if let Some(problem) = diagnose_at_timeout(&reasons, &checked) {
-                    return Outcome::Refused(problem);
-                }
-                // What the client said last of a broker (not only that they are down), or the request's
-                // own error.
-                let detail = reasons
-                    .iter()
-                    .rev()
-                    .find(|r| !r.text.contains("brokers are down"))
-                    .or(reasons.last())
-                    .map(|r| r.text.clone())
-                    .or_else(|| attempt.err().map(|e| e.to_string()));
-                return Outcome::Unanswered(detail.unwrap_or_else(|| "no answer".to_owned()));
-            }
-        }
-    })
-    .await
-    .map_err(|e| unanswered(config, var, &e.to_string()))?;
+    let outcome = tokio::task::spawn_blocking(move || watch(&Arc::new(client), &checked, &stopped))
+        .await
+        .map_err(|e| unanswered(config, var, &e.to_string()))?;
     drop(stop);
     Ok(outcome)
+}
+
+/// One metadata request with the whole start-up timeout (a large cluster's answer may take a while, and
+/// a second request would queue behind the first on its connection), on a thread of its own, while this
+/// one reads the client's reports every [`ATTEMPT`] for a refusal.
+fn watch(
+    client: &Arc<BaseConsumer<ProbeContext>>,
+    config: &KafkaConfig,
+    stopped: &AtomicBool,
+) -> Outcome {
+    let mut asker = Some({
+        let client = Arc::clone(client);
+        std::thread::spawn(move || {
+            client
+                .fetch_metadata(None, STARTUP_TIMEOUT)
+                .map(drop)
+                .map_err(|e| e.to_string())
+        })
+    });
+    loop {
+        if stopped.load(Ordering::Relaxed) {
+            return Outcome::Stopped;
+        }
+        let answered = asker.take_if(|asker| asker.is_finished()).map(|asker| {
+            asker
+                .join()
+                .unwrap_or_else(|_| Err("the metadata request panicked".to_owned()))
+        });
+        // Error events and log lines reach the context only when the client is polled, one per call.
+        for _ in 0..EVENTS_PER_ATTEMPT {
+            let _ = client.poll(Duration::ZERO);
+        }
+        let reasons = client.context().reasons();
+        match answered {
+            Some(Ok(())) => return Outcome::Answered,
+            Some(Err(error)) => return timed_out(&reasons, config, error),
+            None => {}
+        }
+        if let Some(problem) = diagnose(&reasons, config) {
+            return Outcome::Refused(problem);
+        }
+        std::thread::sleep(ATTEMPT);
+    }
+}
+
+/// The outcome once the metadata request failed (`error`): a refusal the reports name, else what the
+/// client said last of a broker (not only that they are down), or the request's own error.
+fn timed_out(reasons: &[Reason], config: &KafkaConfig, error: String) -> Outcome {
+    if let Some(problem) =
+        diagnose(reasons, config).or_else(|| diagnose_at_timeout(reasons, config))
+    {
+        return Outcome::Refused(problem);
+    }
+    let detail = reasons
+        .iter()
+        .rev()
+        .find(|r| !r.text.contains("brokers are down"))
+        .or(reasons.last())
+        .map_or(error, |r| r.text.clone());
+    Outcome::Unanswered(detail)
 }
 
 /// How the probe ended.
@@ -262,7 +288,7 @@ fn diagnose(reasons: &[Reason], config: &KafkaConfig) -> Option<ConfigProblem> {
         .properties
         .iter()
         .rev()
-        .find(|(name, _)| name == "sasl.mechanism")
+        .find(|(name, _)| name == "sasl.mechanism" || name == "sasl.mechanisms")
         .is_some_and(|(_, value)| value.trim().eq_ignore_ascii_case("OAUTHBEARER"));
     let causes: Vec<(&Reason, Cause)> = reasons
         .iter()
