@@ -380,14 +380,20 @@ impl Security<'_> {
                 "KAFKA_SASL_OAUTHBEARER_CLIENT_ID",
                 e.set(
                     self.oidc_client_id.is_some(),
-                    &["sasl.oauthbearer.client.id"],
+                    &[
+                        "sasl.oauthbearer.client.id",
+                        "sasl.oauthbearer.client.credentials.client.id",
+                    ],
                 ),
             ),
             (
                 "KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET",
                 e.set(
                     self.oidc_client_secret.is_some(),
-                    &["sasl.oauthbearer.client.secret"],
+                    &[
+                        "sasl.oauthbearer.client.secret",
+                        "sasl.oauthbearer.client.credentials.client.secret",
+                    ],
                 ),
             ),
         ];

@@ -77,6 +77,9 @@ pub async fn require_dead_letter_topic(pool: &PgPool, topic: &str) -> Result<(),
 pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(), AdminError> {
     prepare(pool).await?;
     let Some(mut held) = lock(pool, topic).await? else {
+        // The broker is asked all the same (a read): one that cannot be reached is the caller's error, not
+        // an index read as it is while another sync waits for the same broker.
+        crate::broker::partitions_of(kafka, topic).await?;
         tracing::debug!(
             topic,
             "another sync of this topic runs: the index is read as it is"
@@ -195,6 +198,18 @@ async fn sync_held(
         .execute(&mut *conn)
         .await?;
     }
+    // Unreadable letters an earlier version indexed under a group per header value: the topic's one group.
+    sqlx::query(
+        "UPDATE saga_dead_letters SET failure_group = $2 \
+         WHERE dlq_topic = $1 AND unreadable IS NOT NULL AND failure_group <> $2",
+    )
+    .bind(topic)
+    .bind(letters::failure_group(
+        topic,
+        &LetterFields::read(&[], None),
+    ))
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 

@@ -82,6 +82,40 @@ async fn bad_input_gets_one_line_and_exit_code_2() {
     assert!(listed.contains("unreadable"), "{listed}");
     assert!(listed.contains("dlq-original-partition"), "{listed}");
     assert!(listed.contains("1 dead letters"), "{listed}");
+    // More letters written by hand, each with a group and a step of its own and another problem: still
+    // the topic's one unreadable group, its labels not the hand's.
+    for (n, made_up) in ["first", "second", "third"].iter().enumerate() {
+        let group = format!("made-up-group-{n}");
+        kafka
+            .produce(
+                &producer,
+                &malformed,
+                Some("k"),
+                &[
+                    ("dlq-original-topic", "orders"),
+                    ("dlq-original-partition", made_up),
+                    ("dlq-consumer-group", &group),
+                    ("dlq-step", &group),
+                    ("dlq-failed-at", &now),
+                ],
+                b"{}",
+            )
+            .await;
+    }
+    let groups = saga.json(&["dlq", "groups", "--topic", &malformed]).await;
+    let groups: Vec<(&str, &str, u64)> = groups
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["reason"].as_str().unwrap(),
+                g["dlq_topic"].as_str().unwrap(),
+                g["open"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(groups, [("unreadable", malformed.as_str(), 4)]);
     let missing = common::dlq_topic(&kafka, "admin-missing", 1).await;
     kafka
         .produce(

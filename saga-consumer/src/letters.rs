@@ -270,17 +270,24 @@ fn normalise_word(word: &str) -> String {
 
 /// The failure group of a letter of `dlq_topic` with `fields`: `g-` and twelve hexadecimal digits of a hash
 /// of its cause (its dead-letter topic, consumer group, step, reason and [normalised](normalise) error).
-/// Stable across runs, the same for every operator.
+/// Stable across runs, the same for every operator. Every [`UNREADABLE`] letter of a topic is one group:
+/// its headers are whatever a hand wrote, and a group (and a metric series) per value would let them
+/// multiply without bound.
 pub fn failure_group(dlq_topic: &str, fields: &LetterFields) -> String {
     let cause = normalise(&fields.error);
+    let parts = if fields.unreadable.is_some() {
+        [dlq_topic, "", "", UNREADABLE, ""]
+    } else {
+        [
+            dlq_topic,
+            fields.group.as_str(),
+            fields.step.as_deref().unwrap_or(""),
+            fields.reason.as_str(),
+            cause.as_str(),
+        ]
+    };
     let mut hash = Sha256::new();
-    for part in [
-        dlq_topic,
-        fields.group.as_str(),
-        fields.step.as_deref().unwrap_or(""),
-        fields.reason.as_str(),
-        cause.as_str(),
-    ] {
+    for part in parts {
         hash.update((part.len() as u64).to_be_bytes());
         hash.update(part.as_bytes());
     }
@@ -524,11 +531,24 @@ mod tests {
         let fine = LetterFields::read(&good[1..], None);
         assert_eq!(fine.unreadable, None);
         assert_eq!((fine.reason.as_str(), fine.attempts), ("handler-failed", 2));
-        // Another problem, another group; the same problem, the same group.
         assert_ne!(failure_group("t.dlq", &read), failure_group("t.dlq", &fine));
+        // Every unreadable letter of a topic is one group, whatever its headers say; another topic, another.
+        let other_problem = LetterFields::read(
+            &headers(&[
+                ("dlq-consumer-group", "made-up-group"),
+                ("dlq-step", "made-up-step"),
+            ]),
+            Some(0),
+        );
+        assert!(other_problem.unreadable.is_some());
+        assert_ne!(other_problem.unreadable, read.unreadable);
         assert_eq!(
             failure_group("t.dlq", &read),
-            failure_group("t.dlq", &LetterFields::read(&good, Some(0)))
+            failure_group("t.dlq", &other_problem)
+        );
+        assert_ne!(
+            failure_group("t.dlq", &read),
+            failure_group("u.dlq", &other_problem)
         );
     }
 }

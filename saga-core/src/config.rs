@@ -102,12 +102,17 @@ impl fmt::Debug for KafkaConfig {
     }
 }
 
-/// Every `KAFKA_PROPERTY_*` variable, as a librdkafka property name and value.
+/// Every `KAFKA_PROPERTY_*` variable, as a librdkafka property name and value. Other variables may hold
+/// anything (`std::env::vars` would panic on one that is not UTF-8); a property's value that is not UTF-8
+/// is passed with its bad bytes replaced (U+FFFD), for librdkafka or the broker to refuse by name.
 fn properties_from_env() -> Vec<(String, String)> {
-    std::env::vars()
+    std::env::vars_os()
         .filter_map(|(name, value)| {
-            let property = name.strip_prefix("KAFKA_PROPERTY_")?;
-            Some((property.to_ascii_lowercase().replace('_', "."), value))
+            let property = name.to_str()?.strip_prefix("KAFKA_PROPERTY_")?;
+            Some((
+                property.to_ascii_lowercase().replace('_', "."),
+                value.to_string_lossy().into_owned(),
+            ))
         })
         .collect()
 }

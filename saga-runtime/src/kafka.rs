@@ -135,7 +135,7 @@ pub struct Watermarks {
 }
 
 /// The watermarks of every partition of `topic`, in partition order, or `None` when the broker does not
-/// know the topic. The requests block, so they run on tokio's blocking pool.
+/// know the topic (another error the broker reports of the topic is an error). The requests block, so they run on tokio's blocking pool.
 pub async fn watermarks(
     config: &KafkaConfig,
     topic: &str,
@@ -146,13 +146,19 @@ pub async fn watermarks(
         let timeout = Duration::from_secs(10);
         let client: BaseConsumer = config.create()?;
         let metadata = client.fetch_metadata(Some(&topic), timeout)?;
-        let Some(found) = metadata
-            .topics()
-            .iter()
-            .find(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty())
-        else {
+        let Some(found) = metadata.topics().iter().find(|t| t.name() == topic) else {
             return Ok(None);
         };
+        // Only an unknown topic is one the broker does not know: another error (the user may not read
+        // it, its leader is being elected) is the broker's answer, not an empty topic.
+        match found.error().map(RDKafkaErrorCode::from) {
+            None => {}
+            Some(RDKafkaErrorCode::UnknownTopicOrPartition) => return Ok(None),
+            Some(code) => return Err(KafkaError::MetadataFetch(code)),
+        }
+        if found.partitions().is_empty() {
+            return Ok(None);
+        }
         let mut partitions: Vec<i32> = found.partitions().iter().map(|p| p.id()).collect();
         partitions.sort_unstable();
         partitions

@@ -84,8 +84,8 @@ impl ClientContext for ProbeContext {
 
 impl ConsumerContext for ProbeContext {}
 
-/// How often the client's reports are read while the metadata request is out.
-const ATTEMPT: Duration = Duration::from_millis(250);
+/// How long the first metadata request of the probe may take before the client's reports are read.
+const ATTEMPT: Duration = Duration::from_millis(500);
 
 /// The most reports (error events, log lines) read each time.
 const EVENTS_PER_ATTEMPT: usize = 256;
@@ -98,7 +98,7 @@ const EVENTS_PER_ATTEMPT: usize = 256;
 pub async fn probe(config: &KafkaConfig, var: &str) -> Result<(), ConfigProblem> {
     match attempt(config, var).await? {
         Outcome::Answered | Outcome::Stopped => Ok(()),
-        Outcome::Refused(problem) => Err(problem),
+        Outcome::Refused(problem) | Outcome::Suspected(problem) => Err(problem),
         Outcome::Unanswered(detail) => Err(unanswered(config, var, &detail)),
     }
 }
@@ -110,6 +110,15 @@ pub async fn refusal(config: &KafkaConfig, var: &str) -> Result<(), ConfigProble
     match attempt(config, var).await? {
         Outcome::Answered | Outcome::Stopped => Ok(()),
         Outcome::Refused(problem) => Err(problem),
+        // What a broker that is down or starting can also cause is waited out here, named in the log.
+        Outcome::Suspected(problem) => {
+            tracing::warn!(
+                brokers = %config.brokers,
+                suspected = %problem,
+                "no Kafka broker answers yet; waiting for one"
+            );
+            Ok(())
+        }
         Outcome::Unanswered(detail) => {
             tracing::warn!(
                 brokers = %config.brokers,
@@ -142,63 +151,61 @@ async fn attempt(config: &KafkaConfig, var: &str) -> Result<Outcome, ConfigProbl
     let checked = config.clone();
     let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
     let stopped = stop.0.clone();
-    let outcome = tokio::task::spawn_blocking(move || watch(&Arc::new(client), &checked, &stopped))
+    let outcome = tokio::task::spawn_blocking(move || watch(&client, &checked, &stopped))
         .await
         .map_err(|e| unanswered(config, var, &e.to_string()))?;
     drop(stop);
     Ok(outcome)
 }
 
-/// One metadata request with the whole start-up timeout (a large cluster's answer may take a while, and
-/// a second request would queue behind the first on its connection), on a thread of its own, while this
-/// one reads the client's reports every [`ATTEMPT`] for a refusal.
+/// Metadata requests until one is answered, each waiting twice as long as the one before (from
+/// [`ATTEMPT`]: a large cluster's answer may take a while), the client's reports read between them for a
+/// refusal. The requests run on this thread, so the client ends with the outcome: a refused login is not
+/// retried behind the caller's back.
 fn watch(
-    client: &Arc<BaseConsumer<ProbeContext>>,
+    client: &BaseConsumer<ProbeContext>,
     config: &KafkaConfig,
     stopped: &AtomicBool,
 ) -> Outcome {
-    let mut asker = Some({
-        let client = Arc::clone(client);
-        std::thread::spawn(move || {
-            client
-                .fetch_metadata(None, STARTUP_TIMEOUT)
-                .map(drop)
-                .map_err(|e| e.to_string())
-        })
-    });
+    let deadline = Instant::now() + STARTUP_TIMEOUT;
+    let mut wait = ATTEMPT;
     loop {
         if stopped.load(Ordering::Relaxed) {
             return Outcome::Stopped;
         }
-        let answered = asker.take_if(|asker| asker.is_finished()).map(|asker| {
-            asker
-                .join()
-                .unwrap_or_else(|_| Err("the metadata request panicked".to_owned()))
-        });
+        let asked = Instant::now();
+        let left = deadline.saturating_duration_since(asked);
+        let answered = client
+            .fetch_metadata(None, wait.min(left).max(Duration::from_millis(1)))
+            .map(drop)
+            .map_err(|e| e.to_string());
         // Error events and log lines reach the context only when the client is polled, one per call.
         for _ in 0..EVENTS_PER_ATTEMPT {
             let _ = client.poll(Duration::ZERO);
         }
         let reasons = client.context().reasons();
         match answered {
-            Some(Ok(())) => return Outcome::Answered,
-            Some(Err(error)) => return timed_out(&reasons, config, error),
-            None => {}
+            Ok(()) => return Outcome::Answered,
+            Err(error) if Instant::now() >= deadline => return timed_out(&reasons, config, error),
+            Err(_) => {}
         }
-        if let Some(problem) = diagnose(&reasons, config) {
-            return Outcome::Refused(problem);
+        if let Some(outcome) = diagnose(&reasons, config) {
+            return outcome;
         }
-        std::thread::sleep(ATTEMPT);
+        // A request refused at once (no broker up yet) is not repeated in a busy loop.
+        std::thread::sleep(ATTEMPT.saturating_sub(asked.elapsed()).min(left));
+        wait = (wait * 2).min(Duration::from_secs(4));
     }
 }
 
 /// The outcome once the metadata request failed (`error`): a refusal the reports name, else what the
 /// client said last of a broker (not only that they are down), or the request's own error.
 fn timed_out(reasons: &[Reason], config: &KafkaConfig, error: String) -> Outcome {
-    if let Some(problem) =
-        diagnose(reasons, config).or_else(|| diagnose_at_timeout(reasons, config))
-    {
-        return Outcome::Refused(problem);
+    if let Some(outcome) = diagnose(reasons, config) {
+        return outcome;
+    }
+    if let Some(problem) = diagnose_at_timeout(reasons, config) {
+        return Outcome::Suspected(problem);
     }
     let detail = reasons
         .iter()
@@ -215,6 +222,9 @@ enum Outcome {
     Answered,
     /// The broker refused the client: the setting to change.
     Refused(ConfigProblem),
+    /// A cause a broker that is down or restarting can also produce persisted: a refusal where the broker
+    /// must answer at start, waited out where an outage is never fatal ([`refusal`]).
+    Suspected(ConfigProblem),
     /// Nothing answered within the start-up timeout: what the client said last.
     Unanswered(String),
     /// The caller stopped waiting.
@@ -283,7 +293,7 @@ fn weight(text: &str) -> usize {
 /// produces is decisive at once; one that a broker restarting or a network dropping connections can also
 /// produce (a connection closed at the first request, a handshake cut short, a token endpoint that does
 /// not answer) only once it persisted.
-fn diagnose(reasons: &[Reason], config: &KafkaConfig) -> Option<ConfigProblem> {
+fn diagnose(reasons: &[Reason], config: &KafkaConfig) -> Option<Outcome> {
     let oauthbearer = config
         .properties
         .iter()
@@ -295,10 +305,12 @@ fn diagnose(reasons: &[Reason], config: &KafkaConfig) -> Option<ConfigProblem> {
         .filter_map(|r| Cause::of(&r.text, oauthbearer).map(|c| (r, c)))
         .collect();
     if let Some((reason, cause)) = causes.iter().find(|(_, c)| c.decisive()) {
-        return Some(cause.problem(&reason.text, &config.brokers));
+        return Some(Outcome::Refused(
+            cause.problem(&reason.text, &config.brokers),
+        ));
     }
     persistent(&causes, PERSISTENT_REPORTS, PERSISTENCE)
-        .map(|(reason, cause)| cause.problem(&reason.text, &config.brokers))
+        .map(|(reason, cause)| Outcome::Suspected(cause.problem(&reason.text, &config.brokers)))
 }
 
 /// The first cause reported at least `reports` times (suppressed ones counted) over at least `span`.
@@ -511,7 +523,10 @@ mod tests {
     }
 
     fn diagnosed(texts: &[&str], every: Duration, config: &KafkaConfig) -> Option<String> {
-        diagnose(&reports(texts, every), config).map(|p| p.setting)
+        diagnose(&reports(texts, every), config).and_then(|o| match o {
+            Outcome::Refused(p) | Outcome::Suspected(p) => Some(p.setting),
+            _ => None,
+        })
     }
 
     const VERIFY: &str = "ssl://127.0.0.1:9093/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed";
@@ -594,6 +609,15 @@ mod tests {
             );
             assert!(
                 diagnosed(&[reason; 4], Duration::from_secs(1), &config).is_some(),
+                "{reason}"
+            );
+            // Persisted, it is a suspicion: fatal where a broker must answer at start, waited out by a
+            // library (`refusal`), where an outage is never fatal.
+            assert!(
+                matches!(
+                    diagnose(&reports(&[reason; 4], Duration::from_secs(1)), &config),
+                    Some(Outcome::Suspected(_))
+                ),
                 "{reason}"
             );
         }

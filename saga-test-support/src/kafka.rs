@@ -417,10 +417,20 @@ impl TestKafka {
     }
 
     /// The end offset (the next offset to be written) of every partition of `topic`.
+    /// A topic whose leader is still being elected is asked again, for up to five seconds.
     pub async fn end_offsets(&self, topic: &str) -> BTreeMap<i32, i64> {
-        saga_runtime::kafka::watermarks(&self.kafka_config(), topic)
-            .await
-            .expect("watermarks")
+        let mut tries = 0;
+        let partitions = loop {
+            match saga_runtime::kafka::watermarks(&self.kafka_config(), topic).await {
+                Ok(partitions) => break partitions,
+                Err(_) if tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("the watermarks of {topic}: {e}"),
+            }
+        };
+        partitions
             .unwrap_or_default()
             .into_iter()
             .map(|w| (w.partition, w.high))

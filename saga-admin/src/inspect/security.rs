@@ -43,6 +43,9 @@ const LOGIN_COOKIE: &str = "saga_admin_login";
 const SESSION_COOKIE: &str = "saga_admin_session";
 /// The most sessions kept at once.
 const MAX_LOGINS: usize = 1_000;
+/// The most sessions one token keeps at once: past it, that token's own oldest session ends, so that a token
+/// holder opening sessions in a loop never signs another operator out.
+const MAX_LOGINS_PER_TOKEN: usize = 32;
 /// How long a sign-in with `?token=` lasts.
 const LOGIN_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
 /// The path that ends a sign-in (a POST from the inspector's own page).
@@ -130,10 +133,42 @@ pub(super) struct Guard {
     local_operator: String,
     /// Signed-in sessions: their id (the login cookie's value), by the name of the token that signed in,
     /// until when.
-    logins: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+    logins: std::sync::Mutex<Logins>,
     /// Sign-ins waiting for their page's button: a one-time reference, by the name it signs in as, where to
     /// go then, until when.
     pending: std::sync::Mutex<Pending>,
+}
+
+/// Signed-in sessions: id → (the token's name, until when).
+type Logins = std::collections::HashMap<String, (String, std::time::Instant)>;
+
+/// How many sessions `name` holds.
+fn sessions_of(logins: &Logins, name: &str) -> usize {
+    logins.values().filter(|(n, _)| n == name).count()
+}
+
+/// Ends `name`'s session closest to its end.
+fn end_oldest(logins: &mut Logins, name: &str) {
+    let oldest = logins
+        .iter()
+        .filter(|(_, (n, _))| n == name)
+        .min_by_key(|(_, (_, until))| *until)
+        .map(|(id, _)| id.clone());
+    if let Some(id) = oldest {
+        logins.remove(&id);
+    }
+}
+
+/// The name of the token holding the most sessions.
+fn busiest(logins: &Logins) -> Option<String> {
+    let mut counts: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for (name, _) in logins.values() {
+        *counts.entry(name).or_default() += 1;
+    }
+    counts
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(name, _)| name.to_owned())
 }
 
 /// Sign-ins waiting for their page's button (see [`Guard::pend`]).
@@ -185,6 +220,17 @@ impl Guard {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         pending.retain(|_, (_, _, until)| *until > now);
+        // As sessions are: one token's pending sign-ins never crowd out another's.
+        if pending.values().filter(|(n, _, _)| n == name).count() >= MAX_LOGINS_PER_TOKEN {
+            let oldest = pending
+                .iter()
+                .filter(|(_, (n, _, _))| n == name)
+                .min_by_key(|(_, (_, _, until))| *until)
+                .map(|(id, _)| id.clone());
+            if let Some(id) = oldest {
+                pending.remove(&id);
+            }
+        }
         if pending.len() < MAX_LOGINS {
             pending.insert(
                 reference.clone(),
@@ -254,16 +300,16 @@ impl Guard {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         logins.retain(|_, (_, until)| *until > now);
-        // Bounded: past the cap, the session closest to its end goes first.
+        // Bounded per token: past its cap, this token's own oldest session ends.
+        while sessions_of(&logins, name) >= MAX_LOGINS_PER_TOKEN {
+            end_oldest(&mut logins, name);
+        }
+        // Bounded in all: past the cap, the oldest session of the token holding the most ends.
         while logins.len() >= MAX_LOGINS {
-            let Some(oldest) = logins
-                .iter()
-                .min_by_key(|(_, (_, until))| *until)
-                .map(|(id, _)| id.clone())
-            else {
+            let Some(busiest) = busiest(&logins) else {
                 break;
             };
-            logins.remove(&oldest);
+            end_oldest(&mut logins, &busiest);
         }
         logins.insert(id.clone(), (name.to_owned(), now + LOGIN_TTL));
         id
@@ -843,6 +889,21 @@ mod tests {
             false,
             false,
         )
+    }
+
+    #[test]
+    fn a_token_opening_sessions_in_a_loop_signs_no_one_else_out() {
+        let g = guard(&[]);
+        let alice = g.sign_in("alice");
+        let mallory: Vec<String> = (0..MAX_LOGINS + 10).map(|_| g.sign_in("mallory")).collect();
+        let logins = g.logins.lock().unwrap();
+        assert!(logins.contains_key(&alice), "alice's session survives");
+        assert_eq!(sessions_of(&logins, "mallory"), MAX_LOGINS_PER_TOKEN);
+        assert!(
+            logins.contains_key(mallory.last().unwrap()),
+            "the newest session of the busy token is kept"
+        );
+        assert!(!logins.contains_key(&mallory[0]), "its oldest ended");
     }
 
     #[test]
