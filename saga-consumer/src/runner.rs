@@ -770,40 +770,48 @@ impl SagaService {
             });
         }
 
-        let mut first_error: Option<ServiceError> = None;
-        let mut stopping = false;
-        loop {
-            tokio::select! {
-                () = &mut shutdown, if !stopping => {
-                    tracing::info!("stopping the service");
+        supervise(parts, &stop, shutdown).await
+    }
+}
+
+/// Waits for `parts` until `shutdown` resolves or one of them fails or ends on its own: then `stop` is
+/// cancelled, the others finish what they are in, and the first failure is returned.
+async fn supervise(
+    mut parts: JoinSet<(String, Result<(), ServiceError>)>,
+    stop: &CancellationToken,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServiceError> {
+    tokio::pin!(shutdown);
+    let mut first_error: Option<ServiceError> = None;
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            () = &mut shutdown, if !stopping => {
+                tracing::info!("stopping the service");
+                stopping = true;
+                stop.cancel();
+            }
+            joined = parts.join_next() => {
+                let Some(joined) = joined else { break };
+                let (part, result) = match joined {
+                    Ok(done) => done,
+                    Err(e) => ("a part".to_owned(), Err(ServiceError::Stopped(format!("a part ({e})")))),
+                };
+                let failure = match result {
+                    Err(e) => Some(e),
+                    Ok(()) if !stopping => Some(ServiceError::Stopped(part.clone())),
+                    Ok(()) => None,
+                };
+                if let Some(e) = failure {
+                    tracing::error!(%part, error = %e, "a part of the service stopped; stopping the others");
+                    first_error.get_or_insert(e);
                     stopping = true;
                     stop.cancel();
                 }
-                joined = parts.join_next() => {
-                    let Some(joined) = joined else { break };
-                    let (part, result) = match joined {
-                        Ok(done) => done,
-                        Err(e) => ("a part".to_owned(), Err(ServiceError::Stopped(format!("a part ({e})")))),
-                    };
-                    let failure = match result {
-                        Err(e) => Some(e),
-                        Ok(()) if !stopping => Some(ServiceError::Stopped(part.clone())),
-                        Ok(()) => None,
-                    };
-                    if let Some(e) = failure {
-                        tracing::error!(%part, error = %e, "a part of the service stopped; stopping the others");
-                        first_error.get_or_insert(e);
-                        stopping = true;
-                        stop.cancel();
-                    }
-                }
             }
         }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
     }
+    first_error.map_or(Ok(()), Err)
 }
 
 /// A future that resolves on the first SIGTERM or Ctrl-C: pass it to `run`.
