@@ -297,6 +297,9 @@ pub async fn list(
         .collect())
 }
 
+/// The most bytes of messages [`with_records`] reads from a topic at once.
+const READ_BYTES: usize = 16 << 20;
+
 /// `letters` with their records read from their topics; a letter whose position now holds another letter
 /// (its topic deleted and recreated) is that other letter, indexed again; one the topic no longer holds
 /// (its retention deleted it) is left out.
@@ -316,6 +319,7 @@ pub async fn with_records(
     for ((topic, partition), mut offsets) in wanted {
         offsets.sort_unstable();
         offsets.dedup();
+        let kept: std::collections::HashSet<i64> = offsets.iter().copied().collect();
         // Runs of nearby offsets, each read at once.
         let mut runs: Vec<(i64, i64)> = Vec::new();
         for offset in offsets {
@@ -335,8 +339,18 @@ pub async fn with_records(
             if from >= until {
                 continue;
             }
-            for record in read_range(kafka, &topic, partition, from, until).await? {
-                records.insert((topic.clone(), record.partition, record.offset), record);
+            // In reads of bounded size, keeping only the letters asked for (a run's other messages may
+            // be other groups' letters, of any size).
+            let mut at = from;
+            while at < until {
+                let read = read_bounded(kafka, &topic, partition, at, until, READ_BYTES).await?;
+                let Some(last) = read.last().map(|r| r.offset) else {
+                    break;
+                };
+                for record in read.into_iter().filter(|r| kept.contains(&r.offset)) {
+                    records.insert((topic.clone(), record.partition, record.offset), record);
+                }
+                at = last + 1;
             }
         }
     }
@@ -1040,17 +1054,6 @@ pub async fn read_topic(kafka: &KafkaConfig, topic: &str) -> Result<Vec<Record>,
         .filter(|(_, low, high)| high > low)
         .collect();
     read(kafka, topic, ranges, usize::MAX).await
-}
-
-/// The messages of partition `partition` of `topic` from offset `from` until `until` (excluded).
-pub(crate) async fn read_range(
-    kafka: &KafkaConfig,
-    topic: &str,
-    partition: i32,
-    from: i64,
-    until: i64,
-) -> Result<Vec<Record>, AdminError> {
-    read(kafka, topic, vec![(partition, from, until)], usize::MAX).await
 }
 
 /// The messages of partition `partition` of `topic` from offset `from`, until `until` (excluded) or until

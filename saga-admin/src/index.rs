@@ -393,6 +393,39 @@ pub(crate) async fn letters(
     rows.iter().map(grouped_letter).collect()
 }
 
+/// The indexed letters at these positions (topic, partition, offset) with these identities, their records
+/// empty: what a discard needs, no topic read. A letter the index no longer holds (its topic's retention
+/// deleted it) is left out.
+pub(crate) async fn at_positions(
+    pool: &PgPool,
+    wanted: &[(String, i32, i64, String)],
+) -> Result<Vec<DeadLetter>, AdminError> {
+    let state = state_sql(pool).await?;
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS}, {state} FROM saga_dead_letters l \
+         JOIN unnest($2::text[], $3::int[], $4::bigint[], $5::text[]) AS w(t, p, o, h) \
+           ON l.dlq_topic = w.t AND l.dlq_partition = w.p AND l.dlq_offset = w.o AND l.letter_hash = w.h \
+         WHERE l.dlq_topic = ANY($1)"
+    )))
+    .bind(
+        wanted
+            .iter()
+            .map(|w| w.0.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>(),
+    )
+    .bind(wanted.iter().map(|w| w.0.as_str()).collect::<Vec<_>>())
+    .bind(wanted.iter().map(|w| w.1).collect::<Vec<_>>())
+    .bind(wanted.iter().map(|w| w.2).collect::<Vec<_>>())
+    .bind(wanted.iter().map(|w| w.3.as_str()).collect::<Vec<_>>())
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| grouped_letter(r).map(|g| g.letter))
+        .collect()
+}
+
 /// A row of [`COLUMNS`] and the state.
 fn grouped_letter(r: &sqlx::postgres::PgRow) -> Result<GroupedLetter, AdminError> {
     let partition: i32 = r.try_get(1)?;

@@ -561,33 +561,6 @@ async fn run_held(
     .bind(id)
     .fetch_all(pool)
     .await?;
-    // The pending letters as the topics hold them now (only their positions are read), by position and
-    // identity.
-    let mut letters: HashMap<(String, i32, i64, String), DeadLetter> = HashMap::new();
-    if operation.kind != OperationKind::UndoDiscard {
-        let at: Vec<DeadLetter> = pending
-            .iter()
-            .map(|(_, topic, partition, offset, hash)| {
-                DeadLetter::from_index(
-                    topic,
-                    (*partition, *offset),
-                    saga_consumer::toolkit::letters::LetterFields::read(&[], None),
-                    hash.clone(),
-                )
-            })
-            .collect();
-        for letter in dlq::with_records(kafka, pool, at).await? {
-            letters.insert(
-                (
-                    letter.topic.clone(),
-                    letter.partition,
-                    letter.offset,
-                    letter.identity(),
-                ),
-                letter,
-            );
-        }
-    }
     let producer = saga_consumer::toolkit::idempotent_producer(
         kafka,
         std::time::Duration::from_millis(1),
@@ -631,89 +604,102 @@ async fn run_held(
     let mut replay_options = options.clone();
     replay_options.operator.clone_from(&run_by);
     replay_options.dry_run = false;
-    for (seq, topic, partition, offset, hash) in pending {
-        let cancelled: bool =
-            sqlx::query_scalar("SELECT cancel_requested FROM saga_dlq_operations WHERE id = $1")
-                .bind(id)
-                .fetch_one(pool)
-                .await?;
-        if cancelled {
-            sqlx::query(
-                "UPDATE saga_dlq_operations SET status = 'cancelled', finished_at = now(), updated_at = now() \
-                 WHERE id = $1",
+    // In bounded batches: a batch's letters are read (a replay's from their topics, a discard's identities
+    // from the index), acted on, and let go before the next.
+    for batch in pending.chunks(LETTERS_PER_BATCH) {
+        let letters = letters_of(kafka, pool, operation.kind, batch).await?;
+        for (seq, topic, partition, offset, hash) in batch.iter().cloned() {
+            let cancelled: bool = sqlx::query_scalar(
+                "SELECT cancel_requested FROM saga_dlq_operations WHERE id = $1",
             )
             .bind(id)
-            .execute(pool)
+            .fetch_one(pool)
             .await?;
-            return Ok(());
-        }
-        let mut conn = pool.acquire().await?;
-        match operation.kind {
-            OperationKind::UndoDiscard => {
-                let undoes = operation.selection["undoes"].as_i64().unwrap_or_default();
-                let restored = sqlx::query(
-                    "UPDATE saga_dlq_discards SET undone_at = now(), undone_by = $6, undo_operation_id = $7 \
-                     WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3 AND letter_hash = $4 \
-                       AND operation_id = $5 AND undone_at IS NULL",
+            if cancelled {
+                sqlx::query(
+                    "UPDATE saga_dlq_operations SET status = 'cancelled', finished_at = now(), updated_at = now() \
+                     WHERE id = $1",
                 )
-                .bind(&topic)
-                .bind(partition)
-                .bind(offset)
-                .bind(&hash)
-                .bind(undoes)
-                .bind(&operation.operator)
                 .bind(id)
-                .execute(&mut *conn)
+                .execute(pool)
                 .await?;
-                let (outcome, detail) = if restored.rows_affected() == 1 {
-                    ("done", "open again")
-                } else {
-                    ("skipped", "no longer discarded")
-                };
-                record(&mut conn, id, seq, outcome, detail).await?;
+                return Ok(());
             }
-            OperationKind::Discard | OperationKind::Replay => {
-                let Some(letter) = letters.get(&(topic.clone(), partition, offset, hash.clone()))
-                else {
-                    record(
-                        &mut conn,
-                        id,
-                        seq,
-                        "skipped",
-                        "gone from the dead-letter topic",
+            let mut conn = pool.acquire().await?;
+            match operation.kind {
+                OperationKind::UndoDiscard => {
+                    let undoes = operation.selection["undoes"].as_i64().unwrap_or_default();
+                    let restored = sqlx::query(
+                        "UPDATE saga_dlq_discards SET undone_at = now(), undone_by = $6, undo_operation_id = $7 \
+                         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3 AND letter_hash = $4 \
+                           AND operation_id = $5 AND undone_at IS NULL",
                     )
+                    .bind(&topic)
+                    .bind(partition)
+                    .bind(offset)
+                    .bind(&hash)
+                    .bind(undoes)
+                    .bind(&operation.operator)
+                    .bind(id)
+                    .execute(&mut *conn)
                     .await?;
-                    continue;
-                };
-                if operation.kind == OperationKind::Replay {
-                    // A replay takes a connection of its own: none is held meanwhile (the run holds
-                    // one for its lock already, and a pool of two must do).
-                    drop(conn);
-                    let owner = &owners[&topic];
-                    if let Some(at) = sent_before.get(&hash) {
-                        let found =
-                            dlq::record_found(pool, owner, letter, &replay_options, *at, (id, seq))
-                                .await?;
-                        if found.is_none() {
-                            let mut conn = pool.acquire().await?;
-                            record(&mut conn, id, seq, "skipped", "replayed already").await?;
-                        }
+                    let (outcome, detail) = if restored.rows_affected() == 1 {
+                        ("done", "open again")
+                    } else {
+                        ("skipped", "no longer discarded")
+                    };
+                    record(&mut conn, id, seq, outcome, detail).await?;
+                }
+                OperationKind::Discard | OperationKind::Replay => {
+                    let Some(letter) =
+                        letters.get(&(topic.clone(), partition, offset, hash.clone()))
+                    else {
+                        record(
+                            &mut conn,
+                            id,
+                            seq,
+                            "skipped",
+                            "gone from the dead-letter topic",
+                        )
+                        .await?;
                         continue;
+                    };
+                    if operation.kind == OperationKind::Replay {
+                        // A replay takes a connection of its own: none is held meanwhile (the run holds
+                        // one for its lock already, and a pool of two must do).
+                        drop(conn);
+                        let owner = &owners[&topic];
+                        if let Some(at) = sent_before.get(&hash) {
+                            let found = dlq::record_found(
+                                pool,
+                                owner,
+                                letter,
+                                &replay_options,
+                                *at,
+                                (id, seq),
+                            )
+                            .await?;
+                            if found.is_none() {
+                                let mut conn = pool.acquire().await?;
+                                record(&mut conn, id, seq, "skipped", "replayed already").await?;
+                            }
+                            continue;
+                        }
+                        let outcome = dlq::replay_one(
+                            &producer,
+                            pool,
+                            owner,
+                            letter,
+                            &replay_options,
+                            Some((id, seq)),
+                        )
+                        .await?;
+                        // A send was recorded with the replay; anything else is recorded here.
+                        let mut conn = pool.acquire().await?;
+                        record_item(&mut conn, id, seq, &outcome).await?;
+                    } else {
+                        discard_one(&mut conn, id, seq, letter, &run_by).await?;
                     }
-                    let outcome = dlq::replay_one(
-                        &producer,
-                        pool,
-                        owner,
-                        letter,
-                        &replay_options,
-                        Some((id, seq)),
-                    )
-                    .await?;
-                    // A send was recorded with the replay; anything else is recorded here.
-                    let mut conn = pool.acquire().await?;
-                    record_item(&mut conn, id, seq, &outcome).await?;
-                } else {
-                    discard_one(&mut conn, id, seq, letter, &run_by).await?;
                 }
             }
         }
@@ -726,6 +712,48 @@ async fn run_held(
     .execute(pool)
     .await?;
     Ok(())
+}
+
+/// The most letters of an operation read and acted on at once.
+const LETTERS_PER_BATCH: usize = 64;
+
+/// The letters of `batch` (pending letters of an operation of `kind`) as they are now, by position and
+/// identity: a replay's records from their topics (only their positions are read), a discard's from the
+/// index (it needs their identities alone); none for an undo.
+async fn letters_of(
+    kafka: &KafkaConfig,
+    pool: &PgPool,
+    kind: OperationKind,
+    batch: &[(i32, String, i32, i64, String)],
+) -> Result<HashMap<(String, i32, i64, String), DeadLetter>, AdminError> {
+    let wanted: Vec<(String, i32, i64, String)> = batch
+        .iter()
+        .map(|(_, topic, partition, offset, hash)| {
+            (topic.clone(), *partition, *offset, hash.clone())
+        })
+        .collect();
+    let letters = match kind {
+        OperationKind::UndoDiscard => Vec::new(),
+        OperationKind::Discard => crate::index::at_positions(pool, &wanted).await?,
+        OperationKind::Replay => {
+            let at: Vec<DeadLetter> = wanted
+                .iter()
+                .map(|(topic, partition, offset, hash)| {
+                    DeadLetter::from_index(
+                        topic,
+                        (*partition, *offset),
+                        saga_consumer::toolkit::letters::LetterFields::read(&[], None),
+                        hash.clone(),
+                    )
+                })
+                .collect();
+            dlq::with_records(kafka, pool, at).await?
+        }
+    };
+    Ok(letters
+        .into_iter()
+        .map(|l| ((l.topic.clone(), l.partition, l.offset, l.identity()), l))
+        .collect())
 }
 
 /// The letters operation `operation` sent to `retry_topics`, by identity, with where they are: what its

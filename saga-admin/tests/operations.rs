@@ -394,6 +394,45 @@ async fn a_discarded_group_is_closed_without_sending_and_an_undo_opens_it_again(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_discard_reads_only_the_letters_identities_never_their_records() {
+    let f = Fixture::new("ops-discard-ids").await;
+    // More letters than one batch of a run.
+    let total = 150;
+    f.letters(&many("d", total, "charge", |i| format!("card {i} expired")))
+        .await;
+    let id = f.group("card <n> expired").await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let plan = operations::plan_discard(
+        &f.kafka_config(),
+        &f.db.pool,
+        std::slice::from_ref(&f.dlq),
+        &id,
+    )
+    .await
+    .unwrap();
+    let operation = operations::start(&f.db.pool, &plan, "heidi").await.unwrap();
+    // Run where no broker answers: a discard needs the letters' identities, which the index holds, and
+    // no record of theirs (a bulk discard of large letters must not load them).
+    let nowhere = KafkaConfig::new("127.0.0.1:1");
+    let done = operations::run(&nowhere, &f.db.pool, operation, &ReplayOptions::default())
+        .await
+        .unwrap();
+    assert_eq!((done.status.as_str(), done.done), ("done", total as i32));
+    let discarded: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM saga_dlq_discards WHERE operation_id = $1 AND undone_at IS NULL",
+    )
+    .bind(operation)
+    .fetch_one(&f.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(discarded, total as i64);
+    assert_eq!(f.group("card <n> expired").await["open"], 0, "closed");
+    assert_eq!(f.sent().await, 0, "nothing sent");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_group_replay_killed_midway_is_resumed_without_sending_any_letter_twice() {
     let f = Fixture::new("ops-resume").await;
     let total = 150;
