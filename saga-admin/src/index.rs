@@ -198,18 +198,6 @@ async fn sync_held(
         .execute(&mut *conn)
         .await?;
     }
-    // Unreadable letters an earlier version indexed under a group per header value: the topic's one group.
-    sqlx::query(
-        "UPDATE saga_dead_letters SET failure_group = $2 \
-         WHERE dlq_topic = $1 AND unreadable IS NOT NULL AND failure_group <> $2",
-    )
-    .bind(topic)
-    .bind(letters::failure_group(
-        topic,
-        &LetterFields::read(&[], None),
-    ))
-    .execute(&mut *conn)
-    .await?;
     Ok(())
 }
 

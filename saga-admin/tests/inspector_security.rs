@@ -1065,6 +1065,40 @@ async fn a_script_with_a_token_reads_the_api_and_replays_a_group_and_prometheus_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_the_broker_unreachable_the_metrics_keep_the_rest_and_say_what_is_missing() {
+    let i = Inspector::start("inspect-metrics-down", InspectOptions::default()).await;
+    // The same schema, served by an inspector whose broker does not answer.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(inspect::serve(
+        listener,
+        KafkaConfig::new("127.0.0.1:1"),
+        i.db.pool.clone(),
+        InspectOptions::default(),
+        i.stop.clone().cancelled_owned(),
+    ));
+    let host = addr.to_string();
+    let scraped = raw(addr, "GET", "/metrics", &[("host", host.as_str())], "").await;
+    assert_eq!(scraped.status, 200, "{}", scraped.body);
+    for line in [
+        "saga_inspector_scrape_errors{part=\"dead_letters\"} 1",
+        "saga_inspector_scrape_errors{part=\"outbox\"} 0",
+        "# TYPE saga_sagas_stuck gauge",
+    ] {
+        assert!(
+            scraped.body.lines().any(|l| l == line),
+            "{line}:\n{}",
+            scraped.body
+        );
+    }
+    assert!(
+        !scraped.body.contains("saga_dlq_open_letters{"),
+        "no dead-letter series from an index that could not be brought up to date:\n{}",
+        scraped.body
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_confirmation_acts_on_the_letters_its_preview_listed_or_on_none() {
     let i = Inspector::start("inspect-pinned", InspectOptions::default()).await;
     let host = i.host();

@@ -42,10 +42,14 @@ fn gauge(out: &mut String, name: &str, help: &str) {
 /// The metrics of `app`'s schema and dead-letter topics.
 pub(super) async fn render(app: &App) -> Result<String, AdminError> {
     let mut out = String::new();
-    let topics = app.dlq_topics().await?;
-    // A broker that cannot be reached leaves the dead letters' gauges out (a stale index must not pass for
-    // them), not the rest: the outbox's age matters most while Kafka is down.
-    let dead_letters_failed = match groups::groups(&app.kafka, &app.pool, &topics).await {
+    // A broker that cannot be reached (to find the dead-letter topics, or to bring their index up to date)
+    // leaves the dead letters' gauges out (a stale index must not pass for them), not the rest: the
+    // outbox's age matters most while Kafka is down.
+    let groups = match app.dlq_topics().await {
+        Ok(topics) => groups::groups(&app.kafka, &app.pool, &topics).await,
+        Err(e) => Err(e),
+    };
+    let dead_letters_failed = match groups {
         Ok(groups) => {
             open_letters(&mut out, &groups, MAX_GROUP_SERIES);
             false

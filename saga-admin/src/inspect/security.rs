@@ -139,20 +139,20 @@ pub(super) struct Guard {
     pending: std::sync::Mutex<Pending>,
 }
 
-/// Signed-in sessions: id → (the token's name, until when).
-type Logins = std::collections::HashMap<String, (String, std::time::Instant)>;
+/// Signed-in sessions: id → (the token's name, until when, when last used).
+type Logins = std::collections::HashMap<String, (String, std::time::Instant, std::time::Instant)>;
 
 /// How many sessions `name` holds.
 fn sessions_of(logins: &Logins, name: &str) -> usize {
-    logins.values().filter(|(n, _)| n == name).count()
+    logins.values().filter(|(n, _, _)| n == name).count()
 }
 
-/// Ends `name`'s session closest to its end.
+/// Ends `name`'s session used least recently.
 fn end_oldest(logins: &mut Logins, name: &str) {
     let oldest = logins
         .iter()
-        .filter(|(_, (n, _))| n == name)
-        .min_by_key(|(_, (_, until))| *until)
+        .filter(|(_, (n, _, _))| n == name)
+        .min_by_key(|(_, (_, _, used))| *used)
         .map(|(id, _)| id.clone());
     if let Some(id) = oldest {
         logins.remove(&id);
@@ -162,7 +162,7 @@ fn end_oldest(logins: &mut Logins, name: &str) {
 /// The name of the token holding the most sessions.
 fn busiest(logins: &Logins) -> Option<String> {
     let mut counts: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
-    for (name, _) in logins.values() {
+    for (name, _, _) in logins.values() {
         *counts.entry(name).or_default() += 1;
     }
     counts
@@ -281,14 +281,14 @@ impl Guard {
     /// The name the live session of `headers`' login cookie signed in as.
     fn signed_in(&self, headers: &HeaderMap) -> Option<String> {
         let id = cookie_value(headers, self.login_cookie())?;
-        let logins = self
+        let mut logins = self
             .logins
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        logins
-            .get(&id)
-            .filter(|(_, until)| *until > std::time::Instant::now())
-            .map(|(name, _)| name.clone())
+        let now = std::time::Instant::now();
+        let (name, _, used) = logins.get_mut(&id).filter(|(_, until, _)| *until > now)?;
+        *used = now;
+        Some(name.clone())
     }
 
     /// A new session signed in as `name`: its id.
@@ -299,19 +299,19 @@ impl Guard {
             .logins
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        logins.retain(|_, (_, until)| *until > now);
-        // Bounded per token: past its cap, this token's own oldest session ends.
+        logins.retain(|_, (_, until, _)| *until > now);
+        // Bounded per token: past its cap, this token's own session used least recently ends.
         while sessions_of(&logins, name) >= MAX_LOGINS_PER_TOKEN {
             end_oldest(&mut logins, name);
         }
-        // Bounded in all: past the cap, the oldest session of the token holding the most ends.
+        // Bounded in all: past the cap, the least recently used session of the token holding the most ends.
         while logins.len() >= MAX_LOGINS {
             let Some(busiest) = busiest(&logins) else {
                 break;
             };
             end_oldest(&mut logins, &busiest);
         }
-        logins.insert(id.clone(), (name.to_owned(), now + LOGIN_TTL));
+        logins.insert(id.clone(), (name.to_owned(), now + LOGIN_TTL, now));
         id
     }
 
@@ -615,6 +615,10 @@ fn login(
         return response;
     }
     let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, location)]).into_response();
+    // Signed in as this name already: the session goes on, no second one is opened.
+    if guard.signed_in(headers).is_some() {
+        return response;
+    }
     let id = guard.sign_in(name);
     if let Some(cookie) = guard.cookie_for(guard.login_cookie(), &id, Some(LOGIN_TTL)) {
         response.headers_mut().append(header::SET_COOKIE, cookie);
@@ -904,6 +908,26 @@ mod tests {
             "the newest session of the busy token is kept"
         );
         assert!(!logins.contains_key(&mallory[0]), "its oldest ended");
+        drop(logins);
+        // A session in use outlives idle ones of its token: its oldest, just used, is kept; the least
+        // recently used ends first.
+        let mut used = axum::http::HeaderMap::new();
+        used.insert(
+            axum::http::header::COOKIE,
+            format!(
+                "{LOGIN_COOKIE}={}",
+                mallory[MAX_LOGINS + 10 - MAX_LOGINS_PER_TOKEN]
+            )
+            .parse()
+            .unwrap(),
+        );
+        assert_eq!(g.signed_in(&used).as_deref(), Some("mallory"));
+        g.sign_in("mallory");
+        assert_eq!(
+            g.signed_in(&used).as_deref(),
+            Some("mallory"),
+            "in use, kept"
+        );
     }
 
     #[test]
