@@ -714,6 +714,9 @@ async fn run_held(
     Ok(())
 }
 
+/// The most bytes of a retry topic read at once while a resumed replay looks for what it sent.
+const SCAN_BYTES: usize = 16 << 20;
+
 /// The most letters of an operation read and acted on at once.
 const LETTERS_PER_BATCH: usize = 64;
 
@@ -769,11 +772,24 @@ async fn sent_by(
     topics.dedup();
     let mut sent = HashMap::new();
     for topic in topics {
-        for record in dlq::read_topic(kafka, topic).await? {
-            if record.header(saga_consumer::toolkit::replay::OPERATION) == Some(operation.as_str())
-                && let Some(letter) = record.header(saga_consumer::toolkit::replay::LETTER)
-            {
-                sent.insert(letter.to_owned(), (record.partition, record.offset));
+        for (partition, low, high) in crate::broker::partitions_of(kafka, topic).await? {
+            // In reads of bounded size (a retry topic holds every replay, of any size), keeping only
+            // where this operation's letters are.
+            let mut at = low;
+            while at < high {
+                let read = dlq::read_bounded(kafka, topic, partition, at, high, SCAN_BYTES).await?;
+                let Some(last) = read.last().map(|r| r.offset) else {
+                    break;
+                };
+                for record in read {
+                    if record.header(saga_consumer::toolkit::replay::OPERATION)
+                        == Some(operation.as_str())
+                        && let Some(letter) = record.header(saga_consumer::toolkit::replay::LETTER)
+                    {
+                        sent.insert(letter.to_owned(), (record.partition, record.offset));
+                    }
+                }
+                at = last + 1;
             }
         }
     }
