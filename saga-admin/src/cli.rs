@@ -1455,8 +1455,13 @@ impl Cli {
                     )
                 })
                 .collect::<String>();
+            let cut = found
+                .cut
+                .iter()
+                .map(|c| format!("\ncut: {}", one_line(c, 200)))
+                .collect::<String>();
             format!(
-                "{}{} events of key {} in {} services{unread}",
+                "{}{} events of key {} in {} services{unread}{cut}",
                 t.render(),
                 found.events.len(),
                 found.key,

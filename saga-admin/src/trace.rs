@@ -91,6 +91,31 @@ pub struct SagaTrace {
     /// Schemas whose dead letters could not be read (no dead-letter index), with why: the trace shows what
     /// it read, and says what it could not.
     pub unread: Vec<String>,
+    /// Lists cut at [`MOST_PER_LIST`], in words: the trace shows the first ones and says so.
+    pub cut: Vec<String>,
+}
+
+/// The most events of one kind a service's lane shows (steps, emitted events, transitions, replays, dead
+/// letters): past it the list is cut, and the trace says so.
+pub const MOST_PER_LIST: usize = 1_000;
+
+/// `rows` (read with a limit of one more than [`MOST_PER_LIST`]), cut at the bound, said in `cut`.
+fn bounded(
+    mut rows: Vec<sqlx::postgres::PgRow>,
+    schema: &str,
+    what: &str,
+    cut: &mut Vec<String>,
+) -> Vec<sqlx::postgres::PgRow> {
+    if rows.len() > MOST_PER_LIST {
+        rows.truncate(MOST_PER_LIST);
+        cut.push(format!("{schema}: only the first {MOST_PER_LIST} {what}"));
+    }
+    rows
+}
+
+/// The limit of a list's query: one more than is shown, to tell a full list from a cut one.
+fn limit() -> i64 {
+    i64::try_from(MOST_PER_LIST).unwrap_or(i64::MAX) + 1
 }
 
 /// The schemas of `pool`'s database that hold the framework's key table.
@@ -147,22 +172,25 @@ pub async fn trace(
     };
     let mut events = Vec::new();
     let mut unread = Vec::new();
+    let mut cut = Vec::new();
     for schema in &schemas {
         let mut of_schema = Vec::new();
+        let mut cut_of_schema = Vec::new();
+        let c = &mut cut_of_schema;
         let read = async {
             let tables = tables_of(pool, schema).await?;
-            steps(pool, schema, key, tenant, &mut of_schema).await?;
+            steps(pool, schema, key, tenant, &mut of_schema, c).await?;
             if tables.contains("saga_outbox") {
-                emitted(pool, schema, key, tenant, &mut of_schema).await?;
+                emitted(pool, schema, key, tenant, &mut of_schema, c).await?;
             }
             if tables.contains("saga_instances") {
-                transitions(pool, schema, key, tenant, &mut of_schema).await?;
+                transitions(pool, schema, key, tenant, &mut of_schema, c).await?;
             }
             if tables.contains("saga_dlq_replay_log") {
-                replays(pool, schema, key, tenant, &mut of_schema).await?;
+                replays(pool, schema, key, tenant, &mut of_schema, c).await?;
             }
             if tables.contains("saga_dead_letters") {
-                dead_letters(pool, schema, key, tenant, &mut of_schema).await?;
+                dead_letters(pool, schema, key, tenant, &mut of_schema, c).await?;
             } else if tables.contains("saga_consumer_groups") {
                 unread.push(format!(
                     "{schema}: no dead-letter index (its consumer predates it; `saga dlq list` there \
@@ -173,7 +201,10 @@ pub async fn trace(
         }
         .await;
         match read {
-            Ok(()) => events.append(&mut of_schema),
+            Ok(()) => {
+                events.append(&mut of_schema);
+                cut.append(&mut cut_of_schema);
+            }
             // A schema dropped while it was read (undefined table or schema): it holds nothing now.
             Err(AdminError::Database(sqlx::Error::Database(e)))
                 if matches!(e.code().as_deref(), Some("42P01" | "3F000")) =>
@@ -196,6 +227,7 @@ pub async fn trace(
         lanes,
         events,
         unread,
+        cut,
     })
 }
 
@@ -214,19 +246,22 @@ async fn steps(
     key: &str,
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
+    cut: &mut Vec<String>,
 ) -> Result<(), AdminError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT tenant_id, step_key, status, attempts, outcome::text, error, created_at, updated_at, \
                 request_hash IS NOT NULL \
          FROM {}.saga_idempotency_keys \
-         WHERE step_key LIKE $1 ESCAPE '\\' AND ($2::text IS NULL OR tenant_id = $2)",
+         WHERE step_key LIKE $1 ESCAPE '\\' AND ($2::text IS NULL OR tenant_id = $2) \
+         ORDER BY created_at LIMIT $3",
         ident(schema)
     )))
     .bind(keys_pattern(key))
     .bind(tenant)
+    .bind(limit())
     .fetch_all(pool)
     .await?;
-    for r in rows {
+    for r in bounded(rows, schema, "step keys", cut) {
         let step_key: String = r.try_get(1)?;
         // A key may itself hold ':'; only `{key}:{step}` with the exact key is this saga's.
         let Some((original, step)) = step_key.rsplit_once(':') else {
@@ -294,6 +329,7 @@ async fn emitted(
     key: &str,
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
+    cut: &mut Vec<String>,
 ) -> Result<(), AdminError> {
     // Older schemas lack the published position: read it where it is.
     let positioned: bool = sqlx::query_scalar(
@@ -312,14 +348,17 @@ async fn emitted(
         "SELECT topic, partition_key, headers, created_at, published_at, {position}, last_error, attempts \
          FROM {}.saga_outbox \
          WHERE headers @> ARRAY['idempotency-key', $1]::text[] AND ($2::text IS NULL OR tenant_id = $2) \
-         ORDER BY id",
+           AND EXISTS (SELECT 1 FROM generate_subscripts(headers, 1) AS i \
+                       WHERE i % 2 = 1 AND headers[i] = 'idempotency-key' AND headers[i + 1] = $1) \
+         ORDER BY id LIMIT $3",
         ident(schema)
     )))
     .bind(key)
     .bind(tenant)
+    .bind(limit())
     .fetch_all(pool)
     .await?;
-    for r in rows {
+    for r in bounded(rows, schema, "events emitted", cut) {
         let headers: Vec<String> = r.try_get(2)?;
         if header(&headers, "idempotency-key") != Some(key) {
             continue;
@@ -372,19 +411,21 @@ async fn transitions(
     key: &str,
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
+    cut: &mut Vec<String>,
 ) -> Result<(), AdminError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT i.saga_id::text, i.saga_type, t.version, t.at, t.from_status, t.to_status, t.step, t.cause \
          FROM {s}.saga_instances i JOIN {s}.saga_transitions t USING (saga_id) \
          WHERE i.idempotency_key = $1 AND ($2::text IS NULL OR i.tenant_id = $2) \
-         ORDER BY t.at, t.version",
+         ORDER BY t.at, t.version LIMIT $3",
         s = ident(schema)
     )))
     .bind(key)
     .bind(tenant)
+    .bind(limit())
     .fetch_all(pool)
     .await?;
-    for r in rows {
+    for r in bounded(rows, schema, "transitions", cut) {
         let saga_id: String = r.try_get(0)?;
         let saga_type: String = r.try_get(1)?;
         let version: i32 = r.try_get(2)?;
@@ -414,19 +455,21 @@ async fn replays(
     key: &str,
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
+    cut: &mut Vec<String>,
 ) -> Result<(), AdminError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT sent_at, operator, dlq_topic, dlq_partition, dlq_offset, consumer_group, retry_topic, \
                 retry_partition, retry_offset \
          FROM {}.saga_dlq_replay_log \
-         WHERE idempotency_key = $1 AND ($2::text IS NULL OR tenant_id = $2) ORDER BY sent_at",
+         WHERE idempotency_key = $1 AND ($2::text IS NULL OR tenant_id = $2) ORDER BY sent_at LIMIT $3",
         ident(schema)
     )))
     .bind(key)
     .bind(tenant)
+    .bind(limit())
     .fetch_all(pool)
     .await?;
-    for r in rows {
+    for r in bounded(rows, schema, "replays", cut) {
         let operator: String = r.try_get(1)?;
         let (topic, p, o): (String, i32, i64) = (r.try_get(2)?, r.try_get(3)?, r.try_get(4)?);
         let group: String = r.try_get(5)?;
@@ -449,19 +492,21 @@ async fn dead_letters(
     key: &str,
     tenant: Option<&str>,
     events: &mut Vec<TraceEvent>,
+    cut: &mut Vec<String>,
 ) -> Result<(), AdminError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT failed_at, dlq_topic, dlq_partition, dlq_offset, original_topic, original_partition, \
                 original_offset, attempts, error, reason, coalesce(step, consumer_group) \
          FROM {}.saga_dead_letters WHERE idempotency_key = $1 AND ($2::text IS NULL OR tenant_id = $2) \
-         ORDER BY failed_at LIMIT 1000",
+         ORDER BY failed_at LIMIT $3",
         ident(schema)
     )))
     .bind(key)
     .bind(tenant)
+    .bind(limit())
     .fetch_all(pool)
     .await?;
-    for r in rows {
+    for r in bounded(rows, schema, "dead letters", cut) {
         let (topic, partition, offset): (String, i32, i64) =
             (r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
         let (original, original_partition, original_offset): (String, i32, i64) =

@@ -1042,6 +1042,11 @@ pub(super) fn trace(t: &SagaTrace) -> String {
         body.push_str(&esc(&t.unread.join("; ")));
         body.push_str("</p>");
     }
+    if !t.cut.is_empty() {
+        body.push_str("<p class=\"warning\" id=\"trace-cut\">Cut: ");
+        body.push_str(&esc(&t.cut.join("; ")));
+        body.push_str("</p>");
+    }
     if t.events.is_empty() {
         body.push_str(
             "<p class=\"empty\" id=\"trace-empty\">Nothing is stored for this key (any more).</p>",

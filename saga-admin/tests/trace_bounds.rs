@@ -1,0 +1,60 @@
+//! `saga trace` reads bounded lists: on a schema whose outbox holds more events of one key than a lane
+//! shows, and many rows whose headers carry the key's text under another name (a tenant value every row
+//! carries), the trace shows the key's first events only, says the list was cut, and never takes another
+//! header's value for the key.
+
+use saga_admin::trace::{self, EventKind, MOST_PER_LIST};
+use saga_test_support::TestDb;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_matches_the_key_exactly_and_says_when_a_list_is_cut() {
+    let db = TestDb::new("trace-bounds").await;
+    let more = i64::try_from(MOST_PER_LIST).unwrap() + 5;
+    // The key's own events, more than a lane shows.
+    sqlx::query(
+        "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload) \
+         SELECT 'default', 'orders', 'k', \
+                ARRAY['ce_type', 'OrderCreated', 'ce_source', 'create-order', 'idempotency-key', 'k-1'], \
+                '{}'::bytea \
+         FROM generate_series(1, $1)",
+    )
+    .bind(more)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Rows of other keys whose headers hold "default" (the tenant's value) and "k-1" as a value of
+    // another header: neither is the key `default`.
+    sqlx::query(
+        "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload) \
+         SELECT 'default', 'orders', 'other', \
+                ARRAY['tenant-id', 'default', 'idempotency-key', 'other-' || n, 'note', 'idempotency-key'], \
+                '{}'::bytea \
+         FROM generate_series(1, 50) AS n",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let schemas = std::slice::from_ref(&db.schema);
+    let found = trace::trace(&db.pool, "k-1", None, schemas).await.unwrap();
+    let emitted = found
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::Emitted)
+        .count();
+    assert_eq!(emitted, MOST_PER_LIST, "the list is bounded");
+    assert_eq!(found.cut.len(), 1, "{:?}", found.cut);
+    assert!(found.cut[0].contains("events emitted"), "{:?}", found.cut);
+
+    // `default` is a value every row carries, never an idempotency key here: nothing, and nothing cut.
+    let none = trace::trace(&db.pool, "default", None, schemas)
+        .await
+        .unwrap();
+    assert!(none.events.is_empty(), "{:?}", none.events.len());
+    assert!(none.cut.is_empty(), "{:?}", none.cut);
+    // A header's name in a value's place is not a key either.
+    let other = trace::trace(&db.pool, "other-7", None, schemas)
+        .await
+        .unwrap();
+    assert_eq!(other.events.len(), 1);
+}
