@@ -572,12 +572,7 @@ async fn run_held(
             owners.insert(topic.clone(), dlq::owner_of(pool, topic).await?);
         }
     }
-    let runs: i32 = sqlx::query_scalar(
-        "UPDATE saga_dlq_operations SET runs = runs + 1, updated_at = now() WHERE id = $1 RETURNING runs",
-    )
-    .bind(id)
-    .fetch_one(pool)
-    .await?;
+    let (runs, run_by) = begin_run(pool, operation, options).await?;
     // A run that died may have sent letters it had no time to record: found in the retry topics by the
     // operation and letter their headers name, they are recorded, not sent again.
     let sent_before = if runs > 1 && operation.kind == OperationKind::Replay {
@@ -585,22 +580,6 @@ async fn run_held(
     } else {
         HashMap::new()
     };
-    // The run's sends and discards are recorded under whoever runs it: the starter for the first run,
-    // whoever resumed it for the others.
-    let run_by = if options.operator.trim().is_empty() {
-        operation.operator.clone()
-    } else {
-        options.operator.clone()
-    };
-    sqlx::query(
-        "INSERT INTO saga_dlq_operation_runs (operation_id, run, operator) VALUES ($1, $2, $3) \
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(id)
-    .bind(runs)
-    .bind(&run_by)
-    .execute(pool)
-    .await?;
     let mut replay_options = options.clone();
     replay_options.operator.clone_from(&run_by);
     replay_options.dry_run = false;
@@ -609,46 +588,19 @@ async fn run_held(
     for batch in pending.chunks(LETTERS_PER_BATCH) {
         let letters = letters_of(kafka, pool, operation.kind, batch).await?;
         for (seq, topic, partition, offset, hash) in batch.iter().cloned() {
-            let cancelled: bool = sqlx::query_scalar(
-                "SELECT cancel_requested FROM saga_dlq_operations WHERE id = $1",
-            )
-            .bind(id)
-            .fetch_one(pool)
-            .await?;
-            if cancelled {
-                sqlx::query(
-                    "UPDATE saga_dlq_operations SET status = 'cancelled', finished_at = now(), updated_at = now() \
-                     WHERE id = $1",
-                )
-                .bind(id)
-                .execute(pool)
-                .await?;
+            if ended_by_cancel(pool, id).await? {
                 return Ok(());
             }
             let mut conn = pool.acquire().await?;
             match operation.kind {
                 OperationKind::UndoDiscard => {
-                    let undoes = operation.selection["undoes"].as_i64().unwrap_or_default();
-                    let restored = sqlx::query(
-                        "UPDATE saga_dlq_discards SET undone_at = now(), undone_by = $6, undo_operation_id = $7 \
-                         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3 AND letter_hash = $4 \
-                           AND operation_id = $5 AND undone_at IS NULL",
+                    undo_one(
+                        &mut conn,
+                        operation,
+                        seq,
+                        (&topic, partition, offset, &hash),
                     )
-                    .bind(&topic)
-                    .bind(partition)
-                    .bind(offset)
-                    .bind(&hash)
-                    .bind(undoes)
-                    .bind(&operation.operator)
-                    .bind(id)
-                    .execute(&mut *conn)
                     .await?;
-                    let (outcome, detail) = if restored.rows_affected() == 1 {
-                        ("done", "open again")
-                    } else {
-                        ("skipped", "no longer discarded")
-                    };
-                    record(&mut conn, id, seq, outcome, detail).await?;
                 }
                 OperationKind::Discard | OperationKind::Replay => {
                     let Some(letter) =
@@ -711,6 +663,92 @@ async fn run_held(
     .bind(id)
     .execute(pool)
     .await?;
+    Ok(())
+}
+
+/// Whether operation `id` was asked to stop: if so, it is marked cancelled (its run stops before its next
+/// letter).
+async fn ended_by_cancel(pool: &PgPool, id: i64) -> Result<bool, AdminError> {
+    let cancelled: bool =
+        sqlx::query_scalar("SELECT cancel_requested FROM saga_dlq_operations WHERE id = $1")
+            .bind(id)
+            .fetch_one(pool)
+            .await?;
+    if cancelled {
+        sqlx::query(
+            "UPDATE saga_dlq_operations SET status = 'cancelled', finished_at = now(), updated_at = now() \
+             WHERE id = $1",
+        )
+        .bind(id)
+        .execute(pool)
+        .await?;
+    }
+    Ok(cancelled)
+}
+
+/// Counts a new run of `operation` and records who runs it: the starter for the first run, whoever resumed
+/// it for the others (`options.operator`). The run's number and its operator.
+async fn begin_run(
+    pool: &PgPool,
+    operation: &Operation,
+    options: &ReplayOptions,
+) -> Result<(i32, String), AdminError> {
+    let id = operation.id;
+    let runs: i32 = sqlx::query_scalar(
+        "UPDATE saga_dlq_operations SET runs = runs + 1, updated_at = now() WHERE id = $1 RETURNING runs",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await?;
+    // The run's sends and discards are recorded under whoever runs it: the starter for the first run,
+    // whoever resumed it for the others.
+    let run_by = if options.operator.trim().is_empty() {
+        operation.operator.clone()
+    } else {
+        options.operator.clone()
+    };
+    sqlx::query(
+        "INSERT INTO saga_dlq_operation_runs (operation_id, run, operator) VALUES ($1, $2, $3) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(id)
+    .bind(runs)
+    .bind(&run_by)
+    .execute(pool)
+    .await?;
+    Ok((runs, run_by))
+}
+
+/// Makes the letter at (`topic`, `partition`, `offset`) with identity `hash` open again for undo operation
+/// `operation` (its letter `seq`), if the discard it undoes still holds it.
+async fn undo_one(
+    conn: &mut sqlx::PgConnection,
+    operation: &Operation,
+    seq: i32,
+    (topic, partition, offset, hash): (&str, i32, i64, &str),
+) -> Result<(), AdminError> {
+    let id = operation.id;
+    let undoes = operation.selection["undoes"].as_i64().unwrap_or_default();
+    let restored = sqlx::query(
+        "UPDATE saga_dlq_discards SET undone_at = now(), undone_by = $6, undo_operation_id = $7 \
+         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3 AND letter_hash = $4 \
+           AND operation_id = $5 AND undone_at IS NULL",
+    )
+    .bind(topic)
+    .bind(partition)
+    .bind(offset)
+    .bind(hash)
+    .bind(undoes)
+    .bind(&operation.operator)
+    .bind(id)
+    .execute(&mut *conn)
+    .await?;
+    let (outcome, detail) = if restored.rows_affected() == 1 {
+        ("done", "open again")
+    } else {
+        ("skipped", "no longer discarded")
+    };
+    record(conn, id, seq, outcome, detail).await?;
     Ok(())
 }
 
