@@ -499,39 +499,14 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
             )));
         }
         if request.uri().path() == LOGIN_PATH {
-            let reference = query_value(request.uri().query(), "n").unwrap_or_default();
-            if request.method() == Method::POST {
-                check_own_form(guard, request, existing.is_some(), &session).await?;
-                let fields = request
-                    .extensions()
-                    .get::<FormFields>()
-                    .cloned()
-                    .unwrap_or_default();
-                return Ok(Checked::Redirect(
-                    match guard.take_pending(fields.get("n").unwrap_or_default()) {
-                        Some((name, location)) => {
-                            login(guard, request.headers(), &name, &location, &session, None)
-                        }
-                        None => expired_sign_in(),
-                    },
-                ));
-            }
-            return Ok(Checked::Redirect(match guard.pending_name(&reference) {
-                Some(name) => {
-                    let mut response = Html(pages::confirm_login(
-                        &name,
-                        LOGIN_PATH,
-                        &[
-                            (CSRF_FIELD, guard.csrf_of(&session).as_str()),
-                            ("n", reference.as_str()),
-                        ],
-                    ))
-                    .into_response();
-                    guard.set_session(&mut response, new_session.as_deref());
-                    response
-                }
-                None => expired_sign_in(),
-            }));
+            let answer = login_page(
+                guard,
+                request,
+                existing.is_some(),
+                &session,
+                new_session.as_deref(),
+            );
+            return Ok(Checked::Redirect(answer.await?));
         }
         let headers = request.headers();
         let authorization = headers
@@ -566,14 +541,7 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
     }
 
     if request.method() == Method::POST && request.uri().path() == LOGOUT_PATH {
-        guard.sign_out(request.headers());
-        let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, "/")]).into_response();
-        if let Some(cookie) =
-            guard.cookie_for(guard.login_cookie(), "", Some(std::time::Duration::ZERO))
-        {
-            response.headers_mut().append(header::SET_COOKIE, cookie);
-        }
-        return Ok(Checked::Redirect(response));
+        return Ok(Checked::Redirect(signed_out(guard, request.headers())));
     }
 
     request.extensions_mut().insert(Caller {
@@ -583,6 +551,62 @@ async fn check(guard: &Guard, request: &mut Request) -> Result<Checked, Response
         scripted: bearer,
     });
     Ok(Checked::Pass { new_session })
+}
+
+/// Ends the session of `headers`' login cookie: the answer expires the cookie and goes to the overview.
+fn signed_out(guard: &Guard, headers: &HeaderMap) -> Response {
+    guard.sign_out(headers);
+    let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, "/")]).into_response();
+    if let Some(cookie) =
+        guard.cookie_for(guard.login_cookie(), "", Some(std::time::Duration::ZERO))
+    {
+        response.headers_mut().append(header::SET_COOKIE, cookie);
+    }
+    response
+}
+
+/// The sign-in page of a link followed from another site ([`LOGIN_PATH`]): a GET shows the button that
+/// finishes the sign-in, with the session's CSRF token; its POST (this inspector's own form) signs in.
+async fn login_page(
+    guard: &Guard,
+    request: &mut Request,
+    existing: bool,
+    session: &str,
+    new_session: Option<&str>,
+) -> Result<Response, Response> {
+    let reference = query_value(request.uri().query(), "n").unwrap_or_default();
+    if request.method() == Method::POST {
+        check_own_form(guard, request, existing, session).await?;
+        let fields = request
+            .extensions()
+            .get::<FormFields>()
+            .cloned()
+            .unwrap_or_default();
+        return Ok(
+            match guard.take_pending(fields.get("n").unwrap_or_default()) {
+                Some((name, location)) => {
+                    login(guard, request.headers(), &name, &location, session, None)
+                }
+                None => expired_sign_in(),
+            },
+        );
+    }
+    Ok(match guard.pending_name(&reference) {
+        Some(name) => {
+            let mut response = Html(pages::confirm_login(
+                &name,
+                LOGIN_PATH,
+                &[
+                    (CSRF_FIELD, guard.csrf_of(session).as_str()),
+                    ("n", reference.as_str()),
+                ],
+            ))
+            .into_response();
+            guard.set_session(&mut response, new_session);
+            response
+        }
+        None => expired_sign_in(),
+    })
 }
 
 /// A sign-in as `name` (whose token was presented): a session of its own (the token never goes into a
