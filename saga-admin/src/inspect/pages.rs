@@ -287,53 +287,7 @@ fn operations_table(ops: &[Operation]) -> String {
 /// consumer lag.
 pub(super) fn overview(o: &Overview, _caller: &Caller) -> String {
     let mut body = trace_search("", "");
-    body.push_str("<h2>Sagas by status</h2>");
-    match &o.sagas_by_status {
-        None => body.push_str("<p class=\"empty\">This schema keeps no orchestrated sagas.</p>"),
-        Some(counts) if counts.is_empty() => {
-            body.push_str("<p class=\"empty\">No saga instances.</p>");
-        }
-        Some(counts) => {
-            body.push_str("<table id=\"sagas-by-status\"><tr><th>status</th><th>sagas</th></tr>");
-            for (status, n) in counts {
-                let _ = write!(
-                    body,
-                    "<tr data-status=\"{s}\"><td class=\"{s}\">{s}</td><td class=\"num\">{n}</td></tr>",
-                    s = esc(status)
-                );
-            }
-            body.push_str("</table>");
-            let _ = write!(
-                body,
-                "<h2>Stuck sagas (unmoved for {})</h2>",
-                esc(&o.stuck_for)
-            );
-            if o.stuck.is_empty() {
-                body.push_str("<p class=\"empty\" id=\"stuck-sagas\">None.</p>");
-            } else {
-                body.push_str(
-                    "<table id=\"stuck-sagas\"><tr><th>saga</th><th>type</th><th>key</th><th>status</th>\
-                     <th>last moved</th><th>timer failures</th><th>why stuck</th></tr>",
-                );
-                for s in &o.stuck {
-                    let _ = write!(
-                        body,
-                        "<tr><td><a href=\"/sagas/{id}\">{id}</a></td><td>{}</td><td>{}</td>\
-                         <td class=\"{st}\">{st}</td><td>{}</td><td class=\"num\">{}</td>\
-                         <td class=\"stuck-reason\">{}</td></tr>",
-                        esc(&s.saga_type),
-                        esc(&s.idempotency_key),
-                        s.updated_at.format("%Y-%m-%d %H:%M:%S"),
-                        s.timer_failures,
-                        esc(s.stuck_reason.as_deref().unwrap_or("unmoved")),
-                        id = s.saga_id,
-                        st = esc(&s.status)
-                    );
-                }
-                body.push_str("</table>");
-            }
-        }
-    }
+    body.push_str(&sagas_section(o));
 
     body.push_str("<h2>Failure groups</h2>");
     body.push_str(&groups_table(&o.failure_groups));
@@ -390,6 +344,66 @@ pub(super) fn overview(o: &Overview, _caller: &Caller) -> String {
         }
     }
 
+    body.push_str(&lag_section(o));
+    page("Sagas at a glance", &body)
+}
+
+/// The overview's sagas by status and its stuck sagas.
+fn sagas_section(o: &Overview) -> String {
+    let mut body = String::new();
+    body.push_str("<h2>Sagas by status</h2>");
+    match &o.sagas_by_status {
+        None => body.push_str("<p class=\"empty\">This schema keeps no orchestrated sagas.</p>"),
+        Some(counts) if counts.is_empty() => {
+            body.push_str("<p class=\"empty\">No saga instances.</p>");
+        }
+        Some(counts) => {
+            body.push_str("<table id=\"sagas-by-status\"><tr><th>status</th><th>sagas</th></tr>");
+            for (status, n) in counts {
+                let _ = write!(
+                    body,
+                    "<tr data-status=\"{s}\"><td class=\"{s}\">{s}</td><td class=\"num\">{n}</td></tr>",
+                    s = esc(status)
+                );
+            }
+            body.push_str("</table>");
+            let _ = write!(
+                body,
+                "<h2>Stuck sagas (unmoved for {})</h2>",
+                esc(&o.stuck_for)
+            );
+            if o.stuck.is_empty() {
+                body.push_str("<p class=\"empty\" id=\"stuck-sagas\">None.</p>");
+            } else {
+                body.push_str(
+                    "<table id=\"stuck-sagas\"><tr><th>saga</th><th>type</th><th>key</th><th>status</th>\
+                     <th>last moved</th><th>timer failures</th><th>why stuck</th></tr>",
+                );
+                for s in &o.stuck {
+                    let _ = write!(
+                        body,
+                        "<tr><td><a href=\"/sagas/{id}\">{id}</a></td><td>{}</td><td>{}</td>\
+                         <td class=\"{st}\">{st}</td><td>{}</td><td class=\"num\">{}</td>\
+                         <td class=\"stuck-reason\">{}</td></tr>",
+                        esc(&s.saga_type),
+                        esc(&s.idempotency_key),
+                        s.updated_at.format("%Y-%m-%d %H:%M:%S"),
+                        s.timer_failures,
+                        esc(s.stuck_reason.as_deref().unwrap_or("unmoved")),
+                        id = s.saga_id,
+                        st = esc(&s.status)
+                    );
+                }
+                body.push_str("</table>");
+            }
+        }
+    }
+    body
+}
+
+/// The overview's consumer lag, a table per consumer group.
+fn lag_section(o: &Overview) -> String {
+    let mut body = String::new();
     body.push_str("<h2>Consumer lag</h2>");
     if o.lag.is_empty() {
         body.push_str("<p class=\"empty\">No consumer group recorded in this schema.</p>");
@@ -425,7 +439,7 @@ pub(super) fn overview(o: &Overview, _caller: &Caller) -> String {
         }
         body.push_str("</table>");
     }
-    page("Sagas at a glance", &body)
+    body
 }
 
 /// A saga: its state, its timeline, its keys, its compensations.
