@@ -252,13 +252,18 @@ async fn steps(
         "SELECT tenant_id, step_key, status, attempts, outcome::text, error, created_at, updated_at, \
                 request_hash IS NOT NULL \
          FROM {}.saga_idempotency_keys \
-         WHERE step_key LIKE $1 ESCAPE '\\' AND ($2::text IS NULL OR tenant_id = $2) \
+         WHERE step_key ~>=~ $4 AND step_key ~<~ $5 AND step_key LIKE $1 ESCAPE '\\' \
+           AND ($2::text IS NULL OR tenant_id = $2) \
          ORDER BY created_at LIMIT $3",
         ident(schema)
     )))
     .bind(keys_pattern(key))
     .bind(tenant)
     .bind(limit())
+    // `{key}:` up to `{key};` byte-wise: the step keys of `key`, found through the index
+    // `saga_idempotency_keys_step_key` (text_pattern_ops) whatever the database's collation.
+    .bind(format!("{key}:"))
+    .bind(format!("{key};"))
     .fetch_all(pool)
     .await?;
     for r in bounded(rows, schema, "step keys", cut) {
@@ -344,12 +349,29 @@ async fn emitted(
     } else {
         "NULL::int, NULL::bigint"
     };
+    // Through the index on the header (`saga_outbox_idempotency_key`) where the schema has it; older
+    // schemas are scanned.
+    let indexed: bool = sqlx::query_scalar(
+        "SELECT to_regprocedure(quote_ident($1) || '.saga_header(text[], text)') IS NOT NULL",
+    )
+    .bind(schema)
+    .fetch_one(pool)
+    .await?;
+    let matches = if indexed {
+        format!(
+            "{}.saga_header(headers, 'idempotency-key') = $1",
+            ident(schema)
+        )
+    } else {
+        "headers @> ARRAY['idempotency-key', $1]::text[] \
+         AND EXISTS (SELECT 1 FROM generate_subscripts(headers, 1) AS i \
+                     WHERE i % 2 = 1 AND headers[i] = 'idempotency-key' AND headers[i + 1] = $1)"
+            .to_owned()
+    };
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT topic, partition_key, headers, created_at, published_at, {position}, last_error, attempts \
          FROM {}.saga_outbox \
-         WHERE headers @> ARRAY['idempotency-key', $1]::text[] AND ($2::text IS NULL OR tenant_id = $2) \
-           AND EXISTS (SELECT 1 FROM generate_subscripts(headers, 1) AS i \
-                       WHERE i % 2 = 1 AND headers[i] = 'idempotency-key' AND headers[i + 1] = $1) \
+         WHERE {matches} AND ($2::text IS NULL OR tenant_id = $2) \
          ORDER BY id LIMIT $3",
         ident(schema)
     )))

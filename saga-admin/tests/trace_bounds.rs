@@ -1,7 +1,7 @@
 //! `saga trace` reads bounded lists: on a schema whose outbox holds more events of one key than a lane
 //! shows, and many rows whose headers carry the key's text under another name (a tenant value every row
 //! carries), the trace shows the key's first events only, says the list was cut, and never takes another
-//! header's value for the key.
+//! header's value for the key. Both the events and the step keys are found through an index.
 
 use saga_admin::trace::{self, EventKind, MOST_PER_LIST};
 use saga_test_support::TestDb;
@@ -57,4 +57,56 @@ async fn a_trace_matches_the_key_exactly_and_says_when_a_list_is_cut() {
         .await
         .unwrap();
     assert_eq!(other.events.len(), 1);
+
+    // Step keys: the key's own (`other-7:…`), among thousands of others and keys it prefixes (`other-70`).
+    sqlx::query(
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) \
+         SELECT 'default', 'other-' || n || ':' || step, 'completed' \
+         FROM generate_series(1, 3000) AS n, unnest(ARRAY['charge', 'ship']) AS step",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE saga_outbox, saga_idempotency_keys")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let scans = || async {
+        let scans: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT indexrelname::text, idx_scan FROM pg_stat_user_indexes \
+             WHERE schemaname = current_schema() \
+               AND indexrelname IN ('saga_outbox_idempotency_key', 'saga_idempotency_keys_step_key') \
+             ORDER BY 1",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        scans
+    };
+    let before = scans().await;
+    let other = trace::trace(&db.pool, "other-7", None, schemas)
+        .await
+        .unwrap();
+    let mut steps: Vec<&str> = other
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::Step)
+        .map(|e| e.subject.as_str())
+        .collect();
+    steps.sort_unstable();
+    assert_eq!(
+        steps,
+        ["charge", "ship"],
+        "its own step keys, not other-70's"
+    );
+    // Both lists read through their index (the statistics arrive within a second or so).
+    saga_test_support::wait_until(
+        "index scans",
+        std::time::Duration::from_secs(20),
+        || async {
+            let after = scans().await;
+            (after.len() == 2 && after.iter().zip(&before).all(|(a, b)| a.1 > b.1)).then_some(())
+        },
+    )
+    .await;
 }
