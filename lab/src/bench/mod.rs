@@ -52,10 +52,23 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-/// Progress lines with the time since the start.
+/// Progress lines with the time since the start, and the running section's deadline: a section that runs
+/// past it ends the run, saying what the section last said it was doing.
 #[derive(Debug)]
 pub struct Progress {
     started: Instant,
+    watch: std::sync::Arc<Mutex<Watch>>,
+}
+
+/// What the watchdog of a run checks.
+#[derive(Debug, Default)]
+struct Watch {
+    /// The running section, when it started, and its deadline.
+    section: Option<(String, Instant, Duration)>,
+    /// What it last said it was doing.
+    doing: String,
+    /// Whether the watchdog's thread runs.
+    watching: bool,
 }
 
 impl Default for Progress {
@@ -69,12 +82,55 @@ impl Progress {
     pub fn new() -> Self {
         Self {
             started: Instant::now(),
+            watch: std::sync::Arc::default(),
         }
     }
 
-    /// Prints `what` with the elapsed time.
+    /// Prints `what` with the elapsed time; it is also what the running section is doing.
     pub fn note(&self, what: &str) {
         eprintln!("[{:>6.1}s] {what}", self.started.elapsed().as_secs_f64());
+        self.doing(what);
+    }
+
+    /// Says what the running section waits for now (without printing it).
+    pub fn doing(&self, what: &str) {
+        lock(&self.watch).doing = what.to_owned();
+    }
+
+    /// Starts section `name`, which must end within `limit`: past it, the run ends (exit code 1) with a
+    /// line naming the section and what it was doing. Returns `true`, for `if section(..) && begin(..)`.
+    pub fn begin_section(&self, name: &str, limit: Duration) -> bool {
+        let mut watch = lock(&self.watch);
+        watch.section = Some((name.to_owned(), Instant::now(), limit));
+        watch.doing = "starting".to_owned();
+        if !watch.watching {
+            watch.watching = true;
+            let shared = std::sync::Arc::clone(&self.watch);
+            std::thread::spawn(move || watchdog(&shared));
+        }
+        true
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Ends the process once the running section of `watch` is past its deadline.
+fn watchdog(watch: &Mutex<Watch>) {
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let w = lock(watch);
+        if let Some((name, started, limit)) = &w.section
+            && started.elapsed() > *limit
+        {
+            eprintln!(
+                "saga-bench: section {name} did not end within {} s; it was: {}",
+                limit.as_secs(),
+                w.doing
+            );
+            std::process::exit(1);
+        }
     }
 }
 

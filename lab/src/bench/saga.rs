@@ -136,6 +136,30 @@ async fn hops(pool: &PgPool, args: &ServiceArgs, from: DateTime<Utc>) -> anyhow:
     Ok(hops)
 }
 
+/// How long the services may take to answer on the order API.
+const START_LIMIT: Duration = Duration::from_secs(60);
+
+/// Returns once the order API at `addr` answers (a 404 for an order that does not exist), each try bounded.
+async fn api_answers(addr: std::net::SocketAddr) {
+    loop {
+        let tried = tokio::time::timeout(
+            Duration::from_secs(2),
+            client::send(
+                addr,
+                "GET",
+                "/orders/00000000-0000-0000-0000-000000000000",
+                &[],
+                None,
+            ),
+        )
+        .await;
+        if matches!(tried, Ok(Ok(a)) if a.status == 404) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Submits `warmup` happy-path orders, then `orders` more, at `per_second`; returns the end-to-end latency
 /// and its hops of the `orders` (the first sagas also pay for connections, plans and producers' metadata,
 /// once per process).
@@ -148,31 +172,32 @@ pub async fn latency(
     progress: &Progress,
 ) -> anyhow::Result<SagaLatency> {
     let stop = CancellationToken::new();
-    let services: Vec<_> = Service::ALL
-        .iter()
-        .map(|s| {
-            tokio::spawn(saga_examples::service::run(
-                *s,
-                args.clone(),
-                stop.clone().cancelled_owned(),
-            ))
-        })
-        .collect();
-    // Wait for the API and for the consumers to have joined their groups.
-    loop {
-        if client::send(
-            args.http_addr,
-            "GET",
-            "/orders/00000000-0000-0000-0000-000000000000",
-            &[],
-            None,
-        )
-        .await
-        .is_ok_and(|a| a.status == 404)
-        {
-            break;
+    let mut services = tokio::task::JoinSet::new();
+    for s in Service::ALL {
+        let run = saga_examples::service::run(s, args.clone(), stop.clone().cancelled_owned());
+        services.spawn(async move { (s, run.await) });
+    }
+    // Wait for the API and for the consumers to have joined their groups; a service that stops first, or
+    // an API that does not answer in time, ends the section with the reason.
+    progress.doing(&format!(
+        "waiting for the order API at {} (the services starting)",
+        args.http_addr
+    ));
+    tokio::select! {
+        () = api_answers(args.http_addr) => {}
+        Some(stopped) = services.join_next() => {
+            let (service, result) = stopped?;
+            anyhow::bail!(
+                "the {} service stopped before the order API answered: {}",
+                service.as_str(),
+                result.err().map_or_else(|| "it returned".to_owned(), |e| format!("{e:#}"))
+            );
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        () = tokio::time::sleep(START_LIMIT) => anyhow::bail!(
+            "the order API at {} did not answer within {} s",
+            args.http_addr,
+            START_LIMIT.as_secs()
+        ),
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
 
@@ -192,8 +217,9 @@ pub async fn latency(
         .await?;
     submit(args, pool, happy.take(orders), per_second, progress).await?;
     stop.cancel();
-    for s in services {
-        s.await??;
+    while let Some(stopped) = services.join_next().await {
+        let (service, result) = stopped?;
+        result.map_err(|e| anyhow::anyhow!("the {} service: {e:#}", service.as_str()))?;
     }
     let order = quote_ident(&args.schema(Service::Order));
     // The hops are read from the outbox's rows: the write-ahead log keeps none.
