@@ -16,6 +16,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 
 use crate::AdminError;
+use crate::audit::{self, Action, Actor, Via};
 use crate::dlq::{self, DlqFilter, ReplayOptions};
 use crate::duration;
 use crate::inspect::{self, InspectOptions};
@@ -38,7 +39,7 @@ pub async fn main() -> ExitCode {
         .into()));
     }
     let cli: Cli = saga_consumer::toolkit::parse();
-    saga_consumer::toolkit::exit_code(cli.execute().await)
+    saga_consumer::toolkit::exit_code(cli.run().await)
 }
 
 /// Whether `args` (the command line after the program's name) give the inspector's tokens as flags
@@ -66,6 +67,11 @@ struct Cli {
     /// Print JSON instead of a table.
     #[arg(long, global = true)]
     json: bool,
+    /// Where the dead-letter index cannot be brought up to date (the broker unreachable or refusing, a
+    /// database user that may not write it), read it as it is, with a warning that says how stale it is,
+    /// instead of failing.
+    #[arg(long, global = true)]
+    as_indexed: bool,
     /// What to do.
     #[command(subcommand)]
     command: Command,
@@ -122,6 +128,22 @@ enum Command {
         /// Only these service schemas (default: every schema with saga keys).
         #[arg(long = "in-schema")]
         schemas: Vec<String>,
+    },
+    /// The audit log: every state-changing action of the command and the page (who, why, when, what it
+    /// touched, its outcome), newest first.
+    Audit {
+        /// Only this operator's.
+        #[arg(long)]
+        operator: Option<String>,
+        /// Only this action's (`dlq replay`, `keys release`, `outbox retry`, ...).
+        #[arg(long)]
+        action: Option<String>,
+        /// Only those within this long (90s, 15m, 2h, 7d).
+        #[arg(long)]
+        since: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
     },
     /// Serve the inspector page.
     Inspect {
@@ -226,9 +248,8 @@ enum DlqCommand {
         /// Refuse a message replayed this many times already (unless --force).
         #[arg(long, default_value_t = 3)]
         max_replays: u32,
-        /// Who replays, recorded with each send (default: the OS user).
-        #[arg(long)]
-        operator: Option<String>,
+        #[command(flatten)]
+        by: ActorArgs,
         /// With --group: do it without asking.
         #[arg(long, requires = "group")]
         yes: bool,
@@ -261,9 +282,8 @@ enum DlqCommand {
         /// Do it without asking.
         #[arg(long)]
         yes: bool,
-        /// Who discards (default: the OS user).
-        #[arg(long)]
-        operator: Option<String>,
+        #[command(flatten)]
+        by: ActorArgs,
     },
     /// Bulk operations (group replays, discards, undos): list them, show one, cancel or resume one.
     Operations {
@@ -296,18 +316,38 @@ enum OperationsCommand {
     Cancel {
         /// The operation.
         id: i64,
-        /// Who asks (recorded with the operation; default: the OS user).
-        #[arg(long)]
-        operator: Option<String>,
+        #[command(flatten)]
+        by: ActorArgs,
     },
     /// Go on with an operation whose run stopped (the process died): the letters not done yet, none twice.
     Resume {
         /// The operation.
         id: i64,
-        /// Who resumes (the run's sends and discards are recorded under this name; default: the OS user).
-        #[arg(long)]
-        operator: Option<String>,
+        #[command(flatten)]
+        by: ActorArgs,
     },
+}
+
+/// Who acts and why, recorded in the audit log (`saga audit`) and with what the action writes.
+#[derive(Debug, Args)]
+struct ActorArgs {
+    /// Who acts (default: the OS user).
+    #[arg(long)]
+    operator: Option<String>,
+    /// Why (recorded in the audit log).
+    #[arg(long = "reason", id = "why", value_name = "REASON")]
+    reason: Option<String>,
+}
+
+impl ActorArgs {
+    /// The actor these name: the operator named or the OS user, through the command.
+    fn actor(&self) -> Result<Actor, AdminError> {
+        Actor::new(
+            operator_or_os_user(self.operator.as_ref()),
+            self.reason.as_deref(),
+            Via::Command,
+        )
+    }
 }
 
 /// Which dead letters.
@@ -321,8 +361,9 @@ struct Select {
     /// recorded operation, after showing what it would do and asking.
     #[arg(long, conflicts_with_all = ["reason", "step", "since", "limit"])]
     group: Option<String>,
-    /// Only this reason (undecodable, unknown-event-type, handler-failed, retries-exhausted, crash-loop).
-    #[arg(long)]
+    /// Only letters of this reason (undecodable, unknown-event-type, handler-failed, retries-exhausted,
+    /// crash-loop).
+    #[arg(long = "letter-reason")]
     reason: Option<String>,
     /// Only this step.
     #[arg(long)]
@@ -336,6 +377,31 @@ struct Select {
 }
 
 impl Select {
+    /// The letters selected, in a line (for the audit log).
+    fn describe(&self, position: Option<(i32, i64)>) -> String {
+        let mut said = Vec::new();
+        if let Some((partition, offset)) = position {
+            said.push(format!("at {partition}/{offset}"));
+        }
+        for (name, value) in [
+            ("reason", &self.reason),
+            ("step", &self.step),
+            ("since", &self.since),
+        ] {
+            if let Some(value) = value {
+                said.push(format!("{name} {value}"));
+            }
+        }
+        if let Some(limit) = self.limit {
+            said.push(format!("at most {limit}"));
+        }
+        if said.is_empty() {
+            "every open letter".to_owned()
+        } else {
+            said.join(", ")
+        }
+    }
+
     fn filter(&self) -> Result<DlqFilter, crate::AdminError> {
         let mut filter = DlqFilter::default();
         filter.reason.clone_from(&self.reason);
@@ -379,9 +445,8 @@ enum KeysCommand {
         /// The consumer group that holds it.
         #[arg(long)]
         group: String,
-        /// Who releases (default: the OS user).
-        #[arg(long)]
-        operator: Option<String>,
+        #[command(flatten)]
+        by: ActorArgs,
     },
 }
 
@@ -453,9 +518,8 @@ enum SagasCommand {
     Retry {
         /// The saga's id.
         id: String,
-        /// Who asks (default: the OS user).
-        #[arg(long)]
-        operator: Option<String>,
+        #[command(flatten)]
+        by: ActorArgs,
     },
 }
 
@@ -470,6 +534,8 @@ enum RedisCommand {
         /// REDIS_NAMESPACE).
         #[command(flatten)]
         redis: RedisArgs,
+        #[command(flatten)]
+        by: ActorArgs,
     },
 }
 
@@ -477,34 +543,46 @@ enum RedisCommand {
 enum OutboxCommand {
     /// The relay's backlog: unpublished, failing and parked rows, the oldest one's age.
     Status,
-    /// The WAL outbox's parked events: those the relay could not publish, and their keys' later events
-    /// waiting behind them, oldest first.
+    /// Parked events: those the relay could not publish, and their keys' later events waiting behind them,
+    /// of the WAL outbox and of the table outbox (each numbers its own: `outbox` says whose id), oldest
+    /// first.
     Parked {
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
     },
     /// Publish parked events again at the relay's next round (after fixing the cause): event ID's key, in
-    /// order, or every parked key.
+    /// order, or every parked key. Asks first.
     Retry {
-        /// The parked event whose key to retry.
+        /// The parked event whose key to retry (of either outbox: see `saga outbox parked`).
         #[arg(long, required_unless_present = "all", conflicts_with = "all")]
         id: Option<i64>,
+        /// The outbox whose event ID is, where both have one of that id (wal or table).
+        #[arg(long, requires = "id")]
+        outbox: Option<outbox::ParkedIn>,
         /// Every parked key.
         #[arg(long)]
         all: bool,
+        /// Do it without asking.
+        #[arg(long)]
+        yes: bool,
+        #[command(flatten)]
+        by: ActorArgs,
     },
-    /// Discard a parked event: it is never published, and its key's later events go on. Asks first.
+    /// Discard a parked event of the WAL outbox: it is never published, and its key's later events go on.
+    /// Asks first. (A parked row of the table outbox is retried, never discarded.)
     Discard {
         /// The parked event.
         #[arg(long)]
         id: i64,
+        /// The outbox whose event ID is, where both have one of that id (only wal events are discarded).
+        #[arg(long)]
+        outbox: Option<outbox::ParkedIn>,
         /// Do it without asking.
         #[arg(long)]
         yes: bool,
-        /// Who discards (default: the OS user).
-        #[arg(long)]
-        operator: Option<String>,
+        #[command(flatten)]
+        by: ActorArgs,
     },
     /// The WAL outbox's replication slot.
     #[command(subcommand)]
@@ -519,9 +597,8 @@ enum WalCommand {
         /// Do it without asking.
         #[arg(long)]
         yes: bool,
-        /// Who recovers (default: the OS user).
-        #[arg(long)]
-        operator: Option<String>,
+        #[command(flatten)]
+        by: ActorArgs,
     },
     /// The recorded losses of the slot; with --keys, the step keys completed in one's window (their
     /// follow-up events may never have been published).
@@ -542,6 +619,8 @@ enum WalCommand {
         /// Do it without asking.
         #[arg(long)]
         yes: bool,
+        #[command(flatten)]
+        by: ActorArgs,
     },
 }
 
@@ -562,7 +641,21 @@ impl Cli {
         Ok(pool)
     }
 
-    async fn execute(self) -> anyhow::Result<()> {
+    /// Runs the command; with `--as-indexed`, a stale index is read as it is and said on standard error.
+    async fn run(self) -> anyhow::Result<()> {
+        // Boxed: the command's future is as large as its largest subcommand's.
+        let execute = Box::pin(self.execute());
+        if !self.as_indexed {
+            return execute.await;
+        }
+        let (done, stale) = crate::freshness::as_indexed(execute).await;
+        for s in &stale {
+            eprintln!("warning: {}", printable(&s.to_string(), false));
+        }
+        done
+    }
+
+    async fn execute(&self) -> anyhow::Result<()> {
         match &self.command {
             Command::Dlq(DlqCommand::List { select }) => {
                 if let Some(group) = &select.group {
@@ -619,28 +712,42 @@ impl Cli {
                 dry_run,
                 force,
                 max_replays,
-                operator,
+                by,
                 yes,
             }) => {
+                let actor = by.actor()?;
+                refuse_letter_reason_as_why(actor.reason.as_deref())?;
                 let mut filter = select.filter()?;
                 filter.position = partition.zip(*offset);
-                let mut options = ReplayOptions {
+                let options = ReplayOptions {
                     dry_run: *dry_run,
                     force: *force,
                     max_replays: *max_replays,
                     ..ReplayOptions::default()
-                };
-                if let Some(operator) = operator.as_deref().filter(|o| !o.trim().is_empty()) {
-                    options.operator = operator.to_owned();
                 }
+                .by(actor.operator.clone());
                 if let Some(group) = &select.group {
                     let topics: Vec<String> = select.topic.iter().cloned().collect();
-                    return self.bulk_replay(&topics, group, &options, *yes).await;
+                    return self
+                        .bulk_replay(&topics, group, &options, &actor, *yes)
+                        .await;
                 }
                 let topic = select.topic.as_deref().unwrap_or_default();
                 let kafka = self.kafka().await?;
                 let pool = self.pool().await?;
-                let report = dlq::replay(&kafka, &pool, topic, &filter, &options).await?;
+                let work = dlq::replay(&kafka, &pool, topic, &filter, &options);
+                let report = if *dry_run {
+                    work.await?
+                } else {
+                    let action = Action::new("dlq replay")
+                        .on("topic", topic)
+                        .on("letters", select.describe(filter.position))
+                        .on("force", force);
+                    audit::audited(&pool, &actor, action, work, |r| {
+                        format!("{} sent to {}", r.sent(), r.retry_topic)
+                    })
+                    .await?
+                };
                 self.print(&report, || {
                     let mut t = Table::new(["dlq offset", "from", "key", "outcome"]);
                     for l in &report.letters {
@@ -668,10 +775,10 @@ impl Cli {
                 topics,
                 dry_run,
                 yes,
-                operator,
+                by,
             }) => {
-                let operator = operator_or_os_user(operator.as_ref());
-                self.bulk_discard(group.as_deref(), *undo, topics, *dry_run, *yes, &operator)
+                let actor = by.actor()?;
+                self.bulk_discard(group.as_deref(), *undo, topics, *dry_run, *yes, &actor)
                     .await
             }
             Command::Dlq(DlqCommand::Operations { command, limit }) => {
@@ -682,10 +789,19 @@ impl Cli {
                 tenant,
                 schemas,
             } => self.trace(key, tenant.as_deref(), schemas).await,
-            Command::Sagas(SagasCommand::Retry { id, operator }) => {
-                let operator = operator_or_os_user(operator.as_ref());
+            Command::Sagas(SagasCommand::Retry { id, by }) => {
+                let actor = by.actor()?;
+                let operator = &actor.operator;
                 let pool = self.pool().await?;
-                let instance = sagas::retry(&pool, id, &operator).await?;
+                let action = Action::new("sagas retry").on("saga", id);
+                let work = sagas::retry(&pool, id, operator);
+                let instance = audit::audited(&pool, &actor, action, work, |i| {
+                    format!(
+                        "retry of step {} attempt {} requested",
+                        i.step_index, i.attempt
+                    )
+                })
+                .await?;
                 self.print(&instance, || {
                     format!(
                         "retry of saga {} ({} at step {}, attempt {}) requested by {operator}: its service's \
@@ -757,16 +873,24 @@ impl Cli {
                 key,
                 key_hex,
                 group,
-                operator,
+                by,
             }) => {
-                let operator = operator_or_os_user(operator.as_ref());
+                let actor = by.actor()?;
+                let operator = &actor.operator;
                 let pool = self.pool().await?;
                 let bytes = key_hex
                     .as_ref()
                     .map(|k| k.0.clone())
                     .or_else(|| key.as_ref().map(|k| k.as_bytes().to_vec()))
                     .unwrap_or_default();
-                let released = holds::release(&pool, group, &bytes, &operator).await?;
+                let action = Action::new("keys release")
+                    .on("group", group)
+                    .on_bytes("key", &bytes);
+                let work = holds::release(&pool, group, &bytes, operator);
+                let released = audit::audited(&pool, &actor, action, work, |r| {
+                    format!("released; {} parked messages run in order", r.parked)
+                })
+                .await?;
                 self.print(&released, || {
                     format!(
                         "key {} of group {} released by {operator}: its {} parked messages run in order",
@@ -780,9 +904,26 @@ impl Cli {
                 reason,
                 operator,
             }) => {
-                let operator = operator_or_os_user(operator.as_ref());
+                let actor = Actor::new(
+                    operator_or_os_user(operator.as_ref()),
+                    Some(reason),
+                    Via::Command,
+                )?;
+                let operator = &actor.operator;
                 let pool = self.pool().await?;
-                let paused = holds::pause(&pool, group, step, &operator, reason).await?;
+                let action = Action::new("steps pause")
+                    .on("group", group)
+                    .on("step", step);
+                let work = holds::pause(&pool, group, step, operator, reason);
+                let paused = audit::audited(&pool, &actor, action, work, |paused| {
+                    if *paused {
+                        "paused"
+                    } else {
+                        "was paused already"
+                    }
+                    .to_owned()
+                })
+                .await?;
                 self.print(&paused, || {
                     if paused {
                         format!(
@@ -800,9 +941,21 @@ impl Cli {
                 reason,
                 operator,
             }) => {
-                let operator = operator_or_os_user(operator.as_ref());
+                let actor = Actor::new(
+                    operator_or_os_user(operator.as_ref()),
+                    Some(reason),
+                    Via::Command,
+                )?;
+                let operator = &actor.operator;
                 let pool = self.pool().await?;
-                let released = holds::resume(&pool, group, step, &operator, reason).await?;
+                let action = Action::new("steps resume")
+                    .on("group", group)
+                    .on("step", step);
+                let work = holds::resume(&pool, group, step, operator, reason);
+                let released = audit::audited(&pool, &actor, action, work, |n| {
+                    format!("resumed; {n} held keys released")
+                })
+                .await?;
                 self.print(&released, || {
                     format!(
                         "step {step} of group {group} resumed by {operator}: {released} held keys released, \
@@ -996,6 +1149,7 @@ impl Cli {
                 self.print(&found, || {
                     let mut t = Table::new([
                         "id",
+                        "outbox",
                         "topic",
                         "key",
                         "attempts",
@@ -1008,6 +1162,7 @@ impl Cli {
                     for p in &found {
                         t.row([
                             p.id.to_string(),
+                            p.outbox.as_str().to_owned(),
                             p.topic.clone(),
                             p.key.clone().unwrap_or_default(),
                             p.attempts.to_string(),
@@ -1021,16 +1176,38 @@ impl Cli {
                     format!("{}{} parked events", t.render(), found.len())
                 })
             }
-            Command::Outbox(OutboxCommand::Retry { id, all: _ }) => {
+            Command::Outbox(OutboxCommand::Retry {
+                id,
+                outbox: which,
+                all: _,
+                yes,
+                by,
+            }) => {
+                let actor = by.actor()?;
                 let pool = self.pool().await?;
-                let n = outbox::retry(&pool, *id).await?;
-                let report = serde_json::json!({ "events": n });
+                confirmed(&outbox::retry_scope(&pool, *id, *which).await?, *yes)?;
+                let action = Action::new("outbox retry").on(
+                    "event",
+                    id.map_or_else(|| "every parked event".to_owned(), |id| id.to_string()),
+                );
+                let work = outbox::retry(&pool, *id, *which);
+                let n = audit::audited(&pool, &actor, action, work, |n| {
+                    format!("{n} parked events to be published again")
+                })
+                .await?;
+                let report = serde_json::json!({ "events": n, "operator": actor.operator });
                 self.print(&report, || {
                     format!("{n} parked events to be published again, in order, at the relay's next round")
                 })
             }
-            Command::Outbox(OutboxCommand::Discard { id, yes, operator }) => {
-                let operator = operator_or_os_user(operator.as_ref());
+            Command::Outbox(OutboxCommand::Discard {
+                id,
+                outbox: which,
+                yes,
+                by,
+            }) => {
+                let actor = by.actor()?;
+                let operator = &actor.operator;
                 let pool = self.pool().await?;
                 confirmed(
                     &format!(
@@ -1038,20 +1215,30 @@ impl Cli {
                     ),
                     *yes,
                 )?;
-                outbox::discard(&pool, *id, &operator).await?;
+                let action = Action::new("outbox discard").on("event", id);
+                let work = outbox::discard(&pool, *id, *which, operator);
+                audit::audited(&pool, &actor, action, work, |()| "discarded".to_owned()).await?;
                 let report = serde_json::json!({ "discarded": id, "operator": operator });
                 self.print(&report, || {
                     format!("parked event {id} discarded by {operator}")
                 })
             }
-            Command::Outbox(OutboxCommand::Wal(WalCommand::Recover { yes, operator })) => {
-                let operator = operator_or_os_user(operator.as_ref());
+            Command::Outbox(OutboxCommand::Wal(WalCommand::Recover { yes, by })) => {
+                let actor = by.actor()?;
                 let pool = self.pool().await?;
                 confirmed(
                     "make the WAL outbox's slot again (the events its loss took are not brought back)",
                     *yes,
                 )?;
-                let r = outbox::recover(&pool, &operator).await?;
+                let action = Action::new("outbox wal recover");
+                let work = outbox::recover(&pool, &actor.operator);
+                let r = audit::audited(&pool, &actor, action, work, |r| {
+                    format!(
+                        "incident {}: slot {} made again, {} step keys in the lost window",
+                        r.incident, r.slot, r.steps_in_window
+                    )
+                })
+                .await?;
                 self.print(&r, || recovery_text(&r))
             }
             Command::Outbox(OutboxCommand::Wal(WalCommand::Incidents { keys, limit })) => {
@@ -1083,13 +1270,22 @@ impl Cli {
                         .join("\n\n")
                 })
             }
-            Command::Outbox(OutboxCommand::Wal(WalCommand::Retire { force, yes })) => {
+            Command::Outbox(OutboxCommand::Wal(WalCommand::Retire { force, yes, by })) => {
+                let actor = by.actor()?;
                 let pool = self.pool().await?;
                 confirmed(
                     "drop the WAL outbox's slot (services of this schema must then run in table mode)",
                     *yes,
                 )?;
-                let r = outbox::retire(&pool, *force).await?;
+                let action = Action::new("outbox wal retire").on("force", force);
+                let work = outbox::retire(&pool, *force);
+                let r = audit::audited(&pool, &actor, action, work, |r| {
+                    format!(
+                        "dropped slot {} with {} unpublished events",
+                        r.slot, r.unpublished_events
+                    )
+                })
+                .await?;
                 self.print(&r, || {
                     format!(
                         "dropped the slot {} ({} unpublished events with it); start the services in table mode",
@@ -1098,7 +1294,10 @@ impl Cli {
                 })
             }
             #[cfg(feature = "redis")]
-            Command::Redis(RedisCommand::Forget { redis }) => {
+            Command::Redis(RedisCommand::Forget { redis, by }) => {
+                let actor = by.actor()?;
+                // Recorded in the audit log of the schema whose services use the namespace.
+                let pool = self.pool().await?;
                 let (redis_url, namespace) = (&redis.redis_url, &redis.namespace);
                 let url = redis_url
                     .as_deref()
@@ -1116,19 +1315,54 @@ impl Cli {
                     Some(n) => {
                         saga_consumer::fast_path::FastPath::with_namespace(settings.clone(), n)?
                     }
-                    None => {
-                        saga_consumer::fast_path::FastPath::new(settings, &self.pool().await?)
-                            .await?
-                    }
+                    None => saga_consumer::fast_path::FastPath::new(settings, &pool).await?,
                 };
-                let deleted = fast
-                    .forget_namespace()
-                    .await
-                    .with_context(|| format!("deleting the keys of {}", fast.namespace()))?;
+                let action = Action::new("redis forget").on("namespace", fast.namespace());
+                let work = async {
+                    fast.forget_namespace().await.map_err(|e| {
+                        AdminError::Store(format!("deleting the keys of {}: {e}", fast.namespace()))
+                    })
+                };
+                let deleted =
+                    audit::audited(&pool, &actor, action, work, |n| format!("deleted {n} keys"))
+                        .await?;
                 let report =
                     serde_json::json!({ "namespace": fast.namespace(), "deleted": deleted });
                 self.print(&report, || {
                     format!("deleted {deleted} keys of namespace {}", fast.namespace())
+                })
+            }
+            Command::Audit {
+                operator,
+                action,
+                since,
+                limit,
+            } => {
+                let mut filter = audit::AuditFilter::default();
+                filter.operator.clone_from(operator);
+                filter.action.clone_from(action);
+                filter.since = since.as_deref().map(duration::parse).transpose()?;
+                filter.limit = *limit;
+                let found = audit::list(&self.pool().await?, &filter).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "#", "at", "operator", "via", "action", "target", "outcome", "reason",
+                        "detail",
+                    ]);
+                    for e in &found {
+                        t.row([
+                            e.id.to_string(),
+                            e.at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            e.operator.clone(),
+                            e.via.clone(),
+                            e.action.clone(),
+                            e.target_text(),
+                            e.outcome.clone(),
+                            e.reason.clone().unwrap_or_default(),
+                            e.detail.clone().unwrap_or_default(),
+                        ]);
+                    }
+                    format!("{}{} actions", t.render(), found.len())
                 })
             }
             Command::Inspect {
@@ -1287,21 +1521,14 @@ impl Cli {
         topics: &[String],
         group: &str,
         options: &ReplayOptions,
+        actor: &Actor,
         yes: bool,
     ) -> anyhow::Result<()> {
         let (kafka, pool) = (self.kafka().await?, self.pool().await?);
         let topics = self.group_topics(&pool, topics).await?;
         let plan = operations::plan_replay(&kafka, &pool, &topics, group, options).await?;
-        self.run_plan(
-            &kafka,
-            &pool,
-            &plan,
-            &options.operator,
-            options.dry_run,
-            yes,
-            options,
-        )
-        .await
+        self.run_plan(&kafka, &pool, &plan, actor, options.dry_run, yes, options)
+            .await
     }
 
     async fn bulk_discard(
@@ -1311,7 +1538,7 @@ impl Cli {
         topics: &[String],
         dry_run: bool,
         yes: bool,
-        operator: &str,
+        actor: &Actor,
     ) -> anyhow::Result<()> {
         let (kafka, pool) = (self.kafka().await?, self.pool().await?);
         let plan = match (group, undo) {
@@ -1322,24 +1549,24 @@ impl Cli {
             }
             (None, None) => unreachable!("clap requires --group or --undo"),
         };
-        let options = ReplayOptions::default().by(operator);
-        self.run_plan(&kafka, &pool, &plan, operator, dry_run, yes, &options)
+        let options = ReplayOptions::default().by(actor.operator.clone());
+        self.run_plan(&kafka, &pool, &plan, actor, dry_run, yes, &options)
             .await
     }
 
-    /// Shows `plan`, asks (unless `yes`), then records and runs it as an operation of `operator`.
+    /// Shows `plan`, asks (unless `yes`), then records and runs it as an operation of `actor`.
     #[allow(clippy::too_many_arguments)]
     async fn run_plan(
         &self,
         kafka: &KafkaConfig,
         pool: &PgPool,
         plan: &operations::Plan,
-        operator: &str,
+        actor: &Actor,
         dry_run: bool,
         yes: bool,
         options: &ReplayOptions,
     ) -> anyhow::Result<()> {
-        let question = format!("{}, as {operator}", plan.describe());
+        let question = format!("{}, as {}", plan.describe(), actor.operator);
         if dry_run {
             return self.print(plan, || format!("would {question}"));
         }
@@ -1350,8 +1577,12 @@ impl Cli {
             eprintln!("nothing done");
             return Ok(());
         }
-        let id = operations::start(pool, plan, operator).await?;
-        let operation = operations::run(kafka, pool, id, options).await?;
+        let work = async {
+            let id = operations::start(pool, plan, &actor.operator).await?;
+            operations::run(kafka, pool, id, options).await
+        };
+        let operation =
+            audit::audited(pool, actor, plan.audit_action(), work, operation_summary).await?;
         self.print(&operation, || operation_line(&operation))
     }
 
@@ -1410,14 +1641,24 @@ impl Cli {
                     format!("{}\n{}", operation_line(&operation), t.render())
                 })
             }
-            Some(OperationsCommand::Cancel { id, operator }) => {
-                let operator = operator_or_os_user(operator.as_ref());
-                let operation = operations::cancel(&pool, *id, &operator).await?;
+            Some(OperationsCommand::Cancel { id, by }) => {
+                let actor = by.actor()?;
+                let action = Action::new("dlq operations cancel").on("operation", id);
+                let work = operations::cancel(&pool, *id, &actor.operator);
+                let operation = audit::audited(&pool, &actor, action, work, |o| {
+                    format!("operation {}: {}", o.id, o.status)
+                })
+                .await?;
                 self.print(&operation, || operation_line(&operation))
             }
-            Some(OperationsCommand::Resume { id, operator }) => {
-                let options = ReplayOptions::default().by(operator_or_os_user(operator.as_ref()));
-                let operation = operations::run(&self.kafka().await?, &pool, *id, &options).await?;
+            Some(OperationsCommand::Resume { id, by }) => {
+                let actor = by.actor()?;
+                let options = ReplayOptions::default().by(actor.operator.clone());
+                let kafka = self.kafka().await?;
+                let action = Action::new("dlq operations resume").on("operation", id);
+                let work = operations::run(&kafka, &pool, *id, &options);
+                let operation =
+                    audit::audited(&pool, &actor, action, work, operation_summary).await?;
                 self.print(&operation, || operation_line(&operation))
             }
         }
@@ -1483,6 +1724,38 @@ impl Cli {
     }
 }
 
+/// Bad input if `why` (a replay's `--reason`) is a dead letter's reason (`dlq-reason`, or `unreadable`):
+/// given to `dlq replay`, it most likely meant to select those letters, as `--reason` did before 0.3, and
+/// the replay would otherwise send every letter the other filters select.
+fn refuse_letter_reason_as_why(why: Option<&str>) -> Result<(), AdminError> {
+    let letter_reason = |r: &str| {
+        r == "unreadable"
+            || saga_consumer::DeadLetterReason::ALL
+                .iter()
+                .any(|known| known.as_str() == r)
+    };
+    match why {
+        Some(reason) if letter_reason(reason) => Err(AdminError::bad_input(format!(
+            "--reason says why you act, and {reason:?} is a dead letter's reason: select letters by their \
+             reason with --letter-reason {reason}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// What an operation did, for the audit log.
+fn operation_summary(o: &operations::Operation) -> String {
+    format!(
+        "operation {} {}: {} {}, {} skipped, {} refused",
+        o.id,
+        o.status,
+        o.done,
+        o.kind.done_word(),
+        o.skipped,
+        o.refused
+    )
+}
+
 /// The operator named on the command line, or the OS user.
 fn operator_or_os_user(named: Option<&String>) -> String {
     named
@@ -1538,8 +1811,17 @@ fn operation_line(o: &operations::Operation) -> String {
     if let Some(by) = &o.cancelled_by {
         who.push_str(&format!(", cancelled by {by}"));
     }
+    let stopped = o
+        .stopped
+        .as_deref()
+        .filter(|_| o.status == "running")
+        .map_or_else(String::new, |why| {
+            format!(
+                "\nits last run stopped before its end: {why} (resume it once fixed, or cancel it)"
+            )
+        });
     format!(
-        "operation {}: {} by {}{who}, {} ({} selected: {} {}, {} skipped, {} refused)",
+        "operation {}: {} by {}{who}, {} ({} selected: {} {}, {} skipped, {} refused){stopped}",
         o.id,
         o.kind.as_str(),
         o.operator,

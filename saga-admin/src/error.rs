@@ -25,6 +25,14 @@ pub enum AdminError {
     /// The key store answered with something this version cannot read.
     #[error("key store: {0}")]
     Store(String),
+    /// Another process holds what this one waits for, for longer than it waits (another sync of a topic's
+    /// index).
+    #[error("{0}")]
+    Busy(String),
+    /// The dead-letter index could not be brought up to date before a read: why, and how stale it is
+    /// (see [`crate::freshness`]).
+    #[error("{0}; read it as it is with --as-indexed")]
+    Stale(crate::freshness::Staleness),
     /// Reading saga instances failed.
     #[error("{0}")]
     Orchestrator(#[from] OrchestratorError),

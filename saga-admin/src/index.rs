@@ -72,19 +72,16 @@ pub async fn require_dead_letter_topic(pool: &PgPool, topic: &str) -> Result<(),
 /// Makes sure the index of `pool`'s schema holds every letter `topic` holds (see the module
 /// documentation). Bad input if the topic does not exist. One sync of a topic runs at a time in a schema
 /// (an advisory lock, on a connection of its own: a sync that is dropped midway, its request cancelled,
-/// closes it and so lets go of the lock), and it reads the topic's watermarks once it holds it. While
-/// another runs, the index is read as it is.
+/// closes it and so lets go of the lock), and it reads the topic's watermarks once it holds it. A sync that
+/// finds another running waits for it (it then has little left to do); [`AdminError::Busy`] if the other
+/// still runs after [`LOCK_WAIT`].
 pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(), AdminError> {
     prepare(pool).await?;
     let Some(mut held) = lock(pool, topic).await? else {
-        // The broker is asked all the same (a read): one that cannot be reached is the caller's error, not
-        // an index read as it is while another sync waits for the same broker.
-        crate::broker::partitions_of(kafka, topic).await?;
-        tracing::debug!(
-            topic,
-            "another sync of this topic runs: the index is read as it is"
-        );
-        return Ok(());
+        return Err(AdminError::Busy(format!(
+            "another sync of the index of {topic} has run for over {} s",
+            LOCK_WAIT.as_secs()
+        )));
     };
     let synced = sync_held(kafka, &mut held, topic).await;
     // Closing the connection lets go of the lock.
@@ -92,12 +89,16 @@ pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(),
     synced
 }
 
+/// How long a sync waits for another sync of its topic.
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A connection of its own holding the sync lock of `topic`, or `None` if another sync still holds it
-/// after a couple of seconds.
+/// after [`LOCK_WAIT`].
 async fn lock(pool: &PgPool, topic: &str) -> Result<Option<sqlx::PgConnection>, AdminError> {
     let options = pool.connect_options();
     let mut conn = sqlx::ConnectOptions::connect(&*options).await?;
-    for _ in 0..40 {
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    while std::time::Instant::now() < deadline {
         let locked: bool = sqlx::query_scalar(
             "SELECT pg_try_advisory_lock(hashtext('saga_dead_letter_scans'), \
                  hashtext(current_schema() || '/' || $1))",
@@ -121,6 +122,12 @@ async fn sync_held(
     topic: &str,
 ) -> Result<(), AdminError> {
     let partitions = crate::broker::partitions_of(kafka, topic).await?;
+    let timed: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() \
+             AND table_name = 'saga_dead_letter_scans' AND column_name = 'synced_at')",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
     for (partition, low, high) in partitions {
         let scanned: Option<i64> = sqlx::query_scalar(
             "SELECT next_offset FROM saga_dead_letter_scans WHERE dlq_topic = $1 AND dlq_partition = $2",
@@ -184,19 +191,27 @@ async fn sync_held(
                 }
             }
         }
-        // Forward only, but after a proven recreation.
-        sqlx::query(
+        // Forward only, but after a proven recreation; when, where the index records it (an index an
+        // earlier version made does not).
+        let sql = if timed {
+            "INSERT INTO saga_dead_letter_scans (dlq_topic, dlq_partition, next_offset, synced_at) \
+             VALUES ($1, $2, $3, now()) \
+             ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET synced_at = now(), next_offset = CASE WHEN $4 \
+                 THEN EXCLUDED.next_offset \
+                 ELSE GREATEST(saga_dead_letter_scans.next_offset, EXCLUDED.next_offset) END"
+        } else {
             "INSERT INTO saga_dead_letter_scans (dlq_topic, dlq_partition, next_offset) VALUES ($1, $2, $3) \
              ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET next_offset = CASE WHEN $4 \
                  THEN EXCLUDED.next_offset \
-                 ELSE GREATEST(saga_dead_letter_scans.next_offset, EXCLUDED.next_offset) END",
-        )
-        .bind(topic)
-        .bind(partition)
-        .bind(high)
-        .bind(shrunk)
-        .execute(&mut *conn)
-        .await?;
+                 ELSE GREATEST(saga_dead_letter_scans.next_offset, EXCLUDED.next_offset) END"
+        };
+        sqlx::query(sql)
+            .bind(topic)
+            .bind(partition)
+            .bind(high)
+            .bind(shrunk)
+            .execute(&mut *conn)
+            .await?;
     }
     Ok(())
 }
@@ -242,27 +257,25 @@ pub(crate) fn indexed(topic: &str, record: &Record) -> IndexedLetter {
     )
 }
 
-/// [`sync`] before a read of `topic`'s letters: bad input (the topic does not exist) is the caller's, and
-/// so is the broker's error (unreachable, or refusing to let the user read the topic): an index that
-/// could not be brought up to date must not pass for the topic's letters ("0 dead letters"). A database
-/// user that may not write the index reads it as it is, said in the log.
+/// [`sync`] before a read of `topic`'s letters: bad input (the topic does not exist) is the caller's; an
+/// index that could not be brought up to date (the broker unreachable or refusing, a database user that
+/// may not write the index) must not pass for the topic's letters ("0 dead letters"): the read fails saying
+/// how stale the index is, unless it runs in [`crate::freshness::as_indexed`].
 pub async fn sync_for_reading(
     kafka: &KafkaConfig,
     pool: &PgPool,
     topic: &str,
 ) -> Result<(), AdminError> {
     match sync(kafka, pool, topic).await {
-        Err(e) if !matches!(e, AdminError::BadInput(_) | AdminError::Kafka(_)) => {
-            tracing::warn!(topic, error = %e, "the dead-letter index of a topic could not be brought up to date; read as it is");
-            Ok(())
-        }
-        other => other,
+        Err(e @ AdminError::BadInput(_)) => Err(e),
+        Err(e) => crate::freshness::stale(pool, topic, &e).await,
+        Ok(()) => Ok(()),
     }
 }
 
-/// Syncs each of `topics` (see [`sync`]), for reading: a topic that does not exist holds nothing; the
-/// broker's error is the caller's (see [`sync_for_reading`]); a database user that may not write the index
-/// reads it as it holds it, said in the log.
+/// Syncs each of `topics` for reading (see [`sync_for_reading`]): a topic that does not exist holds
+/// nothing; one whose index could not be brought up to date fails the read, unless it runs in
+/// [`crate::freshness::as_indexed`].
 pub async fn sync_all(
     kafka: &KafkaConfig,
     pool: &PgPool,
@@ -270,12 +283,11 @@ pub async fn sync_all(
 ) -> Result<(), AdminError> {
     for topic in topics {
         match sync_for_reading(kafka, pool, topic).await {
-            Err(e @ AdminError::Kafka(_)) => return Err(e),
             // Bad input: a topic that does not exist, which holds nothing.
-            Err(e) => {
+            Err(e @ AdminError::BadInput(_)) => {
                 tracing::debug!(topic = %topic, error = %e, "a dead-letter topic holds nothing")
             }
-            Ok(()) => {}
+            other => other?,
         }
     }
     Ok(())

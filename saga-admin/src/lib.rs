@@ -18,6 +18,7 @@
 //! - [`lag`]: a consumer group's committed offsets, high watermarks and lag.
 //! - [`outbox`]: the relay's backlog.
 //! - [`inspect`]: the inspector page, server-rendered HTML that reads through the same functions.
+//! - [`audit`]: the audit log of every state-changing action of the command and the page.
 //!
 //! Errors are [`AdminError`]s: [`AdminError::Config`] and [`AdminError::BadInput`] are the caller's to fix,
 //! and the `saga` binary answers them in one line with exit code 2.
@@ -41,6 +42,7 @@
 
 #![deny(missing_docs)]
 
+pub mod audit;
 mod broker;
 mod cli;
 #[doc(hidden)]
@@ -51,6 +53,7 @@ pub mod dlq;
 #[doc(hidden)]
 pub mod duration;
 mod error;
+pub mod freshness;
 pub mod groups;
 pub mod holds;
 pub mod index;

@@ -135,9 +135,30 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// A digest of what the plan does: its kind, group or undone operation, and each letter's position,
-    /// identity and refusal. Two plans with one digest act on the same letters alike: a confirmation that
-    /// carries its preview's digest acts only if the plan made at confirming is the preview's.
+    /// What the audit log records of the plan: the action (`dlq replay --group`, `dlq discard`,
+    /// `dlq discard --undo`), its group or undone operation, how many letters, and its digest.
+    pub fn audit_action(&self) -> crate::audit::Action {
+        let name = match self.kind {
+            OperationKind::Replay => "dlq replay --group",
+            OperationKind::Discard => "dlq discard",
+            OperationKind::UndoDiscard => "dlq discard --undo",
+        };
+        let mut action = crate::audit::Action::new(name);
+        if let Some(group) = &self.group {
+            action = action.on("group", &group.id).on("topic", &group.dlq_topic);
+        }
+        if let Some(undoes) = self.undoes {
+            action = action.on("undoes", undoes);
+        }
+        action
+            .on("letters", self.would_act())
+            .on("plan", self.digest())
+    }
+
+    /// A digest of what the plan does: its kind, group or undone operation, where it sends, the keys it
+    /// releases and the messages parked behind them, and each letter's position, identity and refusal. Two
+    /// plans with one digest act on the same letters alike: a confirmation that carries its preview's
+    /// digest acts only if the plan made at confirming is the preview's.
     pub fn digest(&self) -> String {
         use sha2::{Digest as _, Sha256};
         let mut hash = Sha256::new();
@@ -148,6 +169,9 @@ impl Plan {
         field(self.kind.as_str().as_bytes());
         field(self.group.as_ref().map_or("", |g| g.id.as_str()).as_bytes());
         field(&self.undoes.unwrap_or_default().to_be_bytes());
+        field(self.retry_topic.as_deref().unwrap_or("").as_bytes());
+        field(&self.held_keys.to_be_bytes());
+        field(&self.parked_behind.to_be_bytes());
         for l in &self.letters {
             field(l.dlq_topic.as_bytes());
             field(&l.partition.to_be_bytes());
@@ -260,6 +284,8 @@ pub struct Operation {
     /// Who ran it, run by run: its starter, then whoever resumed it. Each run's sends and discards are
     /// recorded under its runner.
     pub run_by: Vec<String>,
+    /// Why its last run stopped before its end, if it did (cleared when a run goes on with it).
+    pub stopped: Option<String>,
 }
 
 /// A letter of a recorded operation and what the operation did with it.
@@ -418,17 +444,35 @@ fn split_open(letters: Vec<GroupedLetter>) -> (Vec<GroupedLetter>, usize) {
     (open, left)
 }
 
+/// Bad input if the retry topic of `owner` is not the one operation's preview showed (recorded at its
+/// start): the group was given another meanwhile, and nothing is sent where the operator did not see.
+fn require_pinned_retry_topic(
+    operation: &Operation,
+    owner: &dlq::DlqOwner,
+) -> Result<(), AdminError> {
+    match operation.selection["retry_topic"].as_str() {
+        Some(pinned) if pinned != owner.retry_topic => Err(AdminError::bad_input(format!(
+            "operation {}: the retry topic of group {} changed since the preview (it showed {pinned}, it is \
+             {} now): nothing more is sent; cancel the operation and preview again",
+            operation.id, owner.group, owner.retry_topic
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Records `plan` as an operation of `operator`, with the letters it selected; returns its id. Nothing is
 /// done to a letter yet: see [`run`].
 pub async fn start(pool: &PgPool, plan: &Plan, operator: &str) -> Result<i64, AdminError> {
     migrate(pool).await?;
     let selection = match (&plan.group, plan.undoes) {
+        // A replay's retry topic is pinned: a run sends there or nowhere.
         (Some(g), _) => serde_json::json!({
             "dlq_topic": g.dlq_topic,
             "failure_group": g.id,
             "step": g.step,
             "reason": g.reason,
             "cause": g.cause,
+            "retry_topic": plan.retry_topic,
         }),
         (None, Some(undoes)) => serde_json::json!({ "undoes": undoes }),
         (None, None) => serde_json::json!({}),
@@ -527,6 +571,7 @@ pub async fn run(
     id: i64,
     options: &ReplayOptions,
 ) -> Result<Operation, AdminError> {
+    migrate(pool).await?;
     let (operation, _) = get(pool, id).await?;
     if operation.status != "running" {
         return Err(AdminError::bad_input(format!(
@@ -542,9 +587,32 @@ pub async fn run(
         )));
     }
     let result = run_held(kafka, pool, &operation, options).await;
+    if let Err(e) = &result {
+        record_stop(pool, id, e).await;
+    }
     let_go(&mut held, id).await;
     result?;
     Ok(get(pool, id).await?.0)
+}
+
+/// Records why a run of operation `id` stopped before its end (shown with the operation: a run left
+/// `running` says why); said in the log if even that fails.
+async fn record_stop(pool: &PgPool, id: i64, e: &AdminError) {
+    let why: String = saga_consumer::toolkit::printable(&e.to_string(), false)
+        .chars()
+        .take(2_000)
+        .collect();
+    tracing::warn!(operation = id, error = %e, "a run of a dead-letter operation stopped");
+    let recorded = sqlx::query(
+        "UPDATE saga_dlq_operations SET stopped_error = $2, stopped_at = now() WHERE id = $1",
+    )
+    .bind(id)
+    .bind(&why)
+    .execute(pool)
+    .await;
+    if let Err(e) = recorded {
+        tracing::warn!(operation = id, error = %e, "why a run stopped could not be recorded");
+    }
 }
 
 async fn run_held(
@@ -569,7 +637,9 @@ async fn run_held(
     let mut owners = HashMap::new();
     for topic in pending.iter().map(|p| &p.1) {
         if operation.kind == OperationKind::Replay && !owners.contains_key(topic) {
-            owners.insert(topic.clone(), dlq::owner_of(pool, topic).await?);
+            let owner = dlq::owner_of(pool, topic).await?;
+            require_pinned_retry_topic(operation, &owner)?;
+            owners.insert(topic.clone(), owner);
         }
     }
     let (runs, run_by) = begin_run(pool, operation, options).await?;
@@ -695,7 +765,9 @@ async fn begin_run(
 ) -> Result<(i32, String), AdminError> {
     let id = operation.id;
     let runs: i32 = sqlx::query_scalar(
-        "UPDATE saga_dlq_operations SET runs = runs + 1, updated_at = now() WHERE id = $1 RETURNING runs",
+        "UPDATE saga_dlq_operations SET runs = runs + 1, updated_at = now(), stopped_error = NULL, \
+             stopped_at = NULL \
+         WHERE id = $1 RETURNING runs",
     )
     .bind(id)
     .fetch_one(pool)
@@ -932,9 +1004,21 @@ pub async fn cancel(pool: &PgPool, id: i64, operator: &str) -> Result<Operation,
     Ok(get(pool, id).await?.0)
 }
 
-const OPERATION_COLUMNS: &str = "id, kind, operator, selection, status, cancel_requested, planned, done, \
-     skipped, refused, created_at, updated_at, finished_at, cancelled_by, \
-     ARRAY(SELECT r.operator FROM saga_dlq_operation_runs r WHERE r.operation_id = saga_dlq_operations.id ORDER BY r.run)";
+/// The columns of an operation, read from a schema whose toolkit tables are this version's, or earlier
+/// ones' (`runs`: whether who-ran-what, `saga_dlq_operation_runs`, is recorded): a read runs no migration.
+fn operation_columns(runs: bool) -> String {
+    let run_by = if runs {
+        "ARRAY(SELECT r.operator FROM saga_dlq_operation_runs r \
+               WHERE r.operation_id = saga_dlq_operations.id ORDER BY r.run)"
+    } else {
+        "ARRAY[]::text[]"
+    };
+    format!(
+        "id, kind, operator, selection, status, cancel_requested, planned, done, skipped, refused, \
+         created_at, updated_at, finished_at, to_jsonb(saga_dlq_operations) ->> 'cancelled_by', {run_by}, \
+         to_jsonb(saga_dlq_operations) ->> 'stopped_error'"
+    )
+}
 
 fn operation_of(r: &sqlx::postgres::PgRow) -> Result<Operation, AdminError> {
     Ok(Operation {
@@ -953,31 +1037,30 @@ fn operation_of(r: &sqlx::postgres::PgRow) -> Result<Operation, AdminError> {
         finished_at: r.try_get(12)?,
         cancelled_by: r.try_get(13)?,
         run_by: r.try_get(14)?,
+        stopped: r.try_get(15)?,
     })
 }
 
-/// Whether the schema records operations; a schema whose toolkit tables predate who-ran-what
-/// (`saga_dlq_operation_runs`) gets the toolkit's pending migrations first.
-async fn recorded(pool: &PgPool) -> Result<bool, AdminError> {
+/// The columns to read operations with (see [`operation_columns`]), or `None` if the schema records
+/// none. A read runs no migration: a read-only database user can look, at a schema an earlier version
+/// wrote too.
+async fn recorded(pool: &PgPool) -> Result<Option<String>, AdminError> {
     let (operations, runs): (bool, bool) = sqlx::query_as(
         "SELECT to_regclass('saga_dlq_operations') IS NOT NULL, \
                 to_regclass('saga_dlq_operation_runs') IS NOT NULL",
     )
     .fetch_one(pool)
     .await?;
-    if operations && !runs {
-        migrate(pool).await?;
-    }
-    Ok(operations)
+    Ok(operations.then(|| operation_columns(runs)))
 }
 
 /// The operations recorded in `pool`'s schema, newest first, at most `limit`.
 pub async fn list(pool: &PgPool, limit: i64) -> Result<Vec<Operation>, AdminError> {
-    if !recorded(pool).await? {
+    let Some(columns) = recorded(pool).await? else {
         return Ok(Vec::new());
-    }
+    };
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {OPERATION_COLUMNS} FROM saga_dlq_operations ORDER BY id DESC LIMIT $1"
+        "SELECT {columns} FROM saga_dlq_operations ORDER BY id DESC LIMIT $1"
     )))
     .bind(limit)
     .fetch_all(pool)
@@ -988,11 +1071,11 @@ pub async fn list(pool: &PgPool, limit: i64) -> Result<Vec<Operation>, AdminErro
 /// Operation `id` and its letters, in order. Bad input if there is none.
 pub async fn get(pool: &PgPool, id: i64) -> Result<(Operation, Vec<OperationLetter>), AdminError> {
     let unknown = || AdminError::bad_input(format!("there is no operation {id} in this schema"));
-    if !recorded(pool).await? {
+    let Some(columns) = recorded(pool).await? else {
         return Err(unknown());
-    }
+    };
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {OPERATION_COLUMNS} FROM saga_dlq_operations WHERE id = $1"
+        "SELECT {columns} FROM saga_dlq_operations WHERE id = $1"
     )))
     .bind(id)
     .fetch_optional(pool)

@@ -62,13 +62,15 @@ pub async fn status(pool: &PgPool) -> Result<OutboxStatus, AdminError> {
     })
 }
 
-/// A parked event of the WAL outbox: set aside by the relay because it could not be published (or because
-/// an earlier event of its key was), with its key's later events behind it.
+/// A parked event: set aside by the relay because it could not be published (or because an earlier event
+/// of its key was), with its key's later events behind it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct Parked {
-    /// Its id (`saga outbox retry --id`, `saga outbox discard --id`).
+    /// Its id (`saga outbox retry --id`; for the WAL outbox, `saga outbox discard --id` too).
     pub id: i64,
+    /// Which outbox parked it: `wal` (an event of the WAL outbox) or `table` (a row of `saga_outbox`).
+    pub outbox: ParkedIn,
     /// The topic.
     pub topic: String,
     /// The Kafka key.
@@ -87,13 +89,16 @@ pub struct Parked {
     pub payload_bytes: i64,
 }
 
-/// The parked events of the WAL outbox not yet published or discarded, oldest first.
+/// The parked events not yet published or discarded, of both outboxes (the WAL outbox's events, the table
+/// outbox's parked rows, which the relay tries again with backoff while their key's later rows wait behind
+/// them), oldest first, at most `limit`. Each outbox numbers its own: `outbox` says whose id it is.
 pub async fn parked(pool: &PgPool, limit: i64) -> Result<Vec<Parked>, AdminError> {
-    Ok(outbox_relay::parked_events(pool, limit)
+    let mut found: Vec<Parked> = outbox_relay::parked_events(pool, limit)
         .await?
         .into_iter()
         .map(|p| Parked {
             id: p.id,
+            outbox: ParkedIn::Wal,
             topic: p.topic,
             key: p.partition_key,
             error: p.error,
@@ -103,13 +108,225 @@ pub async fn parked(pool: &PgPool, limit: i64) -> Result<Vec<Parked>, AdminError
             holds_key: p.holds_key,
             payload_bytes: p.payload_bytes,
         })
+        .collect();
+    found.extend(parked_rows(pool, limit).await?);
+    found.sort_by_key(|p| p.parked_at);
+    found.truncate(usize::try_from(limit).unwrap_or_default());
+    Ok(found)
+}
+
+/// The table outbox's parked rows, oldest first, at most `limit`.
+async fn parked_rows(pool: &PgPool, limit: i64) -> Result<Vec<Parked>, AdminError> {
+    let rows: Vec<ParkedRow> = sqlx::query_as(
+        "SELECT id, topic, partition_key, coalesce(last_error, ''), attempts, parked_at, \
+                coalesce(octet_length(payload), 0)::bigint \
+         FROM saga_outbox WHERE parked_at IS NOT NULL AND published_at IS NULL ORDER BY id LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+    .or_else(absent_is_empty)?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(id, topic, key, error, attempts, parked_at, payload_bytes)| Parked {
+                id,
+                outbox: ParkedIn::Table,
+                topic,
+                key,
+                error,
+                attempts,
+                parked_at,
+                // The relay unparks a row after a backoff that doubles with its attempts, up to five minutes.
+                next_attempt_at: parked_at
+                    + chrono::Duration::seconds(1_i64 << attempts.clamp(0, 12))
+                        .min(chrono::Duration::minutes(5)),
+                holds_key: true,
+                payload_bytes,
+            },
+        )
         .collect())
 }
 
-/// Asks the relay to publish parked events again at its next round: event `id`'s key, or all of them.
-/// Returns the events concerned; none is bad input.
-pub async fn retry(pool: &PgPool, id: Option<i64>) -> Result<u64, AdminError> {
-    let n = outbox_relay::retry_parked(pool, id).await?;
+type ParkedRow = (
+    i64,
+    String,
+    Option<String>,
+    String,
+    i32,
+    chrono::DateTime<chrono::Utc>,
+    i64,
+);
+
+/// Which outbox holds a parked event: ids are numbered apart in each, so one id may name an event of both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum ParkedIn {
+    /// The WAL outbox (`saga_outbox_wal_parked`).
+    Wal,
+    /// The table outbox (a parked row of `saga_outbox`).
+    Table,
+}
+
+impl ParkedIn {
+    /// `wal` or `table`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Wal => "wal",
+            Self::Table => "table",
+        }
+    }
+}
+
+impl std::str::FromStr for ParkedIn {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "wal" => Ok(Self::Wal),
+            "table" => Ok(Self::Table),
+            other => Err(format!("{other:?} is not an outbox: wal or table")),
+        }
+    }
+}
+
+/// An open parked event, found by its id: which outbox holds it, its topic and its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkedEvent {
+    /// Its id in its outbox.
+    pub id: i64,
+    /// Its outbox.
+    pub outbox: ParkedIn,
+    /// Its topic.
+    pub topic: String,
+    /// Its key.
+    pub key: Option<String>,
+}
+
+impl ParkedEvent {
+    fn describe(&self) -> String {
+        let what = match self.outbox {
+            ParkedIn::Wal => "event",
+            ParkedIn::Table => "row",
+        };
+        format!(
+            "{what} {} of the {} outbox (key {} of {})",
+            self.id,
+            self.outbox.as_str(),
+            self.key.as_deref().unwrap_or("(none)"),
+            self.topic
+        )
+    }
+}
+
+/// The open parked event `id` of `outbox`, or of whichever outbox holds one: bad input if none does, or
+/// both do and `outbox` does not say which.
+pub async fn locate(
+    pool: &PgPool,
+    id: i64,
+    outbox: Option<ParkedIn>,
+) -> Result<ParkedEvent, AdminError> {
+    let mut found = Vec::new();
+    for (kind, sql) in [
+        (
+            ParkedIn::Wal,
+            "SELECT topic, partition_key FROM saga_outbox_wal_parked \
+             WHERE id = $1 AND published_at IS NULL AND discarded_at IS NULL",
+        ),
+        (
+            ParkedIn::Table,
+            "SELECT topic, partition_key FROM saga_outbox \
+             WHERE id = $1 AND parked_at IS NOT NULL AND published_at IS NULL",
+        ),
+    ] {
+        if outbox.is_some_and(|o| o != kind) {
+            continue;
+        }
+        let rows: Vec<(String, Option<String>)> = sqlx::query_as(sql)
+            .bind(id)
+            .fetch_all(pool)
+            .await
+            .or_else(absent_is_empty)?;
+        found.extend(rows.into_iter().map(|(topic, key)| ParkedEvent {
+            id,
+            outbox: kind,
+            topic,
+            key,
+        }));
+    }
+    match found.len() {
+        1 => Ok(found.remove(0)),
+        0 => Err(AdminError::bad_input(format!(
+            "there is no open parked event {id}{}",
+            outbox.map_or_else(String::new, |o| format!(" in the {} outbox", o.as_str()))
+        ))),
+        _ => Err(AdminError::bad_input(format!(
+            "{id} names a parked event of both outboxes ({}): say which with --outbox wal or --outbox table",
+            found
+                .iter()
+                .map(ParkedEvent::describe)
+                .collect::<Vec<_>>()
+                .join("; ")
+        ))),
+    }
+}
+
+/// No rows where the schema lacks the table or a column (no service of this version ran in it).
+fn absent_is_empty<T>(e: sqlx::Error) -> Result<Vec<T>, sqlx::Error> {
+    match &e {
+        sqlx::Error::Database(d) if matches!(d.code().as_deref(), Some("42P01" | "42703")) => {
+            Ok(Vec::new())
+        }
+        _ => Err(e),
+    }
+}
+
+/// What [`retry`] would publish again, in a line (the confirmation's question).
+pub async fn retry_scope(
+    pool: &PgPool,
+    id: Option<i64>,
+    outbox: Option<ParkedIn>,
+) -> Result<String, AdminError> {
+    match id {
+        None => Ok("publish again every parked event, in order per key".to_owned()),
+        Some(id) => Ok(format!(
+            "publish again the parked events of the key of {}, in order",
+            locate(pool, id, outbox).await?.describe()
+        )),
+    }
+}
+
+/// Asks the relay to publish parked events again at its next round: those of the key of parked event `id`
+/// (see [`locate`]), or all of them. Returns the events concerned; none is bad input.
+pub async fn retry(
+    pool: &PgPool,
+    id: Option<i64>,
+    outbox: Option<ParkedIn>,
+) -> Result<u64, AdminError> {
+    let n = match id {
+        None => outbox_relay::retry_parked(pool, None).await?,
+        Some(id) => match locate(pool, id, outbox).await? {
+            ParkedEvent {
+                outbox: ParkedIn::Wal,
+                ..
+            } => outbox_relay::retry_parked(pool, Some(id)).await?,
+            ParkedEvent { topic, key, .. } => {
+                // The table outbox's relay publishes a row again once it is unparked: the key's rows, in
+                // their order.
+                sqlx::query(
+                    "UPDATE saga_outbox SET parked_at = NULL \
+                     WHERE parked_at IS NOT NULL AND published_at IS NULL \
+                       AND topic = $1 AND partition_key IS NOT DISTINCT FROM $2",
+                )
+                .bind(topic)
+                .bind(key)
+                .execute(pool)
+                .await?
+                .rows_affected()
+            }
+        },
+    };
     if n == 0 {
         return Err(AdminError::bad_input(match id {
             Some(id) => format!("there is no open parked event {id}"),
@@ -119,9 +336,23 @@ pub async fn retry(pool: &PgPool, id: Option<i64>) -> Result<u64, AdminError> {
     Ok(n)
 }
 
-/// Discards parked event `id`: it is never published, and its key's later events go on. Recorded with
-/// `operator`.
-pub async fn discard(pool: &PgPool, id: i64, operator: &str) -> Result<(), AdminError> {
+/// Discards parked event `id` of the WAL outbox: it is never published, and its key's later events go on.
+/// Recorded with `operator`. A parked row of the table outbox is not discarded (bad input): the relay
+/// tries it again, or `retry` does.
+pub async fn discard(
+    pool: &PgPool,
+    id: i64,
+    outbox: Option<ParkedIn>,
+    operator: &str,
+) -> Result<(), AdminError> {
+    let event = locate(pool, id, outbox).await?;
+    if event.outbox == ParkedIn::Table {
+        return Err(AdminError::bad_input(format!(
+            "{} cannot be discarded: the relay tries it again (or `saga outbox retry`); only the WAL \
+             outbox's parked events are discarded",
+            event.describe()
+        )));
+    }
     if outbox_relay::discard_parked(pool, id, operator).await? {
         Ok(())
     } else {

@@ -93,6 +93,33 @@ pub async fn retry(pool: &PgPool, id: &str, operator: &str) -> Result<SagaInstan
     }
 }
 
+/// [`retry`], pinned to `version` (the revision the operator saw), if given: a saga that moved on since
+/// is bad input, "changed since the preview", and nothing is requested.
+pub async fn retry_pinned(
+    pool: &PgPool,
+    id: &str,
+    operator: &str,
+    version: Option<i64>,
+) -> Result<SagaInstance, AdminError> {
+    let saga_id = Uuid::parse_str(id)
+        .map_err(|_| AdminError::bad_input(format!("{id:?} is not a saga id (a UUID)")))?;
+    require_sagas(pool).await?;
+    match store::request_retry_at(pool, saga_id, operator, version).await {
+        Ok(instance) => Ok(instance),
+        Err(saga_orchestrator::OrchestratorError::VersionConflict { version, .. }) => {
+            Err(AdminError::bad_input(format!(
+                "saga {saga_id} changed since the preview (it showed revision {version}): nothing was done; \
+                 open it again"
+            )))
+        }
+        Err(
+            e @ (saga_orchestrator::OrchestratorError::NotRetryable { .. }
+            | saga_orchestrator::OrchestratorError::NoSuchSaga(_)),
+        ) => Err(AdminError::bad_input(e.to_string())),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Stuck sagas by type: marked stuck by their timer, or unfinished and unmoved for `stuck_for`. Empty if
 /// the schema keeps no sagas.
 pub async fn stuck_by_type(

@@ -535,7 +535,13 @@ async fn the_wal_outbox_commands_list_retry_discard_and_recover() {
     assert!(text.contains("2 parked events"), "{text}");
 
     let retried = saga
-        .json(&["outbox", "retry", "--id", &listed[0]["id"].to_string()])
+        .json(&[
+            "outbox",
+            "retry",
+            "--id",
+            &listed[0]["id"].to_string(),
+            "--yes",
+        ])
         .await;
     assert_eq!(retried["events"], 2, "the key's events");
     let due: i64 = sqlx::query_scalar(
@@ -637,4 +643,182 @@ async fn the_wal_outbox_commands_list_retry_discard_and_recover() {
         ])
         .await;
     assert!(keys.as_array().unwrap().is_empty());
+}
+
+/// Every state-changing action leaves an entry in the audit log (who, why, through what, what it touched,
+/// how it ended), a refused one too; `saga audit` reads it newest first and filters it. `saga outbox retry`
+/// asks first, takes an operator and a reason, and retries a parked row of the table outbox by its id.
+#[tokio::test]
+async fn actions_are_audited_and_the_table_outbox_retries_a_parked_row_by_id() {
+    let (db, _kafka, saga) = target("admin-cli-audit").await;
+    let park = |key: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload, attempts, \
+                     last_error, parked_at) \
+                 VALUES ('default', 'orders', $1, '{}', '\\x7b7d', 5, 'Broker: Message size too large', now()) \
+                 RETURNING id",
+            )
+            .bind(key)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let (first, other) = (park("k-1").await, park("k-2").await);
+    let listed = saga.json(&["outbox", "parked"]).await;
+    let table_rows: Vec<i64> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["outbox"] == "table")
+        .map(|p| p["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(table_rows, [first, other], "{listed}");
+
+    // Each outbox numbers its own: a WAL event with the first row's id makes the id ambiguous until
+    // `--outbox` says which; a table row is retried, never discarded.
+    let id = first.to_string();
+    sqlx::query(
+        "INSERT INTO saga_outbox_wal_parked (id, commit_lsn, message_lsn, event_index, tenant_id, topic, \
+             partition_key, payload, error, attempts, holds_key, next_attempt_at) OVERRIDING SYSTEM VALUE \
+         VALUES ($1, '0/1', '0/10', 0, 'default', 'payments', 'w-1', '\\x7b7d', 'refused', 4, true, \
+                 now() + interval '1 hour')",
+    )
+    .bind(first)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let line = expect_usage_error(
+        saga.command(&["outbox", "retry", "--id", &id, "--yes"]),
+        "--outbox",
+    )
+    .await;
+    assert!(line.contains("both outboxes"), "{line}");
+    let line = expect_usage_error(
+        saga.command(&[
+            "outbox", "discard", "--id", &id, "--outbox", "table", "--yes",
+        ]),
+        "cannot be discarded",
+    )
+    .await;
+    assert!(line.contains("row"), "{line}");
+    // A dead letter's reason given as why: refused, pointing at --letter-reason (nothing replayed).
+    expect_usage_error(
+        saga.command(&[
+            "dlq",
+            "replay",
+            "--topic",
+            "x.dlq",
+            "--reason",
+            "crash-loop",
+        ]),
+        "--letter-reason crash-loop",
+    )
+    .await;
+
+    // Asked first: without a terminal and without --yes, nothing is done (and nothing is recorded).
+    let line = expect_usage_error(
+        saga.command(&["outbox", "retry", "--id", &id, "--outbox", "table"]),
+        "--yes",
+    )
+    .await;
+    assert!(line.contains("key k-1 of orders"), "{line}");
+    let retried = saga
+        .json(&[
+            "outbox",
+            "retry",
+            "--id",
+            &id,
+            "--outbox",
+            "table",
+            "--yes",
+            "--operator",
+            "alice",
+            "--reason",
+            "INC-7: limit raised",
+        ])
+        .await;
+    assert_eq!(
+        (&retried["events"], &retried["operator"]),
+        (&1.into(), &"alice".into())
+    );
+    let parked: Vec<String> = sqlx::query_scalar(
+        "SELECT partition_key FROM saga_outbox WHERE parked_at IS NOT NULL ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(parked, ["k-2"], "only the named row's key was unparked");
+
+    // A refused action is recorded as refused, with why.
+    expect_usage_error(
+        saga.command(&[
+            "keys",
+            "release",
+            "nobody",
+            "--group",
+            "g",
+            "--operator",
+            "bob",
+        ]),
+        "held keys",
+    )
+    .await;
+
+    let log = saga.json(&["audit"]).await;
+    let log = log.as_array().unwrap();
+    assert_eq!(log.len(), 3, "{log:?}");
+    let (release, retry, discard) = (&log[0], &log[1], &log[2]);
+    assert_eq!(
+        (&discard["action"], &discard["outcome"]),
+        (&"outbox discard".into(), &"refused".into())
+    );
+    assert!(
+        discard["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("cannot be discarded")),
+        "{discard}"
+    );
+    assert_eq!(
+        (
+            &retry["action"],
+            &retry["operator"],
+            &retry["via"],
+            &retry["outcome"]
+        ),
+        (
+            &"outbox retry".into(),
+            &"alice".into(),
+            &"command".into(),
+            &"done".into()
+        )
+    );
+    assert_eq!(retry["reason"], "INC-7: limit raised");
+    assert_eq!(retry["target"]["event"], id.as_str());
+    assert_eq!(retry["detail"], "1 parked events to be published again");
+    assert!(retry["finished_at"].is_string());
+    assert_eq!(
+        (
+            &release["action"],
+            &release["operator"],
+            &release["outcome"]
+        ),
+        (&"keys release".into(), &"bob".into(), &"refused".into())
+    );
+    assert_eq!(release["target"]["key"], "nobody");
+    assert_eq!(release["target"]["group"], "g");
+
+    // Filtered; as a table.
+    let alices = saga.json(&["audit", "--operator", "alice"]).await;
+    assert_eq!(alices.as_array().unwrap().len(), 1);
+    let none = saga.json(&["audit", "--action", "dlq replay"]).await;
+    assert!(none.as_array().unwrap().is_empty());
+    let text = saga.text(&["audit", "--since", "1h"]).await;
+    assert!(
+        text.contains("INC-7: limit raised") && text.contains("3 actions"),
+        "{text}"
+    );
+    expect_usage_error(saga.command(&["audit", "--since", "soon"]), "bad duration").await;
 }

@@ -165,6 +165,16 @@ impl Browser {
             .to_owned()
     }
 
+    /// Types `text` into the field `element`.
+    async fn type_into(&self, element: &str, text: &str) {
+        self.call(
+            "POST",
+            &format!("/element/{element}/value"),
+            Some(json!({ "text": text })),
+        )
+        .await;
+    }
+
     async fn click(&self, element: &str) {
         self.call(
             "POST",
@@ -378,11 +388,35 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     assert_eq!(browser.text(&retry).await, retry_topic);
     let operator = browser.find("#operator").await;
     assert_eq!(browser.text(&operator).await, "alice");
+    // Why, typed into the form: recorded in the audit log with the action.
+    let reason = browser.find("form input[name=\"reason\"]").await;
+    browser
+        .type_into(&reason, "INC-12 card processor back")
+        .await;
     browser.screenshot("confirm-replay").await;
     let confirm = browser.find("#confirm").await;
     browser.click(&confirm).await;
     let replayed = browser.find("#replayed").await;
     assert_eq!(browser.attribute(&replayed, "data-sent").await, "1");
+    let mut newest = saga_admin::audit::AuditFilter::default();
+    newest.limit = 1;
+    let entry = saga_admin::audit::list(&admin_pool, &newest).await.unwrap();
+    assert_eq!(
+        (
+            entry[0].action.as_str(),
+            entry[0].operator.as_str(),
+            entry[0].via.as_str(),
+            entry[0].outcome.as_str(),
+            entry[0].reason.as_deref()
+        ),
+        (
+            "dlq replay",
+            "alice",
+            "page",
+            "done",
+            Some("INC-12 card processor back")
+        )
+    );
     let messages = saga
         .kafka
         .read_all(&retry_topic, 1, Duration::from_secs(1), WAIT)
@@ -504,7 +538,7 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     browser.click(&confirm).await;
     let refused = browser.find("#message").await;
     let said = browser.text(&refused).await;
-    assert!(said.contains("changed since its preview"), "{said}");
+    assert!(said.contains("changed since the preview"), "{said}");
     assert_eq!(
         saga.kafka
             .end_offsets(&retry_topic)
@@ -589,6 +623,33 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     browser.open(&format!("{base}/sagas/{stuck}")).await;
     let retry = browser.find("#retry").await;
     browser.click(&retry).await;
+    let retry_url = browser
+        .call("GET", "/url", None)
+        .await
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // The saga moves on while its confirmation is open: confirming does nothing, and says so.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {}.saga_instances SET version = version + 1 WHERE saga_id = $1",
+        saga.args.schema(Service::Order)
+    )))
+    .bind(stuck)
+    .execute(&saga.db.pool)
+    .await
+    .unwrap();
+    let confirm = browser.find("#confirm").await;
+    browser.click(&confirm).await;
+    let refused = browser.find("#message").await;
+    let said = browser.text(&refused).await;
+    assert!(said.contains("changed since the preview"), "{said}");
+    let unchanged = saga_orchestrator::store::load(&admin_pool, stuck)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(unchanged.retry_requested_by, None, "nothing requested");
+    // Opened again, confirmed.
+    browser.open(&retry_url).await;
     let confirm = browser.find("#confirm").await;
     browser.click(&confirm).await;
     let requested = browser.find("#retry-requested").await;

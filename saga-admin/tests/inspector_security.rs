@@ -1188,7 +1188,7 @@ async fn a_confirmation_acts_on_the_letters_its_preview_listed_or_on_none() {
     let changed = confirm(format!("csrf={csrf}&plan={pin}")).await;
     assert_eq!(changed.status, 400, "{changed:?}");
     assert!(
-        changed.body.contains("changed since its preview") && changed.body.contains("listed 1"),
+        changed.body.contains("changed since the preview") && changed.body.contains("listed 1"),
         "{}",
         changed.body
     );
@@ -1222,4 +1222,220 @@ async fn a_confirmation_acts_on_the_letters_its_preview_listed_or_on_none() {
         (discards().await == 5).then_some(())
     })
     .await;
+
+    // Its undo: previewed first (5 letters), pinned to them. One is opened again meanwhile (by another
+    // undo): the confirmation does nothing, and says so; previewed again, confirmed, the four are opened.
+    let operation = started.header("location").unwrap().to_owned();
+    let undo_preview = raw(
+        i.addr,
+        "GET",
+        &format!("{operation}/undo"),
+        &[("host", &host), ("cookie", &cookie)],
+        "",
+    )
+    .await;
+    assert!(
+        undo_preview.body.contains("data-would-act=\"5\""),
+        "{}",
+        undo_preview.body
+    );
+    sqlx::query(
+        "UPDATE saga_dlq_discards SET undone_at = now() \
+         WHERE ctid = (SELECT ctid FROM saga_dlq_discards WHERE undone_at IS NULL LIMIT 1)",
+    )
+    .execute(&i.db.pool)
+    .await
+    .unwrap();
+    let undo = |pin: String| {
+        let (addr, host, origin, cookie) = (i.addr, host.clone(), origin.clone(), cookie.clone());
+        let (path, csrf) = (format!("/api{operation}/undo"), csrf.clone());
+        async move {
+            let headers = [
+                ("host", host.as_str()),
+                ("origin", origin.as_str()),
+                ("cookie", cookie.as_str()),
+                ("accept", "text/html"),
+            ];
+            raw(
+                addr,
+                "POST",
+                &path,
+                &headers,
+                &format!("csrf={csrf}&plan={pin}"),
+            )
+            .await
+        }
+    };
+    let stale = undo(undo_preview.field("plan")).await;
+    assert_eq!(stale.status, 400, "{stale:?}");
+    assert!(
+        stale.body.contains("changed since the preview"),
+        "{}",
+        stale.body
+    );
+    assert_eq!(
+        discards().await,
+        4,
+        "nothing opened by the stale confirmation"
+    );
+    let again = raw(
+        i.addr,
+        "GET",
+        &format!("{operation}/undo"),
+        &[("host", &host), ("cookie", &cookie)],
+        "",
+    )
+    .await;
+    assert!(
+        again.body.contains("data-would-act=\"4\""),
+        "{}",
+        again.body
+    );
+    let undone = undo(again.field("plan")).await;
+    assert_eq!(undone.status, 303, "{undone:?}");
+    saga_test_support::wait_until("the undo", Duration::from_secs(60), || async {
+        (discards().await == 0).then_some(())
+    })
+    .await;
+}
+
+/// A replay's confirmation is pinned to the keys it releases and the messages parked behind them: 2 parked
+/// previewed, 502 parked at confirming, nothing is sent; the reason typed in the form is in the audit log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replay_confirmation_is_pinned_to_what_it_releases_and_audited_with_its_reason() {
+    let i = Inspector::start("inspect-pinned-held", InspectOptions::default()).await;
+    let host = i.host();
+    let origin = format!("http://{host}");
+    let get = |path: String, cookie: Option<String>| {
+        let (addr, host) = (i.addr, host.clone());
+        async move {
+            let mut headers = vec![("host", host.as_str())];
+            if let Some(cookie) = &cookie {
+                headers.push(("cookie", cookie.as_str()));
+            }
+            raw(addr, "GET", &path, &headers, "").await
+        }
+    };
+    let groups: serde_json::Value = serde_json::from_str(
+        &raw(
+            i.addr,
+            "GET",
+            "/api/groups",
+            &[("host", &host), ("accept", "application/json")],
+            "",
+        )
+        .await
+        .body,
+    )
+    .unwrap();
+    let id = groups[0]["id"].as_str().unwrap().to_owned();
+    // The letter heads its key, which holds two messages behind it.
+    sqlx::query(
+        "INSERT INTO saga_held_keys (group_id, key, cause, head_letter, head_topic, head_partition, \
+             head_offset, parked) \
+         SELECT $1, 'order-7'::bytea, 'dead-letter', letter_hash, dlq_topic, dlq_partition, dlq_offset, 2 \
+         FROM saga_dead_letters WHERE dlq_topic = $2",
+    )
+    .bind(&i.group)
+    .bind(&i.dlq)
+    .execute(&i.db.pool)
+    .await
+    .unwrap();
+    let preview = get(format!("/groups/{id}/plan?action=replay"), None).await;
+    assert!(
+        preview.body.contains("data-would-act=\"1\""),
+        "{}",
+        preview.body
+    );
+    let cookie = format!(
+        "saga_admin_session={}",
+        preview.cookie("saga_admin_session").unwrap()
+    );
+    let (csrf, pin) = (preview.csrf(), preview.field("plan"));
+    let confirm = |pin: String| {
+        let (addr, host, origin, cookie, csrf) = (
+            i.addr,
+            host.clone(),
+            origin.clone(),
+            cookie.clone(),
+            csrf.clone(),
+        );
+        let path = format!("/api/groups/{id}/replay");
+        async move {
+            let headers = [
+                ("host", host.as_str()),
+                ("origin", origin.as_str()),
+                ("cookie", cookie.as_str()),
+                ("accept", "text/html"),
+            ];
+            let body = format!("csrf={csrf}&plan={pin}&reason=INC-9+gateway+fixed");
+            raw(addr, "POST", &path, &headers, &body).await
+        }
+    };
+    sqlx::query("UPDATE saga_held_keys SET parked = 502")
+        .execute(&i.db.pool)
+        .await
+        .unwrap();
+    let changed = confirm(pin).await;
+    assert_eq!(changed.status, 400, "{changed:?}");
+    assert!(
+        changed.body.contains("changed since the preview") && changed.body.contains("502"),
+        "{}",
+        changed.body
+    );
+    assert_eq!(i.sent().await, 0, "nothing sent");
+
+    let again = get(
+        format!("/groups/{id}/plan?action=replay"),
+        Some(cookie.clone()),
+    )
+    .await;
+    let started = confirm(again.field("plan")).await;
+    assert_eq!(started.status, 303, "{started:?}");
+    saga_test_support::wait_until("the replay", Duration::from_secs(60), || async {
+        (i.sent().await == 1).then_some(())
+    })
+    .await;
+    let log = saga_admin::audit::list(&i.db.pool, &{
+        let mut f = saga_admin::audit::AuditFilter::default();
+        f.action = Some("dlq replay --group".to_owned());
+        f.limit = 10;
+        f
+    })
+    .await
+    .unwrap();
+    let outcomes: Vec<(&str, &str, &str, Option<&str>)> = log
+        .iter()
+        .map(|e| {
+            (
+                e.action.as_str(),
+                e.via.as_str(),
+                e.outcome.as_str(),
+                e.reason.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            (
+                "dlq replay --group",
+                "page",
+                "done",
+                Some("INC-9 gateway fixed")
+            ),
+            (
+                "dlq replay --group",
+                "page",
+                "refused",
+                Some("INC-9 gateway fixed")
+            ),
+        ]
+    );
+    assert_eq!(log[0].target["group"], id.as_str());
+    assert!(
+        log[1].detail.as_deref().unwrap_or_default().contains("502"),
+        "{:?}",
+        log[1]
+    );
 }

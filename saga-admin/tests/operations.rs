@@ -242,6 +242,8 @@ async fn letters_are_grouped_by_cause_and_a_group_replay_shows_asks_and_sends_ea
             "--yes",
             "--operator",
             "alice",
+            "--reason",
+            "order service redeployed",
         ])
         .await;
     assert_eq!(
@@ -261,6 +263,25 @@ async fn letters_are_grouped_by_cause_and_a_group_replay_shows_asks_and_sends_ea
     );
     let sent = f.sent_by_letter().await;
     assert_eq!((sent.len(), sent.values().max()), (3, Some(&1)), "{sent:?}");
+    // The audit log: who, why, what, how it ended.
+    let log = f.saga.json(&["audit"]).await;
+    assert_eq!(log.as_array().unwrap().len(), 1, "{log}");
+    assert_eq!(
+        (
+            &log[0]["action"],
+            &log[0]["operator"],
+            &log[0]["reason"],
+            &log[0]["outcome"]
+        ),
+        (
+            &Value::from("dlq replay --group"),
+            &Value::from("alice"),
+            &Value::from("order service redeployed"),
+            &Value::from("done")
+        )
+    );
+    assert_eq!(log[0]["target"]["group"], id.as_str());
+    assert_eq!(log[0]["target"]["letters"], "3");
     let missing = f.group("order <n> not found").await;
     assert_eq!(
         (&missing["open"], &missing["total"]),
@@ -613,4 +634,75 @@ async fn a_cancelled_operation_stops_between_two_letters() {
         i64::from(o.done),
         "what it sent is what it recorded"
     );
+}
+
+/// A run sends only to the retry topic its preview showed: the group given another one meanwhile, the run
+/// stops before sending anything, and the operation says why until a run goes on with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_sends_only_where_its_preview_said_and_a_stopped_run_says_why() {
+    let f = Fixture::new("ops-pinned-topic").await;
+    f.letters(&many("declined", 2, "charge", |i| {
+        format!("card {i} declined")
+    }))
+    .await;
+    let plan = f.plan_group_replay("card <n> declined").await;
+    let id = operations::start(&f.db.pool, &plan, "dave").await.unwrap();
+    let elsewhere = format!("{}.elsewhere", f.topic);
+    f.kafka.create_topic(&elsewhere, 1).await;
+    let retarget = |topic: String| {
+        let pool = f.db.pool.clone();
+        async move {
+            sqlx::query("UPDATE saga_consumer_groups SET retry_topic = $1")
+                .bind(topic)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    };
+    retarget(elsewhere.clone()).await;
+    let stopped = operations::run(&f.kafka_config(), &f.db.pool, id, &ReplayOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        stopped.to_string().contains("changed since the preview"),
+        "{stopped}"
+    );
+    assert_eq!(f.sent().await, 0);
+    assert_eq!(
+        f.kafka.end_offsets(&elsewhere).await.values().sum::<i64>(),
+        0,
+        "nothing sent where the preview did not say"
+    );
+    let shown = f
+        .saga
+        .json(&["dlq", "operations", "show", &id.to_string()])
+        .await;
+    assert_eq!(shown["operation"]["status"], "running");
+    assert!(
+        shown["operation"]["stopped"]
+            .as_str()
+            .is_some_and(|s| s.contains("changed since the preview")),
+        "{shown}"
+    );
+    let text = f
+        .saga
+        .text(&["dlq", "operations", "show", &id.to_string()])
+        .await;
+    assert!(
+        text.contains("its last run stopped before its end"),
+        "{text}"
+    );
+
+    // The group's retry topic put back: resumed, the letters go where the preview said; the stop is cleared.
+    retarget(f.retry.clone()).await;
+    let done = f
+        .saga
+        .json(&["dlq", "operations", "resume", &id.to_string()])
+        .await;
+    assert_eq!(
+        (&done["status"], &done["stopped"]),
+        (&Value::from("done"), &Value::Null),
+        "{done}"
+    );
+    assert_eq!(f.sent().await, 2);
 }

@@ -177,7 +177,7 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
             "list",
             "--topic",
             &dlq_topic,
-            "--reason",
+            "--letter-reason",
             "crash-loop",
         ])
         .await;
@@ -265,7 +265,7 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
             "replay",
             "--topic",
             &dlq_topic,
-            "--reason",
+            "--letter-reason",
             "crash-loop",
         ])
         .await;
@@ -279,7 +279,7 @@ async fn payments_dead_lettered_in_a_gateway_outage_are_replayed_once_and_comple
             "replay",
             "--topic",
             &dlq_topic,
-            "--reason",
+            "--letter-reason",
             "retries-exhausted",
         ])
         .await;

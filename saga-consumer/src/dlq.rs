@@ -68,6 +68,17 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
+    /// Every reason.
+    pub const ALL: [Self; 7] = [
+        Self::Undecodable,
+        Self::UnknownEventType,
+        Self::HandlerFailed,
+        Self::RetriesExhausted,
+        Self::CrashLoop,
+        Self::HoldQueueFull,
+        Self::StoreRefused,
+    ];
+
     /// The `dlq-reason` header value.
     pub fn as_str(self) -> &'static str {
         match self {

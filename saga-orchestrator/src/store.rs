@@ -312,18 +312,39 @@ pub async fn request_retry(
     saga_id: Uuid,
     operator: &str,
 ) -> Result<SagaInstance, OrchestratorError> {
+    request_retry_at(pool, saga_id, operator, None).await
+}
+
+/// [`request_retry`], only if the instance is still at `version` (the revision its requester saw), when
+/// given: [`OrchestratorError::VersionConflict`] if it moved on since.
+pub async fn request_retry_at(
+    pool: &PgPool,
+    saga_id: Uuid,
+    operator: &str,
+    version: Option<i64>,
+) -> Result<SagaInstance, OrchestratorError> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE saga_instances SET retry_requested_by = $2, retry_requested_at = now(), deadline = now(), \
              stuck_reason = NULL, stuck_at = NULL, timer_failures = 0 \
-         WHERE saga_id = $1 AND status IN ('running', 'compensating') RETURNING {COLUMNS}"
+         WHERE saga_id = $1 AND status IN ('running', 'compensating') \
+           AND ($3::bigint IS NULL OR version = $3) RETURNING {COLUMNS}"
     )))
     .bind(saga_id)
     .bind(operator)
+    .bind(version)
     .fetch_optional(pool)
     .await?;
     match row {
         Some(row) => Ok(from_row(&row)?),
         None => match load(pool, saga_id).await? {
+            Some(instance) if version.is_some_and(|v| v != i64::from(instance.version)) => {
+                Err(OrchestratorError::VersionConflict {
+                    saga_id,
+                    version: version
+                        .and_then(|v| i32::try_from(v).ok())
+                        .unwrap_or(i32::MAX),
+                })
+            }
             Some(instance) => Err(OrchestratorError::NotRetryable {
                 saga_id,
                 status: instance.status,

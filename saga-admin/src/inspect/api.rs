@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use super::security::{Caller, FormFields};
 use super::{App, pages};
+use crate::audit::{self, Action, Actor, Via};
 use crate::dlq::{self, DeadLetter, DlqFilter, ReplayOptions};
 use crate::error::AdminError;
 use crate::groups::{self, FailureGroup, GroupedLetter};
@@ -39,12 +40,18 @@ pub(super) fn wants_html(headers: &HeaderMap) -> bool {
         .is_some_and(|a| a.contains("text/html"))
 }
 
-/// An error, as a page or as JSON: bad input is the caller's (400, said as it is), the rest the service's
-/// (502): what failed, in a word, and a reference to the inspector's log, which has the details (a
+/// An error, as a page or as JSON: bad input is the caller's (400, said as it is), a stale index 503 (how
+/// stale, said), the rest the service's (502): what failed, in a word, and a reference to the inspector's log, which has the details (a
 /// database's or broker's error names addresses and settings the page's viewers need not see).
 pub(super) fn failure(e: &AdminError, html: bool) -> Response {
     let (status, text) = if e.is_caller_error() {
         (StatusCode::BAD_REQUEST, e.to_string())
+    } else if let AdminError::Stale(staleness) = e {
+        // Said in words that quote no server's error: the log line has it.
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{staleness}; ask with ?as_indexed=1 to read it as it is"),
+        )
     } else {
         let reference = format!("r-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         tracing::error!(%reference, error = %e, "the inspector could not answer");
@@ -460,6 +467,25 @@ pub(super) async fn trace(
 
 // ---- Actions --------------------------------------------------------------------------------------------
 
+/// The header in which a script gives the reason of an action (a page's form gives its `reason` field).
+pub(super) const REASON_HEADER: &str = "saga-reason";
+
+/// The caller as the audit log's actor: its token's name, the form's `reason` (a script's: the
+/// `saga-reason` header), through the page.
+fn actor(
+    caller: &Caller,
+    form: Option<&Extension<FormFields>>,
+    headers: &HeaderMap,
+) -> Result<Actor, AdminError> {
+    let header = headers
+        .get(REASON_HEADER)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let reason = form
+        .and_then(|Extension(f)| f.get("reason"))
+        .or(header.as_deref());
+    Actor::new(caller.operator.clone(), reason, Via::Page)
+}
+
 fn read_only(caller: &Caller, headers: &HeaderMap) -> Option<Response> {
     caller.read_only.then(|| {
         failure(
@@ -479,37 +505,71 @@ pub(super) async fn replay_letter(
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
-    // The page's confirmation names the letter it showed: a letter now at that position (its topic
-    // recreated) is not replayed unseen.
-    let pinned = form.as_ref().and_then(|Extension(f)| f.get("letter"));
-    let checked = match (pinned, caller.scripted) {
-        (None, false) => Err(AdminError::bad_input(
-            "a replay must be confirmed from the letter's page: open it again",
-        )),
-        (None, true) => app.shown_topic(&topic).await,
-        (Some(pinned), _) => match one_letter(&app, &topic, partition, offset).await {
-            Ok(current) if current.identity() == pinned => Ok(()),
-            Ok(_) => Err(AdminError::bad_input(
-                "another letter is at this position now (its topic was recreated): nothing was done; \
-                 open it again",
-            )),
-            Err(e) => Err(e),
-        },
+    let actor = match actor(&caller, form.as_ref(), &headers) {
+        Ok(actor) => actor,
+        Err(e) => return failure(&e, wants_html(&headers)),
     };
-    if let Err(e) = checked {
-        return failure(&e, wants_html(&headers));
-    }
-    let report = dlq::replay(
-        &app.kafka,
-        &app.pool,
-        &topic,
-        &DlqFilter::at(partition, offset),
-        &ReplayOptions::default().by(caller.operator.clone()),
-    )
+    let action = Action::new("dlq replay")
+        .on("topic", &topic)
+        .on("letters", format!("at {partition}/{offset}"));
+    let work = replay_checked(&app, &caller, form.as_ref(), &topic, partition, offset);
+    let report = audit::audited(&app.pool, &actor, action, work, |r| {
+        format!("{} sent to {}", r.sent(), r.retry_topic)
+    })
     .await;
     answer(&headers, StatusCode::OK, report, |r| {
         pages::replayed(&topic, r)
     })
+}
+
+/// Replays the letter at `partition`/`offset` of `topic` as `caller`'s, if it is the letter the page's
+/// confirmation showed.
+async fn replay_checked(
+    app: &App,
+    caller: &Caller,
+    form: Option<&Extension<FormFields>>,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) -> Result<dlq::ReplayReport, AdminError> {
+    // The page's confirmation names the letter it showed: a letter now at that position (its topic
+    // recreated) is not replayed unseen.
+    let pinned = form.and_then(|Extension(f)| f.get("letter"));
+    match (pinned, caller.scripted) {
+        (None, false) => {
+            return Err(AdminError::bad_input(
+                "a replay must be confirmed from the letter's page: open it again",
+            ));
+        }
+        (None, true) => app.shown_topic(topic).await?,
+        (Some(pinned), _) => {
+            if one_letter(app, topic, partition, offset).await?.identity() != pinned {
+                return Err(AdminError::bad_input(
+                    "another letter is at this position now (its topic was recreated): nothing was done; \
+                     open it again",
+                ));
+            }
+        }
+    }
+    // And the retry topic it showed: a group given another one meanwhile gets nothing unseen.
+    if let Some(shown) = form.and_then(|Extension(f)| f.get("retry_topic")) {
+        let owner = dlq::owner_of(&app.pool, topic).await?;
+        if owner.retry_topic != shown {
+            return Err(AdminError::bad_input(format!(
+                "changed since the preview: group {} reads {} now, not {shown}: nothing was done; open it \
+                 again",
+                owner.group, owner.retry_topic
+            )));
+        }
+    }
+    dlq::replay(
+        &app.kafka,
+        &app.pool,
+        topic,
+        &DlqFilter::at(partition, offset),
+        &ReplayOptions::default().by(caller.operator.clone()),
+    )
+    .await
 }
 
 /// The exact bytes of a key named by hexadecimal path segment `key_hex`.
@@ -531,8 +591,16 @@ pub(super) async fn release_key(
         return refused;
     }
     let pinned = form.as_ref().and_then(|Extension(f)| f.get("held_at"));
-    let released = async {
-        let key = key_of_hex(&key_hex)?;
+    let actor = match actor(&caller, form.as_ref(), &headers) {
+        Ok(actor) => actor,
+        Err(e) => return failure(&e, wants_html(&headers)),
+    };
+    let key = key_of_hex(&key_hex);
+    let action = Action::new("keys release")
+        .on("group", &group)
+        .on_bytes("key", key.as_deref().unwrap_or_default());
+    let work = async {
+        let key = key?;
         let held_at = match (pinned, caller.scripted) {
             (None, false) => {
                 return Err(AdminError::bad_input(
@@ -549,7 +617,10 @@ pub(super) async fn release_key(
             ),
         };
         crate::holds::release_pinned(&app.pool, &group, &key, &caller.operator, held_at).await
-    }
+    };
+    let released = audit::audited(&app.pool, &actor, action, work, |r| {
+        format!("released; {} parked messages run in order", r.parked)
+    })
     .await;
     answer(&headers, StatusCode::OK, released, pages::key_released)
 }
@@ -624,10 +695,13 @@ impl PlanPin {
         }
         if self.digest != plan.digest() {
             return Err(AdminError::bad_input(format!(
-                "the group changed since its preview (it listed {} letter(s), it holds {} now): nothing \
-                 was done; preview again, then confirm",
+                "changed since the preview (it listed {} letter(s); now {} letter(s), {} held key(s) with {} \
+                 message(s) parked behind them, sent to {}): nothing was done; preview again, then confirm",
                 self.letters,
-                plan.letters.len()
+                plan.letters.len(),
+                plan.held_keys,
+                plan.parked_behind,
+                plan.retry_topic.as_deref().unwrap_or("no retry topic")
             )));
         }
         Ok(())
@@ -684,21 +758,26 @@ pub(super) struct PinQuery {
 async fn start_operation(
     app: &App,
     caller: &Caller,
+    form: Option<&Extension<FormFields>>,
     headers: &HeaderMap,
-    plan: Result<Plan, AdminError>,
+    (plan, unplanned): (Result<Plan, AdminError>, Action),
 ) -> Response {
     let html = wants_html(headers);
-    let started = async {
-        let plan = plan?;
-        let id = operations::start(&app.pool, &plan, &caller.operator).await?;
-        Ok::<_, AdminError>(id)
-    }
+    let actor = match actor(caller, form, headers) {
+        Ok(actor) => actor,
+        Err(e) => return failure(&e, html),
+    };
+    let action = plan.as_ref().map_or(unplanned, Plan::audit_action);
+    let work = async { operations::start(&app.pool, &plan?, &caller.operator).await };
+    let started = audit::audited(&app.pool, &actor, action, work, |id| {
+        format!("started operation {id}")
+    })
     .await;
     let id = match started {
         Ok(id) => id,
         Err(e) => return failure(&e, html),
     };
-    spawn_run(app, id, &caller.operator);
+    spawn_run(app, id, actor);
     if html {
         return (
             StatusCode::SEE_OTHER,
@@ -717,11 +796,18 @@ async fn start_operation(
 }
 
 /// Runs operation `id` in the background as `operator`'s (its record says how far it got, and who ran it).
-fn spawn_run(app: &App, id: i64, operator: &str) {
+fn spawn_run(app: &App, id: i64, actor: Actor) {
     let app = app.clone();
-    let options = ReplayOptions::default().by(operator);
+    let options = ReplayOptions::default().by(actor.operator.clone());
     tokio::spawn(async move {
-        if let Err(e) = operations::run(&app.kafka, &app.pool, id, &options).await {
+        // The run is an entry of the audit log of its own: how the operation ended, or why it stopped.
+        let action = Action::new("dlq operations run").on("operation", id);
+        let work = operations::run(&app.kafka, &app.pool, id, &options);
+        let ran = audit::audited(&app.pool, &actor, action, work, |o| {
+            format!("operation {}: {}, {} done", o.id, o.status, o.done)
+        })
+        .await;
+        if let Err(e) = ran {
             tracing::warn!(operation = id, error = %e, "a dead-letter operation stopped");
         }
     });
@@ -744,7 +830,8 @@ pub(super) async fn group_replay(
         &query,
         plan(&app, &id, "replay").await,
     );
-    start_operation(&app, &caller, &headers, plan).await
+    let unplanned = Action::new("dlq replay --group").on("group", &id);
+    start_operation(&app, &caller, form.as_ref(), &headers, (plan, unplanned)).await
 }
 
 pub(super) async fn group_discard(
@@ -764,55 +851,102 @@ pub(super) async fn group_discard(
         &query,
         plan(&app, &id, "discard").await,
     );
-    start_operation(&app, &caller, &headers, plan).await
+    let unplanned = Action::new("dlq discard").on("group", &id);
+    start_operation(&app, &caller, form.as_ref(), &headers, (plan, unplanned)).await
+}
+
+/// The preview of undoing discard operation `id`: what it would open again, with the pin its confirmation
+/// carries.
+pub(super) async fn undo_plan(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> Response {
+    let plan = operations::plan_undo(&app.pool, id).await;
+    answer(&headers, StatusCode::OK, plan, |p| {
+        pages::confirm_plan(p, &id.to_string(), &caller)
+    })
 }
 
 pub(super) async fn operation_undo(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
+    form: Option<Extension<FormFields>>,
+    Query(query): Query<PinQuery>,
     headers: HeaderMap,
     Path(id): Path<i64>,
 ) -> Response {
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
-    let plan = operations::plan_undo(&app.pool, id).await;
-    start_operation(&app, &caller, &headers, plan).await
+    let plan = pinned(
+        &caller,
+        form.as_ref().map(|Extension(f)| f),
+        &query,
+        operations::plan_undo(&app.pool, id).await,
+    );
+    let unplanned = Action::new("dlq discard --undo").on("undoes", id);
+    start_operation(&app, &caller, form.as_ref(), &headers, (plan, unplanned)).await
 }
 
 pub(super) async fn operation_cancel(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
+    form: Option<Extension<FormFields>>,
     headers: HeaderMap,
     Path(id): Path<i64>,
 ) -> Response {
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
-    let cancelled = operations::cancel(&app.pool, id, &caller.operator).await;
+    let cancelled = match actor(&caller, form.as_ref(), &headers) {
+        Ok(actor) => {
+            let action = Action::new("dlq operations cancel").on("operation", id);
+            let work = operations::cancel(&app.pool, id, &caller.operator);
+            audit::audited(&app.pool, &actor, action, work, |o| {
+                format!("operation {}: {}", o.id, o.status)
+            })
+            .await
+        }
+        Err(e) => Err(e),
+    };
     after_operation_action(&app, &headers, id, cancelled.map(drop)).await
 }
 
 pub(super) async fn operation_resume(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
+    form: Option<Extension<FormFields>>,
     headers: HeaderMap,
     Path(id): Path<i64>,
 ) -> Response {
     if let Some(refused) = read_only(&caller, &headers) {
         return refused;
     }
-    let running = match operations::get(&app.pool, id).await {
-        Ok((operation, _)) if operation.status == "running" => Ok(()),
-        Ok((operation, _)) => Err(AdminError::bad_input(format!(
-            "operation {id} is {}: nothing left to run",
-            operation.status
-        ))),
+    let work = async {
+        match operations::get(&app.pool, id).await? {
+            (operation, _) if operation.status == "running" => Ok(()),
+            (operation, _) => Err(AdminError::bad_input(format!(
+                "operation {id} is {}: nothing left to run",
+                operation.status
+            ))),
+        }
+    };
+    let action = Action::new("dlq operations resume").on("operation", id);
+    let running = match actor(&caller, form.as_ref(), &headers) {
+        Ok(actor) => {
+            let resumed = audit::audited(&app.pool, &actor, action, work, |()| {
+                "resumed in the background".to_owned()
+            })
+            .await;
+            if resumed.is_ok() {
+                spawn_run(&app, id, actor);
+            }
+            resumed
+        }
         Err(e) => Err(e),
     };
-    if running.is_ok() {
-        spawn_run(&app, id, &caller.operator);
-    }
     after_operation_action(&app, &headers, id, running).await
 }
 
@@ -844,6 +978,7 @@ async fn after_operation_action(
 pub(super) async fn saga_retry(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
+    form: Option<Extension<FormFields>>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
@@ -851,7 +986,35 @@ pub(super) async fn saga_retry(
         return refused;
     }
     let html = wants_html(&headers);
-    match crate::sagas::retry(&app.pool, &id, &caller.operator).await {
+    let retried = match actor(&caller, form.as_ref(), &headers) {
+        Ok(actor) => {
+            let action = Action::new("sagas retry").on("saga", &id);
+            let pinned = form.as_ref().and_then(|Extension(f)| f.get("version"));
+            let work = async {
+                let version = match (pinned, caller.scripted) {
+                    (None, false) => {
+                        return Err(AdminError::bad_input(
+                            "a retry must be confirmed from the saga's page: open it again",
+                        ));
+                    }
+                    (None, true) => None,
+                    (Some(text), _) => Some(text.parse::<i64>().map_err(|_| {
+                        AdminError::bad_input("the confirmation's version does not parse")
+                    })?),
+                };
+                crate::sagas::retry_pinned(&app.pool, &id, &caller.operator, version).await
+            };
+            audit::audited(&app.pool, &actor, action, work, |i| {
+                format!(
+                    "retry of step {} attempt {} requested",
+                    i.step_index, i.attempt
+                )
+            })
+            .await
+        }
+        Err(e) => Err(e),
+    };
+    match retried {
         Ok(_) if html => (
             StatusCode::SEE_OTHER,
             [(header::LOCATION, format!("/sagas/{id}"))],

@@ -115,6 +115,7 @@ pub fn router(
         .route("/groups/{id}/plan", get(api::group_plan))
         .route("/operations", get(api::operations_list))
         .route("/operations/{id}", get(api::operation))
+        .route("/operations/{id}/undo", get(api::undo_plan))
         .route("/trace", get(api::trace))
         .route("/dlq/{topic}", get(api::dlq_topic))
         .route("/dlq/{topic}/{partition}/{offset}", get(api::dlq_letter))
@@ -152,6 +153,7 @@ pub fn router(
     pages
         .layer(axum::middleware::map_request(as_page))
         .nest("/api", api)
+        .layer(axum::middleware::from_fn(read_as_indexed))
         .layer(axum::middleware::from_fn_with_state(guard, security::guard))
         .with_state(app)
 }
@@ -171,6 +173,70 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(|e| AdminError::Store(format!("serving the inspector: {e}")))
+}
+
+/// The most bytes of a page the stale-index banner is put into.
+const BANNER_PAGE_BYTES: usize = 64 << 20;
+
+/// A page (GET) shows the dead-letter index as it is where it cannot be brought up to date, and says so in
+/// a banner at its top (`#index-stale`). The API reads it so only when asked (`?as_indexed=1`), and says
+/// so in a `saga-index-stale` header; else it fails (503) saying how stale the index is, as the command
+/// does: a script is not handed a stale answer it did not ask for. Actions (POSTs) act only on an index
+/// brought up to date, and `/metrics` counts no letter of a stale index (it says the failure as
+/// `saga_inspector_scrape_errors`).
+async fn read_as_indexed(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let read = matches!(
+        *request.method(),
+        axum::http::Method::GET | axum::http::Method::HEAD
+    );
+    let path = request.uri().path();
+    let api = path.starts_with("/api/");
+    let asked = request.uri().query().is_some_and(|q| {
+        q.split('&')
+            .any(|p| p == "as_indexed=1" || p == "as_indexed=true")
+    });
+    if !read || path == "/metrics" || (api && !asked) {
+        return next.run(request).await;
+    }
+    let (response, stale) = crate::freshness::as_indexed(next.run(request)).await;
+    if stale.is_empty() {
+        return response;
+    }
+    let said: Vec<String> = stale.iter().map(ToString::to_string).collect();
+    let html = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("text/html"));
+    let (mut parts, body) = response.into_parts();
+    if !html {
+        // Bounded: a proxy in front refuses answers with very long headers.
+        let header = saga_consumer::toolkit::printable(&said.join("; "), false)
+            .chars()
+            .filter(char::is_ascii)
+            .take(2_000)
+            .collect::<String>();
+        if let Ok(value) = axum::http::HeaderValue::from_str(&header) {
+            parts.headers.insert("saga-index-stale", value);
+        }
+        return Response::from_parts(parts, body);
+    }
+    let Ok(bytes) = axum::body::to_bytes(body, BANNER_PAGE_BYTES).await else {
+        return api::failure(
+            &AdminError::Store("the page could not be read back to put its banner in".to_owned()),
+            true,
+        );
+    };
+    let page = String::from_utf8_lossy(&bytes).replacen(
+        "</nav>",
+        &format!("</nav>{}", pages::stale_banner(&said)),
+        1,
+    );
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, axum::body::Body::from(page))
 }
 
 /// Page routes answer pages: a request that names no `Accept` (a script, a test) gets HTML there too. (The

@@ -24,7 +24,8 @@ button.secondary,a.secondary{background:#57606a}nav a{margin-right:1rem}\
 table.lanes td{min-width:14rem}.lane-event{border-left:3px solid #0969da;padding-left:.4rem}\
 .lane-event.dead-letter,.lane-event.failed{border-color:#cf222e}.lane-event.replay{border-color:#bf8700}\
 .lane-event.emitted{border-color:#1a7f37}.lane-event.transition{border-color:#8250df}small{color:#57606a}\
-.warning{color:#9a6700;background:#fff8c5;padding:.4rem .6rem}";
+.warning{color:#9a6700;background:#fff8c5;padding:.4rem .6rem}\
+label.reason{color:#57606a;font-size:.9rem;margin-right:.4rem}label.reason input{width:16rem}";
 
 /// The most rows a page lists of one table.
 const PAGE_ROWS: usize = 500;
@@ -64,6 +65,19 @@ fn page(title: &str, body: &str) -> String {
          <a href=\"/operations\">Operations</a><a href=\"/trace\">Find a saga</a></nav><h1>{}</h1>{body}</body></html>",
         esc(title),
         esc(title)
+    )
+}
+
+/// The banner of a page read from a dead-letter index that could not be brought up to date: each topic's
+/// staleness, said.
+pub(super) fn stale_banner(said: &[String]) -> String {
+    let items: String = said
+        .iter()
+        .map(|s| format!("<li>{}</li>", esc(s)))
+        .collect();
+    format!(
+        "<div id=\"index-stale\" class=\"warning\" role=\"alert\"><b>Shown as indexed, possibly stale:</b>\
+         <ul>{items}</ul></div>"
     )
 }
 
@@ -124,11 +138,15 @@ pub(super) fn confirm_login(name: &str, action: &str, fields: &[(&str, &str)]) -
     )
 }
 
-/// A form that POSTs to `action`, with the session's CSRF token and one button.
+/// The field of an action's form that says why, recorded in the audit log.
+const REASON_INPUT: &str = "<label class=\"reason\">why <input name=\"reason\" \
+     placeholder=\"recorded in the audit log\" maxlength=\"1000\"></label> ";
+
+/// A form that POSTs to `action`, with the session's CSRF token, a reason field and one button.
 fn post_form(action: &str, caller: &Caller, button_id: &str, label: &str, class: &str) -> String {
     format!(
         "<form class=\"inline\" method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"{CSRF_FIELD}\" \
-         value=\"{}\"><button type=\"submit\" id=\"{}\" class=\"{}\">{}</button></form>",
+         value=\"{}\">{REASON_INPUT}<button type=\"submit\" id=\"{}\" class=\"{}\">{}</button></form>",
         esc(action),
         esc(&caller.csrf),
         esc(button_id),
@@ -582,6 +600,15 @@ pub(super) fn confirm_retry(detail: &SagaDetail, caller: &Caller) -> String {
             "Confirm retry",
             ""
         )
+        // Pinned to the revision shown: a saga that moved on meanwhile is not retried unseen.
+        .replacen(
+            "<button",
+            &format!(
+                "<input type=\"hidden\" name=\"version\" value=\"{}\"><button",
+                i.version
+            ),
+            1
+        )
     );
     page("Retry a saga?", &body)
 }
@@ -712,6 +739,7 @@ pub(super) fn confirm_replay(letter: &DeadLetter, owner: &DlqOwner, caller: &Cal
          <form method=\"post\" action=\"/api/dlq/{}/{}/{}/replay\">\
          <input type=\"hidden\" name=\"{}\" value=\"{}\">\
          <input type=\"hidden\" name=\"letter\" value=\"{}\">\
+         <input type=\"hidden\" name=\"retry_topic\" value=\"{}\">{REASON_INPUT}\
          <button type=\"submit\" id=\"confirm\">Confirm replay</button></form>",
         esc(&letter.original_topic),
         letter.original_partition,
@@ -724,7 +752,8 @@ pub(super) fn confirm_replay(letter: &DeadLetter, owner: &DlqOwner, caller: &Cal
         letter.offset,
         CSRF_FIELD,
         esc(&caller.csrf),
-        esc(&letter.identity())
+        esc(&letter.identity()),
+        esc(&owner.retry_topic)
     );
     page("Replay a dead letter?", &body)
 }
@@ -738,7 +767,7 @@ pub(super) fn confirm_release_key(held: &crate::holds::HeldKey, caller: &Caller)
          their order, as if its head letter had been discarded; the letter stays in its topic.</p>\
          <form method=\"post\" action=\"/api/keys/{}/{}/release\">\
          <input type=\"hidden\" name=\"{}\" value=\"{}\">\
-         <input type=\"hidden\" name=\"held_at\" value=\"{}\">\
+         <input type=\"hidden\" name=\"held_at\" value=\"{}\">{REASON_INPUT}\
          <button type=\"submit\" id=\"confirm\">Confirm release</button></form>",
         esc(&held.key),
         esc(&held.key_hex),
@@ -906,8 +935,12 @@ pub(super) fn confirm_plan(plan: &Plan, id: &str, caller: &Caller) -> String {
     }
     if plan.would_act() > 0 && !caller.read_only {
         // The confirmation carries the preview's pin: it acts on these letters, or on none.
+        let target = match plan.kind {
+            OperationKind::UndoDiscard => format!("/api/operations/{}/undo", seg(id)),
+            _ => format!("/api/groups/{}/{action}", seg(id)),
+        };
         let form = post_form(
-            &format!("/api/groups/{}/{action}", seg(id)),
+            &target,
             caller,
             "confirm",
             &format!("Confirm: {action} {}", plan.would_act()),
@@ -986,6 +1019,14 @@ pub(super) fn operation(view: &OperationView, caller: &Caller) -> String {
                 esc(by)
             ))
     );
+    if let Some(why) = o.stopped.as_deref().filter(|_| o.status == "running") {
+        let _ = write!(
+            body,
+            "<p class=\"warning\" id=\"operation-stopped\">Its last run stopped before its end: {}. \
+             Resume it once the cause is fixed, or cancel it.</p>",
+            esc(why)
+        );
+    }
     if !caller.read_only {
         if o.status == "running" {
             body.push_str(&post_form(
@@ -1004,13 +1045,12 @@ pub(super) fn operation(view: &OperationView, caller: &Caller) -> String {
             ));
         }
         if o.kind == OperationKind::Discard && o.status != "running" && o.done > 0 {
-            body.push_str(&post_form(
-                &format!("/api/operations/{}/undo", o.id),
-                caller,
-                "undo",
-                "Undo this discard",
-                "secondary",
-            ));
+            // A preview first: its confirmation is pinned to the letters it shows.
+            let _ = write!(
+                body,
+                "<a class=\"button secondary\" id=\"undo\" href=\"/operations/{}/undo\">Undo this discard…</a>",
+                o.id
+            );
         }
     }
     body.push_str(
