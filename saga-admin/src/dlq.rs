@@ -659,6 +659,10 @@ pub async fn replay(
     // As the topic holds them now: a letter found in place of the indexed one (its topic recreated) is
     // replayed only if the filter selects it too.
     let now = Utc::now();
+    if !options.dry_run {
+        // An action: it may make the index a schema no consumer of this version ran in lacks.
+        crate::index::prepare(pool).await?;
+    }
     let mut letters = with_records(kafka, pool, list(kafka, pool, topic, filter).await?).await?;
     letters.retain(|l| filter.accepts(l, now));
     if let Some(position) = filter.position

@@ -110,6 +110,11 @@ pub async fn strict<F: Future>(work: F) -> F::Output {
     SCOPE.scope(scope, work).await
 }
 
+/// Whether this runs inside [`as_indexed`] (and not in a [`strict`] inside it).
+pub fn reading_as_indexed() -> bool {
+    SCOPE.try_with(|s| s.as_indexed).unwrap_or(false)
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -25,14 +25,20 @@ const CHUNK: i64 = 2_000;
 /// The most bytes (keys, payloads, headers) read from a topic at once while indexing.
 const CHUNK_BYTES: usize = 16 << 20;
 
-/// Applies the consumer's migrations (the index) to `pool`'s schema if its index is missing: a schema no
-/// consumer of this version ran in yet.
-pub(crate) async fn prepare(pool: &PgPool) -> Result<(), AdminError> {
-    let ready: bool =
+/// Whether `pool`'s schema has the dead-letter index (a consumer of this version ran in it).
+async fn exists(pool: &PgPool) -> Result<bool, AdminError> {
+    Ok(
         sqlx::query_scalar("SELECT to_regclass('saga_dead_letter_scans') IS NOT NULL")
             .fetch_one(pool)
-            .await?;
-    if ready {
+            .await?,
+    )
+}
+
+/// Applies the consumer's migrations (the index) to `pool`'s schema if its index is missing: a schema no
+/// consumer of this version ran in yet. Only an action prepares the index (a replay): a read runs no
+/// migration.
+pub(crate) async fn prepare(pool: &PgPool) -> Result<(), AdminError> {
+    if exists(pool).await? {
         return Ok(());
     }
     saga_consumer::migrate::migrator()
@@ -76,7 +82,12 @@ pub async fn require_dead_letter_topic(pool: &PgPool, topic: &str) -> Result<(),
 /// finds another running waits for it (it then has little left to do); [`AdminError::Busy`] if the other
 /// still runs after [`LOCK_WAIT`].
 pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(), AdminError> {
-    prepare(pool).await?;
+    if !exists(pool).await? {
+        return Err(AdminError::bad_input(
+            "this schema has no dead-letter index (saga_dead_letters): no consumer of this version has run \
+             in it. Start its services with this version, or replay a letter (a replay prepares the index)",
+        ));
+    }
     let Some(mut held) = lock(pool, topic).await? else {
         return Err(AdminError::Busy(format!(
             "another sync of the index of {topic} has run for over {} s",
@@ -357,6 +368,9 @@ pub(crate) async fn letters(
     pool: &PgPool,
     selection: &Selection<'_>,
 ) -> Result<Vec<GroupedLetter>, AdminError> {
+    if !exists(pool).await? {
+        return Ok(Vec::new());
+    }
     let filter = selection.filter.cloned().unwrap_or_default();
     let since = filter
         .since
@@ -400,6 +414,9 @@ pub(crate) async fn at_positions(
     pool: &PgPool,
     wanted: &[(String, i32, i64, String)],
 ) -> Result<Vec<DeadLetter>, AdminError> {
+    if !exists(pool).await? {
+        return Ok(Vec::new());
+    }
     let state = state_sql(pool).await?;
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS}, {state} FROM saga_dead_letters l \
@@ -505,6 +522,9 @@ pub(crate) async fn groups(
     pool: &PgPool,
     topics: &[String],
 ) -> Result<Vec<FailureGroup>, AdminError> {
+    if !exists(pool).await? {
+        return Ok(Vec::new());
+    }
     let closed = closed_sql(pool, "failure_group").await?;
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "WITH g AS (SELECT dlq_topic, failure_group, min(consumer_group) AS consumer_group, \
@@ -554,6 +574,9 @@ pub(crate) async fn counts(
     pool: &PgPool,
     topics: &[String],
 ) -> Result<BTreeMap<(String, String), (usize, usize)>, AdminError> {
+    if !exists(pool).await? {
+        return Ok(BTreeMap::new());
+    }
     let closed = closed_sql(pool, "reason").await?;
     let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "WITH t AS (SELECT dlq_topic, reason, count(*) AS total FROM saga_dead_letters \

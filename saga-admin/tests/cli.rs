@@ -8,7 +8,15 @@ use saga_test_support::{TestDb, TestKafka, expect_usage_error};
 use common::Target;
 
 async fn target(name: &str) -> (TestDb, TestKafka, Target) {
-    let db = TestDb::with(name, &[saga_orchestrator::migrate::migrator()]).await;
+    // A service's schema: its consumer ran there (the dead-letter index is the consumer's).
+    let db = TestDb::with(
+        name,
+        &[
+            saga_consumer::migrate::migrator(),
+            saga_orchestrator::migrate::migrator(),
+        ],
+    )
+    .await;
     let kafka = TestKafka::new().await;
     let target = Target {
         database_url: TestDb::database_url(),

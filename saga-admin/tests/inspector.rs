@@ -4,6 +4,8 @@
 //! the rendered DOM, and the replay button replays one dead letter into its group's retry topic, as the
 //! operator its token names. Screenshots are saved under `target/inspector/`.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -661,6 +663,46 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
         .unwrap();
     assert_eq!(instance.retry_requested_by.as_deref(), Some("alice"));
     assert_eq!(instance.stuck_reason, None, "no longer stuck: due now");
+
+    // An inspector whose database user may only read: a letter arrives that only a user that may write
+    // the index could take in, and the topic's page shows the letters as indexed, under a banner that
+    // says how stale they are.
+    let schema = saga.args.schema(Service::Order);
+    let reader = common::Reader::create(&saga.db.pool, &schema).await;
+    let reader_pool = common::schema_pool(&reader.url, &schema).await;
+    card_declined("45", "999").await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let reading = format!("http://{}", listener.local_addr().unwrap());
+    let mut options = InspectOptions::default();
+    options.dlq_topics = vec![dlq_topic.clone()];
+    options.tokens = vec![NamedToken::new("alice", token).unwrap()];
+    let stop_reading = tokio_util::sync::CancellationToken::new();
+    let reading_server = tokio::spawn(inspect::serve(
+        listener,
+        KafkaConfig::new(saga.args.brokers().to_owned()),
+        reader_pool.clone(),
+        options,
+        stop_reading.clone().cancelled_owned(),
+    ));
+    browser.open(&format!("{reading}/?token={token}")).await;
+    browser.open(&format!("{reading}/dlq/{dlq_topic}")).await;
+    let banner = browser.find("#index-stale").await;
+    let said = browser.text(&banner).await;
+    assert!(
+        said.contains("could not be brought up to date") && said.contains("permission denied"),
+        "{said}"
+    );
+    let count = browser.find("#dlq-count").await;
+    assert_eq!(
+        browser.attribute(&count, "data-count").await,
+        "4",
+        "the letters as indexed, not the one only a writer could take in"
+    );
+    browser.screenshot("index-stale").await;
+    stop_reading.cancel();
+    reading_server.await.unwrap().unwrap();
+    reader_pool.close().await;
+    reader.drop_role(&saga.db.pool).await;
 
     browser.quit().await;
     stop.cancel();

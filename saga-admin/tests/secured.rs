@@ -16,7 +16,14 @@ use saga_test_support::{
 use common::Target;
 
 async fn secured_target(name: &str) -> (TestDb, TestKafka, Target) {
-    let db = TestDb::with(name, &[saga_orchestrator::migrate::migrator()]).await;
+    let db = TestDb::with(
+        name,
+        &[
+            saga_consumer::migrate::migrator(),
+            saga_orchestrator::migrate::migrator(),
+        ],
+    )
+    .await;
     let kafka = TestKafka::secured().await;
     let target = Target {
         database_url: TestDb::database_url(),

@@ -39,51 +39,6 @@ async fn letter(kafka: &TestKafka, dlq: &str, key: &str, offset: i64) {
         .await;
 }
 
-/// A role of its own that may read `schema` and nothing else; dropped by [`Reader::drop_role`].
-struct Reader {
-    role: String,
-    url: String,
-}
-
-impl Reader {
-    async fn create(db: &TestDb) -> Self {
-        let role = format!("reader_{}", uuid::Uuid::new_v4().simple());
-        for statement in [
-            format!("CREATE ROLE {role} LOGIN"),
-            format!("GRANT USAGE ON SCHEMA \"{}\" TO {role}", db.schema),
-            format!(
-                "GRANT SELECT ON ALL TABLES IN SCHEMA \"{}\" TO {role}",
-                db.schema
-            ),
-        ] {
-            sqlx::query(sqlx::AssertSqlSafe(statement))
-                .execute(&db.pool)
-                .await
-                .unwrap();
-        }
-        // The test database's address, as this role.
-        let url = TestDb::database_url();
-        let (scheme, rest) = url.split_once("://").unwrap();
-        let rest = rest.split_once('@').map_or(rest, |(_, host)| host);
-        Self {
-            url: format!("{scheme}://{role}@{rest}"),
-            role,
-        }
-    }
-
-    async fn drop_role(self, db: &TestDb) {
-        for statement in [
-            format!("DROP OWNED BY {}", self.role),
-            format!("DROP ROLE {}", self.role),
-        ] {
-            sqlx::query(sqlx::AssertSqlSafe(statement))
-                .execute(&db.pool)
-                .await
-                .unwrap();
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stale_index_is_said_and_read_as_it_is_only_when_asked() {
     let db = TestDb::with(
@@ -108,7 +63,7 @@ async fn a_stale_index_is_said_and_read_as_it_is_only_when_asked() {
 
     // A second letter, which only a user that may write the index could take in.
     letter(&kafka, &dlq, "order-2", 1).await;
-    let reader = Reader::create(&db).await;
+    let reader = common::Reader::create(&db.pool, &db.schema).await;
     let as_reader = Target {
         database_url: reader.url.clone(),
         ..owner.clone()
@@ -216,5 +171,5 @@ async fn a_stale_index_is_said_and_read_as_it_is_only_when_asked() {
             .await
             .unwrap();
     assert_eq!(indexed, 1);
-    reader.drop_role(&db).await;
+    reader.drop_role(&db.pool).await;
 }

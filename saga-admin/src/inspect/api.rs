@@ -128,12 +128,20 @@ pub(super) struct Overview {
 }
 
 impl App {
-    /// The dead-letter topics the inspector shows: the configured ones, or the broker's `.dlq` topics.
+    /// The dead-letter topics the inspector shows: the configured ones, or the broker's `.dlq` topics. A
+    /// broker that cannot list them leaves, on a page (a read as indexed: see [`crate::freshness`]), those
+    /// the schema's consumer groups record; elsewhere it is the error.
     pub(super) async fn dlq_topics(&self) -> Result<Vec<String>, AdminError> {
-        if self.options.dlq_topics.is_empty() {
-            dlq::discover_topics(&self.kafka).await
-        } else {
-            Ok(self.options.dlq_topics.clone())
+        if !self.options.dlq_topics.is_empty() {
+            return Ok(self.options.dlq_topics.clone());
+        }
+        match dlq::discover_topics(&self.kafka).await {
+            // Each of them then says, read, that its index could not be brought up to date.
+            Err(e @ AdminError::Kafka(_)) if crate::freshness::reading_as_indexed() => {
+                tracing::warn!(error = %e, "the broker did not list the dead-letter topics");
+                groups::dlq_topics_of(&self.pool).await
+            }
+            found => found,
         }
     }
 

@@ -86,3 +86,48 @@ pub async fn dlq_topic(
     kafka.create_topic(&name, partitions).await;
     name
 }
+
+/// A role of its own that may read `schema` and nothing else; dropped by [`Reader::drop_role`].
+pub struct Reader {
+    role: String,
+    /// The database's URL, as this role.
+    pub url: String,
+}
+
+impl Reader {
+    /// A new role that may read `schema` of the test database, through `pool` (a user that may grant).
+    pub async fn create(pool: &sqlx::PgPool, schema: &str) -> Self {
+        let role = format!("reader_{}", uuid::Uuid::new_v4().simple());
+        for statement in [
+            format!("CREATE ROLE {role} LOGIN"),
+            format!("GRANT USAGE ON SCHEMA \"{schema}\" TO {role}"),
+            format!("GRANT SELECT ON ALL TABLES IN SCHEMA \"{schema}\" TO {role}"),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(pool)
+                .await
+                .unwrap();
+        }
+        // The test database's address, as this role.
+        let url = saga_test_support::TestDb::database_url();
+        let (scheme, rest) = url.split_once("://").unwrap();
+        let rest = rest.split_once('@').map_or(rest, |(_, host)| host);
+        Self {
+            url: format!("{scheme}://{role}@{rest}"),
+            role,
+        }
+    }
+
+    /// Drops the role (and what it was granted), through `pool`.
+    pub async fn drop_role(self, pool: &sqlx::PgPool) {
+        for statement in [
+            format!("DROP OWNED BY {}", self.role),
+            format!("DROP ROLE {}", self.role),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(pool)
+                .await
+                .unwrap();
+        }
+    }
+}
