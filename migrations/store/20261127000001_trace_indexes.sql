@@ -8,11 +8,18 @@
 -- and build it again before the migration runs, or it would be kept as it is.
 
 -- The value of header `name` (the first, as the consumer reads it) in a flat `[name, value, ...]` header
--- array.
+-- array. PL/pgSQL, not a SQL function with a query: the index evaluates it for every row written, and a
+-- query in a SQL function is planned, and JIT-compiled in a statement costly enough, at every call.
 CREATE OR REPLACE FUNCTION saga_header(headers TEXT[], name TEXT) RETURNS TEXT
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    AS $$ SELECT headers[i + 1] FROM generate_subscripts(headers, 1) AS i
-          WHERE i % 2 = 1 AND headers[i] = name ORDER BY i LIMIT 1 $$;
+    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+BEGIN
+    FOR i IN 1 .. coalesce(array_length(headers, 1), 0) - 1 BY 2 LOOP
+        IF headers[i] = name THEN
+            RETURN headers[i + 1];
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END $$;
 
 -- The outbox's events by the idempotency key their step carried (exact match, not `headers @> ...`, which
 -- also matches the key as any other header's value).

@@ -154,6 +154,7 @@ pub fn router(
         .layer(axum::middleware::map_request(as_page))
         .nest("/api", api)
         .layer(axum::middleware::from_fn(read_as_indexed))
+        .layer(axum::middleware::from_fn(act_to_the_end))
         .layer(axum::middleware::from_fn_with_state(guard, security::guard))
         .with_state(app)
 }
@@ -173,6 +174,24 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(|e| AdminError::Store(format!("serving the inspector: {e}")))
+}
+
+/// An action (a POST) runs to its end even if its client goes away meanwhile (a closed tab, a proxy's
+/// timeout): half a replay, or an audit log entry left `running`, is worse than an answer nobody reads.
+async fn act_to_the_end(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if request.method() != axum::http::Method::POST {
+        return next.run(request).await;
+    }
+    match tokio::spawn(next.run(request)).await {
+        Ok(response) => response,
+        Err(e) => api::failure(
+            &AdminError::Store(format!("the action's task ended: {e}")),
+            false,
+        ),
+    }
 }
 
 /// The most bytes of a page the stale-index banner is put into.
