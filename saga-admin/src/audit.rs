@@ -151,10 +151,16 @@ where
 
 /// Writes `action`'s entry as `running`; returns its id.
 async fn begin(pool: &PgPool, actor: &Actor, action: &Action) -> Result<i64, AdminError> {
-    crate::dlq::migrator()
-        .run(pool)
-        .await
-        .map_err(|e| AdminError::Store(format!("applying the toolkit's migrations: {e}")))?;
+    // The log is made once: a database user that may write rows but not make tables acts once it is there.
+    let made: bool = sqlx::query_scalar("SELECT to_regclass('saga_admin_audit') IS NOT NULL")
+        .fetch_one(pool)
+        .await?;
+    if !made {
+        crate::dlq::migrator()
+            .run(pool)
+            .await
+            .map_err(|e| AdminError::Store(format!("applying the toolkit's migrations: {e}")))?;
+    }
     let id = sqlx::query_scalar(
         "INSERT INTO saga_admin_audit (operator, reason, via, action, target) \
          VALUES ($1, $2, $3, $4, $5) RETURNING id",

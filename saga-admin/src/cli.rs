@@ -1167,7 +1167,11 @@ impl Cli {
                             p.key.clone().unwrap_or_default(),
                             p.attempts.to_string(),
                             p.parked_at.format("%Y-%m-%d %H:%M:%S").to_string(),
-                            p.next_attempt_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            if p.outbox == outbox::ParkedIn::Table && !p.holds_key {
+                                "by hand".to_owned()
+                            } else {
+                                p.next_attempt_at.format("%Y-%m-%d %H:%M:%S").to_string()
+                            },
                             if p.holds_key { "yes" } else { "no" }.to_owned(),
                             p.payload_bytes.to_string(),
                             p.error.clone(),
@@ -1185,12 +1189,19 @@ impl Cli {
             }) => {
                 let actor = by.actor()?;
                 let pool = self.pool().await?;
-                confirmed(&outbox::retry_scope(&pool, *id, *which).await?, *yes)?;
-                let action = Action::new("outbox retry").on(
-                    "event",
-                    id.map_or_else(|| "every parked event".to_owned(), |id| id.to_string()),
-                );
-                let work = outbox::retry(&pool, *id, *which);
+                // Which outbox the id names, found once: the question, the action and the log say it.
+                let which = match id {
+                    Some(id) => Some(outbox::locate(&pool, *id, *which).await?.outbox),
+                    None => None,
+                };
+                confirmed(&outbox::retry_scope(&pool, *id, which).await?, *yes)?;
+                let action = Action::new("outbox retry")
+                    .on(
+                        "event",
+                        id.map_or_else(|| "every parked event".to_owned(), |id| id.to_string()),
+                    )
+                    .on("outbox", which.map_or("both", outbox::ParkedIn::as_str));
+                let work = outbox::retry(&pool, *id, which);
                 let n = audit::audited(&pool, &actor, action, work, |n| {
                     format!("{n} parked events to be published again")
                 })
@@ -1209,14 +1220,18 @@ impl Cli {
                 let actor = by.actor()?;
                 let operator = &actor.operator;
                 let pool = self.pool().await?;
+                let event = outbox::locate(&pool, *id, *which).await?;
                 confirmed(
                     &format!(
-                        "discard parked event {id} (it is never published; its key's later events go on)"
+                        "discard {} (it is never published; its key's later events go on)",
+                        event.describe()
                     ),
                     *yes,
                 )?;
-                let action = Action::new("outbox discard").on("event", id);
-                let work = outbox::discard(&pool, *id, *which, operator);
+                let action = Action::new("outbox discard")
+                    .on("event", id)
+                    .on("outbox", event.outbox.as_str());
+                let work = outbox::discard(&pool, *id, Some(event.outbox), operator);
                 audit::audited(&pool, &actor, action, work, |()| "discarded".to_owned()).await?;
                 let report = serde_json::json!({ "discarded": id, "operator": operator });
                 self.print(&report, || {
@@ -1526,7 +1541,11 @@ impl Cli {
     ) -> anyhow::Result<()> {
         let (kafka, pool) = (self.kafka().await?, self.pool().await?);
         let topics = self.group_topics(&pool, topics).await?;
-        let plan = operations::plan_replay(&kafka, &pool, &topics, group, options).await?;
+        // Planned on an index brought up to date, `--as-indexed` or not: what it shows is what it does.
+        let plan = crate::freshness::strict(operations::plan_replay(
+            &kafka, &pool, &topics, group, options,
+        ))
+        .await?;
         self.run_plan(&kafka, &pool, &plan, actor, options.dry_run, yes, options)
             .await
     }
@@ -1545,7 +1564,8 @@ impl Cli {
             (_, Some(undo)) => operations::plan_undo(&pool, undo).await?,
             (Some(group), None) => {
                 let topics = self.group_topics(&pool, topics).await?;
-                operations::plan_discard(&kafka, &pool, &topics, group).await?
+                crate::freshness::strict(operations::plan_discard(&kafka, &pool, &topics, group))
+                    .await?
             }
             (None, None) => unreachable!("clap requires --group or --undo"),
         };

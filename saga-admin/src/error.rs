@@ -31,7 +31,7 @@ pub enum AdminError {
     Busy(String),
     /// The dead-letter index could not be brought up to date before a read: why, and how stale it is
     /// (see [`crate::freshness`]).
-    #[error("{0}; read it as it is with --as-indexed")]
+    #[error("{0}")]
     Stale(crate::freshness::Staleness),
     /// Reading saga instances failed.
     #[error("{0}")]

@@ -30,6 +30,8 @@ pub struct Staleness {
     pub last_synced_at: Option<DateTime<Utc>>,
     /// When the index last took in a letter of the topic (none: it holds none).
     pub newest_indexed_at: Option<DateTime<Utc>>,
+    /// What the reader can do: read it as it is (a read), or act again once the cause is fixed (an action).
+    pub hint: String,
 }
 
 impl std::fmt::Display for Staleness {
@@ -56,8 +58,9 @@ impl std::fmt::Display for Staleness {
                 ", and the newest letter it holds was indexed at {}: letters since may be missing",
                 when(at)
             ),
-            None => write!(f, ", and it holds no letter of the topic"),
+            None => write!(f, ", and it holds no letter of the topic")?,
         }
+        write!(f, "; {}", self.hint)
     }
 }
 
@@ -143,11 +146,21 @@ pub(crate) async fn stale(
     .fetch_one(pool)
     .await
     .unwrap_or(None);
+    // Inside `as_indexed` (read as it is), `strict` (an action) or neither (a read that fails).
+    let scope = SCOPE.try_with(|s| s.as_indexed).ok();
     let staleness = Staleness {
         topic: topic.to_owned(),
         cause: cause_of(cause),
         last_synced_at,
         newest_indexed_at,
+        hint: match scope {
+            Some(true) => "read as it is",
+            Some(false) => {
+                "an action acts only on an index brought up to date: act again once the cause is fixed"
+            }
+            None => "read it as it is with --as-indexed (the command) or ?as_indexed=1 (the API)",
+        }
+        .to_owned(),
     };
     let kept = SCOPE
         .try_with(|s| {

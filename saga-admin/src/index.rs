@@ -83,10 +83,14 @@ pub async fn require_dead_letter_topic(pool: &PgPool, topic: &str) -> Result<(),
 /// still runs after [`LOCK_WAIT`].
 pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(), AdminError> {
     if !exists(pool).await? {
-        return Err(AdminError::bad_input(
-            "this schema has no dead-letter index (saga_dead_letters): no consumer of this version has run \
-             in it. Start its services with this version, or replay a letter (a replay prepares the index)",
-        ));
+        return Err(saga_consumer::ConfigProblem::new(
+            "SAGA_SCHEMA",
+            "names a schema without the dead-letter index (saga_dead_letters): no consumer of this version \
+             has run in it",
+            "point it at the service's schema, start the service with this version, or replay a letter \
+             (a replay prepares the index)",
+        )
+        .into());
     }
     let Some(mut held) = lock(pool, topic).await? else {
         return Err(AdminError::Busy(format!(
@@ -101,7 +105,7 @@ pub async fn sync(kafka: &KafkaConfig, pool: &PgPool, topic: &str) -> Result<(),
 }
 
 /// How long a sync waits for another sync of its topic.
-pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A connection of its own holding the sync lock of `topic`, or `None` if another sync still holds it
 /// after [`LOCK_WAIT`].
@@ -139,17 +143,45 @@ async fn sync_held(
     )
     .fetch_one(&mut *conn)
     .await?;
-    for (partition, low, high) in partitions {
-        let scanned: Option<i64> = sqlx::query_scalar(
-            "SELECT next_offset FROM saga_dead_letter_scans WHERE dlq_topic = $1 AND dlq_partition = $2",
-        )
-        .bind(topic)
-        .bind(partition)
-        .fetch_optional(&mut *conn)
-        .await?;
-        // Below the low watermark, retention deleted the letters. A high watermark below what was made
-        // sure of says the topic was recreated (or truncated): what the index holds from there is gone.
-        let shrunk = scanned.is_some_and(|n| n > high);
+    for watermarks in partitions {
+        sync_partition(kafka, conn, topic, watermarks, timed).await?;
+    }
+    Ok(())
+}
+
+/// Makes sure the index holds every letter of partition `partition` of `topic` between its watermarks
+/// (`low`, `high`), and records how far it made sure (and when, where the index has `synced_at`). It
+/// writes only what it must: a database user that may only read finds an index that holds every letter
+/// up to date, and one that misses letters stale (the insufficient privilege, as the error).
+async fn sync_partition(
+    kafka: &KafkaConfig,
+    conn: &mut sqlx::PgConnection,
+    topic: &str,
+    (partition, low, high): (i32, i64, i64),
+    timed: bool,
+) -> Result<(), AdminError> {
+    let scanned: Option<i64> = sqlx::query_scalar(
+        "SELECT next_offset FROM saga_dead_letter_scans WHERE dlq_topic = $1 AND dlq_partition = $2",
+    )
+    .bind(topic)
+    .bind(partition)
+    .fetch_optional(&mut *conn)
+    .await?;
+    // Below the low watermark, retention deleted the letters. A high watermark below what was made sure
+    // of says the topic was recreated (or truncated): what the index holds from there is gone.
+    let shrunk = scanned.is_some_and(|n| n > high);
+    let gone: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM saga_dead_letters WHERE dlq_topic = $1 AND dlq_partition = $2 \
+             AND (dlq_offset < $3 OR ($5 AND dlq_offset >= $4)))",
+    )
+    .bind(topic)
+    .bind(partition)
+    .bind(low)
+    .bind(high)
+    .bind(shrunk)
+    .fetch_one(&mut *conn)
+    .await?;
+    if gone {
         sqlx::query(
             "DELETE FROM saga_dead_letters WHERE dlq_topic = $1 AND dlq_partition = $2 \
              AND (dlq_offset < $3 OR ($5 AND dlq_offset >= $4))",
@@ -161,68 +193,91 @@ async fn sync_held(
         .bind(shrunk)
         .execute(&mut *conn)
         .await?;
-        let next = match scanned {
-            Some(n) if !shrunk => n.max(low),
-            _ => low,
-        };
-        if next < high {
-            let held: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM saga_dead_letters \
-                 WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset >= $3 AND dlq_offset < $4",
-            )
-            .bind(topic)
-            .bind(partition)
-            .bind(next)
-            .bind(high)
-            .fetch_one(&mut *conn)
-            .await?;
-            if held < high - next {
-                let first_missing: Option<i64> = sqlx::query_scalar(
-                    "SELECT min(o) FROM generate_series($3::bigint, $4::bigint - 1) AS o \
-                     WHERE NOT EXISTS (SELECT 1 FROM saga_dead_letters \
-                         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = o)",
-                )
-                .bind(topic)
-                .bind(partition)
-                .bind(next)
-                .bind(high)
-                .fetch_one(&mut *conn)
-                .await?;
-                let mut from = first_missing.unwrap_or(high);
-                while from < high {
-                    let until = (from + CHUNK).min(high);
-                    let records =
-                        dlq::read_bounded(kafka, topic, partition, from, until, CHUNK_BYTES)
-                            .await?;
-                    let found: Vec<IndexedLetter> =
-                        records.iter().map(|r| indexed(topic, r)).collect();
-                    index_refusing_none(&mut *conn, &found).await?;
-                    // The chunk may end early (its bytes, or the partition's end): on from its last one.
-                    from = records.last().map_or(until, |r| r.offset + 1).max(from + 1);
-                }
-            }
+    }
+    let next = match scanned {
+        Some(n) if !shrunk => n.max(low),
+        _ => low,
+    };
+    if next < high {
+        index_missing(kafka, conn, topic, partition, (next, high)).await?;
+    }
+    // Forward only, but after a proven recreation; when, where the index records it (an index an
+    // earlier version made does not).
+    let sql = if timed {
+        "INSERT INTO saga_dead_letter_scans (dlq_topic, dlq_partition, next_offset, synced_at) \
+         VALUES ($1, $2, $3, now()) \
+         ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET synced_at = now(), next_offset = CASE WHEN $4 \
+             THEN EXCLUDED.next_offset \
+             ELSE GREATEST(saga_dead_letter_scans.next_offset, EXCLUDED.next_offset) END"
+    } else {
+        "INSERT INTO saga_dead_letter_scans (dlq_topic, dlq_partition, next_offset) VALUES ($1, $2, $3) \
+         ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET next_offset = CASE WHEN $4 \
+             THEN EXCLUDED.next_offset \
+             ELSE GREATEST(saga_dead_letter_scans.next_offset, EXCLUDED.next_offset) END"
+    };
+    let recorded = sqlx::query(sql)
+        .bind(topic)
+        .bind(partition)
+        .bind(high)
+        .bind(shrunk)
+        .execute(&mut *conn)
+        .await;
+    match recorded {
+        // The index holds every letter (nothing was written above): a user that may only read has
+        // nothing to record, and reads it up to date.
+        Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("42501") => {
+            tracing::debug!(
+                topic,
+                partition,
+                "the index holds every letter; how far is not recorded"
+            );
+            Ok(())
         }
-        // Forward only, but after a proven recreation; when, where the index records it (an index an
-        // earlier version made does not).
-        let sql = if timed {
-            "INSERT INTO saga_dead_letter_scans (dlq_topic, dlq_partition, next_offset, synced_at) \
-             VALUES ($1, $2, $3, now()) \
-             ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET synced_at = now(), next_offset = CASE WHEN $4 \
-                 THEN EXCLUDED.next_offset \
-                 ELSE GREATEST(saga_dead_letter_scans.next_offset, EXCLUDED.next_offset) END"
-        } else {
-            "INSERT INTO saga_dead_letter_scans (dlq_topic, dlq_partition, next_offset) VALUES ($1, $2, $3) \
-             ON CONFLICT (dlq_topic, dlq_partition) DO UPDATE SET next_offset = CASE WHEN $4 \
-                 THEN EXCLUDED.next_offset \
-                 ELSE GREATEST(saga_dead_letter_scans.next_offset, EXCLUDED.next_offset) END"
-        };
-        sqlx::query(sql)
-            .bind(topic)
-            .bind(partition)
-            .bind(high)
-            .bind(shrunk)
-            .execute(&mut *conn)
-            .await?;
+        other => Ok(other.map(drop)?),
+    }
+}
+
+/// Indexes the letters of partition `partition` of `topic` in `[next, high)` that the index misses, reading
+/// the topic from the first of them, in bounded chunks.
+async fn index_missing(
+    kafka: &KafkaConfig,
+    conn: &mut sqlx::PgConnection,
+    topic: &str,
+    partition: i32,
+    (next, high): (i64, i64),
+) -> Result<(), AdminError> {
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM saga_dead_letters \
+         WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset >= $3 AND dlq_offset < $4",
+    )
+    .bind(topic)
+    .bind(partition)
+    .bind(next)
+    .bind(high)
+    .fetch_one(&mut *conn)
+    .await?;
+    if held >= high - next {
+        return Ok(());
+    }
+    let first_missing: Option<i64> = sqlx::query_scalar(
+        "SELECT min(o) FROM generate_series($3::bigint, $4::bigint - 1) AS o \
+         WHERE NOT EXISTS (SELECT 1 FROM saga_dead_letters \
+             WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = o)",
+    )
+    .bind(topic)
+    .bind(partition)
+    .bind(next)
+    .bind(high)
+    .fetch_one(&mut *conn)
+    .await?;
+    let mut from = first_missing.unwrap_or(high);
+    while from < high {
+        let until = (from + CHUNK).min(high);
+        let records = dlq::read_bounded(kafka, topic, partition, from, until, CHUNK_BYTES).await?;
+        let found: Vec<IndexedLetter> = records.iter().map(|r| indexed(topic, r)).collect();
+        index_refusing_none(&mut *conn, &found).await?;
+        // The chunk may end early (its bytes, or the partition's end): on from its last one.
+        from = records.last().map_or(until, |r| r.offset + 1).max(from + 1);
     }
     Ok(())
 }
@@ -279,6 +334,8 @@ pub async fn sync_for_reading(
 ) -> Result<(), AdminError> {
     match sync(kafka, pool, topic).await {
         Err(e @ AdminError::BadInput(_)) => Err(e),
+        // A schema without the index: the caller's to fix, but a page shows it (under the banner).
+        Err(e @ AdminError::Config(_)) if !crate::freshness::reading_as_indexed() => Err(e),
         Err(e) => crate::freshness::stale(pool, topic, &e).await,
         Ok(()) => Ok(()),
     }

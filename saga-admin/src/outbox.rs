@@ -115,8 +115,18 @@ pub async fn parked(pool: &PgPool, limit: i64) -> Result<Vec<Parked>, AdminError
     Ok(found)
 }
 
-/// The table outbox's parked rows, oldest first, at most `limit`.
+/// The table outbox's parked rows, oldest first, at most `limit`. Beside the WAL outbox (a slot is
+/// recorded), the relay tries a parked row again after a backoff and holds its key's later rows behind it;
+/// the table outbox alone does neither (the row waits for `saga outbox retry`, later rows go on): its
+/// `next_attempt_at` is then its parking time.
 async fn parked_rows(pool: &PgPool, limit: i64) -> Result<Vec<Parked>, AdminError> {
+    let beside_the_log: bool = sqlx::query_scalar(
+        "SELECT to_regclass('saga_outbox_wal_slot') IS NOT NULL \
+            AND EXISTS (SELECT 1 FROM saga_outbox_wal_slot)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or(false);
     let rows: Vec<ParkedRow> = sqlx::query_as(
         "SELECT id, topic, partition_key, coalesce(last_error, ''), attempts, parked_at, \
                 coalesce(octet_length(payload), 0)::bigint \
@@ -137,11 +147,16 @@ async fn parked_rows(pool: &PgPool, limit: i64) -> Result<Vec<Parked>, AdminErro
                 error,
                 attempts,
                 parked_at,
-                // The relay unparks a row after a backoff that doubles with its attempts, up to five minutes.
-                next_attempt_at: parked_at
-                    + chrono::Duration::seconds(1_i64 << attempts.clamp(0, 12))
-                        .min(chrono::Duration::minutes(5)),
-                holds_key: true,
+                // Beside the log, the relay unparks a row after a backoff that doubles with its attempts, up
+                // to five minutes.
+                next_attempt_at: if beside_the_log {
+                    parked_at
+                        + chrono::Duration::seconds(1_i64 << attempts.clamp(0, 12))
+                            .min(chrono::Duration::minutes(5))
+                } else {
+                    parked_at
+                },
+                holds_key: beside_the_log,
                 payload_bytes,
             },
         )
@@ -205,7 +220,8 @@ pub struct ParkedEvent {
 }
 
 impl ParkedEvent {
-    fn describe(&self) -> String {
+    /// The event in words: `event 7 of the wal outbox (key k of orders)`.
+    pub fn describe(&self) -> String {
         let what = match self.outbox {
             ParkedIn::Wal => "event",
             ParkedIn::Table => "row",
@@ -291,7 +307,7 @@ pub async fn retry_scope(
     match id {
         None => Ok("publish again every parked event, in order per key".to_owned()),
         Some(id) => Ok(format!(
-            "publish again the parked events of the key of {}, in order",
+            "publish again the parked events of the key of {}",
             locate(pool, id, outbox).await?.describe()
         )),
     }
@@ -337,8 +353,8 @@ pub async fn retry(
 }
 
 /// Discards parked event `id` of the WAL outbox: it is never published, and its key's later events go on.
-/// Recorded with `operator`. A parked row of the table outbox is not discarded (bad input): the relay
-/// tries it again, or `retry` does.
+/// Recorded with `operator`. A parked row of the table outbox is not discarded (bad input): [`retry`] it
+/// once the cause is fixed.
 pub async fn discard(
     pool: &PgPool,
     id: i64,
@@ -348,7 +364,7 @@ pub async fn discard(
     let event = locate(pool, id, outbox).await?;
     if event.outbox == ParkedIn::Table {
         return Err(AdminError::bad_input(format!(
-            "{} cannot be discarded: the relay tries it again (or `saga outbox retry`); only the WAL \
+            "{} cannot be discarded: retry it once the cause is fixed (`saga outbox retry`); only the WAL \
              outbox's parked events are discarded",
             event.describe()
         )));

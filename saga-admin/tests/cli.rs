@@ -771,7 +771,7 @@ async fn actions_are_audited_and_the_table_outbox_retries_a_parked_row_by_id() {
             "--operator",
             "bob",
         ]),
-        "held keys",
+        "is not held",
     )
     .await;
 

@@ -159,6 +159,19 @@ async fn a_stale_index_is_said_and_read_as_it_is_only_when_asked() {
         said.contains("could not be brought up to date"),
         "{headers:?}"
     );
+    // `/metrics` keeps its other gauges and says the dead letters could not be read.
+    let (status, _, metrics) =
+        saga_lab::harness::client::request(addr, "GET", "/metrics", &[], None)
+            .await
+            .unwrap();
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert_eq!(status, 200, "{metrics}");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "saga_inspector_scrape_errors{part=\"dead_letters\"} 1"),
+        "{metrics}"
+    );
     stop.cancel();
     server.await.unwrap().unwrap();
     pool.close().await;
@@ -171,5 +184,21 @@ async fn a_stale_index_is_said_and_read_as_it_is_only_when_asked() {
             .await
             .unwrap();
     assert_eq!(indexed, 1);
+
+    // Once a user that may write took the letter in, the reader finds every letter indexed: up to date,
+    // no warning, though it may record nothing.
+    let listed = owner.json(&["dlq", "list", "--topic", &dlq]).await;
+    assert_eq!(listed.as_array().unwrap().len(), 2);
+    let output = as_reader
+        .run(&["--json", "dlq", "list", "--topic", &dlq])
+        .await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("could not be brought up to date"),
+        "{stderr}"
+    );
+    let listed: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 2, "{listed}");
     reader.drop_role(&db.pool).await;
 }

@@ -3,7 +3,7 @@
 //! index, and how much memory it used; then the same after the index was emptied, so that the inspector
 //! indexes the whole topic itself. Beside the letters, the schema's outbox holds a million events and its key
 //! store the step keys of a hundred thousand sagas, so that a trace finds one saga among them; and a bulk
-//! discard of 50,000 letters of 1 MB each (compressed on the broker) measures what a discard holds in memory.
+//! discard of 50,000 letters of 1 MB each (compressed on the broker, lz4) measures what a discard holds in memory.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -264,7 +264,7 @@ async fn fill_store(pool: &PgPool) -> anyhow::Result<(i64, i64)> {
 }
 
 /// [`DISCARD_LETTERS`] letters of [`DISCARD_LETTER_BYTES`] each, of one cause, on `dlq_topic` (created
-/// here; zstd-compressed on the broker, which keeps the run's disk small), then `saga dlq discard --group G
+/// here; lz4-compressed on the broker, which keeps the run's disk small), then `saga dlq discard --group G
 /// --yes`: how long it takes and its peak memory.
 async fn discard_large(
     kafka: &KafkaConfig,
@@ -321,7 +321,8 @@ async fn discard_large(
         .envs(env.iter().copied())
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        // Said where the run's lines go (a pipe nobody reads would block it).
+        .stderr(std::process::Stdio::inherit())
         .kill_on_drop(true)
         .spawn()?;
     let pid = child
@@ -437,7 +438,7 @@ impl Letters<'_> {
         let producer: FutureProducer = saga_runtime::kafka::client_config(kafka)
             .set("linger.ms", "20")
             .set("batch.num.messages", "5000")
-            .set("compression.type", "zstd")
+            .set("compression.type", "lz4")
             .set(
                 "message.max.bytes",
                 (self.payload_bytes + (1 << 20)).to_string(),

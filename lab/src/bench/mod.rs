@@ -97,6 +97,11 @@ impl Progress {
         lock(&self.watch).doing = what.to_owned();
     }
 
+    /// Ends the running section's deadline.
+    pub fn end_section(&self) {
+        lock(&self.watch).section = None;
+    }
+
     /// Starts section `name`, which must end within `limit`: past it, the run ends (exit code 1) with a
     /// line naming the section and what it was doing. Returns `true`, for `if section(..) && begin(..)`.
     pub fn begin_section(&self, name: &str, limit: Duration) -> bool {

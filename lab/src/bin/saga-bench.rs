@@ -606,6 +606,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
 
+    // The sections ended: what follows (deleting topics and schemas) has no deadline of a section's.
+    progress.end_section();
     // The broker keeps what was produced: delete the run's topics.
     if uses_broker
         && let Ok(admin) = saga_runtime::kafka::client_config(&kafka)
@@ -634,6 +636,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "scale4.retry",
             "scale4.done",
             "letters.dlq",
+            "letters.dlq.large",
         ]
         .iter()
         .map(|t| format!("{run}.{t}"))

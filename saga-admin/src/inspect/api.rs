@@ -48,10 +48,7 @@ pub(super) fn failure(e: &AdminError, html: bool) -> Response {
         (StatusCode::BAD_REQUEST, e.to_string())
     } else if let AdminError::Stale(staleness) = e {
         // Said in words that quote no server's error: the log line has it.
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("{staleness}; ask with ?as_indexed=1 to read it as it is"),
-        )
+        (StatusCode::SERVICE_UNAVAILABLE, staleness.to_string())
     } else {
         let reference = format!("r-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         tracing::error!(%reference, error = %e, "the inspector could not answer");

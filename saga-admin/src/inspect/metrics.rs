@@ -54,7 +54,14 @@ pub(super) async fn render(app: &App) -> Result<String, AdminError> {
             open_letters(&mut out, &groups, MAX_GROUP_SERIES);
             false
         }
-        Err(e @ AdminError::Kafka(_)) => {
+        // The broker, or an index that could not be brought up to date (a read-only database user that
+        // found letters missing, another sync that does not end, a schema without the index).
+        Err(
+            e @ (AdminError::Kafka(_)
+            | AdminError::Stale(_)
+            | AdminError::Busy(_)
+            | AdminError::Config(_)),
+        ) => {
             tracing::warn!(error = %e, "the dead-letter topics could not be read: their gauges are left out of this scrape");
             true
         }

@@ -178,10 +178,7 @@ pub async fn serve(
 
 /// An action (a POST) runs to its end even if its client goes away meanwhile (a closed tab, a proxy's
 /// timeout): half a replay, or an audit log entry left `running`, is worse than an answer nobody reads.
-async fn act_to_the_end(
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
+async fn act_to_the_end(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
     if request.method() != axum::http::Method::POST {
         return next.run(request).await;
     }
