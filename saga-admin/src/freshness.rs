@@ -57,7 +57,7 @@ impl std::fmt::Display for Staleness {
                 f,
                 ", and the newest letter it holds was indexed at {}: letters since may be missing",
                 when(at)
-            ),
+            )?,
             None => write!(f, ", and it holds no letter of the topic")?,
         }
         write!(f, "; {}", self.hint)
