@@ -7,19 +7,18 @@
 -- A concurrent build that failed leaves an invalid index under its name (`pg_index.indisvalid`): drop it
 -- and build it again before the migration runs, or it would be kept as it is.
 
--- The value of header `name` (the first, as the consumer reads it) in a flat `[name, value, ...]` header
--- array. PL/pgSQL, not a SQL function with a query: the index evaluates it for every row written, and a
--- query in a SQL function is planned, and JIT-compiled in a statement costly enough, at every call.
+-- The value of header `name` in a flat `[name, value, ...]` header array: where the name first appears in a
+-- name's place (odd), or, where a value equal to the name came first, where it appears next; else NULL (an
+-- event so written is not found by the trace, never taken for another key's). An expression, not a query
+-- nor a loop: the index evaluates it for every row written and marked published, and a SQL function with a
+-- query is planned, and in a costly statement JIT-compiled, at every call.
 CREATE OR REPLACE FUNCTION saga_header(headers TEXT[], name TEXT) RETURNS TEXT
-    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
-BEGIN
-    FOR i IN 1 .. coalesce(array_length(headers, 1), 0) - 1 BY 2 LOOP
-        IF headers[i] = name THEN
-            RETURN headers[i + 1];
-        END IF;
-    END LOOP;
-    RETURN NULL;
-END $$;
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN CASE
+        WHEN array_position(headers, name) % 2 = 1 THEN headers[array_position(headers, name) + 1]
+        WHEN array_position(headers, name, array_position(headers, name) + 1) % 2 = 1
+            THEN headers[array_position(headers, name, array_position(headers, name) + 1) + 1]
+    END;
 
 -- The outbox's events by the idempotency key their step carried (exact match, not `headers @> ...`, which
 -- also matches the key as any other header's value).

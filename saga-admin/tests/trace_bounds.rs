@@ -57,6 +57,19 @@ async fn a_trace_matches_the_key_exactly_and_says_when_a_list_is_cut() {
         .await
         .unwrap();
     assert_eq!(other.events.len(), 1);
+    // A value equal to the header's name before the name itself: the name's value all the same.
+    sqlx::query(
+        "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload) \
+         VALUES ('default', 'orders', 'c', \
+                 ARRAY['note', 'idempotency-key', 'idempotency-key', 'crafted-1'], '{}'::bytea)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let crafted = trace::trace(&db.pool, "crafted-1", None, schemas)
+        .await
+        .unwrap();
+    assert_eq!(crafted.events.len(), 1);
 
     // Step keys: the key's own (`other-7:…`), among thousands of others and keys it prefixes (`other-70`).
     sqlx::query(
