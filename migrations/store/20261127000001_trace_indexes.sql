@@ -15,6 +15,7 @@
 CREATE OR REPLACE FUNCTION saga_header(headers TEXT[], name TEXT) RETURNS TEXT
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     RETURN CASE
+        WHEN array_position(headers, name) IS NULL THEN NULL
         WHEN array_position(headers, name) % 2 = 1 THEN headers[array_position(headers, name) + 1]
         WHEN array_position(headers, name, array_position(headers, name) + 1) % 2 = 1
             THEN headers[array_position(headers, name, array_position(headers, name) + 1) + 1]
