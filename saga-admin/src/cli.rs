@@ -146,38 +146,69 @@ enum Command {
         limit: i64,
     },
     /// Serve the inspector page.
-    Inspect {
-        /// Where to listen (localhost by default). Anywhere else needs a token (SAGA_ADMIN_TOKEN, or
-        /// SAGA_ADMIN_TOKENS=name:token,…), or --insecure-no-token.
-        #[arg(long, default_value = "127.0.0.1:8081")]
-        listen: SocketAddr,
-        /// A name besides the listening address and localhost that requests may give as Host (the name a
-        /// proxy in front serves the page under); repeatable. Needs a token (or --insecure-no-token): the
-        /// page is served to others.
-        #[arg(long = "public-name")]
-        public_names: Vec<String>,
-        /// No replay buttons; every POST refused.
-        #[arg(long)]
-        read_only: bool,
-        /// Mark cookies Secure: the page is served over TLS by a proxy in front.
-        #[arg(long)]
-        secure_cookies: bool,
-        /// Listen beyond localhost, or serve under a --public-name, without a token: anyone who reaches the
-        /// page may replay dead letters.
-        #[arg(long)]
-        insecure_no_token: bool,
-        /// Dead-letter topics to show (default: the broker's topics ending in `.dlq`).
-        #[arg(long = "dlq-topic")]
-        dlq_topics: Vec<String>,
-        /// Consumer groups to show the lag of (default: those the schema records).
-        #[arg(long = "group")]
-        groups: Vec<String>,
-        /// Unfinished sagas unmoved for this long count as stuck.
-        #[arg(long, default_value = "5m")]
-        stuck_for: String,
-        #[command(flatten)]
-        tokens: TokenArgs,
-    },
+    Inspect(InspectArgs),
+}
+
+/// Serve the inspector page (`saga inspect`).
+#[derive(Debug, Args)]
+struct InspectArgs {
+    /// Where to listen (localhost by default). Anywhere else needs a token (SAGA_ADMIN_TOKEN, or
+    /// SAGA_ADMIN_TOKENS=name:token,…), or --insecure-no-token.
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    listen: SocketAddr,
+    /// A name besides the listening address and localhost that requests may give as Host (the name a
+    /// proxy in front serves the page under); repeatable. Needs a token (or --insecure-no-token): the
+    /// page is served to others.
+    #[arg(long = "public-name")]
+    public_names: Vec<String>,
+    /// No replay buttons; every POST refused.
+    #[arg(long)]
+    read_only: bool,
+    /// Mark cookies Secure: the page is served over TLS by a proxy in front.
+    #[arg(long)]
+    secure_cookies: bool,
+    /// Listen beyond localhost, or serve under a --public-name, without a token: anyone who reaches the
+    /// page may replay dead letters.
+    #[arg(long)]
+    insecure_no_token: bool,
+    /// Dead-letter topics to show (default: the broker's topics ending in `.dlq`).
+    #[arg(long = "dlq-topic")]
+    dlq_topics: Vec<String>,
+    /// Consumer groups to show the lag of (default: those the schema records).
+    #[arg(long = "group")]
+    groups: Vec<String>,
+    /// Unfinished sagas unmoved for this long count as stuck.
+    #[arg(long, default_value = "5m")]
+    stuck_for: String,
+    #[command(flatten)]
+    tokens: TokenArgs,
+}
+
+/// Replay dead letters (`saga dlq replay`).
+#[derive(Debug, Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    select: Select,
+    /// Only the dead letter at this partition (with --offset).
+    #[arg(long, requires = "offset", conflicts_with = "group")]
+    partition: Option<i32>,
+    /// Only the dead letter at this offset (with --partition).
+    #[arg(long, requires = "partition")]
+    offset: Option<i64>,
+    /// Say what would be sent; send nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Send again what was replayed already, and messages replayed --max-replays times.
+    #[arg(long)]
+    force: bool,
+    /// Refuse a message replayed this many times already (unless --force).
+    #[arg(long, default_value_t = 3)]
+    max_replays: u32,
+    #[command(flatten)]
+    by: ActorArgs,
+    /// With --group: do it without asking.
+    #[arg(long, requires = "group")]
+    yes: bool,
 }
 
 /// The inspector's tokens: read from the environment (kept off the command line, where other users of the
@@ -230,30 +261,7 @@ enum DlqCommand {
         offset: i64,
     },
     /// Replay dead letters, once each, to the retry topic of the consumer group that gave up on them.
-    Replay {
-        #[command(flatten)]
-        select: Select,
-        /// Only the dead letter at this partition (with --offset).
-        #[arg(long, requires = "offset", conflicts_with = "group")]
-        partition: Option<i32>,
-        /// Only the dead letter at this offset (with --partition).
-        #[arg(long, requires = "partition")]
-        offset: Option<i64>,
-        /// Say what would be sent; send nothing.
-        #[arg(long)]
-        dry_run: bool,
-        /// Send again what was replayed already, and messages replayed --max-replays times.
-        #[arg(long)]
-        force: bool,
-        /// Refuse a message replayed this many times already (unless --force).
-        #[arg(long, default_value_t = 3)]
-        max_replays: u32,
-        #[command(flatten)]
-        by: ActorArgs,
-        /// With --group: do it without asking.
-        #[arg(long, requires = "group")]
-        yes: bool,
-    },
+    Replay(ReplayArgs),
     /// Failure groups: dead letters grouped by a fingerprint of their cause (step, reason, and the error's
     /// first line with numbers, ids and quoted values normalised), the most open letters first.
     Groups {
@@ -657,441 +665,20 @@ impl Cli {
 
     async fn execute(&self) -> anyhow::Result<()> {
         match &self.command {
-            Command::Dlq(DlqCommand::List { select }) => {
-                if let Some(group) = &select.group {
-                    return self.group_letters(select.topic.as_deref(), group).await;
-                }
-                let topic = select.topic.as_deref().unwrap_or_default();
-                let kafka = self.kafka().await?;
-                let letters =
-                    dlq::list(&kafka, &self.pool().await?, topic, &select.filter()?).await?;
-                self.print(&letters, || {
-                    let mut t = Table::new([
-                        "dlq offset",
-                        "original",
-                        "step",
-                        "reason",
-                        "error",
-                        "attempts",
-                        "failed at",
-                        "key",
-                        "tenant",
-                    ]);
-                    for l in &letters {
-                        t.row([
-                            format!("{}/{}", l.partition, l.offset),
-                            format!(
-                                "{}/{}/{}",
-                                l.original_topic, l.original_partition, l.original_offset
-                            ),
-                            l.step.clone().unwrap_or_default(),
-                            l.reason.clone(),
-                            l.error.clone(),
-                            l.attempts.to_string(),
-                            l.failed_at.format("%Y-%m-%d %H:%M:%S").to_string(),
-                            l.idempotency_key.clone().unwrap_or_default(),
-                            l.tenant.clone(),
-                        ]);
-                    }
-                    format!("{}{} dead letters", t.render(), letters.len())
-                })
-            }
-            Command::Dlq(DlqCommand::Show {
-                topic,
-                partition,
-                offset,
-            }) => {
-                let record = dlq::show(&self.kafka().await?, topic, *partition, *offset).await?;
-                let view = RecordView::of(&record);
-                self.print(&view, || view.render(topic))
-            }
-            Command::Dlq(DlqCommand::Replay {
-                select,
-                partition,
-                offset,
-                dry_run,
-                force,
-                max_replays,
-                by,
-                yes,
-            }) => {
-                let actor = by.actor()?;
-                refuse_letter_reason_as_why(actor.reason.as_deref())?;
-                let mut filter = select.filter()?;
-                filter.position = partition.zip(*offset);
-                let options = ReplayOptions {
-                    dry_run: *dry_run,
-                    force: *force,
-                    max_replays: *max_replays,
-                    ..ReplayOptions::default()
-                }
-                .by(actor.operator.clone());
-                if let Some(group) = &select.group {
-                    let topics: Vec<String> = select.topic.iter().cloned().collect();
-                    return self
-                        .bulk_replay(&topics, group, &options, &actor, *yes)
-                        .await;
-                }
-                let topic = select.topic.as_deref().unwrap_or_default();
-                let kafka = self.kafka().await?;
-                let pool = self.pool().await?;
-                let work = dlq::replay(&kafka, &pool, topic, &filter, &options);
-                let report = if *dry_run {
-                    work.await?
-                } else {
-                    let action = Action::new("dlq replay")
-                        .on("topic", topic)
-                        .on("letters", select.describe(filter.position))
-                        .on("force", force);
-                    audit::audited(&pool, &actor, action, work, |r| {
-                        format!("{} sent to {}", r.sent(), r.retry_topic)
-                    })
-                    .await?
-                };
-                self.print(&report, || {
-                    let mut t = Table::new(["dlq offset", "from", "key", "outcome"]);
-                    for l in &report.letters {
-                        t.row([
-                            format!("{}/{}", l.partition, l.offset),
-                            format!("{}/{}", l.original_topic, l.original_partition),
-                            l.idempotency_key.clone().unwrap_or_default(),
-                            l.outcome.describe(),
-                        ]);
-                    }
-                    format!(
-                        "{}{} sent to {} (group {}) by {}",
-                        t.render(),
-                        report.sent(),
-                        report.retry_topic,
-                        report.group,
-                        report.operator
-                    )
-                })
-            }
-            Command::Dlq(DlqCommand::Groups { topics, .. }) => self.groups(topics).await,
-            Command::Dlq(DlqCommand::Discard {
-                group,
-                undo,
-                topics,
-                dry_run,
-                yes,
-                by,
-            }) => {
-                let actor = by.actor()?;
-                self.bulk_discard(group.as_deref(), *undo, topics, *dry_run, *yes, &actor)
-                    .await
-            }
-            Command::Dlq(DlqCommand::Operations { command, limit }) => {
-                self.operations(command.as_ref(), *limit).await
-            }
+            Command::Keys(command) => self.keys(command).await,
+            Command::Steps(command) => self.steps(command).await,
+            Command::Sagas(command) => self.sagas(command).await,
+            Command::Dlq(command) => Box::pin(self.dlq(command)).await,
+            Command::Outbox(command) => self.outbox(command).await,
             Command::Trace {
                 key,
                 tenant,
                 schemas,
             } => self.trace(key, tenant.as_deref(), schemas).await,
-            Command::Sagas(SagasCommand::Retry { id, by }) => {
-                let actor = by.actor()?;
-                let operator = &actor.operator;
-                let pool = self.pool().await?;
-                let action = Action::new("sagas retry").on("saga", id);
-                let work = sagas::retry(&pool, id, operator);
-                let instance = audit::audited(&pool, &actor, action, work, |i| {
-                    format!(
-                        "retry of step {} attempt {} requested",
-                        i.step_index, i.attempt
-                    )
-                })
-                .await?;
-                self.print(&instance, || {
-                    format!(
-                        "retry of saga {} ({} at step {}, attempt {}) requested by {operator}: its service's \
-                         orchestrator sends the command again at its next timer tick",
-                        instance.saga_id, instance.status, instance.step_index, instance.attempt
-                    )
-                })
-            }
-            Command::Dlq(DlqCommand::Replays { topic, limit }) => {
-                let pool = self.pool().await?;
-                let found = dlq::replays(&pool, topic.as_deref(), *limit).await?;
-                self.print(&found, || {
-                    let mut t = Table::new([
-                        "sent at", "operator", "letter", "group", "to", "key", "tenant", "forced",
-                    ]);
-                    for r in &found {
-                        t.row([
-                            r.sent_at.format("%Y-%m-%d %H:%M:%S").to_string(),
-                            r.operator.clone(),
-                            format!("{}/{}/{}", r.dlq_topic, r.dlq_partition, r.dlq_offset),
-                            r.group.clone(),
-                            format!("{}/{}/{}", r.retry_topic, r.retry_partition, r.retry_offset),
-                            r.idempotency_key.clone().unwrap_or_default(),
-                            r.tenant.clone().unwrap_or_default(),
-                            if r.forced { "yes" } else { "" }.to_owned(),
-                        ]);
-                    }
-                    format!("{}{} replays", t.render(), found.len())
-                })
-            }
-            Command::Keys(KeysCommand::Held { group, limit }) => {
-                let pool = self.pool().await?;
-                let found = holds::list(&pool, group.as_deref(), *limit).await?;
-                self.print(&found, || {
-                    let mut t = Table::new([
-                        "group",
-                        "key",
-                        "state",
-                        "held by",
-                        "parked",
-                        "held for",
-                        "head letter",
-                    ]);
-                    for h in &found {
-                        t.row([
-                            h.group.clone(),
-                            h.key.clone(),
-                            h.state.clone(),
-                            h.held_by(),
-                            h.parked.to_string(),
-                            duration::human(std::time::Duration::from_secs(
-                                h.age_seconds.max(0) as u64
-                            )),
-                            h.head
-                                .as_ref()
-                                .map(|(t, p, o)| format!("{t}/{p}/{o}"))
-                                .unwrap_or_default(),
-                        ]);
-                    }
-                    format!(
-                        "{}{} held keys (replay or discard a head letter to release its key; \
-                         `saga steps resume` releases a paused step's)",
-                        t.render(),
-                        found.len()
-                    )
-                })
-            }
-            Command::Keys(KeysCommand::Release {
-                key,
-                key_hex,
-                group,
-                by,
-            }) => {
-                let actor = by.actor()?;
-                let operator = &actor.operator;
-                let pool = self.pool().await?;
-                let bytes = key_hex
-                    .as_ref()
-                    .map(|k| k.0.clone())
-                    .or_else(|| key.as_ref().map(|k| k.as_bytes().to_vec()))
-                    .unwrap_or_default();
-                let action = Action::new("keys release")
-                    .on("group", group)
-                    .on_bytes("key", &bytes);
-                let work = holds::release(&pool, group, &bytes, operator);
-                let released = audit::audited(&pool, &actor, action, work, |r| {
-                    format!("released; {} parked messages run in order", r.parked)
-                })
-                .await?;
-                self.print(&released, || {
-                    format!(
-                        "key {} of group {} released by {operator}: its {} parked messages run in order",
-                        released.key, released.group, released.parked
-                    )
-                })
-            }
-            Command::Steps(StepsCommand::Pause {
-                step,
-                group,
-                reason,
-                operator,
-            }) => {
-                let actor = Actor::new(
-                    operator_or_os_user(operator.as_ref()),
-                    Some(reason),
-                    Via::Command,
-                )?;
-                let operator = &actor.operator;
-                let pool = self.pool().await?;
-                let action = Action::new("steps pause")
-                    .on("group", group)
-                    .on("step", step);
-                let work = holds::pause(&pool, group, step, operator, reason);
-                let paused = audit::audited(&pool, &actor, action, work, |paused| {
-                    if *paused {
-                        "paused"
-                    } else {
-                        "was paused already"
-                    }
-                    .to_owned()
-                })
-                .await?;
-                self.print(&paused, || {
-                    if paused {
-                        format!(
-                            "step {step} of group {group} paused by {operator}: its messages are parked, in \
-                             order per key, three seconds from now"
-                        )
-                    } else {
-                        format!("step {step} of group {group} was paused already")
-                    }
-                })
-            }
-            Command::Steps(StepsCommand::Resume {
-                step,
-                group,
-                reason,
-                operator,
-            }) => {
-                let actor = Actor::new(
-                    operator_or_os_user(operator.as_ref()),
-                    Some(reason),
-                    Via::Command,
-                )?;
-                let operator = &actor.operator;
-                let pool = self.pool().await?;
-                let action = Action::new("steps resume")
-                    .on("group", group)
-                    .on("step", step);
-                let work = holds::resume(&pool, group, step, operator, reason);
-                let released = audit::audited(&pool, &actor, action, work, |n| {
-                    format!("resumed; {n} held keys released")
-                })
-                .await?;
-                self.print(&released, || {
-                    format!(
-                        "step {step} of group {group} resumed by {operator}: {released} held keys released, \
-                         their parked messages run in order"
-                    )
-                })
-            }
-            Command::Steps(StepsCommand::Paused { group }) => {
-                let pool = self.pool().await?;
-                let found = holds::paused(&pool, group.as_deref()).await?;
-                self.print(&found, || {
-                    let mut t = Table::new([
-                        "group",
-                        "step",
-                        "paused by",
-                        "reason",
-                        "paused at",
-                        "held keys",
-                        "parked",
-                    ]);
-                    for p in &found {
-                        t.row([
-                            p.group.clone(),
-                            p.step.clone(),
-                            p.paused_by.clone(),
-                            p.reason.clone(),
-                            p.paused_at.format("%Y-%m-%d %H:%M:%S").to_string(),
-                            p.held_keys.to_string(),
-                            p.parked.to_string(),
-                        ]);
-                    }
-                    format!("{}{} paused steps", t.render(), found.len())
-                })
-            }
-            Command::Keys(KeysCommand::Show { key, tenant }) => {
-                let pool = self.pool().await?;
-                let found = keys::show(&pool, key, tenant.as_deref()).await?;
-                self.print(&found, || keys_table(&found))
-            }
             Command::Leases { expired, limit } => {
                 let pool = self.pool().await?;
                 let found = keys::leases(&pool, *expired, *limit).await?;
                 self.print(&found, || keys_table(&found))
-            }
-            Command::Sagas(SagasCommand::List {
-                status,
-                stuck,
-                stuck_for,
-                limit,
-            }) => {
-                let status = status.as_deref().map(sagas::parse_status).transpose()?;
-                let stuck_for = stuck_for
-                    .as_deref()
-                    .or(stuck.then_some("5m"))
-                    .map(duration::parse)
-                    .transpose()?;
-                let pool = self.pool().await?;
-                let found = sagas::list(&pool, status, stuck_for, *limit).await?;
-                self.print(&found, || {
-                    let mut t = Table::new([
-                        "saga",
-                        "type",
-                        "tenant",
-                        "key",
-                        "status",
-                        "step",
-                        "definition",
-                        "updated",
-                        "timer failures",
-                        "stuck",
-                    ]);
-                    for s in &found {
-                        t.row([
-                            s.saga_id.to_string(),
-                            s.saga_type.clone(),
-                            s.tenant.clone(),
-                            s.idempotency_key.clone(),
-                            s.status.clone(),
-                            s.step_index.to_string(),
-                            definition_version(s),
-                            s.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
-                            s.timer_failures.to_string(),
-                            s.stuck_reason.clone().unwrap_or_default(),
-                        ]);
-                    }
-                    format!("{}{} sagas", t.render(), found.len())
-                })
-            }
-            Command::Sagas(SagasCommand::Show { id }) => {
-                let pool = self.pool().await?;
-                let detail = sagas::show(&pool, id).await?;
-                self.print(&detail, || {
-                    let i = &detail.instance;
-                    // What a step or a message wrote stays on its line: no text of theirs starts a line
-                    // that would look like the command's own.
-                    let flat = |text: &str| one_line(text, usize::MAX);
-                    let mut out = format!(
-                        "saga {} ({}), key {} of tenant {}: {} at step {} of definition {}, revision {}\n",
-                        i.saga_id,
-                        flat(&i.saga_type),
-                        flat(&i.idempotency_key),
-                        flat(&i.tenant),
-                        i.status,
-                        i.step_index,
-                        definition_version(i),
-                        i.version
-                    );
-                    if let Some(failure) = &i.failure {
-                        out.push_str(&format!("failure: {}\n", flat(failure)));
-                    }
-                    if let Some(reason) = &i.stuck_reason {
-                        out.push_str(&format!("stuck: {}\n", flat(reason)));
-                    }
-                    out.push_str(&format!("step keys: {}\n\ntimeline:\n", i.step_keys));
-                    let mut t = Table::new(["at", "version", "from", "to", "step", "cause"]);
-                    for tr in &detail.timeline {
-                        let cause = match (tr.retry_of, &tr.operator) {
-                            (Some(of), operator) => format!(
-                                "{} (of v{of}, by {})",
-                                tr.cause,
-                                operator.as_deref().unwrap_or("unknown")
-                            ),
-                            (None, _) => tr.cause.clone(),
-                        };
-                        t.row([
-                            tr.at.format("%Y-%m-%d %H:%M:%S%.3f").to_string(),
-                            tr.version.to_string(),
-                            tr.from_status.clone().unwrap_or_default(),
-                            tr.to_status.clone(),
-                            tr.step.clone().unwrap_or_default(),
-                            cause,
-                        ]);
-                    }
-                    out.push_str(&t.render());
-                    out
-                })
             }
             Command::Lag { group, topics } => {
                 let kafka = self.kafka().await?;
@@ -1118,193 +705,6 @@ impl Cli {
                         "{}total lag {}",
                         t.render(),
                         found.iter().map(|l| l.lag).sum::<i64>()
-                    )
-                })
-            }
-            Command::Outbox(OutboxCommand::Status) => {
-                let pool = self.pool().await?;
-                let status = outbox::status(&pool).await?;
-                self.print(&status, || {
-                    format!(
-                        "unpublished rows:        {}\noldest unpublished row:  {}\nfailing rows:            {}\nparked rows:             {}\npublished rows kept:     {}",
-                        status.unpublished,
-                        status.oldest_age_seconds.map_or_else(|| "-".to_owned(), |a| format!("{a:.1} s old")),
-                        status.failing,
-                        status.parked,
-                        status.published_kept
-                    ) + &status.wal.as_ref().map_or_else(String::new, |w| format!(
-                        "\nWAL slot:                {} ({}, log {})\nWAL lag:                 {} bytes, {}\nWAL events parked:       {}",
-                        w.slot,
-                        if w.reading { "read by a relay" } else { "NOT READ: no relay runs" },
-                        w.wal_status.as_deref().unwrap_or("-"),
-                        w.lag_bytes,
-                        w.lag_seconds.map_or_else(|| "caught up".to_owned(), |s| format!("{s:.1} s behind")),
-                        w.parked
-                    ))
-                })
-            }
-            Command::Outbox(OutboxCommand::Parked { limit }) => {
-                let pool = self.pool().await?;
-                let found = outbox::parked(&pool, *limit).await?;
-                self.print(&found, || {
-                    let mut t = Table::new([
-                        "id",
-                        "outbox",
-                        "topic",
-                        "key",
-                        "attempts",
-                        "parked at",
-                        "next try",
-                        "holds key",
-                        "bytes",
-                        "error",
-                    ]);
-                    for p in &found {
-                        t.row([
-                            p.id.to_string(),
-                            p.outbox.as_str().to_owned(),
-                            p.topic.clone(),
-                            p.key.clone().unwrap_or_default(),
-                            p.attempts.to_string(),
-                            p.parked_at.format("%Y-%m-%d %H:%M:%S").to_string(),
-                            if p.outbox == outbox::ParkedIn::Table && !p.holds_key {
-                                "by hand".to_owned()
-                            } else {
-                                p.next_attempt_at.format("%Y-%m-%d %H:%M:%S").to_string()
-                            },
-                            if p.holds_key { "yes" } else { "no" }.to_owned(),
-                            p.payload_bytes.to_string(),
-                            p.error.clone(),
-                        ]);
-                    }
-                    format!("{}{} parked events", t.render(), found.len())
-                })
-            }
-            Command::Outbox(OutboxCommand::Retry {
-                id,
-                outbox: which,
-                all: _,
-                yes,
-                by,
-            }) => {
-                let actor = by.actor()?;
-                let pool = self.pool().await?;
-                // Which outbox the id names, found once: the question, the action and the log say it.
-                let which = match id {
-                    Some(id) => Some(outbox::locate(&pool, *id, *which).await?.outbox),
-                    None => None,
-                };
-                confirmed(&outbox::retry_scope(&pool, *id, which).await?, *yes)?;
-                let action = Action::new("outbox retry")
-                    .on(
-                        "event",
-                        id.map_or_else(|| "every parked event".to_owned(), |id| id.to_string()),
-                    )
-                    .on("outbox", which.map_or("both", outbox::ParkedIn::as_str));
-                let work = outbox::retry(&pool, *id, which);
-                let n = audit::audited(&pool, &actor, action, work, |n| {
-                    format!("{n} parked events to be published again")
-                })
-                .await?;
-                let report = serde_json::json!({ "events": n, "operator": actor.operator });
-                self.print(&report, || {
-                    format!("{n} parked events to be published again, in order, at the relay's next round")
-                })
-            }
-            Command::Outbox(OutboxCommand::Discard {
-                id,
-                outbox: which,
-                yes,
-                by,
-            }) => {
-                let actor = by.actor()?;
-                let operator = &actor.operator;
-                let pool = self.pool().await?;
-                let event = outbox::locate(&pool, *id, *which).await?;
-                confirmed(
-                    &format!(
-                        "discard {} (it is never published; its key's later events go on)",
-                        event.describe()
-                    ),
-                    *yes,
-                )?;
-                let action = Action::new("outbox discard")
-                    .on("event", id)
-                    .on("outbox", event.outbox.as_str());
-                let work = outbox::discard(&pool, *id, Some(event.outbox), operator);
-                audit::audited(&pool, &actor, action, work, |()| "discarded".to_owned()).await?;
-                let report = serde_json::json!({ "discarded": id, "operator": operator });
-                self.print(&report, || {
-                    format!("parked event {id} discarded by {operator}")
-                })
-            }
-            Command::Outbox(OutboxCommand::Wal(WalCommand::Recover { yes, by })) => {
-                let actor = by.actor()?;
-                let pool = self.pool().await?;
-                confirmed(
-                    "make the WAL outbox's slot again (the events its loss took are not brought back)",
-                    *yes,
-                )?;
-                let action = Action::new("outbox wal recover");
-                let work = outbox::recover(&pool, &actor.operator);
-                let r = audit::audited(&pool, &actor, action, work, |r| {
-                    format!(
-                        "incident {}: slot {} made again, {} step keys in the lost window",
-                        r.incident, r.slot, r.steps_in_window
-                    )
-                })
-                .await?;
-                self.print(&r, || recovery_text(&r))
-            }
-            Command::Outbox(OutboxCommand::Wal(WalCommand::Incidents { keys, limit })) => {
-                let pool = self.pool().await?;
-                if let Some(id) = keys {
-                    let steps = outbox::lost_steps(&pool, *id, *limit).await?;
-                    return self.print(&steps, || {
-                        let mut t = Table::new(["completed at", "tenant", "step key"]);
-                        for s in &steps {
-                            t.row([
-                                s.completed_at.format("%Y-%m-%d %H:%M:%S").to_string(),
-                                s.tenant.clone(),
-                                s.step_key.clone(),
-                            ]);
-                        }
-                        format!(
-                            "{}{} step keys completed in incident {id}'s window",
-                            t.render(),
-                            steps.len()
-                        )
-                    });
-                }
-                let found = outbox::incidents(&pool, *limit).await?;
-                self.print(&found, || {
-                    found
-                        .iter()
-                        .map(recovery_text)
-                        .collect::<Vec<_>>()
-                        .join("\n\n")
-                })
-            }
-            Command::Outbox(OutboxCommand::Wal(WalCommand::Retire { force, yes, by })) => {
-                let actor = by.actor()?;
-                let pool = self.pool().await?;
-                confirmed(
-                    "drop the WAL outbox's slot (services of this schema must then run in table mode)",
-                    *yes,
-                )?;
-                let action = Action::new("outbox wal retire").on("force", force);
-                let work = outbox::retire(&pool, *force);
-                let r = audit::audited(&pool, &actor, action, work, |r| {
-                    format!(
-                        "dropped slot {} with {} unpublished events",
-                        r.slot, r.unpublished_events
-                    )
-                })
-                .await?;
-                self.print(&r, || {
-                    format!(
-                        "dropped the slot {} ({} unpublished events with it); start the services in table mode",
-                        r.slot, r.unpublished_events
                     )
                 })
             }
@@ -1380,65 +780,689 @@ impl Cli {
                     format!("{}{} actions", t.render(), found.len())
                 })
             }
-            Command::Inspect {
-                listen,
-                public_names,
-                read_only,
-                secure_cookies,
-                insecure_no_token,
-                dlq_topics,
-                groups,
-                stuck_for,
-                tokens,
+            Command::Inspect(args) => self.inspect(args).await,
+        }
+    }
+
+    /// `saga dlq …`.
+    async fn dlq(&self, command: &DlqCommand) -> anyhow::Result<()> {
+        match command {
+            DlqCommand::List { select } => {
+                if let Some(group) = &select.group {
+                    return self.group_letters(select.topic.as_deref(), group).await;
+                }
+                let topic = select.topic.as_deref().unwrap_or_default();
+                let kafka = self.kafka().await?;
+                let letters =
+                    dlq::list(&kafka, &self.pool().await?, topic, &select.filter()?).await?;
+                self.print(&letters, || {
+                    let mut t = Table::new([
+                        "dlq offset",
+                        "original",
+                        "step",
+                        "reason",
+                        "error",
+                        "attempts",
+                        "failed at",
+                        "key",
+                        "tenant",
+                    ]);
+                    for l in &letters {
+                        t.row([
+                            format!("{}/{}", l.partition, l.offset),
+                            format!(
+                                "{}/{}/{}",
+                                l.original_topic, l.original_partition, l.original_offset
+                            ),
+                            l.step.clone().unwrap_or_default(),
+                            l.reason.clone(),
+                            l.error.clone(),
+                            l.attempts.to_string(),
+                            l.failed_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            l.idempotency_key.clone().unwrap_or_default(),
+                            l.tenant.clone(),
+                        ]);
+                    }
+                    format!("{}{} dead letters", t.render(), letters.len())
+                })
+            }
+            DlqCommand::Show {
+                topic,
+                partition,
+                offset,
             } => {
-                let tokens = inspector_tokens(tokens)?;
-                // Served to others: listening beyond localhost, or named as a proxy in front serves it.
-                let served_to_others = if !listen.ip().is_loopback() {
-                    Some(format!(
-                        "the inspector would listen beyond localhost ({listen})"
+                let record = dlq::show(&self.kafka().await?, topic, *partition, *offset).await?;
+                let view = RecordView::of(&record);
+                self.print(&view, || view.render(topic))
+            }
+            DlqCommand::Replay(args) => self.replay(args).await,
+            DlqCommand::Groups { topics, .. } => self.groups(topics).await,
+            DlqCommand::Discard {
+                group,
+                undo,
+                topics,
+                dry_run,
+                yes,
+                by,
+            } => {
+                let actor = by.actor()?;
+                self.bulk_discard(group.as_deref(), *undo, topics, *dry_run, *yes, &actor)
+                    .await
+            }
+            DlqCommand::Operations { command, limit } => {
+                self.operations(command.as_ref(), *limit).await
+            }
+            DlqCommand::Replays { topic, limit } => {
+                let pool = self.pool().await?;
+                let found = dlq::replays(&pool, topic.as_deref(), *limit).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "sent at", "operator", "letter", "group", "to", "key", "tenant", "forced",
+                    ]);
+                    for r in &found {
+                        t.row([
+                            r.sent_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            r.operator.clone(),
+                            format!("{}/{}/{}", r.dlq_topic, r.dlq_partition, r.dlq_offset),
+                            r.group.clone(),
+                            format!("{}/{}/{}", r.retry_topic, r.retry_partition, r.retry_offset),
+                            r.idempotency_key.clone().unwrap_or_default(),
+                            r.tenant.clone().unwrap_or_default(),
+                            if r.forced { "yes" } else { "" }.to_owned(),
+                        ]);
+                    }
+                    format!("{}{} replays", t.render(), found.len())
+                })
+            }
+        }
+    }
+
+    /// `saga outbox …`.
+    async fn outbox(&self, command: &OutboxCommand) -> anyhow::Result<()> {
+        match command {
+            OutboxCommand::Wal(command) => self.outbox_wal(command).await,
+            OutboxCommand::Status => {
+                let pool = self.pool().await?;
+                let status = outbox::status(&pool).await?;
+                self.print(&status, || {
+                    format!(
+                        "unpublished rows:        {}\noldest unpublished row:  {}\nfailing rows:            {}\nparked rows:             {}\npublished rows kept:     {}",
+                        status.unpublished,
+                        status.oldest_age_seconds.map_or_else(|| "-".to_owned(), |a| format!("{a:.1} s old")),
+                        status.failing,
+                        status.parked,
+                        status.published_kept
+                    ) + &status.wal.as_ref().map_or_else(String::new, |w| format!(
+                        "\nWAL slot:                {} ({}, log {})\nWAL lag:                 {} bytes, {}\nWAL events parked:       {}",
+                        w.slot,
+                        if w.reading { "read by a relay" } else { "NOT READ: no relay runs" },
+                        w.wal_status.as_deref().unwrap_or("-"),
+                        w.lag_bytes,
+                        w.lag_seconds.map_or_else(|| "caught up".to_owned(), |s| format!("{s:.1} s behind")),
+                        w.parked
                     ))
-                } else {
-                    (!public_names.is_empty()).then(|| {
-                        format!(
-                            "the inspector would be served to others under --public-name {}",
-                            public_names.join(", ")
-                        )
-                    })
+                })
+            }
+            OutboxCommand::Parked { limit } => {
+                let pool = self.pool().await?;
+                let found = outbox::parked(&pool, *limit).await?;
+                self.print(&found, || parked_table(&found))
+            }
+            OutboxCommand::Retry {
+                id,
+                outbox: which,
+                all: _,
+                yes,
+                by,
+            } => {
+                let actor = by.actor()?;
+                let pool = self.pool().await?;
+                // Which outbox the id names, found once: the question, the action and the log say it.
+                let which = match id {
+                    Some(id) => Some(outbox::locate(&pool, *id, *which).await?.outbox),
+                    None => None,
                 };
-                if let Some(why) =
-                    served_to_others.filter(|_| tokens.is_empty() && !insecure_no_token)
-                {
-                    return Err(ConfigProblem::new(
+                confirmed(&outbox::retry_scope(&pool, *id, which).await?, *yes)?;
+                let action = Action::new("outbox retry")
+                    .on(
+                        "event",
+                        id.map_or_else(|| "every parked event".to_owned(), |id| id.to_string()),
+                    )
+                    .on("outbox", which.map_or("both", outbox::ParkedIn::as_str));
+                let work = outbox::retry(&pool, *id, which);
+                let n = audit::audited(&pool, &actor, action, work, |n| {
+                    format!("{n} parked events to be published again")
+                })
+                .await?;
+                let report = serde_json::json!({ "events": n, "operator": actor.operator });
+                self.print(&report, || {
+                    format!("{n} parked events to be published again, in order, at the relay's next round")
+                })
+            }
+            OutboxCommand::Discard {
+                id,
+                outbox: which,
+                yes,
+                by,
+            } => {
+                let actor = by.actor()?;
+                let operator = &actor.operator;
+                let pool = self.pool().await?;
+                let event = outbox::locate(&pool, *id, *which).await?;
+                confirmed(
+                    &format!(
+                        "discard {} (it is never published; its key's later events go on)",
+                        event.describe()
+                    ),
+                    *yes,
+                )?;
+                let action = Action::new("outbox discard")
+                    .on("event", id)
+                    .on("outbox", event.outbox.as_str());
+                let work = outbox::discard(&pool, *id, Some(event.outbox), operator);
+                audit::audited(&pool, &actor, action, work, |()| "discarded".to_owned()).await?;
+                let report = serde_json::json!({ "discarded": id, "operator": operator });
+                self.print(&report, || {
+                    format!("parked event {id} discarded by {operator}")
+                })
+            }
+        }
+    }
+
+    /// `saga keys …`.
+    async fn keys(&self, command: &KeysCommand) -> anyhow::Result<()> {
+        match command {
+            KeysCommand::Held { group, limit } => {
+                let pool = self.pool().await?;
+                let found = holds::list(&pool, group.as_deref(), *limit).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "group",
+                        "key",
+                        "state",
+                        "held by",
+                        "parked",
+                        "held for",
+                        "head letter",
+                    ]);
+                    for h in &found {
+                        t.row([
+                            h.group.clone(),
+                            h.key.clone(),
+                            h.state.clone(),
+                            h.held_by(),
+                            h.parked.to_string(),
+                            duration::human(std::time::Duration::from_secs(
+                                h.age_seconds.max(0) as u64
+                            )),
+                            h.head
+                                .as_ref()
+                                .map(|(t, p, o)| format!("{t}/{p}/{o}"))
+                                .unwrap_or_default(),
+                        ]);
+                    }
+                    format!(
+                        "{}{} held keys (replay or discard a head letter to release its key; \
+                         `saga steps resume` releases a paused step's)",
+                        t.render(),
+                        found.len()
+                    )
+                })
+            }
+            KeysCommand::Release {
+                key,
+                key_hex,
+                group,
+                by,
+            } => {
+                let actor = by.actor()?;
+                let operator = &actor.operator;
+                let pool = self.pool().await?;
+                let bytes = key_hex
+                    .as_ref()
+                    .map(|k| k.0.clone())
+                    .or_else(|| key.as_ref().map(|k| k.as_bytes().to_vec()))
+                    .unwrap_or_default();
+                let action = Action::new("keys release")
+                    .on("group", group)
+                    .on_bytes("key", &bytes);
+                let work = holds::release(&pool, group, &bytes, operator);
+                let released = audit::audited(&pool, &actor, action, work, |r| {
+                    format!("released; {} parked messages run in order", r.parked)
+                })
+                .await?;
+                self.print(&released, || {
+                    format!(
+                        "key {} of group {} released by {operator}: its {} parked messages run in order",
+                        released.key, released.group, released.parked
+                    )
+                })
+            }
+            KeysCommand::Show { key, tenant } => {
+                let pool = self.pool().await?;
+                let found = keys::show(&pool, key, tenant.as_deref()).await?;
+                self.print(&found, || keys_table(&found))
+            }
+        }
+    }
+
+    /// `saga steps …`.
+    async fn steps(&self, command: &StepsCommand) -> anyhow::Result<()> {
+        match command {
+            StepsCommand::Pause {
+                step,
+                group,
+                reason,
+                operator,
+            } => {
+                let actor = Actor::new(
+                    operator_or_os_user(operator.as_ref()),
+                    Some(reason),
+                    Via::Command,
+                )?;
+                let operator = &actor.operator;
+                let pool = self.pool().await?;
+                let action = Action::new("steps pause")
+                    .on("group", group)
+                    .on("step", step);
+                let work = holds::pause(&pool, group, step, operator, reason);
+                let paused = audit::audited(&pool, &actor, action, work, |paused| {
+                    if *paused {
+                        "paused"
+                    } else {
+                        "was paused already"
+                    }
+                    .to_owned()
+                })
+                .await?;
+                self.print(&paused, || {
+                    if paused {
+                        format!(
+                            "step {step} of group {group} paused by {operator}: its messages are parked, in \
+                             order per key, three seconds from now"
+                        )
+                    } else {
+                        format!("step {step} of group {group} was paused already")
+                    }
+                })
+            }
+            StepsCommand::Resume {
+                step,
+                group,
+                reason,
+                operator,
+            } => {
+                let actor = Actor::new(
+                    operator_or_os_user(operator.as_ref()),
+                    Some(reason),
+                    Via::Command,
+                )?;
+                let operator = &actor.operator;
+                let pool = self.pool().await?;
+                let action = Action::new("steps resume")
+                    .on("group", group)
+                    .on("step", step);
+                let work = holds::resume(&pool, group, step, operator, reason);
+                let released = audit::audited(&pool, &actor, action, work, |n| {
+                    format!("resumed; {n} held keys released")
+                })
+                .await?;
+                self.print(&released, || {
+                    format!(
+                        "step {step} of group {group} resumed by {operator}: {released} held keys released, \
+                         their parked messages run in order"
+                    )
+                })
+            }
+            StepsCommand::Paused { group } => {
+                let pool = self.pool().await?;
+                let found = holds::paused(&pool, group.as_deref()).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "group",
+                        "step",
+                        "paused by",
+                        "reason",
+                        "paused at",
+                        "held keys",
+                        "parked",
+                    ]);
+                    for p in &found {
+                        t.row([
+                            p.group.clone(),
+                            p.step.clone(),
+                            p.paused_by.clone(),
+                            p.reason.clone(),
+                            p.paused_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            p.held_keys.to_string(),
+                            p.parked.to_string(),
+                        ]);
+                    }
+                    format!("{}{} paused steps", t.render(), found.len())
+                })
+            }
+        }
+    }
+
+    /// `saga sagas …`.
+    async fn sagas(&self, command: &SagasCommand) -> anyhow::Result<()> {
+        match command {
+            SagasCommand::Retry { id, by } => {
+                let actor = by.actor()?;
+                let operator = &actor.operator;
+                let pool = self.pool().await?;
+                let action = Action::new("sagas retry").on("saga", id);
+                let work = sagas::retry(&pool, id, operator);
+                let instance = audit::audited(&pool, &actor, action, work, |i| {
+                    format!(
+                        "retry of step {} attempt {} requested",
+                        i.step_index, i.attempt
+                    )
+                })
+                .await?;
+                self.print(&instance, || {
+                    format!(
+                        "retry of saga {} ({} at step {}, attempt {}) requested by {operator}: its service's \
+                         orchestrator sends the command again at its next timer tick",
+                        instance.saga_id, instance.status, instance.step_index, instance.attempt
+                    )
+                })
+            }
+            SagasCommand::List {
+                status,
+                stuck,
+                stuck_for,
+                limit,
+            } => {
+                let status = status.as_deref().map(sagas::parse_status).transpose()?;
+                let stuck_for = stuck_for
+                    .as_deref()
+                    .or(stuck.then_some("5m"))
+                    .map(duration::parse)
+                    .transpose()?;
+                let pool = self.pool().await?;
+                let found = sagas::list(&pool, status, stuck_for, *limit).await?;
+                self.print(&found, || {
+                    let mut t = Table::new([
+                        "saga",
+                        "type",
+                        "tenant",
+                        "key",
+                        "status",
+                        "step",
+                        "definition",
+                        "updated",
+                        "timer failures",
+                        "stuck",
+                    ]);
+                    for s in &found {
+                        t.row([
+                            s.saga_id.to_string(),
+                            s.saga_type.clone(),
+                            s.tenant.clone(),
+                            s.idempotency_key.clone(),
+                            s.status.clone(),
+                            s.step_index.to_string(),
+                            definition_version(s),
+                            s.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                            s.timer_failures.to_string(),
+                            s.stuck_reason.clone().unwrap_or_default(),
+                        ]);
+                    }
+                    format!("{}{} sagas", t.render(), found.len())
+                })
+            }
+            SagasCommand::Show { id } => {
+                let pool = self.pool().await?;
+                let detail = sagas::show(&pool, id).await?;
+                self.print(&detail, || {
+                    let i = &detail.instance;
+                    // What a step or a message wrote stays on its line: no text of theirs starts a line
+                    // that would look like the command's own.
+                    let flat = |text: &str| one_line(text, usize::MAX);
+                    let mut out = format!(
+                        "saga {} ({}), key {} of tenant {}: {} at step {} of definition {}, revision {}\n",
+                        i.saga_id,
+                        flat(&i.saga_type),
+                        flat(&i.idempotency_key),
+                        flat(&i.tenant),
+                        i.status,
+                        i.step_index,
+                        definition_version(i),
+                        i.version
+                    );
+                    if let Some(failure) = &i.failure {
+                        out.push_str(&format!("failure: {}\n", flat(failure)));
+                    }
+                    if let Some(reason) = &i.stuck_reason {
+                        out.push_str(&format!("stuck: {}\n", flat(reason)));
+                    }
+                    out.push_str(&format!("step keys: {}\n\ntimeline:\n", i.step_keys));
+                    let mut t = Table::new(["at", "version", "from", "to", "step", "cause"]);
+                    for tr in &detail.timeline {
+                        let cause = match (tr.retry_of, &tr.operator) {
+                            (Some(of), operator) => format!(
+                                "{} (of v{of}, by {})",
+                                tr.cause,
+                                operator.as_deref().unwrap_or("unknown")
+                            ),
+                            (None, _) => tr.cause.clone(),
+                        };
+                        t.row([
+                            tr.at.format("%Y-%m-%d %H:%M:%S%.3f").to_string(),
+                            tr.version.to_string(),
+                            tr.from_status.clone().unwrap_or_default(),
+                            tr.to_status.clone(),
+                            tr.step.clone().unwrap_or_default(),
+                            cause,
+                        ]);
+                    }
+                    out.push_str(&t.render());
+                    out
+                })
+            }
+        }
+    }
+
+    /// `saga outbox wal …`.
+    async fn outbox_wal(&self, command: &WalCommand) -> anyhow::Result<()> {
+        match command {
+            WalCommand::Recover { yes, by } => {
+                let actor = by.actor()?;
+                let pool = self.pool().await?;
+                confirmed(
+                    "make the WAL outbox's slot again (the events its loss took are not brought back)",
+                    *yes,
+                )?;
+                let action = Action::new("outbox wal recover");
+                let work = outbox::recover(&pool, &actor.operator);
+                let r = audit::audited(&pool, &actor, action, work, |r| {
+                    format!(
+                        "incident {}: slot {} made again, {} step keys in the lost window",
+                        r.incident, r.slot, r.steps_in_window
+                    )
+                })
+                .await?;
+                self.print(&r, || recovery_text(&r))
+            }
+            WalCommand::Incidents { keys, limit } => {
+                let pool = self.pool().await?;
+                if let Some(id) = keys {
+                    let steps = outbox::lost_steps(&pool, *id, *limit).await?;
+                    return self.print(&steps, || {
+                        let mut t = Table::new(["completed at", "tenant", "step key"]);
+                        for s in &steps {
+                            t.row([
+                                s.completed_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                                s.tenant.clone(),
+                                s.step_key.clone(),
+                            ]);
+                        }
+                        format!(
+                            "{}{} step keys completed in incident {id}'s window",
+                            t.render(),
+                            steps.len()
+                        )
+                    });
+                }
+                let found = outbox::incidents(&pool, *limit).await?;
+                self.print(&found, || {
+                    found
+                        .iter()
+                        .map(recovery_text)
+                        .collect::<Vec<_>>()
+                        .join("\n\n")
+                })
+            }
+            WalCommand::Retire { force, yes, by } => {
+                let actor = by.actor()?;
+                let pool = self.pool().await?;
+                confirmed(
+                    "drop the WAL outbox's slot (services of this schema must then run in table mode)",
+                    *yes,
+                )?;
+                let action = Action::new("outbox wal retire").on("force", force);
+                let work = outbox::retire(&pool, *force);
+                let r = audit::audited(&pool, &actor, action, work, |r| {
+                    format!(
+                        "dropped slot {} with {} unpublished events",
+                        r.slot, r.unpublished_events
+                    )
+                })
+                .await?;
+                self.print(&r, || {
+                    format!(
+                        "dropped the slot {} ({} unpublished events with it); start the services in table mode",
+                        r.slot, r.unpublished_events
+                    )
+                })
+            }
+        }
+    }
+
+    /// Serve the inspector page (`saga inspect`).
+    async fn inspect(&self, args: &InspectArgs) -> anyhow::Result<()> {
+        let InspectArgs {
+            listen,
+            public_names,
+            read_only,
+            secure_cookies,
+            insecure_no_token,
+            dlq_topics,
+            groups,
+            stuck_for,
+            tokens,
+        } = args;
+        let tokens = inspector_tokens(tokens)?;
+        // Served to others: listening beyond localhost, or named as a proxy in front serves it.
+        let served_to_others = if !listen.ip().is_loopback() {
+            Some(format!(
+                "the inspector would listen beyond localhost ({listen})"
+            ))
+        } else {
+            (!public_names.is_empty()).then(|| {
+                format!(
+                    "the inspector would be served to others under --public-name {}",
+                    public_names.join(", ")
+                )
+            })
+        };
+        if let Some(why) = served_to_others.filter(|_| tokens.is_empty() && !insecure_no_token) {
+            return Err(ConfigProblem::new(
                         "SAGA_ADMIN_TOKEN",
                         format!("is not set, and {why}"),
                         "set SAGA_ADMIN_TOKEN (or SAGA_ADMIN_TOKENS=name:token,...), or pass --insecure-no-token",
                     )
                     .into());
-                }
-                let mut options = InspectOptions::default();
-                options.dlq_topics.clone_from(dlq_topics);
-                options.groups.clone_from(groups);
-                options.stuck_for = duration::parse(stuck_for)?;
-                options.tokens = tokens;
-                options.public_names.clone_from(public_names);
-                options.read_only = *read_only;
-                options.secure_cookies = *secure_cookies;
-                let (kafka, pool) = (self.kafka().await?, self.pool().await?);
-                let listener = tokio::net::TcpListener::bind(listen)
-                    .await
-                    .with_context(|| format!("listening on {listen}"))?;
-                println!("inspector on http://{}/", listener.local_addr()?);
-                inspect::serve(
-                    listener,
-                    kafka,
-                    pool,
-                    options,
-                    saga_consumer::toolkit::wait_for_signal(),
-                )
-                .await?;
-                Ok(())
-            }
         }
+        let mut options = InspectOptions::default();
+        options.dlq_topics.clone_from(dlq_topics);
+        options.groups.clone_from(groups);
+        options.stuck_for = duration::parse(stuck_for)?;
+        options.tokens = tokens;
+        options.public_names.clone_from(public_names);
+        options.read_only = *read_only;
+        options.secure_cookies = *secure_cookies;
+        let (kafka, pool) = (self.kafka().await?, self.pool().await?);
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("listening on {listen}"))?;
+        println!("inspector on http://{}/", listener.local_addr()?);
+        inspect::serve(
+            listener,
+            kafka,
+            pool,
+            options,
+            saga_consumer::toolkit::wait_for_signal(),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Replay dead letters (`saga dlq replay`).
+    async fn replay(&self, args: &ReplayArgs) -> anyhow::Result<()> {
+        let ReplayArgs {
+            select,
+            partition,
+            offset,
+            dry_run,
+            force,
+            max_replays,
+            by,
+            yes,
+        } = args;
+        let actor = by.actor()?;
+        refuse_letter_reason_as_why(actor.reason.as_deref())?;
+        let mut filter = select.filter()?;
+        filter.position = partition.zip(*offset);
+        let options = ReplayOptions {
+            dry_run: *dry_run,
+            force: *force,
+            max_replays: *max_replays,
+            ..ReplayOptions::default()
+        }
+        .by(actor.operator.clone());
+        if let Some(group) = &select.group {
+            let topics: Vec<String> = select.topic.iter().cloned().collect();
+            return self
+                .bulk_replay(&topics, group, &options, &actor, *yes)
+                .await;
+        }
+        let topic = select.topic.as_deref().unwrap_or_default();
+        let kafka = self.kafka().await?;
+        let pool = self.pool().await?;
+        let work = dlq::replay(&kafka, &pool, topic, &filter, &options);
+        let report = if *dry_run {
+            work.await?
+        } else {
+            let action = Action::new("dlq replay")
+                .on("topic", topic)
+                .on("letters", select.describe(filter.position))
+                .on("force", force);
+            audit::audited(&pool, &actor, action, work, |r| {
+                format!("{} sent to {}", r.sent(), r.retry_topic)
+            })
+            .await?
+        };
+        self.print(&report, || {
+            let mut t = Table::new(["dlq offset", "from", "key", "outcome"]);
+            for l in &report.letters {
+                t.row([
+                    format!("{}/{}", l.partition, l.offset),
+                    format!("{}/{}", l.original_topic, l.original_partition),
+                    l.idempotency_key.clone().unwrap_or_default(),
+                    l.outcome.describe(),
+                ]);
+            }
+            format!(
+                "{}{} sent to {} (group {}) by {}",
+                t.render(),
+                report.sent(),
+                report.retry_topic,
+                report.group,
+                report.operator
+            )
+        })
     }
 
     /// The dead-letter topics to look in: `topics`, or every one the schema's consumer groups record.
@@ -1761,6 +1785,41 @@ fn refuse_letter_reason_as_why(why: Option<&str>) -> Result<(), AdminError> {
         ))),
         _ => Ok(()),
     }
+}
+
+/// Parked events as a table.
+fn parked_table(found: &[outbox::Parked]) -> String {
+    let mut t = Table::new([
+        "id",
+        "outbox",
+        "topic",
+        "key",
+        "attempts",
+        "parked at",
+        "next try",
+        "holds key",
+        "bytes",
+        "error",
+    ]);
+    for p in found {
+        t.row([
+            p.id.to_string(),
+            p.outbox.as_str().to_owned(),
+            p.topic.clone(),
+            p.key.clone().unwrap_or_default(),
+            p.attempts.to_string(),
+            p.parked_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+            if p.outbox == outbox::ParkedIn::Table && !p.holds_key {
+                "by hand".to_owned()
+            } else {
+                p.next_attempt_at.format("%Y-%m-%d %H:%M:%S").to_string()
+            },
+            if p.holds_key { "yes" } else { "no" }.to_owned(),
+            p.payload_bytes.to_string(),
+            p.error.clone(),
+        ]);
+    }
+    format!("{}{} parked events", t.render(), found.len())
 }
 
 /// What an operation did, for the audit log.
