@@ -111,7 +111,7 @@ struct Cli {
     /// keys' holds, the cost of per-key order through failures when nothing is held.
     #[arg(long)]
     hold_keys: bool,
-    /// Where to write the figures.
+    /// Where to write the figures: after every section, so a run that fails keeps what it measured.
     #[arg(long, default_value = "target/saga-bench.json")]
     output: std::path::PathBuf,
     /// The most minutes a section may run (`dlq-index`: three times as many); past it, the run ends with
@@ -275,6 +275,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             .await?,
         );
     }
+    checkpoint(&report, &cli.output)?;
     if starts("consumer") {
         let figures =
             consumer_figures(&cli, &args, &kafka, "consumer", &mut schemas, &progress).await?;
@@ -290,6 +291,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.consumer_run = Some(figures.run);
         report.consumer_cpu = Some(figures.cpu);
     }
+    checkpoint(&report, &cli.output)?;
     if starts("consumer-mock") {
         {
             progress.note("consumer on librdkafka's mock cluster");
@@ -345,6 +347,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             saga_lab::bench::set_outbox(saga_consumer::Outbox::table());
         }
     }
+    checkpoint(&report, &cli.output)?;
     if starts("consumer-tls") {
         let require = saga_lab::bench::tls::with_sslmode(&cli.database_url, "require");
         match sqlx::PgPool::connect(&require).await {
@@ -358,6 +361,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             )),
         }
     }
+    checkpoint(&report, &cli.output)?;
     if starts("relay") {
         let topic = format!("{run}.relay");
         ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
@@ -383,6 +387,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
     }
+    checkpoint(&report, &cli.output)?;
     if starts("relay-mock") {
         let topic = format!("{run}.relay");
         {
@@ -407,6 +412,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
     }
+    checkpoint(&report, &cli.output)?;
     if starts("scale") {
         let mut settings = Vec::new();
         for n in [1, 2, 4] {
@@ -463,6 +469,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         report.scale_relays = Some(relays);
     }
+    checkpoint(&report, &cli.output)?;
     if starts("http") {
         let pool = fresh_schema(&args, &schema("http"), &mut schemas).await?;
         progress.note("http: with and without the idempotency layer");
@@ -472,6 +479,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         report.http_overhead_p50_ms = Some(w50 - o50);
         report.http_overhead_p99_ms = Some(w99 - o99);
     }
+    checkpoint(&report, &cli.output)?;
     if starts("redis") {
         let mut pools = Vec::new();
         for side in ["redis_http_pg", "redis_http", "redis_dup_pg", "redis_dup"] {
@@ -503,6 +511,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             .await?,
         );
     }
+    checkpoint(&report, &cli.output)?;
     if starts("otel") {
         let mut pools = Vec::new();
         for i in 0..cli.otel_rounds.max(1) * 3 {
@@ -549,6 +558,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             .await?,
         );
     }
+    checkpoint(&report, &cli.output)?;
     if starts("saga") {
         let broker = Broker::External(cli.brokers.clone());
         for mode in &cli.outbox_modes {
@@ -564,6 +574,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
     }
+    checkpoint(&report, &cli.output)?;
     if starts("saga-mock") {
         // The same sagas on the mock cluster, whose delivery is its fetch wait: what the framework and
         // PostgreSQL take without the broker's time.
@@ -585,6 +596,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 
     // Named only: it runs the `saga` binary, built apart.
+    checkpoint(&report, &cli.output)?;
     if cli.only.iter().any(|o| o == "dlq-index")
         && progress.begin_section(
             "dlq-index",
@@ -606,6 +618,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
 
+    checkpoint(&report, &cli.output)?;
     // The sections ended: what follows (deleting topics and schemas) has no deadline of a section's.
     progress.end_section();
     // The broker keeps what was produced: delete the run's topics.
@@ -652,11 +665,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         saga_lab::harness::drop_schema(&admin, &name).await?;
     }
     report.print();
-    if let Some(dir) = cli.output.parent() {
+    checkpoint(&report, &cli.output)?;
+    println!("\nwritten to {}", cli.output.display());
+    Ok(())
+}
+
+/// Writes the figures measured so far: a section that fails later leaves the earlier ones on disk.
+fn checkpoint(report: &Report, output: &std::path::Path) -> anyhow::Result<()> {
+    if let Some(dir) = output.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(&cli.output, serde_json::to_string_pretty(&report)?)?;
-    println!("\nwritten to {}", cli.output.display());
+    std::fs::write(output, serde_json::to_string_pretty(report)?)?;
     Ok(())
 }
 
