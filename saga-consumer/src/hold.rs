@@ -140,6 +140,8 @@ pub(crate) struct HeldView {
     pub state: HoldState,
     /// The identity of the dead letter at its head, if a dead letter holds it.
     pub head_letter: Option<String>,
+    /// Where the message at its head was first consumed: a plain redelivery of it is stale.
+    pub head_origin: Option<Origin>,
     /// The first parked message: its sequence number, where it was first consumed, and its [`digest`].
     pub first: Option<(i64, Origin, String)>,
     /// How many are parked.
@@ -181,9 +183,14 @@ pub(crate) enum Role {
     Stale,
 }
 
-/// What the consumer does with a message of key view `view` (none: not held), marked `mark`, whose step is
-/// paused or not.
-pub(crate) fn classify(view: Option<&HeldView>, mark: &Mark, paused: bool) -> Role {
+/// What the consumer does with a message of key view `view` (none: not held), marked `mark`, first
+/// consumed at `origin`, whose step is paused or not.
+pub(crate) fn classify(
+    view: Option<&HeldView>,
+    mark: &Mark,
+    origin: &Origin,
+    paused: bool,
+) -> Role {
     match (mark, view) {
         (
             Mark::Release {
@@ -206,6 +213,9 @@ pub(crate) fn classify(view: Option<&HeldView>, mark: &Mark, paused: bool) -> Ro
         {
             Role::Head(letter.clone())
         }
+        // The head letter's own message again (its offset was not committed when it was dead-lettered): it
+        // is the letter's to run, by a replay; parked behind its own key, a discard would run it.
+        (Mark::Plain, Some(v)) if v.head_origin.as_ref() == Some(origin) => Role::Stale,
         (_, Some(_)) => Role::Park,
         (_, None) if paused => Role::Park,
         (_, None) => Role::Free,
@@ -463,8 +473,8 @@ pub(crate) fn digest(raw: &RawMessage) -> String {
     hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-const VIEW_COLUMNS: &str = "h.state, h.head_letter, h.parked, h.in_flight, f.seq, f.topic, f.\"partition\", \
-     f.\"offset\", f.digest";
+const VIEW_COLUMNS: &str = "h.state, h.head_letter, h.head_origin_topic, h.head_origin_partition, \
+     h.head_origin_offset, h.parked, h.in_flight, f.seq, f.topic, f.\"partition\", f.\"offset\", f.digest";
 const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partition\", p.\"offset\", p.digest \
      FROM saga_parked_messages p WHERE p.group_id = h.group_id AND p.key = h.key ORDER BY p.seq LIMIT 1) f \
      ON true";
@@ -504,6 +514,18 @@ fn view_of(row: &sqlx::postgres::PgRow) -> Result<HeldView, sqlx::Error> {
         state: HoldState::parse(row.try_get::<&str, _>("state")?)
             .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
         head_letter: row.try_get("head_letter")?,
+        head_origin: match (
+            row.try_get::<Option<String>, _>("head_origin_topic")?,
+            row.try_get::<Option<i32>, _>("head_origin_partition")?,
+            row.try_get::<Option<i64>, _>("head_origin_offset")?,
+        ) {
+            (Some(topic), Some(partition), Some(offset)) => Some(Origin {
+                topic,
+                partition,
+                offset,
+            }),
+            _ => None,
+        },
         first,
         parked: row.try_get("parked")?,
         in_flight: row.try_get("in_flight")?,
@@ -769,6 +791,9 @@ impl Holds {
                 .bind(&letter.fields.reason)
                 .bind(HELD)
                 .bind(DEAD_LETTER)
+                .bind(&original.topic)
+                .bind(original.partition)
+                .bind(original.offset)
         };
         match &decision {
             OnDeadLetter::Nothing => {}
@@ -777,8 +802,9 @@ impl Holds {
                 // No conflict is possible: the key's lock is held, and it was not held (`lock`).
                 head(
                     "INSERT INTO saga_held_keys (group_id, key, state, cause, head_letter, head_topic, \
-                         head_partition, head_offset, head_reason) \
-                     VALUES ($1, $2, $8, $9, $3, $4, $5, $6, $7)",
+                         head_partition, head_offset, head_reason, head_origin_topic, \
+                         head_origin_partition, head_origin_offset) \
+                     VALUES ($1, $2, $8, $9, $3, $4, $5, $6, $7, $10, $11, $12)",
                 )
                 .execute(&mut *tx)
                 .await?;
@@ -806,6 +832,7 @@ impl Holds {
                 head(
                     "UPDATE saga_held_keys SET state = $8, cause = $9, head_letter = $3, \
                          head_topic = $4, head_partition = $5, head_offset = $6, head_reason = $7, \
+                         head_origin_topic = $10, head_origin_partition = $11, head_origin_offset = $12, \
                          in_flight = NULL, in_flight_at = NULL, held_at = now() \
                      WHERE group_id = $1 AND key = $2",
                 )
@@ -1224,6 +1251,7 @@ mod tests {
         HeldView {
             state,
             head_letter: Some("letter".into()),
+            head_origin: Some(origin(1)),
             first: (parked > 0).then(|| (7, origin(3), digest(&raw(b"{}")))),
             parked,
             in_flight: None,
@@ -1240,16 +1268,29 @@ mod tests {
     fn a_message_runs_parks_or_releases_as_its_key_is_held() {
         let held = view(HoldState::Held, 1);
         let releasing = view(HoldState::Releasing, 1);
-        assert_eq!(classify(None, &Mark::Plain, false), Role::Free);
-        assert_eq!(classify(None, &Mark::Plain, true), Role::Park);
-        assert_eq!(classify(Some(&held), &Mark::Plain, false), Role::Park);
+        assert_eq!(classify(None, &Mark::Plain, &origin(9), false), Role::Free);
+        assert_eq!(classify(None, &Mark::Plain, &origin(9), true), Role::Park);
+        assert_eq!(
+            classify(Some(&held), &Mark::Plain, &origin(9), false),
+            Role::Park
+        );
+        assert_eq!(
+            classify(Some(&held), &Mark::Plain, &origin(1), false),
+            Role::Stale,
+            "the head letter's own message, redelivered, is the letter's to run: never parked behind"
+        );
         let head = Mark::Replay("letter".into());
         assert_eq!(
-            classify(Some(&held), &head, false),
+            classify(Some(&held), &head, &origin(9), false),
             Role::Head("letter".into())
         );
         assert_eq!(
-            classify(Some(&held), &Mark::Replay("another".into()), false),
+            classify(
+                Some(&held),
+                &Mark::Replay("another".into()),
+                &origin(9),
+                false
+            ),
             Role::Park,
             "a replay of another letter of a held key waits behind it"
         );
@@ -1259,18 +1300,21 @@ mod tests {
             digest: digest(&raw(b"{}")),
         };
         assert_eq!(
-            classify(Some(&releasing), &release, false),
+            classify(Some(&releasing), &release, &origin(9), false),
             Role::Release(7)
         );
-        assert_eq!(classify(Some(&held), &release, false), Role::Stale);
-        assert_eq!(classify(None, &release, false), Role::Stale);
+        assert_eq!(
+            classify(Some(&held), &release, &origin(9), false),
+            Role::Stale
+        );
+        assert_eq!(classify(None, &release, &origin(9), false), Role::Stale);
         let forged = Mark::Release {
             seq: 7,
             origin: origin(4),
             digest: digest(&raw(b"{}")),
         };
         assert_eq!(
-            classify(Some(&releasing), &forged, false),
+            classify(Some(&releasing), &forged, &origin(9), false),
             Role::Stale,
             "a release names the parked message's own position"
         );
@@ -1280,7 +1324,7 @@ mod tests {
             digest: digest(&raw(b"{\"amount\":1}")),
         };
         assert_eq!(
-            classify(Some(&releasing), &forged, false),
+            classify(Some(&releasing), &forged, &origin(9), false),
             Role::Stale,
             "and carries its payload"
         );

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 
+use saga_core::Origin;
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +29,8 @@ pub(crate) struct Facts<'a> {
     pub keyed: bool,
     /// What it says of itself (a replay, a release).
     pub mark: Mark,
+    /// Where it was first consumed (a replay's original coordinates).
+    pub origin: Origin,
     /// Its step, if routed to one.
     pub step: Option<&'a str>,
     /// Whether its order policy holds its key behind a dead letter of it.
@@ -41,6 +44,7 @@ impl<'a> Facts<'a> {
             key: hold::key_of(&delivery.raw),
             keyed: hold::key_of_held(&delivery.raw).is_some(),
             mark: hold::mark_of(&delivery.raw, delivery.replayed_from.as_ref()),
+            origin: delivery.original().clone(),
             step: delivery.step_name(),
             policy_holds,
         }
@@ -105,7 +109,7 @@ fn role(facts: &Facts<'_>, found: &BatchHolds) -> Role {
         _ => found.views.get(facts.key),
     };
     let paused = facts.step.is_some_and(|s| found.paused.contains(s));
-    hold::classify(view, &facts.mark, paused)
+    hold::classify(view, &facts.mark, &facts.origin, paused)
 }
 
 impl Executor {
@@ -153,7 +157,7 @@ impl Executor {
             }
             delivery.hold = role;
             if delivery.hold == Role::Stale {
-                tracing::info!(parent: &delivery.span, "a release of a held key's message that ran already (or out of turn): skipped");
+                tracing::info!(parent: &delivery.span, "a release of a held key's message that ran already (or out of turn), or its head letter's message again: skipped");
                 delivery.known_done = true;
             } else if delivery.hold == Role::Park {
                 tracing::info!(parent: &delivery.span, "its key is held: parked behind its queue");
@@ -254,6 +258,11 @@ mod tests {
             key,
             keyed: !key.is_empty(),
             mark,
+            origin: Origin {
+                topic: "t".into(),
+                partition: 0,
+                offset: 0,
+            },
             step: Some(step),
             policy_holds,
         }
@@ -263,6 +272,7 @@ mod tests {
         HeldView {
             state: HoldState::Held,
             head_letter: Some("letter-1".into()),
+            head_origin: None,
             first: None,
             parked: 0,
             in_flight: None,

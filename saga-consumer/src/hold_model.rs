@@ -117,10 +117,12 @@ fn letter_id(letter: usize) -> String {
 }
 
 impl Held {
-    fn view(&self, layout: Layout) -> HeldView {
+    /// The store's view of it; `letters` says which message each dead letter is of.
+    fn view(&self, layout: Layout, letters: &[usize]) -> HeldView {
         HeldView {
             state: self.state,
             head_letter: self.head.map(letter_id),
+            head_origin: self.head.map(|letter| origin(layout, letters[letter])),
             first: self
                 .parked
                 .first()
@@ -236,6 +238,7 @@ impl State {
             key: KEY,
             keyed: true,
             mark,
+            origin: origin(self.layout, m),
             step: Some(if m == PAUSABLE { PAUSED_STEP } else { "a-step" }),
             policy_holds: true,
         }
@@ -303,16 +306,15 @@ impl State {
             .map(|m| self.facts(m, Mark::Plain))
             .collect();
         let plan = hold_gate::plan(&facts, Some(&self.found()));
-        // As a delivery's kind says: a parked message is held, the others run in the step's transaction.
+        // As a delivery's kind says: a parked message is held, a stale one (its head letter's message again)
+        // known done, the others run in the step's transaction.
         let kinds = plan
             .roles
             .iter()
-            .map(|r| {
-                if *r == Role::Park {
-                    Kind::Held
-                } else {
-                    Kind::Transactional
-                }
+            .map(|r| match r {
+                Role::Park => Kind::Held,
+                Role::Stale => Kind::NoClaim,
+                _ => Kind::Transactional,
             })
             .collect();
         let mut machine = BatchMachine::new(kinds, vec![0; len], 1);
@@ -342,14 +344,19 @@ impl State {
                 return;
             }
             Action::Transact { start, end } => {
-                // One transaction: the first message that fails rolls it back and is named.
-                match (start..end).find(|i| self.fails_left[batch.base + i]) {
+                // One transaction: the first message that fails rolls it back and is named; a stale one
+                // claims nothing and runs nothing.
+                let runs = |i: &usize| batch.roles[*i] != Role::Stale;
+                match (start..end)
+                    .filter(runs)
+                    .find(|i| self.fails_left[batch.base + i])
+                {
                     Some(index) => Event::ItemFailed {
                         index,
                         fault: Fault::Permanent(format!("m{} fails", batch.base + index)),
                     },
                     None => {
-                        for i in start..end {
+                        for i in (start..end).filter(runs) {
                             let m = batch.base + i;
                             if !self.done[m] {
                                 self.done[m] = true;
@@ -420,7 +427,9 @@ impl State {
     }
 
     fn view(&self) -> Option<HeldView> {
-        self.held.as_ref().map(|h| h.view(self.layout))
+        self.held
+            .as_ref()
+            .map(|h| h.view(self.layout, &self.letters))
     }
 
     /// The transaction of message `m` run with role `role` by the retry worker: its step (or its dead
@@ -602,7 +611,7 @@ impl Model for HoldModel {
         if let Some(held) = &s.held
             && free
         {
-            let view = held.view(s.layout);
+            let view = held.view(s.layout, &s.letters);
             if self.release_all_at_once {
                 if view.state == HoldState::Releasing {
                     actions.push(Step::Release);

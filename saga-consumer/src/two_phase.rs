@@ -78,7 +78,7 @@ impl Executor {
         let store = |e: sqlx::Error| Failure::Store(StoreError::Database(e));
         let conn = held.lease.insert(self.pool.acquire().await.map_err(store)?);
         let claimed = step_tx::claim_lease(
-            conn,
+            &mut *conn,
             tenant,
             step_key,
             two_phase.lease(),
@@ -95,10 +95,18 @@ impl Executor {
                 return Err(Failure::Handler(KeyMayBeGone::failure(t)));
             }
         };
+        // The lease is a row of its own, committed: no connection is held through the call (a worker waiting
+        // on the outside world holds none, however many keys wait at once), nor two at once.
+        held.lease = None;
         let response = match call(&**two_phase, delivery, decoded).await {
             Ok(response) => response,
             Err(error) => {
-                release(conn, &lease, &error).await;
+                match self.pool.acquire().await {
+                    Ok(mut conn) => release(&mut conn, &lease, &error).await,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not release a lease; it expires on its own");
+                    }
+                }
                 return Err(Failure::Handler(error));
             }
         };
@@ -109,7 +117,7 @@ impl Executor {
             .complete(delivery, &lease, response, completing, permit)
             .await;
         if let Err(Failure::Handler(error)) = &completed {
-            release(conn, &lease, error).await;
+            release(completing, &lease, error).await;
         }
         completed
     }
