@@ -60,6 +60,8 @@ pub struct ConsumerSettings {
     pub concurrency: usize,
     /// Most messages of one partition per transaction (`SAGA_BATCH_SIZE`, default 100).
     pub batch_size: usize,
+    /// Messages of different keys of one partition that run at once (`SAGA_KEY_CONCURRENCY`, default 1).
+    pub key_concurrency: usize,
     /// Retries of transient failures (`SAGA_MAX_ATTEMPTS`, `SAGA_RETRY_INITIAL_MS`, `SAGA_RETRY_MAX_MS`).
     pub retry: RetryPolicy,
     /// The dead-letter topic (`SAGA_DLQ_TOPIC`, default `{group}.dlq`).
@@ -122,6 +124,7 @@ impl ConsumerSettings {
             group_id: None,
             concurrency: 1,
             batch_size: 1,
+            key_concurrency: 1,
             retry: RetryPolicy::with_attempts_and_backoff(1, Duration::ZERO, Duration::ZERO),
             dlq_topic: None,
             retry_topic: None,
@@ -181,44 +184,56 @@ impl ConsumerSettings {
         }
         match &self.group_id {
             None => return Err(ConfigError::Missing("group id (SAGA_GROUP_ID)")),
-            Some(g) if g.trim().is_empty() => return invalid("group id", "is empty"),
+            Some(g) if g.trim().is_empty() => return invalid("SAGA_GROUP_ID", "is empty"),
             Some(_) => {}
         }
         if self.concurrency == 0 {
-            return invalid("concurrency", "must be at least 1");
+            return invalid("SAGA_CONCURRENCY", "must be at least 1");
         }
         if !(1..=10_000).contains(&self.batch_size) {
-            return invalid("batch size", "must be between 1 and 10000");
+            return invalid("SAGA_BATCH_SIZE", "must be between 1 and 10000");
+        }
+        if !(1..=1_024).contains(&self.key_concurrency) {
+            return invalid("SAGA_KEY_CONCURRENCY", "must be between 1 and 1024");
         }
         if self.retry.max_attempts == 0 {
-            return invalid("max attempts", "must be at least 1 (the first attempt)");
+            return invalid(
+                "SAGA_MAX_ATTEMPTS",
+                "must be at least 1 (the first attempt)",
+            );
         }
         if self.retry.initial_backoff > self.retry.max_backoff {
-            return invalid("retry backoff", "the initial backoff exceeds the maximum");
+            return invalid(
+                "SAGA_RETRY_INITIAL_MS",
+                "the initial backoff exceeds the maximum (SAGA_RETRY_MAX_MS)",
+            );
         }
         if !(0.0..=1.0).contains(&self.retry.jitter) || self.retry.multiplier < 1.0 {
             return invalid(
-                "retry backoff",
+                "retry policy",
                 "jitter must be within 0..=1 and the multiplier at least 1",
             );
         }
         if self.commit_interval.is_zero() {
-            return invalid("commit interval", "must be positive");
+            return invalid("SAGA_COMMIT_INTERVAL_MS", "must be positive");
         }
         if self.fetch_wait > Duration::from_secs(300) {
-            return invalid("fetch wait", "must be at most 300000 ms");
+            return invalid("SAGA_FETCH_WAIT_MS", "must be at most 300000 ms");
         }
         if self.handler_timeout.is_zero() {
-            return invalid("handler timeout", "must be positive");
+            return invalid("SAGA_HANDLER_TIMEOUT_MS", "must be positive");
         }
         if matches!(&self.dlq_topic, Some(t) if t.trim().is_empty()) {
-            return invalid("dead-letter topic", "is empty");
+            return invalid("SAGA_DLQ_TOPIC", "is empty");
         }
         if matches!(&self.retry_topic, Some(t) if t.trim().is_empty()) {
-            return invalid("retry topic", "is empty");
+            return invalid("SAGA_RETRY_TOPIC", "is empty");
         }
         if self.retry_topic() == self.dlq_topic() {
-            return invalid("retry topic", "is the dead-letter topic");
+            return invalid(
+                "SAGA_RETRY_TOPIC",
+                "is the dead-letter topic (SAGA_DLQ_TOPIC)",
+            );
         }
         Ok(())
     }
@@ -311,7 +326,7 @@ mod tests {
                 .validate()
                 .unwrap_err()
                 .to_string()
-                .contains("batch size")
+                .contains("SAGA_BATCH_SIZE")
         );
         let inverted = ConsumerSettings {
             retry: RetryPolicy::default().backoff(Duration::from_secs(10), Duration::from_secs(1)),

@@ -225,6 +225,13 @@ impl SagaConsumerBuilder {
         self
     }
 
+    /// Messages of different keys of one partition that run at once (default 1); a key's messages keep
+    /// their order.
+    pub fn key_concurrency(mut self, keys: usize) -> Self {
+        self.settings.key_concurrency = keys;
+        self
+    }
+
     /// The retry policy for transient failures.
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.settings.retry = policy;
@@ -588,6 +595,8 @@ impl SagaConsumer {
             tracker: Arc::new(OffsetTracker::default()),
             permits: Arc::new(Semaphore::new(settings.concurrency)),
             batch_size: settings.batch_size,
+            key_concurrency: settings.key_concurrency,
+            window: crate::key_lanes::window(settings.batch_size, settings.key_concurrency),
             executor: self.executor(
                 &group,
                 holds,
@@ -600,7 +609,15 @@ impl SagaConsumer {
         let dispatcher = Arc::new(Dispatcher::new(
             shared,
             tokio::runtime::Handle::current(),
-            settings.batch_size.saturating_mul(4).max(64),
+            // Room for a window at least; what is held beyond it grows with the batch, not the window.
+            settings
+                .batch_size
+                .saturating_mul(4)
+                .max(64)
+                .max(crate::key_lanes::window(
+                    settings.batch_size,
+                    settings.key_concurrency,
+                )),
             settings.revoke_timeout,
             metrics,
             ops,

@@ -17,6 +17,8 @@ use crate::connection::WorkerConnection;
 use crate::delivery::Delivery;
 use crate::executor::Alone;
 use crate::guard::{BatchStart, PendingStart};
+use crate::hold;
+use crate::key_lanes;
 use crate::metrics::observe_since;
 use crate::offsets::TopicPartition;
 use crate::partition::{WorkerShared, report};
@@ -33,15 +35,17 @@ pub(crate) enum Recording {
 }
 
 /// How a batch's start is recorded: with the fast path on, `fast_only` says every message needs no claim;
-/// beside the transaction where detection is on and every message is transactional or ignored.
+/// beside the transaction where detection is on and every message is transactional or ignored, unless
+/// the batch is a window run `in_lanes` (several transactions: the range is recorded before any starts).
 pub(crate) fn recording(
     fast_only: bool,
     guard_enabled: bool,
     all_transactional: bool,
+    in_lanes: bool,
 ) -> Recording {
     if fast_only {
         Recording::Skip
-    } else if guard_enabled && all_transactional {
+    } else if guard_enabled && all_transactional && !in_lanes {
         Recording::Beside
     } else {
         Recording::First
@@ -156,7 +160,9 @@ impl CrashGate<'_> {
             .iter()
             .take(take)
             .all(Delivery::is_transactional_or_ignored);
-        match recording(fast_only, executor.guard.is_enabled(), all_transactional) {
+        let in_lanes = in_lanes(self.shared, backlog.iter().take(take));
+        let guard_enabled = executor.guard.is_enabled();
+        match recording(fast_only, guard_enabled, all_transactional, in_lanes) {
             Recording::Skip => {
                 let start = PendingStart::known(BatchStart::Normal);
                 self.process(backlog, take, start, connection, cancel).await
@@ -303,6 +309,11 @@ impl CrashGate<'_> {
                     executor.dead_letter_alone(&mut batch[0], why, &permit, &released, cancel);
                 usize::from(letter.await)
             }
+            // A window of several keys: its lanes, each from the recorded start.
+            Run::Batch if in_lanes(self.shared, batch.iter()) => {
+                connection.release();
+                key_lanes::run(self.shared, self.tp, self.generation, &mut batch, cancel).await
+            }
             // The start is recorded and acted on (an isolated message runs alone): what follows may commit.
             Run::Batch | Run::Isolated => {
                 let mut known = PendingStart::known(BatchStart::Normal);
@@ -352,6 +363,11 @@ impl CrashGate<'_> {
     }
 }
 
+/// Whether `batch` is a window that runs in lanes (see `key_lanes`).
+fn in_lanes<'a>(shared: &WorkerShared, batch: impl Iterator<Item = &'a Delivery>) -> bool {
+    key_lanes::applies(shared.key_concurrency, batch.map(|d| hold::key_of(&d.raw)))
+}
+
 /// The first and last offsets of the batch of `take` at the front of `backlog`.
 fn range(backlog: &VecDeque<Delivery>, take: usize) -> (i64, i64) {
     (
@@ -367,10 +383,16 @@ mod tests {
     #[test]
     fn a_batch_is_recorded_beside_its_transaction_only_when_detection_is_on_and_it_is_transactional()
      {
-        assert_eq!(recording(true, true, true), Recording::Skip);
-        assert_eq!(recording(false, true, true), Recording::Beside);
-        assert_eq!(recording(false, true, false), Recording::First);
-        assert_eq!(recording(false, false, true), Recording::First);
+        assert_eq!(recording(true, true, true, false), Recording::Skip);
+        assert_eq!(recording(false, true, true, false), Recording::Beside);
+        assert_eq!(recording(false, true, false, false), Recording::First);
+        assert_eq!(recording(false, false, true, false), Recording::First);
+        assert_eq!(
+            recording(false, true, true, true),
+            Recording::First,
+            "a window in lanes runs several transactions: its range is recorded before any"
+        );
+        assert_eq!(recording(true, true, true, true), Recording::Skip);
     }
 
     #[test]

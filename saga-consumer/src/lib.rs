@@ -81,6 +81,9 @@ mod hold_gate;
 mod hold_model;
 mod hooks;
 pub mod http;
+mod key_lanes;
+#[cfg(test)]
+mod lanes_model;
 mod letters;
 mod machine;
 mod metrics;

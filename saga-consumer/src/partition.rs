@@ -1,6 +1,7 @@
 //! One worker task per assigned partition: it takes the partition's messages from a bounded queue, in
-//! order, forms batches and hands each to the chain of stages (`crash_gate` → `hold_gate` → the batch
-//! machine → the step transaction), which report how far they got. Workers of different partitions run
+//! order, forms batches (or, with keys in parallel, windows: `key_lanes`) and hands each to the chain of
+//! stages (`crash_gate` → `key_lanes` → `hold_gate` → the batch machine → the step transaction), which
+//! report how far they got. Workers of different partitions run
 //! concurrently, up to the consumer's concurrency limit.
 
 use std::collections::VecDeque;
@@ -16,6 +17,8 @@ use crate::connection::{Released, WorkerConnection};
 use crate::crash_gate::{CrashGate, Flow};
 use crate::delivery::{Delivery, Router};
 use crate::executor::Executor;
+use crate::hold;
+use crate::key_lanes;
 use crate::metrics::observe_since;
 use crate::offsets::{OffsetTracker, TopicPartition};
 
@@ -26,6 +29,10 @@ pub(crate) struct WorkerShared {
     pub tracker: Arc<OffsetTracker>,
     pub permits: Arc<Semaphore>,
     pub batch_size: usize,
+    /// Messages of different keys of one partition that run at once (`SAGA_KEY_CONCURRENCY`).
+    pub key_concurrency: usize,
+    /// Most messages a window takes (see `key_lanes::window`): `batch_size` unless keys run in lanes.
+    pub window: usize,
 }
 
 /// The poll loop's handle on a worker.
@@ -93,7 +100,13 @@ async fn run(
             },
         };
         observe_since(&shared.executor.metrics.phases.permit, waited);
-        let take = backlog.len().min(shared.batch_size);
+        let take = key_lanes::take(
+            backlog.iter().map(|d| hold::key_of(&d.raw)),
+            backlog.len(),
+            shared.batch_size,
+            shared.window,
+            shared.key_concurrency,
+        );
         if gate
             .batch(&mut backlog, take, &mut connection, &cancel)
             .await
@@ -128,14 +141,46 @@ async fn receive(
         observe_since(&phases.idle, idle);
     }
     let routing = Instant::now();
-    while backlog.len() < shared.batch_size {
+    while backlog.len() < shared.window {
         match receiver.try_recv() {
             Ok(raw) => backlog.push_back(shared.router.route(raw)),
             Err(_) => break,
         }
     }
     observe_since(&phases.route, routing);
+    if shared.key_concurrency > 1 && backlog.len() < shared.window {
+        gather(shared, backlog, receiver, cancel, &connection.release()).await;
+    }
     true
+}
+
+/// How long a window of keys in parallel waits for more messages when its partition's queue ran dry: the
+/// messages of one fetch reach the queue one after another, and a window formed from the first alone would
+/// run its key with no other beside it.
+const GATHER: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Adds to `backlog` what reaches the partition's queue within [`GATHER`], up to a window, with no
+/// connection kept.
+async fn gather(
+    shared: &WorkerShared,
+    backlog: &mut VecDeque<Delivery>,
+    receiver: &mut mpsc::Receiver<RawMessage>,
+    cancel: &CancellationToken,
+    _released: &Released<'_>,
+) {
+    let deadline = tokio::time::sleep(GATHER);
+    tokio::pin!(deadline);
+    while backlog.len() < shared.window {
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => return,
+            next = receiver.recv() => match next {
+                Some(raw) => backlog.push_back(shared.router.route(raw)),
+                None => return,
+            },
+            () = &mut deadline => return,
+        }
+    }
 }
 
 /// The partition's next message, waited for with no connection kept; `None` if `cancel` fired first or

@@ -50,6 +50,11 @@ pub struct ConsumerArgs {
     /// Most messages of a partition in one transaction.
     #[arg(long = "batch-size", env = "SAGA_BATCH_SIZE", default_value_t = 100)]
     pub batch_size: usize,
+    /// Messages of different keys of one partition that run at once (1: a partition's messages run one
+    /// batch after another). Raise it for slow steps (an outside call per message); a key's messages still
+    /// run in their order. See the guide's page on slow steps.
+    #[arg(long = "key-concurrency", env = "SAGA_KEY_CONCURRENCY", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub key_concurrency: u16,
     /// Attempts before a transiently failing message is dead-lettered (an unavailable database spends
     /// none).
     #[arg(long = "max-attempts", env = "SAGA_MAX_ATTEMPTS", default_value_t = 5)]
@@ -157,6 +162,7 @@ impl ConsumerArgs {
         s.group_id = self.group_id.clone();
         s.concurrency = self.concurrency;
         s.batch_size = self.batch_size;
+        s.key_concurrency = usize::from(self.key_concurrency);
         s.retry = self.retry();
         s.dlq_topic = self.dlq_topic.clone();
         s.retry_topic = self.retry_topic.clone();

@@ -109,6 +109,8 @@ mod guide {
     mod configuration {}
     #[doc = include_str!("../../docs/guide/deployment.md")]
     mod deployment {}
+    #[doc = include_str!("../../docs/guide/slow-steps.md")]
+    mod slow_steps {}
     #[doc = include_str!("../../docs/guide/connecting.md")]
     mod connecting {}
     #[doc = include_str!("../../docs/guide/how-it-works.md")]

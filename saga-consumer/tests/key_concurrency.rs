@@ -1,0 +1,346 @@
+//! Keys in parallel within a partition (`SAGA_KEY_CONCURRENCY`), against the real broker and PostgreSQL:
+//! messages of different keys run at once, each key's effects keep their order, the committed offset is
+//! the first unfinished message (never the highest finished), and a key held behind its dead letter parks
+//! its later messages while the other keys run.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use saga_consumer::{OrderPolicy, RetryPolicy, SagaConsumer, SagaConsumerBuilder};
+use saga_core::Subscription;
+use saga_core::{Message, SagaStep, StepContext, StepError, StepName, StepOutcome, StepResult};
+use saga_test_support::{TestDb, TestKafka, wait_until};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Call {
+    n: i64,
+    /// How long the outside call takes.
+    #[serde(default)]
+    sleep_ms: u64,
+    /// Wait until the test opens the gate.
+    #[serde(default)]
+    gated: bool,
+    /// Fail permanently.
+    #[serde(default)]
+    permanent: bool,
+}
+
+/// A slow step: counts the calls in flight, records each effect with the order it ran in.
+#[derive(Clone)]
+struct SlowStep {
+    topic: String,
+    in_flight: Arc<AtomicUsize>,
+    most_in_flight: Arc<AtomicUsize>,
+    gate: watch::Receiver<bool>,
+}
+
+impl SagaStep for SlowStep {
+    type Payload = Call;
+
+    fn name(&self) -> StepName {
+        StepName::from_static("slow")
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        vec![Subscription::new(&self.topic, "Call")]
+    }
+
+    async fn handle(&self, msg: &Message<Call>, ctx: &mut StepContext<'_>) -> StepResult {
+        let call = msg.payload();
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_in_flight.fetch_max(now, Ordering::SeqCst);
+        if call.gated {
+            let mut gate = self.gate.clone();
+            let _ = gate.wait_for(|open| *open).await;
+        }
+        tokio::time::sleep(Duration::from_millis(call.sleep_ms)).await;
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if call.permanent {
+            return Err(StepError::permanent(format!(
+                "call {} cannot be made",
+                call.n
+            )));
+        }
+        sqlx::query("INSERT INTO effects (key, n) VALUES ($1, $2)")
+            .bind(msg.idempotency_key().to_string())
+            .bind(call.n)
+            .execute(ctx.conn())
+            .await?;
+        Ok(StepOutcome::completed())
+    }
+}
+
+struct Fixture {
+    db: TestDb,
+    kafka: TestKafka,
+    topic: String,
+    group: String,
+    step: SlowStep,
+    open: watch::Sender<bool>,
+}
+
+impl Fixture {
+    async fn new(name: &str) -> Self {
+        let db = TestDb::with(name, &[saga_consumer::migrate::migrator()]).await;
+        sqlx::query("CREATE TABLE effects (seq BIGSERIAL, key TEXT NOT NULL, n BIGINT NOT NULL)")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let kafka = TestKafka::new().await;
+        let topic = kafka.topic(name, 1).await;
+        let group = format!("{topic}-group");
+        kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+        kafka.create_topic(&format!("{group}.retry"), 1).await;
+        let (open, gate) = watch::channel(false);
+        let step = SlowStep {
+            topic: topic.clone(),
+            in_flight: Arc::default(),
+            most_in_flight: Arc::default(),
+            gate,
+        };
+        Self {
+            db,
+            kafka,
+            topic,
+            group,
+            step,
+            open,
+        }
+    }
+
+    /// Publishes `call` under key `key` (the Kafka key and the idempotency key's prefix).
+    async fn call(&self, producer: &rdkafka::producer::FutureProducer, key: &str, call: &Call) {
+        let idempotency = format!("{key}-{}", call.n);
+        let payload = serde_json::to_vec(call).unwrap();
+        let headers = [
+            ("idempotency-key", idempotency.as_str()),
+            ("ce_type", "Call"),
+        ];
+        self.kafka
+            .produce(producer, &self.topic, Some(key), &headers, &payload)
+            .await;
+    }
+
+    fn consumer(&self, key_concurrency: usize) -> SagaConsumerBuilder {
+        SagaConsumer::builder()
+            .brokers(self.kafka.brokers.clone())
+            .group_id(self.group.clone())
+            .dlq_topic(format!("{}.dlq", self.topic))
+            .pool(self.db.pool.clone())
+            .commit_interval(Duration::from_millis(100))
+            .session_timeout(Duration::from_secs(6))
+            .retry(RetryPolicy::default().max_attempts(1))
+            .key_concurrency(key_concurrency)
+            .step(self.step.clone())
+    }
+
+    /// Each key's effects, in the order they ran.
+    async fn effects_by_key(&self) -> BTreeMap<String, Vec<i64>> {
+        let rows: Vec<(String, i64)> = sqlx::query_as("SELECT key, n FROM effects ORDER BY seq")
+            .fetch_all(&self.db.pool)
+            .await
+            .unwrap();
+        let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for (key, n) in rows {
+            let kafka_key = key
+                .rsplit_once('-')
+                .map_or(key.clone(), |(k, _)| k.to_owned());
+            by_key.entry(kafka_key).or_default().push(n);
+        }
+        by_key
+    }
+
+    async fn committed(&self) -> Option<i64> {
+        self.kafka
+            .committed_offsets(&self.group, &self.topic)
+            .await
+            .get(&0)
+            .copied()
+    }
+
+    async fn wait_for_committed(&self, offset: i64) {
+        wait_until(&format!("offset {offset} committed"), WAIT, || async {
+            (self.committed().await == Some(offset)).then_some(())
+        })
+        .await;
+    }
+}
+
+fn run(builder: SagaConsumerBuilder) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    let consumer = builder.build().expect("a valid consumer");
+    let stop = CancellationToken::new();
+    let running = stop.clone().cancelled_owned();
+    let handle = tokio::spawn(async move {
+        consumer
+            .run(running)
+            .await
+            .expect("the consumer stops without error");
+    });
+    (stop, handle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keys_run_in_parallel_within_a_partition_and_each_keys_effects_keep_their_order() {
+    let f = Fixture::new("key-lanes-order").await;
+    let producer = f.kafka.producer();
+    // 20 keys, 5 messages each, interleaved in one partition: n counts up within each key.
+    let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for round in 0..5 {
+        for k in 0..20 {
+            let key = format!("k{k:02}");
+            let n = round * 100 + k;
+            f.call(
+                &producer,
+                &key,
+                &Call {
+                    n,
+                    sleep_ms: 20,
+                    ..Call::default()
+                },
+            )
+            .await;
+            expected.entry(key).or_default().push(n);
+        }
+    }
+    // Batches of two: a key's five messages of a window run as three transactions, in order.
+    let (stop, handle) = run(f.consumer(8).batch_size(2));
+    f.wait_for_committed(100).await;
+    assert_eq!(
+        f.effects_by_key().await,
+        expected,
+        "every message once, each key's in offset order"
+    );
+    let most = f.step.most_in_flight.load(Ordering::SeqCst);
+    assert!(
+        (2..=8).contains(&most),
+        "several keys ran at once, never more than the key concurrency: {most}"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_committed_offset_is_the_first_unfinished_message_not_the_highest_finished() {
+    let f = Fixture::new("key-lanes-mark").await;
+    let producer = f.kafka.producer();
+    // Offset 0 waits for the gate; offsets 1..=9, other keys, finish at once.
+    f.call(
+        &producer,
+        "slow",
+        &Call {
+            n: 0,
+            gated: true,
+            ..Call::default()
+        },
+    )
+    .await;
+    for n in 1..=9 {
+        f.call(
+            &producer,
+            &format!("quick{n}"),
+            &Call {
+                n,
+                ..Call::default()
+            },
+        )
+        .await;
+    }
+    let (stop, handle) = run(f.consumer(4));
+    wait_until("the nine quick keys' effects", WAIT, || async {
+        (f.db.count("effects").await == 9).then_some(())
+    })
+    .await;
+    // Ten commit intervals: a consumer committing the highest finished offset would have committed 10.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        f.committed().await,
+        None,
+        "nothing below offset 0 is finished: nothing may be committed"
+    );
+    f.open.send_replace(true);
+    f.wait_for_committed(10).await;
+    assert_eq!(f.db.count("effects").await, 10);
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_key_parks_its_later_messages_while_the_other_keys_run_in_lanes() {
+    let f = Fixture::new("key-lanes-hold").await;
+    let producer = f.kafka.producer();
+    f.call(
+        &producer,
+        "bad",
+        &Call {
+            n: 0,
+            permanent: true,
+            ..Call::default()
+        },
+    )
+    .await;
+    for n in 1..=12 {
+        let key = if n % 4 == 0 {
+            "bad".to_owned()
+        } else {
+            format!("good{}", n % 4)
+        };
+        f.call(
+            &producer,
+            &key,
+            &Call {
+                n,
+                sleep_ms: 10,
+                ..Call::default()
+            },
+        )
+        .await;
+    }
+    let builder = f
+        .consumer(4)
+        .order_policy_for_topic(f.topic.clone(), OrderPolicy::HoldKey);
+    let (stop, handle) = run(builder);
+    f.wait_for_committed(13).await;
+    let effects = f.effects_by_key().await;
+    let expected: HashMap<&str, Vec<i64>> = HashMap::from([
+        ("good1", vec![1, 5, 9]),
+        ("good2", vec![2, 6, 10]),
+        ("good3", vec![3, 7, 11]),
+    ]);
+    assert_eq!(effects.len(), 3, "nothing of the held key ran: {effects:?}");
+    for (key, ns) in expected {
+        assert_eq!(effects[key], ns, "{key}'s effects in order");
+    }
+    let parked: Vec<i64> =
+        sqlx::query_scalar(r#"SELECT "offset" FROM saga_parked_messages ORDER BY seq"#)
+            .fetch_all(&f.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        parked,
+        vec![4, 8, 12],
+        "the held key's later messages wait, in order"
+    );
+    let letters = f
+        .kafka
+        .read_all(
+            &format!("{}.dlq", f.topic),
+            1,
+            Duration::from_millis(500),
+            WAIT,
+        )
+        .await;
+    assert_eq!(letters.len(), 1, "one dead letter: the failing call");
+    assert!(
+        f.step.most_in_flight.load(Ordering::SeqCst) >= 2,
+        "the good keys ran beside each other"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
