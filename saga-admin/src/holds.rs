@@ -295,7 +295,7 @@ async fn check_step(conn: &mut PgConnection, group: &str, step: &str) -> Result<
     Ok(())
 }
 
-/// Pauses `step` of `group`: three seconds later (`PAUSE_DELAY`), its messages are parked (each holding
+/// Pauses `step` of `group`: `PAUSE_DELAY` later, its messages are parked (each holding
 /// its key, in order) while the group's other steps go on. Recorded with `operator` and `reason`. Whether it was not
 /// paused already.
 pub async fn pause(

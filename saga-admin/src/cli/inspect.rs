@@ -1,0 +1,151 @@
+//! `saga inspect`: the inspector page.
+
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use clap::Args;
+use saga_consumer::ConfigProblem;
+
+use super::Cli;
+use crate::duration;
+use crate::inspect::{self, InspectOptions};
+
+/// Serve the inspector page (`saga inspect`).
+#[derive(Debug, Args)]
+pub(super) struct InspectArgs {
+    /// Where to listen (localhost by default). Anywhere else needs a token (SAGA_ADMIN_TOKEN, or
+    /// SAGA_ADMIN_TOKENS=name:token,…), or --insecure-no-token.
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    listen: SocketAddr,
+    /// A name besides the listening address and localhost that requests may give as Host (the name a
+    /// proxy in front serves the page under); repeatable. Needs a token (or --insecure-no-token): the
+    /// page is served to others.
+    #[arg(long = "public-name")]
+    public_names: Vec<String>,
+    /// No replay buttons; every POST refused.
+    #[arg(long)]
+    read_only: bool,
+    /// Mark cookies Secure: the page is served over TLS by a proxy in front.
+    #[arg(long)]
+    secure_cookies: bool,
+    /// Listen beyond localhost, or serve under a --public-name, without a token: anyone who reaches the
+    /// page may replay dead letters.
+    #[arg(long)]
+    insecure_no_token: bool,
+    /// Dead-letter topics to show (default: the broker's topics ending in `.dlq`).
+    #[arg(long = "dlq-topic")]
+    dlq_topics: Vec<String>,
+    /// Consumer groups to show the lag of (default: those the schema records).
+    #[arg(long = "group")]
+    groups: Vec<String>,
+    /// Unfinished sagas unmoved for this long count as stuck.
+    #[arg(long, default_value = "5m")]
+    stuck_for: String,
+    #[command(flatten)]
+    tokens: TokenArgs,
+}
+
+/// The inspector's tokens: read from the environment (kept off the command line, where other users of the
+/// machine could read them).
+#[derive(Debug, Args)]
+#[group(id = "saga_admin_tokens")]
+struct TokenArgs {
+    /// A token every request of the page and its API must present (named `admin`); required to listen
+    /// beyond localhost (or SAGA_ADMIN_TOKENS).
+    #[arg(
+        long = "admin-token",
+        env = "SAGA_ADMIN_TOKEN",
+        hide = true,
+        hide_env_values = true
+    )]
+    token: Option<String>,
+    /// Named tokens, `name:token,…`: the name is recorded as the operator of what its holder does.
+    #[arg(
+        long = "admin-tokens",
+        env = "SAGA_ADMIN_TOKENS",
+        hide = true,
+        hide_env_values = true
+    )]
+    tokens: Option<String>,
+}
+
+/// The inspector's tokens: `SAGA_ADMIN_TOKENS` (`name:token,…`) and `SAGA_ADMIN_TOKEN` (named `admin`).
+fn inspector_tokens(args: &TokenArgs) -> Result<Vec<inspect::NamedToken>, ConfigProblem> {
+    let mut tokens = Vec::new();
+    if let Some(list) = &args.tokens {
+        tokens = inspect::NamedToken::parse_list(list).map_err(|e| {
+            ConfigProblem::new("SAGA_ADMIN_TOKENS", e, "write name:token,name:token")
+        })?;
+    }
+    if let Some(token) = args.token.as_deref()
+        && !token.is_empty()
+    {
+        tokens.push(
+            inspect::NamedToken::new("admin", token).map_err(|e| {
+                ConfigProblem::new("SAGA_ADMIN_TOKEN", e, "use a longer random token")
+            })?,
+        );
+    }
+    Ok(tokens)
+}
+
+impl Cli {
+    /// Serve the inspector page (`saga inspect`).
+    pub(super) async fn inspect(&self, args: &InspectArgs) -> anyhow::Result<()> {
+        let InspectArgs {
+            listen,
+            public_names,
+            read_only,
+            secure_cookies,
+            insecure_no_token,
+            dlq_topics,
+            groups,
+            stuck_for,
+            tokens,
+        } = args;
+        let tokens = inspector_tokens(tokens)?;
+        // Served to others: listening beyond localhost, or named as a proxy in front serves it.
+        let served_to_others = if !listen.ip().is_loopback() {
+            Some(format!(
+                "the inspector would listen beyond localhost ({listen})"
+            ))
+        } else {
+            (!public_names.is_empty()).then(|| {
+                format!(
+                    "the inspector would be served to others under --public-name {}",
+                    public_names.join(", ")
+                )
+            })
+        };
+        if let Some(why) = served_to_others.filter(|_| tokens.is_empty() && !insecure_no_token) {
+            return Err(ConfigProblem::new(
+                        "SAGA_ADMIN_TOKEN",
+                        format!("is not set, and {why}"),
+                        "set SAGA_ADMIN_TOKEN (or SAGA_ADMIN_TOKENS=name:token,...), or pass --insecure-no-token",
+                    )
+                    .into());
+        }
+        let mut options = InspectOptions::default();
+        options.dlq_topics.clone_from(dlq_topics);
+        options.groups.clone_from(groups);
+        options.stuck_for = duration::parse(stuck_for)?;
+        options.tokens = tokens;
+        options.public_names.clone_from(public_names);
+        options.read_only = *read_only;
+        options.secure_cookies = *secure_cookies;
+        let (kafka, pool) = (self.kafka().await?, self.pool().await?);
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("listening on {listen}"))?;
+        println!("inspector on http://{}/", listener.local_addr()?);
+        inspect::serve(
+            listener,
+            kafka,
+            pool,
+            options,
+            saga_consumer::toolkit::wait_for_signal(),
+        )
+        .await?;
+        Ok(())
+    }
+}
