@@ -159,7 +159,10 @@ async fn begin(pool: &PgPool, actor: &Actor, action: &Action) -> Result<i64, Adm
         crate::dlq::migrator()
             .run(pool)
             .await
-            .map_err(|e| AdminError::Store(format!("applying the toolkit's migrations: {e}")))?;
+            .map_err(|source| AdminError::Migrations {
+                what: "the toolkit's migrations",
+                source,
+            })?;
     }
     let id = sqlx::query_scalar(
         "INSERT INTO saga_admin_audit (operator, reason, via, action, target) \

@@ -678,7 +678,10 @@ pub async fn replay(
         migrator()
             .run(pool)
             .await
-            .map_err(|e| AdminError::Store(format!("applying the toolkit's migration: {e}")))?;
+            .map_err(|source| AdminError::Migrations {
+                what: "the toolkit's migrations",
+                source,
+            })?;
     }
     let producer = saga_consumer::toolkit::idempotent_producer(
         kafka,

@@ -25,6 +25,30 @@ pub enum AdminError {
     /// The key store answered with something this version cannot read.
     #[error("key store: {0}")]
     Store(String),
+    /// Migrations could not be applied (`what` says whose).
+    #[error("applying {what}")]
+    Migrations {
+        /// Whose migrations.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: sqlx::migrate::MigrateError,
+    },
+    /// The inspector could not listen or serve.
+    #[error("serving the inspector")]
+    Serve(#[source] std::io::Error),
+    /// Redis failed (`doing` says at what).
+    #[error("{doing}")]
+    Redis {
+        /// What was being done.
+        doing: String,
+        /// Why.
+        #[source]
+        source: saga_consumer::Cause,
+    },
+    /// The toolkit failed in itself (a task it ran ended abnormally): a bug to report.
+    #[error("{0}")]
+    Internal(String),
     /// Another process holds what this one waits for, for longer than it waits (another sync of a topic's
     /// index).
     #[error("{0}")]

@@ -44,7 +44,10 @@ pub(crate) async fn prepare(pool: &PgPool) -> Result<(), AdminError> {
     saga_consumer::migrate::migrator()
         .run(pool)
         .await
-        .map_err(|e| AdminError::Store(format!("applying the consumer's migrations: {e}")))
+        .map_err(|source| AdminError::Migrations {
+            what: "the consumer's migrations",
+            source,
+        })
 }
 
 /// Bad input unless `topic` is a dead-letter topic: one a consumer group of `pool`'s schema writes, or one

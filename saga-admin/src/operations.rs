@@ -78,7 +78,7 @@ impl OperationKind {
             "discard" => Ok(Self::Discard),
             "undo-discard" => Ok(Self::UndoDiscard),
             other => Err(AdminError::Store(format!(
-                "unknown operation kind {other:?}"
+                "an operation of kind {other:?}, which this version does not know"
             ))),
         }
     }
@@ -310,7 +310,10 @@ async fn migrate(pool: &PgPool) -> Result<(), AdminError> {
     dlq::migrator()
         .run(pool)
         .await
-        .map_err(|e| AdminError::Store(format!("applying the toolkit's migration: {e}")))
+        .map_err(|source| AdminError::Migrations {
+            what: "the toolkit's migrations",
+            source,
+        })
 }
 
 fn planned(letter: &DeadLetter, refusal: Option<String>) -> PlannedLetter {

@@ -625,20 +625,18 @@ impl SagaConsumer {
         let consumer: BaseConsumer<PollContext> = client_config(&settings, &kafka, &group)
             .create_with_context(PollContext {
                 dispatcher: dispatcher.clone(),
-            })?;
+            })
+            .map_err(ConsumerError::kafka)?;
         let done = spawn_poll_thread(
             consumer, dispatcher, &settings, topics, dlq_topic, group, stop,
         )?;
-        let result = done
-            .await
-            .map_err(|_| ConsumerError::PollThread("the poll thread panicked".into()));
+        let result = done.await.map_err(|_| ConsumerError::PollThreadPanicked);
         releaser.abort();
         let result = result?;
         match stopper.reason() {
-            Some(reason) => Err(ConsumerError::Database(format!(
-                "the database refuses the framework's statements ({reason}); run the migrations of \
-                 this version and check the role's privileges"
-            ))),
+            Some(reason) => Err(ConsumerError::Refused {
+                reason: reason.to_owned(),
+            }),
             None => result,
         }
     }
@@ -757,7 +755,7 @@ fn spawn_poll_thread(
             let result = (|| {
                 check_topics(&consumer, &topics, &dlq_topic)?;
                 let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-                consumer.subscribe(&names)?;
+                consumer.subscribe(&names).map_err(ConsumerError::kafka)?;
                 tracing::info!(?topics, group = %group, dlq = %dlq_topic, "consumer started");
                 poll_loop(
                     consumer,
@@ -769,7 +767,7 @@ fn spawn_poll_thread(
             })();
             let _ = done_tx.send(result);
         })
-        .map_err(|e| ConsumerError::PollThread(e.to_string()))?;
+        .map_err(ConsumerError::PollThreadStart)?;
     Ok(done_rx)
 }
 
@@ -794,7 +792,7 @@ async fn record_group(
     .bind(topics)
     .execute(pool)
     .await
-    .map_err(|e| ConsumerError::Database(e.to_string()))?;
+    .map_err(ConsumerError::RecordGroup)?;
     Ok(())
 }
 
@@ -816,7 +814,9 @@ fn check_topics(
     topics: &[String],
     dlq: &str,
 ) -> Result<(), ConsumerError> {
-    let metadata = consumer.fetch_metadata(None, Duration::from_secs(30))?;
+    let metadata = consumer
+        .fetch_metadata(None, Duration::from_secs(30))
+        .map_err(ConsumerError::kafka)?;
     let existing: HashSet<&str> = metadata
         .topics()
         .iter()

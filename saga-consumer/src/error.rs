@@ -17,16 +17,6 @@ pub enum ConfigError {
         /// Why.
         reason: String,
     },
-    /// An environment variable does not parse.
-    #[error("environment variable {var}={value:?} is invalid: {reason}")]
-    InvalidEnv {
-        /// The variable.
-        var: &'static str,
-        /// Its value.
-        value: String,
-        /// Why.
-        reason: String,
-    },
     /// Two steps consume the same event type on the same topic.
     #[error("steps {first} and {second} both consume {event_type:?} on topic {topic:?}")]
     DuplicateSubscription {
@@ -68,9 +58,9 @@ pub enum ConsumerError {
     // configuration problem (exit code 2).
     #[error("{0}")]
     Config(#[from] ConfigError),
-    /// The Kafka client failed to start or to subscribe (librdkafka's message).
+    /// The Kafka client failed to start, to subscribe or to create topics.
     #[error("kafka: {0}")]
-    Kafka(String),
+    Kafka(#[source] BrokerError),
     /// Topics the consumer needs do not exist (create them first, or let the service create them with
     /// `SAGA_CREATE_TOPICS`: the framework never relies on a broker's auto-creation).
     #[error(
@@ -88,17 +78,58 @@ pub enum ConsumerError {
     /// The ops endpoint could not listen.
     #[error("ops endpoint: {0}")]
     Ops(#[from] std::io::Error),
-    /// The poll thread could not be started or ended abnormally.
-    #[error("poll thread: {0}")]
-    PollThread(String),
-    /// The consumer could not record its group in the schema at start (are the consumer's migrations
-    /// applied?).
-    #[error("database: {0}")]
-    Database(String),
+    /// The poll thread could not be started.
+    #[error("starting the poll thread")]
+    PollThreadStart(#[source] std::io::Error),
+    /// The poll thread panicked (a framework bug); nothing past the unfinished messages was committed.
+    #[error("the poll thread panicked")]
+    PollThreadPanicked,
+    /// The consumer could not record its group in the schema at start.
+    #[error(
+        "recording the consumer group in saga_consumer_groups (are the consumer's migrations applied?)"
+    )]
+    RecordGroup(#[source] sqlx::Error),
+    /// The outbox could not be opened (see [`crate::setup::use_outbox`]).
+    #[error("opening the outbox")]
+    Outbox(#[source] Cause),
+    /// The database refused the framework's own statements while the consumer ran (the schema, the
+    /// role's privileges): it stopped, with the reason.
+    #[error(
+        "the database refuses the framework's statements ({reason}); run the migrations of this version \
+         and check the role's privileges"
+    )]
+    Refused {
+        /// The statement refused and the database's answer, on one line.
+        reason: String,
+    },
 }
 
-impl From<KafkaError> for ConsumerError {
-    fn from(e: KafkaError) -> Self {
-        Self::Kafka(e.to_string())
+impl ConsumerError {
+    /// A Kafka client's failure.
+    pub(crate) fn kafka(e: KafkaError) -> Self {
+        Self::Kafka(BrokerError::new(e))
+    }
+}
+
+/// An error of the Kafka client, kept as the cause (the client's own type is not part of this API).
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct BrokerError(Box<dyn std::error::Error + Send + Sync>);
+
+impl BrokerError {
+    pub(crate) fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(Box::new(e))
+    }
+}
+
+/// The cause of a failure, from a part whose error type is not part of this API.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct Cause(Box<dyn std::error::Error + Send + Sync>);
+
+impl Cause {
+    /// `e`, kept as a cause.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(Box::new(e))
     }
 }

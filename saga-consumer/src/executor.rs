@@ -254,9 +254,9 @@ impl Executor {
                     kind: delivery.unheld_kind(),
                 }
             }
-            Ok(ParkDecision::Full(error)) => Event::ParkRefused {
+            Ok(ParkDecision::Full(cap)) => Event::ParkRefused {
                 reason: DeadLetterReason::HoldQueueFull,
-                error,
+                error: cap.to_string(),
             },
             Err(error) => Event::ParkRefused {
                 reason: DeadLetterReason::StoreRefused,

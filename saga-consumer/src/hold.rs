@@ -231,8 +231,21 @@ pub(crate) enum ParkDecision {
     Create,
     /// Its key is no longer held (its queue was released meanwhile), nor its step paused: it runs.
     NotHeld,
-    /// A cap is reached: it is dead-lettered with this reason instead.
-    Full(String),
+    /// A cap is reached: it is dead-lettered (`hold-queue-full`) instead, saying which.
+    Full(Cap),
+}
+
+/// The cap on parked messages a message met.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, thiserror::Error)]
+pub(crate) enum Cap {
+    /// Its key's (`SAGA_HOLD_MAX_PARKED_PER_KEY`), with this many parked.
+    #[error(
+        "its key is held and {0} messages of it are parked already (SAGA_HOLD_MAX_PARKED_PER_KEY)"
+    )]
+    PerKey(i64),
+    /// The group's (`SAGA_HOLD_MAX_PARKED`), with this many parked.
+    #[error("its key is held and the group has {0} messages parked already (SAGA_HOLD_MAX_PARKED)")]
+    PerGroup(i64),
 }
 
 /// Whether a message of key view `view` (read under the key's lock), of a step paused or not, is parked,
@@ -248,16 +261,10 @@ pub(crate) fn decide_park(
     }
     let parked = view.map_or(0, |v| v.parked);
     if parked >= limits.per_key {
-        return ParkDecision::Full(format!(
-            "its key is held and {parked} messages of it are parked already \
-             (SAGA_HOLD_MAX_PARKED_PER_KEY)"
-        ));
+        return ParkDecision::Full(Cap::PerKey(parked));
     }
     if group_parked >= limits.per_group {
-        return ParkDecision::Full(format!(
-            "its key is held and the group has {group_parked} messages parked already \
-             (SAGA_HOLD_MAX_PARKED)"
-        ));
+        return ParkDecision::Full(Cap::PerGroup(group_parked));
     }
     if view.is_some() {
         ParkDecision::Append

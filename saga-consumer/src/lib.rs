@@ -106,7 +106,7 @@ mod two_phase;
 pub use config::{AssignmentStrategy, ConsumerSettings};
 pub use consumer::{SagaConsumer, SagaConsumerBuilder};
 pub use dlq::{DeadLetterReason, headers as dlq_headers};
-pub use error::{ConfigError, ConsumerError};
+pub use error::{BrokerError, Cause, ConfigError, ConsumerError};
 pub use hold::OrderPolicy;
 pub use hooks::{CommitInfo, Hooks};
 pub use ops::OpsHandle;

@@ -45,11 +45,17 @@ pub enum ServiceError {
     #[error("relay: {0}")]
     Relay(#[from] RelayError),
     /// The framework's (or the service's) migrations could not be applied.
-    #[error("applying migrations: {0}")]
-    Migrations(String),
-    /// The topics could not be created.
-    #[error("creating topics: {0}")]
-    Topics(String),
+    #[error("applying migrations")]
+    Migrations(#[source] sqlx::migrate::MigrateError),
+    /// The topics could not be created, or their retention read (`doing` says which).
+    #[error("{doing}")]
+    Topics {
+        /// What was being done with the topics.
+        doing: &'static str,
+        /// The broker client's error.
+        #[source]
+        source: crate::error::BrokerError,
+    },
     /// The consumer failed.
     // Not transparent: the cause stays in the error's chain, where `exit_code` finds a
     // configuration problem (exit code 2).
@@ -552,7 +558,10 @@ async fn check_key_retention(
     let names: Vec<&str> = topics.iter().map(String::as_str).collect();
     let retentions = saga_runtime::kafka::topic_retentions(kafka, &names)
         .await
-        .map_err(|e| ServiceError::Topics(format!("reading the topics' retention: {e}")))?;
+        .map_err(|e| ServiceError::Topics {
+            doing: "reading the topics' retention",
+            source: crate::error::BrokerError::new(e),
+        })?;
     let hours = |d: std::time::Duration| d.as_secs_f64() / 3600.0;
     for (topic, retention) in retentions {
         let kept = match retention {
@@ -699,7 +708,10 @@ impl SagaService {
             let names: Vec<&str> = topics.iter().map(String::as_str).collect();
             saga_runtime::kafka::ensure_topics(&self.kafka, &names, partitions, replication)
                 .await
-                .map_err(|e| ServiceError::Topics(e.to_string()))?;
+                .map_err(|e| ServiceError::Topics {
+                    doing: "creating topics (SAGA_CREATE_TOPICS)",
+                    source: crate::error::BrokerError::new(e),
+                })?;
         }
         if !self.accept_key_expiry {
             let mut topics = self.consumer.topics();
@@ -708,12 +720,12 @@ impl SagaService {
         }
         crate::migrate::migrate(&self.pool)
             .await
-            .map_err(|e| ServiceError::Migrations(e.to_string()))?;
+            .map_err(ServiceError::Migrations)?;
         for migrator in &self.migrators {
             migrator
                 .run(&self.pool)
                 .await
-                .map_err(|e| ServiceError::Migrations(e.to_string()))?;
+                .map_err(ServiceError::Migrations)?;
         }
         // Before anything is written: in WAL mode, the slot must exist before the first event.
         crate::setup::open(&self.pool, &self.outbox).await?;

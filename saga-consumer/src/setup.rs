@@ -54,7 +54,7 @@ pub async fn ensure_topics(
 ) -> Result<(), ConsumerError> {
     saga_runtime::kafka::ensure_topics(kafka, topics, partitions, replication)
         .await
-        .map_err(|e| ConsumerError::Kafka(e.to_string()))
+        .map_err(ConsumerError::kafka)
 }
 
 /// Opens the outbox of `pool`'s schema in `mode` before its first write, and returns it for the process's
@@ -92,6 +92,6 @@ pub(crate) async fn open(pool: &sqlx::PgPool, outbox: &crate::Outbox) -> Result<
             saga_runtime::store::outbox::OpenError::Config(problem) => {
                 ConsumerError::Config(crate::ConfigError::Problem(problem))
             }
-            other => ConsumerError::Database(other.to_string()),
+            other => ConsumerError::Outbox(crate::error::Cause::new(other)),
         })
 }

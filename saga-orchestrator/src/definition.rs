@@ -19,7 +19,18 @@ impl<T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> SagaData f
 /// Builds a command from the saga's data and, for a compensation, why the saga compensates: its event
 /// type and its JSON payload, or why it could not.
 type BuildFn<D> =
-    Arc<dyn Fn(&D, &str) -> Result<(String, serde_json::Value), String> + Send + Sync>;
+    Arc<dyn Fn(&D, &str) -> Result<(String, serde_json::Value), CommandError> + Send + Sync>;
+
+/// A command that could not be built from the saga's data: its event does not serialize.
+#[derive(Debug, thiserror::Error)]
+#[error("the command {event_type} does not serialize")]
+pub struct CommandError {
+    /// The command's event type.
+    pub event_type: String,
+    /// Why.
+    #[source]
+    pub source: serde_json::Error,
+}
 
 /// Applies a reply (its event type and JSON payload) to the saga's data: what it means for the step, or
 /// why the reply cannot be read.
@@ -51,11 +62,14 @@ impl<D> Clone for Command<D> {
 }
 
 /// A typed event as a command's event type and JSON payload.
-fn encoded<E: SagaEvent>(event: &E) -> Result<(String, serde_json::Value), String> {
+fn encoded<E: SagaEvent>(event: &E) -> Result<(String, serde_json::Value), CommandError> {
     let payload = event
         .to_json()
         .and_then(|json| serde_json::from_slice(&json))
-        .map_err(|e| format!("the command {} does not serialize: {e}", event.event_type()))?;
+        .map_err(|source| CommandError {
+            event_type: event.event_type().to_owned(),
+            source,
+        })?;
     Ok((event.event_type().to_owned(), payload))
 }
 
@@ -141,7 +155,7 @@ impl<D: SagaData> Command<D> {
     }
 
     /// The command for the saga's `data`: its event type and payload, or why it could not be built.
-    pub fn build(&self, data: &D) -> Result<(String, serde_json::Value), String> {
+    pub fn build(&self, data: &D) -> Result<(String, serde_json::Value), CommandError> {
         (self.build)(data, "")
     }
 }
@@ -157,7 +171,7 @@ impl<D> Command<D> {
         &self,
         data: &D,
         why: Option<&str>,
-    ) -> Result<(String, serde_json::Value), String> {
+    ) -> Result<(String, serde_json::Value), CommandError> {
         (self.build)(data, why.unwrap_or_default())
     }
 }

@@ -136,7 +136,7 @@ pub(crate) enum Refusal {
     /// A reply did not decode as the step's reply type.
     Reply(String),
     /// A command could not be built from the data.
-    Command(String),
+    Command(crate::definition::CommandError),
 }
 
 /// `compensate-{step}`, which [`SagaDefinition::validate`] (run by `Orchestrator::new`, the only way a

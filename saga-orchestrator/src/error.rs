@@ -76,12 +76,13 @@ pub enum OrchestratorError {
         reason: String,
     },
     /// A command could not be built from the saga's data.
-    #[error("saga {saga_id}: {reason}")]
+    #[error("saga {saga_id}: {source}")]
     BadCommand {
         /// The instance.
         saga_id: Uuid,
         /// Why.
-        reason: String,
+        #[source]
+        source: crate::definition::CommandError,
     },
     /// A hook failed.
     #[error("orchestrator hook: {0}")]

@@ -71,7 +71,9 @@ mod orchestrator;
 pub mod store;
 
 pub use clock::SagaClock;
-pub use definition::{Command, LegacyData, OnTimeout, SagaData, SagaDefinition, Step, Verdict};
+pub use definition::{
+    Command, CommandError, LegacyData, OnTimeout, SagaData, SagaDefinition, Step, Verdict,
+};
 pub use engine::{Decision, Outgoing, SagaState, SagaStatus};
 pub use error::OrchestratorError;
 pub use orchestrator::{Orchestrator, RawReply, ReplyStep, SagaChange, SagaHooks};

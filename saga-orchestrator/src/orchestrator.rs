@@ -619,9 +619,9 @@ fn refused(instance: &SagaInstance, refusal: Refusal) -> OrchestratorError {
             saga_id: instance.saga_id,
             reason,
         },
-        Refusal::Command(reason) => OrchestratorError::BadCommand {
+        Refusal::Command(source) => OrchestratorError::BadCommand {
             saga_id: instance.saga_id,
-            reason,
+            source,
         },
     }
 }

@@ -167,13 +167,11 @@ pub async fn serve(
     options: InspectOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AdminError> {
-    let bound = listener
-        .local_addr()
-        .map_err(|e| AdminError::Store(format!("serving the inspector: {e}")))?;
+    let bound = listener.local_addr().map_err(AdminError::Serve)?;
     axum::serve(listener, router(kafka, pool, options, bound))
         .with_graceful_shutdown(shutdown)
         .await
-        .map_err(|e| AdminError::Store(format!("serving the inspector: {e}")))
+        .map_err(AdminError::Serve)
 }
 
 /// An action (a POST) runs to its end even if its client goes away meanwhile (a closed tab, a proxy's
@@ -185,7 +183,7 @@ async fn act_to_the_end(request: axum::extract::Request, next: axum::middleware:
     match tokio::spawn(next.run(request)).await {
         Ok(response) => response,
         Err(e) => api::failure(
-            &AdminError::Store(format!("the action's task ended: {e}")),
+            &AdminError::Internal(format!("the action's task ended: {e}")),
             false,
         ),
     }
@@ -242,7 +240,9 @@ async fn read_as_indexed(
     }
     let Ok(bytes) = axum::body::to_bytes(body, BANNER_PAGE_BYTES).await else {
         return api::failure(
-            &AdminError::Store("the page could not be read back to put its banner in".to_owned()),
+            &AdminError::Internal(
+                "the page could not be read back to put its banner in".to_owned(),
+            ),
             true,
         );
     };
