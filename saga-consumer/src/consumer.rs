@@ -575,7 +575,8 @@ impl SagaConsumer {
             &kafka,
             Duration::from_millis(5),
             Duration::from_secs(30),
-        )?;
+        )
+        .map_err(ConsumerError::kafka)?;
         // A fault that is the operator's (the schema, the role) stops everything below, with the reason.
         let stopper = Stopper::under(&shutdown);
         let stop = stopper.token().clone();

@@ -160,9 +160,9 @@ impl CrashGate<'_> {
             .iter()
             .take(take)
             .all(Delivery::is_transactional_or_ignored);
-        let in_lanes = in_lanes(self.shared, backlog.iter().take(take));
+        let lanes = in_lanes(self.shared, backlog.iter().take(take));
         let guard_enabled = executor.guard.is_enabled();
-        match recording(fast_only, guard_enabled, all_transactional, in_lanes) {
+        match recording(fast_only, guard_enabled, all_transactional, lanes) {
             Recording::Skip => {
                 let start = PendingStart::known(BatchStart::Normal);
                 self.process(backlog, take, start, connection, cancel).await
@@ -311,7 +311,7 @@ impl CrashGate<'_> {
             }
             // A window of several keys: its lanes, each from the recorded start.
             Run::Batch if in_lanes(self.shared, batch.iter()) => {
-                connection.release();
+                let _released = connection.release();
                 key_lanes::run(self.shared, self.tp, self.generation, &mut batch, cancel).await
             }
             // The start is recorded and acted on (an isolated message runs alone): what follows may commit.

@@ -43,7 +43,7 @@ pub(crate) fn applies<'a>(
 /// How many of the `waiting` messages the next window takes: up to `window` when they run in lanes,
 /// otherwise up to `batch_size` (one transaction holds at most that many).
 pub(crate) fn take<'a>(
-    keys: impl Iterator<Item = &'a [u8]> + Clone,
+    keys: impl Iterator<Item = &'a [u8]>,
     waiting: usize,
     batch_size: usize,
     window: usize,

@@ -21,16 +21,38 @@ impl<T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> SagaData f
 type BuildFn<D> =
     Arc<dyn Fn(&D, &str) -> Result<(String, serde_json::Value), CommandError> + Send + Sync>;
 
-/// A command that could not be built from the saga's data: its event does not serialize.
-#[derive(Debug, thiserror::Error)]
-#[error("the command {event_type} does not serialize")]
-pub struct CommandError {
-    /// The command's event type.
-    pub event_type: String,
-    /// Why.
-    #[source]
-    pub source: serde_json::Error,
+/// A command that could not be built from the saga's data.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommandError {
+    /// The data lacks what the command needs: [`Command::try_to`]'s function said why.
+    #[error("the command to {event_type} cannot be built: {reason}")]
+    NotBuildable {
+        /// The command's event type (its Rust type's name).
+        event_type: &'static str,
+        /// Why, as the function said it.
+        reason: String,
+    },
+    /// The command's event does not serialize.
+    #[error("the command {event_type} does not serialize")]
+    Serialize {
+        /// The command's event type.
+        event_type: String,
+        /// Why.
+        #[source]
+        source: Arc<serde_json::Error>,
+    },
 }
+
+impl PartialEq for CommandError {
+    /// The same variant saying the same (a JSON error is compared by its message).
+    fn eq(&self, other: &Self) -> bool {
+        self.to_string() == other.to_string()
+            && std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
+}
+
+impl Eq for CommandError {}
 
 /// Applies a reply (its event type and JSON payload) to the saga's data: what it means for the step, or
 /// why the reply cannot be read.
@@ -66,9 +88,9 @@ fn encoded<E: SagaEvent>(event: &E) -> Result<(String, serde_json::Value), Comma
     let payload = event
         .to_json()
         .and_then(|json| serde_json::from_slice(&json))
-        .map_err(|source| CommandError {
+        .map_err(|source| CommandError::Serialize {
             event_type: event.event_type().to_owned(),
-            source,
+            source: Arc::new(source),
         })?;
     Ok((event.event_type().to_owned(), payload))
 }
@@ -117,11 +139,9 @@ impl<D: SagaData> Command<D> {
         Self {
             topic: topic.name().to_owned(),
             build: Arc::new(move |data, _why| {
-                let event = build(data).map_err(|why| {
-                    format!(
-                        "the command to {} cannot be built: {why}",
-                        std::any::type_name::<E>()
-                    )
+                let event = build(data).map_err(|why| CommandError::NotBuildable {
+                    event_type: std::any::type_name::<E>(),
+                    reason: why.to_string(),
                 })?;
                 encoded(&event)
             }),

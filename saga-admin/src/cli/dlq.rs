@@ -87,7 +87,7 @@ pub(super) enum DlqCommand {
 
 /// What to do with a bulk operation.
 #[derive(Debug, Subcommand)]
-enum OperationsCommand {
+pub(super) enum OperationsCommand {
     /// One operation and what it did with each letter.
     Show {
         /// The operation.
@@ -111,7 +111,7 @@ enum OperationsCommand {
 
 /// Replay dead letters (`saga dlq replay`).
 #[derive(Debug, Args)]
-struct ReplayArgs {
+pub(super) struct ReplayArgs {
     #[command(flatten)]
     select: Select,
     /// Only the dead letter at this partition (with --offset).
@@ -138,7 +138,7 @@ struct ReplayArgs {
 
 /// Which dead letters.
 #[derive(Debug, Args)]
-struct Select {
+pub(super) struct Select {
     /// The dead-letter topic (optional with --group: default, every one the schema's consumer groups
     /// record).
     #[arg(long, required_unless_present = "group")]
@@ -271,7 +271,7 @@ fn operation_line(o: &operations::Operation) -> String {
 
 /// A message for people and for JSON: text where it is text, JSON pretty-printed.
 #[derive(Debug, Serialize)]
-struct RecordView {
+pub(super) struct RecordView {
     partition: i32,
     offset: i64,
     key: Option<String>,

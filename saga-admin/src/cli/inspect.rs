@@ -49,7 +49,7 @@ pub(super) struct InspectArgs {
 /// machine could read them).
 #[derive(Debug, Args)]
 #[group(id = "saga_admin_tokens")]
-struct TokenArgs {
+pub(super) struct TokenArgs {
     /// A token every request of the page and its API must present (named `admin`); required to listen
     /// beyond localhost (or SAGA_ADMIN_TOKENS).
     #[arg(

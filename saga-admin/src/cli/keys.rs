@@ -48,7 +48,7 @@ pub(super) enum KeysCommand {
 
 /// A key's exact bytes, given in hexadecimal (`--key-hex`).
 #[derive(Debug, Clone)]
-struct KeyHex(Vec<u8>);
+pub(super) struct KeyHex(Vec<u8>);
 
 /// `--key-hex`: a key's bytes in hexadecimal.
 fn parse_key_hex(text: &str) -> Result<KeyHex, String> {

@@ -282,7 +282,7 @@ fn operator_or_os_user(named: Option<&String>) -> String {
     named
         .filter(|o| !o.trim().is_empty())
         .cloned()
-        .unwrap_or_else(dlq::os_user)
+        .unwrap_or_else(crate::dlq::os_user)
 }
 
 /// Asks `question` (unless `yes`); not confirmed is bad input: nothing was done.

@@ -58,7 +58,7 @@ pub(super) enum OutboxCommand {
 }
 
 #[derive(Debug, Subcommand)]
-enum WalCommand {
+pub(super) enum WalCommand {
     /// After the slot was lost or gone (its writers stopped, services refuse to start): make a new one, and
     /// record and print what was lost and how to re-drive it. Asks first.
     Recover {
