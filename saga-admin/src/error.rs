@@ -26,7 +26,7 @@ pub enum AdminError {
     #[error("key store: {0}")]
     Store(String),
     /// Migrations could not be applied (`what` says whose).
-    #[error("applying {what}")]
+    #[error("applying {what}: {source}")]
     Migrations {
         /// Whose migrations.
         what: &'static str,
@@ -35,10 +35,10 @@ pub enum AdminError {
         source: sqlx::migrate::MigrateError,
     },
     /// The inspector could not listen or serve.
-    #[error("serving the inspector")]
+    #[error("serving the inspector: {0}")]
     Serve(#[source] std::io::Error),
     /// Redis failed (`doing` says at what).
-    #[error("{doing}")]
+    #[error("{doing}: {source}")]
     Redis {
         /// What was being done.
         doing: String,

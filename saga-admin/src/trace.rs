@@ -259,6 +259,7 @@ async fn steps(
                 request_hash IS NOT NULL \
          FROM (SELECT * FROM {}.saga_idempotency_keys \
                WHERE step_key ~>=~ $4 AND step_key ~<~ $5 AND step_key LIKE $1 ESCAPE '\\' \
+                 AND strpos(substr(step_key, char_length($6) + 2), ':') = 0 \
                  AND ($2::text IS NULL OR tenant_id = $2) {FENCE}) m \
          ORDER BY created_at LIMIT $3",
         ident(schema)
@@ -270,6 +271,9 @@ async fn steps(
     // `saga_idempotency_keys_step_key` (text_pattern_ops) whatever the database's collation.
     .bind(format!("{key}:"))
     .bind(format!("{key};"))
+    // Exactly `{key}:{step}` before the cut (a step's name holds no ':'): the step keys of a longer key
+    // that `key` prefixes (`cust-1:order-7:charge` for `cust-1`) neither fill the list nor cut it.
+    .bind(key)
     .fetch_all(pool)
     .await?;
     for r in bounded(rows, schema, "step keys", cut) {

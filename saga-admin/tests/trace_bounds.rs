@@ -131,4 +131,36 @@ async fn a_trace_matches_the_key_exactly_and_says_when_a_list_is_cut() {
         },
     )
     .await;
+    // A key that prefixes others with ':' (`cust-1` of `cust-1:order-N`): their 1,500 step keys, older
+    // than its own, neither fill its list nor cut it.
+    sqlx::query(
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status, created_at) \
+         SELECT 'default', 'cust-1:order-' || n || ':charge', 'completed', now() - interval '1 hour' \
+         FROM generate_series(1, 1500) AS n",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) \
+         VALUES ('default', 'cust-1:charge', 'completed')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let prefixing = trace::trace(&db.pool, "cust-1", None, schemas)
+        .await
+        .unwrap();
+    let own: Vec<&str> = prefixing
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::Step)
+        .map(|e| e.subject.as_str())
+        .collect();
+    assert_eq!(own, ["charge"], "its own step key, found past the others");
+    assert!(
+        prefixing.cut.is_empty(),
+        "nothing of its own was cut: {:?}",
+        prefixing.cut
+    );
 }

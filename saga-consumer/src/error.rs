@@ -79,18 +79,18 @@ pub enum ConsumerError {
     #[error("ops endpoint: {0}")]
     Ops(#[from] std::io::Error),
     /// The poll thread could not be started.
-    #[error("starting the poll thread")]
+    #[error("starting the poll thread: {0}")]
     PollThreadStart(#[source] std::io::Error),
     /// The poll thread panicked (a framework bug); nothing past the unfinished messages was committed.
     #[error("the poll thread panicked")]
     PollThreadPanicked,
     /// The consumer could not record its group in the schema at start.
     #[error(
-        "recording the consumer group in saga_consumer_groups (are the consumer's migrations applied?)"
+        "recording the consumer group in saga_consumer_groups (are the consumer's migrations applied?): {0}"
     )]
     RecordGroup(#[source] sqlx::Error),
     /// The outbox could not be opened (see [`crate::setup::use_outbox`]).
-    #[error("opening the outbox")]
+    #[error("opening the outbox: {0}")]
     Outbox(#[source] Cause),
     /// The database refused the framework's own statements while the consumer ran (the schema, the
     /// role's privileges): it stopped, with the reason.

@@ -45,10 +45,10 @@ pub enum ServiceError {
     #[error("relay: {0}")]
     Relay(#[from] RelayError),
     /// The framework's (or the service's) migrations could not be applied.
-    #[error("applying migrations")]
+    #[error("applying migrations: {0}")]
     Migrations(#[source] sqlx::migrate::MigrateError),
     /// The topics could not be created, or their retention read (`doing` says which).
-    #[error("{doing}")]
+    #[error("{doing}: {source}")]
     Topics {
         /// What was being done with the topics.
         doing: &'static str,

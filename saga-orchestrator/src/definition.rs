@@ -34,7 +34,7 @@ pub enum CommandError {
         reason: String,
     },
     /// The command's event does not serialize.
-    #[error("the command {event_type} does not serialize")]
+    #[error("the command {event_type} does not serialize: {source}")]
     Serialize {
         /// The command's event type.
         event_type: String,

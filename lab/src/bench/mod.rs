@@ -198,6 +198,9 @@ pub fn percentile(samples: &mut [f64], q: f64) -> f64 {
 /// What a run measured; written to `target/saga-bench.json`.
 #[derive(Debug, Default, Serialize)]
 pub struct Report {
+    /// Whether the run reached its end: a run that stopped (a section failed or ran out of time) wrote
+    /// the figures it had, and says so here (`scripts/bench-report` refuses to publish it as a run).
+    pub complete: bool,
     /// Framework consumer (dedup + outbox), messages/s.
     pub consumer_msgs_per_s: Option<f64>,
     /// At-least-once baseline, messages/s.

@@ -665,17 +665,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         saga_lab::harness::drop_schema(&admin, &name).await?;
     }
     report.print();
+    report.complete = true;
     checkpoint(&report, &cli.output)?;
     println!("\nwritten to {}", cli.output.display());
     Ok(())
 }
 
-/// Writes the figures measured so far: a section that fails later leaves the earlier ones on disk.
+/// Writes the figures measured so far (marked incomplete until the run's end): a section that fails later
+/// leaves the earlier ones on disk. Written beside and renamed, so that a run killed meanwhile leaves the
+/// file whole.
 fn checkpoint(report: &Report, output: &std::path::Path) -> anyhow::Result<()> {
     if let Some(dir) = output.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(output, serde_json::to_string_pretty(report)?)?;
+    let partial = output.with_extension("json.partial");
+    std::fs::write(&partial, serde_json::to_string_pretty(report)?)?;
+    std::fs::rename(&partial, output)?;
     Ok(())
 }
 
