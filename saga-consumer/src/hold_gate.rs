@@ -7,6 +7,7 @@
 //!
 //! [`plan`] is the decision, without I/O (the hold model drives it); [`Executor::hold_gate`] performs it.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use saga_core::Origin;
@@ -29,8 +30,8 @@ pub(crate) struct Facts<'a> {
     pub keyed: bool,
     /// What it says of itself (a replay, a release).
     pub mark: Mark,
-    /// Where it was first consumed (a replay's original coordinates).
-    pub origin: Origin,
+    /// Where it was first consumed (a replay's original coordinates); borrowed from the delivery.
+    pub origin: Cow<'a, Origin>,
     /// Its step, if routed to one.
     pub step: Option<&'a str>,
     /// Whether its order policy holds its key behind a dead letter of it.
@@ -44,7 +45,7 @@ impl<'a> Facts<'a> {
             key: hold::key_of(&delivery.raw),
             keyed: hold::key_of_held(&delivery.raw).is_some(),
             mark: hold::mark_of(&delivery.raw, delivery.replayed_from.as_ref()),
-            origin: delivery.original().clone(),
+            origin: Cow::Borrowed(delivery.original()),
             step: delivery.step_name(),
             policy_holds,
         }
@@ -258,11 +259,11 @@ mod tests {
             key,
             keyed: !key.is_empty(),
             mark,
-            origin: Origin {
+            origin: Cow::Owned(Origin {
                 topic: "t".into(),
                 partition: 0,
                 offset: 0,
-            },
+            }),
             step: Some(step),
             policy_holds,
         }

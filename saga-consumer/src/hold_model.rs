@@ -238,7 +238,7 @@ impl State {
             key: KEY,
             keyed: true,
             mark,
-            origin: origin(self.layout, m),
+            origin: std::borrow::Cow::Owned(origin(self.layout, m)),
             step: Some(if m == PAUSABLE { PAUSED_STEP } else { "a-step" }),
             policy_holds: true,
         }
