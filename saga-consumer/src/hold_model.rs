@@ -26,6 +26,8 @@
 use saga_core::Origin;
 use stateright::{Model, Property};
 
+use crate::model::has_next;
+
 use crate::hold::{
     self, Advance, BatchHolds, HeldView, HoldLimits, HoldState, Mark, OnDeadLetter, ParkDecision,
     ReleaseStep, Role,
@@ -740,9 +742,7 @@ impl Model for HoldModel {
             Property::always(
                 "with nothing left to do, every message took effect and no key is held",
                 |model: &Self, s: &State| {
-                    let mut next = Vec::new();
-                    model.actions(s, &mut next);
-                    !next.is_empty()
+                    has_next(model, s)
                         || (s.effects.len() == s.layout.messages()
                             && s.held.is_none()
                             && s.key_lock.is_none())

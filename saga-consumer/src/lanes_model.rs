@@ -13,6 +13,8 @@
 
 use stateright::{Model, Property};
 
+use crate::model::has_next;
+
 use crate::key_lanes::{self, Watermark};
 
 /// The partition's messages' keys.
@@ -337,9 +339,7 @@ impl Model for LanesModel {
             Property::always(
                 "with nothing left to do, every message took effect once and the offset passed them all",
                 |model: &Self, s: &State| {
-                    let mut next = Vec::new();
-                    model.actions(s, &mut next);
-                    !next.is_empty() || (s.committed == MESSAGES && s.effects == [1; MESSAGES])
+                    has_next(model, s) || (s.committed == MESSAGES && s.effects == [1; MESSAGES])
                 },
             ),
             Property::sometimes(

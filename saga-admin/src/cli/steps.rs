@@ -9,11 +9,11 @@ use crate::table::Table;
 
 /// How long a pause takes to take effect, in words (`PAUSE_DELAY`).
 fn pause_delay() -> String {
-    let seconds = saga_consumer::toolkit::PAUSE_DELAY.as_secs();
-    if seconds == 1 {
-        "one second".to_owned()
-    } else {
-        format!("{seconds} seconds")
+    let delay = saga_consumer::toolkit::PAUSE_DELAY;
+    match delay.as_secs() {
+        1 if delay.subsec_nanos() == 0 => "one second".to_owned(),
+        s if delay.subsec_nanos() == 0 => format!("{s} seconds"),
+        _ => format!("{:.1} seconds", delay.as_secs_f64()),
     }
 }
 
