@@ -95,6 +95,11 @@ pub async fn show(
     original: &str,
     tenant: Option<&str>,
 ) -> Result<Vec<KeyView>, AdminError> {
+    if original.contains('\0') {
+        return Err(AdminError::bad_input(
+            "the key holds a NUL byte, which no stored key can hold",
+        ));
+    }
     let tenant = tenant
         .map(|t| {
             TenantId::new(t).map_err(|e| AdminError::bad_input(format!("bad tenant {t:?}: {e}")))

@@ -18,10 +18,12 @@
 //! leave the database after their retention (7 days by default): older sagas show what is left.
 
 use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgPool, Row};
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, PgPool, Row};
 
 use crate::error::AdminError;
 
@@ -88,24 +90,49 @@ pub struct SagaTrace {
     pub lanes: Vec<String>,
     /// Everything, ordered by time.
     pub events: Vec<TraceEvent>,
-    /// Schemas whose dead letters could not be read (no dead-letter index), with why: the trace shows what
-    /// it read, and says what it could not.
+    /// What could not be read, with why (a schema without a dead-letter index, a statement past its time):
+    /// the trace shows what it read, and says what it could not.
     pub unread: Vec<String>,
-    /// Lists cut at [`MOST_PER_LIST`], in words: the trace shows the first ones and says so.
+    /// Lists cut at [`MOST_PER_LIST`], and schemas left unread past [`MOST_IN_ALL`], in words: the trace shows
+    /// the first ones and says so.
     pub cut: Vec<String>,
+    /// Lists read without their index (a schema migrated before it, or an index a failed concurrent build
+    /// left invalid), in words: such a read costs the table's size, within [`STATEMENT_TIMEOUT`].
+    pub unindexed: Vec<String>,
 }
 
 /// The most events of one kind a service's lane shows (steps, emitted events, transitions, replays, dead
 /// letters): past it the list is cut, and the trace says so.
 pub const MOST_PER_LIST: usize = 1_000;
 
+/// The most events a whole trace holds: once a schema brings it there, the schemas after it are not read,
+/// and the trace names them.
+pub const MOST_IN_ALL: usize = 10_000;
+
+/// How long one statement of a trace may run: past it, the schema is left unread, and the trace says so.
+pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a whole trace may read: the schemas left when it runs out are named, not read.
+pub const TRACE_DEADLINE: Duration = Duration::from_secs(15);
+
+/// The client's key a step key was derived from (`{key}:{step}` without its last `:{step}`): the body of
+/// `saga_step_owner`, written out so that a schema migrated before the function is read too, and the index
+/// on the function (which PostgreSQL inlines) serves it where it exists.
+const STEP_OWNER: &str = "left(step_key, length(step_key) - strpos(reverse(step_key), ':'))";
+
+/// The `idempotency-key` header's value: the body of `saga_header(headers, 'idempotency-key')`, written
+/// out for the same reason.
+const KEY_HEADER: &str = "(CASE \
+    WHEN array_position(headers, 'idempotency-key') IS NULL THEN NULL \
+    WHEN array_position(headers, 'idempotency-key') % 2 = 1 \
+        THEN headers[array_position(headers, 'idempotency-key') + 1] \
+    WHEN array_position(headers, 'idempotency-key', array_position(headers, 'idempotency-key') + 1) % 2 = 1 \
+        THEN headers[array_position(headers, 'idempotency-key', \
+                                    array_position(headers, 'idempotency-key') + 1) + 1] \
+    END)";
+
 /// `rows` (read with a limit of one more than [`MOST_PER_LIST`]), cut at the bound, said in `cut`.
-fn bounded(
-    mut rows: Vec<sqlx::postgres::PgRow>,
-    schema: &str,
-    what: &str,
-    cut: &mut Vec<String>,
-) -> Vec<sqlx::postgres::PgRow> {
+fn bounded(mut rows: Vec<PgRow>, schema: &str, what: &str, cut: &mut Vec<String>) -> Vec<PgRow> {
     if rows.len() > MOST_PER_LIST {
         rows.truncate(MOST_PER_LIST);
         cut.push(format!("{schema}: only the first {MOST_PER_LIST} {what}"));
@@ -120,11 +147,16 @@ fn limit() -> i64 {
 
 /// The schemas of `pool`'s database that hold the framework's key table.
 pub async fn service_schemas(pool: &PgPool) -> Result<Vec<String>, AdminError> {
+    let mut conn = pool.acquire().await?;
+    schemas_of(&mut conn).await
+}
+
+async fn schemas_of(conn: &mut PgConnection) -> Result<Vec<String>, AdminError> {
     Ok(sqlx::query_scalar(
         "SELECT table_schema::text FROM information_schema.tables \
          WHERE table_name = 'saga_idempotency_keys' ORDER BY 1",
     )
-    .fetch_all(pool)
+    .fetch_all(conn)
     .await?)
 }
 
@@ -134,19 +166,156 @@ fn ident(name: &str) -> String {
 }
 
 /// The tables of `schema` (a service has those of the crates it uses).
-async fn tables_of(pool: &PgPool, schema: &str) -> Result<BTreeSet<String>, AdminError> {
+async fn tables_of(conn: &mut PgConnection, schema: &str) -> Result<BTreeSet<String>, AdminError> {
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1",
     )
     .bind(schema)
-    .fetch_all(pool)
+    .fetch_all(conn)
     .await?;
     Ok(tables.into_iter().collect())
 }
 
+/// The indexes of `schema` a list can read through, as `table.index`: valid ones only
+/// (`pg_index.indisvalid`; a failed `CREATE INDEX CONCURRENTLY` leaves an invalid one under its name).
+async fn valid_indexes(
+    conn: &mut PgConnection,
+    schema: &str,
+) -> Result<BTreeSet<String>, AdminError> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT t.relname || '.' || c.relname FROM pg_index x \
+         JOIN pg_class c ON c.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid \
+         JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = $1 AND x.indisvalid AND x.indisready AND x.indislive",
+    )
+    .bind(schema)
+    .fetch_all(conn)
+    .await?;
+    Ok(names.into_iter().collect())
+}
+
+/// A list of a lane: the table it reads, the index that gives a key's rows in its order, and its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum List {
+    Steps,
+    Emitted,
+    Transitions,
+    Replays,
+    DeadLetters,
+}
+
+impl List {
+    const ALL: [List; 5] = [
+        Self::Steps,
+        Self::Emitted,
+        Self::Transitions,
+        Self::Replays,
+        Self::DeadLetters,
+    ];
+
+    /// The table the list reads.
+    fn table(self) -> &'static str {
+        match self {
+            Self::Steps => "saga_idempotency_keys",
+            Self::Emitted => "saga_outbox",
+            Self::Transitions => "saga_instances",
+            Self::Replays => "saga_dlq_replay_log",
+            Self::DeadLetters => "saga_dead_letters",
+        }
+    }
+
+    /// The indexes that find one key's rows: the first gives them in the list's order (migrations
+    /// `20261128000002` to `..05`); an older one, where a schema has it, finds them to be sorted.
+    fn indexes(self) -> &'static [&'static str] {
+        match self {
+            Self::Steps => &["saga_idempotency_keys_owner"],
+            Self::Emitted => &["saga_outbox_key_order", "saga_outbox_idempotency_key"],
+            Self::Transitions => &["saga_instances_key"],
+            Self::Replays => &["saga_dlq_replay_log_key"],
+            Self::DeadLetters => &["saga_dead_letters_key_time", "saga_dead_letters_key"],
+        }
+    }
+
+    /// The list in words.
+    fn what(self) -> &'static str {
+        match self {
+            Self::Steps => "step keys",
+            Self::Emitted => "events emitted",
+            Self::Transitions => "transitions",
+            Self::Replays => "replays",
+            Self::DeadLetters => "dead letters",
+        }
+    }
+
+    /// The list's statement over `schema`: `$1` the key, `$2` the tenant or NULL, `$3` the limit. Its
+    /// `WHERE` and `ORDER BY` are those of the list's first index, so that the key's rows are one index range
+    /// read stopped by the limit. A key's step keys are one per step, tenant and HTTP operation, and its
+    /// instances one per tenant and saga type: those are sorted after the index found them.
+    fn statement(self, schema: &str, positioned: bool) -> String {
+        let s = ident(schema);
+        let tenant = "($2::text IS NULL OR tenant_id = $2)";
+        match self {
+            Self::Steps => format!(
+                "SELECT tenant_id, step_key, status, attempts, outcome::text, error, created_at, \
+                        updated_at, request_hash IS NOT NULL \
+                 FROM {s}.saga_idempotency_keys WHERE {STEP_OWNER} = $1 AND {tenant} \
+                 ORDER BY created_at, step_key, tenant_id LIMIT $3"
+            ),
+            Self::Emitted => {
+                let position = if positioned {
+                    "published_partition, published_offset"
+                } else {
+                    "NULL::int, NULL::bigint"
+                };
+                format!(
+                    "SELECT topic, partition_key, headers, created_at, published_at, {position}, \
+                            last_error, attempts \
+                     FROM {s}.saga_outbox WHERE {KEY_HEADER} = $1 AND {tenant} ORDER BY id LIMIT $3"
+                )
+            }
+            // The key's instances in order, each one's transitions in order, both limited.
+            Self::Transitions => format!(
+                "SELECT i.saga_id::text, i.saga_type, t.version, t.at, t.from_status, t.to_status, t.step, \
+                        t.cause \
+                 FROM (SELECT saga_id, saga_type, created_at FROM {s}.saga_instances \
+                       WHERE idempotency_key = $1 AND {tenant} ORDER BY created_at, saga_id LIMIT $3) i \
+                 CROSS JOIN LATERAL (SELECT * FROM {s}.saga_transitions t WHERE t.saga_id = i.saga_id \
+                                     ORDER BY t.version LIMIT $3) t \
+                 ORDER BY i.created_at, i.saga_id, t.version LIMIT $3"
+            ),
+            Self::Replays => format!(
+                "SELECT sent_at, operator, dlq_topic, dlq_partition, dlq_offset, consumer_group, \
+                        retry_topic, retry_partition, retry_offset \
+                 FROM {s}.saga_dlq_replay_log WHERE idempotency_key = $1 AND {tenant} \
+                 ORDER BY sent_at, id LIMIT $3"
+            ),
+            Self::DeadLetters => format!(
+                "SELECT failed_at, dlq_topic, dlq_partition, dlq_offset, original_topic, \
+                        original_partition, original_offset, attempts, error, reason, \
+                        coalesce(step, consumer_group) \
+                 FROM {s}.saga_dead_letters WHERE idempotency_key = $1 AND {tenant} \
+                 ORDER BY failed_at, dlq_topic, dlq_partition, dlq_offset LIMIT $3"
+            ),
+        }
+    }
+}
+
+/// The statements a trace runs over `schema` (migrated to the current version), each with its list's name
+/// and the index that reads it: for tests that check their plans (`$1` the key, `$2` the tenant or NULL,
+/// `$3` the limit).
+#[doc(hidden)]
+pub fn statements(schema: &str) -> Vec<(&'static str, &'static str, String)> {
+    List::ALL
+        .iter()
+        .map(|l| (l.what(), l.indexes()[0], l.statement(schema, true)))
+        .collect()
+}
+
 /// The timeline of the saga of client key `key` (of `tenant`, or of every tenant) over `schemas` (every
 /// service schema of the database when empty). Dead letters are read from each schema's dead-letter index:
-/// no topic is read.
+/// no topic is read. One read-only transaction reads it all (one snapshot), each statement within
+/// [`STATEMENT_TIMEOUT`], the whole within [`TRACE_DEADLINE`], at most [`MOST_IN_ALL`] events: what it
+/// could not read, it names.
 pub async fn trace(
     pool: &PgPool,
     key: &str,
@@ -156,178 +325,279 @@ pub async fn trace(
     if key.is_empty() {
         return Err(AdminError::bad_input("the key is empty"));
     }
-    let known = service_schemas(pool).await?;
-    let schemas: Vec<String> = if schemas.is_empty() {
-        known
-    } else {
-        for schema in schemas {
-            if !known.contains(schema) {
-                return Err(AdminError::bad_input(format!(
-                    "schema {schema} holds no saga keys (the service schemas here: {})",
-                    known.join(", ")
-                )));
-            }
-        }
-        schemas.to_vec()
-    };
-    let mut events = Vec::new();
-    let mut unread = Vec::new();
-    let mut cut = Vec::new();
-    for schema in &schemas {
-        let mut of_schema = Vec::new();
-        let mut cut_of_schema = Vec::new();
-        let c = &mut cut_of_schema;
-        let read = async {
-            let tables = tables_of(pool, schema).await?;
-            steps(pool, schema, key, tenant, &mut of_schema, c).await?;
-            if tables.contains("saga_outbox") {
-                emitted(pool, schema, key, tenant, &mut of_schema, c).await?;
-            }
-            if tables.contains("saga_instances") {
-                transitions(pool, schema, key, tenant, &mut of_schema, c).await?;
-            }
-            if tables.contains("saga_dlq_replay_log") {
-                replays(pool, schema, key, tenant, &mut of_schema, c).await?;
-            }
-            if tables.contains("saga_dead_letters") {
-                dead_letters(pool, schema, key, tenant, &mut of_schema, c).await?;
-            } else if tables.contains("saga_consumer_groups") {
-                unread.push(format!(
-                    "{schema}: no dead-letter index (its consumer predates it; `saga dlq list` there \
-                     indexes its dead-letter topics)"
-                ));
-            }
-            Ok(())
-        }
-        .await;
-        match read {
-            Ok(()) => {
-                events.append(&mut of_schema);
-                cut.append(&mut cut_of_schema);
-            }
-            // A schema dropped while it was read (undefined table or schema): it holds nothing now.
-            Err(AdminError::Database(sqlx::Error::Database(e)))
-                if matches!(e.code().as_deref(), Some("42P01" | "3F000")) =>
-            {
-                tracing::debug!(schema, "a schema went away while it was traced");
-            }
-            Err(e) => return Err(e),
-        }
+    if key.contains('\0') || tenant.is_some_and(|t| t.contains('\0')) {
+        return Err(AdminError::bad_input(
+            "the key or tenant holds a NUL byte, which no stored key can hold",
+        ));
     }
-    events.sort_by(|a, b| a.at.cmp(&b.at).then(a.lane.cmp(&b.lane)));
-    let mut lanes: Vec<String> = Vec::new();
-    for e in &events {
-        if !lanes.contains(&e.lane) {
-            lanes.push(e.lane.clone());
-        }
-    }
-    Ok(SagaTrace {
+    let deadline = Instant::now() + TRACE_DEADLINE;
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let schemas = chosen(&mut *tx, schemas).await?;
+    let mut found = SagaTrace {
         key: key.to_owned(),
         tenant: tenant.map(str::to_owned),
-        lanes,
-        events,
-        unread,
-        cut,
-    })
+        lanes: Vec::new(),
+        events: Vec::new(),
+        unread: Vec::new(),
+        cut: Vec::new(),
+        unindexed: Vec::new(),
+    };
+    for (n, schema) in schemas.iter().enumerate() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let past = if found.events.len() >= MOST_IN_ALL {
+            Some(format!("{MOST_IN_ALL} events in all"))
+        } else if left < Duration::from_millis(100) {
+            Some(format!("the trace's {} s", TRACE_DEADLINE.as_secs()))
+        } else {
+            None
+        };
+        if let Some(past) = past {
+            found
+                .cut
+                .push(format!("{past}: not read: {}", schemas[n..].join(", ")));
+            break;
+        }
+        lane(
+            &mut *tx,
+            schema,
+            key,
+            tenant,
+            left.min(STATEMENT_TIMEOUT),
+            &mut found,
+        )
+        .await?;
+    }
+    tx.rollback().await?;
+    found
+        .events
+        .sort_by(|a, b| a.at.cmp(&b.at).then(a.lane.cmp(&b.lane)));
+    if found.events.len() > MOST_IN_ALL {
+        found.events.truncate(MOST_IN_ALL);
+        found.cut.push(format!(
+            "only the first {MOST_IN_ALL} events in all, by time"
+        ));
+    }
+    for e in &found.events {
+        if !found.lanes.contains(&e.lane) {
+            found.lanes.push(e.lane.clone());
+        }
+    }
+    Ok(found)
 }
 
-/// `LIKE` pattern of the step keys of `key`.
-fn keys_pattern(key: &str) -> String {
-    let escaped = key
-        .replace('\\', "\\\\")
-        .replace('%', "\\%")
-        .replace('_', "\\_");
-    format!("{escaped}:%")
+/// The schemas to read: `schemas`, each a service schema, or every service schema when empty.
+async fn chosen(conn: &mut PgConnection, schemas: &[String]) -> Result<Vec<String>, AdminError> {
+    let known = schemas_of(conn).await?;
+    if schemas.is_empty() {
+        return Ok(known);
+    }
+    for schema in schemas {
+        if !known.contains(schema) {
+            return Err(AdminError::bad_input(format!(
+                "schema {schema} holds no saga keys (the service schemas here: {})",
+                known.join(", ")
+            )));
+        }
+    }
+    Ok(schemas.to_vec())
 }
 
-/// Ends a trace query's inner select: `OFFSET 0` keeps PostgreSQL from flattening it, so that the key's
-/// rows are found through the key's index and only then ordered and cut. Flattened, `ORDER BY id LIMIT n`
-/// over the primary key looked attractive, and a key with few rows (or none) walked the whole table in
-/// id order (1.7 s over 100,000 outbox rows, measured).
-const FENCE: &str = "OFFSET 0";
-
-async fn steps(
-    pool: &PgPool,
+/// Reads `schema`'s lists of `key` into `found`, in a savepoint rolled back once read (it wrote nothing,
+/// and the locks it took on the schema's tables go with it), each statement within `timeout`. A schema
+/// dropped while it is read holds nothing now; one whose statement runs out of time is named in `unread`.
+async fn lane(
+    conn: &mut PgConnection,
     schema: &str,
     key: &str,
     tenant: Option<&str>,
-    events: &mut Vec<TraceEvent>,
-    cut: &mut Vec<String>,
+    timeout: Duration,
+    found: &mut SagaTrace,
 ) -> Result<(), AdminError> {
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT tenant_id, step_key, status, attempts, outcome::text, error, created_at, updated_at, \
-                request_hash IS NOT NULL \
-         FROM (SELECT * FROM {}.saga_idempotency_keys \
-               WHERE step_key ~>=~ $4 AND step_key ~<~ $5 AND step_key LIKE $1 ESCAPE '\\' \
-                 AND strpos(substr(step_key, char_length($6) + 2), ':') = 0 \
-                 AND ($2::text IS NULL OR tenant_id = $2) {FENCE}) m \
-         ORDER BY created_at LIMIT $3",
-        ident(schema)
+    let mut sp = sqlx::Connection::begin(&mut *conn).await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL statement_timeout = {}",
+        timeout.as_millis().max(1)
     )))
-    .bind(keys_pattern(key))
-    .bind(tenant)
-    .bind(limit())
-    // `{key}:` up to `{key};` byte-wise: the step keys of `key`, found through the index
-    // `saga_idempotency_keys_step_key` (text_pattern_ops) whatever the database's collation.
-    .bind(format!("{key}:"))
-    .bind(format!("{key};"))
-    // Exactly `{key}:{step}` before the cut (a step's name holds no ':'): the step keys of a longer key
-    // that `key` prefixes (`cust-1:order-7:charge` for `cust-1`) neither fill the list nor cut it.
-    .bind(key)
-    .fetch_all(pool)
+    .execute(&mut *sp)
     .await?;
-    for r in bounded(rows, schema, "step keys", cut) {
-        let step_key: String = r.try_get(1)?;
-        // A key may itself hold ':'; only `{key}:{step}` with the exact key is this saga's.
-        let Some((original, step)) = step_key.rsplit_once(':') else {
-            continue;
-        };
-        if original != key {
-            continue;
+    let mut read = Lane {
+        schema,
+        key,
+        tenant,
+        events: Vec::new(),
+        cut: Vec::new(),
+        unindexed: Vec::new(),
+        unread: Vec::new(),
+    };
+    let result = read.all(&mut *sp).await;
+    sp.rollback().await?;
+    match result {
+        Ok(()) => {
+            found.events.append(&mut read.events);
+            found.cut.append(&mut read.cut);
+            found.unindexed.append(&mut read.unindexed);
+            found.unread.append(&mut read.unread);
+            Ok(())
         }
-        let tenant: String = r.try_get(0)?;
-        let status: String = r.try_get(2)?;
-        let attempts: i32 = r.try_get(3)?;
-        let outcome: Option<String> = r.try_get(4)?;
-        let error: Option<String> = r.try_get(5)?;
-        let created: DateTime<Utc> = r.try_get(6)?;
-        let updated: DateTime<Utc> = r.try_get(7)?;
-        let http: bool = r.try_get(8)?;
-        let mut detail = format!(
-            "tenant {tenant}, claimed {}",
-            created.format("%H:%M:%S%.3f")
-        );
-        if attempts > 1 {
-            detail.push_str(&format!(", {attempts} attempts"));
+        // A schema dropped while it was read (undefined table or schema): it holds nothing now.
+        Err(AdminError::Database(sqlx::Error::Database(e)))
+            if matches!(e.code().as_deref(), Some("42P01" | "3F000")) =>
+        {
+            tracing::debug!(schema, "a schema went away while it was traced");
+            Ok(())
         }
-        if let Some(error) = error {
-            detail.push_str(&format!(", error: {error}"));
-        } else if http {
-            // A stored response may hold what only its client should see: its status alone.
-            let status = outcome
-                .as_deref()
-                .and_then(|o| serde_json::from_str::<serde_json::Value>(o).ok())
-                .and_then(|o| o["status"].as_u64());
-            if let Some(status) = status {
-                detail.push_str(&format!(", answered {status}"));
-            }
-        } else if let Some(outcome) = outcome.filter(|o| o != "null") {
-            detail.push_str(&format!(", outcome: {outcome}"));
-        }
-        events.push(TraceEvent {
-            at: updated,
-            lane: schema.to_owned(),
-            kind: if http {
-                EventKind::Http
+        // A statement past its time: what the schema holds is unknown, and said.
+        Err(AdminError::Database(sqlx::Error::Database(e)))
+            if e.code().as_deref() == Some("57014") =>
+        {
+            let why = if read.unindexed.is_empty() {
+                "the database is slow or busy"
             } else {
-                EventKind::Step
-            },
-            subject: step.to_owned(),
-            status,
-            detail,
-        });
+                "a list without its index, said below"
+            };
+            found.unread.push(format!(
+                "{schema}: a statement ran past {} ms ({why}), so nothing of it is shown",
+                timeout.as_millis(),
+            ));
+            found.unindexed.append(&mut read.unindexed);
+            Ok(())
+        }
+        Err(e) => Err(e),
     }
-    Ok(())
+}
+
+/// One schema's lists of one key, as they are read.
+struct Lane<'a> {
+    schema: &'a str,
+    key: &'a str,
+    tenant: Option<&'a str>,
+    events: Vec<TraceEvent>,
+    cut: Vec<String>,
+    unindexed: Vec<String>,
+    unread: Vec<String>,
+}
+
+impl Lane<'_> {
+    async fn all(&mut self, conn: &mut PgConnection) -> Result<(), AdminError> {
+        let tables = tables_of(&mut *conn, self.schema).await?;
+        let indexes = valid_indexes(&mut *conn, self.schema).await?;
+        let positioned = self.positioned(&mut *conn).await?;
+        for list in List::ALL {
+            if !tables.contains(list.table()) {
+                if list == List::DeadLetters && tables.contains("saga_consumer_groups") {
+                    self.unread.push(format!(
+                        "{}: no dead-letter index (its consumer predates it; `saga dlq list` there \
+                         indexes its dead-letter topics)",
+                        self.schema
+                    ));
+                }
+                continue;
+            }
+            let indexed = list
+                .indexes()
+                .iter()
+                .any(|i| indexes.contains(&format!("{}.{i}", list.table())));
+            if !indexed {
+                self.unindexed.push(format!(
+                    "{}: {} read without index {} (migrate the schema, or build an invalid index again)",
+                    self.schema,
+                    list.what(),
+                    list.indexes()[0]
+                ));
+            }
+            let rows = sqlx::query(sqlx::AssertSqlSafe(list.statement(self.schema, positioned)))
+                .bind(self.key)
+                .bind(self.tenant)
+                .bind(limit())
+                .fetch_all(&mut *conn)
+                .await?;
+            let rows = bounded(rows, self.schema, list.what(), &mut self.cut);
+            for r in rows {
+                let event = match list {
+                    List::Steps => step(&r, self.key),
+                    List::Emitted => emitted(&r, self.key),
+                    List::Transitions => transition(&r).map(Some),
+                    List::Replays => replay(&r).map(Some),
+                    List::DeadLetters => dead_letter(&r).map(Some),
+                }?;
+                if let Some((at, kind, subject, status, detail)) = event {
+                    self.events.push(TraceEvent {
+                        at,
+                        lane: self.schema.to_owned(),
+                        kind,
+                        subject,
+                        status,
+                        detail,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the schema's outbox has the published position (older schemas lack it).
+    async fn positioned(&self, conn: &mut PgConnection) -> Result<bool, AdminError> {
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+             WHERE table_schema = $1 AND table_name = 'saga_outbox' \
+               AND column_name = 'published_offset')",
+        )
+        .bind(self.schema)
+        .fetch_one(conn)
+        .await?)
+    }
+}
+
+/// An event read from a row: when, what, its subject, status and detail.
+type Read = (DateTime<Utc>, EventKind, String, String, String);
+
+fn step(r: &PgRow, key: &str) -> Result<Option<Read>, AdminError> {
+    let step_key: String = r.try_get(1)?;
+    // Only `{key}:{step}` with the exact key is this saga's (the statement says so too).
+    let Some((original, step)) = step_key.rsplit_once(':') else {
+        return Ok(None);
+    };
+    if original != key {
+        return Ok(None);
+    }
+    let tenant: String = r.try_get(0)?;
+    let status: String = r.try_get(2)?;
+    let attempts: i32 = r.try_get(3)?;
+    let outcome: Option<String> = r.try_get(4)?;
+    let error: Option<String> = r.try_get(5)?;
+    let created: DateTime<Utc> = r.try_get(6)?;
+    let updated: DateTime<Utc> = r.try_get(7)?;
+    let http: bool = r.try_get(8)?;
+    let mut detail = format!(
+        "tenant {tenant}, claimed {}",
+        created.format("%H:%M:%S%.3f")
+    );
+    if attempts > 1 {
+        detail.push_str(&format!(", {attempts} attempts"));
+    }
+    if let Some(error) = error {
+        detail.push_str(&format!(", error: {error}"));
+    } else if http {
+        // A stored response may hold what only its client should see: its status alone.
+        let status = outcome
+            .as_deref()
+            .and_then(|o| serde_json::from_str::<serde_json::Value>(o).ok())
+            .and_then(|o| o["status"].as_u64());
+        if let Some(status) = status {
+            detail.push_str(&format!(", answered {status}"));
+        }
+    } else if let Some(outcome) = outcome.filter(|o| o != "null") {
+        detail.push_str(&format!(", outcome: {outcome}"));
+    }
+    let kind = if http {
+        EventKind::Http
+    } else {
+        EventKind::Step
+    };
+    Ok(Some((updated, kind, step.to_owned(), status, detail)))
 }
 
 /// The value of header `name` in a flat `[name, value, ...]` header array.
@@ -338,228 +608,96 @@ fn header<'a>(headers: &'a [String], name: &str) -> Option<&'a str> {
         .map(|pair| pair[1].as_str())
 }
 
-async fn emitted(
-    pool: &PgPool,
-    schema: &str,
-    key: &str,
-    tenant: Option<&str>,
-    events: &mut Vec<TraceEvent>,
-    cut: &mut Vec<String>,
-) -> Result<(), AdminError> {
-    // Older schemas lack the published position: read it where it is.
-    let positioned: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
-         WHERE table_schema = $1 AND table_name = 'saga_outbox' AND column_name = 'published_offset')",
-    )
-    .bind(schema)
-    .fetch_one(pool)
-    .await?;
-    let position = if positioned {
-        "published_partition, published_offset"
-    } else {
-        "NULL::int, NULL::bigint"
-    };
-    // Through the index on the header (`saga_outbox_idempotency_key`) where the schema has it; older
-    // schemas are scanned.
-    let indexed: bool = sqlx::query_scalar(
-        "SELECT to_regprocedure(quote_ident($1) || '.saga_header(text[], text)') IS NOT NULL",
-    )
-    .bind(schema)
-    .fetch_one(pool)
-    .await?;
-    let matches = if indexed {
-        format!(
-            "{}.saga_header(headers, 'idempotency-key') = $1",
-            ident(schema)
-        )
-    } else {
-        "headers @> ARRAY['idempotency-key', $1]::text[] \
-         AND EXISTS (SELECT 1 FROM generate_subscripts(headers, 1) AS i \
-                     WHERE i % 2 = 1 AND headers[i] = 'idempotency-key' AND headers[i + 1] = $1)"
-            .to_owned()
-    };
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT topic, partition_key, headers, created_at, published_at, {position}, last_error, attempts \
-         FROM (SELECT * FROM {}.saga_outbox \
-               WHERE {matches} AND ($2::text IS NULL OR tenant_id = $2) {FENCE}) m \
-         ORDER BY id LIMIT $3",
-        ident(schema)
-    )))
-    .bind(key)
-    .bind(tenant)
-    .bind(limit())
-    .fetch_all(pool)
-    .await?;
-    for r in bounded(rows, schema, "events emitted", cut) {
-        let headers: Vec<String> = r.try_get(2)?;
-        if header(&headers, "idempotency-key") != Some(key) {
-            continue;
+fn emitted(r: &PgRow, key: &str) -> Result<Option<Read>, AdminError> {
+    let headers: Vec<String> = r.try_get(2)?;
+    if header(&headers, "idempotency-key") != Some(key) {
+        return Ok(None);
+    }
+    let topic: String = r.try_get(0)?;
+    let partition_key: Option<String> = r.try_get(1)?;
+    let created: DateTime<Utc> = r.try_get(3)?;
+    let published: Option<DateTime<Utc>> = r.try_get(4)?;
+    let partition: Option<i32> = r.try_get(5)?;
+    let offset: Option<i64> = r.try_get(6)?;
+    let error: Option<String> = r.try_get(7)?;
+    let attempts: i32 = r.try_get(8)?;
+    let event_type = header(&headers, "ce_type").unwrap_or("?");
+    let source = header(&headers, "ce_source").unwrap_or("?");
+    let mut detail = format!(
+        "{event_type} to {topic} (key {}), written {}",
+        partition_key.as_deref().unwrap_or("none"),
+        created.format("%H:%M:%S%.3f")
+    );
+    let status = match published {
+        Some(at) => {
+            detail.push_str(&format!(", published {}", at.format("%H:%M:%S%.3f")));
+            if let (Some(p), Some(o)) = (partition, offset) {
+                detail.push_str(&format!(" at {topic}/{p}/{o}"));
+            }
+            "published"
         }
-        let topic: String = r.try_get(0)?;
-        let partition_key: Option<String> = r.try_get(1)?;
-        let created: DateTime<Utc> = r.try_get(3)?;
-        let published: Option<DateTime<Utc>> = r.try_get(4)?;
-        let partition: Option<i32> = r.try_get(5)?;
-        let offset: Option<i64> = r.try_get(6)?;
-        let error: Option<String> = r.try_get(7)?;
-        let attempts: i32 = r.try_get(8)?;
-        let event_type = header(&headers, "ce_type").unwrap_or("?");
-        let source = header(&headers, "ce_source").unwrap_or("?");
-        let mut detail = format!(
-            "{event_type} to {topic} (key {}), written {}",
-            partition_key.as_deref().unwrap_or("none"),
-            created.format("%H:%M:%S%.3f")
-        );
-        let status = match published {
-            Some(at) => {
-                detail.push_str(&format!(", published {}", at.format("%H:%M:%S%.3f")));
-                if let (Some(p), Some(o)) = (partition, offset) {
-                    detail.push_str(&format!(" at {topic}/{p}/{o}"));
-                }
-                "published"
+        None => {
+            if let Some(error) = error {
+                detail.push_str(&format!(", {attempts} failed attempts: {error}"));
             }
-            None => {
-                if let Some(error) = error {
-                    detail.push_str(&format!(", {attempts} failed attempts: {error}"));
-                }
-                "unpublished"
-            }
-        };
-        events.push(TraceEvent {
-            at: created,
-            lane: schema.to_owned(),
-            kind: EventKind::Emitted,
-            subject: source.to_owned(),
-            status: status.to_owned(),
-            detail,
-        });
-    }
-    Ok(())
+            "unpublished"
+        }
+    };
+    Ok(Some((
+        created,
+        EventKind::Emitted,
+        source.to_owned(),
+        status.to_owned(),
+        detail,
+    )))
 }
 
-async fn transitions(
-    pool: &PgPool,
-    schema: &str,
-    key: &str,
-    tenant: Option<&str>,
-    events: &mut Vec<TraceEvent>,
-    cut: &mut Vec<String>,
-) -> Result<(), AdminError> {
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT saga_id::text, saga_type, version, at, from_status, to_status, step, cause \
-         FROM (SELECT i.saga_id, i.saga_type, t.version, t.at, t.from_status, t.to_status, t.step, t.cause \
-               FROM {s}.saga_instances i JOIN {s}.saga_transitions t USING (saga_id) \
-               WHERE i.idempotency_key = $1 AND ($2::text IS NULL OR i.tenant_id = $2) {FENCE}) m \
-         ORDER BY at, version LIMIT $3",
-        s = ident(schema)
-    )))
-    .bind(key)
-    .bind(tenant)
-    .bind(limit())
-    .fetch_all(pool)
-    .await?;
-    for r in bounded(rows, schema, "transitions", cut) {
-        let saga_id: String = r.try_get(0)?;
-        let saga_type: String = r.try_get(1)?;
-        let version: i32 = r.try_get(2)?;
-        let from: Option<String> = r.try_get(4)?;
-        let to: String = r.try_get(5)?;
-        let step: Option<String> = r.try_get(6)?;
-        let cause: String = r.try_get(7)?;
-        events.push(TraceEvent {
-            at: r.try_get(3)?,
-            lane: schema.to_owned(),
-            kind: EventKind::Transition,
-            subject: saga_type,
-            status: to.clone(),
-            detail: format!(
-                "saga {saga_id} v{version}: {} → {to} on {cause}{}",
-                from.as_deref().unwrap_or("new"),
-                step.map(|s| format!(", step {s}")).unwrap_or_default()
-            ),
-        });
-    }
-    Ok(())
+fn transition(r: &PgRow) -> Result<Read, AdminError> {
+    let saga_id: String = r.try_get(0)?;
+    let saga_type: String = r.try_get(1)?;
+    let version: i32 = r.try_get(2)?;
+    let from: Option<String> = r.try_get(4)?;
+    let to: String = r.try_get(5)?;
+    let step: Option<String> = r.try_get(6)?;
+    let cause: String = r.try_get(7)?;
+    let detail = format!(
+        "saga {saga_id} v{version}: {} → {to} on {cause}{}",
+        from.as_deref().unwrap_or("new"),
+        step.map(|s| format!(", step {s}")).unwrap_or_default()
+    );
+    Ok((r.try_get(3)?, EventKind::Transition, saga_type, to, detail))
 }
 
-async fn replays(
-    pool: &PgPool,
-    schema: &str,
-    key: &str,
-    tenant: Option<&str>,
-    events: &mut Vec<TraceEvent>,
-    cut: &mut Vec<String>,
-) -> Result<(), AdminError> {
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT sent_at, operator, dlq_topic, dlq_partition, dlq_offset, consumer_group, retry_topic, \
-                retry_partition, retry_offset \
-         FROM (SELECT * FROM {}.saga_dlq_replay_log \
-               WHERE idempotency_key = $1 AND ($2::text IS NULL OR tenant_id = $2) {FENCE}) m \
-         ORDER BY sent_at LIMIT $3",
-        ident(schema)
-    )))
-    .bind(key)
-    .bind(tenant)
-    .bind(limit())
-    .fetch_all(pool)
-    .await?;
-    for r in bounded(rows, schema, "replays", cut) {
-        let operator: String = r.try_get(1)?;
-        let (topic, p, o): (String, i32, i64) = (r.try_get(2)?, r.try_get(3)?, r.try_get(4)?);
-        let group: String = r.try_get(5)?;
-        let (retry, rp, ro): (String, i32, i64) = (r.try_get(6)?, r.try_get(7)?, r.try_get(8)?);
-        events.push(TraceEvent {
-            at: r.try_get(0)?,
-            lane: schema.to_owned(),
-            kind: EventKind::Replay,
-            subject: group,
-            status: "sent".to_owned(),
-            detail: format!("{topic}/{p}/{o} replayed by {operator} to {retry}/{rp}/{ro}"),
-        });
-    }
-    Ok(())
+fn replay(r: &PgRow) -> Result<Read, AdminError> {
+    let operator: String = r.try_get(1)?;
+    let (topic, p, o): (String, i32, i64) = (r.try_get(2)?, r.try_get(3)?, r.try_get(4)?);
+    let group: String = r.try_get(5)?;
+    let (retry, rp, ro): (String, i32, i64) = (r.try_get(6)?, r.try_get(7)?, r.try_get(8)?);
+    Ok((
+        r.try_get(0)?,
+        EventKind::Replay,
+        group,
+        "sent".to_owned(),
+        format!("{topic}/{p}/{o} replayed by {operator} to {retry}/{rp}/{ro}"),
+    ))
 }
 
-async fn dead_letters(
-    pool: &PgPool,
-    schema: &str,
-    key: &str,
-    tenant: Option<&str>,
-    events: &mut Vec<TraceEvent>,
-    cut: &mut Vec<String>,
-) -> Result<(), AdminError> {
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT failed_at, dlq_topic, dlq_partition, dlq_offset, original_topic, original_partition, \
-                original_offset, attempts, error, reason, coalesce(step, consumer_group) \
-         FROM (SELECT * FROM {}.saga_dead_letters \
-               WHERE idempotency_key = $1 AND ($2::text IS NULL OR tenant_id = $2) {FENCE}) m \
-         ORDER BY failed_at LIMIT $3",
-        ident(schema)
-    )))
-    .bind(key)
-    .bind(tenant)
-    .bind(limit())
-    .fetch_all(pool)
-    .await?;
-    for r in bounded(rows, schema, "dead letters", cut) {
-        let (topic, partition, offset): (String, i32, i64) =
-            (r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
-        let (original, original_partition, original_offset): (String, i32, i64) =
-            (r.try_get(4)?, r.try_get(5)?, r.try_get(6)?);
-        let (attempts, error): (i32, String) = (r.try_get(7)?, r.try_get(8)?);
-        events.push(TraceEvent {
-            at: r.try_get(0)?,
-            lane: schema.to_owned(),
-            kind: EventKind::DeadLetter,
-            subject: r.try_get(10)?,
-            status: r.try_get(9)?,
-            detail: format!(
-                "{topic}/{partition}/{offset} (from {original}/{original_partition}/{original_offset}), \
-                 {attempts} attempts: {error}"
-            ),
-        });
-    }
-    Ok(())
+fn dead_letter(r: &PgRow) -> Result<Read, AdminError> {
+    let (topic, partition, offset): (String, i32, i64) =
+        (r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
+    let (original, original_partition, original_offset): (String, i32, i64) =
+        (r.try_get(4)?, r.try_get(5)?, r.try_get(6)?);
+    let (attempts, error): (i32, String) = (r.try_get(7)?, r.try_get(8)?);
+    Ok((
+        r.try_get(0)?,
+        EventKind::DeadLetter,
+        r.try_get(10)?,
+        r.try_get(9)?,
+        format!(
+            "{topic}/{partition}/{offset} (from {original}/{original_partition}/{original_offset}), \
+             {attempts} attempts: {error}"
+        ),
+    ))
 }
 
 #[cfg(test)]
@@ -567,10 +705,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn identifiers_are_quoted_and_patterns_escaped() {
+    fn identifiers_are_quoted_and_headers_found_by_name() {
         assert_eq!(ident("svc"), "\"svc\"");
         assert_eq!(ident("a\"b"), "\"a\"\"b\"");
-        assert_eq!(keys_pattern("order_1%"), "order\\_1\\%:%");
         let headers: Vec<String> = ["ce_type", "OrderCreated", "idempotency-key", "k-1"]
             .map(str::to_owned)
             .to_vec();

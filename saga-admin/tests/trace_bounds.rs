@@ -1,10 +1,12 @@
 //! `saga trace` reads bounded lists: on a schema whose outbox holds more events of one key than a lane
 //! shows, and many rows whose headers carry the key's text under another name (a tenant value every row
 //! carries), the trace shows the key's first events only, says the list was cut, and never takes another
-//! header's value for the key. Both the events and the step keys are found through an index.
+//! header's value for the key. Every list is one index range read stopped by its limit, under the generic
+//! plan a prepared statement gets: no sequential scan, no sort of a key's rows.
 
 use saga_admin::trace::{self, EventKind, MOST_PER_LIST};
 use saga_test_support::TestDb;
+use sqlx::Row;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trace_matches_the_key_exactly_and_says_when_a_list_is_cut() {
@@ -88,7 +90,7 @@ async fn a_trace_matches_the_key_exactly_and_says_when_a_list_is_cut() {
         let scans: Vec<(String, i64)> = sqlx::query_as(
             "SELECT indexrelname::text, idx_scan FROM pg_stat_user_indexes \
              WHERE schemaname = current_schema() \
-               AND indexrelname IN ('saga_outbox_idempotency_key', 'saga_idempotency_keys_step_key') \
+               AND indexrelname IN ('saga_idempotency_keys_owner', 'saga_outbox_key_order') \
              ORDER BY 1",
         )
         .fetch_all(&db.pool)
@@ -163,4 +165,186 @@ async fn a_trace_matches_the_key_exactly_and_says_when_a_list_is_cut() {
         "nothing of its own was cut: {:?}",
         prefixing.cut
     );
+}
+
+/// The generic plan of each trace statement over `schema`, as `(list, its index, node types and
+/// relations)`, on a connection of its own (its prepared statements and settings go with it).
+async fn plans(db: &TestDb) -> Vec<(&'static str, &'static str, Vec<String>)> {
+    use sqlx::Connection as _;
+    let mut conn = sqlx::PgConnection::connect(&TestDb::database_url())
+        .await
+        .unwrap();
+    sqlx::query("SET plan_cache_mode = force_generic_plan")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let mut plans = Vec::new();
+    for (n, (list, index, sql)) in trace::statements(&db.schema).into_iter().enumerate() {
+        sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE trace_{n} AS {sql}")))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let plan: serde_json::Value = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN (FORMAT JSON) EXECUTE trace_{n}('key-7', NULL, 1001)"
+        )))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+        .try_get(0)
+        .unwrap();
+        let mut nodes = Vec::new();
+        walk(&plan[0]["Plan"], &mut nodes);
+        plans.push((list, index, nodes));
+    }
+    conn.close().await.unwrap();
+    plans
+}
+
+/// Every node of `plan` as "Node Type" or "Node Type on relation using index".
+fn walk(plan: &serde_json::Value, out: &mut Vec<String>) {
+    let mut node = plan["Node Type"].as_str().unwrap_or("?").to_owned();
+    if let Some(r) = plan["Relation Name"].as_str() {
+        node.push_str(&format!(" on {r}"));
+    }
+    if let Some(i) = plan["Index Name"].as_str() {
+        node.push_str(&format!(" using {i}"));
+    }
+    out.push(node);
+    for child in plan["Plans"].as_array().into_iter().flatten() {
+        walk(child, out);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_list_is_an_index_range_read_stopped_by_its_limit() {
+    let db = TestDb::with(
+        "trace-plans",
+        &[
+            saga_consumer::migrate::migrator(),
+            saga_orchestrator::migrate::migrator(),
+            saga_admin::dlq::migrator(),
+        ],
+    )
+    .await;
+    for fill in [
+        "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload) \
+         SELECT 'default', 'orders', 'k', ARRAY['ce_type', 'T', 'ce_source', 'charge', \
+                'idempotency-key', 'key-' || (n % 3000)], '{}'::bytea \
+         FROM generate_series(1, 30000) AS n",
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) \
+         SELECT 'default', 'key-' || n || ':' || step, 'completed' \
+         FROM generate_series(1, 10000) AS n, unnest(ARRAY['charge', 'ship']) AS step",
+        "INSERT INTO saga_dead_letters (dlq_topic, dlq_partition, dlq_offset, letter_hash, failure_group, \
+                cause, consumer_group, original_topic, original_partition, original_offset, reason, error, \
+                attempts, failed_at, idempotency_key, tenant_id, truncated, replay_count) \
+         SELECT 'orders.dlq', 0, n, 'h', 'g', 'c', 'payments', 'orders', 0, n, 'handler-error', 'e', 1, \
+                now(), 'key-' || (n % 3000), 'default', false, 0 \
+         FROM generate_series(1, 20000) AS n",
+        "INSERT INTO saga_dlq_replay_log (dlq_topic, dlq_partition, dlq_offset, letter_hash, consumer_group, \
+                operator, retry_topic, retry_partition, retry_offset, idempotency_key, tenant_id) \
+         SELECT 'orders.dlq', 0, n, 'h', 'payments', 'ops', 'orders.retry', 0, n, 'key-' || (n % 3000), \
+                'default' \
+         FROM generate_series(1, 10000) AS n",
+        "INSERT INTO saga_instances (saga_id, saga_type, tenant_id, idempotency_key, status, step_index, data) \
+         SELECT md5(n::text)::uuid, 'order', 'default', 'key-' || n, 'completed', 0, '{}' \
+         FROM generate_series(1, 5000) AS n",
+        "INSERT INTO saga_transitions (saga_id, version, to_status, cause) \
+         SELECT md5(n::text)::uuid, v, 'running', 'started' \
+         FROM generate_series(1, 5000) AS n, generate_series(1, 3) AS v",
+        "ANALYZE",
+    ] {
+        sqlx::query(fill).execute(&db.pool).await.unwrap();
+    }
+
+    let plans = plans(&db).await;
+    assert_eq!(plans.len(), 5, "{plans:?}");
+    for (list, index, nodes) in &plans {
+        assert!(
+            !nodes.iter().any(|n| n.starts_with("Seq Scan")),
+            "{list}: a sequential scan: {nodes:?}"
+        );
+        assert_eq!(nodes[0], "Limit", "{list}: {nodes:?}");
+        // Found through its own index (not, say, the primary key walked in order, every row filtered).
+        assert!(
+            nodes.iter().any(|n| n.ends_with(&format!("using {index}"))),
+            "{list}: not through {index}: {nodes:?}"
+        );
+        if !matches!(*list, "step keys" | "transitions") {
+            // One range read stopped by the limit: no sort of the key's rows, which would read them all.
+            // (A key's step keys are one per step and tenant, its instances one per tenant and saga type,
+            // each one's transitions limited: those are sorted.)
+            assert!(
+                !nodes.iter().any(|n| n == "Sort"),
+                "{list}: the key's rows sorted, so all of them read: {nodes:?}"
+            );
+        }
+    }
+
+    // Each list, read: the key's own rows, in their order.
+    let schemas = std::slice::from_ref(&db.schema);
+    let found = trace::trace(&db.pool, "key-7", None, schemas)
+        .await
+        .unwrap();
+    let count = |kind: EventKind| found.events.iter().filter(|e| e.kind == kind).count();
+    assert_eq!(count(EventKind::Step), 2);
+    assert_eq!(count(EventKind::Emitted), 10);
+    assert_eq!(count(EventKind::DeadLetter), 7);
+    assert_eq!(count(EventKind::Replay), 4);
+    assert_eq!(count(EventKind::Transition), 3);
+    assert!(
+        found.cut.is_empty() && found.unindexed.is_empty(),
+        "{found:?}"
+    );
+    let versions: Vec<&str> = found
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::Transition)
+        .map(|e| {
+            e.detail
+                .split(':')
+                .next()
+                .unwrap()
+                .rsplit(' ')
+                .next()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(versions, ["v1", "v2", "v3"]);
+
+    // A failed concurrent build leaves an invalid index under the name: the list is read without it,
+    // correctly, and the trace says so.
+    sqlx::query("DROP INDEX saga_dead_letters_key_time")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let failed = sqlx::query(
+        "CREATE UNIQUE INDEX CONCURRENTLY saga_dead_letters_key_time ON saga_dead_letters (idempotency_key)",
+    )
+    .execute(&db.pool)
+    .await;
+    assert!(failed.is_err(), "duplicate keys fail the unique build");
+    let without = trace::trace(&db.pool, "key-7", None, schemas)
+        .await
+        .unwrap();
+    assert_eq!(
+        without
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::DeadLetter)
+            .count(),
+        7
+    );
+    assert_eq!(without.unindexed.len(), 1, "{:?}", without.unindexed);
+    assert!(
+        without.unindexed[0].contains("dead letters")
+            && without.unindexed[0].contains("saga_dead_letters_key_time"),
+        "{:?}",
+        without.unindexed
+    );
+
+    // A NUL byte is bad input, said as such, not a database failure.
+    let nul = trace::trace(&db.pool, "key\u{0}7", None, schemas)
+        .await
+        .unwrap_err();
+    assert!(nul.is_caller_error(), "{nul}");
 }

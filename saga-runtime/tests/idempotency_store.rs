@@ -274,6 +274,29 @@ async fn keys_of_two_tenants_are_isolated() {
         acme_record.outcome,
         Some(serde_json::json!("acme's secret"))
     );
+
+    // A key's own step keys, exactly: not those of a longer key it prefixes with ':'.
+    let longer = key("same-client-key:order-7", "process-payment");
+    let mut tx = db.pool.begin().await.unwrap();
+    claim_in_transaction(&mut tx, &[(acme.clone(), longer)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let all: Vec<String> = idempotency::keys_of(&mut conn, "same-client-key", None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.step_key)
+        .collect();
+    assert_eq!(
+        all,
+        [k.as_str(), k.as_str()],
+        "acme's and globex's, not the longer key's"
+    );
+    let acme_only = idempotency::keys_of(&mut conn, "same-client-key", Some(&acme))
+        .await
+        .unwrap();
+    assert_eq!(acme_only.len(), 1);
 }
 
 #[tokio::test]

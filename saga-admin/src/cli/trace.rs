@@ -32,20 +32,20 @@ impl Cli {
             let unread = found
                 .unread
                 .iter()
-                .map(|u| {
-                    format!(
-                        "\nnot read, so dead letters may be missing: {}",
-                        one_line(u, 200)
-                    )
-                })
+                .map(|u| format!("\nnot read: {}", one_line(u, 200)))
                 .collect::<String>();
             let cut = found
                 .cut
                 .iter()
                 .map(|c| format!("\ncut: {}", one_line(c, 200)))
                 .collect::<String>();
+            let unindexed = found
+                .unindexed
+                .iter()
+                .map(|u| format!("\nslow: {}", one_line(u, 200)))
+                .collect::<String>();
             format!(
-                "{}{} events of key {} in {} services{unread}{cut}",
+                "{}{} events of key {} in {} services{unread}{cut}{unindexed}",
                 t.render(),
                 found.events.len(),
                 found.key,

@@ -1090,15 +1090,18 @@ pub(super) fn trace_form() -> String {
 pub(super) fn trace(t: &SagaTrace) -> String {
     let mut body = trace_search(&t.key, t.tenant.as_deref().unwrap_or(""));
     if !t.unread.is_empty() {
-        body.push_str(
-            "<p class=\"warning\" id=\"trace-unread\">Not read, so dead letters may be missing: ",
-        );
+        body.push_str("<p class=\"warning\" id=\"trace-unread\">Not read: ");
         body.push_str(&esc(&t.unread.join("; ")));
         body.push_str("</p>");
     }
     if !t.cut.is_empty() {
         body.push_str("<p class=\"warning\" id=\"trace-cut\">Cut: ");
         body.push_str(&esc(&t.cut.join("; ")));
+        body.push_str("</p>");
+    }
+    if !t.unindexed.is_empty() {
+        body.push_str("<p class=\"warning\" id=\"trace-unindexed\">Read without an index: ");
+        body.push_str(&esc(&t.unindexed.join("; ")));
         body.push_str("</p>");
     }
     if t.events.is_empty() {

@@ -665,37 +665,26 @@ pub async fn lookup(
 }
 
 /// Every step key derived from the original key `original` (`{original}:{step}`), of `tenant` or of every
-/// tenant, HTTP keys (`{original}:{operation}`) included; by tenant, then first claim.
+/// tenant, HTTP keys (`{original}:{operation}`) included; by tenant, then first claim. Exact: the keys of a
+/// longer key that `original` prefixes (`order:1:ship` for `order`) are not its own. Found through the
+/// index `saga_idempotency_keys_owner` (on `saga_step_owner(step_key)`, whose body this is, written out
+/// so that a schema migrated before it is read too).
 pub async fn keys_of(
     conn: &mut PgConnection,
     original: &str,
     tenant: Option<&TenantId>,
 ) -> Result<Vec<KeyRecord>, StoreError> {
-    let escaped = original
-        .replace('\\', "\\\\")
-        .replace('%', "\\%")
-        .replace('_', "\\_");
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {KEY_COLUMNS} FROM saga_idempotency_keys \
-         WHERE step_key LIKE $1 ESCAPE '\\' AND ($2::text IS NULL OR tenant_id = $2) \
+         WHERE left(step_key, length(step_key) - strpos(reverse(step_key), ':')) = $1 \
+           AND ($2::text IS NULL OR tenant_id = $2) \
          ORDER BY tenant_id, created_at, step_key"
     )))
-    .bind(format!("{escaped}:%"))
+    .bind(original)
     .bind(tenant.map(TenantId::as_str))
     .fetch_all(conn)
     .await?;
-    // The step name is what follows the last ':'; an original key may contain ':' itself, so a key
-    // `order:1:ship` matches the pattern for `order` too: keep the exact ones.
-    rows.iter()
-        .map(key_record)
-        .filter(|r| {
-            r.as_ref().map_or(true, |r| {
-                r.step_key
-                    .rsplit_once(':')
-                    .is_some_and(|(o, _)| o == original)
-            })
-        })
-        .collect()
+    rows.iter().map(key_record).collect()
 }
 
 /// Two-phase leases (`started` keys), the ones whose lease ran out only if `expired_only`; oldest expiry
