@@ -11,7 +11,7 @@
 //! (`ProcessPayment`, `RefundPayment`, `ArrangeShipment`), so each participant's step takes a family of
 //! two event types that share a payload: the event of the choreographed saga, or the command.
 
-use saga_consumer::{SagaEvent, Topic};
+use saga_consumer::{SagaEvent, StepContext, StepError, Topic};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -227,21 +227,14 @@ impl Topics {
         ]
     }
 
-    /// Where a participant's outcomes go: the events' topics (choreographed), or the orchestrator's reply
-    /// topic (orchestrated).
-    pub fn outcomes(&self, orchestrated: bool) -> Outcomes {
-        let or_replies = |name: &str| {
-            if orchestrated {
-                self.order_replies.clone()
-            } else {
-                name.to_owned()
-            }
-        };
+    /// Where a participant's outcomes go in the choreographed saga (in the orchestrated one they answer the
+    /// orchestrator's commands: [`Outcomes::send`]).
+    pub fn outcomes(&self) -> Outcomes {
         Outcomes {
-            payments: Topic::new(or_replies(self.payments.name())),
-            payment_setbacks: Topic::new(or_replies(self.payment_setbacks.name())),
-            shipments: Topic::new(or_replies(self.shipments.name())),
-            shipment_setbacks: Topic::new(or_replies(self.shipment_setbacks.name())),
+            payments: self.payments.clone(),
+            payment_setbacks: self.payment_setbacks.clone(),
+            shipments: self.shipments.clone(),
+            shipment_setbacks: self.shipment_setbacks.clone(),
         }
     }
 }
@@ -257,4 +250,22 @@ pub struct Outcomes {
     pub shipments: Topic<ShipmentArranged>,
     /// Shipments failed.
     pub shipment_setbacks: Topic<ShipmentSetback>,
+}
+
+impl Outcomes {
+    /// Sends a participant's outcome `event`: as its answer to the orchestrator when the step's message is
+    /// the orchestrator's command ([`StepContext::reply`]: to the reply topic the command names, keyed by
+    /// the saga), else to `topic`, keyed by `key`, for the choreographed saga's next step.
+    pub fn send<E: SagaEvent>(
+        ctx: &mut StepContext<'_>,
+        topic: &Topic<E>,
+        key: impl Into<String>,
+        event: &E,
+    ) -> Result<(), StepError> {
+        if ctx.reply_topic().is_some() {
+            ctx.reply(event)
+        } else {
+            ctx.emit(topic, key, event)
+        }
+    }
 }

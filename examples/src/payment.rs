@@ -1,8 +1,9 @@
 //! The payment service: `process-payment` charges an order through the gateway (two-phase, since the
 //! gateway is outside the database) and `refund-payment` compensates a failed shipment. Both take a family
 //! of two event types (the choreographed saga's event, or the orchestrator's command) and send their
-//! outcome where [`Outcomes`] says, so the same steps serve both sagas. Each is two functions: the
-//! gateway call, and its record in the transaction that completes the step.
+//! outcome with [`Outcomes::send`]: the answer to a command, the next event otherwise, so the same steps
+//! serve both sagas. Each is two functions: the gateway call, and its record in the transaction that
+//! completes the step.
 
 use saga_consumer::{
     Message, StepContext, StepError, StepOutcome, StepResult, Topic, TwoPhaseStep, two_phase,
@@ -73,7 +74,7 @@ async fn record_charge(
                 amount_cents: amount,
                 ship_to,
             };
-            ctx.emit(&payments.outcomes.payments, key, &processed)?;
+            Outcomes::send(ctx, &payments.outcomes.payments, key, &processed)?;
             StepOutcome::completed_with(&serde_json::json!({ "charge_id": charge_id }))
         }
         ChargeResult::Declined { reason } => {
@@ -82,7 +83,7 @@ async fn record_charge(
                 reason: reason.clone(),
             };
             let failed = PaymentSetback::PaymentFailed(setback);
-            ctx.emit(&payments.outcomes.payment_setbacks, key, &failed)?;
+            Outcomes::send(ctx, &payments.outcomes.payment_setbacks, key, &failed)?;
             Ok(StepOutcome::rejected(reason))
         }
     }
@@ -143,7 +144,7 @@ async fn record_refund(
         reason: format!("refunded: {}", setback.reason),
     });
     let key = setback.order_id.to_string();
-    ctx.emit(&payments.outcomes.payment_setbacks, key, &done)?;
+    Outcomes::send(ctx, &payments.outcomes.payment_setbacks, key, &done)?;
     let (charge_id, refund_id) = refunded.unzip();
     StepOutcome::completed_with(
         &serde_json::json!({ "charge_id": charge_id, "refund_id": refund_id }),

@@ -284,7 +284,7 @@ pub async fn steps(
 ) -> anyhow::Result<SagaServiceBuilder> {
     let topics = args.topics();
     let orchestrated = args.orchestrated;
-    let outcomes = topics.outcomes(orchestrated);
+    let outcomes = topics.outcomes();
     Ok(match service {
         Service::Order if orchestrated => builder.with(orchestrator(args)?),
         Service::Order => builder

@@ -23,7 +23,12 @@ pub async fn arrange_shipment(
             order_id,
             reason: reason.clone(),
         });
-        ctx.emit(&outcomes.shipment_setbacks, order_id.to_string(), &failed)?;
+        Outcomes::send(
+            ctx,
+            &outcomes.shipment_setbacks,
+            order_id.to_string(),
+            &failed,
+        )?;
         return Ok(StepOutcome::rejected(reason));
     }
     insert_shipment(ctx, order_id, shipment_id, &payment.ship_to, None).await?;
@@ -31,7 +36,7 @@ pub async fn arrange_shipment(
         order_id,
         shipment_id,
     };
-    ctx.emit(&outcomes.shipments, order_id.to_string(), &arranged)?;
+    Outcomes::send(ctx, &outcomes.shipments, order_id.to_string(), &arranged)?;
     StepOutcome::completed_with(&serde_json::json!({ "shipment_id": shipment_id }))
 }
 

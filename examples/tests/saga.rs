@@ -12,8 +12,9 @@ use saga_consumer::SagaServiceBuilder;
 use saga_examples::events::{
     OrderRequest, PaymentProcessed, PaymentSetback, RefundReply, ShipmentArranged, Topics,
 };
-use saga_examples::order;
+use saga_examples::order::{self, OrderSaga};
 use saga_examples::service::{self, Service, ServiceArgs, quote_ident};
+use saga_orchestrator::SagaStatus;
 use saga_testing::{SagaTest, ServiceSetup, http};
 use uuid::Uuid;
 
@@ -201,13 +202,31 @@ async fn an_orchestrated_order_whose_shipment_never_answers_is_refunded_when_its
     let order = saga.order("stranded", "4242", "Lisbon").await;
     saga.test.wait_quiet().await.unwrap();
     assert_eq!(saga.status(order).await, "PAID");
-    let sagas = saga.test.sagas("order").await.unwrap();
-    assert_eq!((sagas.len(), sagas[0].status.as_str()), (1, "running"));
+    let running = saga
+        .test
+        .saga::<OrderSaga>("order", "stranded")
+        .await
+        .unwrap();
+    let running = running.expect("the order started its saga");
+    assert_eq!(running.status, SagaStatus::Running);
+    let charged = running
+        .data
+        .payment
+        .as_ref()
+        .expect("the payment step's reply");
+    assert_eq!(charged.order_id, order);
+    assert!(running.data.shipment.is_none(), "no shipment answered");
 
     saga.test.advance(Duration::from_secs(60));
     saga.test.wait_quiet().await.unwrap();
-    let sagas = saga.test.sagas("order").await.unwrap();
-    assert_eq!(sagas[0].status, "compensated", "{:?}", sagas[0]);
+    let done = saga
+        .test
+        .saga::<OrderSaga>("order", "stranded")
+        .await
+        .unwrap();
+    let done = done.unwrap();
+    assert_eq!(done.status, SagaStatus::Compensated, "{done:?}");
+    assert!(done.failure.is_some(), "{done:?}");
     assert_eq!(saga.status(order).await, "CANCELLED");
     let replies = saga
         .test

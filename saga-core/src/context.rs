@@ -5,6 +5,7 @@ use sqlx::PgConnection;
 
 use crate::envelope::{Event, Lineage, Message, OutboxMessage};
 use crate::event::{SagaEvent, Topic};
+use crate::headers::names;
 use crate::step::StepError;
 
 /// The handler's view of the open transaction.
@@ -17,6 +18,19 @@ pub struct StepContext<'t> {
     lineage: Lineage,
     source: &'t str,
     emitted: &'t mut Vec<OutboxMessage>,
+    /// Where [`StepContext::reply`] sends.
+    reply_to: ReplyTo,
+}
+
+/// Where a step's message asks to be answered.
+#[derive(Debug, Clone)]
+enum ReplyTo {
+    /// It asks for no answer.
+    Unasked,
+    /// To `topic`, keyed by `key` (the saga's).
+    To { topic: String, key: String },
+    /// It names no valid topic (the value named).
+    NotATopic(String),
 }
 
 impl std::fmt::Debug for StepContext<'_> {
@@ -44,7 +58,28 @@ impl<'t> StepContext<'t> {
             lineage,
             source,
             emitted,
+            reply_to: ReplyTo::Unasked,
         }
+    }
+
+    /// The context answering `cause`: [`StepContext::reply`] sends to the topic its `saga-reply-to` header
+    /// names, keyed by its `saga-id` (the runtime's).
+    #[doc(hidden)]
+    pub fn answering<P>(mut self, cause: &Message<P>) -> Self {
+        if let Some(topic) = cause.header(names::REPLY_TO) {
+            self.reply_to = if is_topic_name(topic) {
+                let key = cause
+                    .header(names::SAGA_ID)
+                    .unwrap_or_else(|| cause.idempotency_key().as_str());
+                ReplyTo::To {
+                    topic: topic.to_owned(),
+                    key: key.to_owned(),
+                }
+            } else {
+                ReplyTo::NotATopic(topic.to_owned())
+            };
+        }
+        self
     }
 
     /// The open transaction's connection, for the handler's business reads and writes.
@@ -63,6 +98,56 @@ impl<'t> StepContext<'t> {
     ) -> Result<(), StepError> {
         self.emit_event(Event::of(topic, partition_key, event)?);
         Ok(())
+    }
+
+    /// Answers the orchestrator whose command the step handles: `reply` goes to the reply topic the
+    /// command names, keyed by the saga, with the saga's lineage (the orchestrator finds its instance by
+    /// it), into the outbox with the step's other writes. The participant needs no view of the
+    /// orchestrator's reply topic. A message that asks for no answer (not an orchestrator's command, or
+    /// one naming no valid topic) fails the step permanently: it is dead-lettered with that reason.
+    ///
+    /// ```
+    /// # use saga_core::{Message, SagaEvent, StepContext, StepResult, StepOutcome};
+    /// # #[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
+    /// # #[saga(crate = "saga_core")]
+    /// # struct ProcessPayment { order_id: i64 }
+    /// #[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
+    /// # #[saga(crate = "saga_core")]
+    /// struct PaymentProcessed { charge_id: String }
+    ///
+    /// async fn process_payment(msg: &Message<ProcessPayment>, ctx: &mut StepContext<'_>) -> StepResult {
+    ///     let charge_id = format!("ch-{}", msg.payload().order_id);
+    ///     ctx.reply(&PaymentProcessed { charge_id })?;
+    ///     Ok(StepOutcome::completed())
+    /// }
+    /// ```
+    pub fn reply<E: SagaEvent>(&mut self, reply: &E) -> Result<(), StepError> {
+        let (topic, key) = match &self.reply_to {
+            ReplyTo::To { topic, key } => (topic.clone(), key.clone()),
+            ReplyTo::Unasked => {
+                return Err(StepError::permanent(format!(
+                    "the step's message names no reply topic (`{}`): only an orchestrator's command \
+                     can be replied to",
+                    names::REPLY_TO
+                )));
+            }
+            ReplyTo::NotATopic(named) => {
+                return Err(StepError::permanent(format!(
+                    "the reply topic the message names ({named:?}) is no topic name: 1 to 249 of a-z, \
+                     A-Z, 0-9, '.', '_' and '-'"
+                )));
+            }
+        };
+        self.emit(&Topic::<E>::new(topic), key, reply)
+    }
+
+    /// The topic the step's message asks to be answered on, if it is an orchestrator's command: a step that
+    /// serves a choreographed saga too replies when it is one, and emits otherwise.
+    pub fn reply_topic(&self) -> Option<&str> {
+        match &self.reply_to {
+            ReplyTo::To { topic, .. } => Some(topic),
+            ReplyTo::Unasked | ReplyTo::NotATopic(_) => None,
+        }
     }
 
     /// Emits an event built at run time (see [`Event::new`]); prefer [`StepContext::emit`].
@@ -91,6 +176,7 @@ impl<'t> StepContext<'t> {
             lineage: self.lineage.clone(),
             source: self.source,
             emitted: &mut *self.emitted,
+            reply_to: self.reply_to.clone(),
         }
     }
 }
@@ -163,5 +249,16 @@ impl<'t> BatchContext<'t> {
             self.source,
             &mut *self.emitted,
         )
+        .answering(cause)
     }
+}
+
+/// Whether `name` is a valid Kafka topic name.
+fn is_topic_name(name: &str) -> bool {
+    (1..=249).contains(&name.len())
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }

@@ -27,6 +27,10 @@ pub mod names {
     pub const CAUSATION_ID: &str = "causation-id";
     /// W3C trace context.
     pub const TRACEPARENT: &str = "traceparent";
+    /// The topic an orchestrator's command asks to be answered on ([`crate::StepContext::reply`]).
+    pub const REPLY_TO: &str = "saga-reply-to";
+    /// The orchestrated saga instance a command belongs to; its replies are keyed by it.
+    pub const SAGA_ID: &str = "saga-id";
 }
 
 /// The CloudEvents spec version the framework writes.

@@ -219,7 +219,8 @@ pub async fn handle<S: SagaStep>(
     let msg = msg.for_step(&name);
     let mut emitted = Vec::new();
     let result = {
-        let mut ctx = StepContext::new(conn, msg.lineage(), name.as_str(), &mut emitted);
+        let mut ctx =
+            StepContext::new(conn, msg.lineage(), name.as_str(), &mut emitted).answering(&msg);
         step.handle(&msg, &mut ctx).await
     };
     Handled {
@@ -248,7 +249,8 @@ pub async fn complete<S: TwoPhaseStep>(
     };
     let mut emitted = Vec::new();
     let result = {
-        let mut ctx = StepContext::new(conn, msg.lineage(), name.as_str(), &mut emitted);
+        let mut ctx =
+            StepContext::new(conn, msg.lineage(), name.as_str(), &mut emitted).answering(&msg);
         step.complete(&msg, response, &mut ctx).await
     };
     Handled {

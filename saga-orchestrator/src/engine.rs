@@ -112,6 +112,8 @@ pub struct Outgoing {
     pub event_type: String,
     /// The payload.
     pub payload: Value,
+    /// Where the participant answers (the definition's reply topic): the command's `saga-reply-to`.
+    pub reply_topic: String,
 }
 
 /// A decision: the next state, the command to send and when the next deadline falls.
@@ -292,6 +294,7 @@ fn run_step<D: Clone>(
             topic: step.command.topic().to_owned(),
             event_type,
             payload,
+            reply_topic: def.reply_topic.clone(),
         }),
         deadline: Some(step.timeout),
         cause: cause.to_owned(),
@@ -360,6 +363,7 @@ fn compensation_command<D>(
             topic: compensation.command.topic().to_owned(),
             event_type,
             payload,
+            reply_topic: def.reply_topic.clone(),
         },
         compensation.resend_after,
     )))

@@ -3,6 +3,7 @@
 //! caller's transaction.
 
 use chrono::{DateTime, Utc};
+use saga_core::headers::names;
 use saga_core::{Event, IdempotencyKey, Lineage, OutboxMessage, TenantId};
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
@@ -462,7 +463,8 @@ pub(crate) async fn apply<D>(
             &send.payload,
         )
         .map_err(|e| OrchestratorError::Corrupt(e.to_string()))?
-        .with_header("saga-id", instance.saga_id.to_string());
+        .with_header(names::SAGA_ID, instance.saga_id.to_string())
+        .with_header(names::REPLY_TO, send.reply_topic.clone());
         let source = format!("orchestrator/{}", instance.saga_type);
         outbox
             .append(conn, &[OutboxMessage::from_event(event, lineage, &source)])

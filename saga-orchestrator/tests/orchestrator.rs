@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use outbox_relay::Relay;
 use saga_consumer::{SagaConsumer, SagaConsumerBuilder};
+use saga_core::headers::names;
 use saga_core::{
-    Event, IdempotencyKey, Lineage, Message, SagaStep, StepContext, StepName, StepOutcome,
-    StepResult, Subscription, TenantId,
+    ErrorKind, Event, IdempotencyKey, Lineage, Message, SagaEvent, SagaStep, StepContext, StepName,
+    StepOutcome, StepResult, Subscription, TenantId, Topic,
 };
 use saga_orchestrator::{
     Command, OnTimeout, Orchestrator, OrchestratorError, SagaDefinition, SagaStatus, Step, Verdict,
@@ -63,10 +64,18 @@ impl SagaStep for Participant {
         } else {
             self.ok.clone()
         };
+        // Where the command says to answer, keyed by its saga (what `ctx.reply` does for a typed reply).
+        let reply_to = msg
+            .header(names::REPLY_TO)
+            .expect("the command names its reply topic");
+        assert_eq!(reply_to, self.replies);
+        let saga = msg
+            .header(names::SAGA_ID)
+            .expect("the command names its saga");
         ctx.emit_event(Event::new(
             reply,
-            &self.replies,
-            msg.idempotency_key().to_string(),
+            reply_to,
+            saga,
             &json!({ "by": self.name, "reason": format!("{} says no", self.name) }),
         )?);
         Ok(StepOutcome::completed())
@@ -579,4 +588,67 @@ async fn instances_started_on_version_1_finish_on_it_after_version_2_is_deployed
         "c only for version 2"
     );
     w.stop().await;
+}
+
+#[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
+#[saga(crate = "saga_core")]
+struct Charge {
+    order: i64,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
+#[saga(crate = "saga_core")]
+struct Charged {
+    order: i64,
+}
+
+async fn charge(msg: &Message<Charge>, ctx: &mut StepContext<'_>) -> StepResult {
+    ctx.reply(&Charged {
+        order: msg.payload().order,
+    })?;
+    Ok(StepOutcome::completed())
+}
+
+#[tokio::test]
+async fn a_participant_replies_where_the_command_says_and_a_message_asking_no_reply_is_refused() {
+    use saga_core::testing::{event, handle};
+    let db = TestDb::new("orch-reply").await;
+    let step = saga_core::step("charge", charge).on(&Topic::new("payments"));
+    let command = |headers: &[(&str, &str)]| {
+        let mut built = event(Charge { order: 7 }).key("order-7");
+        for (name, value) in headers {
+            built = built.header(name, value);
+        }
+        built.build()
+    };
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let asked = command(&[(names::REPLY_TO, "orders.replies"), (names::SAGA_ID, "s-1")]);
+    let handled = handle(&step, asked, &mut tx).await;
+    assert_eq!(handled.result.unwrap(), StepOutcome::completed());
+    assert_eq!(handled.emitted.len(), 1);
+    let reply = &handled.emitted[0];
+    assert_eq!(
+        (reply.topic(), reply.partition_key(), reply.event_type()),
+        ("orders.replies", Some("s-1"), "Charged")
+    );
+    assert_eq!(
+        reply.header(names::IDEMPOTENCY_KEY),
+        Some("order-7"),
+        "the saga's lineage"
+    );
+    assert_eq!(reply.payload::<Charged>().unwrap().order, 7);
+
+    // A message that is no command: nothing to answer, the step fails for good (a dead letter saying so).
+    for (headers, says) in [
+        (vec![], names::REPLY_TO),
+        (vec![(names::REPLY_TO, "orders/replies")], "no topic name"),
+        (vec![(names::REPLY_TO, "")], "no topic name"),
+    ] {
+        let handled = handle(&step, command(&headers), &mut tx).await;
+        let refused = handled.result.unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::Permanent, "{refused}");
+        assert!(refused.to_string().contains(says), "{refused}");
+        assert!(handled.emitted.is_empty());
+    }
 }

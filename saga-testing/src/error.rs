@@ -72,6 +72,16 @@ pub enum KitError {
     /// The system was not quiet in time: what was still busy.
     #[error("{0}")]
     Busy(#[from] crate::Busy),
+    /// A saga's stored data or status does not read as the test asked.
+    #[error("the saga {saga_id} of key {key:?}: {error}")]
+    SagaUnreadable {
+        /// The instance.
+        saga_id: uuid::Uuid,
+        /// The client's key it was started with.
+        key: String,
+        /// Why.
+        error: String,
+    },
     /// The orchestrator's tables could not be read.
     #[error("the saga instances: {0}")]
     Orchestrator(#[from] saga_orchestrator::OrchestratorError),

@@ -82,7 +82,7 @@ use saga_consumer::{
     IdempotencyKey, KafkaConfig, Lineage, OutboxMessage, SagaEvent, SagaServiceBuilder, TenantId,
     Topic,
 };
-use saga_orchestrator::SagaInstance;
+use saga_orchestrator::{SagaInstance, SagaStatus};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
@@ -92,6 +92,23 @@ pub use quiet::{Busy, Culprit};
 pub use saga_consumer::faults;
 pub use saga_orchestrator::SagaClock;
 pub use service::ServiceSetup;
+
+/// A saga instance as a test reads it ([`SagaTest::saga`]): its status typed and its data as the
+/// definition's type.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Saga<D> {
+    /// Its id.
+    pub id: uuid::Uuid,
+    /// Where it stands.
+    pub status: SagaStatus,
+    /// Its data.
+    pub data: D,
+    /// Why it compensates, if it does.
+    pub failure: Option<String>,
+    /// The instance as stored (its type, tenant, step, version, ...).
+    pub instance: SagaInstance,
+}
 
 use cluster::{Cluster, Position};
 use duplicate::Duplicator;
@@ -260,6 +277,35 @@ impl SagaTest {
         self.service_async(name, move |s| {
             let builder = setup(&s);
             async move { Ok::<_, BoxError>(builder) }
+        })
+        .await
+    }
+
+    /// Like [`SagaTest::service`], with the service's own migrations (`sqlx::migrate!("./migrations")`)
+    /// applied to its schema before each start, as the service applies them at its own.
+    ///
+    /// ```no_run
+    /// # async fn t(test: &mut saga_testing::SagaTest) -> Result<(), saga_testing::KitError> {
+    /// # let migrations: sqlx::migrate::Migrator = todo!();
+    /// test.service_migrated("hotel", migrations, |s| s.builder()).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn service_migrated<F>(
+        &mut self,
+        name: &str,
+        migrations: sqlx::migrate::Migrator,
+        setup: F,
+    ) -> Result<(), KitError>
+    where
+        F: Fn(&ServiceSetup) -> SagaServiceBuilder + Send + Sync + 'static,
+    {
+        let migrations = Arc::new(migrations);
+        self.service_async(name, move |s| {
+            let (migrations, builder) = (Arc::clone(&migrations), setup(&s));
+            async move {
+                migrations.run(s.pool()).await?;
+                Ok::<_, BoxError>(builder)
+            }
         })
         .await
     }
@@ -482,6 +528,65 @@ impl SagaTest {
         let pool = self.pool(service)?;
         let filter = saga_orchestrator::store::SagaFilter::default().limit(10_000);
         Ok(saga_orchestrator::store::list(pool, &filter).await?)
+    }
+
+    /// The saga that client key `key` started in service `service`, its data read as `D` (the definition's
+    /// data type) and its status typed; `None` if there is none. A key that started sagas of several types
+    /// or tenants there is refused (read them with [`SagaTest::sagas`]).
+    ///
+    /// ```no_run
+    /// # async fn t(test: &saga_testing::SagaTest) -> Result<(), saga_testing::KitError> {
+    /// # #[derive(serde::Deserialize)] struct Order { charge_id: Option<String> }
+    /// let saga = test.saga::<Order>("orders", "order-1").await?.expect("the saga started");
+    /// assert_eq!(saga.status, saga_orchestrator::SagaStatus::Completed);
+    /// assert!(saga.data.charge_id.is_some());
+    /// # Ok(()) }
+    /// ```
+    pub async fn saga<D: serde::de::DeserializeOwned>(
+        &self,
+        service: &str,
+        key: &str,
+    ) -> Result<Option<Saga<D>>, KitError> {
+        let mut of_key: Vec<SagaInstance> = self
+            .sagas(service)
+            .await?
+            .into_iter()
+            .filter(|i| i.idempotency_key == key)
+            .collect();
+        let instance = match of_key.len() {
+            0 => return Ok(None),
+            1 => of_key.remove(0),
+            n => {
+                return Err(KitError::Unsupported(format!(
+                    "key {key:?} started {n} sagas in {service} (types and tenants: {}): read them with sagas()",
+                    of_key
+                        .iter()
+                        .map(|i| format!("{}/{}", i.saga_type, i.tenant))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+        };
+        let unreadable = |error: String| KitError::SagaUnreadable {
+            saga_id: instance.saga_id,
+            key: key.to_owned(),
+            error,
+        };
+        let status = SagaStatus::parse(&instance.status)
+            .ok_or_else(|| unreadable(format!("its status {:?} is no status", instance.status)))?;
+        let data = serde_json::from_value::<D>(instance.data.clone()).map_err(|e| {
+            unreadable(format!(
+                "its data does not read as {}: {e}",
+                std::any::type_name::<D>()
+            ))
+        })?;
+        Ok(Some(Saga {
+            id: instance.saga_id,
+            status,
+            data,
+            failure: instance.failure.clone(),
+            instance,
+        }))
     }
 
     /// Every message of the topics named `topics` is delivered twice: the kit produces a copy of each (same

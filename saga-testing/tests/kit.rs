@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use saga_consumer::{
     Message, SagaEvent, StepContext, StepError, StepOutcome, StepResult, Topic, step, step_with,
 };
-use saga_orchestrator::{Command, OnTimeout, Orchestrator, SagaDefinition, Step, Verdict};
+use saga_orchestrator::{
+    Command, OnTimeout, Orchestrator, SagaDefinition, SagaStatus, Step, Verdict,
+};
 use saga_testing::faults::fail_after_handler;
 use saga_testing::{Culprit, KitError, SagaTest, ServiceSetup};
 use serde::{Deserialize, Serialize};
@@ -88,7 +90,19 @@ async fn virtual_time_fires_a_one_hour_saga_timeout_without_waiting_an_hour() {
     test.wait_quiet().await.unwrap();
     let sagas = test.sagas("orders").await.unwrap();
     assert_eq!(sagas.len(), 1);
-    assert_eq!(sagas[0].status, "running", "waiting for its reply");
+    let saga = test
+        .saga::<Order>("orders", "order-1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(saga.status, SagaStatus::Running, "waiting for its reply");
+    assert_eq!(saga.data.n, 1);
+    assert!(
+        test.saga::<Order>("orders", "order-2")
+            .await
+            .unwrap()
+            .is_none()
+    );
 
     let advanced = Instant::now();
     test.advance(Duration::from_secs(3600));
@@ -96,11 +110,21 @@ async fn virtual_time_fires_a_one_hour_saga_timeout_without_waiting_an_hour() {
     test.set_quiet_timeout(Duration::from_secs(5));
     test.wait_quiet().await.unwrap();
     let fired_after = advanced.elapsed();
-    let sagas = test.sagas("orders").await.unwrap();
+    let saga = test
+        .saga::<Order>("orders", "order-1")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
-        sagas[0].status, "compensated",
-        "the timeout failed the step: {:?}",
-        sagas[0]
+        saga.status,
+        SagaStatus::Compensated,
+        "the timeout failed the step: {saga:?}"
+    );
+    // Data of another shape is said, not guessed.
+    let unreadable = test.saga::<Vec<u8>>("orders", "order-1").await.unwrap_err();
+    assert!(
+        unreadable.to_string().contains("does not read as"),
+        "{unreadable}"
     );
     println!("a one-hour timeout fired {fired_after:?} after the clock moved");
     test.stop().await.unwrap();
