@@ -138,6 +138,11 @@ pub enum ShipmentReply {
 }
 
 impl Charge {
+    /// Whether it is the orchestrator's command, which is answered with a reply.
+    pub fn is_command(&self) -> bool {
+        matches!(self, Self::ProcessPayment(_))
+    }
+
     /// The order to charge.
     pub fn order(&self) -> &OrderCreated {
         match self {
@@ -147,6 +152,11 @@ impl Charge {
 }
 
 impl Refund {
+    /// Whether it is the orchestrator's command, which is answered with a reply.
+    pub fn is_command(&self) -> bool {
+        matches!(self, Self::RefundPayment(_))
+    }
+
     /// Why the charge is refunded.
     pub fn setback(&self) -> &Setback {
         match self {
@@ -156,6 +166,11 @@ impl Refund {
 }
 
 impl Ship {
+    /// Whether it is the orchestrator's command, which is answered with a reply.
+    pub fn is_command(&self) -> bool {
+        matches!(self, Self::ArrangeShipment(_))
+    }
+
     /// The payment the shipment follows.
     pub fn payment(&self) -> &PaymentProcessed {
         match self {
@@ -254,15 +269,18 @@ pub struct Outcomes {
 
 impl Outcomes {
     /// Sends a participant's outcome `event`: as its answer to the orchestrator when the step's message is
-    /// the orchestrator's command ([`StepContext::reply`]: to the reply topic the command names, keyed by
-    /// the saga), else to `topic`, keyed by `key`, for the choreographed saga's next step.
+    /// the orchestrator's command (`command`, by the message's type: [`StepContext::reply`], to the reply
+    /// topic the command names, keyed by the saga), else to `topic`, keyed by `key`, for the choreographed
+    /// saga's next step. A command that names no reply topic fails the step (a dead letter saying so): it
+    /// is never answered where nobody listens.
     pub fn send<E: SagaEvent>(
         ctx: &mut StepContext<'_>,
+        command: bool,
         topic: &Topic<E>,
         key: impl Into<String>,
         event: &E,
     ) -> Result<(), StepError> {
-        if ctx.reply_topic().is_some() {
+        if command {
             ctx.reply(event)
         } else {
             ctx.emit(topic, key, event)

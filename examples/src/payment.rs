@@ -74,7 +74,8 @@ async fn record_charge(
                 amount_cents: amount,
                 ship_to,
             };
-            Outcomes::send(ctx, &payments.outcomes.payments, key, &processed)?;
+            let command = msg.payload().is_command();
+            Outcomes::send(ctx, command, &payments.outcomes.payments, key, &processed)?;
             StepOutcome::completed_with(&serde_json::json!({ "charge_id": charge_id }))
         }
         ChargeResult::Declined { reason } => {
@@ -83,7 +84,14 @@ async fn record_charge(
                 reason: reason.clone(),
             };
             let failed = PaymentSetback::PaymentFailed(setback);
-            Outcomes::send(ctx, &payments.outcomes.payment_setbacks, key, &failed)?;
+            let command = msg.payload().is_command();
+            Outcomes::send(
+                ctx,
+                command,
+                &payments.outcomes.payment_setbacks,
+                key,
+                &failed,
+            )?;
             Ok(StepOutcome::rejected(reason))
         }
     }
@@ -144,7 +152,14 @@ async fn record_refund(
         reason: format!("refunded: {}", setback.reason),
     });
     let key = setback.order_id.to_string();
-    Outcomes::send(ctx, &payments.outcomes.payment_setbacks, key, &done)?;
+    let command = msg.payload().is_command();
+    Outcomes::send(
+        ctx,
+        command,
+        &payments.outcomes.payment_setbacks,
+        key,
+        &done,
+    )?;
     let (charge_id, refund_id) = refunded.unzip();
     StepOutcome::completed_with(
         &serde_json::json!({ "charge_id": charge_id, "refund_id": refund_id }),

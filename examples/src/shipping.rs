@@ -14,7 +14,7 @@ pub async fn arrange_shipment(
     ctx: &mut StepContext<'_>,
     outcomes: &Outcomes,
 ) -> StepResult {
-    let payment = msg.payload().payment();
+    let (payment, command) = (msg.payload().payment(), msg.payload().is_command());
     let (order_id, shipment_id) = (payment.order_id, Uuid::now_v7());
     if payment.ship_to.contains("Atlantis") {
         let reason = format!("cannot ship to {}", payment.ship_to);
@@ -25,6 +25,7 @@ pub async fn arrange_shipment(
         });
         Outcomes::send(
             ctx,
+            command,
             &outcomes.shipment_setbacks,
             order_id.to_string(),
             &failed,
@@ -36,7 +37,13 @@ pub async fn arrange_shipment(
         order_id,
         shipment_id,
     };
-    Outcomes::send(ctx, &outcomes.shipments, order_id.to_string(), &arranged)?;
+    Outcomes::send(
+        ctx,
+        command,
+        &outcomes.shipments,
+        order_id.to_string(),
+        &arranged,
+    )?;
     StepOutcome::completed_with(&serde_json::json!({ "shipment_id": shipment_id }))
 }
 

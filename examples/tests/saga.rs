@@ -236,6 +236,21 @@ async fn an_orchestrated_order_whose_shipment_never_answers_is_refunded_when_its
         .await
         .unwrap();
     replies.one(|r| matches!(r, RefundReply::PaymentRefunded(s) if s.order_id == order));
+    // The participant answered the orchestrator's commands (`ctx.reply`): nothing on the choreographed
+    // saga's topics.
+    let topics = saga.topics();
+    assert_eq!(
+        saga.test.published(&topics.payments).await.unwrap().len(),
+        0
+    );
+    assert_eq!(
+        saga.test
+            .published(&topics.payment_setbacks)
+            .await
+            .unwrap()
+            .len(),
+        0
+    );
     assert_eq!(saga.ledger().await, (1, 1), "charged once, refunded once");
     saga.stop().await;
 }

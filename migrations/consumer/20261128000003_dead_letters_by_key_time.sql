@@ -4,9 +4,9 @@
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid
-               WHERE c.relnamespace = current_schema()::regnamespace AND NOT x.indisvalid
+               WHERE c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema()) AND NOT x.indisvalid
                  AND c.relname = 'saga_dead_letters_key_time') THEN
-        DROP INDEX saga_dead_letters_key_time;
+        EXECUTE format('DROP INDEX %I.%I', current_schema(), 'saga_dead_letters_key_time');
     END IF;
 END
 $$;

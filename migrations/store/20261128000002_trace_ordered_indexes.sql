@@ -22,10 +22,10 @@ DECLARE
 BEGIN
     FOR name IN
         SELECT c.relname FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid
-        WHERE c.relnamespace = current_schema()::regnamespace AND NOT x.indisvalid
+        WHERE c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema()) AND NOT x.indisvalid
           AND c.relname IN ('saga_outbox_key_order', 'saga_idempotency_keys_owner')
     LOOP
-        EXECUTE format('DROP INDEX %I', name);
+        EXECUTE format('DROP INDEX %I.%I', current_schema(), name);
     END LOOP;
 END
 $$;

@@ -258,7 +258,8 @@ impl List {
             Self::Steps => format!(
                 "SELECT tenant_id, step_key, status, attempts, outcome::text, error, created_at, \
                         updated_at, request_hash IS NOT NULL \
-                 FROM {s}.saga_idempotency_keys WHERE {STEP_OWNER} = $1 AND {tenant} \
+                 FROM {s}.saga_idempotency_keys \
+                 WHERE {STEP_OWNER} = $1 AND strpos(step_key, ':') > 0 AND {tenant} \
                  ORDER BY created_at, step_key, tenant_id LIMIT $3"
             ),
             Self::Emitted => {
@@ -331,8 +332,15 @@ pub async fn trace(
         ));
     }
     let deadline = Instant::now() + TRACE_DEADLINE;
-    let mut tx = pool.begin().await?;
+    let mut tx = tokio::time::timeout(TRACE_DEADLINE, pool.begin())
+        .await
+        .map_err(|_| sqlx::Error::PoolTimedOut)??;
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    // Every statement of the trace within its time: the catalog's lists too (each list sets its own).
+    sqlx::query("SELECT set_config('statement_timeout', $1, true)")
+        .bind(format!("{}ms", STATEMENT_TIMEOUT.as_millis()))
         .execute(&mut *tx)
         .await?;
     let schemas = chosen(&mut *tx, schemas).await?;
@@ -360,15 +368,7 @@ pub async fn trace(
                 .push(format!("{past}: not read: {}", schemas[n..].join(", ")));
             break;
         }
-        lane(
-            &mut *tx,
-            schema,
-            key,
-            tenant,
-            left.min(STATEMENT_TIMEOUT),
-            &mut found,
-        )
-        .await?;
+        lane(&mut tx, schema, key, tenant, deadline, &mut found).await?;
     }
     tx.rollback().await?;
     found
@@ -406,33 +406,28 @@ async fn chosen(conn: &mut PgConnection, schemas: &[String]) -> Result<Vec<Strin
 }
 
 /// Reads `schema`'s lists of `key` into `found`, in a savepoint rolled back once read (it wrote nothing,
-/// and the locks it took on the schema's tables go with it), each statement within `timeout`. A schema
-/// dropped while it is read holds nothing now; one whose statement runs out of time is named in `unread`.
+/// and the locks it took on the schema's tables go with it), each list by `deadline` (see
+/// [`Lane::list`]). A schema dropped while it is read holds nothing now.
 async fn lane(
     conn: &mut PgConnection,
     schema: &str,
     key: &str,
     tenant: Option<&str>,
-    timeout: Duration,
+    deadline: Instant,
     found: &mut SagaTrace,
 ) -> Result<(), AdminError> {
     let mut sp = sqlx::Connection::begin(&mut *conn).await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SET LOCAL statement_timeout = {}",
-        timeout.as_millis().max(1)
-    )))
-    .execute(&mut *sp)
-    .await?;
     let mut read = Lane {
         schema,
         key,
         tenant,
+        deadline,
         events: Vec::new(),
         cut: Vec::new(),
         unindexed: Vec::new(),
         unread: Vec::new(),
     };
-    let result = read.all(&mut *sp).await;
+    let result = read.all(&mut sp).await;
     sp.rollback().await?;
     match result {
         Ok(()) => {
@@ -449,20 +444,14 @@ async fn lane(
             tracing::debug!(schema, "a schema went away while it was traced");
             Ok(())
         }
-        // A statement past its time: what the schema holds is unknown, and said.
+        // Its tables not even listed in time (the transaction's statement timeout): said.
         Err(AdminError::Database(sqlx::Error::Database(e)))
             if e.code().as_deref() == Some("57014") =>
         {
-            let why = if read.unindexed.is_empty() {
-                "the database is slow or busy"
-            } else {
-                "a list without its index, said below"
-            };
             found.unread.push(format!(
-                "{schema}: a statement ran past {} ms ({why}), so nothing of it is shown",
-                timeout.as_millis(),
+                "{schema}: its tables could not be listed within {} s (the database is slow or busy)",
+                STATEMENT_TIMEOUT.as_secs()
             ));
-            found.unindexed.append(&mut read.unindexed);
             Ok(())
         }
         Err(e) => Err(e),
@@ -474,6 +463,8 @@ struct Lane<'a> {
     schema: &'a str,
     key: &'a str,
     tenant: Option<&'a str>,
+    /// When the whole trace must be done.
+    deadline: Instant,
     events: Vec<TraceEvent>,
     cut: Vec<String>,
     unindexed: Vec<String>,
@@ -481,7 +472,10 @@ struct Lane<'a> {
 }
 
 impl Lane<'_> {
-    async fn all(&mut self, conn: &mut PgConnection) -> Result<(), AdminError> {
+    async fn all(
+        &mut self,
+        conn: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    ) -> Result<(), AdminError> {
         let tables = tables_of(&mut *conn, self.schema).await?;
         let indexes = valid_indexes(&mut *conn, self.schema).await?;
         let positioned = self.positioned(&mut *conn).await?;
@@ -508,12 +502,9 @@ impl Lane<'_> {
                     list.indexes()[0]
                 ));
             }
-            let rows = sqlx::query(sqlx::AssertSqlSafe(list.statement(self.schema, positioned)))
-                .bind(self.key)
-                .bind(self.tenant)
-                .bind(limit())
-                .fetch_all(&mut *conn)
-                .await?;
+            let Some(rows) = self.list(conn, list, positioned).await? else {
+                continue;
+            };
             let rows = bounded(rows, self.schema, list.what(), &mut self.cut);
             for r in rows {
                 let event = match list {
@@ -536,6 +527,59 @@ impl Lane<'_> {
             }
         }
         Ok(())
+    }
+
+    /// `list`'s rows, read in a savepoint of its own within [`STATEMENT_TIMEOUT`] and what is left until
+    /// the deadline; `None`, said in `unread`, if it ran past that (the schema's other lists are read all
+    /// the same) or no time was left.
+    async fn list(
+        &mut self,
+        conn: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        list: List,
+        positioned: bool,
+    ) -> Result<Option<Vec<PgRow>>, AdminError> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left < Duration::from_millis(100) {
+            self.unread.push(format!(
+                "{}: {} not read: the trace's {} s ran out",
+                self.schema,
+                list.what(),
+                TRACE_DEADLINE.as_secs()
+            ));
+            return Ok(None);
+        }
+        let timeout = left.min(STATEMENT_TIMEOUT);
+        let mut sp = sqlx::Connection::begin(&mut **conn).await?;
+        sqlx::query("SELECT set_config('statement_timeout', $1, true)")
+            .bind(format!("{}ms", timeout.as_millis().max(1)))
+            .execute(&mut *sp)
+            .await?;
+        let rows = sqlx::query(sqlx::AssertSqlSafe(list.statement(self.schema, positioned)))
+            .bind(self.key)
+            .bind(self.tenant)
+            .bind(limit())
+            .fetch_all(&mut *sp)
+            .await;
+        sp.rollback().await?;
+        match rows {
+            Ok(rows) => Ok(Some(rows)),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("57014") => {
+                self.unread.push(format!(
+                    "{}: {} not read: the statement ran past {} ms (the database is slow or busy, \
+                     or a lock held it{})",
+                    self.schema,
+                    list.what(),
+                    timeout.as_millis(),
+                    if self.unindexed.iter().any(|u| u.contains(list.what())) {
+                        "; the list has no index"
+                    } else {
+                        ""
+                    }
+                ));
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Whether the schema's outbox has the published position (older schemas lack it).

@@ -323,6 +323,18 @@ async fn every_list_is_an_index_range_read_stopped_by_its_limit() {
     .execute(&db.pool)
     .await;
     assert!(failed.is_err(), "duplicate keys fail the unique build");
+    let invalid: bool = sqlx::query_scalar(
+        "SELECT NOT x.indisvalid FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid \
+         WHERE c.relname = 'saga_dead_letters_key_time' AND c.relnamespace = \
+               (SELECT oid FROM pg_namespace WHERE nspname = current_schema())",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        invalid,
+        "the failed build left an invalid index under the name"
+    );
     let without = trace::trace(&db.pool, "key-7", None, schemas)
         .await
         .unwrap();
@@ -340,6 +352,33 @@ async fn every_list_is_an_index_range_read_stopped_by_its_limit() {
             && without.unindexed[0].contains("saga_dead_letters_key_time"),
         "{:?}",
         without.unindexed
+    );
+
+    // A list whose table is locked past the statement timeout: named as not read, the others shown.
+    let mut locker = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE saga_outbox IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let held = trace::trace(&db.pool, "key-7", None, schemas)
+        .await
+        .unwrap();
+    locker.rollback().await.unwrap();
+    assert!(
+        held.unread
+            .iter()
+            .any(|u| u.contains("events emitted not read")),
+        "{:?}",
+        held.unread
+    );
+    assert!(!held.events.iter().any(|e| e.kind == EventKind::Emitted));
+    assert_eq!(
+        held.events
+            .iter()
+            .filter(|e| e.kind == EventKind::Transition)
+            .count(),
+        3,
+        "the schema's other lists are read"
     );
 
     // A NUL byte is bad input, said as such, not a database failure.

@@ -324,7 +324,7 @@ enum Sent {
 }
 
 /// The headers a truncated dead letter keeps: what identifies the message and its saga.
-const FRAMEWORK_HEADERS: [&str; 8] = [
+const FRAMEWORK_HEADERS: [&str; 10] = [
     saga_core::headers::names::IDEMPOTENCY_KEY,
     saga_core::headers::names::TENANT_ID,
     saga_core::headers::names::CE_TYPE,
@@ -333,6 +333,8 @@ const FRAMEWORK_HEADERS: [&str; 8] = [
     saga_core::headers::names::CORRELATION_ID,
     saga_core::headers::names::CAUSATION_ID,
     saga_core::headers::names::TRACEPARENT,
+    saga_core::headers::names::SAGA_ID,
+    saga_core::headers::names::REPLY_TO,
 ];
 
 /// `error`, cut to at most `max` bytes at a character boundary, marked when cut.

@@ -157,7 +157,7 @@ impl<S: TwoPhaseStep> ErasedTwoPhaseStep for TwoPhaseAdapter<S> {
                 .expect("the response comes from the same step's call");
             let mut emitted = Vec::new();
             let mut ctx =
-                StepContext::new(conn, msg.lineage(), source, &mut emitted).answering(&msg);
+                StepContext::new(conn, msg.lineage(), source, &mut emitted).answering(msg);
             let outcome = self.0.complete(msg, response, &mut ctx).await?;
             Ok(HandlerOutput {
                 outcomes: vec![outcome],

@@ -1,6 +1,8 @@
 //! What a handler gets besides its message: the open transaction's connection and a way to emit
 //! follow-up events into the outbox of that same transaction.
 
+use std::sync::Arc;
+
 use sqlx::PgConnection;
 
 use crate::envelope::{Event, Lineage, Message, OutboxMessage};
@@ -28,9 +30,9 @@ enum ReplyTo {
     /// It asks for no answer.
     Unasked,
     /// To `topic`, keyed by `key` (the saga's).
-    To { topic: String, key: String },
-    /// It names no valid topic (the value named).
-    NotATopic(String),
+    To { topic: Arc<str>, key: Arc<str> },
+    /// It names a topic no reply may go to: why.
+    Refused(Arc<str>),
 }
 
 impl std::fmt::Debug for StepContext<'_> {
@@ -67,16 +69,17 @@ impl<'t> StepContext<'t> {
     #[doc(hidden)]
     pub fn answering<P>(mut self, cause: &Message<P>) -> Self {
         if let Some(topic) = cause.header(names::REPLY_TO) {
-            self.reply_to = if is_topic_name(topic) {
-                let key = cause
-                    .header(names::SAGA_ID)
-                    .unwrap_or_else(|| cause.idempotency_key().as_str());
-                ReplyTo::To {
-                    topic: topic.to_owned(),
-                    key: key.to_owned(),
+            self.reply_to = match refusal(topic, cause.topic()) {
+                None => {
+                    let key = cause
+                        .header(names::SAGA_ID)
+                        .unwrap_or_else(|| cause.idempotency_key().as_str());
+                    ReplyTo::To {
+                        topic: topic.into(),
+                        key: key.into(),
+                    }
                 }
-            } else {
-                ReplyTo::NotATopic(topic.to_owned())
+                Some(why) => ReplyTo::Refused(why.into()),
             };
         }
         self
@@ -104,7 +107,11 @@ impl<'t> StepContext<'t> {
     /// command names, keyed by the saga, with the saga's lineage (the orchestrator finds its instance by
     /// it), into the outbox with the step's other writes. The participant needs no view of the
     /// orchestrator's reply topic. A message that asks for no answer (not an orchestrator's command, or
-    /// one naming no valid topic) fails the step permanently: it is dead-lettered with that reason.
+    /// one naming no valid topic, a broker's own topic such as `__consumer_offsets`, or the topic it came
+    /// from) fails the step permanently: it is dead-lettered with that reason. The reply is keyed by the
+    /// command's `saga-id` (its idempotency key where it names none). A two-phase step that replies in its
+    /// completion runs its outside call first: check `msg.header(names::REPLY_TO)` in the call to refuse a
+    /// message no reply can answer before acting on it.
     ///
     /// ```
     /// # use saga_core::{Message, SagaEvent, StepContext, StepResult, StepOutcome};
@@ -123,7 +130,7 @@ impl<'t> StepContext<'t> {
     /// ```
     pub fn reply<E: SagaEvent>(&mut self, reply: &E) -> Result<(), StepError> {
         let (topic, key) = match &self.reply_to {
-            ReplyTo::To { topic, key } => (topic.clone(), key.clone()),
+            ReplyTo::To { topic, key } => (topic.to_string(), key.to_string()),
             ReplyTo::Unasked => {
                 return Err(StepError::permanent(format!(
                     "the step's message names no reply topic (`{}`): only an orchestrator's command \
@@ -131,12 +138,7 @@ impl<'t> StepContext<'t> {
                     names::REPLY_TO
                 )));
             }
-            ReplyTo::NotATopic(named) => {
-                return Err(StepError::permanent(format!(
-                    "the reply topic the message names ({named:?}) is no topic name: 1 to 249 of a-z, \
-                     A-Z, 0-9, '.', '_' and '-'"
-                )));
-            }
+            ReplyTo::Refused(why) => return Err(StepError::permanent(why.to_string())),
         };
         self.emit(&Topic::<E>::new(topic), key, reply)
     }
@@ -145,8 +147,8 @@ impl<'t> StepContext<'t> {
     /// serves a choreographed saga too replies when it is one, and emits otherwise.
     pub fn reply_topic(&self) -> Option<&str> {
         match &self.reply_to {
-            ReplyTo::To { topic, .. } => Some(topic),
-            ReplyTo::Unasked | ReplyTo::NotATopic(_) => None,
+            ReplyTo::To { topic, .. } => Some(topic.as_ref()),
+            ReplyTo::Unasked | ReplyTo::Refused(_) => None,
         }
     }
 
@@ -253,12 +255,30 @@ impl<'t> BatchContext<'t> {
     }
 }
 
-/// Whether `name` is a valid Kafka topic name.
-fn is_topic_name(name: &str) -> bool {
-    (1..=249).contains(&name.len())
-        && name != "."
-        && name != ".."
-        && name
+/// Why no reply may go to topic `named` (by a message consumed from `from`), if none may: a name that is
+/// no topic's, the broker's own topics (`__consumer_offsets`), or the topic the message came from (a
+/// command naming its own topic would feed the participant its own replies).
+fn refusal(named: &str, from: &str) -> Option<String> {
+    let valid = (1..=249).contains(&named.len())
+        && named != "."
+        && named != ".."
+        && named
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !valid {
+        Some(format!(
+            "the reply topic the message names ({named:?}) is no topic name: 1 to 249 of a-z, A-Z, \
+             0-9, '.', '_' and '-'"
+        ))
+    } else if named.starts_with("__") {
+        Some(format!(
+            "the reply topic the message names ({named}) is one of the broker's own: no reply goes there"
+        ))
+    } else if named == from {
+        Some(format!(
+            "the reply topic the message names ({named}) is the topic it came from: no reply goes there"
+        ))
+    } else {
+        None
+    }
 }

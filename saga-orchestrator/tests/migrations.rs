@@ -123,7 +123,8 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
             20_261_126_000_002,
             20_261_126_000_003,
             20_261_127_000_001,
-            20_261_128_000_001
+            20_261_128_000_001,
+            20_261_128_000_003
         ]
     );
     assert_eq!(
@@ -133,7 +134,8 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
             20_261_122_000_002,
             20_261_124_000_001,
             20_261_125_000_001,
-            20_261_126_000_001
+            20_261_126_000_001,
+            20_261_128_000_005
         ]
     );
     // The old set's record stays, beside the core's later migrations: the core migrator tolerates the
@@ -151,7 +153,8 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
             20_261_125_000_002,
             20_261_126_000_001,
             20_261_126_000_002,
-            20_261_127_000_001
+            20_261_127_000_001,
+            20_261_128_000_002
         ]
     );
     // And the upgraded functions still work.

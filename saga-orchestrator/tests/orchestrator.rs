@@ -7,8 +7,8 @@ use outbox_relay::Relay;
 use saga_consumer::{SagaConsumer, SagaConsumerBuilder};
 use saga_core::headers::names;
 use saga_core::{
-    ErrorKind, Event, IdempotencyKey, Lineage, Message, SagaEvent, SagaStep, StepContext, StepName,
-    StepOutcome, StepResult, Subscription, TenantId, Topic,
+    ErrorKind, Event, IdempotencyKey, Lineage, Message, SagaEvent, SagaStep, StepContext,
+    StepError, StepName, StepOutcome, StepResult, Subscription, TenantId, Topic,
 };
 use saga_orchestrator::{
     Command, OnTimeout, Orchestrator, OrchestratorError, SagaDefinition, SagaStatus, Step, Verdict,
@@ -65,13 +65,14 @@ impl SagaStep for Participant {
             self.ok.clone()
         };
         // Where the command says to answer, keyed by its saga (what `ctx.reply` does for a typed reply).
-        let reply_to = msg
-            .header(names::REPLY_TO)
-            .expect("the command names its reply topic");
-        assert_eq!(reply_to, self.replies);
-        let saga = msg
-            .header(names::SAGA_ID)
-            .expect("the command names its saga");
+        let (Some(reply_to), Some(saga)) =
+            (msg.header(names::REPLY_TO), msg.header(names::SAGA_ID))
+        else {
+            // Checked by the tests (`commands_name_their_reply_topic`): a dead letter here.
+            return Err(StepError::permanent(
+                "the command names no reply topic or saga",
+            ));
+        };
         ctx.emit_event(Event::new(
             reply,
             reply_to,
@@ -359,7 +360,27 @@ async fn happy_path_runs_every_step_once_and_completes() {
     let causes: Vec<&str> = history.iter().map(|t| t.cause.as_str()).collect();
     assert_eq!(causes, vec!["started", "ADone", "BDone", "CDone"]);
     assert_eq!(history.last().unwrap().to_status, "completed");
+    commands_name_their_reply_topic(&w.db.pool, &w.replies, saga, 3).await;
     w.stop().await;
+}
+
+/// Every command the orchestrator wrote (`n` of them) names its reply topic and its saga.
+async fn commands_name_their_reply_topic(pool: &PgPool, replies: &str, saga: uuid::Uuid, n: i64) {
+    let named: (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE saga_header(headers, 'saga-reply-to') = $1 \
+                                   AND saga_header(headers, 'saga-id') = $2), count(*) \
+         FROM saga_outbox WHERE headers[array_position(headers, 'ce_type') + 1] LIKE 'Do%'",
+    )
+    .bind(replies)
+    .bind(saga.to_string())
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        named,
+        (n, n),
+        "commands naming their reply topic and saga, of all"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -281,35 +281,6 @@ impl SagaTest {
         .await
     }
 
-    /// Like [`SagaTest::service`], with the service's own migrations (`sqlx::migrate!("./migrations")`)
-    /// applied to its schema before each start, as the service applies them at its own.
-    ///
-    /// ```no_run
-    /// # async fn t(test: &mut saga_testing::SagaTest) -> Result<(), saga_testing::KitError> {
-    /// # let migrations: sqlx::migrate::Migrator = todo!();
-    /// test.service_migrated("hotel", migrations, |s| s.builder()).await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn service_migrated<F>(
-        &mut self,
-        name: &str,
-        migrations: sqlx::migrate::Migrator,
-        setup: F,
-    ) -> Result<(), KitError>
-    where
-        F: Fn(&ServiceSetup) -> SagaServiceBuilder + Send + Sync + 'static,
-    {
-        let migrations = Arc::new(migrations);
-        self.service_async(name, move |s| {
-            let (migrations, builder) = (Arc::clone(&migrations), setup(&s));
-            async move {
-                migrations.run(s.pool()).await?;
-                Ok::<_, BoxError>(builder)
-            }
-        })
-        .await
-    }
-
     /// Like [`SagaTest::service`], for a setup that awaits (a pool of its own, say) or fails.
     pub async fn service_async<F, Fut, E>(&mut self, name: &str, setup: F) -> Result<(), KitError>
     where

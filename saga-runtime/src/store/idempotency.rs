@@ -677,6 +677,7 @@ pub async fn keys_of(
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {KEY_COLUMNS} FROM saga_idempotency_keys \
          WHERE left(step_key, length(step_key) - strpos(reverse(step_key), ':')) = $1 \
+           AND strpos(step_key, ':') > 0 \
            AND ($2::text IS NULL OR tenant_id = $2) \
          ORDER BY tenant_id, created_at, step_key"
     )))
