@@ -318,20 +318,23 @@ pub async fn steps(
             let builder = builder
                 .two_phase_step(payment::process_payment(payments.clone(), charges))
                 .two_phase_step(payment::refund_payment(refund_name, payments, refunds));
+            // The commands' topic is the payment service's alone: a command type it does not know
+            // (a newer orchestrator's) is a dead letter, not skipped. On the choreographed topics the
+            // other services' event types are skipped, by default.
             if orchestrated {
-                builder
+                builder.strict(topics.payment_commands.name())
             } else {
-                builder.ignore(&topics.shipments)
+                builder
             }
         }
         Service::Shipping => {
             let arrange = step_with("arrange-shipment", outcomes, shipping::arrange_shipment);
             if orchestrated {
-                builder.step(arrange.on(&topics.shipping_commands))
-            } else {
                 builder
-                    .step(arrange.on(&topics.shipments_to_arrange))
-                    .ignore(&topics.payment_setbacks)
+                    .step(arrange.on(&topics.shipping_commands))
+                    .strict(topics.shipping_commands.name())
+            } else {
+                builder.step(arrange.on(&topics.shipments_to_arrange))
             }
         }
     })

@@ -343,7 +343,7 @@ pub async fn trace(
         .bind(format!("{}ms", STATEMENT_TIMEOUT.as_millis()))
         .execute(&mut *tx)
         .await?;
-    let schemas = chosen(&mut *tx, schemas).await?;
+    let schemas = chosen(&mut tx, schemas).await?;
     let mut found = SagaTrace {
         key: key.to_owned(),
         tenant: tenant.map(str::to_owned),

@@ -72,6 +72,7 @@ pub struct SagaConsumerBuilder {
     pool: Option<PgPool>,
     steps: Vec<RegisteredStep>,
     ignored: Vec<(String, String)>,
+    strict: Vec<String>,
     layers: Vec<LayerFn>,
     hooks: Hooks,
     ops: Option<Ops>,
@@ -87,6 +88,7 @@ impl std::fmt::Debug for SagaConsumerBuilder {
             .field("settings", &self.settings)
             .field("steps", &step_names(&self.steps))
             .field("ignored", &self.ignored)
+            .field("strict", &self.strict)
             .finish_non_exhaustive()
     }
 }
@@ -113,6 +115,7 @@ impl SagaConsumerBuilder {
             pool: None,
             steps: Vec::new(),
             ignored: Vec::new(),
+            strict: Vec::new(),
             layers: Vec::new(),
             hooks: Hooks::default(),
             ops: None,
@@ -183,8 +186,9 @@ impl SagaConsumerBuilder {
         self
     }
 
-    /// Declares that the events `topic` carries are none of this service's business: they are skipped.
-    /// Any other event type no step handles is dead-lettered.
+    /// Declares that the events `topic` carries are none of this service's business: they are skipped (as
+    /// is, by default, any event type no step reads on a topic its steps read; see
+    /// [`SagaConsumerBuilder::strict`]).
     pub fn ignore<E: SagaEvent>(mut self, topic: &Topic<E>) -> Self {
         for event_type in E::TYPES {
             self.ignored
@@ -196,6 +200,18 @@ impl SagaConsumerBuilder {
     /// Like [`SagaConsumerBuilder::ignore`], for an event type known only at run time.
     pub fn ignore_type(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
         self.ignored.push((topic.into(), event_type.into()));
+        self
+    }
+
+    /// Declares every event type `topic` carries this service's business: one no step reads is
+    /// dead-lettered (`unknown-event-type`), not skipped. By default a topic's event types that no step
+    /// reads are skipped (counted as `ignored`): a service reading a shared topic through typed views reads
+    /// the types it names, and the others are another service's. Declare strict a topic whose every
+    /// message is meant for this service (commands sent to it, an orchestrator's replies: the
+    /// orchestrator declares its reply topic), where an unknown type is a version this service does not
+    /// have yet and must not be lost.
+    pub fn strict(mut self, topic: impl Into<String>) -> Self {
+        self.strict.push(topic.into());
         self
     }
 
@@ -417,6 +433,7 @@ impl SagaConsumerBuilder {
             pool,
             steps: self.steps,
             ignored: self.ignored,
+            strict: self.strict,
             service,
             hooks: self.hooks,
             ops,
@@ -437,6 +454,7 @@ pub struct SagaConsumer {
     pool: PgPool,
     steps: Vec<RegisteredStep>,
     ignored: Vec<(String, String)>,
+    strict: Vec<String>,
     service: BoxStepService,
     hooks: Hooks,
     ops: Ops,
@@ -592,7 +610,13 @@ impl SagaConsumer {
         let settings = self.settings.clone();
         let ops = self.ops.clone();
         let shared = Arc::new(WorkerShared {
-            router: Router::new(&self.steps, &self.ignored, group.clone(), retry_topic),
+            router: Router::new(
+                &self.steps,
+                &self.ignored,
+                &self.strict,
+                group.clone(),
+                retry_topic,
+            ),
             tracker: Arc::new(OffsetTracker::default()),
             permits: Arc::new(Semaphore::new(settings.concurrency)),
             batch_size: settings.batch_size,

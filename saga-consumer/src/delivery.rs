@@ -21,7 +21,7 @@ pub(crate) enum PoisonReason {
     /// It arrived on the retry topic without the replay headers naming its original topic.
     #[error(transparent)]
     NotAReplay(#[from] saga_runtime::replay::NotAReplay),
-    /// No step handles its event type on its topic, and the type is not declared ignored.
+    /// No step handles its event type on its topic, which is declared strict.
     #[error("no step handles event type {event_type:?} on topic {topic:?}")]
     UnknownEventType {
         /// The topic.
@@ -40,7 +40,8 @@ pub(crate) enum Route {
         step_key: StepKey,
         tenant: TenantId,
     },
-    /// Nowhere: its event type is declared ignored on this topic.
+    /// Nowhere: its event type is declared ignored on this topic, or no step reads it on a topic not
+    /// declared strict.
     Ignored,
     /// To the dead-letter topic.
     Poison(PoisonReason),
@@ -141,6 +142,8 @@ impl Delivery {
 pub(crate) struct Router {
     steps: HashMap<(String, String), Arc<RegisteredStep>>,
     ignored: HashSet<(String, String)>,
+    /// Topics whose event types no step reads are poison, not skipped.
+    strict: HashSet<String>,
     /// The consumer group, named by each message's span.
     group: String,
     /// The group's retry topic: its messages are routed by the original topic their headers name.
@@ -151,6 +154,7 @@ impl Router {
     pub(crate) fn new(
         steps: &[RegisteredStep],
         ignored: &[(String, String)],
+        strict: &[String],
         group: String,
         retry_topic: String,
     ) -> Self {
@@ -168,6 +172,7 @@ impl Router {
                 })
                 .collect(),
             ignored: ignored.iter().cloned().collect(),
+            strict: strict.iter().cloned().collect(),
             group,
             retry_topic,
         }
@@ -233,7 +238,10 @@ impl Router {
                     Err(e) => Route::Poison(e.into()),
                 }
             }
-            (Ok(_), Some(id), ..) if self.ignored.contains(&id) => Route::Ignored,
+            // Declared none of its business, or on a topic not declared strict: another service's type.
+            (Ok(_), Some(id), ..) if self.ignored.contains(&id) || !self.strict.contains(&id.0) => {
+                Route::Ignored
+            }
             (Ok(meta), ..) => Route::Poison(PoisonReason::UnknownEventType {
                 topic: replayed_from
                     .as_ref()

@@ -335,6 +335,13 @@ impl SagaServiceBuilder {
         self
     }
 
+    /// Declares every event type `topic` carries this service's business (see
+    /// [`SagaConsumerBuilder::strict`]).
+    pub fn strict(mut self, topic: impl Into<String>) -> Self {
+        self.consumer = self.consumer.strict(topic);
+        self
+    }
+
     /// Like [`SagaServiceBuilder::ignore`], for an event type known only at run time.
     pub fn ignore_type(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
         self.consumer = self.consumer.ignore_type(topic, event_type);

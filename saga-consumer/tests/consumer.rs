@@ -445,6 +445,35 @@ async fn duplicate_runs_of_redeliveries_cost_one_claim_rerun_each() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_type_no_step_reads_on_a_shared_topic_is_skipped_and_counted_not_dead_lettered() {
+    let f = Fixture::new("shared", 1).await;
+    f.ping("k-1", &ping(1)).await;
+    // Another service's event on the topic this one reads through its typed view.
+    f.raw(
+        Some("k-2"),
+        &[("idempotency-key", "k-2"), ("ce_type", "Pang")],
+        br#"{"n": 2}"#,
+    )
+    .await;
+    f.ping("k-3", &ping(3)).await;
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)));
+    f.wait_for_committed(BTreeMap::from([(0, 3)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(effects, vec![1, 3]);
+    let ignored = running.metric(
+        "saga_consumer_processed_total",
+        "step=\"\",outcome=\"ignored\"",
+    );
+    assert_eq!(ignored, 1.0, "skipped, and counted");
+    assert_eq!(
+        f.kafka.end_offsets(&f.dlq).await.values().sum::<i64>(),
+        0,
+        "no dead letter"
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn dlq_receives_poison_messages_with_their_reason_and_the_partition_keeps_flowing() {
     let f = Fixture::new("dlq", 1).await;
     f.ping("k-1", &ping(1)).await;
@@ -489,7 +518,11 @@ async fn dlq_receives_poison_messages_with_their_reason_and_the_partition_keeps_
     .await;
     f.ping("k-8", &ping(8)).await;
 
-    let running = f.start(f.consumer(RecordPing::new(&f.topic)));
+    // Strict: every type on the topic is this service's, so `Pang` is poison, not another's type.
+    let running = f.start(
+        f.consumer(RecordPing::new(&f.topic))
+            .strict(f.topic.clone()),
+    );
     f.wait_for_committed(BTreeMap::from([(0, 8)])).await;
     let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
     assert_eq!(

@@ -8,6 +8,10 @@
 //!   is idempotent in the way the framework means.
 //! - [`fail_before_handler`]: the step fails before its handler runs (a dependency briefly down).
 //!
+//! On a two-phase step ([`crate::TwoPhaseFn::layer`]) they wrap its completion: `fail_after_handler` loses
+//! the completion after the outside call was made, the failure that matters most for such a step: the
+//! message runs again, its call with it, and the outside system must absorb the repeat (the external key).
+//!
 //! Each counts per message and step (the message's external key: its tenant, its saga's key and the
 //! step), so a layer shared by several steps fails each step's first `times` calls of a message, and then
 //! the step runs normally.
@@ -46,6 +50,7 @@ use tower_service::Service;
 
 use crate::function::{BoxError, StepCall};
 use crate::step::{StepError, StepOutcome};
+use crate::two_phase::CompleteCall;
 
 /// Where a [`FaultLayer`] fails a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,6 +128,21 @@ pub struct Faulty<S> {
 #[error("fault injection: the step failed {0} its handler")]
 struct Injected(&'static str);
 
+/// Starts `handler` (the inner service's call), or fails at once: `fails` says whether this call fails,
+/// `when` where.
+fn start<F>(when: When, fails: bool, handler: impl FnOnce() -> F) -> FaultFuture<F> {
+    if fails && when == When::Before {
+        return FaultFuture {
+            handler: None,
+            fails,
+        };
+    }
+    FaultFuture {
+        handler: Some(Box::pin(handler())),
+        fails,
+    }
+}
+
 impl<'a, E, S> Service<StepCall<'a, E>> for Faulty<S>
 where
     S: Service<StepCall<'a, E>, Response = StepOutcome>,
@@ -138,16 +158,28 @@ where
 
     fn call(&mut self, call: StepCall<'a, E>) -> Self::Future {
         let fails = self.plan.fails(call.msg.external_key().as_str());
-        if fails && self.plan.when == When::Before {
-            return FaultFuture {
-                handler: None,
-                fails,
-            };
-        }
-        FaultFuture {
-            handler: Some(Box::pin(self.inner.call(call))),
-            fails,
-        }
+        start(self.plan.when, fails, || self.inner.call(call))
+    }
+}
+
+/// A two-phase step's completion ([`crate::TwoPhaseFn::layer`]): "after the handler" is after the
+/// completion ran, the outside call made; the message runs again, its call with it.
+impl<'a, E, R, S> Service<CompleteCall<'a, E, R>> for Faulty<S>
+where
+    S: Service<CompleteCall<'a, E, R>, Response = StepOutcome>,
+    S::Error: Into<BoxError>,
+{
+    type Response = StepOutcome;
+    type Error = BoxError;
+    type Future = FaultFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, call: CompleteCall<'a, E, R>) -> Self::Future {
+        let fails = self.plan.fails(call.msg.external_key().as_str());
+        start(self.plan.when, fails, || self.inner.call(call))
     }
 }
 

@@ -413,7 +413,7 @@ impl<E, Svc> LayeredStep<E, Svc> {
 }
 
 /// A layer's error as the step's: a [`StepError`] as it is, any other transient.
-fn step_error(error: impl Into<BoxError>) -> StepError {
+pub(crate) fn step_error(error: impl Into<BoxError>) -> StepError {
     match error.into().downcast::<StepError>() {
         Ok(step) => *step,
         Err(other) => StepError::transient(other),

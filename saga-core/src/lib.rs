@@ -83,7 +83,9 @@ pub use sqlx;
 pub use step::{
     ErrorKind, SagaStep, StepError, StepOutcome, StepResult, Subscription, TwoPhaseStep,
 };
-pub use two_phase::{CallFn, CompleteFn, TwoPhaseFn, two_phase};
+pub use two_phase::{
+    CallFn, CompleteCall, CompleteFn, Completion, LayeredTwoPhase, TwoPhaseFn, two_phase,
+};
 
 /// What `#[derive(SagaEvent)]` expands to uses; not an API.
 #[doc(hidden)]

@@ -3,13 +3,20 @@
 //! framework's (see [`TwoPhaseStep`]).
 
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
+
+use tower_layer::Layer;
+use tower_service::Service;
 
 use crate::context::StepContext;
 use crate::envelope::Message;
 use crate::event::{SagaEvent, Topic};
+use crate::function::{BoxError, step_error};
 use crate::key::StepName;
-use crate::step::{StepError, StepResult, Subscription, TwoPhaseStep};
+use crate::step::{StepError, StepOutcome, StepResult, Subscription, TwoPhaseStep};
 
 /// A two-phase step's external call as an async function of the message and the step's state (the
 /// client): an `async fn(&Message<P>, &S) -> Result<R, StepError>`, or such an async closure. It runs
@@ -174,6 +181,183 @@ impl<E: SagaEvent, S, R, C, K> TwoPhaseFn<E, S, R, C, K> {
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
+    }
+
+    /// Wraps the completion (the transaction that records the call's result) in a tower `layer`: the test
+    /// kit's faults, say. `two_phase(..).layer(fail_after_handler(1))` loses each message's first
+    /// completion after the outside call: the message runs again, and the call with it, with the same
+    /// external key, which the outside system must absorb. The call itself is not wrapped.
+    pub fn layer<L>(self, layer: L) -> LayeredTwoPhase<E, S, R, C, L::Service>
+    where
+        L: Layer<Completion<E, S, R, K>>,
+    {
+        let state = Arc::new(self.state);
+        LayeredTwoPhase {
+            name: self.name,
+            subscriptions: self.subscriptions,
+            lease: self.lease,
+            state: Arc::clone(&state),
+            call: self.call,
+            service: layer.layer(Completion {
+                state,
+                complete: Arc::new(self.complete),
+                types: std::marker::PhantomData,
+            }),
+            types: std::marker::PhantomData,
+        }
+    }
+}
+
+/// One completion of a two-phase step: the message, what the outside call returned and the open
+/// transaction. The completion is a `tower::Service` of it ([`Completion`]), so that tower's layers wrap
+/// it ([`TwoPhaseFn::layer`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct CompleteCall<'a, E, R> {
+    /// The message.
+    pub msg: &'a Message<E>,
+    /// What the outside call returned.
+    pub response: R,
+    /// The open transaction and the events emitted so far.
+    pub ctx: StepContext<'a>,
+}
+
+/// A two-phase step's completion function with its state, as a `tower::Service` of [`CompleteCall`].
+pub struct Completion<E, S, R, K> {
+    state: Arc<S>,
+    complete: Arc<K>,
+    types: std::marker::PhantomData<fn() -> (E, R)>,
+}
+
+impl<E, S, R, K> Clone for Completion<E, S, R, K> {
+    fn clone(&self) -> Self {
+        Self {
+            state: Arc::clone(&self.state),
+            complete: Arc::clone(&self.complete),
+            types: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<E, S, R, K> std::fmt::Debug for Completion<E, S, R, K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completion").finish_non_exhaustive()
+    }
+}
+
+impl<'a, E, S, R, K> Service<CompleteCall<'a, E, R>> for Completion<E, S, R, K>
+where
+    E: SagaEvent,
+    S: Send + Sync + 'static,
+    R: Send + 'static,
+    K: for<'b> CompleteFn<'b, E, S, R>,
+{
+    type Response = StepOutcome;
+    type Error = StepError;
+    type Future = Pin<Box<dyn Future<Output = StepResult> + Send + 'a>>;
+
+    fn poll_ready(&mut self, _cx: &mut TaskContext<'_>) -> Poll<Result<(), StepError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, call: CompleteCall<'a, E, R>) -> Self::Future {
+        let (state, complete) = (Arc::clone(&self.state), Arc::clone(&self.complete));
+        Box::pin(async move {
+            let mut owned = call.ctx;
+            let mut ctx = owned.reborrow();
+            complete
+                .call(call.msg, call.response, &mut ctx, &*state)
+                .await
+        })
+    }
+}
+
+/// A two-phase step whose completion is wrapped in tower layers: see [`TwoPhaseFn::layer`].
+pub struct LayeredTwoPhase<E, S, R, C, Svc> {
+    name: StepName,
+    subscriptions: Vec<Subscription>,
+    lease: Duration,
+    state: Arc<S>,
+    call: C,
+    /// Cloned for each message, as a layered step's service is.
+    service: Svc,
+    types: std::marker::PhantomData<fn() -> (E, R)>,
+}
+
+impl<E, S, R, C, Svc> std::fmt::Debug for LayeredTwoPhase<E, S, R, C, Svc> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayeredTwoPhase")
+            .field("name", &self.name)
+            .field("subscriptions", &self.subscriptions)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E, S, R, C, Svc> LayeredTwoPhase<E, S, R, C, Svc> {
+    /// Wraps the completion in one more layer (outside the ones before).
+    pub fn layer<L: Layer<Svc>>(self, layer: L) -> LayeredTwoPhase<E, S, R, C, L::Service> {
+        LayeredTwoPhase {
+            name: self.name,
+            subscriptions: self.subscriptions,
+            lease: self.lease,
+            state: self.state,
+            call: self.call,
+            service: layer.layer(self.service),
+            types: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<E, S, R, C, Svc> TwoPhaseStep for LayeredTwoPhase<E, S, R, C, Svc>
+where
+    E: SagaEvent,
+    S: Send + Sync + 'static,
+    R: Send + 'static,
+    C: for<'a> CallFn<'a, E, S, R>,
+    Svc: for<'a> Service<CompleteCall<'a, E, R>, Response = StepOutcome>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    for<'a> <Svc as Service<CompleteCall<'a, E, R>>>::Future: Send,
+    for<'a> <Svc as Service<CompleteCall<'a, E, R>>>::Error: Into<BoxError>,
+{
+    type Payload = E;
+    type Response = R;
+
+    fn name(&self) -> StepName {
+        self.name.clone()
+    }
+
+    fn subscriptions(&self) -> Vec<Subscription> {
+        self.subscriptions.clone()
+    }
+
+    fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    async fn call(&self, msg: &Message<E>) -> Result<R, StepError> {
+        self.call.call(msg, &*self.state).await
+    }
+
+    async fn complete(
+        &self,
+        msg: &Message<E>,
+        response: R,
+        ctx: &mut StepContext<'_>,
+    ) -> StepResult {
+        let mut service = self.service.clone();
+        std::future::poll_fn(|cx| Service::<CompleteCall<'_, E, R>>::poll_ready(&mut service, cx))
+            .await
+            .map_err(step_error)?;
+        let call = CompleteCall {
+            msg,
+            response,
+            ctx: ctx.reborrow(),
+        };
+        service.call(call).await.map_err(step_error)
     }
 }
 

@@ -582,7 +582,20 @@ impl<D: SagaData> Orchestrator<D> {
         for step in self.reply_steps() {
             builder = builder.step(step);
         }
+        // A reply type no version expects is a version this orchestrator does not have: a dead letter to
+        // replay after the deploy, never skipped.
+        for topic in self.reply_topics() {
+            builder = builder.strict(topic);
+        }
         builder
+    }
+
+    /// The reply topics of its definitions.
+    fn reply_topics(&self) -> Vec<String> {
+        let mut topics: Vec<String> = self.definitions().map(|d| d.reply_topic.clone()).collect();
+        topics.sort();
+        topics.dedup();
+        topics
     }
 
     /// An instance of this saga type, by id, with its data read (`None` if there is none).
@@ -649,6 +662,9 @@ impl<D: SagaData> Extension for Orchestrator<D> {
         service = service.migrations(crate::migrate::migrator());
         for step in this.reply_steps() {
             service = service.step(step);
+        }
+        for topic in this.reply_topics() {
+            service = service.strict(topic);
         }
         let name = format!("{} timers", this.inner.definition.saga_type);
         service.task(name, move |ctx: TaskContext| async move {

@@ -73,6 +73,12 @@ impl SagaStep for Participant {
                 "the command names no reply topic or saga",
             ));
         };
+        if reply_to != self.replies {
+            return Err(StepError::permanent(format!(
+                "the command names {reply_to} as its reply topic, not {}",
+                self.replies
+            )));
+        }
         ctx.emit_event(Event::new(
             reply,
             reply_to,

@@ -2,10 +2,13 @@
 //! one-hour saga timeout without waiting an hour, a quiet-wait that runs out names what was busy, and the
 //! faults it injects catch a step that is not idempotent while a careful one keeps one effect per order.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use saga_consumer::{
     Message, SagaEvent, StepContext, StepError, StepOutcome, StepResult, Topic, step, step_with,
+    two_phase,
 };
 use saga_orchestrator::{
     Command, OnTimeout, Orchestrator, SagaDefinition, SagaStatus, Step, Verdict,
@@ -636,4 +639,66 @@ async fn a_service_whose_setup_fails_on_its_restart_is_named_as_not_started() {
         matches!(&stopped, Err(KitError::Service { service, .. }) if service == "flaky"),
         "{stopped:?}"
     );
+}
+
+/// An outside provider: its calls, by the external key each was made with.
+#[derive(Clone, Default)]
+struct Provider(Arc<Mutex<HashMap<String, u32>>>);
+
+async fn charge_call(msg: &Message<Placed>, provider: &Provider) -> Result<i64, StepError> {
+    let key = msg.external_key().as_str().to_owned();
+    *provider.0.lock().unwrap().entry(key).or_default() += 1;
+    Ok(msg.payload().n * 100)
+}
+
+async fn record_charge(
+    _msg: &Message<Placed>,
+    cents: i64,
+    ctx: &mut StepContext<'_>,
+    _provider: &Provider,
+) -> StepResult {
+    sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+        .bind(cents)
+        .execute(ctx.conn())
+        .await?;
+    Ok(StepOutcome::completed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_two_phase_step_whose_completion_is_lost_after_its_call_calls_again_and_records_once() {
+    let mut test = SagaTest::start("kit-two-phase").await.unwrap();
+    let orders = test.topic::<Placed>("orders");
+    let provider = Provider::default();
+    let (input, calls) = (orders.clone(), provider.clone());
+    test.service_async("payments", move |s| {
+        let (input, provider) = (input.clone(), calls.clone());
+        async move {
+            sqlx::query(
+                "CREATE TABLE IF NOT EXISTS effects (seq BIGSERIAL PRIMARY KEY, n BIGINT NOT NULL)",
+            )
+            .execute(s.pool())
+            .await?;
+            let charge = two_phase("charge", provider, charge_call, record_charge)
+                .on(&input)
+                .layer(fail_after_handler(1));
+            Ok::<_, sqlx::Error>(s.builder().two_phase_step(charge))
+        }
+    })
+    .await
+    .unwrap();
+    send_orders(&test, &orders, 1..=3).await;
+    test.wait_quiet().await.unwrap();
+    assert_eq!(
+        effects(&test, "payments").await,
+        3,
+        "each charge recorded once"
+    );
+    let calls = provider.0.lock().unwrap().clone();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    assert!(
+        calls.values().all(|n| *n == 2),
+        "each call made again, with its key, after its completion was lost: {calls:?}"
+    );
+    assert!(test.dead_letters("payments").await.unwrap().is_empty());
+    test.stop().await.unwrap();
 }
