@@ -209,7 +209,11 @@ impl SagaConsumerBuilder {
     /// the types it names, and the others are another service's. Declare strict a topic whose every
     /// message is meant for this service (commands sent to it, an orchestrator's replies: the
     /// orchestrator declares its reply topic), where an unknown type is a version this service does not
-    /// have yet and must not be lost.
+    /// have yet and must not be lost. A topic whose order policy is [`OrderPolicy::HoldKey`] is strict
+    /// without saying so. An event type declared ignored stays skipped. Building refuses a strict topic no
+    /// step reads (a typo would otherwise skip). A new event type on a topic that is not strict is skipped
+    /// by the consumers that do not read it yet: a producer emits it once every service that must read it
+    /// runs the version that does.
     pub fn strict(mut self, topic: impl Into<String>) -> Self {
         self.strict.push(topic.into());
         self
@@ -425,6 +429,27 @@ impl SagaConsumerBuilder {
                 reason: format!("no step is named {step}"),
             });
         }
+        if let Some(topic) = self.strict.iter().find(|t| {
+            !self
+                .steps
+                .iter()
+                .flat_map(|s| &s.subscriptions)
+                .any(|sub| sub.topic() == t.as_str())
+        }) {
+            return Err(ConfigError::Invalid {
+                setting: "strict topic",
+                reason: format!("no step reads {topic}"),
+            });
+        }
+        // A topic whose keys are held through failures is ordered by key: an event type no step reads
+        // there is a version this service lacks, never skipped past (it would run the key's next step).
+        let mut strict = self.strict;
+        strict.extend(
+            self.order_by_topic
+                .iter()
+                .filter(|(_, p)| **p == OrderPolicy::HoldKey)
+                .map(|(t, _)| t.clone()),
+        );
         let ops = self.ops.unwrap_or_default();
         // Not ready until partitions are assigned: registered now, before anything can serve `/readyz`.
         ops.check("consumer", true).set(false);
@@ -433,7 +458,7 @@ impl SagaConsumerBuilder {
             pool,
             steps: self.steps,
             ignored: self.ignored,
-            strict: self.strict,
+            strict,
             service,
             hooks: self.hooks,
             ops,

@@ -138,6 +138,21 @@ impl Delivery {
     }
 }
 
+/// Whether `raw`, consumed from the retry topic (`replayed` read its original), is an operator's replay
+/// of a dead letter (not a held key's release).
+fn is_letter_replay(
+    raw: &RawMessage,
+    replayed: &Option<Result<Origin, saga_runtime::replay::NotAReplay>>,
+) -> bool {
+    matches!(replayed, Some(Ok(_)))
+        && raw
+            .headers
+            .get_str(saga_runtime::replay::LETTER)
+            .ok()
+            .flatten()
+            .is_some_and(|l| !l.is_empty())
+}
+
 /// Routes messages by topic and event type.
 pub(crate) struct Router {
     steps: HashMap<(String, String), Arc<RegisteredStep>>,
@@ -214,6 +229,7 @@ impl Router {
             },
             &raw.headers,
         );
+        let letter_replay = is_letter_replay(&raw, &replayed);
         let (replayed_from, not_a_replay) = match replayed {
             Some(Ok(original)) => (Some(original), None),
             Some(Err(e)) => (None, Some(e)),
@@ -239,7 +255,12 @@ impl Router {
                 }
             }
             // Declared none of its business, or on a topic not declared strict: another service's type.
-            (Ok(_), Some(id), ..) if self.ignored.contains(&id) || !self.strict.contains(&id.0) => {
+            // An operator's replay of a dead letter is never skipped: it was sent to be run, and a skip
+            // would close the letter with nothing done (it is dead-lettered again, saying why).
+            (Ok(_), Some(id), ..)
+                if self.ignored.contains(&id)
+                    || !(self.strict.contains(&id.0) || letter_replay) =>
+            {
                 Route::Ignored
             }
             (Ok(meta), ..) => Route::Poison(PoisonReason::UnknownEventType {

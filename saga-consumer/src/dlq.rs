@@ -50,7 +50,7 @@ use headers::MAX_ERROR_BYTES;
 pub enum DeadLetterReason {
     /// Its headers or payload do not decode.
     Undecodable,
-    /// No step handles its event type.
+    /// No step handles its event type, on a topic declared strict (or an operator's replay of it).
     UnknownEventType,
     /// The handler returned a permanent error or panicked.
     HandlerFailed,

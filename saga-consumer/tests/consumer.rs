@@ -470,7 +470,48 @@ async fn a_type_no_step_reads_on_a_shared_topic_is_skipped_and_counted_not_dead_
         0,
         "no dead letter"
     );
+
+    // An operator's replay of a letter of that type is never skipped: sent to be run, it is dead-lettered
+    // again, saying why, where a skip would close the letter with nothing done.
+    let retry = format!("{}.retry", f.group);
+    f.kafka
+        .produce(
+            &f.producer,
+            &retry,
+            Some("k-2"),
+            &[
+                ("idempotency-key", "k-2"),
+                ("ce_type", "Pang"),
+                ("saga-replay-original-topic", f.topic.as_str()),
+                ("saga-replay-original-partition", "0"),
+                ("saga-replay-original-offset", "1"),
+                ("saga-replay-letter", "letter-1"),
+            ],
+            br#"{"n": 2}"#,
+        )
+        .await;
+    let dead = f
+        .kafka
+        .read_all(&f.dlq, 1, Duration::from_millis(500), WAIT)
+        .await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].header(dlq_headers::REASON),
+        Some("unknown-event-type")
+    );
     running.stop().await;
+
+    // A strict topic no step reads is refused when the consumer is built (a typo would skip).
+    let refused = f
+        .consumer(RecordPing::new(&f.topic))
+        .strict("no-such-topic")
+        .build()
+        .err()
+        .expect("refused");
+    assert!(
+        refused.to_string().contains("no step reads no-such-topic"),
+        "{refused}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

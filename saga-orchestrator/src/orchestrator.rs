@@ -552,7 +552,8 @@ impl<D: SagaData> Orchestrator<D> {
     /// `on-compensate-{step}` for each compensation's, on the definition's reply topic, for every version
     /// it runs (a step of several versions has one reply step, subscribed to all their replies). Each reply
     /// is deduplicated by its step key like any message, and decided on by the definition its instance
-    /// runs.
+    /// runs. Registering them one by one leaves the reply topic not strict (an unknown reply type
+    /// skipped): use [`Orchestrator::register`] or [`SagaServiceBuilder::with`], which declare it.
     pub fn reply_steps(&self) -> Vec<ReplyStep<D>> {
         let mut steps: Vec<ReplyStep<D>> = Vec::new();
         for def in self.definitions() {
