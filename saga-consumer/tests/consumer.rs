@@ -506,8 +506,7 @@ async fn a_type_no_step_reads_on_a_shared_topic_is_skipped_and_counted_not_dead_
         .consumer(RecordPing::new(&f.topic))
         .strict("no-such-topic")
         .build()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(
         refused.to_string().contains("no step reads no-such-topic"),
         "{refused}"
