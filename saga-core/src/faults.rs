@@ -11,6 +11,8 @@
 //! On a two-phase step ([`crate::TwoPhaseFn::layer`]) they wrap its completion: `fail_after_handler` loses
 //! the completion after the outside call was made, the failure that matters most for such a step: the
 //! message runs again, its call with it, and the outside system must absorb the repeat (the external key).
+//! There `fail_before_handler` fails before the completion runs, also after the call was made: the same
+//! repeat, without the completion's writes to roll back.
 //!
 //! Each counts per message and step (the message's external key: its tenant, its saga's key and the
 //! step), so a layer shared by several steps fails each step's first `times` calls of a message, and then

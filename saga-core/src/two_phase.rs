@@ -186,7 +186,9 @@ impl<E: SagaEvent, S, R, C, K> TwoPhaseFn<E, S, R, C, K> {
     /// Wraps the completion (the transaction that records the call's result) in a tower `layer`: the test
     /// kit's faults, say. `two_phase(..).layer(fail_after_handler(1))` loses each message's first
     /// completion after the outside call: the message runs again, and the call with it, with the same
-    /// external key, which the outside system must absorb. The call itself is not wrapped.
+    /// external key, which the outside system must absorb. The call itself is not wrapped. Set `.on(..)`
+    /// and `.lease(..)` first: the layered step takes no more of them.
+    #[must_use]
     pub fn layer<L>(self, layer: L) -> LayeredTwoPhase<E, S, R, C, L::Service>
     where
         L: Layer<Completion<E, S, R, K>>,
@@ -220,6 +222,14 @@ pub struct CompleteCall<'a, E, R> {
     pub response: R,
     /// The open transaction and the events emitted so far.
     pub ctx: StepContext<'a>,
+}
+
+impl<'a, E, R> CompleteCall<'a, E, R> {
+    /// A completion of `msg`, given what the call returned, in `ctx`'s transaction (for a layer that
+    /// rebuilds the call it passes on).
+    pub fn new(msg: &'a Message<E>, response: R, ctx: StepContext<'a>) -> Self {
+        Self { msg, response, ctx }
+    }
 }
 
 /// A two-phase step's completion function with its state, as a `tower::Service` of [`CompleteCall`].
@@ -296,6 +306,7 @@ impl<E, S, R, C, Svc> std::fmt::Debug for LayeredTwoPhase<E, S, R, C, Svc> {
 
 impl<E, S, R, C, Svc> LayeredTwoPhase<E, S, R, C, Svc> {
     /// Wraps the completion in one more layer (outside the ones before).
+    #[must_use]
     pub fn layer<L: Layer<Svc>>(self, layer: L) -> LayeredTwoPhase<E, S, R, C, L::Service> {
         LayeredTwoPhase {
             name: self.name,
