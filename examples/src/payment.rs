@@ -49,7 +49,7 @@ async fn record_charge(
     ctx: &mut StepContext<'_>,
     payments: &Payments,
 ) -> StepResult {
-    let order = msg.payload().order();
+    let (order, command) = (msg.payload().order(), msg.payload().is_command());
     let (key, amount) = (order.order_id.to_string(), order.request.amount_cents);
     let (charge_id, reason) = match &result {
         ChargeResult::Charged { charge_id } => (Some(charge_id), None),
@@ -74,7 +74,6 @@ async fn record_charge(
                 amount_cents: amount,
                 ship_to,
             };
-            let command = msg.payload().is_command();
             Outcomes::send(ctx, command, &payments.outcomes.payments, key, &processed)?;
             StepOutcome::completed_with(&serde_json::json!({ "charge_id": charge_id }))
         }
@@ -84,7 +83,6 @@ async fn record_charge(
                 reason: reason.clone(),
             };
             let failed = PaymentSetback::PaymentFailed(setback);
-            let command = msg.payload().is_command();
             Outcomes::send(
                 ctx,
                 command,
