@@ -10,7 +10,9 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::Message as _;
 use rdkafka::mocking::MockCluster;
-use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
+use rdkafka::producer::{
+    BaseProducer, DefaultProducerContext, FutureProducer, FutureRecord, Producer,
+};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use saga_consumer::{Headers, Origin, RawMessage};
 
@@ -19,6 +21,9 @@ use crate::error::kafka;
 
 /// How long one request to the mock cluster may take.
 const REQUEST: Duration = Duration::from_secs(10);
+
+/// The group id of the kit's readers (it never joins it).
+const READER: &str = "saga-testing-reader";
 
 /// Where one partition stands for a consumer group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +38,8 @@ pub(crate) struct Position {
 
 /// The mock cluster and its clients.
 pub(crate) struct Cluster {
-    mock: MockCluster<'static, DefaultProducerContext>,
+    /// The client that made the mock cluster (`test.mock.num.brokers`): the cluster lives as long as it.
+    owner: BaseProducer,
     brokers: String,
     partitions: i32,
     producer: FutureProducer,
@@ -52,10 +58,16 @@ impl std::fmt::Debug for Cluster {
 }
 
 impl Cluster {
-    /// A mock cluster of one broker, whose topics get `partitions` partitions.
+    /// A mock cluster of one broker, whose topics get `partitions` partitions, and whose groups assign a
+    /// new group's first member at once (see [`crate::mock::join_at_once`]).
     pub(crate) fn start(partitions: i32) -> Result<Self, KitError> {
-        let mock = MockCluster::new(1).map_err(kafka)?;
-        let brokers = mock.bootstrap_servers();
+        let owner: BaseProducer = ClientConfig::new()
+            .set("test.mock.num.brokers", "1")
+            .set("log_level", "3")
+            .create()
+            .map_err(kafka)?;
+        crate::mock::join_at_once(owner.client())?;
+        let brokers = mock_of(&owner)?.bootstrap_servers();
         // The relay's producer: keys partitioned with murmur2, so that an event the test sends and one a
         // service emits with the same key share a partition.
         let producer = saga_runtime::kafka::idempotent_producer(
@@ -65,7 +77,7 @@ impl Cluster {
         )
         .map_err(kafka)?;
         Ok(Self {
-            mock,
+            owner,
             brokers,
             partitions,
             producer,
@@ -85,7 +97,7 @@ impl Cluster {
         if created.contains(topic) {
             return Ok(());
         }
-        match self.mock.create_topic(topic, self.partitions, 1) {
+        match mock_of(&self.owner)?.create_topic(topic, self.partitions, 1) {
             // Made by a producer (the mock cluster creates a topic on first use).
             Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::TopicAlreadyExists) => {}
             other => other.map_err(kafka)?,
@@ -126,7 +138,7 @@ impl Cluster {
         let topic = topic.to_owned();
         blocking(move || {
             let reader: BaseConsumer = config(&brokers)
-                .set("group.id", "saga-testing-reader")
+                .set("group.id", READER)
                 .set("enable.auto.commit", "false")
                 .create()
                 .map_err(kafka)?;
@@ -238,7 +250,10 @@ impl Cluster {
                     "session.timeout.ms",
                     crate::service::SESSION_TIMEOUT.as_millis().to_string(),
                 )
-                .set("heartbeat.interval.ms", "1000")
+                .set(
+                    "heartbeat.interval.ms",
+                    (crate::service::SESSION_TIMEOUT.as_millis() / 4).to_string(),
+                )
                 .create()
                 .map_err(kafka)?;
             let names: Vec<&str> = topics_owned.iter().map(String::as_str).collect();
@@ -301,6 +316,14 @@ impl Cluster {
         groups.insert(group.to_owned(), client.clone());
         Ok(client)
     }
+}
+
+/// The mock cluster `owner` made.
+fn mock_of(owner: &BaseProducer) -> Result<MockCluster<'_, DefaultProducerContext>, KitError> {
+    owner
+        .client()
+        .mock_cluster()
+        .ok_or_else(|| KitError::Kafka("the kit's client holds no mock cluster".to_owned()))
 }
 
 /// A client configuration for the mock cluster at `brokers`.

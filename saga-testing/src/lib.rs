@@ -68,6 +68,7 @@ mod cluster;
 pub mod duplicate;
 mod error;
 pub mod http;
+mod mock;
 mod published;
 mod quiet;
 mod service;

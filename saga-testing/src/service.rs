@@ -20,7 +20,7 @@ use crate::error::BoxError;
 const TIMER_INTERVAL: Duration = Duration::from_millis(20);
 
 /// The session timeout of the kit's services.
-pub(crate) const SESSION_TIMEOUT: Duration = Duration::from_secs(4);
+pub(crate) const SESSION_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a service may take to stop.
 const STOP: Duration = Duration::from_secs(30);
@@ -85,9 +85,8 @@ impl ServiceSetup {
     }
 
     /// A service builder with [`ServiceSetup::args`] and [`ServiceSetup::pool`], and a session timeout of
-    /// 4 s: add the steps. (After a member leaves, the mock cluster makes the group's next join wait the
-    /// session timeout less a second; a session shorter than its 3 s wait for a new group's first members
-    /// would expire them while they wait.)
+    /// 2 s: add the steps. (After a member leaves, the mock cluster makes the group's next join wait the
+    /// session timeout less a second: a service started again waits 1 s, not librdkafka's default 44 s.)
     pub fn builder(&self) -> SagaServiceBuilder {
         SagaService::builder()
             .args(&self.args)
