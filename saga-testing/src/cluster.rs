@@ -38,14 +38,15 @@ pub(crate) struct Position {
 
 /// The mock cluster and its clients.
 pub(crate) struct Cluster {
-    /// The client that made the mock cluster (`test.mock.num.brokers`): the cluster lives as long as it.
-    owner: BaseProducer,
     brokers: String,
     partitions: i32,
     producer: FutureProducer,
     created: Mutex<HashSet<String>>,
     /// One client per consumer group whose offsets the kit reads (it never joins the group).
     groups: Mutex<HashMap<String, Arc<BaseConsumer>>>,
+    /// The client that made the mock cluster (`test.mock.num.brokers`): the cluster lives as long as it.
+    /// Declared last, so dropped last: the kit's other clients close while their broker still runs.
+    owner: BaseProducer,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -187,6 +188,23 @@ impl Cluster {
             }
             messages.sort_by_key(|m| (m.origin.partition, m.origin.offset));
             Ok(messages)
+        })
+        .await
+    }
+
+    /// How many messages `topic` holds now (its partitions' ends less their starts).
+    pub(crate) async fn count(&self, topic: &str) -> Result<i64, KitError> {
+        let client = self.group_client(READER)?;
+        let topic = topic.to_owned();
+        blocking(move || {
+            let mut count = 0;
+            for partition in partitions(&client, &topic)? {
+                let (low, high) = client
+                    .fetch_watermarks(&topic, partition, REQUEST)
+                    .map_err(kafka)?;
+                count += high - low;
+            }
+            Ok(count)
         })
         .await
     }

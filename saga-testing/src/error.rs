@@ -72,6 +72,17 @@ pub enum KitError {
     /// The system was not quiet in time: what was still busy.
     #[error("{0}")]
     Busy(#[from] crate::Busy),
+    /// A service dead-lettered messages the test did not expect
+    /// ([`crate::SagaTest::expect_dead_letters`] says how many it does).
+    #[error("{}", unexpected(.service, .expected, .letters))]
+    DeadLettered {
+        /// The service.
+        service: String,
+        /// How many messages the test said it would dead-letter.
+        expected: usize,
+        /// Its letters, one per message (a redelivery's letter, or a kit copy's, left out).
+        letters: Vec<crate::DeadLetter>,
+    },
     /// A saga's stored data or status does not read as the test asked.
     #[error("the saga {saga_id} of key {key:?}: {error}")]
     SagaUnreadable {
@@ -91,4 +102,31 @@ pub enum KitError {
 #[allow(clippy::needless_pass_by_value)] // `map_err(kafka)` hands the error over
 pub(crate) fn kafka(e: rdkafka::error::KafkaError) -> KitError {
     KitError::Kafka(e.to_string())
+}
+
+/// Says how many letters a test did not expect, what they were, and how a test says it does.
+fn unexpected(service: &str, expected: &usize, letters: &[crate::DeadLetter]) -> String {
+    let listed: Vec<String> = letters
+        .iter()
+        .take(3)
+        .map(|l| {
+            let at = match (l.partition, l.offset) {
+                (Some(p), Some(o)) => format!("{}/{p}@{o}", l.topic),
+                _ => l.topic.clone(),
+            };
+            format!("{} of {at}: {}", l.reason, l.error)
+        })
+        .collect();
+    let more = letters.len().saturating_sub(listed.len());
+    let more = if more > 0 {
+        format!("; and {more} more")
+    } else {
+        String::new()
+    };
+    format!(
+        "the {service} service dead-lettered {} message(s), the test expected {expected} ({}{more}); a \
+         test that means it says so with expect_dead_letters({service:?}, n)",
+        letters.len(),
+        listed.join("; ")
+    )
 }

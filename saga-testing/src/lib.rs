@@ -11,7 +11,8 @@
 //! - [`SagaTest::wait_quiet`]: until no message is in flight (every service's group has committed the end
 //!   of every partition it reads), no outbox row is unpublished, no saga timer is due or failing, no held
 //!   key is being released and every service runs. When the wait runs out it fails with [`Busy`], naming
-//!   each [`Culprit`]: the service and what it still had to do.
+//!   each [`Culprit`]: the service and what it still had to do. A dead letter the test did not announce
+//!   ([`SagaTest::expect_dead_letters`]) fails it too: [`KitError::DeadLettered`].
 //! - [`SagaTest::published`]: the events of one type on a topic ("one `PaymentProcessed` for order 7":
 //!   [`Events::one`]); [`SagaTest::dead_letters`] of a service; [`SagaTest::sagas`], the orchestrator's
 //!   instances and their states.
@@ -412,7 +413,9 @@ impl SagaTest {
     }
 
     /// Waits until the system is quiet (see the [crate] documentation), or fails with [`KitError::Busy`]
-    /// naming what was still busy after the quiet timeout ([`SagaTest::set_quiet_timeout`]).
+    /// naming what was still busy after the quiet timeout ([`SagaTest::set_quiet_timeout`]); once quiet,
+    /// fails with [`KitError::DeadLettered`] when a service dead-lettered more messages than the test
+    /// expects ([`SagaTest::expect_dead_letters`]).
     pub async fn wait_quiet(&mut self) -> Result<(), KitError> {
         self.wait_quiet_for(self.quiet_timeout).await
     }
@@ -446,7 +449,7 @@ impl SagaTest {
             // Quiet, and nothing moved while the outbox and the timers were read: a row published
             // meanwhile, or a timer that fired, shows as a partition's end that moved.
             if culprits.is_empty() && self.positions().await? == before {
-                return Ok(());
+                return self.no_unexpected_letters().await;
             }
             if started.elapsed() >= timeout {
                 return Err(KitError::Busy(Busy {
@@ -456,6 +459,45 @@ impl SagaTest {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// Fails with [`KitError::DeadLettered`] when a service dead-lettered more than the test expects.
+    async fn no_unexpected_letters(&self) -> Result<(), KitError> {
+        for running in &self.services {
+            let expected = running.letters_expected;
+            // Counted first (cheap); read only when there are more than expected (a dead-letter topic
+            // two services share holds the other's letters too).
+            if self.cluster.count(&running.dlq).await?
+                <= i64::try_from(expected).unwrap_or(i64::MAX)
+            {
+                continue;
+            }
+            let letters = self.letters_once(running).await?;
+            if letters.len() > expected {
+                return Err(KitError::DeadLettered {
+                    service: running.setup.name().to_owned(),
+                    expected,
+                    letters,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A service's letters, one per message it gave up on: the letter of a redelivery (after a crash) and
+    /// that of a copy the kit made ([`SagaTest::duplicate_deliveries`]) count with their message's.
+    async fn letters_once(&self, running: &Running) -> Result<Vec<DeadLetter>, KitError> {
+        let raw = self.cluster.read(&running.dlq).await?;
+        let mut seen = std::collections::HashSet::new();
+        Ok(raw
+            .iter()
+            .filter(|m| {
+                let copy = m.headers.get_str(duplicate::COPY_HEADER);
+                copy.ok().flatten().is_none()
+            })
+            .filter_map(|m| DeadLetter::read(m, &running.group))
+            .filter(|l| seen.insert((l.topic.clone(), l.partition, l.offset)))
+            .collect())
     }
 
     /// Where every service's group (and the duplicator's, `None`) stands.
@@ -482,6 +524,20 @@ impl SagaTest {
     pub async fn published<E: SagaEvent>(&self, topic: &Topic<E>) -> Result<Events<E>, KitError> {
         let raw = self.cluster.read(topic.name()).await?;
         Events::decode(topic.name(), &raw)
+    }
+
+    /// Says that service `service` is expected to dead-letter `count` more messages in this test.
+    ///
+    /// [`SagaTest::wait_quiet`] fails with [`KitError::DeadLettered`] (the letters, with their reasons and
+    /// errors) when a service gave up on more messages than the test expects, so that a step that rejects
+    /// what it should handle fails its test even when every assertion on rows and events holds. A test
+    /// that sends a poison message says so first. Messages are counted, not letters: one dead-lettered
+    /// again after [`SagaTest::crash_before_offset_commit`], or a copy of it the kit made
+    /// ([`SagaTest::duplicate_deliveries`]), counts once.
+    pub fn expect_dead_letters(&mut self, service: &str, count: usize) -> Result<(), KitError> {
+        let running = find_mut(&mut self.services, service)?;
+        running.letters_expected = running.letters_expected.saturating_add(count);
+        Ok(())
     }
 
     /// What service `service` dead-lettered so far.
@@ -593,7 +649,7 @@ impl SagaTest {
     }
 
     /// Simulates a crash of service `service` after its database commits and before its offset commits.
-    /// It first waits until the system is quiet (failing with [`KitError::Busy`] if it is not), then stops
+    /// It first waits until the system is quiet (failing as [`SagaTest::wait_quiet`] does if it is not), then stops
     /// the service, moves its group's committed offsets back to the start of every partition it reads (as
     /// if none of its offset commits had reached the broker), and starts it again from its setup. Every
     /// message it consumed is delivered again. Returns how many.

@@ -25,8 +25,9 @@ pub(crate) fn join_at_once<C: ClientContext>(owner: &Client<C>) -> Result<(), Ki
             "the kit's client holds no mock cluster".to_owned(),
         ));
     }
-    // SAFETY: `cluster` is non-null and lives as long as `owner`, which outlives this call; the setter takes
-    // the cluster's own lock to write one integer the cluster's thread reads under the same lock.
+    // SAFETY: `cluster` is non-null and lives as long as `owner`, which outlives this call. The setter
+    // writes one integer under the cluster's lock; the cluster's thread reads it while handling a request,
+    // which it does holding the same lock, and no group exists yet (the kit calls this first).
     unsafe { rd_kafka_mock_group_initial_rebalance_delay_ms(cluster, 0) };
     Ok(())
 }

@@ -127,7 +127,7 @@ pub struct DeadLetter {
     pub offset: Option<i64>,
     /// The step it was meant for, when one was found.
     pub step: Option<String>,
-    /// Why, as a category (`permanent-error`, `undecodable`, `retries-exhausted`, ...).
+    /// Why, as a category (`handler-failed`, `undecodable`, `retries-exhausted`, ...).
     pub reason: String,
     /// The error, for people.
     pub error: String,

@@ -123,6 +123,8 @@ pub(crate) struct Running {
     pub(crate) topics: Vec<String>,
     /// Its dead-letter topic.
     pub(crate) dlq: String,
+    /// How many dead letters of its the test expects ([`crate::SagaTest::expect_dead_letters`]).
+    pub(crate) letters_expected: usize,
     stop: CancellationToken,
     task: Option<JoinHandle<Result<(), ServiceError>>>,
     /// How it ended, once it stopped on its own.
@@ -175,6 +177,7 @@ impl Running {
             group: String::new(),
             topics: Vec::new(),
             dlq: String::new(),
+            letters_expected: 0,
             stop: CancellationToken::new(),
             task: None,
             ended: None,

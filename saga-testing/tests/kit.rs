@@ -133,9 +133,9 @@ async fn virtual_time_fires_a_one_hour_saga_timeout_without_waiting_an_hour() {
     test.stop().await.unwrap();
 }
 
-/// Takes its time: a message is in flight for two seconds.
+/// Takes its time: a message is in flight for half a second.
 async fn slow(_msg: &Message<Placed>, _ctx: &mut StepContext<'_>) -> StepResult {
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     Ok(StepOutcome::completed())
 }
 
@@ -180,7 +180,7 @@ async fn a_quiet_wait_that_runs_out_names_the_service_and_what_it_had_left() {
         .await
         .unwrap();
 
-    let Err(KitError::Busy(busy)) = test.wait_quiet_for(Duration::from_millis(500)).await else {
+    let Err(KitError::Busy(busy)) = test.wait_quiet_for(Duration::from_millis(250)).await else {
         panic!("a message is in flight: the system is not quiet");
     };
     let text = busy.to_string();
@@ -192,7 +192,7 @@ async fn a_quiet_wait_that_runs_out_names_the_service_and_what_it_had_left() {
     );
     assert!(text.contains("the slow service has 1 message(s)"), "{text}");
     // The slow step finishes; the unpublished event stays.
-    test.set_quiet_timeout(Duration::from_secs(5));
+    test.set_quiet_timeout(Duration::from_secs(2));
     let Err(KitError::Busy(busy)) = test.wait_quiet().await else {
         panic!("an event is unpublished: the system is not quiet");
     };
@@ -382,6 +382,26 @@ async fn published_events_and_dead_letters_are_read_back_typed() {
             .unwrap();
         partitions.insert(n, partition);
     }
+    // Order 13's letter was not announced: the quiet wait fails on it, naming its reason and error.
+    match test.wait_quiet().await {
+        Err(KitError::DeadLettered {
+            service,
+            expected,
+            letters,
+        }) => {
+            assert_eq!((service.as_str(), expected), ("notes", 0));
+            assert_eq!(letters.len(), 1, "{letters:?}");
+            assert_eq!(letters[0].reason, "handler-failed");
+            assert_eq!(letters[0].idempotency_key.as_deref(), Some("order-13"));
+        }
+        other => panic!("expected the unexpected letter, got {other:?}"),
+    }
+    let said = test.wait_quiet().await.unwrap_err().to_string();
+    assert!(
+        said.contains("order 13 is refused") && said.contains("expect_dead_letters(\"notes\", n)"),
+        "{said}"
+    );
+    test.expect_dead_letters("notes", 1).unwrap();
     test.wait_quiet().await.unwrap();
     let published = test.published(&notes).await.unwrap();
     assert_eq!(published.len(), 2);
@@ -411,6 +431,10 @@ async fn published_events_and_dead_letters_are_read_back_typed() {
     assert_eq!(letter.step.as_deref(), Some("note"));
     assert_eq!(letter.idempotency_key.as_deref(), Some("order-13"));
     assert!(letter.error.contains("order 13 is refused"), "{letter:?}");
+    // Delivered again after a crash, order 13 is dead-lettered again: the same message, counted once.
+    test.crash_before_offset_commit("notes").await.unwrap();
+    test.wait_quiet().await.unwrap();
+    assert_eq!(test.dead_letters("notes").await.unwrap().len(), 2);
     test.stop().await.unwrap();
 }
 
