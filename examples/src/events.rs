@@ -11,9 +11,17 @@
 //! (`ProcessPayment`, `RefundPayment`, `ArrangeShipment`), so each participant's step takes a family of
 //! two event types that share a payload: the event of the choreographed saga, or the command.
 
-use saga_consumer::{SagaEvent, StepContext, StepError, Topic};
+use saga_consumer::{SagaEvent, SharedStep, StepContext, StepError, Topic};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
+
+/// The payment step: the orchestrator's step and the payment service's, and its compensation, the
+/// payment service's refund. Declared once, here, where both services read it.
+pub const PROCESS_PAYMENT: SharedStep =
+    SharedStep::new("process-payment").compensated_by("compensate-process-payment");
+
+/// The shipping step, the orchestrator's and the shipping service's.
+pub const ARRANGE_SHIPMENT: SharedStep = SharedStep::new("arrange-shipment");
 
 /// The order as the client submits it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -33,8 +33,9 @@ use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 use crate::events::{
-    Charge, OrderCreated, OrderRequest, PaymentProcessed, PaymentReply, PaymentSetback, Refund,
-    RefundReply, Setback, Ship, ShipmentArranged, ShipmentReply, ShipmentSetback, Topics,
+    ARRANGE_SHIPMENT, Charge, OrderCreated, OrderRequest, PROCESS_PAYMENT, PaymentProcessed,
+    PaymentReply, PaymentSetback, Refund, RefundReply, Setback, Ship, ShipmentArranged,
+    ShipmentReply, ShipmentSetback, Topics,
 };
 
 #[derive(Clone)]
@@ -96,9 +97,6 @@ impl OrderSaga {
     }
 }
 
-const PROCESS_PAYMENT: &str = "process-payment";
-const ARRANGE_SHIPMENT: &str = "arrange-shipment";
-
 /// The orchestrated order saga: `process-payment` (compensated by `RefundPayment`), then
 /// `arrange-shipment`.
 pub fn order_saga(topics: &Topics) -> Result<SagaDefinition<OrderSaga>, DefinitionError> {
@@ -107,10 +105,10 @@ pub fn order_saga(topics: &Topics) -> Result<SagaDefinition<OrderSaga>, Definiti
         let (order_id, reason) = (saga.order.order_id, why.to_owned());
         Refund::RefundPayment(Setback { order_id, reason })
     };
-    let payment = Step::new(
+    let payment = Step::shared(
         PROCESS_PAYMENT,
         Command::to(&topics.payment_commands, charge),
-    )?
+    )
     .replies(|saga: &mut OrderSaga, reply: PaymentReply| match reply {
         PaymentReply::PaymentProcessed(paid) => {
             saga.payment = Some(paid);
@@ -118,20 +116,17 @@ pub fn order_saga(topics: &Topics) -> Result<SagaDefinition<OrderSaga>, Definiti
         }
         PaymentReply::PaymentFailed(declined) => Verdict::Failed(declined.reason),
     })
-    .compensate_with(
-        Command::undo(&topics.refund_commands, refund),
-        |_: &mut OrderSaga, _: RefundReply| {},
-        Duration::from_secs(10),
-    )
+    .compensate::<RefundReply>(Command::undo(&topics.refund_commands, refund))
+    .resend_compensation_after(Duration::from_secs(10))
     .timeout(Duration::from_secs(60), OnTimeout::Fail);
     let ship = |saga: &OrderSaga| {
         let paid = saga.payment.clone();
         paid.map(Ship::ArrangeShipment).ok_or("no payment to ship")
     };
-    let shipment = Step::new(
+    let shipment = Step::shared(
         ARRANGE_SHIPMENT,
         Command::try_to(&topics.shipping_commands, ship),
-    )?
+    )
     .replies(|saga: &mut OrderSaga, reply: ShipmentReply| match reply {
         ShipmentReply::ShipmentArranged(arranged) => {
             saga.shipment = Some(arranged);
@@ -141,7 +136,7 @@ pub fn order_saga(topics: &Topics) -> Result<SagaDefinition<OrderSaga>, Definiti
     })
     .timeout(Duration::from_secs(60), OnTimeout::Fail);
     let saga = SagaDefinition::new("order-fulfillment", &topics.order_replies)?;
-    Ok(saga.step(payment).step(shipment).reads_0_2(read_0_2))
+    Ok(saga.step(payment).step(shipment).reads_untyped(read_0_2))
 }
 
 /// An order saga stored by 0.2: its input was the order, and each step's reply was kept under the
@@ -149,8 +144,8 @@ pub fn order_saga(topics: &Topics) -> Result<SagaDefinition<OrderSaga>, Definiti
 fn read_0_2(stored: &LegacyData) -> Result<OrderSaga, String> {
     Ok(OrderSaga {
         order: stored.input()?,
-        payment: stored.reply(PROCESS_PAYMENT),
-        shipment: stored.reply(ARRANGE_SHIPMENT),
+        payment: stored.reply(PROCESS_PAYMENT.name()),
+        shipment: stored.reply(ARRANGE_SHIPMENT.name()),
     })
 }
 
@@ -244,10 +239,11 @@ async fn create_order(
                     order_id,
                     request: body.clone(),
                 });
-                let (saga_id, _) = orchestrator
+                let saga_id = orchestrator
                     .start(&mut conn, &request.lineage(), saga)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| e.to_string())?
+                    .saga_id;
                 sqlx::query("UPDATE orders SET saga_id = $2 WHERE order_id = $1")
                     .bind(order_id)
                     .bind(saga_id)

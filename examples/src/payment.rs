@@ -10,7 +10,9 @@ use saga_consumer::{
 };
 use sqlx::PgPool;
 
-use crate::events::{Charge, Outcomes, PaymentProcessed, PaymentSetback, Refund, Setback};
+use crate::events::{
+    Charge, Outcomes, PROCESS_PAYMENT, PaymentProcessed, PaymentSetback, Refund, Setback,
+};
 use crate::gateway::{ChargeResult, PaymentGateway};
 
 /// What the payment steps need: the gateway, the service's database (to find a charge to refund) and
@@ -28,7 +30,7 @@ pub struct Payments {
 /// `process-payment` on `charges` (`OrderCreated`, or the `ProcessPayment` command): charges the card,
 /// emits `PaymentProcessed` or, when the card is declined, `PaymentFailed` (a business rejection).
 pub fn process_payment(payments: Payments, charges: &Topic<Charge>) -> impl TwoPhaseStep {
-    two_phase("process-payment", payments, charge, record_charge).on(charges)
+    two_phase(PROCESS_PAYMENT.name(), payments, charge, record_charge).on(charges)
 }
 
 async fn charge(msg: &Message<Charge>, payments: &Payments) -> Result<ChargeResult, StepError> {

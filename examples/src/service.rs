@@ -20,7 +20,7 @@ use saga_orchestrator::Orchestrator;
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
-use crate::events::Topics;
+use crate::events::{ARRANGE_SHIPMENT, Topics};
 use crate::gateway::PaymentGateway;
 use crate::{order, payment, shipping};
 
@@ -306,7 +306,12 @@ pub async fn steps(
             let gateway = PaymentGateway::new(gateway_pool(args).await?, latency);
             let (charges, refunds, refund_name) = if orchestrated {
                 let (charges, refunds) = (&topics.payment_commands, &topics.refund_commands);
-                (charges, refunds, "compensate-process-payment")
+                let compensation = crate::events::PROCESS_PAYMENT.compensation();
+                (
+                    charges,
+                    refunds,
+                    compensation.expect("the payment step is compensated"),
+                )
             } else {
                 (&topics.charges, &topics.refunds, "refund-payment")
             };
@@ -328,7 +333,11 @@ pub async fn steps(
             }
         }
         Service::Shipping => {
-            let arrange = step_with("arrange-shipment", outcomes, shipping::arrange_shipment);
+            let arrange = step_with(
+                ARRANGE_SHIPMENT.name(),
+                outcomes,
+                shipping::arrange_shipment,
+            );
             if orchestrated {
                 builder
                     .step(arrange.on(&topics.shipping_commands))

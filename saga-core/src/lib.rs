@@ -53,6 +53,7 @@ mod function;
 #[doc(hidden)]
 pub mod headers;
 mod key;
+mod shared_step;
 mod step;
 pub mod testing;
 mod two_phase;
@@ -78,6 +79,7 @@ pub use key::{
 pub use key::{ExternalKey, IdempotencyKey, KeyError, StepName, TenantId};
 /// `#[derive(SagaEvent)]`: see the trait [`SagaEvent`].
 pub use saga_macros::SagaEvent;
+pub use shared_step::SharedStep;
 /// The SQL toolkit a step writes with: [`StepContext::conn`] is a `sqlx` connection.
 pub use sqlx;
 pub use step::{

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use saga_core::{KeyError, SagaEvent, StepName, Topic};
+use saga_core::{KeyError, SagaEvent, SharedStep, StepName, Topic};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -324,7 +324,14 @@ pub struct Step<D> {
     pub timeout: Duration,
     /// What a timeout means.
     pub on_timeout: OnTimeout,
+    /// The declaration both sides share, for a step made by [`Step::shared`].
+    pub(crate) shared: Option<SharedStep>,
+    /// The resend period [`Step::resend_compensation_after`] set, for a compensation given after it.
+    pub(crate) compensation_resend: Option<Duration>,
 }
+
+/// How long a compensation waits for its confirmation before it is sent again, unless the step says.
+const COMPENSATION_RESEND: Duration = Duration::from_secs(30);
 
 impl<D> Clone for Step<D> {
     fn clone(&self) -> Self {
@@ -335,6 +342,8 @@ impl<D> Clone for Step<D> {
             compensation: self.compensation.clone(),
             timeout: self.timeout,
             on_timeout: self.on_timeout,
+            shared: self.shared,
+            compensation_resend: self.compensation_resend,
         }
     }
 }
@@ -348,6 +357,7 @@ impl<D> std::fmt::Debug for Step<D> {
             .field("compensation", &self.compensation)
             .field("timeout", &self.timeout)
             .field("on_timeout", &self.on_timeout)
+            .field("shared", &self.shared)
             .finish()
     }
 }
@@ -356,14 +366,28 @@ impl<D: SagaData> Step<D> {
     /// A step `name` run by `command`, with a 30-second timeout that fails it. It needs its replies
     /// ([`Step::replies`]).
     pub fn new(name: &str, command: Command<D>) -> Result<Self, KeyError> {
-        Ok(Self {
-            name: StepName::new(name)?,
+        Ok(Self::named(StepName::new(name)?, command, None))
+    }
+
+    /// A step declared once where the participant's service reads it too ([`SharedStep`]): the participant
+    /// names its step (and, for a compensated step, its compensation) from the same declaration. The
+    /// orchestrator checks at its start that the step has a compensation ([`Step::compensate`])
+    /// exactly when the declaration names one ([`DefinitionError::SharedStep`]).
+    pub fn shared(step: SharedStep, command: Command<D>) -> Self {
+        Self::named(step.step_name(), command, Some(step))
+    }
+
+    fn named(name: StepName, command: Command<D>, shared: Option<SharedStep>) -> Self {
+        Self {
+            name,
             command,
             replies: None,
             compensation: None,
             timeout: Duration::from_secs(30),
             on_timeout: OnTimeout::Fail,
-        })
+            shared,
+            compensation_resend: None,
+        }
     }
 
     /// The replies that complete or fail the step: every event type of `R` (an event, or a family of
@@ -450,6 +474,47 @@ impl<D: SagaData> Step<D> {
         self
     }
 
+    /// The step's compensation: `command` (see [`Command::undo`]), confirmed by any reply of `R`, which the
+    /// saga's data need not record; re-sent every 30 s until confirmed ([`Step::resend_compensation_after`]
+    /// changes that).
+    ///
+    /// ```
+    /// # use saga_core::{SagaEvent, Topic};
+    /// # use saga_orchestrator::{Command, Step, Verdict};
+    /// # use std::time::Duration;
+    /// # #[derive(Clone, serde::Serialize, serde::Deserialize)] struct Order { order_id: i64 }
+    /// # #[derive(serde::Serialize, serde::Deserialize, SagaEvent)] struct ProcessPayment { order_id: i64 }
+    /// # #[derive(serde::Serialize, serde::Deserialize, SagaEvent)] struct RefundPayment { order_id: i64 }
+    /// # #[derive(serde::Serialize, serde::Deserialize, SagaEvent)] struct PaymentProcessed { order_id: i64 }
+    /// # #[derive(serde::Serialize, serde::Deserialize, SagaEvent)] struct PaymentRefunded { order_id: i64 }
+    /// # const PAYMENTS: Topic<ProcessPayment> = Topic::fixed("payments");
+    /// # const REFUNDS: Topic<RefundPayment> = Topic::fixed("payments");
+    /// let refund = Command::undo(&REFUNDS, |o: &Order, _why: &str| RefundPayment { order_id: o.order_id });
+    /// let charge = Step::new("process-payment", Command::to(&PAYMENTS, |o: &Order| ProcessPayment { order_id: o.order_id }))?
+    ///     .replies(|_: &mut Order, _: PaymentProcessed| Verdict::Succeeded)
+    ///     .compensate::<PaymentRefunded>(refund)
+    ///     .resend_compensation_after(Duration::from_secs(10));
+    /// # let _ = charge;
+    /// # Ok::<(), saga_core::KeyError>(())
+    /// ```
+    #[must_use]
+    pub fn compensate<R: SagaEvent>(self, command: Command<D>) -> Self {
+        let resend_after = self.compensation_resend.unwrap_or(COMPENSATION_RESEND);
+        self.compensate_with(command, |_: &mut D, _: R| {}, resend_after)
+    }
+
+    /// How long the step's compensation waits for its confirmation before it is sent again (same key):
+    /// called before or after [`Step::compensate`]. Without it, 30 s. [`Step::compensate_with`] names a
+    /// period of its own: whichever of the two is called last holds.
+    #[must_use]
+    pub fn resend_compensation_after(mut self, after: Duration) -> Self {
+        self.compensation_resend = Some(after);
+        if let Some(compensation) = &mut self.compensation {
+            compensation.resend_after = after;
+        }
+        self
+    }
+
     /// A compensation confirmed by replies of types known only at run time. Prefer
     /// [`Step::compensate_with`].
     #[must_use]
@@ -520,6 +585,29 @@ impl<D> Step<D> {
         names
     }
 
+    /// How the step differs from its [`SharedStep`] declaration, if it does.
+    fn unlike_its_declaration(&self) -> Option<String> {
+        let shared = self.shared?;
+        if self.name.as_str() != shared.name() {
+            return Some(format!(
+                "was renamed after it was made from the declaration of {}",
+                shared.name()
+            ));
+        }
+        match (shared.compensation(), &self.compensation) {
+            (Some(name), None) => Some(format!(
+                "is declared compensated (by {name}) and has no compensation (Step::compensate)"
+            )),
+            (None, Some(_)) => Some(format!(
+                "has a compensation its declaration does not name: declare it with \
+                 SharedStep::new({:?}).compensated_by(\"compensate-{}\")",
+                self.name.as_str(),
+                self.name
+            )),
+            _ => None,
+        }
+    }
+
     /// `on-{step}`: the consumer step that delivers the step's replies.
     fn reply_step(&self) -> String {
         format!("on-{}", self.name)
@@ -573,6 +661,17 @@ pub enum DefinitionError {
         /// Why it is invalid.
         reason: KeyError,
     },
+    /// A step made from a [`SharedStep`] has a compensation its declaration does not name, or none where
+    /// it names one: the participant's service, reading the same declaration, would serve another.
+    #[error("saga {saga}: step {step} {reason}")]
+    SharedStep {
+        /// The saga type.
+        saga: String,
+        /// The step.
+        step: String,
+        /// What does not match.
+        reason: String,
+    },
     /// A step expects no reply at all (it was given no [`Step::replies`]).
     #[error("saga {saga}: step {step} has no replies (Step::replies)")]
     NoReply {
@@ -599,7 +698,7 @@ type LegacyFn<D> = Arc<dyn Fn(&LegacyData) -> Result<D, String> + Send + Sync>;
 
 /// The data of an instance stored by 0.2, before saga data had a type: what it was started with, and
 /// each reply's payload under its step's (or compensation's) name. A definition that reads them
-/// ([`SagaDefinition::reads_0_2`]) turns it into its type.
+/// ([`SagaDefinition::reads_untyped`]) turns it into its type.
 #[derive(Debug, Clone)]
 pub struct LegacyData(serde_json::Value);
 
@@ -655,7 +754,7 @@ impl<D> std::fmt::Debug for SagaDefinition<D> {
             .field("reply_topic", &self.reply_topic)
             .field("version", &self.version)
             .field("steps", &self.steps)
-            .field("reads_0_2", &self.legacy.is_some())
+            .field("reads_untyped", &self.legacy.is_some())
             .finish()
     }
 }
@@ -688,11 +787,11 @@ impl<D: SagaData> SagaDefinition<D> {
         self
     }
 
-    /// Reads instances stored by 0.2 (whose data had no type) with `read`: 0.2 instances run on this
+    /// Reads instances stored before saga data had a type (by 0.2) with `read`: such instances run on this
     /// definition, which must be version 1 (0.2 had one version). Without it, such an instance is refused
     /// with a reason (its replies dead-lettered, its timer marked stuck), never misread.
     #[must_use]
-    pub fn reads_0_2(
+    pub fn reads_untyped(
         mut self,
         read: impl Fn(&LegacyData) -> Result<D, String> + Send + Sync + 'static,
     ) -> Self {
@@ -700,8 +799,18 @@ impl<D: SagaData> SagaDefinition<D> {
         self
     }
 
+    /// The former name of [`SagaDefinition::reads_untyped`].
+    #[deprecated(since = "0.3.0", note = "renamed reads_untyped")]
+    #[must_use]
+    pub fn reads_0_2(
+        self,
+        read: impl Fn(&LegacyData) -> Result<D, String> + Send + Sync + 'static,
+    ) -> Self {
+        self.reads_untyped(read)
+    }
+
     /// The data of an instance as stored: `D`'s JSON, or (with no version, written by 0.2) the 0.2 form
-    /// read by [`SagaDefinition::reads_0_2`].
+    /// read by [`SagaDefinition::reads_untyped`].
     pub(crate) fn read_data(
         &self,
         stored: &serde_json::Value,
@@ -711,7 +820,7 @@ impl<D: SagaData> SagaDefinition<D> {
             let read = self.legacy.as_ref().ok_or_else(|| {
                 format!(
                     "the instance was stored by 0.2, and version {} of {} does not read 0.2 data \
-                     (SagaDefinition::reads_0_2)",
+                     (SagaDefinition::reads_untyped)",
                     self.version, self.saga_type
                 )
             })?;
@@ -767,6 +876,13 @@ impl<D: SagaData> SagaDefinition<D> {
                         reason,
                     });
                 }
+            }
+            if let Some(reason) = step.unlike_its_declaration() {
+                return Err(DefinitionError::SharedStep {
+                    saga,
+                    step: step.name.to_string(),
+                    reason,
+                });
             }
             if step.reply_types().is_empty() {
                 return Err(DefinitionError::NoReply {
@@ -830,6 +946,38 @@ mod tests {
             Err(DefinitionError::DerivedName { step, derived, .. }) => (step, derived),
             other => panic!("expected a refused derived name, got {other:?}"),
         }
+    }
+
+    fn shared(declared: SharedStep, compensated: bool) -> Result<(), DefinitionError> {
+        let command = || Command::new("commands", "Do", |d: &Data| d["input"].clone());
+        let mut step =
+            Step::shared(declared, command()).replies_of(["Done"], |_, _, _| Verdict::Succeeded);
+        if compensated {
+            step = step.compensate_with_types(command(), ["Undone"], Duration::from_secs(1));
+        }
+        let definition = SagaDefinition::new("orders", "replies").unwrap().step(step);
+        assert_eq!(definition.steps[0].name.as_str(), declared.name());
+        definition.validate()
+    }
+
+    #[test]
+    fn a_shared_step_has_a_compensation_exactly_when_its_declaration_names_one() {
+        const PAY: SharedStep = SharedStep::new("pay").compensated_by("compensate-pay");
+        const SHIP: SharedStep = SharedStep::new("ship");
+        shared(PAY, true).unwrap();
+        shared(SHIP, false).unwrap();
+        match shared(PAY, false) {
+            Err(DefinitionError::SharedStep { step, reason, .. }) => {
+                assert_eq!(step, "pay");
+                assert!(reason.contains("compensate-pay"), "{reason}");
+            }
+            other => panic!("expected the missing compensation refused, got {other:?}"),
+        }
+        let refused = shared(SHIP, true).unwrap_err().to_string();
+        assert!(
+            refused.contains(r#"SharedStep::new("ship").compensated_by("compensate-ship")"#),
+            "{refused}"
+        );
     }
 
     #[test]

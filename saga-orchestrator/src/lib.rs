@@ -10,7 +10,7 @@
 //!   ordinary consumer steps (deduplicated by their step keys), fires durable timers, and applies every
 //!   transition as an optimistic-concurrency update in the same transaction as the commands it sends.
 //!   Instances keep the version they started with ([`Orchestrator::keep_running`]); those stored by 0.2 are
-//!   read by the definition that says how ([`SagaDefinition::reads_0_2`]).
+//!   read by the definition that says how ([`SagaDefinition::reads_untyped`]).
 //! - On a permanent failure it compensates the completed steps in reverse, each with its own key
 //!   `{original-key}:compensate-{step}`; a compensation is re-sent until confirmed, never skipped.
 //!
@@ -76,7 +76,9 @@ pub use definition::{
 };
 pub use engine::{Decision, Outgoing, SagaState, SagaStatus};
 pub use error::OrchestratorError;
-pub use orchestrator::{Orchestrator, RawReply, ReplyStep, SagaChange, SagaHooks};
+pub use orchestrator::{Orchestrator, RawReply, ReplyStep, SagaChange, SagaHooks, Started};
+/// A step name both sides of an orchestrated saga read from one declaration ([`Step::shared`]).
+pub use saga_core::SharedStep;
 pub use store::{SagaInstance, Transition};
 
 /// The README's code, compiled and checked as doc tests so that it cannot rot.

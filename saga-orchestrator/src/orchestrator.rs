@@ -22,6 +22,17 @@ use crate::engine::{Decision, Refusal, SagaEvent, SagaState, SagaStatus, decide}
 use crate::error::OrchestratorError;
 use crate::store::{self, SagaInstance};
 
+/// What [`Orchestrator::start`] did: the key's instance, and whether this call created it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Started {
+    /// The instance.
+    pub saga_id: Uuid,
+    /// Whether this call created it and sent its first command (`false`: the key's instance existed, and
+    /// nothing was sent).
+    pub created: bool,
+}
+
 /// A transition as hooks see it: the instance, its state before and after (with the saga's data), the
 /// step concerned and what caused it.
 #[derive(Debug)]
@@ -320,13 +331,13 @@ impl<D: SagaData> Orchestrator<D> {
 
     /// Starts an instance for `lineage`'s key and tenant with `data`, on the current definition, in the
     /// caller's transaction, and sends the first command. Idempotent on the key: starting again returns
-    /// the existing instance. The flag says whether it was created.
+    /// the existing instance ([`Started::created`] says which).
     pub async fn start(
         &self,
         conn: &mut PgConnection,
         lineage: &Lineage,
         data: D,
-    ) -> Result<(Uuid, bool), OrchestratorError> {
+    ) -> Result<Started, OrchestratorError> {
         let def = &self.inner.definition;
         let json = stored_form(&data).map_err(|reason| OrchestratorError::Unreadable {
             saga_id: Uuid::nil(),
@@ -349,7 +360,10 @@ impl<D: SagaData> Orchestrator<D> {
             self.transition(conn, &instance, def, &state, &decision, lineage)
                 .await?;
         }
-        Ok((instance.saga_id, created))
+        Ok(Started {
+            saga_id: instance.saga_id,
+            created,
+        })
     }
 
     /// Handles a reply: finds the instance by the reply's key and tenant, decides on the definition it

@@ -298,13 +298,13 @@ impl World {
     ) -> uuid::Uuid {
         let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default());
         let mut tx = self.db.pool.begin().await.unwrap();
-        let (id, created) = orchestrator
+        let started = orchestrator
             .start(&mut tx, &lineage, json!({ "input": input }))
             .await
             .unwrap();
         tx.commit().await.unwrap();
-        assert!(created);
-        id
+        assert!(started.created);
+        started.saga_id
     }
 
     async fn wait_status(&self, saga: uuid::Uuid, status: SagaStatus) {

@@ -52,12 +52,12 @@ fn definition() -> SagaDefinition<Data> {
 async fn start(db: &TestDb, orchestrator: &Orchestrator<Data>, key: &str) -> Uuid {
     let mut tx = db.pool.begin().await.unwrap();
     let lineage = Lineage::root(IdempotencyKey::new(key).unwrap(), TenantId::default());
-    let (id, _) = orchestrator
+    let started = orchestrator
         .start(&mut tx, &lineage, serde_json::json!({}))
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    id
+    started.saga_id
 }
 
 #[tokio::test]

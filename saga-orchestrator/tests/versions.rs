@@ -174,7 +174,7 @@ async fn an_instance_stored_by_0_2_is_read_by_the_declared_migration_and_written
 
     // With the migration declared (and the instance due again), its timeout moves it: `ship` timed out,
     // so `charge` is refunded, the refund built from the data read from the 0.2 form.
-    let orchestrator = Orchestrator::new(definition().reads_0_2(read_0_2)).unwrap();
+    let orchestrator = Orchestrator::new(definition().reads_untyped(read_0_2)).unwrap();
     sqlx::query("UPDATE saga_instances SET deadline = now() WHERE saga_id = $1")
         .bind(saga_id)
         .execute(&db.pool)
@@ -270,10 +270,10 @@ async fn start(db: &TestDb, orchestrator: &Orchestrator<Order>, key: &str) -> Uu
         order_id: key.to_owned(),
         charge: None,
     };
-    let (id, created) = orchestrator.start(&mut tx, &lineage, order).await.unwrap();
+    let started = orchestrator.start(&mut tx, &lineage, order).await.unwrap();
     tx.commit().await.unwrap();
-    assert!(created);
-    id
+    assert!(started.created);
+    started.saga_id
 }
 
 #[tokio::test]
