@@ -850,8 +850,10 @@ pub(crate) async fn record_sent(
     .bind(&owner.retry_topic)
     .bind(partition)
     .bind(offset)
-    .bind(&letter.idempotency_key)
-    .bind(&letter.tenant)
+    // As the index keeps them (a letter's key is whatever its message carried: a NUL, or more than an
+    // index row holds, must not fail the record of a send already made).
+    .bind(indexed_key(letter.idempotency_key.as_deref()))
+    .bind(indexed_name(&letter.tenant))
     .execute(&mut *tx)
     .await?;
     Ok(ReplayOutcome::Sent {
@@ -859,6 +861,16 @@ pub(crate) async fn record_sent(
         partition,
         offset,
     })
+}
+
+/// A letter's key as the index keeps it: see [`letters::indexable`].
+pub(crate) fn indexed_key(name: Option<&str>) -> Option<String> {
+    name.map(indexed_name)
+}
+
+/// A letter's name (its tenant, its key) as the index keeps it.
+pub(crate) fn indexed_name(name: &str) -> String {
+    letters::indexable(name, letters::MAX_INDEXED_NAME)
 }
 
 /// Records that `letter` reached `owner`'s retry topic at `at` (partition, offset) in a run of operation

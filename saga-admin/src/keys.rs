@@ -89,7 +89,11 @@ impl KeyView {
     }
 }
 
+/// The most step keys [`show`] lists: more derive from a key only across many tenants.
+pub const MOST_SHOWN: usize = 1_000;
+
 /// Every key derived from the client's key `original` in `pool`'s schema, of `tenant` or of every tenant.
+/// More than [`MOST_SHOWN`] is refused as bad input (name a tenant), never a list silently cut.
 pub async fn show(
     pool: &PgPool,
     original: &str,
@@ -106,7 +110,13 @@ pub async fn show(
         })
         .transpose()?;
     let mut conn = pool.acquire().await?;
-    let records = idempotency::keys_of(&mut conn, original, tenant.as_ref()).await?;
+    let most = i64::try_from(MOST_SHOWN + 1).unwrap_or(i64::MAX);
+    let records = idempotency::keys_of(&mut conn, original, tenant.as_ref(), most).await?;
+    if records.len() > MOST_SHOWN {
+        return Err(AdminError::bad_input(format!(
+            "more than {MOST_SHOWN} step keys derive from key {original:?}: name its tenant"
+        )));
+    }
     let now = Utc::now();
     Ok(records.into_iter().map(|r| KeyView::of(r, now)).collect())
 }

@@ -437,11 +437,15 @@ async fn lane(
             found.unread.append(&mut read.unread);
             Ok(())
         }
-        // A schema dropped while it was read (undefined table or schema): it holds nothing now.
+        // A table or the schema dropped while it was read (or a table a list needs missing): said, not
+        // shown as an empty lane.
         Err(AdminError::Database(sqlx::Error::Database(e)))
             if matches!(e.code().as_deref(), Some("42P01" | "3F000")) =>
         {
-            tracing::debug!(schema, "a schema went away while it was traced");
+            found.unread.push(format!(
+                "{schema}: not read, a table of it is missing ({})",
+                e.message()
+            ));
             Ok(())
         }
         // Its tables not even listed in time (the transaction's statement timeout): said.

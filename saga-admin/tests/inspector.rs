@@ -307,7 +307,7 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     options.dlq_topics = vec![dlq_topic.clone()];
     options.groups = vec![saga.args.group(Service::Order)];
     options.tokens = vec![NamedToken::new("alice", token).unwrap()];
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let stop = tokio_util::sync::CancellationToken::new();
     let server = tokio::spawn(inspect::serve(
@@ -671,7 +671,7 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
     let reader = common::Reader::create(&saga.db.pool, &schema).await;
     let reader_pool = common::schema_pool(&reader.url, &schema).await;
     card_declined("45", "999").await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let reading = format!("http://{}", listener.local_addr().unwrap());
     let mut options = InspectOptions::default();
     options.dlq_topics = vec![dlq_topic.clone()];

@@ -183,7 +183,7 @@ impl Inspector {
         letter(&kafka, &dlq, &topic, &group, "order-7", 0).await;
         let mut options = options;
         options.dlq_topics = vec![dlq.clone()];
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let stop = CancellationToken::new();
         tokio::spawn(inspect::serve(
@@ -756,7 +756,7 @@ async fn a_read_only_inspector_shows_no_replay_button_and_refuses_every_post() {
     );
     let mut options = InspectOptions::default();
     options.dlq_topics = vec![i.dlq.clone()];
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let actor = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(inspect::serve(
@@ -1068,7 +1068,7 @@ async fn a_script_with_a_token_reads_the_api_and_replays_a_group_and_prometheus_
 async fn with_the_broker_unreachable_the_metrics_keep_the_rest_and_say_what_is_missing() {
     let i = Inspector::start("inspect-metrics-down", InspectOptions::default()).await;
     // The same schema, served by an inspector whose broker does not answer.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(inspect::serve(
         listener,

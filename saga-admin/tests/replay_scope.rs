@@ -723,9 +723,10 @@ async fn keys_the_index_cannot_hold_as_they_are_stop_neither_the_partition_nor_t
         .await;
     let group = a.group.clone();
     let dlq_topic = format!("{group}.dlq");
-    // Two messages whose keys the consumer cannot read (a NUL byte; far too long), dead-lettered as
-    // undecodable with their headers; then a message that runs.
-    let long = "k".repeat(5_000);
+    // Two messages whose keys the consumer cannot read (a NUL byte; far too long, and not compressible
+    // under an index row's 2.7 KB), dead-lettered as undecodable with their headers; then a message that
+    // runs.
+    let long = incompressible(5_000);
     for key in ["a\u{0}b", long.as_str()] {
         f.kafka
             .produce(
@@ -775,4 +776,47 @@ async fn keys_the_index_cannot_hold_as_they_are_stop_neither_the_partition_nor_t
     .await
     .unwrap();
     assert_eq!(counts.values().sum::<usize>(), 2, "{counts:?}");
+    // Replayed: each is sent once and its send recorded, its key kept as the index keeps it; a second
+    // replay sends nothing.
+    let options = ReplayOptions::default().by("alice");
+    let report = f.replay(&dlq_topic, &options).await.unwrap();
+    assert_eq!(report.sent(), 2, "{report:?}");
+    assert_eq!(f.replay(&dlq_topic, &options).await.unwrap().sent(), 0);
+    let logged: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT idempotency_key FROM saga_dlq_replay_log WHERE dlq_topic = $1")
+            .bind(&dlq_topic)
+            .fetch_all(&f.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(logged.len(), 2, "{logged:?}");
+    assert!(
+        logged
+            .iter()
+            .flatten()
+            .all(|k| !k.contains('\0') && k.len() <= 512),
+        "{logged:?}"
+    );
+    assert_eq!(
+        f.kafka
+            .end_offsets(&report.retry_topic)
+            .await
+            .values()
+            .sum::<i64>(),
+        2,
+        "each sent once"
+    );
+}
+
+/// `len` characters PostgreSQL cannot compress much (an xorshift over 64 symbols).
+fn incompressible(len: usize) -> String {
+    const SYMBOLS: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(SYMBOLS[(x % 64) as usize])
+        })
+        .collect()
 }

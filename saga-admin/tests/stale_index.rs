@@ -100,7 +100,7 @@ async fn a_stale_index_is_said_and_read_as_it_is_only_when_asked() {
 
     // The page over the reader's pool: the letters as indexed, under a banner; the API says it in a header.
     let pool = common::schema_pool(&reader.url, &db.schema).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
     let mut options = InspectOptions::default();

@@ -363,7 +363,29 @@ async fn every_list_is_an_index_range_read_stopped_by_its_limit() {
     let held = trace::trace(&db.pool, "key-7", None, schemas)
         .await
         .unwrap();
+    // The command shows what it read, names what it did not, and exits 1: an incomplete trace is no
+    // complete answer.
+    let schema = db.schema.clone();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_saga"))
+            .args(["trace", "key-7", "--in-schema", &schema])
+            .env("DATABASE_URL", TestDb::database_url())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
     locker.rollback().await.unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert_eq!(output.status.code(), Some(1), "{out}\n{err}");
+    assert!(
+        out.contains("not read: ") && out.contains("events emitted not read"),
+        "{out}"
+    );
+    assert!(err.contains("incomplete"), "{err}");
     assert!(
         held.unread
             .iter()

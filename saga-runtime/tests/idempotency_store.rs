@@ -282,7 +282,7 @@ async fn keys_of_two_tenants_are_isolated() {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    let all: Vec<String> = idempotency::keys_of(&mut conn, "same-client-key", None)
+    let all: Vec<String> = idempotency::keys_of(&mut conn, "same-client-key", None, 10)
         .await
         .unwrap()
         .into_iter()
@@ -293,10 +293,16 @@ async fn keys_of_two_tenants_are_isolated() {
         [k.as_str(), k.as_str()],
         "acme's and globex's, not the longer key's"
     );
-    let acme_only = idempotency::keys_of(&mut conn, "same-client-key", Some(&acme))
+    let acme_only = idempotency::keys_of(&mut conn, "same-client-key", Some(&acme), 10)
         .await
         .unwrap();
     assert_eq!(acme_only.len(), 1);
+    // At most `limit`, the first by tenant.
+    let first = idempotency::keys_of(&mut conn, "same-client-key", None, 1)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].tenant, "acme");
 }
 
 #[tokio::test]

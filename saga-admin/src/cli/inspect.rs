@@ -134,8 +134,7 @@ impl Cli {
         options.read_only = *read_only;
         options.secure_cookies = *secure_cookies;
         let (kafka, pool) = (self.kafka().await?, self.pool().await?);
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
+        let listener = std::net::TcpListener::bind(listen)
             .with_context(|| format!("listening on {listen}"))?;
         println!("inspector on http://{}/", listener.local_addr()?);
         inspect::serve(

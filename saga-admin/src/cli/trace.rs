@@ -51,6 +51,15 @@ impl Cli {
                 found.key,
                 found.lanes.len()
             )
-        })
+        })?;
+        // What was read is shown; a list that could not be read makes it no complete answer, which a
+        // script sees in the exit code. (A list cut at its bound was read: `cut:` says so.)
+        if !found.unread.is_empty() {
+            anyhow::bail!(
+                "incomplete: {} list(s) could not be read (see `not read:`)",
+                found.unread.len()
+            );
+        }
+        Ok(())
     }
 }

@@ -159,14 +159,17 @@ pub fn router(
         .with_state(app)
 }
 
-/// Serves the inspector on `listener` until `shutdown` resolves.
+/// Serves the inspector on `listener` (a bound standard listener: no runtime's type in the API) until
+/// `shutdown` resolves. Call it within a tokio runtime.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    listener: std::net::TcpListener,
     kafka: KafkaConfig,
     pool: PgPool,
     options: InspectOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AdminError> {
+    listener.set_nonblocking(true).map_err(AdminError::Serve)?;
+    let listener = tokio::net::TcpListener::from_std(listener).map_err(AdminError::Serve)?;
     let bound = listener.local_addr().map_err(AdminError::Serve)?;
     axum::serve(listener, router(kafka, pool, options, bound))
         .with_graceful_shutdown(shutdown)

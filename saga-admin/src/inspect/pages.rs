@@ -1105,9 +1105,12 @@ pub(super) fn trace(t: &SagaTrace) -> String {
         body.push_str("</p>");
     }
     if t.events.is_empty() {
-        body.push_str(
-            "<p class=\"empty\" id=\"trace-empty\">Nothing is stored for this key (any more).</p>",
-        );
+        // Said only when everything was read: an empty answer from lists left unread is no answer.
+        body.push_str(if t.unread.is_empty() && t.cut.is_empty() {
+            "<p class=\"empty\" id=\"trace-empty\">Nothing is stored for this key (any more).</p>"
+        } else {
+            "<p class=\"empty\" id=\"trace-empty\">Nothing found in what could be read (see above).</p>"
+        });
         return page(&format!("Saga {}", t.key), &body);
     }
     let _ = write!(

@@ -665,7 +665,8 @@ pub async fn lookup(
 }
 
 /// Every step key derived from the original key `original` (`{original}:{step}`), of `tenant` or of every
-/// tenant, HTTP keys (`{original}:{operation}`) included; by tenant, then first claim. Exact: the keys of a
+/// tenant, HTTP keys (`{original}:{operation}`) included; by tenant, then first claim; the first `limit`.
+/// Exact: the keys of a
 /// longer key that `original` prefixes (`order:1:ship` for `order`) are not its own. Found through the
 /// index `saga_idempotency_keys_owner` (on `saga_step_owner(step_key)`, whose body this is, written out
 /// so that a schema migrated before it is read too).
@@ -673,16 +674,18 @@ pub async fn keys_of(
     conn: &mut PgConnection,
     original: &str,
     tenant: Option<&TenantId>,
+    limit: i64,
 ) -> Result<Vec<KeyRecord>, StoreError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {KEY_COLUMNS} FROM saga_idempotency_keys \
          WHERE left(step_key, length(step_key) - strpos(reverse(step_key), ':')) = $1 \
            AND strpos(step_key, ':') > 0 \
            AND ($2::text IS NULL OR tenant_id = $2) \
-         ORDER BY tenant_id, created_at, step_key"
+         ORDER BY tenant_id, created_at, step_key LIMIT $3"
     )))
     .bind(original)
     .bind(tenant.map(TenantId::as_str))
+    .bind(limit)
     .fetch_all(conn)
     .await?;
     rows.iter().map(key_record).collect()
