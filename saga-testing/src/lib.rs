@@ -649,10 +649,10 @@ impl SagaTest {
     }
 
     /// Simulates a crash of service `service` after its database commits and before its offset commits.
-    /// It first waits until the system is quiet (failing as [`SagaTest::wait_quiet`] does if it is not), then stops
-    /// the service, moves its group's committed offsets back to the start of every partition it reads (as
-    /// if none of its offset commits had reached the broker), and starts it again from its setup. Every
-    /// message it consumed is delivered again. Returns how many.
+    /// It first waits until the system is quiet (failing as [`SagaTest::wait_quiet`] does if it is not),
+    /// then stops the service, moves its group's committed offsets back to the start of every partition it
+    /// reads (as if none of its offset commits had reached the broker), and starts it again from its
+    /// setup. Every message it consumed is delivered again. Returns how many.
     pub async fn crash_before_offset_commit(&mut self, service: &str) -> Result<i64, KitError> {
         // Whatever it was in, it finishes first: the crash is of the offsets, not of a transaction.
         self.wait_quiet().await?;

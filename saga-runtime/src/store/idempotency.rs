@@ -666,10 +666,9 @@ pub async fn lookup(
 
 /// Every step key derived from the original key `original` (`{original}:{step}`), of `tenant` or of every
 /// tenant, HTTP keys (`{original}:{operation}`) included; by tenant, then first claim; the first `limit`.
-/// Exact: the keys of a
-/// longer key that `original` prefixes (`order:1:ship` for `order`) are not its own. Found through the
-/// index `saga_idempotency_keys_owner` (on `saga_step_owner(step_key)`, whose body this is, written out
-/// so that a schema migrated before it is read too).
+/// Exact: the keys of a longer key that `original` prefixes (`order:1:ship` for `order`) are not its own.
+/// Found through the index `saga_idempotency_keys_owner` (on `saga_step_owner(step_key)`, whose body
+/// this is, written out so that a schema migrated before it is read too).
 pub async fn keys_of(
     conn: &mut PgConnection,
     original: &str,
