@@ -17,7 +17,7 @@
 //! Each schema is a lane; the page draws one column per lane. Published outbox rows and finished keys
 //! leave the database after their retention (7 days by default): older sagas show what is left.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -109,7 +109,8 @@ pub const MOST_PER_LIST: usize = 1_000;
 /// and the trace names them.
 pub const MOST_IN_ALL: usize = 10_000;
 
-/// How long one statement of a trace may run: past it, the schema is left unread, and the trace says so.
+/// How long one statement of a trace may run: past it, the list is left unread and the trace says so (the
+/// catalog's read past it fails the trace as [`AdminError::Busy`]).
 pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a whole trace may read: the schemas left when it runs out are named, not read.
@@ -151,13 +152,33 @@ pub async fn service_schemas(pool: &PgPool) -> Result<Vec<String>, AdminError> {
     schemas_of(&mut conn).await
 }
 
+/// Read from `pg_catalog` rather than `information_schema`, whose views check privileges row by row and
+/// cost a trace milliseconds per schema. Unlike those views, it lists a schema whose tables the database
+/// user may not read (its lists are then named as not read); other sessions' temporary schemas are not
+/// services.
 async fn schemas_of(conn: &mut PgConnection) -> Result<Vec<String>, AdminError> {
-    Ok(sqlx::query_scalar(
-        "SELECT table_schema::text FROM information_schema.tables \
-         WHERE table_name = 'saga_idempotency_keys' ORDER BY 1",
+    sqlx::query_scalar(
+        "SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE c.relname = 'saga_idempotency_keys' AND c.relkind IN ('r', 'p', 'v', 'm', 'f') \
+           AND NOT pg_is_other_temp_schema(n.oid) ORDER BY 1",
     )
     .fetch_all(conn)
-    .await?)
+    .await
+    .map_err(catalog_error)
+}
+
+/// A catalog read's error: its statement timeout said as the database being busy.
+fn catalog_error(e: sqlx::Error) -> AdminError {
+    match e {
+        sqlx::Error::Database(d) if d.code().as_deref() == Some("57014") => {
+            AdminError::Busy(format!(
+                "the service schemas' tables could not be listed within {} s (the database is slow \
+                 or busy, or a lock on its catalog held the trace)",
+                STATEMENT_TIMEOUT.as_secs()
+            ))
+        }
+        other => other.into(),
+    }
 }
 
 /// `name` quoted as an SQL identifier.
@@ -165,33 +186,75 @@ fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// The tables of `schema` (a service has those of the crates it uses).
-async fn tables_of(conn: &mut PgConnection, schema: &str) -> Result<BTreeSet<String>, AdminError> {
-    let tables: Vec<String> = sqlx::query_scalar(
-        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1",
-    )
-    .bind(schema)
-    .fetch_all(conn)
-    .await?;
-    Ok(tables.into_iter().collect())
+/// What the catalog says of a schema a trace reads: the tables a service has (those of the crates it
+/// uses), those of them the reader cannot read and why, the indexes a list can read through, and whether
+/// its outbox has the published position (older schemas lack it).
+#[derive(Debug, Default)]
+struct Shape {
+    tables: BTreeSet<String>,
+    /// Tables the database user may not read (no `SELECT` on them, or no `USAGE` on the schema), or that
+    /// were dropped while the trace began: said, not read as empty.
+    unreadable: BTreeMap<String, &'static str>,
+    /// Valid indexes only, as `table.index` (`pg_index.indisvalid`; a failed `CREATE INDEX CONCURRENTLY`
+    /// leaves an invalid one under its name).
+    indexes: BTreeSet<String>,
+    positioned: bool,
 }
 
-/// The indexes of `schema` a list can read through, as `table.index`: valid ones only
-/// (`pg_index.indisvalid`; a failed `CREATE INDEX CONCURRENTLY` leaves an invalid one under its name).
-async fn valid_indexes(
+/// The shapes of `schemas`, in one statement over `pg_catalog` for them all: a trace's cost is its lists,
+/// not the number of schemas it looks at. The privilege functions read the current catalog, not the
+/// trace's snapshot: a table dropped since answers NULL.
+async fn shapes(
     conn: &mut PgConnection,
-    schema: &str,
-) -> Result<BTreeSet<String>, AdminError> {
-    let names: Vec<String> = sqlx::query_scalar(
-        "SELECT t.relname || '.' || c.relname FROM pg_index x \
+    schemas: &[String],
+) -> Result<BTreeMap<String, Shape>, AdminError> {
+    let rows: Vec<(String, String, String, Option<bool>)> = sqlx::query_as(
+        "SELECT 'table', n.nspname::text, c.relname::text, \
+                has_schema_privilege(n.oid, 'USAGE') AND has_table_privilege(c.oid, 'SELECT') \
+         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = ANY($1) AND c.relkind IN ('r', 'p', 'v', 'm', 'f') \
+         UNION ALL \
+         SELECT 'index', n.nspname::text, t.relname || '.' || c.relname, true FROM pg_index x \
          JOIN pg_class c ON c.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid \
          JOIN pg_namespace n ON n.oid = c.relnamespace \
-         WHERE n.nspname = $1 AND x.indisvalid AND x.indisready AND x.indislive",
+         WHERE n.nspname = ANY($1) AND x.indisvalid AND x.indisready AND x.indislive \
+         UNION ALL \
+         SELECT 'positioned', n.nspname::text, '', true FROM pg_attribute a \
+         JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = ANY($1) AND c.relname = 'saga_outbox' \
+           AND a.attname = 'published_offset' AND NOT a.attisdropped",
     )
-    .bind(schema)
+    .bind(schemas)
     .fetch_all(conn)
-    .await?;
-    Ok(names.into_iter().collect())
+    .await
+    .map_err(catalog_error)?;
+    let mut shapes: BTreeMap<String, Shape> = BTreeMap::new();
+    for (kind, schema, name, readable) in rows {
+        let shape = shapes.entry(schema).or_default();
+        match kind.as_str() {
+            "table" => {
+                match readable {
+                    Some(true) => {}
+                    Some(false) => {
+                        shape
+                            .unreadable
+                            .insert(name.clone(), "the database user may not read it");
+                    }
+                    None => {
+                        shape
+                            .unreadable
+                            .insert(name.clone(), "dropped as the trace began");
+                    }
+                }
+                shape.tables.insert(name);
+            }
+            "index" => {
+                shape.indexes.insert(name);
+            }
+            _ => shape.positioned = true,
+        }
+    }
+    Ok(shapes)
 }
 
 /// A list of a lane: the table it reads, the index that gives a key's rows in its order, and its name.
@@ -344,6 +407,7 @@ pub async fn trace(
         .execute(&mut *tx)
         .await?;
     let schemas = chosen(&mut tx, schemas).await?;
+    let shapes = shapes(&mut tx, &schemas).await?;
     let mut found = SagaTrace {
         key: key.to_owned(),
         tenant: tenant.map(str::to_owned),
@@ -368,7 +432,14 @@ pub async fn trace(
                 .push(format!("{past}: not read: {}", schemas[n..].join(", ")));
             break;
         }
-        lane(&mut tx, schema, key, tenant, deadline, &mut found).await?;
+        let Some(shape) = shapes.get(schema) else {
+            found.unread.push(format!(
+                "{schema}: not read, it was dropped while the trace began"
+            ));
+            continue;
+        };
+        let read = Lane::new(schema, shape, key, tenant, deadline);
+        lane(&mut tx, read, &mut found).await?;
     }
     tx.rollback().await?;
     found
@@ -405,28 +476,16 @@ async fn chosen(conn: &mut PgConnection, schemas: &[String]) -> Result<Vec<Strin
     Ok(schemas.to_vec())
 }
 
-/// Reads `schema`'s lists of `key` into `found`, in a savepoint rolled back once read (it wrote nothing,
+/// Reads `read`'s lists (of its schema and key) into `found`, in a savepoint rolled back once read (it wrote nothing,
 /// and the locks it took on the schema's tables go with it), each list by `deadline` (see
 /// [`Lane::list`]). A schema dropped while it is read holds nothing now.
 async fn lane(
     conn: &mut PgConnection,
-    schema: &str,
-    key: &str,
-    tenant: Option<&str>,
-    deadline: Instant,
+    mut read: Lane<'_>,
     found: &mut SagaTrace,
 ) -> Result<(), AdminError> {
+    let schema = read.schema;
     let mut sp = sqlx::Connection::begin(&mut *conn).await?;
-    let mut read = Lane {
-        schema,
-        key,
-        tenant,
-        deadline,
-        events: Vec::new(),
-        cut: Vec::new(),
-        unindexed: Vec::new(),
-        unread: Vec::new(),
-    };
     let result = read.all(&mut sp).await;
     sp.rollback().await?;
     match result {
@@ -448,16 +507,6 @@ async fn lane(
             ));
             Ok(())
         }
-        // Its tables not even listed in time (the transaction's statement timeout): said.
-        Err(AdminError::Database(sqlx::Error::Database(e)))
-            if e.code().as_deref() == Some("57014") =>
-        {
-            found.unread.push(format!(
-                "{schema}: its tables could not be listed within {} s (the database is slow or busy)",
-                STATEMENT_TIMEOUT.as_secs()
-            ));
-            Ok(())
-        }
         Err(e) => Err(e),
     }
 }
@@ -465,6 +514,7 @@ async fn lane(
 /// One schema's lists of one key, as they are read.
 struct Lane<'a> {
     schema: &'a str,
+    shape: &'a Shape,
     key: &'a str,
     tenant: Option<&'a str>,
     /// When the whole trace must be done.
@@ -475,17 +525,35 @@ struct Lane<'a> {
     unread: Vec<String>,
 }
 
-impl Lane<'_> {
+impl<'a> Lane<'a> {
+    fn new(
+        schema: &'a str,
+        shape: &'a Shape,
+        key: &'a str,
+        tenant: Option<&'a str>,
+        deadline: Instant,
+    ) -> Self {
+        Self {
+            schema,
+            shape,
+            key,
+            tenant,
+            deadline,
+            events: Vec::new(),
+            cut: Vec::new(),
+            unindexed: Vec::new(),
+            unread: Vec::new(),
+        }
+    }
+
     async fn all(
         &mut self,
         conn: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     ) -> Result<(), AdminError> {
-        let tables = tables_of(&mut *conn, self.schema).await?;
-        let indexes = valid_indexes(&mut *conn, self.schema).await?;
-        let positioned = self.positioned(&mut *conn).await?;
+        let shape = self.shape;
         for list in List::ALL {
-            if !tables.contains(list.table()) {
-                if list == List::DeadLetters && tables.contains("saga_consumer_groups") {
+            if !shape.tables.contains(list.table()) {
+                if list == List::DeadLetters && shape.tables.contains("saga_consumer_groups") {
                     self.unread.push(format!(
                         "{}: no dead-letter index (its consumer predates it; `saga dlq list` there \
                          indexes its dead-letter topics)",
@@ -494,10 +562,22 @@ impl Lane<'_> {
                 }
                 continue;
             }
+            let unreadable = [list.table()]
+                .into_iter()
+                .chain((list == List::Transitions).then_some("saga_transitions"))
+                .find_map(|t| shape.unreadable.get(t).map(|why| (t, why)));
+            if let Some((table, why)) = unreadable {
+                self.unread.push(format!(
+                    "{}: {} not read: {table}: {why}",
+                    self.schema,
+                    list.what(),
+                ));
+                continue;
+            }
             let indexed = list
                 .indexes()
                 .iter()
-                .any(|i| indexes.contains(&format!("{}.{i}", list.table())));
+                .any(|i| shape.indexes.contains(&format!("{}.{i}", list.table())));
             if !indexed {
                 self.unindexed.push(format!(
                     "{}: {} read without index {} (migrate the schema, or build an invalid index again)",
@@ -506,7 +586,7 @@ impl Lane<'_> {
                     list.indexes()[0]
                 ));
             }
-            let Some(rows) = self.list(conn, list, positioned).await? else {
+            let Some(rows) = self.list(conn, list, shape.positioned).await? else {
                 continue;
             };
             let rows = bounded(rows, self.schema, list.what(), &mut self.cut);
@@ -567,6 +647,16 @@ impl Lane<'_> {
         sp.rollback().await?;
         match rows {
             Ok(rows) => Ok(Some(rows)),
+            // Its privileges revoked since the catalog was read, say.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+                self.unread.push(format!(
+                    "{}: {} not read: {}",
+                    self.schema,
+                    list.what(),
+                    e.message()
+                ));
+                Ok(None)
+            }
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("57014") => {
                 self.unread.push(format!(
                     "{}: {} not read: the statement ran past {} ms (the database is slow or busy, \
@@ -584,18 +674,6 @@ impl Lane<'_> {
             }
             Err(e) => Err(e.into()),
         }
-    }
-
-    /// Whether the schema's outbox has the published position (older schemas lack it).
-    async fn positioned(&self, conn: &mut PgConnection) -> Result<bool, AdminError> {
-        Ok(sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
-             WHERE table_schema = $1 AND table_name = 'saga_outbox' \
-               AND column_name = 'published_offset')",
-        )
-        .bind(self.schema)
-        .fetch_one(conn)
-        .await?)
     }
 }
 

@@ -409,3 +409,59 @@ async fn every_list_is_an_index_range_read_stopped_by_its_limit() {
         .unwrap_err();
     assert!(nul.is_caller_error(), "{nul}");
 }
+
+/// A list whose table the database user may not read is said not read, never shown as an empty lane; the
+/// lists the user may read are read all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_the_user_may_not_read_is_said_not_read() {
+    let db = TestDb::new("trace-forbidden").await;
+    for fill in [
+        "INSERT INTO saga_outbox (tenant_id, topic, partition_key, headers, payload) \
+         VALUES ('default', 'orders', 'k', ARRAY['ce_type', 'T', 'ce_source', 'charge', \
+                 'idempotency-key', 'k-1'], '{}'::bytea)",
+        "INSERT INTO saga_idempotency_keys (tenant_id, step_key, status) \
+         VALUES ('default', 'k-1:charge', 'completed')",
+    ] {
+        sqlx::query(fill).execute(&db.pool).await.unwrap();
+    }
+    let schemas = std::slice::from_ref(&db.schema);
+    let all = trace::trace(&db.pool, "k-1", None, schemas).await.unwrap();
+    assert_eq!(all.events.len(), 2, "{all:?}");
+    assert!(all.unread.is_empty(), "{:?}", all.unread);
+
+    // A role that may read the key store but not the outbox.
+    let role = format!("{}_reader", db.schema);
+    let found = async {
+        for grant in [
+            format!("CREATE ROLE {role} NOLOGIN"),
+            format!("GRANT USAGE ON SCHEMA {} TO {role}", db.schema),
+            format!("GRANT SELECT ON saga_idempotency_keys TO {role}"),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(grant))
+                .execute(&db.pool)
+                .await?;
+        }
+        let options = db.connect_options().options([("role", role.as_str())]);
+        let reader = sqlx::PgPool::connect_with(options).await?;
+        let found = trace::trace(&reader, "k-1", None, schemas).await;
+        reader.close().await;
+        Ok::<_, Box<dyn std::error::Error>>(found?)
+    }
+    .await;
+    // The role is the cluster's: gone whatever happened (the first statement fails if it was never made).
+    for cleanup in [format!("DROP OWNED BY {role}"), format!("DROP ROLE {role}")] {
+        let _ = sqlx::query(sqlx::AssertSqlSafe(cleanup))
+            .execute(&db.pool)
+            .await;
+    }
+    let found = found.unwrap();
+    let kinds: Vec<EventKind> = found.events.iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, [EventKind::Step], "{found:?}");
+    assert_eq!(found.unread.len(), 1, "{:?}", found.unread);
+    assert!(
+        found.unread[0]
+            .contains("events emitted not read: saga_outbox: the database user may not read it"),
+        "{:?}",
+        found.unread
+    );
+}

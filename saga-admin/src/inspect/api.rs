@@ -49,6 +49,9 @@ pub(super) fn failure(e: &AdminError, html: bool) -> Response {
     } else if let AdminError::Stale(staleness) = e {
         // Said in words that quote no server's error: the log line has it.
         (StatusCode::SERVICE_UNAVAILABLE, staleness.to_string())
+    } else if let AdminError::Busy(why) = e {
+        // The toolkit's own words (what it waited for, and how long).
+        (StatusCode::SERVICE_UNAVAILABLE, why.clone())
     } else {
         let reference = format!("r-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         tracing::error!(%reference, error = %e, "the inspector could not answer");
