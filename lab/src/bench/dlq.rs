@@ -45,6 +45,8 @@ pub struct DlqFigures {
     pub outbox_rows: i64,
     /// Step keys in the key store while the trace was timed.
     pub step_keys: i64,
+    /// The service schemas of the database while the trace was timed (it reads each of them).
+    pub service_schemas: usize,
     /// Letters of the discarded failure group.
     pub discard_letters: i64,
     /// The size of each of their payloads, in bytes.
@@ -152,6 +154,7 @@ pub async fn run(
         );
         figures.groups_ms = inspector.median("/groups").await?;
         figures.metrics_ms = inspector.median("/metrics").await?;
+        figures.service_schemas = saga_admin::trace::service_schemas(&pool).await?.len();
         figures.trace_ms = inspector.median("/trace?key=order-777").await?;
         figures.inspector_peak_mib = inspector.peak_mib()?;
     }

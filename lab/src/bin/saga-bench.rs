@@ -603,6 +603,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Duration::from_secs(3 * 60 * cli.section_minutes),
         )
     {
+        // The trace reads every service schema of the database: the earlier sections' go first, so that
+        // the section measures a trace over its own data, not over the run's leftovers.
+        let admin = sqlx::PgPool::connect(&cli.database_url).await?;
+        for name in schemas.drain(..) {
+            saga_lab::harness::drop_schema(&admin, &name).await?;
+        }
+        admin.close().await;
         let name = schema("dlq");
         schemas.push(name.clone());
         report.dlq_index = Some(
