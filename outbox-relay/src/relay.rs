@@ -147,8 +147,10 @@ pub enum RelayError {
     Ops(#[from] std::io::Error),
 }
 
-impl From<rdkafka::error::KafkaError> for RelayError {
-    fn from(e: rdkafka::error::KafkaError) -> Self {
+impl RelayError {
+    /// The broker's error, said (crate-private: no rdkafka type in the public API).
+    #[allow(clippy::needless_pass_by_value)] // `map_err(Self::kafka)` hands the error over
+    pub(crate) fn kafka(e: rdkafka::error::KafkaError) -> Self {
         Self::Kafka(e.to_string())
     }
 }
@@ -589,13 +591,15 @@ impl Relay {
                 self.settings.linger,
                 bound,
                 self.hooks.clone(),
-            )?;
+            )
+            .map_err(RelayError::kafka)?;
             let mut publisher = Publisher::new(
                 self.kafka.clone(),
                 self.settings.linger,
                 bound,
                 self.hooks.clone(),
-            )?;
+            )
+            .map_err(RelayError::kafka)?;
             let url = self.settings.replication_url.clone().unwrap_or_default();
             // A replication connection its settings refuse stops the table's publishing too.
             let stop = shutdown.child_token();
@@ -617,7 +621,8 @@ impl Relay {
                 self.settings.linger,
                 Duration::ZERO,
                 self.hooks.clone(),
-            )?;
+            )
+            .map_err(RelayError::kafka)?;
             self.run_table(&mut publisher, &shutdown, Role::Outbox)
                 .await;
             publisher.flush(Duration::from_secs(5));

@@ -10,7 +10,10 @@ pub(crate) async fn partitions_of(
     kafka: &KafkaConfig,
     topic: &str,
 ) -> Result<Vec<(i32, i64, i64)>, AdminError> {
-    let Some(partitions) = saga_consumer::toolkit::watermarks(kafka, topic).await? else {
+    let Some(partitions) = saga_consumer::toolkit::watermarks(kafka, topic)
+        .await
+        .map_err(AdminError::kafka)?
+    else {
         // The broker's address is not named: the inspector shows this to its viewers.
         return Err(AdminError::bad_input(format!(
             "topic {topic} does not exist on the broker"

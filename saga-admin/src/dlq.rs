@@ -424,8 +424,10 @@ pub async fn show(
 pub async fn discover_topics(kafka: &KafkaConfig) -> Result<Vec<String>, AdminError> {
     let config = saga_consumer::toolkit::client_config(kafka);
     tokio::task::spawn_blocking(move || {
-        let client: BaseConsumer = config.create()?;
-        let metadata = client.fetch_metadata(None, Duration::from_secs(10))?;
+        let client: BaseConsumer = config.create().map_err(AdminError::kafka)?;
+        let metadata = client
+            .fetch_metadata(None, Duration::from_secs(10))
+            .map_err(AdminError::kafka)?;
         let mut topics: Vec<String> = metadata
             .topics()
             .iter()
@@ -687,7 +689,8 @@ pub async fn replay(
         kafka,
         Duration::from_millis(1),
         Duration::from_secs(30),
-    )?;
+    )
+    .map_err(AdminError::kafka)?;
     let mut report = ReplayReport {
         group: owner.group.clone(),
         retry_topic: owner.retry_topic.clone(),
@@ -1112,12 +1115,13 @@ async fn read(
         .set("fetch.max.bytes", "16777216");
     let topic = topic.to_owned();
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = config.create()?;
+        let consumer: BaseConsumer = config.create().map_err(AdminError::kafka)?;
         let mut tpl = TopicPartitionList::new();
         for (partition, from, _) in &ranges {
-            tpl.add_partition_offset(&topic, *partition, Offset::Offset(*from))?;
+            tpl.add_partition_offset(&topic, *partition, Offset::Offset(*from))
+                .map_err(AdminError::kafka)?;
         }
-        consumer.assign(&tpl)?;
+        consumer.assign(&tpl).map_err(AdminError::kafka)?;
         let mut until: BTreeMap<i32, i64> = ranges.iter().map(|(p, _, u)| (*p, *u)).collect();
         let mut records = Vec::new();
         let mut bytes = 0usize;
@@ -1136,7 +1140,7 @@ async fn read(
                     until.remove(&partition);
                     continue;
                 }
-                other => other?,
+                other => other.map_err(AdminError::kafka)?,
             };
             let (partition, offset) = (message.partition(), message.offset());
             let Some(end) = until.get(&partition).copied() else {

@@ -68,6 +68,13 @@ impl AdminError {
         Self::BadInput(BadInput::new(message))
     }
 
+    /// The broker's error, said (a crate-private conversion: no rdkafka type in the public API, not even
+    /// in a `From` implementation).
+    #[allow(clippy::needless_pass_by_value)] // `map_err(Self::kafka)` hands the error over
+    pub(crate) fn kafka(e: rdkafka::error::KafkaError) -> Self {
+        Self::Kafka(e.to_string())
+    }
+
     /// Whether the caller can fix it (bad input or configuration), as opposed to a failure.
     pub fn is_caller_error(&self) -> bool {
         matches!(self, Self::Config(_) | Self::BadInput(_))
@@ -77,12 +84,6 @@ impl AdminError {
 impl From<ConfigProblem> for AdminError {
     fn from(problem: ConfigProblem) -> Self {
         Self::Config(problem)
-    }
-}
-
-impl From<rdkafka::error::KafkaError> for AdminError {
-    fn from(e: rdkafka::error::KafkaError) -> Self {
-        Self::Kafka(e.to_string())
     }
 }
 

@@ -88,12 +88,14 @@ pub async fn lag(
         .set("enable.auto.commit", "false");
     tokio::task::spawn_blocking(move || {
         // A consumer that never subscribes does not join the group: it only reads the group's offsets.
-        let client: BaseConsumer = config.create()?;
+        let client: BaseConsumer = config.create().map_err(AdminError::kafka)?;
         let mut tpl = TopicPartitionList::new();
         for (topic, partition, _, _) in &ends {
             tpl.add_partition(topic, *partition);
         }
-        let committed = client.committed_offsets(tpl, Duration::from_secs(10))?;
+        let committed = client
+            .committed_offsets(tpl, Duration::from_secs(10))
+            .map_err(AdminError::kafka)?;
         Ok(ends
             .into_iter()
             .map(|(topic, partition, low, high)| {

@@ -636,7 +636,8 @@ async fn run_held(
         kafka,
         std::time::Duration::from_millis(1),
         std::time::Duration::from_secs(30),
-    )?;
+    )
+    .map_err(AdminError::kafka)?;
     let mut owners = HashMap::new();
     for topic in pending.iter().map(|p| &p.1) {
         if operation.kind == OperationKind::Replay && !owners.contains_key(topic) {
