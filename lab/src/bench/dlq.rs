@@ -155,6 +155,25 @@ pub async fn run(
         figures.groups_ms = inspector.median("/groups").await?;
         figures.metrics_ms = inspector.median("/metrics").await?;
         figures.service_schemas = saga_admin::trace::service_schemas(&pool).await?.len();
+        // What is timed is a trace that finds the saga in the section's schema (the database may hold
+        // others): its two step keys, its ten events, its letter, nothing of it unread or cut.
+        let trace = inspector.get("/api/trace?key=order-777").await?;
+        let events = trace["events"]
+            .as_array()
+            .map_or(0, |e| e.iter().filter(|e| e["lane"] == schema).count());
+        let said = |list: &str| {
+            trace[list].as_array().is_some_and(|l| {
+                l.iter().any(|s| {
+                    s.as_str()
+                        .is_some_and(|s| s.starts_with(&format!("{schema}:")))
+                })
+            })
+        };
+        anyhow::ensure!(
+            events == 13 && !said("unread") && !said("cut"),
+            "the trace of order-777 holds {events} events in {schema} (expected 13: two step keys, ten \
+             events emitted, one dead letter), or says it is incomplete: {trace}"
+        );
         figures.trace_ms = inspector.median("/trace?key=order-777").await?;
         figures.inspector_peak_mib = inspector.peak_mib()?;
     }

@@ -87,8 +87,8 @@ struct Cli {
     /// Kafka bootstrap servers.
     #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     brokers: String,
-    /// Dead letters of the `dlq-index` section.
-    #[arg(long, default_value_t = 100_000)]
+    /// Dead letters of the `dlq-index` section (more than 777: its trace finds `order-777`'s letter).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(i64).range(778..))]
     dlq_letters: i64,
     /// Messages per setting of the scale-out section.
     #[arg(long, default_value_t = 30_000)]
@@ -782,7 +782,20 @@ async fn machine(cli: &Cli) -> serde_json::Value {
         .output()
         .ok()
         .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        // The working tree differs from that commit (a file changed or not yet added), as it is when the
+        // run starts: the figures may not be the commit's.
+        .map(|commit| {
+            let clean = std::process::Command::new("git")
+                .args(["status", "--porcelain"])
+                .output()
+                .is_ok_and(|o| o.status.success() && o.stdout.is_empty());
+            if clean {
+                commit
+            } else {
+                format!("{commit} with uncommitted changes")
+            }
+        });
     serde_json::json!({
         "cpu": cpu,
         "cores": std::thread::available_parallelism().map(std::num::NonZero::get).unwrap_or(1),
