@@ -229,7 +229,8 @@ pub struct RetentionArgs {
     #[arg(
         long = "relay-gc-batch-size",
         env = "RELAY_GC_BATCH_SIZE",
-        default_value_t = 5_000
+        default_value_t = 5_000,
+        value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub gc_batch_size: u32,
     /// Seconds between retention runs of a running relay (0: never).
@@ -261,7 +262,7 @@ impl RetentionArgs {
             )?,
             finished_keys: self.key_retention()?,
             abandoned_leases: hours(self.abandoned_lease_hours, "SAGA_ABANDONED_LEASE_HOURS")?,
-            batch_size: self.gc_batch_size.max(1),
+            batch_size: self.gc_batch_size,
         })
     }
 
@@ -300,7 +301,8 @@ pub struct RelayArgs {
     #[arg(
         long = "relay-poll-interval-ms",
         env = "RELAY_POLL_INTERVAL_MS",
-        default_value_t = 1_000
+        default_value_t = 1_000,
+        value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub poll_interval_ms: u64,
     /// librdkafka's linger in milliseconds: 0 sends at once (lowest latency); a few ms batch more on a fast
@@ -315,7 +317,8 @@ pub struct RelayArgs {
     #[arg(
         long = "relay-park-after-attempts",
         env = "RELAY_PARK_AFTER_ATTEMPTS",
-        default_value_t = 3
+        default_value_t = 3,
+        value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub park_after_attempts: u32,
     /// WAL mode: how long, in seconds, an event that keeps failing (whatever the error) is tried again
@@ -374,15 +377,16 @@ impl RelayArgs {
     ) -> Result<RelaySettings, ConfigProblem> {
         let mut s = RelaySettings::internal_defaults();
         s.kafka = kafka;
-        s.batch_size = self.batch_size.max(1);
-        s.poll_interval = Duration::from_millis(self.poll_interval_ms.max(1));
+        // Zero is refused when parsed (`value_parser`), as the consumer's settings are: none is clamped.
+        s.batch_size = self.batch_size;
+        s.poll_interval = Duration::from_millis(self.poll_interval_ms);
         s.linger = Duration::from_millis(self.linger_ms);
         s.after_publish = if self.delete_published {
             AfterPublish::Delete
         } else {
             AfterPublish::Mark
         };
-        s.park_after = self.park_after_attempts.max(1);
+        s.park_after = self.park_after_attempts;
         s.park_after_time = Duration::from_secs(self.park_after_secs);
         s.ops_addr = self.ops_addr;
         s.retention = self.retention.policy()?;
@@ -429,6 +433,32 @@ mod tests {
         ] {
             assert!(!shown.contains(CANARY), "{shown}");
             assert!(shown.contains("svc:***@db.internal"), "{shown}");
+        }
+    }
+
+    #[test]
+    fn a_zero_the_relay_cannot_run_with_is_refused_naming_the_variable_not_clamped() {
+        for var in [
+            "RELAY_BATCH_SIZE",
+            "RELAY_POLL_INTERVAL_MS",
+            "RELAY_PARK_AFTER_ATTEMPTS",
+            "RELAY_GC_BATCH_SIZE",
+        ] {
+            let zero = |name: &str| (name == var).then(|| "0".to_owned());
+            let problem = super::RelayArgs::from_vars(zero).unwrap_err();
+            assert!(problem.to_string().contains(var), "{var}: {problem}");
+            let one = |name: &str| (name == var).then(|| "1".to_owned());
+            let settings = super::RelayArgs::from_vars(one)
+                .unwrap()
+                .settings(None, &super::OutboxArgs::from_vars(one).unwrap(), None)
+                .unwrap();
+            let taken = match var {
+                "RELAY_BATCH_SIZE" => settings.batch_size == 1,
+                "RELAY_POLL_INTERVAL_MS" => settings.poll_interval.as_millis() == 1,
+                "RELAY_PARK_AFTER_ATTEMPTS" => settings.park_after == 1,
+                _ => settings.retention.batch_size == 1,
+            };
+            assert!(taken, "{var}=1 is taken as it is");
         }
     }
 
