@@ -638,14 +638,11 @@ async fn run_held(
         std::time::Duration::from_secs(30),
     )
     .map_err(AdminError::kafka)?;
-    let mut owners = HashMap::new();
-    for topic in pending.iter().map(|p| &p.1) {
-        if operation.kind == OperationKind::Replay && !owners.contains_key(topic) {
-            let owner = dlq::owner_of(pool, topic).await?;
-            require_pinned_retry_topic(operation, &owner)?;
-            owners.insert(topic.clone(), owner);
-        }
-    }
+    let owners = if operation.kind == OperationKind::Replay {
+        owners_of(pool, operation, pending.iter().map(|p| &p.1)).await?
+    } else {
+        HashMap::new()
+    };
     let (runs, run_by) = begin_run(pool, operation, options).await?;
     // A run that died may have sent letters it had no time to record: found in the retry topics by the
     // operation and letter their headers name, they are recorded, not sent again.
@@ -738,6 +735,24 @@ async fn run_held(
     .execute(pool)
     .await?;
     Ok(())
+}
+
+/// The group owning each of a replay's dead-letter topics, each refused unless it is the one the operation
+/// pinned (see [`require_pinned_retry_topic`]).
+async fn owners_of<'a>(
+    pool: &PgPool,
+    operation: &Operation,
+    topics: impl Iterator<Item = &'a String>,
+) -> Result<HashMap<String, dlq::DlqOwner>, AdminError> {
+    let mut owners = HashMap::new();
+    for topic in topics {
+        if !owners.contains_key(topic) {
+            let owner = dlq::owner_of(pool, topic).await?;
+            require_pinned_retry_topic(operation, &owner)?;
+            owners.insert(topic.clone(), owner);
+        }
+    }
+    Ok(owners)
 }
 
 /// Whether operation `id` was asked to stop: if so, it is marked cancelled (its run stops before its next
