@@ -233,18 +233,13 @@ async fn shapes(
         let shape = shapes.entry(schema).or_default();
         match kind.as_str() {
             "table" => {
-                match readable {
-                    Some(true) => {}
-                    Some(false) => {
-                        shape
-                            .unreadable
-                            .insert(name.clone(), "the database user may not read it");
-                    }
-                    None => {
-                        shape
-                            .unreadable
-                            .insert(name.clone(), "dropped as the trace began");
-                    }
+                let why = match readable {
+                    Some(true) => None,
+                    Some(false) => Some("the database user may not read it"),
+                    None => Some("dropped as the trace began"),
+                };
+                if let Some(why) = why {
+                    shape.unreadable.insert(name.clone(), why);
                 }
                 shape.tables.insert(name);
             }
@@ -476,8 +471,8 @@ async fn chosen(conn: &mut PgConnection, schemas: &[String]) -> Result<Vec<Strin
     Ok(schemas.to_vec())
 }
 
-/// Reads `read`'s lists (of its schema and key) into `found`, in a savepoint rolled back once read (it wrote nothing,
-/// and the locks it took on the schema's tables go with it), each list by `deadline` (see
+/// Reads `read`'s lists (of its schema and key) into `found`, in a savepoint rolled back once read (it
+/// wrote nothing, and the locks it took on the schema's tables go with it), each list by its deadline (see
 /// [`Lane::list`]). A schema dropped while it is read holds nothing now.
 async fn lane(
     conn: &mut PgConnection,
