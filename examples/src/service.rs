@@ -472,17 +472,14 @@ pub async fn run(
     saga.kafka.brokers = Some(args.brokers().to_owned());
     saga.consumer.group_id = Some(args.group(service));
     saga.consumer.dlq_topic = Some(args.dlq(service));
-    let mut builder = SagaService::builder()
+    let builder = SagaService::builder()
         .args(&saga)
         .pool(pool.clone())
-        .consumer(|c| {
-            let c = c
-                .commit_interval(Duration::from_millis(250))
-                .session_timeout(Duration::from_secs(6));
-            #[cfg(feature = "redis")]
-            let c = c.fast_path(consumer_fast_path);
-            c
-        });
+        .commit_interval(Duration::from_millis(250))
+        .session_timeout(Duration::from_secs(6));
+    #[cfg(feature = "redis")]
+    let builder = builder.fast_path(consumer_fast_path);
+    let mut builder = builder;
     if args.crash_after_commit > 0.0 {
         builder = builder.hooks(crash_after_commit(args.crash_after_commit));
     }

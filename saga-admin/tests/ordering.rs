@@ -17,8 +17,8 @@ use std::time::Duration;
 use saga_admin::dlq::{self, DlqFilter, ReplayOptions};
 use saga_admin::holds;
 use saga_consumer::{
-    ConsumerSettings, Hooks, Message, OrderPolicy, RetryPolicy, SagaConsumer, SagaEvent,
-    StepContext, StepError, StepOutcome, StepResult, Topic, step_with,
+    Hooks, Message, OrderPolicy, RetryPolicy, SagaConsumer, SagaEvent, StepContext, StepError,
+    StepOutcome, StepResult, Topic, step_with,
 };
 use saga_core::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka, wait_until};
@@ -260,7 +260,7 @@ fn consumer(
     hold: bool,
 ) -> saga_consumer::SagaConsumerBuilder {
     consumer_with(
-        ConsumerSettings::default(),
+        saga_consumer::settings::ConsumerArgs::default(),
         brokers,
         orders,
         pool,
@@ -271,7 +271,7 @@ fn consumer(
 
 /// [`consumer`], starting from `settings`.
 fn consumer_with(
-    settings: ConsumerSettings,
+    settings: saga_consumer::settings::ConsumerArgs,
     brokers: &str,
     orders: &str,
     pool: sqlx::PgPool,
@@ -282,7 +282,7 @@ fn consumer_with(
     let cancelled: Topic<OrderCancelled> = Topic::new(orders.to_owned());
     let noted: Topic<OrderNoted> = Topic::new(orders.to_owned());
     let builder = SagaConsumer::builder()
-        .settings(settings)
+        .consumer_args(settings)
         .brokers(brokers.to_owned())
         .group_id(format!("{orders}-group"))
         .dlq_topic(format!("{orders}.dlq"))
@@ -611,7 +611,7 @@ async fn a_consumer_killed_in_the_middle_of_a_release_runs_nothing_twice_and_kee
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn past_the_cap_a_message_of_a_held_key_is_dead_lettered_with_the_reason_not_dropped() {
     let f = Fixture::new("order-cap").await;
-    let mut settings = ConsumerSettings::default();
+    let mut settings = saga_consumer::settings::ConsumerArgs::default();
     settings.hold_max_parked_per_key = 1;
     let running = f.start(consumer_with(
         settings,
@@ -770,7 +770,7 @@ async fn two_letters_of_one_key_at_once_both_stay_in_its_order() {
                 .await;
         }
     }
-    let mut settings = ConsumerSettings::default();
+    let mut settings = saga_consumer::settings::ConsumerArgs::default();
     settings.concurrency = 2;
     let running = f.start(consumer_with(
         settings,

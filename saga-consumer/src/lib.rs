@@ -60,6 +60,7 @@
 
 #![deny(missing_docs)]
 
+mod builder;
 mod config;
 mod connection;
 mod consumer;
@@ -103,8 +104,9 @@ pub mod setup;
 mod step_tx;
 mod two_phase;
 
-pub use config::{AssignmentStrategy, ConsumerSettings};
-pub use consumer::{SagaConsumer, SagaConsumerBuilder};
+pub use builder::{ConsumerParts, SagaBuilder, SagaConsumerBuilder};
+pub use config::AssignmentStrategy;
+pub use consumer::SagaConsumer;
 pub use dlq::{DeadLetterReason, headers as dlq_headers};
 pub use error::{BrokerError, Cause, ConfigError, ConsumerError};
 pub use hold::OrderPolicy;
@@ -113,7 +115,7 @@ pub use ops::OpsHandle;
 pub use outbox::Outbox;
 pub use retry::RetryPolicy;
 pub use runner::{
-    Extension, SagaService, SagaServiceBuilder, ServiceError, TaskContext, TaskError,
+    Extension, SagaService, SagaServiceBuilder, ServiceError, ServiceParts, TaskContext, TaskError,
     shutdown_signal,
 };
 pub use saga_core::*;

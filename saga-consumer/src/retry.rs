@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use saga_runtime::settings::value;
+
 /// Exponential backoff with jitter, and a retry budget after which a message is dead-lettered.
 ///
 /// # Examples
@@ -15,40 +17,61 @@ use std::time::Duration;
 ///     .backoff(Duration::from_millis(50), Duration::from_secs(2));
 /// assert_eq!(policy.max_attempts, 4);
 /// ```
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+#[group(id = "saga_retry")]
 #[non_exhaustive]
 pub struct RetryPolicy {
-    /// Attempts in all (the first one included) before a transiently failing message is dead-lettered.
+    /// Attempts in all (the first one included) before a transiently failing message is dead-lettered (an
+    /// unavailable database spends none).
+    #[arg(long = "max-attempts", env = "SAGA_MAX_ATTEMPTS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_attempts: u32,
-    /// The wait before the second attempt.
+    /// The wait before the second attempt, in milliseconds (exponential, with jitter).
+    #[arg(long = "retry-initial-ms", env = "SAGA_RETRY_INITIAL_MS", default_value = "200", value_parser = value::millis)]
     pub initial_backoff: Duration,
-    /// The longest wait between attempts.
+    /// The longest wait between attempts, in milliseconds.
+    #[arg(long = "retry-max-ms", env = "SAGA_RETRY_MAX_MS", default_value = "30000", value_parser = value::millis)]
     pub max_backoff: Duration,
-    /// Each wait is `multiplier` times the previous one, before jitter.
+    /// Each wait is this many times the previous one, before jitter (at least 1).
+    #[arg(long = "retry-multiplier", env = "SAGA_RETRY_MULTIPLIER", default_value = "2", value_parser = value::factor)]
     pub multiplier: f64,
-    /// Each wait is shortened by a random fraction of up to `jitter` (0 to 1), so that many failing
-    /// consumers do not retry in lockstep.
+    /// Each wait is shortened by a random fraction of up to this (0 to 1), so that many failing consumers
+    /// do not retry in lockstep.
+    #[arg(long = "retry-jitter", env = "SAGA_RETRY_JITTER", default_value = "0.2", value_parser = value::fraction)]
     pub jitter: f64,
 }
-
-impl Default for RetryPolicy {
-    /// The defaults of [`ConsumerArgs`](crate::settings::ConsumerArgs) (`SAGA_MAX_ATTEMPTS`,
-    /// `SAGA_RETRY_INITIAL_MS`, `SAGA_RETRY_MAX_MS`), declared there once.
-    fn default() -> Self {
-        crate::settings::ConsumerArgs::default().retry()
-    }
-}
+saga_runtime::settings_group!(RetryPolicy);
 
 impl RetryPolicy {
-    /// `attempts` in all, backing off from `initial` to at most `max` (doubling, with a fifth of jitter).
+    /// `attempts` in all, backing off from `initial` to at most `max` (the declared growth and jitter).
     pub fn with_attempts_and_backoff(attempts: u32, initial: Duration, max: Duration) -> Self {
-        Self {
-            max_attempts: attempts,
-            initial_backoff: initial,
-            max_backoff: max,
-            multiplier: 2.0,
-            jitter: 0.2,
-        }
+        Self::default().max_attempts(attempts).backoff(initial, max)
+    }
+
+    /// What is wrong with this policy, each naming its variable: the declarations' rules, for a policy made
+    /// in code, and the one rule between two settings.
+    pub fn problems(&self) -> Vec<saga_core::ConfigProblem> {
+        let checks = [
+            (
+                "SAGA_MAX_ATTEMPTS",
+                value::within(self.max_attempts, &(1..=u64::MAX)).err(),
+            ),
+            (
+                "SAGA_RETRY_MULTIPLIER",
+                value::factor_of(self.multiplier).err(),
+            ),
+            ("SAGA_RETRY_JITTER", value::fraction_of(self.jitter).err()),
+            (
+                "SAGA_RETRY_INITIAL_MS",
+                (self.initial_backoff > self.max_backoff)
+                    .then(|| "exceeds the longest wait (SAGA_RETRY_MAX_MS)".to_owned()),
+            ),
+        ];
+        checks
+            .into_iter()
+            .filter_map(|(var, why)| {
+                why.map(|why| saga_core::ConfigProblem::new(var, why, "fix the retry policy"))
+            })
+            .collect()
     }
 
     /// Attempts in all, the first one included, before a transiently failing message is dead-lettered.

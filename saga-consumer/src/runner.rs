@@ -2,14 +2,12 @@
 //! background tasks (the orchestrator's timers, an HTTP server), stopped together.
 
 use std::future::Future;
-use std::net::SocketAddr;
 
 use futures::future::BoxFuture;
 use outbox_relay::{Relay, RelayBuilder, RelayError};
 use saga_core::OutboxMode;
 
 use crate::settings::ServiceArgs;
-use saga_core::{SagaStep, TwoPhaseStep};
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
 use saga_runtime::ops::Ops;
@@ -19,13 +17,10 @@ use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tower_layer::Layer;
 
-use crate::consumer::{SagaConsumer, SagaConsumerBuilder};
+use crate::builder::SagaBuilder;
+use crate::consumer::SagaConsumer;
 use crate::error::{ConfigError, ConsumerError};
-use crate::hooks::Hooks;
-use crate::retry::RetryPolicy;
-use crate::service::{BoxStepService, StepService};
 
 /// An error a background task returns.
 pub type TaskError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -162,14 +157,18 @@ pub trait Extension {
 ///     .pool(pool)
 ///     .step(RecordPayment)
 ///     .retry(RetryPolicy::default().max_attempts(8))
-///     .consumer(|c| c.batch_size(200).commit_interval(Duration::from_millis(250)))
+///     .batch_size(200)
+///     .commit_interval(Duration::from_millis(250))
 ///     .create_topics(6, 3) // partitions, replicas: create the topics it consumes and its DLQ
 ///     .build()?;
 /// # let _ = service; Ok(()) }
 /// ```
-#[must_use]
-pub struct SagaServiceBuilder {
-    consumer: SagaConsumerBuilder,
+pub type SagaServiceBuilder = SagaBuilder<ServiceParts>;
+
+/// What a service's builder adds to a consumer's: the embedded relay, the outbox, the topics, migrations
+/// and tasks.
+#[non_exhaustive]
+pub struct ServiceParts {
     relay: RelayBuilder,
     embedded_relay: bool,
     outbox_mode: OutboxMode,
@@ -178,21 +177,16 @@ pub struct SagaServiceBuilder {
     accept_key_expiry: bool,
     #[cfg(feature = "redis")]
     fast_path: Option<crate::fast_path::FastPathSettings>,
-    outbox: crate::Outbox,
-    /// Whether `outbox` was handed out (to an extension, or by [`SagaServiceBuilder::outbox`]): from then
-    /// on its settings may not change.
-    outbox_handed_out: std::sync::atomic::AtomicBool,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
-    pool: Option<PgPool>,
-    env_error: Option<ConfigProblem>,
 }
 
-impl std::fmt::Debug for SagaServiceBuilder {
+impl std::fmt::Debug for ServiceParts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SagaServiceBuilder")
-            .field("consumer", &self.consumer)
+        f.debug_struct("ServiceParts")
+            .field("relay", &self.relay)
             .field("embedded_relay", &self.embedded_relay)
+            .field("outbox_mode", &self.outbox_mode)
             .field("create_topics", &self.create_topics)
             .field(
                 "tasks",
@@ -206,8 +200,7 @@ impl SagaServiceBuilder {
     fn new() -> Self {
         // The defaults are the declarations'.
         let defaults = ServiceArgs::default();
-        Self {
-            consumer: SagaConsumer::builder(),
+        Self::with_parts(ServiceParts {
             relay: Relay::builder(),
             embedded_relay: defaults.embedded_relay,
             outbox_mode: defaults.outbox.mode,
@@ -218,24 +211,20 @@ impl SagaServiceBuilder {
             accept_key_expiry: defaults.accept_key_expiry,
             #[cfg(feature = "redis")]
             fast_path: None,
-            outbox: crate::Outbox::table(),
-            outbox_handed_out: std::sync::atomic::AtomicBool::new(false),
             migrators: Vec::new(),
             tasks: Vec::new(),
-            pool: None,
-            env_error: None,
-        }
+        })
     }
 
     /// Reads every setting of a service from the environment, through its one declaration
     /// ([`ServiceArgs`]: the broker, the consumer, the outbox, the embedded relay and its retention, the
     /// topics, the Redis fast path); later calls override them. A variable that does not parse, or a
-    /// missing required one, is reported by [`SagaServiceBuilder::build`], naming it.
+    /// missing required one, is reported by `build`, naming it, with every other problem.
     pub fn from_env(mut self) -> Self {
         match ServiceArgs::from_env() {
             Ok(args) => self.args(&args),
             Err(e) => {
-                self.env_error.get_or_insert(e);
+                self.problem(e);
                 self
             }
         }
@@ -244,181 +233,35 @@ impl SagaServiceBuilder {
     /// Takes every setting from `args` (a binary's command line that flattens [`ServiceArgs`], or
     /// [`ServiceArgs::from_env`]); later calls override them.
     pub fn args(mut self, args: &ServiceArgs) -> Self {
-        // A missing broker list is for `build` to report; security settings that cannot work together are
-        // reported now, never dropped (a service would reach the broker without them).
-        let kafka = args.kafka.brokers.as_ref().map(|_| args.kafka.config());
-        let settings = kafka
-            .transpose()
-            .and_then(|kafka| {
-                Ok((
-                    args.consumer
-                        .settings(kafka.clone(), &args.relay.retention)?,
-                    kafka,
-                ))
-            })
-            .and_then(|(consumer, kafka)| {
-                let relay = args.relay.settings(
-                    kafka,
-                    &args.outbox,
-                    args.database.database_url.as_deref(),
-                )?;
-                Ok((consumer, relay))
-            });
-        match settings {
-            Ok((consumer, relay)) => {
-                self.consumer = self.consumer.settings(consumer);
-                self.relay = self.relay.settings(relay);
+        self.take_kafka(&args.kafka);
+        self.args = args.consumer.clone();
+        self.retention = args.relay.retention.clone();
+        match args.relay.settings(
+            self.kafka.clone(),
+            &args.outbox,
+            args.database.database_url.as_deref(),
+        ) {
+            Ok(relay) => {
+                self.parts.relay = std::mem::take(&mut self.parts.relay).settings(relay);
             }
-            Err(e) => {
-                self.env_error.get_or_insert(e);
-            }
+            Err(e) => self.problem(e),
         }
         self.set_outbox(args.outbox.mode, args.outbox.max_transaction_bytes);
-        self.embedded_relay = args.embedded_relay;
-        self.create_topics = args.create_topics.map(|p| (p, args.topic_replication));
-        self.accept_key_expiry = args.accept_key_expiry;
+        self.parts.embedded_relay = args.embedded_relay;
+        self.parts.create_topics = args.create_topics.map(|p| (p, args.topic_replication));
+        self.parts.accept_key_expiry = args.accept_key_expiry;
         #[cfg(feature = "redis")]
         match args.fast_path.settings(&args.relay.retention) {
-            Ok(fast_path) => self.fast_path = fast_path,
-            Err(e) => {
-                self.env_error.get_or_insert(e);
-            }
+            Ok(fast_path) => self.parts.fast_path = fast_path,
+            Err(e) => self.problem(e),
         }
-        self
-    }
-
-    /// The database: the framework's tables (and the service's own) live in the first schema of its
-    /// `search_path`.
-    pub fn pool(mut self, pool: PgPool) -> Self {
-        self.pool = Some(pool);
-        self
-    }
-
-    /// Registers a transactional step.
-    pub fn step<S: SagaStep>(mut self, step: S) -> Self {
-        self.consumer = self.consumer.step(step);
-        self
-    }
-
-    /// Registers a two-phase step.
-    pub fn two_phase_step<S: TwoPhaseStep>(mut self, step: S) -> Self {
-        self.consumer = self.consumer.two_phase_step(step);
-        self
-    }
-
-    /// What a dead letter of step `step` does to its key's later messages (see
-    /// [`SagaConsumerBuilder::order_policy_for_step`](crate::SagaConsumerBuilder::order_policy_for_step)).
-    pub fn order_policy_for_step(
-        mut self,
-        step: impl Into<String>,
-        policy: crate::OrderPolicy,
-    ) -> Self {
-        self.consumer = self.consumer.order_policy_for_step(step, policy);
-        self
-    }
-
-    /// What a dead letter of a message of `topic` does to its key's later messages (see
-    /// [`SagaConsumerBuilder::order_policy_for_topic`](crate::SagaConsumerBuilder::order_policy_for_topic)).
-    pub fn order_policy_for_topic(
-        mut self,
-        topic: impl Into<String>,
-        policy: crate::OrderPolicy,
-    ) -> Self {
-        self.consumer = self.consumer.order_policy_for_topic(topic, policy);
-        self
-    }
-
-    /// Declares that the events `topic` carries are none of this service's business (see
-    /// [`SagaConsumerBuilder::ignore`]).
-    pub fn ignore<E: saga_core::SagaEvent>(mut self, topic: &saga_core::Topic<E>) -> Self {
-        self.consumer = self.consumer.ignore(topic);
-        self
-    }
-
-    /// Declares every event type `topic` carries this service's business (see
-    /// [`SagaConsumerBuilder::strict`]).
-    pub fn strict(mut self, topic: impl Into<String>) -> Self {
-        self.consumer = self.consumer.strict(topic);
-        self
-    }
-
-    /// Like [`SagaServiceBuilder::ignore`], for an event type known only at run time.
-    pub fn ignore_type(mut self, topic: impl Into<String>, event_type: impl Into<String>) -> Self {
-        self.consumer = self.consumer.ignore_type(topic, event_type);
-        self
-    }
-
-    /// The broker list (`bootstrap.servers`), for the consumer and the embedded relay.
-    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        self.consumer = self.consumer.brokers(brokers);
-        self
-    }
-
-    /// The whole Kafka configuration, for the consumer and the embedded relay.
-    pub fn kafka(mut self, kafka: KafkaConfig) -> Self {
-        self.consumer = self.consumer.kafka(kafka);
-        self
-    }
-
-    /// The consumer group.
-    pub fn group_id(mut self, group: impl Into<String>) -> Self {
-        self.consumer = self.consumer.group_id(group);
-        self
-    }
-
-    /// The dead-letter topic (default `{group}.dlq`).
-    pub fn dlq_topic(mut self, topic: impl Into<String>) -> Self {
-        self.consumer = self.consumer.dlq_topic(topic);
-        self
-    }
-
-    /// The retry topic (default `{group}.retry`), where this group's replayed dead letters arrive.
-    pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
-        self.consumer = self.consumer.retry_topic(topic);
-        self
-    }
-
-    /// The retry policy for transient failures.
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.consumer = self.consumer.retry(policy);
-        self
-    }
-
-    /// Wraps every handler invocation in `layer` (tracing, metrics, timeouts of one's own).
-    pub fn layer<L>(mut self, layer: L) -> Self
-    where
-        L: Layer<BoxStepService> + Send + Sync + 'static,
-        L::Service: StepService,
-    {
-        self.consumer = self.consumer.layer(layer);
-        self
-    }
-
-    /// Fault-injection and observation hooks.
-    pub fn hooks(mut self, hooks: Hooks) -> Self {
-        self.consumer = self.consumer.hooks(hooks);
-        self
-    }
-
-    /// Serves `/metrics`, `/healthz` and `/readyz` for the consumer and the embedded relay on `addr`.
-    pub fn ops_addr(mut self, addr: SocketAddr) -> Self {
-        self.consumer = self.consumer.ops_addr(addr);
-        self
-    }
-
-    /// Adjusts any other consumer setting.
-    pub fn consumer(
-        mut self,
-        configure: impl FnOnce(SagaConsumerBuilder) -> SagaConsumerBuilder,
-    ) -> Self {
-        self.consumer = configure(self.consumer);
         self
     }
 
     /// Runs the outbox relay inside the service (the default), or not (`outbox-relay run` publishes the
     /// outbox then).
     pub fn embedded_relay(mut self, embedded: bool) -> Self {
-        self.embedded_relay = embedded;
+        self.parts.embedded_relay = embedded;
         self
     }
 
@@ -426,43 +269,24 @@ impl SagaServiceBuilder {
     /// PostgreSQL's write-ahead log (`wal_level = logical` needed), which the embedded relay (or
     /// `outbox-relay run` in WAL mode) reads through the schema's replication slot. One mode per process.
     pub fn outbox_mode(mut self, mode: OutboxMode) -> Self {
-        self.set_outbox(mode, self.outbox_max_bytes);
+        self.set_outbox(mode, self.parts.outbox_max_bytes);
         self
     }
 
-    /// Makes the outbox of `mode` and `max_bytes`, unless it is that already. Once it was handed out, a
-    /// change is refused by [`SagaServiceBuilder::build`]: the writers given it would write elsewhere than
-    /// the service.
+    /// Makes the service's outbox one of `mode` and `max_bytes`: every clone handed out already follows
+    /// (the outbox is opened, and its settings fixed, when the service starts).
     fn set_outbox(&mut self, mode: OutboxMode, max_bytes: usize) {
-        if (mode, max_bytes) == (self.outbox_mode, self.outbox_max_bytes) {
-            return;
-        }
-        if self
-            .outbox_handed_out
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            self.env_error.get_or_insert(ConfigProblem::new(
-                "SAGA_OUTBOX_MODE",
-                "the outbox's settings changed after the service's outbox was handed out (by outbox(), or to \
-                 an extension added with with()): what was given it would write to another outbox",
-                "call from_env(), args(), outbox_mode() and outbox_max_transaction_bytes() before outbox() \
-                 and with()",
-            ));
-            return;
-        }
-        self.outbox_mode = mode;
-        self.outbox_max_bytes = max_bytes;
-        self.outbox = crate::Outbox::new(mode, max_bytes);
+        self.parts.outbox_mode = mode;
+        self.parts.outbox_max_bytes = max_bytes;
+        self.outbox.runtime().reconfigure(mode, max_bytes);
     }
 
     /// The service's outbox, to hand to its other writers: its HTTP layer
     /// ([`IdempotencyLayer::with_outbox`](crate::http::IdempotencyLayer::with_outbox)), an orchestrator its
-    /// routes start sagas with. Take it once the outbox's settings are made (`from_env`, `args`,
-    /// `outbox_mode`): a change after is refused by [`SagaServiceBuilder::build`]. The service opens it
-    /// when it starts, and every clone follows its health.
+    /// routes start sagas with. Its mode and size limit are the service's when it starts, whatever later
+    /// calls make them: every clone follows. The service opens it when it starts, and every clone follows
+    /// its health.
     pub fn outbox(&self) -> crate::Outbox {
-        self.outbox_handed_out
-            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.outbox.clone()
     }
 
@@ -470,13 +294,13 @@ impl SagaServiceBuilder {
     /// default 16 MiB): a step whose events are larger fails for good (a dead letter saying so). A consumer's
     /// batch writes once, the orchestrator once per transition; the WAL relay's memory is bounded by it.
     pub fn outbox_max_transaction_bytes(mut self, bytes: usize) -> Self {
-        self.set_outbox(self.outbox_mode, bytes);
+        self.set_outbox(self.parts.outbox_mode, bytes);
         self
     }
 
     /// Adjusts the embedded relay's settings (its broker and pool are the service's).
     pub fn relay(mut self, configure: impl FnOnce(RelayBuilder) -> RelayBuilder) -> Self {
-        self.relay = configure(self.relay);
+        self.parts.relay = configure(std::mem::take(&mut self.parts.relay));
         self
     }
 
@@ -484,13 +308,13 @@ impl SagaServiceBuilder {
     /// `partitions` partitions and `replication` replicas. Without it, missing topics keep the service from
     /// starting (the framework never relies on a broker's auto-creation).
     pub fn create_topics(mut self, partitions: i32, replication: i32) -> Self {
-        self.create_topics = Some((partitions, replication));
+        self.parts.create_topics = Some((partitions, replication));
         self
     }
 
     /// Applies `migrator` at start, after the framework's own (the service's tables, say).
     pub fn migrations(mut self, migrator: Migrator) -> Self {
-        self.migrators.push(migrator);
+        self.parts.migrators.push(migrator);
         self
     }
 
@@ -501,7 +325,8 @@ impl SagaServiceBuilder {
         F: FnOnce(TaskContext) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), TaskError>> + Send + 'static,
     {
-        self.tasks
+        self.parts
+            .tasks
             .push((name.into(), Box::new(move |ctx| Box::pin(task(ctx)))));
         self
     }
@@ -511,26 +336,23 @@ impl SagaServiceBuilder {
         extension.extend(self)
     }
 
-    /// Checks every setting and builds the service. A missing required setting is an error naming it.
+    /// Checks every setting and builds the service: every problem of the settings is reported at once,
+    /// each naming its variable.
     pub fn build(self) -> Result<SagaService, ServiceError> {
-        if let Some(problem) = self.env_error {
-            return Err(problem.into());
-        }
-        let pool = self.pool.ok_or(ConfigError::Missing("database pool"))?;
+        let pool = self.pool.clone();
+        let outbox = self.outbox.clone();
         let ops = Ops::new();
-        let consumer = self
-            .consumer
-            .pool(pool.clone())
-            .with_ops(ops.clone())
-            .build()?;
+        let (consumer, parts) = self.with_ops(ops.clone()).into_consumer()?;
+        let pool = pool.expect("into_consumer checked that the pool is set");
         let kafka = consumer.kafka().clone();
-        let relay = if self.embedded_relay {
+        let relay = if parts.embedded_relay {
             Some(
-                self.relay
+                parts
+                    .relay
                     .kafka(kafka.clone())
                     .pool(pool.clone())
-                    .mode(self.outbox_mode)
-                    .max_batch_bytes(self.outbox_max_bytes)
+                    .mode(parts.outbox_mode)
+                    .max_batch_bytes(parts.outbox_max_bytes)
                     .with_ops(ops.clone())
                     .build()?,
             )
@@ -541,13 +363,13 @@ impl SagaServiceBuilder {
             consumer,
             relay,
             kafka,
-            create_topics: self.create_topics,
-            accept_key_expiry: self.accept_key_expiry,
+            create_topics: parts.create_topics,
+            accept_key_expiry: parts.accept_key_expiry,
             #[cfg(feature = "redis")]
-            fast_path: self.fast_path,
-            outbox: self.outbox,
-            migrators: self.migrators,
-            tasks: self.tasks,
+            fast_path: parts.fast_path,
+            outbox,
+            migrators: parts.migrators,
+            tasks: parts.tasks,
             pool,
             ops,
         })
@@ -660,8 +482,13 @@ impl SagaService {
 
     /// The consumer's settings, for tests.
     #[doc(hidden)]
-    pub fn consumer_settings(&self) -> &crate::ConsumerSettings {
-        self.consumer.settings()
+    pub fn consumer_args(&self) -> &crate::settings::ConsumerArgs {
+        self.consumer.args()
+    }
+
+    /// How long its finished step keys are kept (`SAGA_KEY_RETENTION_HOURS`).
+    pub fn key_retention(&self) -> std::time::Duration {
+        self.consumer.key_retention()
     }
 
     /// The topics its consumer subscribes to: its steps', the ignored ones, and its retry topic.
@@ -677,7 +504,7 @@ impl SagaService {
     /// Its consumer group.
     pub fn group_id(&self) -> &str {
         self.consumer
-            .settings()
+            .args()
             .group_id
             .as_deref()
             .expect("build() checked that the group id is set")

@@ -24,92 +24,89 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 use std::time::Duration;
 
-use saga_core::{ConfigProblem, KafkaConfig};
+use clap::builder::RangedU64ValueParser;
+use saga_core::ConfigProblem;
+use saga_runtime::settings::value;
 
 pub use outbox_relay::{
     DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SaslMechanism, SchemaArgs,
     Secret, SecurityProtocol,
 };
 
-use crate::config::{AssignmentStrategy, ConsumerSettings};
+use crate::config::AssignmentStrategy;
 use crate::retry::RetryPolicy;
 
-/// The consumer: its group, how it batches, retries, dead-letters and commits.
+/// Partitions processed at once (`SAGA_CONCURRENCY`).
+pub const CONCURRENCY: RangeInclusive<u64> = 1..=u64::MAX;
+/// Messages of a partition in one transaction (`SAGA_BATCH_SIZE`).
+pub const BATCH_SIZE: RangeInclusive<u64> = 1..=10_000;
+/// Keys of a partition run at once (`SAGA_KEY_CONCURRENCY`).
+pub const KEY_CONCURRENCY: RangeInclusive<u64> = 1..=1_024;
+/// Messages parked behind held keys (`SAGA_HOLD_MAX_PARKED_PER_KEY`, `SAGA_HOLD_MAX_PARKED`).
+pub const PARKED: RangeInclusive<u64> = 1..=u32::MAX as u64;
+/// The longest fetch wait (`SAGA_FETCH_WAIT_MS`).
+pub const MAX_FETCH_WAIT: Duration = Duration::from_secs(300);
+
+fn fetch_wait(text: &str) -> Result<Duration, String> {
+    value::millis(text).and_then(|d| value::at_most(d, MAX_FETCH_WAIT))
+}
+
+/// The consumer's settings: its group, how it batches, retries, dead-letters and commits. The type the
+/// consumer takes ([`SagaBuilder::consumer_args`](crate::SagaBuilder::consumer_args)): each field is declared
+/// once, parsed into its type by its rule, and read where it is used.
 #[derive(Debug, Clone, clap::Args)]
 #[group(id = "saga_consumer")]
 #[non_exhaustive]
 pub struct ConsumerArgs {
     /// The consumer group (required).
-    #[arg(long = "group-id", env = "SAGA_GROUP_ID")]
+    #[arg(long = "group-id", env = "SAGA_GROUP_ID", value_parser = value::name)]
     pub group_id: Option<String>,
     /// Partitions processed at once.
-    #[arg(long = "concurrency", env = "SAGA_CONCURRENCY", default_value_t = 4)]
+    #[arg(long = "concurrency", env = "SAGA_CONCURRENCY", default_value_t = 4, value_parser = RangedU64ValueParser::<usize>::new().range(CONCURRENCY))]
     pub concurrency: usize,
     /// Most messages of a partition in one transaction.
-    #[arg(long = "batch-size", env = "SAGA_BATCH_SIZE", default_value_t = 100)]
+    #[arg(long = "batch-size", env = "SAGA_BATCH_SIZE", default_value_t = 100, value_parser = RangedU64ValueParser::<usize>::new().range(BATCH_SIZE))]
     pub batch_size: usize,
     /// Messages of different keys of one partition that run at once (1: a partition's messages run one
     /// batch after another). Raise it for slow steps (an outside call per message); a key's messages still
     /// run in their order. See the guide's page on slow steps.
-    #[arg(long = "key-concurrency", env = "SAGA_KEY_CONCURRENCY", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
-    pub key_concurrency: u16,
-    /// Attempts before a transiently failing message is dead-lettered (an unavailable database spends
-    /// none).
-    #[arg(long = "max-attempts", env = "SAGA_MAX_ATTEMPTS", default_value_t = 5)]
-    pub max_attempts: u32,
-    /// The first backoff between attempts, in milliseconds (exponential, with jitter).
-    #[arg(
-        long = "retry-initial-ms",
-        env = "SAGA_RETRY_INITIAL_MS",
-        default_value_t = 200
-    )]
-    pub retry_initial_ms: u64,
-    /// The longest backoff between attempts, in milliseconds.
-    #[arg(
-        long = "retry-max-ms",
-        env = "SAGA_RETRY_MAX_MS",
-        default_value_t = 30_000
-    )]
-    pub retry_max_ms: u64,
+    #[arg(long = "key-concurrency", env = "SAGA_KEY_CONCURRENCY", default_value_t = 1, value_parser = RangedU64ValueParser::<usize>::new().range(KEY_CONCURRENCY))]
+    pub key_concurrency: usize,
+    /// Retries of transient failures.
+    #[command(flatten)]
+    pub retry: RetryPolicy,
     /// The dead-letter topic (default: `{group}.dlq`).
-    #[arg(long = "dlq-topic", env = "SAGA_DLQ_TOPIC")]
+    #[arg(long = "dlq-topic", env = "SAGA_DLQ_TOPIC", value_parser = value::name)]
     pub dlq_topic: Option<String>,
     /// Where `saga dlq replay` sends this group's dead letters (default: `{group}.retry`); the consumer
     /// reads it with its steps. It must exist, like the dead-letter topic (`SAGA_CREATE_TOPICS` makes both).
-    #[arg(long = "retry-topic", env = "SAGA_RETRY_TOPIC")]
+    #[arg(long = "retry-topic", env = "SAGA_RETRY_TOPIC", value_parser = value::name)]
     pub retry_topic: Option<String>,
     /// How often finished offsets are committed, in milliseconds (no effect on latency: the step key
     /// decides, offsets are bookkeeping).
-    #[arg(
-        long = "commit-interval-ms",
-        env = "SAGA_COMMIT_INTERVAL_MS",
-        default_value_t = 1_000
-    )]
-    pub commit_interval_ms: u64,
-    /// librdkafka's `fetch.wait.max.ms`, in milliseconds: a broker that holds a waiting fetch adds up to
-    /// this at every hop.
-    #[arg(
-        long = "fetch-wait-ms",
-        env = "SAGA_FETCH_WAIT_MS",
-        default_value_t = 10
-    )]
-    pub fetch_wait_ms: u64,
+    #[arg(long = "commit-interval-ms", env = "SAGA_COMMIT_INTERVAL_MS", default_value = "1000", value_parser = value::positive_millis)]
+    pub commit_interval: Duration,
+    /// librdkafka's `fetch.wait.max.ms`, in milliseconds (at most 300000): how long the broker may hold a
+    /// fetch that found nothing. Kafka answers a waiting fetch as soon as a message arrives; a broker that
+    /// does not adds up to this at every hop. Lower costs more fetch requests while idle.
+    #[arg(long = "fetch-wait-ms", env = "SAGA_FETCH_WAIT_MS", default_value = "10", value_parser = fetch_wait)]
+    pub fetch_wait: Duration,
     /// Longest a handler may run, in milliseconds, before it fails transiently.
-    #[arg(
-        long = "handler-timeout-ms",
-        env = "SAGA_HANDLER_TIMEOUT_MS",
-        default_value_t = 30_000
-    )]
-    pub handler_timeout_ms: u64,
+    #[arg(long = "handler-timeout-ms", env = "SAGA_HANDLER_TIMEOUT_MS", default_value = "30000", value_parser = value::positive_millis)]
+    pub handler_timeout: Duration,
     /// Drain deadline on SIGTERM, in milliseconds.
-    #[arg(
-        long = "shutdown-timeout-ms",
-        env = "SAGA_SHUTDOWN_TIMEOUT_MS",
-        default_value_t = 30_000
-    )]
-    pub shutdown_timeout_ms: u64,
+    #[arg(long = "shutdown-timeout-ms", env = "SAGA_SHUTDOWN_TIMEOUT_MS", default_value = "30000", value_parser = value::millis)]
+    pub shutdown_timeout: Duration,
+    /// Longest a rebalance waits for the revoked partitions' batches in flight, in milliseconds.
+    #[arg(long = "revoke-timeout-ms", env = "SAGA_REVOKE_TIMEOUT_MS", default_value = "10000", value_parser = value::millis)]
+    pub revoke_timeout: Duration,
+    /// librdkafka's `session.timeout.ms`, in milliseconds: how soon the group notices a dead member (the
+    /// broker bounds it, by its `group.min.session.timeout.ms` and `group.max.session.timeout.ms`).
+    #[arg(long = "session-timeout-ms", env = "SAGA_SESSION_TIMEOUT_MS", default_value = "10000", value_parser = value::positive_millis)]
+    pub session_timeout: Duration,
     /// `range`, `roundrobin` or `cooperative-sticky` (the last has upstream problems with manual commits).
     #[arg(
         long = "assignment-strategy",
@@ -130,54 +127,105 @@ pub struct ConsumerArgs {
     pub ops_addr: Option<SocketAddr>,
     /// Most messages parked behind one held key; past it a message of the key is dead-lettered
     /// (`hold-queue-full`) rather than parked.
-    #[arg(long = "hold-max-parked-per-key", env = "SAGA_HOLD_MAX_PARKED_PER_KEY", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long = "hold-max-parked-per-key", env = "SAGA_HOLD_MAX_PARKED_PER_KEY", default_value_t = 10_000, value_parser = RangedU64ValueParser::<u32>::new().range(PARKED))]
     pub hold_max_parked_per_key: u32,
     /// Most messages parked behind the group's held keys together; past it, the same.
-    #[arg(long = "hold-max-parked", env = "SAGA_HOLD_MAX_PARKED", default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long = "hold-max-parked", env = "SAGA_HOLD_MAX_PARKED", default_value_t = 100_000, value_parser = RangedU64ValueParser::<u32>::new().range(PARKED))]
     pub hold_max_parked: u32,
     /// A key held longer than this, in seconds, counts in `saga_consumer_held_keys_overdue` (the alert).
-    #[arg(long = "hold-alert-after-secs", env = "SAGA_HOLD_ALERT_AFTER_SECS", default_value_t = 3_600, value_parser = clap::value_parser!(u64).range(1..))]
-    pub hold_alert_after_secs: u64,
+    #[arg(long = "hold-alert-after-secs", env = "SAGA_HOLD_ALERT_AFTER_SECS", default_value = "3600", value_parser = value::positive_secs)]
+    pub hold_alert_after: Duration,
 }
 saga_runtime::settings_group!(ConsumerArgs);
 
 impl ConsumerArgs {
-    /// The retry policy these say.
-    pub fn retry(&self) -> RetryPolicy {
-        RetryPolicy::with_attempts_and_backoff(
-            self.max_attempts,
-            Duration::from_millis(self.retry_initial_ms),
-            Duration::from_millis(self.retry_max_ms),
-        )
+    /// The retry topic: the configured one, or `{group}.retry`.
+    pub fn retry_topic(&self) -> String {
+        self.retry_topic
+            .clone()
+            .unwrap_or_else(|| format!("{}.retry", self.group_id.as_deref().unwrap_or("saga")))
     }
 
-    /// The consumer's settings from these, with `kafka` and the key retention `retention` says.
-    pub fn settings(
-        &self,
-        kafka: Option<KafkaConfig>,
-        retention: &RetentionArgs,
-    ) -> Result<ConsumerSettings, ConfigProblem> {
-        let mut s = ConsumerSettings::internal_defaults();
-        s.kafka = kafka;
-        s.group_id = self.group_id.clone();
-        s.concurrency = self.concurrency;
-        s.batch_size = self.batch_size;
-        s.key_concurrency = usize::from(self.key_concurrency);
-        s.retry = self.retry();
-        s.dlq_topic = self.dlq_topic.clone();
-        s.retry_topic = self.retry_topic.clone();
-        s.commit_interval = Duration::from_millis(self.commit_interval_ms);
-        s.fetch_wait = Duration::from_millis(self.fetch_wait_ms);
-        s.handler_timeout = Duration::from_millis(self.handler_timeout_ms);
-        s.shutdown_timeout = Duration::from_millis(self.shutdown_timeout_ms);
-        s.assignment = self.assignment;
-        s.crash_loop_limit = self.crash_loop_limit;
-        s.ops_addr = self.ops_addr;
-        s.hold_max_parked_per_key = self.hold_max_parked_per_key;
-        s.hold_max_parked = self.hold_max_parked;
-        s.hold_alert_after = Duration::from_secs(self.hold_alert_after_secs);
-        s.key_retention = retention.key_retention()?;
-        Ok(s)
+    /// The dead-letter topic: the configured one, or `{group}.dlq`.
+    pub fn dlq_topic(&self) -> String {
+        self.dlq_topic
+            .clone()
+            .unwrap_or_else(|| format!("{}.dlq", self.group_id.as_deref().unwrap_or("saga")))
+    }
+
+    /// What is wrong with these settings, each naming its variable: the declarations' rules again (a value
+    /// set in code was not parsed), the group that must be chosen, and the rules between two settings.
+    pub fn problems(&self) -> Vec<ConfigProblem> {
+        let named = |t: &Option<String>| t.as_deref().map_or(Ok(()), |t| value::name(t).map(drop));
+        let checks = [
+            (
+                "SAGA_GROUP_ID",
+                match &self.group_id {
+                    None => Err("is not set: the consumer group must be chosen".to_owned()),
+                    Some(g) => value::name(g).map(drop),
+                },
+            ),
+            (
+                "SAGA_CONCURRENCY",
+                value::within(self.concurrency, &CONCURRENCY).map(drop),
+            ),
+            (
+                "SAGA_BATCH_SIZE",
+                value::within(self.batch_size, &BATCH_SIZE).map(drop),
+            ),
+            (
+                "SAGA_KEY_CONCURRENCY",
+                value::within(self.key_concurrency, &KEY_CONCURRENCY).map(drop),
+            ),
+            ("SAGA_DLQ_TOPIC", named(&self.dlq_topic)),
+            ("SAGA_RETRY_TOPIC", named(&self.retry_topic)),
+            (
+                "SAGA_RETRY_TOPIC",
+                if self.retry_topic() == self.dlq_topic() {
+                    Err("is the dead-letter topic (SAGA_DLQ_TOPIC)".to_owned())
+                } else {
+                    Ok(())
+                },
+            ),
+            (
+                "SAGA_COMMIT_INTERVAL_MS",
+                value::positive(self.commit_interval).map(drop),
+            ),
+            (
+                "SAGA_FETCH_WAIT_MS",
+                value::at_most(self.fetch_wait, MAX_FETCH_WAIT).map(drop),
+            ),
+            (
+                "SAGA_HANDLER_TIMEOUT_MS",
+                value::positive(self.handler_timeout).map(drop),
+            ),
+            (
+                "SAGA_SESSION_TIMEOUT_MS",
+                value::positive(self.session_timeout).map(drop),
+            ),
+            (
+                "SAGA_HOLD_MAX_PARKED_PER_KEY",
+                value::within(self.hold_max_parked_per_key, &PARKED).map(drop),
+            ),
+            (
+                "SAGA_HOLD_MAX_PARKED",
+                value::within(self.hold_max_parked, &PARKED).map(drop),
+            ),
+            (
+                "SAGA_HOLD_ALERT_AFTER_SECS",
+                value::positive(self.hold_alert_after).map(drop),
+            ),
+        ];
+        let mut problems: Vec<ConfigProblem> = checks
+            .into_iter()
+            .filter_map(|(var, checked)| {
+                checked
+                    .err()
+                    .map(|why| ConfigProblem::new(var, why, "fix its value"))
+            })
+            .collect();
+        problems.extend(self.retry.problems());
+        problems
     }
 }
 

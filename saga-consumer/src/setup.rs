@@ -58,7 +58,7 @@ pub async fn ensure_topics(
 }
 
 /// Opens the outbox of `pool`'s schema in `mode` before its first write, and returns it for the process's
-/// writers (a consumer's [`SagaConsumerBuilder::outbox`](crate::SagaConsumerBuilder::outbox), the HTTP
+/// writers (a consumer's [`SagaConsumerBuilder::with_outbox`](crate::SagaBuilder::with_outbox), the HTTP
 /// layer's [`with_outbox`](crate::http::IdempotencyLayer::with_outbox), an orchestrator's): for
 /// [`crate::OutboxMode::Wal`], checks that PostgreSQL decodes its log (`wal_level = logical`), creates the
 /// publication and the schema's replication slot where missing (a message written before its slot exists is

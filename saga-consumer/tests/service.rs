@@ -110,7 +110,7 @@ async fn a_missing_required_setting_is_named_never_defaulted() {
         .build()
         .unwrap_err();
     assert!(
-        matches!(&no_brokers, ServiceError::Config(ConfigError::Missing(what)) if what.contains("KAFKA_BROKERS")),
+        matches!(&no_brokers, ServiceError::Config(ConfigError::Problem(p)) if p.setting == "KAFKA_BROKERS"),
         "{no_brokers}"
     );
     let no_group = SagaService::builder()
@@ -129,11 +129,11 @@ async fn a_missing_required_setting_is_named_never_defaulted() {
     assert!(no_pool.to_string().contains("database pool"), "{no_pool}");
 }
 
-/// The outbox handed to a service's other writers is the one the service opens: changing its settings
-/// after it was handed out is refused by `build`, naming the setting, rather than leave those writers on an
-/// outbox nobody opens; the same settings made before are fine.
+/// The outbox handed to a service's other writers is the one the service opens: its settings made after it
+/// was handed out are followed by every clone (before, a change after `outbox()` was refused at `build`,
+/// and `outbox()`, a getter to look at, decided it).
 #[tokio::test]
-async fn the_outbox_may_not_change_after_it_was_handed_out() {
+async fn the_outbox_handed_out_follows_the_settings_made_after() {
     let db = TestDb::empty("service-outbox-order").await;
     let builder = SagaService::builder()
         .brokers("127.0.0.1:9092")
@@ -141,30 +141,69 @@ async fn the_outbox_may_not_change_after_it_was_handed_out() {
         .pool(db.pool.clone())
         .step(reserve_on("t"));
     let handed = builder.outbox();
-    let refused = builder
-        .outbox_mode(saga_consumer::OutboxMode::Wal)
-        .build()
-        .unwrap_err();
-    assert!(
-        refused.to_string().contains("SAGA_OUTBOX_MODE"),
-        "{refused}"
-    );
     assert_eq!(handed.mode(), saga_consumer::OutboxMode::Table);
+    assert!(handed.is_writable(), "a table outbox is writable at once");
+    let service = builder
+        .outbox_mode(saga_consumer::OutboxMode::Wal)
+        .outbox_max_transaction_bytes(1_000)
+        .relay(|r| r.replication_url(db.url()))
+        .build()
+        .unwrap();
+    assert_eq!(handed.mode(), saga_consumer::OutboxMode::Wal);
+    assert_eq!(handed.runtime().max_transaction_bytes(), 1_000);
+    assert!(
+        !handed.is_writable(),
+        "a WAL outbox is not writable until the service opens it"
+    );
+    drop(service);
 
+    // And back: the last setting made before `build` is the service's.
     let builder = SagaService::builder()
         .brokers("127.0.0.1:9092")
         .group_id("g")
         .pool(db.pool.clone())
         .step(reserve_on("t"))
-        .outbox_mode(saga_consumer::OutboxMode::Wal)
-        .relay(|r| r.replication_url(db.url()));
+        .outbox_mode(saga_consumer::OutboxMode::Wal);
     let handed = builder.outbox();
-    // The same mode again changes nothing.
+    assert!(!handed.is_writable());
     builder
-        .outbox_mode(saga_consumer::OutboxMode::Wal)
+        .outbox_mode(saga_consumer::OutboxMode::Table)
         .build()
         .unwrap();
-    assert_eq!(handed.mode(), saga_consumer::OutboxMode::Wal);
+    assert_eq!(handed.mode(), saga_consumer::OutboxMode::Table);
+    assert!(handed.is_writable());
+}
+
+/// Every problem of a service's settings is reported by `build`, each naming its variable: those of the
+/// environment, and those of values given in code, by the rules the variables are parsed with.
+#[tokio::test]
+async fn build_reports_every_settings_problem_naming_each_variable() {
+    let db = TestDb::empty("service-problems").await;
+    let args = saga_consumer::settings::ServiceArgs::from_vars(|name| {
+        (name == "SAGA_RETRY_JITTER").then(|| "0.5".to_owned())
+    })
+    .unwrap();
+    let refused = SagaService::builder()
+        .args(&args)
+        .pool(db.pool.clone())
+        .step(reserve_on("t"))
+        .batch_size(0)
+        .key_concurrency(5_000)
+        .commit_interval(std::time::Duration::ZERO)
+        .build()
+        .unwrap_err();
+    let said = refused.to_string();
+    for var in [
+        "KAFKA_BROKERS",
+        "SAGA_GROUP_ID",
+        "SAGA_BATCH_SIZE",
+        "SAGA_KEY_CONCURRENCY",
+        "SAGA_COMMIT_INTERVAL_MS",
+    ] {
+        assert!(said.contains(var), "{var} is named: {said}");
+    }
+    assert!(!said.contains("SAGA_RETRY_JITTER"), "{said}");
+    assert!(!said.contains('\n'), "one line: {said}");
 }
 
 /// Charges once per message of its step, recording the external key (which names the step).

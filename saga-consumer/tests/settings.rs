@@ -84,7 +84,7 @@ async fn a_services_embedded_relay_keeps_keys_as_long_as_the_relay_binary_does()
         ),
         (720 * HOUR, 48 * HOUR, 100, 2 * HOUR)
     );
-    assert_eq!(service.consumer_settings().key_retention, 720 * HOUR);
+    assert_eq!(service.key_retention(), 720 * HOUR);
     // The relay binary's groups, from the same variables: the same policy.
     let binary = outbox_relay::RelayArgs::from_vars(&env).unwrap();
     assert_eq!(&binary.retention.policy().unwrap(), embedded);

@@ -143,6 +143,31 @@ impl ConfigProblem {
             fix: fix.into(),
         }
     }
+
+    /// Every problem of `problems` said at once, each with its setting and fix (none: `None`), so that a
+    /// start refused for several settings names them all, not only the first.
+    pub fn all(problems: Vec<ConfigProblem>) -> Option<Self> {
+        // The same problem found twice (two groups read the same variable) is said once.
+        let mut problems = problems.into_iter().fold(Vec::new(), |mut kept, p| {
+            if !kept.contains(&p) {
+                kept.push(p);
+            }
+            kept
+        });
+        if problems.len() <= 1 {
+            return problems.pop();
+        }
+        let settings: Vec<&str> = problems.iter().map(|p| p.setting.as_str()).collect();
+        let each: Vec<String> = problems
+            .iter()
+            .map(|p| format!("{} {} ({})", p.setting, p.problem, p.fix))
+            .collect();
+        Some(Self::new(
+            settings.join(", "),
+            each.join("; "),
+            "fix each of them",
+        ))
+    }
 }
 
 impl fmt::Display for ConfigProblem {

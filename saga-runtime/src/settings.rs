@@ -199,6 +199,108 @@ macro_rules! settings_group {
     };
 }
 
+/// Typed values of settings: each parser turns a variable's text into the type the code takes, by a rule a
+/// builder's setter applies to a value given in code, so that a binary's flag, a variable and a setter are
+/// refused alike (and named: the variable).
+pub mod value {
+    use std::ops::RangeInclusive;
+    use std::time::Duration;
+
+    /// A whole number of milliseconds.
+    pub fn millis(text: &str) -> Result<Duration, String> {
+        text.parse::<u64>()
+            .map(Duration::from_millis)
+            .map_err(|e| format!("{e}: a whole number of milliseconds"))
+    }
+
+    /// A whole number of seconds.
+    pub fn secs(text: &str) -> Result<Duration, String> {
+        text.parse::<u64>()
+            .map(Duration::from_secs)
+            .map_err(|e| format!("{e}: a whole number of seconds"))
+    }
+
+    /// A positive number of milliseconds.
+    pub fn positive_millis(text: &str) -> Result<Duration, String> {
+        millis(text).and_then(positive)
+    }
+
+    /// A positive number of seconds.
+    pub fn positive_secs(text: &str) -> Result<Duration, String> {
+        secs(text).and_then(positive)
+    }
+
+    /// The rule of [`positive_millis`] and [`positive_secs`].
+    pub fn positive(d: Duration) -> Result<Duration, String> {
+        if d.is_zero() {
+            Err("must be positive".to_owned())
+        } else {
+            Ok(d)
+        }
+    }
+
+    /// At most `max`.
+    pub fn at_most(d: Duration, max: Duration) -> Result<Duration, String> {
+        if d > max {
+            Err(format!("must be at most {} ms", max.as_millis()))
+        } else {
+            Ok(d)
+        }
+    }
+
+    /// The rule of a count declared with `RangedU64ValueParser::range(range)`.
+    pub fn within<T: Copy + TryInto<u64>>(n: T, range: &RangeInclusive<u64>) -> Result<T, String> {
+        match n.try_into() {
+            Ok(m) if range.contains(&m) => Ok(n),
+            _ if *range.end() == u64::MAX => Err(format!("must be at least {}", range.start())),
+            _ => Err(format!(
+                "must be between {} and {}",
+                range.start(),
+                range.end()
+            )),
+        }
+    }
+
+    /// A name that is not blank.
+    pub fn name(text: &str) -> Result<String, String> {
+        if text.trim().is_empty() {
+            Err("is empty".to_owned())
+        } else {
+            Ok(text.to_owned())
+        }
+    }
+
+    /// A fraction, 0 to 1.
+    pub fn fraction(text: &str) -> Result<f64, String> {
+        let f: f64 = text.parse().map_err(|e| format!("{e}"))?;
+        fraction_of(f)
+    }
+
+    /// The rule of [`fraction`].
+    pub fn fraction_of(f: f64) -> Result<f64, String> {
+        if (0.0..=1.0).contains(&f) {
+            Ok(f)
+        } else {
+            Err("must be within 0 and 1".to_owned())
+        }
+    }
+
+    /// A factor of at least 1.
+    pub fn factor(text: &str) -> Result<f64, String> {
+        let f: f64 = text.parse().map_err(|e| format!("{e}"))?;
+        factor_of(f)
+    }
+
+    /// The rule of [`factor`].
+    pub fn factor_of(f: f64) -> Result<f64, String> {
+        if f >= 1.0 && f.is_finite() {
+            Ok(f)
+        } else {
+            Err("must be a number of at least 1".to_owned())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

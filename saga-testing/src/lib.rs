@@ -324,11 +324,11 @@ impl SagaTest {
         args.database.database_url = Some(self.database_url.clone());
         args.kafka.brokers = Some(self.cluster.brokers().to_owned());
         args.consumer.group_id = Some(format!("{}.{name}", self.name));
-        args.consumer.commit_interval_ms = 20;
-        args.consumer.max_attempts = 3;
-        args.consumer.retry_initial_ms = 5;
-        args.consumer.retry_max_ms = 20;
-        args.consumer.shutdown_timeout_ms = 10_000;
+        args.consumer.commit_interval = Duration::from_millis(20);
+        args.consumer.retry.max_attempts = 3;
+        args.consumer.retry.initial_backoff = Duration::from_millis(5);
+        args.consumer.retry.max_backoff = Duration::from_millis(20);
+        args.consumer.shutdown_timeout = Duration::from_secs(10);
         args.relay.poll_interval_ms = 20;
         // The mock cluster keeps no topic configuration for the service to check its key retention against.
         args.accept_key_expiry = true;

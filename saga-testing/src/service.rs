@@ -91,7 +91,7 @@ impl ServiceSetup {
         SagaService::builder()
             .args(&self.args)
             .pool(self.pool.clone())
-            .consumer(|c| c.session_timeout(SESSION_TIMEOUT))
+            .session_timeout(SESSION_TIMEOUT)
     }
 
     /// The test's clock ([`crate::SagaTest::advance`] moves it).

@@ -226,7 +226,7 @@ pub fn measured_consumer(
         .batch_size(batch_size)
         .concurrency(concurrency)
         .step(RecordWork::in_round(topic, round))
-        .outbox(super::outbox());
+        .with_outbox(super::outbox());
     if super::hold_keys() {
         builder.order_policy_for_topic(topic, saga_consumer::OrderPolicy::HoldKey)
     } else {

@@ -212,7 +212,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     args.http_addr = saga_test_support::free_local_addr();
     args.gateway_latency_ms = 1;
     if let Some(ms) = cli.fetch_wait_ms {
-        args.saga.consumer.fetch_wait_ms = ms;
+        args.saga.consumer.fetch_wait = std::time::Duration::from_millis(ms);
     }
     let uses_broker = SECTIONS
         .iter()
@@ -257,7 +257,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "broker: send-to-receive latency at 20 messages/s, one partition, then two topics",
         );
         let fetch_wait = cli.fetch_wait_ms.map_or(
-            saga_consumer::ConsumerSettings::default().fetch_wait,
+            saga_consumer::settings::ConsumerArgs::default().fetch_wait,
             std::time::Duration::from_millis,
         );
         report.broker_delivery_ms =
@@ -581,7 +581,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         let mock = Broker::mock()?;
         let mut args = args.clone();
         args.saga.kafka.brokers = Some(mock.brokers());
-        args.saga.consumer.fetch_wait_ms = cli.mock_saga_fetch_wait_ms;
+        args.saga.consumer.fetch_wait =
+            std::time::Duration::from_millis(cli.mock_saga_fetch_wait_ms);
         args.schema_prefix = format!("{}_mock", args.schema_prefix);
         args.topic_prefix = format!("{}-mock", args.topic_prefix);
         for mode in &cli.outbox_modes {

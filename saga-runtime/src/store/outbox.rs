@@ -137,11 +137,19 @@ impl OutboxHealth {
     }
 }
 
+/// The health of an outbox of `mode` not opened yet: a WAL outbox may not be written before its slot exists.
+fn unopened(mode: OutboxMode) -> Option<String> {
+    (mode == OutboxMode::Wal).then(|| {
+        "the WAL outbox is not opened yet (its slot is set up when the service starts)".to_owned()
+    })
+}
+
 /// What a process writes its outbox with. See the module documentation.
 #[derive(Clone, Debug)]
 pub struct Outbox {
-    mode: OutboxMode,
-    max_transaction_bytes: usize,
+    /// Its mode and largest write, shared by the clones: a service's builder may still make them (see
+    /// [`Outbox::reconfigure`]) after it handed the outbox to other writers, which follow.
+    settings: Arc<std::sync::RwLock<(OutboxMode, usize)>>,
     health: OutboxHealth,
     /// Set once a table outbox is opened: its process then holds the table-mode presence relays wait
     /// for, and its writes need no check of the switch (shared by the clones).
@@ -158,36 +166,58 @@ impl Outbox {
     /// An outbox of `mode`, with the default size limit. A table outbox is writable at once; a WAL outbox
     /// only once [`Outbox::open`]ed (an event written before its slot exists would never be read).
     pub fn new(mode: OutboxMode) -> Self {
-        let health = OutboxHealth::default();
-        if mode == OutboxMode::Wal {
-            health.set(Some(
-                "the WAL outbox is not opened yet (its slot is set up when the service starts)"
-                    .to_owned(),
-            ));
-        }
-        Self {
-            mode,
-            max_transaction_bytes: DEFAULT_MAX_TRANSACTION_BYTES,
-            health,
+        let outbox = Self {
+            settings: Arc::new(std::sync::RwLock::new((
+                mode,
+                DEFAULT_MAX_TRANSACTION_BYTES,
+            ))),
+            health: OutboxHealth::default(),
             registered: Arc::new(AtomicBool::new(false)),
-        }
+        };
+        outbox.health.set(unopened(mode));
+        outbox
     }
 
     /// The largest size of one write's events (as [`wal::encoded_len`] measures them, in both modes).
     #[must_use]
-    pub fn with_max_transaction_bytes(mut self, bytes: usize) -> Self {
-        self.max_transaction_bytes = bytes;
+    pub fn with_max_transaction_bytes(self, bytes: usize) -> Self {
+        let mode = self.mode();
+        self.reconfigure(mode, bytes);
         self
+    }
+
+    /// Makes this outbox, and every clone of it, one of `mode` whose writes are at most `max_bytes`: what a
+    /// service's builder does until the service is built, whoever was handed the outbox meanwhile. A WAL
+    /// outbox is not writable until opened; a table outbox is at once. Its health changes only with its
+    /// mode: a new size limit leaves it as it was (an opened outbox's, as its watch set it).
+    pub fn reconfigure(&self, mode: OutboxMode, max_bytes: usize) {
+        let before = std::mem::replace(
+            &mut *self
+                .settings
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            (mode, max_bytes),
+        );
+        if before.0 != mode {
+            self.health.set(unopened(mode));
+        }
+    }
+
+    fn settings(&self) -> (OutboxMode, usize) {
+        *self
+            .settings
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Where it writes.
     pub fn mode(&self) -> OutboxMode {
-        self.mode
+        self.settings().0
     }
 
     /// The largest size of one write's events.
     pub fn max_transaction_bytes(&self) -> usize {
-        self.max_transaction_bytes
+        self.settings().1
     }
 
     /// Its health, shared with the process's monitor.
@@ -226,13 +256,11 @@ impl Outbox {
         self.check_writable()?;
         storable(messages)?;
         let bytes = wal::encoded_len(messages);
-        if bytes > self.max_transaction_bytes {
-            return Err(OutboxError::TooLarge {
-                bytes,
-                limit: self.max_transaction_bytes,
-            });
+        let (mode, limit) = self.settings();
+        if bytes > limit {
+            return Err(OutboxError::TooLarge { bytes, limit });
         }
-        if self.mode == OutboxMode::Wal {
+        if mode == OutboxMode::Wal {
             wal::emit(conn, messages).await?;
             return Ok(Vec::new());
         }
@@ -244,7 +272,7 @@ impl Outbox {
             return Err(OutboxError::Unwritable(format!(
                 "this writer's outbox is the table, but the schema's outbox moved to the write-ahead log (a \
                  relay read its slot at {at}): give it the service's outbox (IdempotencyLayer::with_outbox, \
-                 Orchestrator::with_outbox, SagaConsumerBuilder::outbox)"
+                 Orchestrator::with_outbox, SagaConsumerBuilder::with_outbox)"
             )));
         }
         Ok(append_rows(conn, messages).await?)
@@ -305,7 +333,7 @@ impl Outbox {
         pool: &sqlx::PgPool,
         check_every: std::time::Duration,
     ) -> Result<(), OpenError> {
-        match self.mode {
+        match self.mode() {
             OutboxMode::Wal => {
                 let prepared = wal::prepare(pool).await.map_err(|e| match e {
                     wal::PrepareError::Config(problem) => OpenError::Config(problem),
