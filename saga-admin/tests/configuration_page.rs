@@ -51,3 +51,141 @@ fn every_programs_command_line_is_valid() {
     ))
     .debug_assert();
 }
+
+/// The code of `crates` (directories beside this crate): comments, test modules and the functions that only
+/// check settings (`fn problems`) left out. Reading a setting to refuse a bad value, naming it in a doc or
+/// reading it in a test is not using it.
+fn code(crates: &[&str]) -> String {
+    fn walk(dir: &std::path::Path, into: &mut String) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, into);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                into.push_str(&code_of(&std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+    let mut all = String::new();
+    for name in crates {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(name)
+            .join("src");
+        walk(&dir, &mut all);
+    }
+    all
+}
+
+/// `text` without comments, its test module (the end of a file, from `#[cfg(test)]` on its own line at
+/// the left margin) and the bodies of its `fn problems` (up to the closing brace at the function's
+/// indentation).
+fn code_of(text: &str) -> String {
+    let mut kept = String::new();
+    let mut skipping: Option<String> = None;
+    for line in text.lines() {
+        if line == "#[cfg(test)]" {
+            break;
+        }
+        if let Some(end) = &skipping {
+            if line == end {
+                skipping = None;
+            }
+            continue;
+        }
+        if line.trim_start().starts_with("//") {
+            continue;
+        }
+        if let Some(at) = line.find("fn problems(")
+            && line.trim_end().ends_with('{')
+        {
+            let indent: String = line[..at]
+                .chars()
+                .take_while(|c| c.is_whitespace())
+                .collect();
+            skipping = Some(format!("{indent}}}"));
+            continue;
+        }
+        kept.push_str(line);
+        kept.push('\n');
+    }
+    kept
+}
+
+/// Whether `code` reads field `field`: `.field` not followed by more of a name, a call or an assignment.
+fn reads(code: &str, field: &str) -> bool {
+    let needle = format!(".{field}");
+    code.match_indices(&needle).any(|(at, _)| {
+        let rest = &code[at + needle.len()..];
+        if rest
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '(')
+        {
+            return false;
+        }
+        let rest = rest.trim_start();
+        !rest.starts_with('=') || rest.starts_with("==")
+    })
+}
+
+/// The fields `command`'s settings are declared by (an id said apart, `relay_batch_size`, is the field
+/// `batch_size` of the relay's group), with their variables.
+fn fields(command: &clap::Command) -> Vec<(String, String)> {
+    command
+        .get_arguments()
+        .filter_map(|arg| {
+            let env = arg.get_env()?.to_string_lossy().into_owned();
+            let id = arg.get_id().as_str();
+            Some((env, id.strip_prefix("relay_").unwrap_or(id).to_owned()))
+        })
+        .collect()
+}
+
+/// Every declared setting is read by the code of the crate that uses it: a setting declared and read
+/// nowhere (a forgotten use, which a default would have hidden) fails here, naming it. The settings are
+/// the fields of their groups, so a use is a read of the field (`.batch_size`): a service's own settings
+/// (`ConsumerArgs`, `RetryPolicy`, `ServiceArgs`'s) in `saga-consumer`, the relay's (its command's, which
+/// a service flattens too) in `outbox-relay` and `saga-runtime`.
+#[test]
+fn every_declared_setting_is_read_where_it_is_used() {
+    use clap::Args;
+    let relay = outbox_relay::command();
+    let mut relays = fields(&relay);
+    for sub in relay.get_subcommands() {
+        relays.extend(fields(sub));
+    }
+    let service = fields(&saga_consumer::settings::ServiceArgs::augment_args(
+        clap::Command::new("service"),
+    ));
+    let own: Vec<_> = service
+        .into_iter()
+        .filter(|(env, _)| !relays.iter().any(|(e, _)| e == env))
+        .collect();
+    let consumer_code = code(&["saga-consumer"]);
+    let relay_code = code(&["outbox-relay", "saga-runtime"]);
+    let mut unread: Vec<String> = Vec::new();
+    for (settings, code) in [(&own, &consumer_code), (&relays, &relay_code)] {
+        for (env, field) in settings {
+            if !reads(code, field) {
+                unread.push(format!("{env} ({field})"));
+            }
+        }
+    }
+    assert!(
+        own.len() > 25 && relays.len() > 20,
+        "the settings were found: {} and {}",
+        own.len(),
+        relays.len()
+    );
+    assert!(unread.is_empty(), "declared and read nowhere: {unread:?}");
+    // What is not a use: a declaration, a write, a call of a method of the same name, a doc, a check, a test.
+    let not_used = "pub batch_size: usize,\nself.args.batch_size = 1;\nb.batch_size(3);\n\
+                    /// `x.batch_size`\n    fn problems(&self) -> bool {\n        self.batch_size > 0\n    }\n\
+                    #[cfg(test)]\nfn t() { let _ = a.batch_size; }\n";
+    assert!(!reads(&code_of(not_used), "batch_size"));
+    assert!(reads(
+        &code_of("if self.args.batch_size == 1 {}"),
+        "batch_size"
+    ));
+}
