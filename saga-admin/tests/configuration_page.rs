@@ -78,8 +78,8 @@ fn code(crates: &[&str]) -> String {
 }
 
 /// `text` without comments, its test module (the end of a file, from `#[cfg(test)]` on its own line at
-/// the left margin) and the bodies of its `fn problems` (up to the closing brace at the function's
-/// indentation).
+/// the left margin) and the bodies of its `fn problems` and `fn fmt` (a `Debug` that shows every field),
+/// up to the closing brace at the function's indentation.
 fn code_of(text: &str) -> String {
     let mut kept = String::new();
     let mut skipping: Option<String> = None;
@@ -96,7 +96,7 @@ fn code_of(text: &str) -> String {
         if line.trim_start().starts_with("//") {
             continue;
         }
-        if let Some(at) = line.find("fn problems(")
+        if let Some(at) = line.find("fn problems(").or_else(|| line.find("fn fmt("))
             && line.trim_end().ends_with('{')
         {
             let indent: String = line[..at]

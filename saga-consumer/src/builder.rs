@@ -363,9 +363,10 @@ impl<P> SagaBuilder<P> {
         self
     }
 
-    /// Every problem of the settings given so far, each naming its variable, said at once. A group that
-    /// did not parse is said alone: the settings it would have given are not there, and saying them
-    /// "not set" would be wrong.
+    /// Every problem of the settings given so far, each naming its variable, said at once. A problem a call
+    /// recorded (a group that did not parse, security settings that cannot work together) is said alone,
+    /// with the others recorded: the settings it would have given are not there, and saying them "not set"
+    /// would be wrong.
     pub(crate) fn settings_problem(&self) -> Option<ConfigProblem> {
         if !self.problems.is_empty() {
             return ConfigProblem::all(self.problems.clone());
@@ -408,8 +409,8 @@ impl SagaConsumerBuilder {
         Self::with_parts(ConsumerParts {})
     }
 
-    /// Reads settings from the environment, through their one declaration ([`KafkaArgs`],
-    /// [`ConsumerArgs`], and [`RetentionArgs`] for the key retention); later calls override them. A
+    /// Reads settings from the environment, through their one declaration ([`KafkaArgs`] and
+    /// [`ConsumerArgs`]); later calls override them. A
     /// variable that does not parse is reported by `build`, with every other problem.
     pub fn from_env(mut self) -> Self {
         match KafkaArgs::from_env() {
@@ -420,18 +421,6 @@ impl SagaConsumerBuilder {
             Ok(args) => self.args = args,
             Err(problem) => self.problem(problem),
         }
-        match RetentionArgs::from_env() {
-            Ok(retention) => self.retention = retention,
-            Err(problem) => self.problem(problem),
-        }
-        self
-    }
-
-    /// How long finished step keys are kept (`SAGA_KEY_RETENTION_HOURS`, one of [`RetentionArgs`]): a
-    /// message older than that whose key retention may have deleted is dead-lettered, not run again. (A
-    /// service takes it with the rest of its settings, so that its embedded relay keeps keys as long.)
-    pub fn retention(mut self, retention: RetentionArgs) -> Self {
-        self.retention = retention;
         self
     }
 

@@ -40,7 +40,7 @@ use crate::config::AssignmentStrategy;
 use crate::retry::RetryPolicy;
 
 /// Partitions processed at once (`SAGA_CONCURRENCY`).
-pub const CONCURRENCY: RangeInclusive<u64> = 1..=u64::MAX;
+pub const CONCURRENCY: RangeInclusive<u64> = 1..=tokio::sync::Semaphore::MAX_PERMITS as u64;
 /// Messages of a partition in one transaction (`SAGA_BATCH_SIZE`).
 pub const BATCH_SIZE: RangeInclusive<u64> = 1..=10_000;
 /// Keys of a partition run at once (`SAGA_KEY_CONCURRENCY`).

@@ -122,7 +122,8 @@ fn properties_from_env() -> Vec<(String, String)> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ConfigProblem {
-    /// The environment variable (or flag) at fault, such as `DATABASE_URL`.
+    /// The environment variable (or flag) at fault, such as `DATABASE_URL` (several, comma-separated, when
+    /// [`ConfigProblem::all`] says several problems).
     pub setting: String,
     /// What is wrong with it.
     pub problem: String,

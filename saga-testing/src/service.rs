@@ -91,7 +91,6 @@ impl ServiceSetup {
         SagaService::builder()
             .args(&self.args)
             .pool(self.pool.clone())
-            .session_timeout(SESSION_TIMEOUT)
     }
 
     /// The test's clock ([`crate::SagaTest::advance`] moves it).

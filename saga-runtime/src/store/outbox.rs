@@ -191,6 +191,10 @@ impl Outbox {
     /// outbox is not writable until opened; a table outbox is at once. Its health changes only with its
     /// mode: a new size limit leaves it as it was (an opened outbox's, as its watch set it).
     pub fn reconfigure(&self, mode: OutboxMode, max_bytes: usize) {
+        // Unwritable before the mode says the log; writable only after it says the table.
+        if mode == OutboxMode::Wal && self.mode() != OutboxMode::Wal {
+            self.health.set(unopened(mode));
+        }
         let before = std::mem::replace(
             &mut *self
                 .settings
@@ -253,10 +257,12 @@ impl Outbox {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
+        // The settings first, then the health: a switch to the log marks the outbox unwritable before
+        // it changes the mode (see `reconfigure`), so a writer never writes the log of a slot not set up.
+        let (mode, limit) = self.settings();
         self.check_writable()?;
         storable(messages)?;
         let bytes = wal::encoded_len(messages);
-        let (mode, limit) = self.settings();
         if bytes > limit {
             return Err(OutboxError::TooLarge { bytes, limit });
         }
