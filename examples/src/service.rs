@@ -402,13 +402,13 @@ pub async fn run_relay(
         .context("applying the framework's migrations")?;
     // The relay's settings are the framework's (RELAY_*, retention, SAGA_OUTBOX_MODE): those a service's
     // embedded relay reads too.
-    let settings = args.saga.relay.settings(
-        Some(args.kafka()?),
-        &args.saga.outbox,
-        Some(args.database_url()),
-    )?;
     Relay::builder()
-        .settings(settings)
+        .args(
+            &args.saga.relay,
+            &args.saga.outbox,
+            Some(args.database_url()),
+        )
+        .kafka(args.kafka()?)
         .pool(pool)
         .build()?
         .run(shutdown)

@@ -163,16 +163,16 @@ impl Cli {
 
     async fn run(&self, args: &RunArgs) -> anyhow::Result<()> {
         let kafka = args.kafka.config()?;
-        let settings = args.relay.settings(
-            Some(kafka.clone()),
-            &args.outbox,
-            self.database.database_url.as_deref(),
-        )?;
         let pool = self.outbox_pool(4).await?;
         // At start, a broker that refuses the client or does not answer is one line naming the setting.
         saga_runtime::kafka::probe(&kafka, "KAFKA_BROKERS").await?;
         Relay::builder()
-            .settings(settings)
+            .args(
+                &args.relay,
+                &args.outbox,
+                self.database.database_url.as_deref(),
+            )
+            .kafka(kafka)
             .pool(pool)
             .build()?
             .broker_checked()

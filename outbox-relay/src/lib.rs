@@ -58,7 +58,7 @@ pub use gc::{RetentionPolicy, RetentionReport, run_retention};
 pub use hooks::{PublishAttempt, PublishHooks};
 pub use kafka_security::{SaslMechanism, Secret, SecurityProtocol};
 pub use parked::{ParkedEvent, discard_parked, parked_events, retry_parked};
-pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe, RelaySettings};
+pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe};
 pub use saga_core::{KafkaConfig, OutboxMode};
 pub use settings::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SchemaArgs};
 pub use slot_admin::{

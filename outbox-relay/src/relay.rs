@@ -16,119 +16,13 @@ use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::gc::{RetentionPolicy, run_retention};
-use crate::settings::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs};
+use crate::settings::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs};
 
 use crate::hooks::PublishHooks;
 use crate::metrics::RelayMetrics;
 use crate::publisher::{Acked, OrderKey, Publisher, order_key};
 use crate::shards::ShardOwner;
 use crate::store::{self, AfterPublish};
-
-/// How the relay runs. Build it with [`Relay::builder`] (and [`RelayBuilder::from_env`]). Its `Debug`
-/// shows the replication URL without its password.
-#[derive(Clone)]
-#[non_exhaustive]
-pub struct RelaySettings {
-    /// The broker (`KAFKA_BROKERS`, required; `KAFKA_PROPERTY_*`).
-    pub kafka: Option<KafkaConfig>,
-    /// Rows per batch (`RELAY_BATCH_SIZE`, default 2,000).
-    pub batch_size: i64,
-    /// Fallback poll when no notification comes (`RELAY_POLL_INTERVAL_MS`, default 1 s).
-    pub poll_interval: Duration,
-    /// The producer's `linger.ms` (`RELAY_LINGER_MS`, default 0: a row goes out as soon as it is read;
-    /// rows read together still go in one request, and more gather while requests are in flight).
-    pub linger: Duration,
-    /// What to do with published rows (`RELAY_DELETE_PUBLISHED`; default: mark them).
-    pub after_publish: AfterPublish,
-    /// How often shard ownership is rebalanced between instances (default 2 s).
-    pub rebalance_interval: Duration,
-    /// How often the backlog gauge is sampled (default 10 s).
-    pub backlog_interval: Duration,
-    /// Failed attempts after which a row the broker refuses for good (too large, not a valid record) is
-    /// parked instead of retried (`RELAY_PARK_AFTER_ATTEMPTS`, default 3).
-    pub park_after: u32,
-    /// Retention: how long published rows and finished keys are kept, run every `retention_interval`.
-    pub retention: RetentionPolicy,
-    /// How often retention runs (`RELAY_GC_INTERVAL_SECS`, default 60 s; zero: never).
-    pub retention_interval: Duration,
-    /// Where to serve `/metrics`, `/healthz` and `/readyz` (`RELAY_OPS_ADDR`; off by default).
-    pub ops_addr: Option<SocketAddr>,
-    /// Where the services write the outbox (`SAGA_OUTBOX_MODE`): rows of `saga_outbox` (the default), or the
-    /// write-ahead log, which this relay then reads through the schema's replication slot.
-    pub mode: OutboxMode,
-    /// WAL mode: the URL of the replication connection (`SAGA_REPLICATION_URL`, else `DATABASE_URL`); its
-    /// user needs the `REPLICATION` attribute.
-    pub replication_url: Option<String>,
-    /// WAL mode: how often a relay standing by (another reads the slot) tries to take the slot over
-    /// (default 1 s).
-    pub standby_interval: Duration,
-    /// WAL mode: how long an event that keeps failing (whatever the error) is tried again before it is
-    /// parked with its key's later events, so that the slot moves on for the other keys
-    /// (`RELAY_PARK_AFTER_SECS`, default 30 s).
-    pub park_after_time: Duration,
-    /// WAL mode: a batch is published, at a commit, once the messages read into it take this many bytes
-    /// (default 16 MiB, the writers' default largest transaction): what the relay holds at once.
-    pub max_batch_bytes: usize,
-}
-
-impl std::fmt::Debug for RelaySettings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RelaySettings")
-            .field("kafka", &self.kafka)
-            .field("batch_size", &self.batch_size)
-            .field("poll_interval", &self.poll_interval)
-            .field("linger", &self.linger)
-            .field("after_publish", &self.after_publish)
-            .field("rebalance_interval", &self.rebalance_interval)
-            .field("backlog_interval", &self.backlog_interval)
-            .field("park_after", &self.park_after)
-            .field("retention", &self.retention)
-            .field("retention_interval", &self.retention_interval)
-            .field("ops_addr", &self.ops_addr)
-            .field("mode", &self.mode)
-            .field(
-                "replication_url",
-                &crate::settings::redacted(self.replication_url.as_deref()),
-            )
-            .field("standby_interval", &self.standby_interval)
-            .field("park_after_time", &self.park_after_time)
-            .field("max_batch_bytes", &self.max_batch_bytes)
-            .finish()
-    }
-}
-
-impl Default for RelaySettings {
-    /// The defaults of [`RelayArgs`] (declared there, once), without a broker.
-    fn default() -> Self {
-        RelayArgs::default()
-            .settings(None, &OutboxArgs::default(), None)
-            .expect("the relay's default settings are valid")
-    }
-}
-
-impl RelaySettings {
-    /// The settings no variable sets; every other field is set by [`RelayArgs::settings`].
-    pub(crate) fn internal_defaults() -> Self {
-        Self {
-            kafka: None,
-            batch_size: 1,
-            poll_interval: Duration::from_secs(1),
-            linger: Duration::ZERO,
-            after_publish: AfterPublish::Mark,
-            rebalance_interval: Duration::from_secs(2),
-            backlog_interval: Duration::from_secs(10),
-            park_after: 1,
-            retention: RetentionPolicy::default(),
-            retention_interval: Duration::ZERO,
-            ops_addr: None,
-            mode: OutboxMode::Table,
-            replication_url: None,
-            standby_interval: Duration::from_secs(1),
-            park_after_time: Duration::ZERO,
-            max_batch_bytes: 0,
-        }
-    }
-}
 
 /// Why the relay did not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -175,63 +69,88 @@ struct Maintenance {
 ///     .await
 /// # }
 /// ```
-#[derive(Debug, Default)]
+#[derive(Default)]
 #[must_use]
 pub struct RelayBuilder {
-    settings: RelaySettings,
+    args: RelayArgs,
+    outbox: OutboxArgs,
+    /// `DATABASE_URL`: the replication connection's, unless `SAGA_REPLICATION_URL` says another.
+    database_url: Option<String>,
+    kafka: Option<KafkaConfig>,
     pool: Option<PgPool>,
-    env_error: Option<ConfigProblem>,
+    /// What the calls so far found wrong: `build` reports them all.
+    problems: Vec<ConfigProblem>,
     ops: Option<Ops>,
     hooks: PublishHooks,
+}
+
+impl std::fmt::Debug for RelayBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayBuilder")
+            .field("args", &self.args)
+            .field("outbox", &self.outbox)
+            .field(
+                "database_url",
+                &crate::settings::redacted(self.database_url.as_deref()),
+            )
+            .field("kafka", &self.kafka)
+            .field("problems", &self.problems)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RelayBuilder {
     /// Reads the settings from the environment, through their one declaration ([`KafkaArgs`],
     /// [`RelayArgs`] with its retention, [`OutboxArgs`], and `DATABASE_URL` for the replication connection:
     /// the same groups as the `outbox-relay` binary's); later calls override them. A missing
-    /// `KAFKA_BROKERS` or a variable that does not parse is reported by [`RelayBuilder::build`].
+    /// `KAFKA_BROKERS` or a variable that does not parse is reported by `build`, with every other problem.
     pub fn from_env(mut self) -> Self {
-        let read = || -> Result<RelaySettings, ConfigProblem> {
-            let database = DatabaseArgs::from_env()?;
-            KafkaArgs::from_env()?;
-            RelayArgs::from_env()?.settings(
-                None,
-                &OutboxArgs::from_env()?,
-                database.database_url.as_deref(),
-            )
+        let read = || -> Result<_, ConfigProblem> {
+            Ok((
+                DatabaseArgs::from_env()?,
+                RelayArgs::from_env()?,
+                OutboxArgs::from_env()?,
+            ))
         };
         match read() {
-            Ok(settings) => {
-                let kafka = self.settings.kafka.take();
-                self.settings = settings;
-                self.settings.kafka = kafka;
+            Ok((database, relay, outbox)) => {
+                self = self.args(&relay, &outbox, database.database_url.as_deref());
             }
-            Err(e) => {
-                self.env_error.get_or_insert(e);
-            }
+            Err(e) => self.problems.push(e),
         }
         match KafkaArgs::from_env().and_then(|k| k.config()) {
-            Ok(kafka) => self.settings.kafka = Some(kafka),
-            Err(e) => {
-                self.env_error.get_or_insert(e);
-            }
+            Ok(kafka) => self.kafka = Some(kafka),
+            Err(e) => self.problems.push(e),
         }
+        self
+    }
+
+    /// Every setting of the relay at once: `relay`, the outbox's mode and size (`outbox`), and
+    /// `database_url` for the replication connection when `relay` names none (a binary's command line, or
+    /// the groups' `from_env`); later calls override them.
+    pub fn args(
+        mut self,
+        relay: &RelayArgs,
+        outbox: &OutboxArgs,
+        database_url: Option<&str>,
+    ) -> Self {
+        self.args = relay.clone();
+        self.outbox = outbox.clone();
+        self.database_url = database_url.map(str::to_owned);
         self
     }
 
     /// The broker.
     pub fn kafka(mut self, kafka: KafkaConfig) -> Self {
-        self.settings.kafka = Some(kafka);
+        self.kafka = Some(kafka);
         self
     }
 
     /// The broker list (`bootstrap.servers`), keeping any librdkafka properties already set.
     pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        let kafka = self
-            .settings
-            .kafka
-            .get_or_insert_with(|| KafkaConfig::new(""));
-        kafka.brokers = brokers.into();
+        self.kafka
+            .get_or_insert_with(|| KafkaConfig::new(""))
+            .brokers = brokers.into();
         self
     }
 
@@ -241,83 +160,80 @@ impl RelayBuilder {
         self
     }
 
-    /// Rows per batch.
+    /// Rows per batch (`RELAY_BATCH_SIZE`).
     pub fn batch_size(mut self, rows: i64) -> Self {
-        self.settings.batch_size = rows;
+        self.args.batch_size = rows;
         self
     }
 
-    /// Fallback poll interval (notifications wake the relay sooner).
+    /// Fallback poll interval (`RELAY_POLL_INTERVAL_MS`; notifications wake the relay sooner).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.settings.poll_interval = interval;
+        self.args.poll_interval = interval;
         self
     }
 
-    /// The producer's linger.
+    /// The producer's linger (`RELAY_LINGER_MS`).
     pub fn linger(mut self, linger: Duration) -> Self {
-        self.settings.linger = linger;
+        self.args.linger = linger;
         self
     }
 
-    /// What to do with published rows.
+    /// What to do with published rows (`RELAY_DELETE_PUBLISHED`).
     pub fn after_publish(mut self, after: AfterPublish) -> Self {
-        self.settings.after_publish = after;
+        self.args.delete_published = after == AfterPublish::Delete;
         self
     }
 
-    /// How often shard ownership is rebalanced between instances.
+    /// How often shard ownership is rebalanced between instances (`RELAY_REBALANCE_INTERVAL_MS`).
     pub fn rebalance_interval(mut self, interval: Duration) -> Self {
-        self.settings.rebalance_interval = interval;
+        self.args.rebalance_interval = interval;
         self
     }
 
-    /// Failed attempts after which a row the broker refuses for good is parked.
+    /// Failed attempts after which a row the broker refuses for good is parked
+    /// (`RELAY_PARK_AFTER_ATTEMPTS`).
     pub fn park_after(mut self, attempts: u32) -> Self {
-        self.settings.park_after = attempts;
+        self.args.park_after_attempts = attempts;
         self
     }
 
-    /// WAL mode: how long a failing event is tried again before it is parked with its key's later events.
+    /// WAL mode: how long a failing event is tried again before it is parked with its key's later events
+    /// (`RELAY_PARK_AFTER_SECS`, at least a second).
     pub fn park_after_time(mut self, time: Duration) -> Self {
-        self.settings.park_after_time = time;
+        self.args.park_after_time = time;
         self
     }
 
-    /// Retention, run every `every` (zero: never).
-    pub fn retention(mut self, policy: RetentionPolicy, every: Duration) -> Self {
-        self.settings.retention = policy;
-        self.settings.retention_interval = every;
+    /// Retention: how long what is deleted is kept, and how often it runs (`RELAY_GC_INTERVAL_SECS`).
+    pub fn retention(mut self, retention: RetentionArgs) -> Self {
+        self.args.retention = retention;
         self
     }
 
-    /// Serves `/metrics`, `/healthz` and `/readyz` on `addr`.
+    /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` (`RELAY_OPS_ADDR`).
     pub fn ops_addr(mut self, addr: SocketAddr) -> Self {
-        self.settings.ops_addr = Some(addr);
+        self.args.ops_addr = Some(addr);
         self
     }
 
     /// WAL mode: a batch is published, at a commit, once the messages read into it take this many bytes
     /// (the writers' `SAGA_OUTBOX_MAX_TRANSACTION_BYTES`).
     pub fn max_batch_bytes(mut self, bytes: usize) -> Self {
-        self.settings.max_batch_bytes = bytes;
+        self.outbox.max_transaction_bytes = bytes;
         self
     }
 
-    /// Replaces every setting at once.
-    pub fn settings(mut self, settings: RelaySettings) -> Self {
-        self.settings = settings;
-        self
-    }
-
-    /// Reads the write-ahead log's outbox (`mode` WAL) or `saga_outbox`'s rows (table, the default).
+    /// Reads the write-ahead log's outbox (`mode` WAL) or `saga_outbox`'s rows (table, the default;
+    /// `SAGA_OUTBOX_MODE`).
     pub fn mode(mut self, mode: OutboxMode) -> Self {
-        self.settings.mode = mode;
+        self.outbox.mode = mode;
         self
     }
 
-    /// WAL mode: the URL of the replication connection (a `postgres://` URL of the pool's database).
+    /// WAL mode: the URL of the replication connection (`SAGA_REPLICATION_URL`; a `postgres://` URL of the
+    /// pool's database).
     pub fn replication_url(mut self, url: impl Into<String>) -> Self {
-        self.settings.replication_url = Some(url.into());
+        self.args.replication_url = Some(url.into());
         self
     }
 
@@ -334,18 +250,45 @@ impl RelayBuilder {
         self
     }
 
-    /// Checks the settings and builds the relay.
-    pub fn build(self) -> Result<Relay, RelayError> {
-        if let Some(e) = self.env_error {
-            return Err(e.into());
+    /// Every problem of the settings given so far, each naming its variable, said at once (a problem a
+    /// call recorded, a group that did not parse, is said alone).
+    fn settings_problem(&self) -> Option<ConfigProblem> {
+        if !self.problems.is_empty() {
+            return ConfigProblem::all(self.problems.clone());
         }
-        let kafka = self.settings.kafka.clone().ok_or_else(|| {
-            ConfigProblem::new(
+        let mut problems = self.args.problems();
+        if self
+            .kafka
+            .as_ref()
+            .is_none_or(|k| k.brokers.trim().is_empty())
+        {
+            problems.push(ConfigProblem::new(
                 "KAFKA_BROKERS",
                 "the relay has no broker",
                 "set KAFKA_BROKERS or call RelayBuilder::brokers",
-            )
-        })?;
+            ));
+        }
+        if self.outbox.mode == OutboxMode::Wal
+            && self.args.replication_url.is_none()
+            && self.database_url.is_none()
+        {
+            problems.push(ConfigProblem::new(
+                "SAGA_REPLICATION_URL",
+                "the WAL relay needs a URL for its replication connection",
+                "set SAGA_REPLICATION_URL (or DATABASE_URL), or call RelayBuilder::replication_url",
+            ));
+        }
+        ConfigProblem::all(problems)
+    }
+
+    /// Checks the settings and builds the relay: every problem of the settings is reported at once, each
+    /// naming its variable.
+    pub fn build(mut self) -> Result<Relay, RelayError> {
+        if let Some(problem) = self.settings_problem() {
+            return Err(problem.into());
+        }
+        let kafka = self.kafka.take().unwrap_or_else(|| KafkaConfig::new(""));
+        let retention = self.args.retention.policy()?;
         let pool = self.pool.ok_or_else(|| {
             ConfigProblem::new(
                 "DATABASE_URL",
@@ -353,22 +296,8 @@ impl RelayBuilder {
                 "pass one with RelayBuilder::pool",
             )
         })?;
-        if self.settings.mode == OutboxMode::Wal && self.settings.replication_url.is_none() {
-            return Err(ConfigProblem::new(
-                "SAGA_REPLICATION_URL",
-                "the WAL relay needs a URL for its replication connection",
-                "set SAGA_REPLICATION_URL (or DATABASE_URL), or call RelayBuilder::replication_url",
-            )
-            .into());
-        }
-        if self.settings.batch_size < 1 {
-            return Err(ConfigProblem::new(
-                "RELAY_BATCH_SIZE",
-                "must be at least 1",
-                "set a positive number of rows",
-            )
-            .into());
-        }
+        let mut args = self.args;
+        args.replication_url = args.replication_url.or(self.database_url);
         // Embedded in a service, the relay's readiness is its own check, which does not gate the service's:
         // while it stands by or reconnects, the consumers and HTTP entry points carry on.
         let embedded = self.ops.is_some();
@@ -376,7 +305,9 @@ impl RelayBuilder {
         let ready = ops.check("relay", !embedded);
         Ok(Relay {
             kafka,
-            settings: self.settings,
+            args,
+            outbox: self.outbox,
+            retention,
             pool,
             metrics: RelayMetrics::default(),
             ops,
@@ -390,7 +321,12 @@ impl RelayBuilder {
 /// An outbox relay for the outbox in the pool's schema.
 pub struct Relay {
     kafka: KafkaConfig,
-    pub(crate) settings: RelaySettings,
+    /// Its settings (the replication URL resolved: `SAGA_REPLICATION_URL`, else `DATABASE_URL`).
+    pub(crate) args: RelayArgs,
+    /// The outbox's mode and largest transaction.
+    pub(crate) outbox: OutboxArgs,
+    /// The retention its settings say.
+    pub(crate) retention: RetentionPolicy,
     pub(crate) pool: PgPool,
     pub(crate) metrics: RelayMetrics,
     pub(crate) ops: Ops,
@@ -405,7 +341,8 @@ impl std::fmt::Debug for Relay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Relay")
             .field("brokers", &self.kafka.brokers)
-            .field("settings", &self.settings)
+            .field("args", &self.args)
+            .field("outbox", &self.outbox)
             .finish_non_exhaustive()
     }
 }
@@ -521,8 +458,13 @@ impl Relay {
     }
 
     /// Its settings.
-    pub fn settings(&self) -> &RelaySettings {
-        &self.settings
+    pub fn args(&self) -> &RelayArgs {
+        &self.args
+    }
+
+    /// The retention its settings say.
+    pub fn retention(&self) -> &RetentionPolicy {
+        &self.retention
     }
 
     /// A handle on the relay's counters, valid after the relay moved into [`Relay::run`].
@@ -556,15 +498,15 @@ impl Relay {
             }
         }
         self.ops.register(|r| self.metrics.register(r));
-        if let Some(addr) = self.settings.ops_addr {
+        if let Some(addr) = self.args.ops_addr {
             let bound = self.ops.serve(addr, shutdown.clone()).await?;
             tracing::info!(%bound, "ops endpoint listening");
         }
-        if !self.settings.retention_interval.is_zero() {
+        if !self.args.retention.gc_interval.is_zero() {
             let (pool, policy, every, stop) = (
                 self.pool.clone(),
-                self.settings.retention.clone(),
-                self.settings.retention_interval,
+                self.retention.clone(),
+                self.args.retention.gc_interval,
                 shutdown.clone(),
             );
             tokio::spawn(async move {
@@ -580,27 +522,27 @@ impl Relay {
                 }
             });
         }
-        if self.settings.mode == OutboxMode::Wal {
+        if self.outbox.mode == OutboxMode::Wal {
             // The table is published beside the log: rows a table-mode writer left in `saga_outbox` before
             // the switch (the WAL loop reads the slot only once the whole table is published, see
             // `fence`), and rows written late by a writer of an older version.
             // A delivery that never comes back must not hold the slot: both give up after the park bound.
-            let bound = self.settings.park_after_time.max(Duration::from_secs(1));
+            let bound = self.args.park_after_time;
             let mut table_publisher = Publisher::new(
                 self.kafka.clone(),
-                self.settings.linger,
+                self.args.linger,
                 bound,
                 self.hooks.clone(),
             )
             .map_err(RelayError::kafka)?;
             let mut publisher = Publisher::new(
                 self.kafka.clone(),
-                self.settings.linger,
+                self.args.linger,
                 bound,
                 self.hooks.clone(),
             )
             .map_err(RelayError::kafka)?;
-            let url = self.settings.replication_url.clone().unwrap_or_default();
+            let url = self.args.replication_url.clone().unwrap_or_default();
             // A replication connection its settings refuse stops the table's publishing too.
             let stop = shutdown.child_token();
             let (_, wal) = tokio::join!(
@@ -618,7 +560,7 @@ impl Relay {
             // `message.timeout.ms=0`: the table relay waits for the broker forever rather than fail a row.
             let mut publisher = Publisher::new(
                 self.kafka.clone(),
-                self.settings.linger,
+                self.args.linger,
                 Duration::ZERO,
                 self.hooks.clone(),
             )
@@ -706,7 +648,7 @@ impl Relay {
             };
             let published_in = published.elapsed();
             let marked = Instant::now();
-            store::mark_published(&mut conn, &outcome.acked, self.settings.after_publish).await?;
+            store::mark_published(&mut conn, &outcome.acked, self.args.after_publish()).await?;
             tracing::debug!(
                 rows = rows.len(),
                 acked = outcome.acked.len(),
@@ -750,7 +692,7 @@ impl Relay {
             self.metrics
                 .owned_shards
                 .set(i64::try_from(owner.owned().len()).unwrap_or(0));
-            next.rebalance = Instant::now() + self.settings.rebalance_interval;
+            next.rebalance = Instant::now() + self.args.rebalance_interval;
             if role == Role::BesideTheLog {
                 let unparked = store::unpark_due(conn, &owner.owned()).await?;
                 if unparked > 0 {
@@ -760,7 +702,7 @@ impl Relay {
         }
         if Instant::now() >= next.backlog {
             self.sample_backlog().await;
-            next.backlog = Instant::now() + self.settings.backlog_interval;
+            next.backlog = Instant::now() + self.args.backlog_interval;
         }
         Ok(())
     }
@@ -780,7 +722,7 @@ impl Relay {
             conn,
             shards,
             held,
-            self.settings.batch_size,
+            self.args.batch_size,
             role == Role::BesideTheLog,
         )
         .await
@@ -797,7 +739,7 @@ impl Relay {
         shutdown: &CancellationToken,
     ) -> Result<(), sqlx::Error> {
         let wait = self
-            .settings
+            .args
             .poll_interval
             .min(next.rebalance.saturating_duration_since(Instant::now()))
             .max(Duration::from_millis(10));
@@ -827,7 +769,7 @@ impl Relay {
         let mut broker_answers = None;
         for failed in &outcome.failed {
             let expired = role == Role::BesideTheLog
-                && retries.failing_for(failed.id) >= self.settings.park_after_time
+                && retries.failing_for(failed.id) >= self.args.park_after_time
                 && match broker_answers {
                     Some(answers) => answers,
                     None => *broker_answers.insert(publisher.broker_answers().await),
@@ -837,7 +779,7 @@ impl Relay {
                 failed.id,
                 &failed.error,
                 failed.refused,
-                self.settings.park_after,
+                self.args.park_after_attempts,
                 expired,
             )
             .await?;

@@ -8,12 +8,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use saga_core::{ConfigProblem, KafkaConfig, OutboxMode};
+use saga_runtime::settings::value;
 
 use crate::gc::RetentionPolicy;
 use crate::kafka_security::{
     SaslMechanism, Secret, Security, SecurityProtocol, parse_readable_file, parse_secret,
 };
-use crate::relay::RelaySettings;
 use crate::store::AfterPublish;
 
 /// The database.
@@ -234,12 +234,8 @@ pub struct RetentionArgs {
     )]
     pub gc_batch_size: u32,
     /// Seconds between retention runs of a running relay (0: never).
-    #[arg(
-        long = "relay-gc-interval-secs",
-        env = "RELAY_GC_INTERVAL_SECS",
-        default_value_t = 60
-    )]
-    pub gc_interval_secs: u64,
+    #[arg(long = "relay-gc-interval-secs", env = "RELAY_GC_INTERVAL_SECS", default_value = "60", value_parser = value::secs)]
+    pub gc_interval: Duration,
 }
 saga_runtime::settings_group!(RetentionArgs);
 
@@ -288,7 +284,9 @@ impl RetentionArgs {
     }
 }
 
-/// The relay: how it publishes, and its retention.
+/// The relay's settings: how it publishes, and its retention. The type the relay takes
+/// ([`RelayBuilder::args`](crate::RelayBuilder::args)): each field is declared once, parsed into its type by
+/// its rule, and read where it is used.
 #[derive(Clone, clap::Args)]
 #[group(id = "saga_relay")]
 #[non_exhaustive]
@@ -298,37 +296,35 @@ pub struct RelayArgs {
     pub batch_size: i64,
     /// Fallback poll of the table outbox in milliseconds; a commit wakes the relay at once
     /// (`LISTEN`/`NOTIFY`).
-    #[arg(
-        long = "relay-poll-interval-ms",
-        env = "RELAY_POLL_INTERVAL_MS",
-        default_value_t = 1_000,
-        value_parser = clap::value_parser!(u64).range(1..)
-    )]
-    pub poll_interval_ms: u64,
+    #[arg(long = "relay-poll-interval-ms", env = "RELAY_POLL_INTERVAL_MS", default_value = "1000", value_parser = value::positive_millis)]
+    pub poll_interval: Duration,
     /// librdkafka's linger in milliseconds: 0 sends at once (lowest latency); a few ms batch more on a fast
     /// broker.
-    #[arg(long = "relay-linger-ms", env = "RELAY_LINGER_MS", default_value_t = 0)]
-    pub linger_ms: u64,
+    #[arg(long = "relay-linger-ms", env = "RELAY_LINGER_MS", default_value = "0", value_parser = value::millis)]
+    pub linger: Duration,
     /// Delete rows once published instead of marking them (then `saga trace` shows no publication).
     #[arg(long = "relay-delete-published", env = "RELAY_DELETE_PUBLISHED")]
     pub delete_published: bool,
     /// Failed attempts after which an event the broker refuses for good (too large, invalid) is parked:
     /// set aside with its error, counted, published again once retried.
-    #[arg(
-        long = "relay-park-after-attempts",
-        env = "RELAY_PARK_AFTER_ATTEMPTS",
-        default_value_t = 3,
-        value_parser = clap::value_parser!(u32).range(1..)
-    )]
+    #[arg(long = "relay-park-after-attempts", env = "RELAY_PARK_AFTER_ATTEMPTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub park_after_attempts: u32,
     /// WAL mode: how long, in seconds, an event that keeps failing (whatever the error) is tried again
-    /// before it is parked with its key's later events, so that the slot moves on for the other keys.
-    #[arg(
-        long = "relay-park-after-secs",
-        env = "RELAY_PARK_AFTER_SECS",
-        default_value_t = 30
-    )]
-    pub park_after_secs: u64,
+    /// before it is parked with its key's later events, so that the slot moves on for the other keys (at
+    /// least 1: the producer's delivery timeout is bounded by it).
+    #[arg(long = "relay-park-after-secs", env = "RELAY_PARK_AFTER_SECS", default_value = "30", value_parser = value::positive_secs)]
+    pub park_after_time: Duration,
+    /// How often, in milliseconds, the table outbox's shards are shared out again between the relays of a
+    /// schema (one that died is replaced within about this).
+    #[arg(long = "relay-rebalance-interval-ms", env = "RELAY_REBALANCE_INTERVAL_MS", default_value = "2000", value_parser = value::positive_millis)]
+    pub rebalance_interval: Duration,
+    /// How often, in milliseconds, the backlog gauges are sampled.
+    #[arg(long = "relay-backlog-interval-ms", env = "RELAY_BACKLOG_INTERVAL_MS", default_value = "10000", value_parser = value::positive_millis)]
+    pub backlog_interval: Duration,
+    /// WAL mode: how often, in milliseconds, a relay standing by (another reads the slot) tries to take
+    /// the slot over.
+    #[arg(long = "relay-standby-interval-ms", env = "RELAY_STANDBY_INTERVAL_MS", default_value = "1000", value_parser = value::positive_millis)]
+    pub standby_interval: Duration,
     /// Where the relay binary serves `/metrics`, `/healthz` and `/readyz` (a relay a service embeds
     /// shares the service's).
     #[arg(id = "relay_ops_addr", long = "relay-ops-addr", env = "RELAY_OPS_ADDR")]
@@ -351,11 +347,14 @@ impl std::fmt::Debug for RelayArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RelayArgs")
             .field("batch_size", &self.batch_size)
-            .field("poll_interval_ms", &self.poll_interval_ms)
-            .field("linger_ms", &self.linger_ms)
+            .field("poll_interval", &self.poll_interval)
+            .field("linger", &self.linger)
             .field("delete_published", &self.delete_published)
             .field("park_after_attempts", &self.park_after_attempts)
-            .field("park_after_secs", &self.park_after_secs)
+            .field("park_after_time", &self.park_after_time)
+            .field("rebalance_interval", &self.rebalance_interval)
+            .field("backlog_interval", &self.backlog_interval)
+            .field("standby_interval", &self.standby_interval)
             .field("ops_addr", &self.ops_addr)
             .field(
                 "replication_url",
@@ -367,37 +366,66 @@ impl std::fmt::Debug for RelayArgs {
 }
 
 impl RelayArgs {
-    /// The relay's settings from these, with `kafka` and `outbox` (the relay reads the service's mode);
-    /// `database_url` stands for the replication URL when none is set.
-    pub fn settings(
-        &self,
-        kafka: Option<KafkaConfig>,
-        outbox: &OutboxArgs,
-        database_url: Option<&str>,
-    ) -> Result<RelaySettings, ConfigProblem> {
-        let mut s = RelaySettings::internal_defaults();
-        s.kafka = kafka;
-        // Zero is refused when parsed (`value_parser`), as the consumer's settings are: none is clamped.
-        s.batch_size = self.batch_size;
-        s.poll_interval = Duration::from_millis(self.poll_interval_ms);
-        s.linger = Duration::from_millis(self.linger_ms);
-        s.after_publish = if self.delete_published {
+    /// What is wrong with these settings, each naming its variable: the declarations' rules again, for
+    /// values set in code.
+    pub fn problems(&self) -> Vec<ConfigProblem> {
+        let checks = [
+            (
+                "RELAY_BATCH_SIZE",
+                (self.batch_size < 1).then_some("must be at least 1"),
+            ),
+            (
+                "RELAY_POLL_INTERVAL_MS",
+                self.poll_interval.is_zero().then_some("must be positive"),
+            ),
+            (
+                "RELAY_PARK_AFTER_ATTEMPTS",
+                (self.park_after_attempts < 1).then_some("must be at least 1"),
+            ),
+            (
+                "RELAY_PARK_AFTER_SECS",
+                (self.park_after_time < Duration::from_secs(1)).then_some("must be at least 1 s"),
+            ),
+            (
+                "RELAY_REBALANCE_INTERVAL_MS",
+                self.rebalance_interval
+                    .is_zero()
+                    .then_some("must be positive"),
+            ),
+            (
+                "RELAY_BACKLOG_INTERVAL_MS",
+                self.backlog_interval
+                    .is_zero()
+                    .then_some("must be positive"),
+            ),
+            (
+                "RELAY_STANDBY_INTERVAL_MS",
+                self.standby_interval
+                    .is_zero()
+                    .then_some("must be positive"),
+            ),
+            (
+                "RELAY_GC_BATCH_SIZE",
+                (self.retention.gc_batch_size < 1).then_some("must be at least 1"),
+            ),
+        ];
+        let mut problems: Vec<ConfigProblem> = checks
+            .into_iter()
+            .filter_map(|(var, why)| why.map(|why| ConfigProblem::new(var, why, "fix its value")))
+            .collect();
+        if let Err(problem) = self.retention.policy() {
+            problems.push(problem);
+        }
+        problems
+    }
+
+    /// What to do with published rows (`RELAY_DELETE_PUBLISHED`).
+    pub fn after_publish(&self) -> AfterPublish {
+        if self.delete_published {
             AfterPublish::Delete
         } else {
             AfterPublish::Mark
-        };
-        s.park_after = self.park_after_attempts;
-        s.park_after_time = Duration::from_secs(self.park_after_secs);
-        s.ops_addr = self.ops_addr;
-        s.retention = self.retention.policy()?;
-        s.retention_interval = Duration::from_secs(self.retention.gc_interval_secs);
-        s.mode = outbox.mode;
-        s.max_batch_bytes = outbox.max_transaction_bytes;
-        s.replication_url = self
-            .replication_url
-            .clone()
-            .or_else(|| database_url.map(str::to_owned));
-        Ok(s)
+        }
     }
 }
 
@@ -421,15 +449,13 @@ mod tests {
         };
         let database = super::DatabaseArgs::from_vars(vars).unwrap();
         let relay = super::RelayArgs::from_vars(vars).unwrap();
-        let settings = relay
-            .settings(None, &super::OutboxArgs::from_vars(vars).unwrap(), None)
-            .unwrap();
         assert_eq!(database.database_url.as_deref(), Some(url.as_str()));
-        assert_eq!(settings.replication_url.as_deref(), Some(url.as_str()));
+        assert_eq!(relay.replication_url.as_deref(), Some(url.as_str()));
+        let builder = crate::Relay::builder().args(&relay, &super::OutboxArgs::default(), None);
         for shown in [
             format!("{database:?}"),
             format!("{relay:?}"),
-            format!("{settings:?}"),
+            format!("{builder:?}"),
         ] {
             assert!(!shown.contains(CANARY), "{shown}");
             assert!(shown.contains("svc:***@db.internal"), "{shown}");
@@ -442,24 +468,34 @@ mod tests {
             "RELAY_BATCH_SIZE",
             "RELAY_POLL_INTERVAL_MS",
             "RELAY_PARK_AFTER_ATTEMPTS",
+            "RELAY_PARK_AFTER_SECS",
+            "RELAY_REBALANCE_INTERVAL_MS",
             "RELAY_GC_BATCH_SIZE",
         ] {
             let zero = |name: &str| (name == var).then(|| "0".to_owned());
             let problem = super::RelayArgs::from_vars(zero).unwrap_err();
             assert!(problem.to_string().contains(var), "{var}: {problem}");
             let one = |name: &str| (name == var).then(|| "1".to_owned());
-            let settings = super::RelayArgs::from_vars(one)
-                .unwrap()
-                .settings(None, &super::OutboxArgs::from_vars(one).unwrap(), None)
-                .unwrap();
+            let args = super::RelayArgs::from_vars(one).unwrap();
+            assert!(args.problems().is_empty(), "{var}=1");
             let taken = match var {
-                "RELAY_BATCH_SIZE" => settings.batch_size == 1,
-                "RELAY_POLL_INTERVAL_MS" => settings.poll_interval.as_millis() == 1,
-                "RELAY_PARK_AFTER_ATTEMPTS" => settings.park_after == 1,
-                _ => settings.retention.batch_size == 1,
+                "RELAY_BATCH_SIZE" => args.batch_size == 1,
+                "RELAY_POLL_INTERVAL_MS" => args.poll_interval.as_millis() == 1,
+                "RELAY_PARK_AFTER_ATTEMPTS" => args.park_after_attempts == 1,
+                "RELAY_PARK_AFTER_SECS" => args.park_after_time.as_secs() == 1,
+                "RELAY_REBALANCE_INTERVAL_MS" => args.rebalance_interval.as_millis() == 1,
+                _ => args.retention.policy().unwrap().batch_size == 1,
             };
             assert!(taken, "{var}=1 is taken as it is");
         }
+        // The same rules for values set in code.
+        let args = super::RelayArgs {
+            batch_size: 0,
+            park_after_time: std::time::Duration::ZERO,
+            ..super::RelayArgs::default()
+        };
+        let named: Vec<String> = args.problems().into_iter().map(|p| p.setting).collect();
+        assert_eq!(named, ["RELAY_BATCH_SIZE", "RELAY_PARK_AFTER_SECS"]);
     }
 
     #[test]

@@ -405,7 +405,7 @@ impl Relay {
                     // A relay standing by is healthy: it takes over when the other dies.
                     self.ready.set(true);
                     wait = Duration::from_millis(200);
-                    self.settings.standby_interval
+                    self.args.standby_interval
                 }
                 WalEnd::Failed(e) => {
                     prepared = None;
@@ -508,7 +508,7 @@ impl Relay {
         publisher: &mut Publisher,
         shutdown: &CancellationToken,
     ) -> WalEnd {
-        let mut st = StreamState::new(self.settings.park_after);
+        let mut st = StreamState::new(self.args.park_after_attempts);
         match parked::held_keys(&self.pool).await {
             Ok(keys) => st.holds.reset(keys),
             Err(e) => return WalEnd::Failed(e.to_string()),
@@ -646,9 +646,9 @@ impl Relay {
             ReplicationEvent::Commit { end_lsn, .. } => {
                 st.in_transaction = false;
                 st.last_commit = Some((end_lsn, st.commit_time));
-                let batch_size = usize::try_from(self.settings.batch_size).unwrap_or(usize::MAX);
+                let batch_size = usize::try_from(self.args.batch_size).unwrap_or(usize::MAX);
                 let full = st.batch.rows.len() >= batch_size
-                    || st.batch.bytes >= self.settings.max_batch_bytes;
+                    || st.batch.bytes >= self.outbox.max_transaction_bytes;
                 if st.batch.is_empty() || full {
                     // A full batch is published (settled) first; with nothing of this schema pending,
                     // the transaction is done with.
@@ -723,7 +723,7 @@ impl Relay {
         if Instant::now() < st.next_lag {
             return;
         }
-        st.next_lag = Instant::now() + self.settings.backlog_interval;
+        st.next_lag = Instant::now() + self.args.backlog_interval;
         if let Ok(Some(lag)) = wal::slot_lag(&self.pool).await {
             self.metrics.wal_lag_bytes.set(lag.lag_bytes);
             self.metrics
@@ -803,7 +803,7 @@ impl Relay {
                 let first = *batch.first_sent[i].get_or_insert(sent_at);
                 let topic_failing = failing.is_failing(&batch.rows[i].topic);
                 let expired = (topic_failing
-                    || now.duration_since(first) >= self.settings.park_after_time)
+                    || now.duration_since(first) >= self.args.park_after_time)
                     && match broker_answers {
                         Some(answers) => answers,
                         None => *broker_answers.insert(publisher.broker_answers().await),
@@ -890,7 +890,7 @@ impl Relay {
         let failed = |e: sqlx::Error| WalEnd::Failed(e.to_string());
         holds.reset(parked::held_keys(&self.pool).await.map_err(failed)?);
         if holds.len() > 0 {
-            let mut rows = parked::due(&self.pool, self.settings.batch_size)
+            let mut rows = parked::due(&self.pool, self.args.batch_size)
                 .await
                 .map_err(failed)?;
             // Of a failing topic, one key at a time (its first due), until one goes through: every key of

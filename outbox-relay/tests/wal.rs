@@ -570,14 +570,10 @@ async fn a_transaction_at_the_size_limit_is_published() {
     tx.commit().await.unwrap();
     let relay = start(
         wal_builder(&kafka.brokers, &db)
-            .settings({
-                let mut s = outbox_relay::RelaySettings::default();
-                s.mode = OutboxMode::Wal;
-                s.replication_url = Some(db.url());
-                s.max_batch_bytes = limit;
-                s.batch_size = 500;
-                s
-            })
+            .mode(OutboxMode::Wal)
+            .replication_url(db.url())
+            .max_batch_bytes(limit)
+            .batch_size(500)
             .brokers(&kafka.brokers),
     );
     let messages = read(&kafka, &topic, 40).await;

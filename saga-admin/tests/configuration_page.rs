@@ -78,13 +78,18 @@ fn code(crates: &[&str]) -> String {
 }
 
 /// `text` without comments, its test module (the end of a file, from `#[cfg(test)]` on its own line at
-/// the left margin) and the bodies of its `fn problems` and `fn fmt` (a `Debug` that shows every field),
+/// the left margin, before `mod tests`) and the bodies of its `fn problems` and `fn fmt` (a `Debug` that shows every field),
 /// up to the closing brace at the function's indentation.
 fn code_of(text: &str) -> String {
     let mut kept = String::new();
     let mut skipping: Option<String> = None;
-    for line in text.lines() {
-        if line == "#[cfg(test)]" {
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        if line == "#[cfg(test)]"
+            && lines
+                .peek()
+                .is_some_and(|next| next.starts_with("mod tests"))
+        {
             break;
         }
         if let Some(end) = &skipping {
@@ -182,7 +187,7 @@ fn every_declared_setting_is_read_where_it_is_used() {
     // What is not a use: a declaration, a write, a call of a method of the same name, a doc, a check, a test.
     let not_used = "pub batch_size: usize,\nself.args.batch_size = 1;\nb.batch_size(3);\n\
                     /// `x.batch_size`\n    fn problems(&self) -> bool {\n        self.batch_size > 0\n    }\n\
-                    #[cfg(test)]\nfn t() { let _ = a.batch_size; }\n";
+                    #[cfg(test)]\nmod tests {\n    fn t() { let _ = a.batch_size; }\n}\n";
     assert!(!reads(&code_of(not_used), "batch_size"));
     assert!(reads(
         &code_of("if self.args.batch_size == 1 {}"),

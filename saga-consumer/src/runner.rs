@@ -236,16 +236,11 @@ impl SagaServiceBuilder {
         self.take_kafka(&args.kafka);
         self.args = args.consumer.clone();
         self.retention = args.relay.retention.clone();
-        match args.relay.settings(
-            self.kafka.clone(),
+        self.parts.relay = std::mem::take(&mut self.parts.relay).args(
+            &args.relay,
             &args.outbox,
             args.database.database_url.as_deref(),
-        ) {
-            Ok(relay) => {
-                self.parts.relay = std::mem::take(&mut self.parts.relay).settings(relay);
-            }
-            Err(e) => self.problem(e),
-        }
+        );
         self.set_outbox(args.outbox.mode, args.outbox.max_transaction_bytes);
         self.parts.embedded_relay = args.embedded_relay;
         self.parts.create_topics = args.create_topics.map(|p| (p, args.topic_replication));
@@ -476,8 +471,8 @@ impl std::fmt::Debug for SagaService {
 impl SagaService {
     /// The embedded relay's settings (`None`: it runs apart), for tests.
     #[doc(hidden)]
-    pub fn relay_settings(&self) -> Option<&outbox_relay::RelaySettings> {
-        self.relay.as_ref().map(Relay::settings)
+    pub fn relay_retention(&self) -> Option<&outbox_relay::RetentionPolicy> {
+        self.relay.as_ref().map(Relay::retention)
     }
 
     /// The consumer's settings, for tests.

@@ -74,7 +74,7 @@ async fn a_services_embedded_relay_keeps_keys_as_long_as_the_relay_binary_does()
         .step(reserve_on("settings-retention"))
         .build()
         .unwrap();
-    let embedded = &service.relay_settings().expect("embedded").retention;
+    let embedded = service.relay_retention().expect("embedded");
     assert_eq!(
         (
             embedded.finished_keys,

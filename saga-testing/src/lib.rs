@@ -330,7 +330,7 @@ impl SagaTest {
         args.consumer.retry.max_backoff = Duration::from_millis(20);
         args.consumer.shutdown_timeout = Duration::from_secs(10);
         args.consumer.session_timeout = crate::service::SESSION_TIMEOUT;
-        args.relay.poll_interval_ms = 20;
+        args.relay.poll_interval = Duration::from_millis(20);
         // The mock cluster keeps no topic configuration for the service to check its key retention against.
         args.accept_key_expiry = true;
         args.create_topics = None;
