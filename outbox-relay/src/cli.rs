@@ -163,6 +163,10 @@ impl Cli {
 
     async fn run(&self, args: &RunArgs) -> anyhow::Result<()> {
         let kafka = args.kafka.config()?;
+        // The settings' problems before any connection: none hides behind a database or broker not there.
+        if let Some(problem) = ConfigProblem::all(args.relay.problems()) {
+            return Err(problem.into());
+        }
         let pool = self.outbox_pool(4).await?;
         // At start, a broker that refuses the client or does not answer is one line naming the setting.
         saga_runtime::kafka::probe(&kafka, "KAFKA_BROKERS").await?;

@@ -250,13 +250,31 @@ impl RelayBuilder {
         self
     }
 
-    /// Every problem of the settings given so far, each naming its variable, said at once (a problem a
-    /// call recorded, a group that did not parse, is said alone).
-    fn settings_problem(&self) -> Option<ConfigProblem> {
+    /// The problems of its own settings, each naming its variable: what calls recorded (a group that did
+    /// not parse: said alone), else the declarations' rules for the values given (the broker, the pool and
+    /// the mode's needs are `build`'s). A service that embeds the relay says them with its consumer's.
+    #[doc(hidden)]
+    pub fn problems(&self) -> Vec<ConfigProblem> {
         if !self.problems.is_empty() {
-            return ConfigProblem::all(self.problems.clone());
+            return self.problems.clone();
         }
         let mut problems = self.args.problems();
+        if self.outbox.max_transaction_bytes == 0 {
+            problems.push(ConfigProblem::new(
+                "SAGA_OUTBOX_MAX_TRANSACTION_BYTES",
+                "must be at least 1",
+                "fix its value",
+            ));
+        }
+        problems
+    }
+
+    /// Every problem of the settings given so far, each naming its variable, said at once.
+    fn settings_problem(&self) -> Option<ConfigProblem> {
+        let mut problems = self.problems();
+        if !self.problems.is_empty() {
+            return ConfigProblem::all(problems);
+        }
         if self
             .kafka
             .as_ref()

@@ -315,7 +315,8 @@ pub struct RelayArgs {
     #[arg(long = "relay-park-after-secs", env = "RELAY_PARK_AFTER_SECS", default_value = "30", value_parser = value::positive_secs)]
     pub park_after_time: Duration,
     /// How often, in milliseconds, the table outbox's shards are shared out again between the relays of a
-    /// schema (one that died is replaced within about this).
+    /// schema (one that died is replaced within about this); also the longest a relay waits between two
+    /// reads of its rows, and how often parked rows due again are looked for.
     #[arg(long = "relay-rebalance-interval-ms", env = "RELAY_REBALANCE_INTERVAL_MS", default_value = "2000", value_parser = value::positive_millis)]
     pub rebalance_interval: Duration,
     /// How often, in milliseconds, the backlog gauges are sampled.
@@ -470,6 +471,8 @@ mod tests {
             "RELAY_PARK_AFTER_ATTEMPTS",
             "RELAY_PARK_AFTER_SECS",
             "RELAY_REBALANCE_INTERVAL_MS",
+            "RELAY_BACKLOG_INTERVAL_MS",
+            "RELAY_STANDBY_INTERVAL_MS",
             "RELAY_GC_BATCH_SIZE",
         ] {
             let zero = |name: &str| (name == var).then(|| "0".to_owned());
@@ -484,6 +487,8 @@ mod tests {
                 "RELAY_PARK_AFTER_ATTEMPTS" => args.park_after_attempts == 1,
                 "RELAY_PARK_AFTER_SECS" => args.park_after_time.as_secs() == 1,
                 "RELAY_REBALANCE_INTERVAL_MS" => args.rebalance_interval.as_millis() == 1,
+                "RELAY_BACKLOG_INTERVAL_MS" => args.backlog_interval.as_millis() == 1,
+                "RELAY_STANDBY_INTERVAL_MS" => args.standby_interval.as_millis() == 1,
                 _ => args.retention.policy().unwrap().batch_size == 1,
             };
             assert!(taken, "{var}=1 is taken as it is");

@@ -77,20 +77,23 @@ fn code(crates: &[&str]) -> String {
     all
 }
 
-/// `text` without comments, its test module (the end of a file, from `#[cfg(test)]` on its own line at
-/// the left margin, before `mod tests`) and the bodies of its `fn problems` and `fn fmt` (a `Debug` that shows every field),
+/// `text` without comments, its test items (`#[cfg(test)]` on its own line at the left margin, and the
+/// item it marks, up to the closing brace at the margin) and the bodies of its `fn problems` and `fn fmt` (a `Debug` that shows every field),
 /// up to the closing brace at the function's indentation.
 fn code_of(text: &str) -> String {
     let mut kept = String::new();
     let mut skipping: Option<String> = None;
     let mut lines = text.lines().peekable();
     while let Some(line) = lines.next() {
-        if line == "#[cfg(test)]"
-            && lines
-                .peek()
-                .is_some_and(|next| next.starts_with("mod tests"))
-        {
-            break;
+        if line == "#[cfg(test)]" {
+            // The item it marks: a module's body up to its closing brace, or one line.
+            if lines
+                .next()
+                .is_some_and(|item| item.trim_end().ends_with('{'))
+            {
+                skipping = Some("}".to_owned());
+            }
+            continue;
         }
         if let Some(end) = &skipping {
             if line == end {

@@ -363,13 +363,13 @@ impl<P> SagaBuilder<P> {
         self
     }
 
-    /// Every problem of the settings given so far, each naming its variable, said at once. A problem a call
-    /// recorded (a group that did not parse, security settings that cannot work together) is said alone,
-    /// with the others recorded: the settings it would have given are not there, and saying them "not set"
-    /// would be wrong.
-    pub(crate) fn settings_problem(&self) -> Option<ConfigProblem> {
+    /// Every problem of the settings given so far, each naming its variable. A problem a call recorded (a
+    /// group that did not parse, security settings that cannot work together) is said with the others
+    /// recorded, alone: the settings it would have given are not there, and saying them "not set" would be
+    /// wrong.
+    pub(crate) fn settings_problems(&self) -> Vec<ConfigProblem> {
         if !self.problems.is_empty() {
-            return ConfigProblem::all(self.problems.clone());
+            return self.problems.clone();
         }
         let mut problems = Vec::new();
         if self
@@ -387,7 +387,7 @@ impl<P> SagaBuilder<P> {
         if let Err(problem) = self.retention.key_retention() {
             problems.push(problem);
         }
-        ConfigProblem::all(problems)
+        problems
     }
 
     /// The handler wrapped in the runtime's layers, then the user's (innermost first: the handler, its

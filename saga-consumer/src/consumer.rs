@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use saga_core::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
 use saga_runtime::ops::Ops;
 use sqlx::PgPool;
@@ -42,7 +43,7 @@ impl SagaConsumerBuilder {
 impl<P> SagaBuilder<P> {
     /// Checks everything and builds the consumer, handing back what the service adds.
     pub(crate) fn into_consumer(self) -> Result<(SagaConsumer, P), ConfigError> {
-        if let Some(problem) = self.settings_problem() {
+        if let Some(problem) = ConfigProblem::all(self.settings_problems()) {
             return Err(ConfigError::Problem(problem));
         }
         let key_retention = self.retention.key_retention()?;

@@ -334,6 +334,14 @@ impl SagaServiceBuilder {
     /// Checks every setting and builds the service: every problem of the settings is reported at once,
     /// each naming its variable.
     pub fn build(self) -> Result<SagaService, ServiceError> {
+        // The embedded relay's problems are said with the consumer's, at once.
+        let mut problems = self.settings_problems();
+        if self.parts.embedded_relay {
+            problems.extend(self.parts.relay.problems());
+        }
+        if let Some(problem) = ConfigProblem::all(problems) {
+            return Err(ConfigError::Problem(problem).into());
+        }
         let pool = self.pool.clone();
         let outbox = self.outbox.clone();
         let ops = Ops::new();

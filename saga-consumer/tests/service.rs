@@ -190,6 +190,7 @@ async fn build_reports_every_settings_problem_naming_each_variable() {
         .batch_size(0)
         .key_concurrency(5_000)
         .commit_interval(std::time::Duration::ZERO)
+        .relay(|r| r.batch_size(0))
         .build()
         .unwrap_err();
     let said = refused.to_string();
@@ -199,6 +200,7 @@ async fn build_reports_every_settings_problem_naming_each_variable() {
         "SAGA_BATCH_SIZE",
         "SAGA_KEY_CONCURRENCY",
         "SAGA_COMMIT_INTERVAL_MS",
+        "RELAY_BATCH_SIZE",
     ] {
         assert!(said.contains(var), "{var} is named: {said}");
     }
