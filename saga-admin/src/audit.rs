@@ -10,7 +10,8 @@
 use std::future::Future;
 
 use chrono::{DateTime, Utc};
-use saga_consumer::toolkit::{printable, printable_bytes};
+use saga_runtime::cli::printable;
+use saga_runtime::cli::printable_bytes;
 use serde::Serialize;
 use sqlx::{PgPool, Row};
 

@@ -1,7 +1,7 @@
 //! The broker's view of a topic, shared by the dead-letter reader and the lag report.
 
 use saga_consumer::KafkaConfig;
-use saga_consumer::toolkit::Watermarks;
+use saga_runtime::kafka::Watermarks;
 
 use crate::error::AdminError;
 
@@ -10,7 +10,7 @@ pub(crate) async fn partitions_of(
     kafka: &KafkaConfig,
     topic: &str,
 ) -> Result<Vec<(i32, i64, i64)>, AdminError> {
-    let Some(partitions) = saga_consumer::toolkit::watermarks(kafka, topic)
+    let Some(partitions) = saga_runtime::kafka::watermarks(kafka, topic)
         .await
         .map_err(AdminError::kafka)?
     else {

@@ -8,7 +8,9 @@ use std::fmt::Write as _;
 use clap::{Args, Command};
 use outbox_relay::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SchemaArgs};
 use saga_consumer::settings::{ConsumerArgs, FastPathArgs, ServiceArgs};
-use saga_consumer::toolkit::{Documented, documented, documented_group};
+use saga_runtime::settings::Documented;
+use saga_runtime::settings::documented;
+use saga_runtime::settings::documented_group;
 
 /// The environment variables every argument of `command` (and of its subcommands) reads.
 fn variables(command: &Command) -> BTreeSet<String> {

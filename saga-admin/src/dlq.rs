@@ -24,8 +24,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use saga_consumer::KafkaConfig;
-use saga_consumer::toolkit::letters::{self, LetterFields};
-use saga_consumer::toolkit::replay;
+use saga_consumer::admin::letters::{self, LetterFields};
+use saga_runtime::replay;
 use serde::Serialize;
 use sqlx::migrate::Migrator;
 use sqlx::{PgPool, Row};
@@ -422,7 +422,7 @@ pub async fn show(
 
 /// The topics of the broker whose name ends in `.dlq` (the consumer's default dead-letter topics).
 pub async fn discover_topics(kafka: &KafkaConfig) -> Result<Vec<String>, AdminError> {
-    let config = saga_consumer::toolkit::client_config(kafka);
+    let config = saga_runtime::kafka::client_config(kafka);
     tokio::task::spawn_blocking(move || {
         let client: BaseConsumer = config.create().map_err(AdminError::kafka)?;
         let metadata = client
@@ -596,7 +596,7 @@ impl ReplayReport {
 
 /// The toolkit's tables (`saga_dlq_replays`, `saga_dlq_replay_log`), recorded in `_saga_admin_migrations`.
 pub fn migrator() -> Migrator {
-    saga_consumer::toolkit::owned_by(sqlx::migrate!("./migrations"), "_saga_admin_migrations")
+    saga_runtime::store::migrate::owned_by(sqlx::migrate!("./migrations"), "_saga_admin_migrations")
 }
 
 /// The consumer group a dead-letter topic belongs to, as the group's consumer recorded it in the schema
@@ -685,7 +685,7 @@ pub async fn replay(
                 source,
             })?;
     }
-    let producer = saga_consumer::toolkit::idempotent_producer(
+    let producer = saga_runtime::kafka::idempotent_producer(
         kafka,
         Duration::from_millis(1),
         Duration::from_secs(30),
@@ -1103,7 +1103,7 @@ async fn read(
     if ranges.is_empty() {
         return Ok(Vec::new());
     }
-    let mut config = saga_consumer::toolkit::client_config(kafka);
+    let mut config = saga_runtime::kafka::client_config(kafka);
     config
         .set("group.id", format!("saga-admin-{}", uuid::Uuid::new_v4()))
         .set("enable.auto.commit", "false")

@@ -87,10 +87,12 @@ impl From<ConfigProblem> for AdminError {
     }
 }
 
-impl From<saga_consumer::toolkit::StoreError> for AdminError {
-    fn from(e: saga_consumer::toolkit::StoreError) -> Self {
+impl AdminError {
+    /// The key store's error, said (crate-private: the store's type is not part of this API).
+    #[allow(clippy::needless_pass_by_value)] // `map_err(AdminError::store)` hands the error over
+    pub(crate) fn store(e: saga_runtime::store::idempotency::StoreError) -> Self {
         match e {
-            saga_consumer::toolkit::StoreError::Database(d) => Self::Database(d),
+            saga_runtime::store::idempotency::StoreError::Database(d) => Self::Database(d),
             other => Self::Store(other.to_string()),
         }
     }

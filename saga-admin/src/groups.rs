@@ -17,7 +17,7 @@ use saga_core::KafkaConfig;
 use serde::Serialize;
 use sqlx::PgPool;
 
-use saga_consumer::toolkit::letters;
+use saga_consumer::admin::letters;
 
 use crate::dlq::DeadLetter;
 use crate::error::AdminError;
@@ -113,7 +113,7 @@ impl FailureGroup {
     }
 }
 
-pub use saga_consumer::toolkit::letters::normalise;
+pub use saga_consumer::admin::letters::normalise;
 
 /// The id of the failure group `letter` belongs to.
 pub fn group_id(letter: &DeadLetter) -> String {

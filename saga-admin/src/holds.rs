@@ -6,9 +6,13 @@
 //! time, when the head is replayed and succeeds, discarded, or its step resumed.
 
 use chrono::{DateTime, Utc};
-use saga_consumer::toolkit::{
-    HoldCause, HoldState, Released, hex, printable, printable_bytes, release_held,
-};
+use saga_consumer::admin::HoldCause;
+use saga_consumer::admin::HoldState;
+use saga_consumer::admin::Released;
+use saga_consumer::admin::release_held;
+use saga_runtime::cli::hex;
+use saga_runtime::cli::printable;
+use saga_runtime::cli::printable_bytes;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 
@@ -320,7 +324,7 @@ pub async fn pause(
     .bind(step)
     .bind(operator)
     .bind(reason)
-    .bind(saga_consumer::toolkit::PAUSE_DELAY.as_secs_f64())
+    .bind(saga_consumer::admin::PAUSE_DELAY.as_secs_f64())
     .execute(&mut *tx)
     .await?
     .rows_affected()

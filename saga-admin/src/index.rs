@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use chrono::Utc;
 use saga_consumer::KafkaConfig;
-use saga_consumer::toolkit::letters::{self, IndexedLetter, LetterFields};
+use saga_consumer::admin::letters::{self, IndexedLetter, LetterFields};
 use sqlx::{PgPool, Row};
 
 use crate::dlq::{self, DeadLetter, DlqFilter, Record};

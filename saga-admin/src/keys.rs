@@ -1,8 +1,9 @@
 //! Step keys and two-phase leases, as the idempotency store holds them.
 
 use chrono::{DateTime, Utc};
-use saga_consumer::toolkit::{KeyRecord, idempotency};
 use saga_core::{StepKey, TenantId};
+use saga_runtime::store::idempotency;
+use saga_runtime::store::idempotency::KeyRecord;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -111,7 +112,9 @@ pub async fn show(
         .transpose()?;
     let mut conn = pool.acquire().await?;
     let most = i64::try_from(MOST_SHOWN + 1).unwrap_or(i64::MAX);
-    let records = idempotency::keys_of(&mut conn, original, tenant.as_ref(), most).await?;
+    let records = idempotency::keys_of(&mut conn, original, tenant.as_ref(), most)
+        .await
+        .map_err(AdminError::store)?;
     if records.len() > MOST_SHOWN {
         return Err(AdminError::bad_input(format!(
             "more than {MOST_SHOWN} step keys derive from key {original:?}: name its tenant"
@@ -129,7 +132,9 @@ pub async fn leases(
     limit: i64,
 ) -> Result<Vec<KeyView>, AdminError> {
     let mut conn = pool.acquire().await?;
-    let records = idempotency::leases(&mut conn, expired_only, limit).await?;
+    let records = idempotency::leases(&mut conn, expired_only, limit)
+        .await
+        .map_err(AdminError::store)?;
     let now = Utc::now();
     Ok(records.into_iter().map(|r| KeyView::of(r, now)).collect())
 }

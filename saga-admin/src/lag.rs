@@ -82,7 +82,7 @@ pub async fn lag(
             ends.push((topic.clone(), partition, low, high));
         }
     }
-    let mut config = saga_consumer::toolkit::client_config(kafka);
+    let mut config = saga_runtime::kafka::client_config(kafka);
     config
         .set("group.id", group)
         .set("enable.auto.commit", "false");

@@ -601,7 +601,7 @@ pub async fn run(
 /// Records why a run of operation `id` stopped before its end (shown with the operation: a run left
 /// `running` says why); said in the log if even that fails.
 async fn record_stop(pool: &PgPool, id: i64, e: &AdminError) {
-    let why: String = saga_consumer::toolkit::printable(&e.to_string(), false)
+    let why: String = saga_runtime::cli::printable(&e.to_string(), false)
         .chars()
         .take(2_000)
         .collect();
@@ -632,7 +632,7 @@ async fn run_held(
     .bind(id)
     .fetch_all(pool)
     .await?;
-    let producer = saga_consumer::toolkit::idempotent_producer(
+    let producer = saga_runtime::kafka::idempotent_producer(
         kafka,
         std::time::Duration::from_millis(1),
         std::time::Duration::from_secs(30),
@@ -874,7 +874,7 @@ async fn letters_of(
                     DeadLetter::from_index(
                         topic,
                         (*partition, *offset),
-                        saga_consumer::toolkit::letters::LetterFields::read(&[], None),
+                        saga_consumer::admin::letters::LetterFields::read(&[], None),
                         hash.clone(),
                     )
                 })
@@ -911,9 +911,8 @@ async fn sent_by(
                     break;
                 };
                 for record in read {
-                    if record.header(saga_consumer::toolkit::replay::OPERATION)
-                        == Some(operation.as_str())
-                        && let Some(letter) = record.header(saga_consumer::toolkit::replay::LETTER)
+                    if record.header(saga_runtime::replay::OPERATION) == Some(operation.as_str())
+                        && let Some(letter) = record.header(saga_runtime::replay::LETTER)
                     {
                         sent.insert(letter.to_owned(), (record.partition, record.offset));
                     }

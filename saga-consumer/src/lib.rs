@@ -142,26 +142,13 @@ pub mod telemetry {
     pub use saga_runtime::trace::{SampledOut, SampledOutFilter};
 }
 
-/// What the framework's own operators' toolkit (`saga-admin`: the `saga` command and its inspector) and its
-/// test kit (`saga-testing`) share with the runtime: Kafka clients, replay headers, the key store's rows, terminal-safe printing. Not part
-/// of the API: no semver promise, and nothing a service needs.
-#[doc(hidden)]
-pub mod toolkit {
-    pub use saga_runtime::cli::{
-        exit_code, hex, parse, parse_hex, printable, printable_bytes, printable_json,
-    };
-    pub use saga_runtime::config::{connect_postgres, require_schema, required_postgres_url};
-    pub use saga_runtime::kafka::{Watermarks, client_config, idempotent_producer, watermarks};
-    pub use saga_runtime::replay;
-    pub use saga_runtime::settings::{Documented, documented, documented_group};
-    pub use saga_runtime::shutdown::wait_for_signal;
-    pub use saga_runtime::store::idempotency::{self, KeyRecord, StoreError};
-    pub use saga_runtime::store::migrate::owned_by;
-    pub use saga_runtime::telemetry::init_tracing;
-
+/// What operators' tools do to a consumer group's tables: release its held keys, know when a pause takes
+/// effect, read and index its dead letters. The `saga` command and the test kit use it; its statements
+/// take a PostgreSQL connection (no broker client crosses it).
+pub mod admin {
     /// How long after it is written a pause takes effect (`saga_paused_steps.effective_at`).
     pub use crate::hold::PAUSE_DELAY;
-    /// A held key's state and cause, as the table names them: one source for the consumer and the toolkit.
+    /// A held key's state and cause, as the table names them: one source for the consumer and its tools.
     pub use crate::hold::{HoldCause, HoldState, UnknownHold};
     /// Releasing held keys (`saga_held_keys`): what a discard, a resume or `saga keys release` does.
     pub use crate::hold::{Released, release as release_held, releasing_keys};

@@ -9,7 +9,7 @@ use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
-use saga_consumer::toolkit::letters::indexable;
+use saga_consumer::admin::letters::indexable;
 
 use crate::engine::{Decision, SagaState, SagaStatus};
 use crate::error::OrchestratorError;

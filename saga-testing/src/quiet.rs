@@ -282,7 +282,7 @@ pub(crate) async fn releasing(
     if !has_table(pool, "saga_held_keys").await? {
         return Ok(Vec::new());
     }
-    let keys = saga_consumer::toolkit::releasing_keys(pool, group).await?;
+    let keys = saga_consumer::admin::releasing_keys(pool, group).await?;
     Ok(if keys > 0 {
         vec![Culprit::Releasing {
             service: service.to_owned(),

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use saga_consumer::toolkit::letters::{self, IndexedLetter};
+use saga_consumer::admin::letters::{self, IndexedLetter};
 use saga_runtime::kafka::{KafkaConfig, ensure_topics};
 use serde::Serialize;
 use sqlx::PgPool;

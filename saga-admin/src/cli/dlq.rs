@@ -2,7 +2,8 @@
 
 use clap::{Args, Subcommand};
 use saga_consumer::KafkaConfig;
-use saga_consumer::toolkit::{printable, printable_json};
+use saga_runtime::cli::printable;
+use saga_runtime::cli::printable_json;
 use serde::Serialize;
 use sqlx::PgPool;
 

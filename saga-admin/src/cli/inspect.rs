@@ -142,7 +142,7 @@ impl Cli {
             kafka,
             pool,
             options,
-            saga_consumer::toolkit::wait_for_signal(),
+            saga_runtime::shutdown::wait_for_signal(),
         )
         .await?;
         Ok(())

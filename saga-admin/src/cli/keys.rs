@@ -60,7 +60,7 @@ fn parse_key_hex(text: &str) -> Result<KeyHex, String> {
                 .to_owned(),
         );
     }
-    saga_consumer::toolkit::parse_hex(text)
+    saga_runtime::cli::parse_hex(text)
         .map(KeyHex)
         .ok_or_else(|| {
             "not hexadecimal (two digits a byte, as `saga keys held --json` gives key_hex)"

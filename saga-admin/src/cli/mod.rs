@@ -21,8 +21,10 @@ use saga_consumer::KafkaConfig;
 #[cfg(feature = "redis")]
 use saga_consumer::settings::RedisArgs;
 use saga_consumer::settings::{DatabaseArgs, KafkaArgs, SchemaArgs};
-use saga_consumer::toolkit::{connect_postgres, required_postgres_url};
-use saga_consumer::toolkit::{printable, printable_json};
+use saga_runtime::cli::printable;
+use saga_runtime::cli::printable_json;
+use saga_runtime::config::connect_postgres;
+use saga_runtime::config::required_postgres_url;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -38,11 +40,11 @@ use crate::audit::{Actor, Via};
 /// The `saga` binary: parses the command line (see `saga --help`), runs the command, and answers bad input
 /// or configuration with one line and exit code 2.
 pub async fn main() -> ExitCode {
-    let _tracing = saga_consumer::toolkit::init_tracing();
+    let _tracing = saga_runtime::telemetry::init_tracing();
     // The inspector's tokens are read from the environment only: on the command line, other users of the
     // machine could read them.
     if token_on_command_line(std::env::args_os().skip(1)) {
-        return saga_consumer::toolkit::exit_code(Err(ConfigProblem::new(
+        return saga_runtime::cli::exit_code(Err(ConfigProblem::new(
             "SAGA_ADMIN_TOKENS",
             "the inspector's tokens are not taken on the command line, where other users of the machine \
              could read them",
@@ -50,8 +52,8 @@ pub async fn main() -> ExitCode {
         )
         .into()));
     }
-    let cli: Cli = saga_consumer::toolkit::parse();
-    saga_consumer::toolkit::exit_code(cli.run().await)
+    let cli: Cli = saga_runtime::cli::parse();
+    saga_runtime::cli::exit_code(cli.run().await)
 }
 
 /// Whether `args` (the command line after the program's name) give the inspector's tokens as flags
@@ -217,7 +219,7 @@ impl Cli {
     async fn pool(&self) -> Result<PgPool, ConfigProblem> {
         let url = required_postgres_url("DATABASE_URL", self.database.database_url.as_deref())?;
         let pool = connect_postgres("DATABASE_URL", url, self.schema.schema.as_deref(), 4).await?;
-        saga_consumer::toolkit::require_schema(&pool, "SAGA_SCHEMA", "name the service's schema")
+        saga_runtime::config::require_schema(&pool, "SAGA_SCHEMA", "name the service's schema")
             .await?;
         Ok(pool)
     }

@@ -9,7 +9,7 @@ use crate::table::Table;
 
 /// How long a pause takes to take effect, in words (`PAUSE_DELAY`).
 fn pause_delay() -> String {
-    let delay = saga_consumer::toolkit::PAUSE_DELAY;
+    let delay = saga_consumer::admin::PAUSE_DELAY;
     match delay.as_secs() {
         1 if delay.subsec_nanos() == 0 => "one second".to_owned(),
         s if delay.subsec_nanos() == 0 => format!("{s} seconds"),

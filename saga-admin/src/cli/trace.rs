@@ -1,6 +1,7 @@
 //! `saga trace`: one saga across every service schema.
 
-use saga_consumer::toolkit::{connect_postgres, required_postgres_url};
+use saga_runtime::config::connect_postgres;
+use saga_runtime::config::required_postgres_url;
 
 use super::Cli;
 use crate::table::{Table, one_line};

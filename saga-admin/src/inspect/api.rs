@@ -582,7 +582,7 @@ async fn replay_checked(
 
 /// The exact bytes of a key named by hexadecimal path segment `key_hex`.
 pub(super) fn key_of_hex(key_hex: &str) -> Result<Vec<u8>, AdminError> {
-    saga_consumer::toolkit::parse_hex(key_hex)
+    saga_runtime::cli::parse_hex(key_hex)
         .ok_or_else(|| AdminError::bad_input("the key is not hexadecimal"))
 }
 

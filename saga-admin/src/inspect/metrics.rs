@@ -182,7 +182,7 @@ fn open_letters(out: &mut String, groups: &[groups::FailureGroup], cap: usize) {
             continue;
         }
         // A hand-written letter's group and step headers are not the framework's: no series of their own.
-        let unreadable = g.reason == saga_consumer::toolkit::letters::UNREADABLE;
+        let unreadable = g.reason == saga_consumer::admin::letters::UNREADABLE;
         let (consumer_group, step) = if unreadable {
             ("", "")
         } else {

@@ -231,7 +231,7 @@ async fn read_as_indexed(
     let (mut parts, body) = response.into_parts();
     if !html {
         // Bounded: a proxy in front refuses answers with very long headers.
-        let header = saga_consumer::toolkit::printable(&said.join("; "), false)
+        let header = saga_runtime::cli::printable(&said.join("; "), false)
             .chars()
             .filter(char::is_ascii)
             .take(2_000)
