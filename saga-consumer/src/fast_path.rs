@@ -365,7 +365,9 @@ impl FastPath {
         }
     }
 
-    /// Registers `saga_redis_available`, `saga_redis_errors` and `saga_redis_answered` on `ops`.
+    /// Registers `saga_redis_available`, `saga_redis_errors` and `saga_redis_answered` on `ops` (the
+    /// framework's own wiring: a service registers its fast path itself).
+    #[doc(hidden)]
     pub fn register(&self, ops: &Ops) {
         let m = self.0.metrics.clone();
         ops.register(move |registry| {

@@ -1048,7 +1048,7 @@ impl Holds {
     }
 }
 
-/// Which held keys of a group [`release`] lets go of.
+/// Which held keys of a group [`release`] (public as `admin::release_held`) lets go of.
 #[derive(Debug, Clone, Copy)]
 pub enum Released<'a> {
     /// This key: its head succeeded, or an operator releases it by hand.

@@ -144,7 +144,7 @@ pub mod telemetry {
 
 /// What operators' tools do to a consumer group's tables: release its held keys, know when a pause takes
 /// effect, read and index its dead letters. The `saga` command and the test kit use it; its statements
-/// take a PostgreSQL connection (no broker client crosses it).
+/// take a PostgreSQL connection or pool (no broker client crosses it).
 pub mod admin {
     /// How long after it is written a pause takes effect (`saga_paused_steps.effective_at`).
     pub use crate::hold::PAUSE_DELAY;
