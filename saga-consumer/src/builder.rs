@@ -90,14 +90,7 @@ impl<P: std::fmt::Debug> std::fmt::Debug for SagaBuilder<P> {
         f.debug_struct("SagaBuilder")
             .field("args", &self.args)
             .field("kafka", &self.kafka)
-            .field(
-                "steps",
-                &self
-                    .steps
-                    .iter()
-                    .map(|s| s.name.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .field("steps", &crate::handler::step_names(&self.steps))
             .field("ignored", &self.ignored)
             .field("strict", &self.strict)
             .field("problems", &self.problems)

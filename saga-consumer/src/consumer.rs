@@ -177,14 +177,7 @@ impl std::fmt::Debug for SagaConsumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SagaConsumer")
             .field("args", &self.args)
-            .field(
-                "steps",
-                &self
-                    .steps
-                    .iter()
-                    .map(|s| s.name.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .field("steps", &crate::handler::step_names(&self.steps))
             .finish_non_exhaustive()
     }
 }

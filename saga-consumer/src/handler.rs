@@ -213,3 +213,8 @@ impl RegisteredStep {
         }
     }
 }
+
+/// The names of `steps`, in order (what a builder's or a consumer's `Debug` shows of them).
+pub(crate) fn step_names(steps: &[RegisteredStep]) -> Vec<&str> {
+    steps.iter().map(|s| s.name.as_str()).collect()
+}

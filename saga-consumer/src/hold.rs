@@ -1050,6 +1050,7 @@ impl Holds {
 
 /// Which held keys of a group [`release`] (public as `admin::release_held`) lets go of.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum Released<'a> {
     /// This key: its head succeeded, or an operator releases it by hand.
     Key(&'a [u8]),
