@@ -6,7 +6,7 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use saga_core::{ConfigProblem, KafkaConfig};
+use saga_config::{ConfigProblem, KafkaConfig};
 
 /// A value that must not be shown: a password or a client secret. Its `Debug` says `<redacted>`, it has no
 /// `Display`, and `--help` does not show the variable's value (`hide_env_values`).
@@ -445,7 +445,7 @@ mod tests {
 
     const CANARY: &str = "canary-secret-4d21";
 
-    fn args(vars: &[(&str, &str)]) -> Result<KafkaArgs, saga_core::ConfigProblem> {
+    fn args(vars: &[(&str, &str)]) -> Result<KafkaArgs, saga_config::ConfigProblem> {
         KafkaArgs::from_vars(|name| {
             vars.iter()
                 .find(|(n, _)| *n == name)
@@ -505,7 +505,7 @@ mod tests {
         ])
         .unwrap()
         .secure(
-            saga_core::KafkaConfig::new("broker:9093")
+            saga_config::KafkaConfig::new("broker:9093")
                 .with_property("ssl.certificate.location", &file)
                 .with_property("ssl.key.location", &file)
                 .with_property("ssl.key.password", CANARY)
@@ -526,7 +526,7 @@ mod tests {
         let hatch = |properties: &[(&str, &str)]| {
             properties
                 .iter()
-                .fold(saga_core::KafkaConfig::new("broker:9093"), |c, (n, v)| {
+                .fold(saga_config::KafkaConfig::new("broker:9093"), |c, (n, v)| {
                     c.with_property(*n, *v)
                 })
         };

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use saga_core::{ConfigProblem, KafkaConfig, OutboxMode};
+use saga_config::{ConfigProblem, KafkaConfig, OutboxMode};
 use saga_runtime::settings::value;
 
 use crate::gc::RetentionPolicy;

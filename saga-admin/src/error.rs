@@ -1,6 +1,6 @@
 //! The toolkit's errors.
 
-use saga_core::{BadInput, ConfigProblem};
+use saga_config::{BadInput, ConfigProblem};
 use saga_orchestrator::OrchestratorError;
 
 /// Why an admin operation failed. [`AdminError::Config`] and [`AdminError::BadInput`] are the caller's to

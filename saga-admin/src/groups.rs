@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use serde::Serialize;
 use sqlx::PgPool;
 

@@ -29,7 +29,7 @@
 //!
 //! ```no_run
 //! use saga_admin::dlq::{self, DlqFilter, ReplayOptions};
-//! use saga_core::KafkaConfig;
+//! use saga_config::KafkaConfig;
 //!
 //! # async fn example(pool: sqlx::PgPool) -> Result<(), saga_admin::AdminError> {
 //! let kafka = KafkaConfig::new("127.0.0.1:9092");

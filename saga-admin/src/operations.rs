@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use serde::Serialize;
 use sqlx::{PgPool, Row};
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use saga_admin::inspect::{self, InspectOptions, NamedToken};
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use saga_examples::service::Service;
 use saga_lab::harness::client::{self, send};
 use saga_lab::harness::local::{LocalSaga, WAIT};

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use saga_admin::inspect::{self, InspectOptions, NamedToken};
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka, expect_usage_error};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use saga_admin::dlq::ReplayOptions;
 use saga_admin::operations;
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use serde_json::Value;
 

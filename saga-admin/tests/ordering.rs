@@ -16,11 +16,11 @@ use std::time::Duration;
 
 use saga_admin::dlq::{self, DlqFilter, ReplayOptions};
 use saga_admin::holds;
+use saga_config::KafkaConfig;
 use saga_consumer::{
     Hooks, Message, OrderPolicy, RetryPolicy, SagaConsumer, SagaEvent, StepContext, StepError,
     StepOutcome, StepResult, Topic, step_with,
 };
-use saga_core::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;

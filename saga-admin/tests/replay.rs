@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use saga_admin::dlq::{self, DlqFilter};
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use saga_examples::service::{Service, quote_ident};
 use saga_lab::harness::client;
 use saga_lab::harness::ledger::{self, Path};

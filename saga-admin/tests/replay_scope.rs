@@ -10,11 +10,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use saga_admin::dlq::{self, DlqFilter, ReplayOptions, ReplayOutcome};
+use saga_config::KafkaConfig;
 use saga_consumer::{
     Message, SagaConsumer, SagaStep, StepContext, StepError, StepName, StepOutcome, StepResult,
     Subscription,
 };
-use saga_core::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use tokio_util::sync::CancellationToken;
 

@@ -7,7 +7,7 @@
 mod common;
 
 use saga_admin::inspect::{self, InspectOptions};
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use saga_test_support::{TestDb, TestKafka};
 use tokio_util::sync::CancellationToken;
 

@@ -6,7 +6,7 @@
 mod common;
 
 use saga_admin::dlq::{self, DlqFilter};
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use saga_examples::service::Service;
 use saga_lab::harness::client;
 use saga_lab::harness::ledger::Path;

@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use saga_core::{ConfigProblem, SagaEvent, SagaStep, Topic, TwoPhaseStep};
+use saga_core::{SagaEvent, SagaStep, Topic, TwoPhaseStep};
+
+use saga_config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
 use saga_runtime::ops::Ops;
 use sqlx::PgPool;

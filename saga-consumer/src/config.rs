@@ -46,7 +46,7 @@ mod tests {
     use crate::settings::ConsumerArgs;
     use std::time::Duration;
 
-    fn from(env: &[(&str, &str)]) -> Result<ConsumerArgs, saga_core::ConfigProblem> {
+    fn from(env: &[(&str, &str)]) -> Result<ConsumerArgs, saga_config::ConfigProblem> {
         ConsumerArgs::from_vars(|name| {
             env.iter()
                 .find(|(n, _)| *n == name)

@@ -118,6 +118,7 @@ pub use runner::{
     Extension, SagaService, SagaServiceBuilder, ServiceError, ServiceParts, TaskContext, TaskError,
     shutdown_signal,
 };
+pub use saga_config::{BadInput, ConfigProblem, KafkaConfig, OutboxMode};
 pub use saga_core::*;
 pub use service::{
     BoxStepService, HandlerPanicked, HandlerTimedOut, StepItem, StepRequest, StepResponse,
@@ -155,6 +156,9 @@ pub mod admin {
 
     /// Dead letters as records, and their index (`saga_dead_letters`).
     pub mod letters {
-        pub use crate::letters::*;
+        pub use crate::letters::{
+            HeaderPair, IndexedLetter, LetterFields, MAX_INDEXED_ERROR, MAX_INDEXED_NAME,
+            UNREADABLE, failure_group, header, identity, index, indexable, normalise,
+        };
     }
 }

@@ -4,7 +4,7 @@
 //! Its mode and its health travel with it: in WAL mode, a lost slot makes every clone unwritable within
 //! seconds.
 
-use saga_core::OutboxMode;
+use saga_config::OutboxMode;
 
 /// Where and how a service writes its outbox (cheap to clone: the clones share its health).
 #[derive(Clone, Debug, Default)]

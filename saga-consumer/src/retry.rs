@@ -49,7 +49,7 @@ impl RetryPolicy {
 
     /// What is wrong with this policy, each naming its variable: the declarations' rules, for a policy made
     /// in code, and the one rule between two settings.
-    pub fn problems(&self) -> Vec<saga_core::ConfigProblem> {
+    pub fn problems(&self) -> Vec<saga_config::ConfigProblem> {
         let checks = [
             (
                 "SAGA_MAX_ATTEMPTS",
@@ -69,7 +69,7 @@ impl RetryPolicy {
         checks
             .into_iter()
             .filter_map(|(var, why)| {
-                why.map(|why| saga_core::ConfigProblem::new(var, why, "fix the retry policy"))
+                why.map(|why| saga_config::ConfigProblem::new(var, why, "fix the retry policy"))
             })
             .collect()
     }

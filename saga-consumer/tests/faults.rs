@@ -4,11 +4,11 @@
 
 use std::time::Duration;
 
-use saga_consumer::faults::fail_after_handler;
 use saga_consumer::{
     Message, SagaService, StepContext, StepOutcome, StepResult, Topic, step, step_with,
 };
 use saga_test_support::{TestDb, TestKafka, wait_until};
+use saga_testing::faults::fail_after_handler;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 

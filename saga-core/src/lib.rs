@@ -44,11 +44,9 @@
 
 #![deny(missing_docs)]
 
-mod config;
 mod context;
 mod envelope;
 mod event;
-pub mod faults;
 mod function;
 #[doc(hidden)]
 pub mod headers;
@@ -58,7 +56,6 @@ mod step;
 pub mod testing;
 mod two_phase;
 
-pub use config::{BadInput, ConfigProblem, KafkaConfig, OutboxMode};
 pub use context::{BatchContext, StepContext};
 #[doc(hidden)]
 pub use envelope::{

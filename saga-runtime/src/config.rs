@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-pub use saga_core::{BadInput, ConfigProblem};
+pub use saga_config::{BadInput, ConfigProblem};
 
 /// How long start-up waits for PostgreSQL or the broker to answer before calling it a configuration problem.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(10);

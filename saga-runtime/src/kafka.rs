@@ -13,7 +13,7 @@ use rdkafka::producer::FutureProducer;
 use saga_core::Headers;
 
 pub use crate::kafka_probe::{probe, refusal};
-pub use saga_core::KafkaConfig;
+pub use saga_config::KafkaConfig;
 
 /// The variable naming the brokers.
 pub const BROKERS_VAR: &str = "KAFKA_BROKERS";

@@ -178,15 +178,15 @@ macro_rules! settings_group {
     ($group:ty) => {
         impl $group {
             /// This group from the environment (its variables, else their defaults); a variable that does
-            /// not parse is a [`ConfigProblem`](saga_core::ConfigProblem) naming it.
-            pub fn from_env() -> Result<Self, ::saga_core::ConfigProblem> {
+            /// not parse is a [`ConfigProblem`](saga_config::ConfigProblem) naming it.
+            pub fn from_env() -> Result<Self, ::saga_config::ConfigProblem> {
                 $crate::settings::from_env()
             }
 
             /// This group from the variables `get` gives (else their defaults).
             pub fn from_vars(
                 get: impl Fn(&str) -> Option<String>,
-            ) -> Result<Self, ::saga_core::ConfigProblem> {
+            ) -> Result<Self, ::saga_config::ConfigProblem> {
                 $crate::settings::from_vars(get)
             }
         }

@@ -68,6 +68,7 @@ mod cluster;
 #[doc(hidden)]
 pub mod duplicate;
 mod error;
+pub mod faults;
 pub mod http;
 mod mock;
 mod published;
@@ -91,7 +92,6 @@ use tokio_util::sync::CancellationToken;
 pub use error::{BoxError, KitError};
 pub use published::{DeadLetter, Events};
 pub use quiet::{Busy, Culprit};
-pub use saga_consumer::faults;
 pub use saga_orchestrator::SagaClock;
 pub use service::ServiceSetup;
 

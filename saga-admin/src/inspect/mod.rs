@@ -33,7 +33,7 @@ use axum::Router;
 use axum::extract::{Path, State};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use saga_core::KafkaConfig;
+use saga_config::KafkaConfig;
 use sqlx::PgPool;
 
 use crate::error::AdminError;

@@ -14,7 +14,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use sqlx::PgConnection;
 
-use saga_core::{OutboxMessage, OutboxMode};
+use saga_core::OutboxMessage;
+
+use saga_config::OutboxMode;
 
 use super::wal;
 
@@ -318,7 +320,7 @@ pub enum OpenError {
     // Not transparent: the cause stays in the error's chain, where `exit_code` finds a
     // configuration problem (exit code 2).
     #[error("{0}")]
-    Config(#[from] saga_core::ConfigProblem),
+    Config(#[from] saga_config::ConfigProblem),
     /// The database failed.
     #[error("opening the outbox: {0}")]
     Database(#[from] sqlx::Error),
@@ -356,7 +358,7 @@ impl Outbox {
                         self.registered.store(true, Ordering::Release);
                     }
                     Err(wal::fence::TableModeError::Switched(at)) => {
-                        return Err(saga_core::ConfigProblem::new(
+                        return Err(saga_config::ConfigProblem::new(
                             "SAGA_OUTBOX_MODE",
                             format!(
                                 "is table, but this schema's outbox moved to the write-ahead log (a relay \

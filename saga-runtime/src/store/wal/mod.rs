@@ -23,7 +23,7 @@ use saga_core::OutboxMessage;
 use sqlx::PgConnection;
 
 pub use codec::{DecodeError, WalEvent, decode, encode, encoded_len, storable};
-pub use saga_core::OutboxMode;
+pub use saga_config::OutboxMode;
 pub use slot::{
     PrepareError, RecoverError, Recovery, SlotLag, SlotRecord, SlotState, WalOutbox, drop_slot,
     legacy_slot_name, prepare, recover, slot_lag, slot_name,

@@ -16,7 +16,7 @@
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use saga_core::ConfigProblem;
+use saga_config::ConfigProblem;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::{PUBLICATION, prefix};

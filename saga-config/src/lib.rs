@@ -1,5 +1,23 @@
-//! The settings every part of the framework shares: where the broker is, and the one-line report of a setting
-//! that keeps a process from starting.
+//! # saga-config
+//!
+//! The settings types every part of saga-exactly-once shares, kept out of `saga-core` so that the contract a
+//! step implementor depends on stays small: where the broker is ([`KafkaConfig`]), how the outbox is read
+//! ([`OutboxMode`]), and the one-line report of a setting that keeps a process from starting
+//! ([`ConfigProblem`]). `saga-consumer` and `outbox-relay` re-export them; a service names them from there.
+//!
+//! # Examples
+//!
+//! ```
+//! use saga_config::{ConfigProblem, KafkaConfig};
+//!
+//! let kafka = KafkaConfig::new("127.0.0.1:9092").with_property("sasl.password", "hunter2");
+//! assert!(!format!("{kafka:?}").contains("hunter2"));
+//!
+//! let problem = ConfigProblem::new("KAFKA_BROKERS", "is not set", "set it to the bootstrap servers");
+//! assert!(problem.to_string().starts_with("KAFKA_BROKERS: is not set"));
+//! ```
+
+#![deny(missing_docs)]
 
 use std::fmt;
 

@@ -1,14 +1,14 @@
-//! Fault injection for a step's tests: tower layers ([`crate::FnStep::layer`]) that make a step fail where
+//! Fault injection for a step's tests: tower layers ([`saga_consumer::FnStep::layer`]) that make a step fail where
 //! a real deployment fails, so that a test sees whether the step's effects still happen exactly once.
 //!
 //! - [`fail_after_handler`]: the handler ran, then the step fails before its transaction commits (as when
 //!   the process dies between the two, or the commit itself fails). Everything the handler wrote through
-//!   its [`crate::StepContext`] rolls back and the message is retried; what it did elsewhere (a second
+//!   its [`saga_consumer::StepContext`] rolls back and the message is retried; what it did elsewhere (a second
 //!   pool, an HTTP call without the external key) happens again. A step whose test passes with this layer
 //!   is idempotent in the way the framework means.
 //! - [`fail_before_handler`]: the step fails before its handler runs (a dependency briefly down).
 //!
-//! On a two-phase step ([`crate::TwoPhaseFn::layer`]) they wrap its completion: `fail_after_handler` loses
+//! On a two-phase step ([`saga_consumer::TwoPhaseFn::layer`]) they wrap its completion: `fail_after_handler` loses
 //! the completion after the outside call was made, the failure that matters most for such a step: the
 //! message runs again, its call with it, and the outside system must absorb the repeat (the external key).
 //! There `fail_before_handler` fails before the completion runs, also after the call was made: the same
@@ -21,11 +21,10 @@
 //! # Examples
 //!
 //! ```
-//! use saga_core::faults::fail_after_handler;
-//! use saga_core::{Message, SagaEvent, StepContext, StepOutcome, StepResult, Topic, step};
+//! use saga_testing::faults::fail_after_handler;
+//! use saga_consumer::{Message, SagaEvent, StepContext, StepOutcome, StepResult, Topic, step};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize, SagaEvent)]
-//! #[saga(crate = "saga_core")]
 //! struct OrderPlaced { order_id: i64 }
 //!
 //! async fn reserve(msg: &Message<OrderPlaced>, ctx: &mut StepContext<'_>) -> StepResult {
@@ -50,9 +49,9 @@ use std::task::{Context, Poll};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::function::{BoxError, StepCall};
-use crate::step::{StepError, StepOutcome};
-use crate::two_phase::CompleteCall;
+use saga_consumer::{CompleteCall, StepCall, StepError, StepOutcome};
+
+use crate::BoxError;
 
 /// Where a [`FaultLayer`] fails a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,7 +163,7 @@ where
     }
 }
 
-/// A two-phase step's completion ([`crate::TwoPhaseFn::layer`]): "after the handler" is after the
+/// A two-phase step's completion ([`saga_consumer::TwoPhaseFn::layer`]): "after the handler" is after the
 /// completion ran, the outside call made; the message runs again, its call with it.
 impl<'a, E, R, S> Service<CompleteCall<'a, E, R>> for Faulty<S>
 where
