@@ -442,13 +442,12 @@ pub async fn run(
     // REDIS_URL turns the Redis fast path on: for the consumer (the service does that), and for the HTTP
     // layer, given the same.
     #[cfg(feature = "redis")]
-    let fast_path = match args.saga.fast_path.settings(&args.saga.relay.retention)? {
-        Some(settings) => {
-            let fast = FastPath::new(settings, &pool).await?;
-            fast.connect().await;
-            Some(fast)
-        }
-        None => None,
+    let fast_path = if args.saga.fast_path.enabled(&args.saga.relay.retention)? {
+        let fast = FastPath::new(args.saga.fast_path.clone(), &pool).await?;
+        fast.connect().await;
+        Some(fast)
+    } else {
+        None
     };
     #[cfg(not(feature = "redis"))]
     let fast_path: Option<FastPath> = None;
@@ -472,11 +471,16 @@ pub async fn run(
     saga.kafka.brokers = Some(args.brokers().to_owned());
     saga.consumer.group_id = Some(args.group(service));
     saga.consumer.dlq_topic = Some(args.dlq(service));
-    let builder = SagaService::builder()
-        .args(&saga)
-        .pool(pool.clone())
-        .commit_interval(Duration::from_millis(250))
-        .session_timeout(Duration::from_secs(6));
+    // A demo's pace where left at the framework's defaults (a value set by flag or variable stands): offsets
+    // committed often, a killed service's partitions taken over quickly.
+    let defaults = saga_consumer::settings::ConsumerArgs::default();
+    if saga.consumer.commit_interval == defaults.commit_interval {
+        saga.consumer.commit_interval = Duration::from_millis(250);
+    }
+    if saga.consumer.session_timeout == defaults.session_timeout {
+        saga.consumer.session_timeout = Duration::from_secs(6);
+    }
+    let builder = SagaService::builder().args(&saga).pool(pool.clone());
     #[cfg(feature = "redis")]
     let builder = builder.fast_path(consumer_fast_path);
     let mut builder = builder;

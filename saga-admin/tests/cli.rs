@@ -469,7 +469,7 @@ async fn what_a_message_carries_is_shown_escaped_and_never_drives_the_terminal()
 async fn redis_forget_deletes_the_keys_of_the_schemas_namespace_only() {
     let (db, _kafka, saga) = target("admin-cli-redis").await;
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    let settings = saga_consumer::fast_path::FastPathSettings::new(url.as_str());
+    let settings = saga_consumer::settings::FastPathArgs::new(url.as_str());
     // The namespace the schema's services use by default, and another deployment's.
     let ours = saga_consumer::fast_path::FastPath::new(settings.clone(), &db.pool)
         .await

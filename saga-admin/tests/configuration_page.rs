@@ -120,10 +120,41 @@ fn code_of(text: &str) -> String {
     kept
 }
 
-/// Whether `code` reads field `field`: `.field` not followed by more of a name, a call or an assignment.
-fn reads(code: &str, field: &str) -> bool {
+/// The names the code gives a settings group where it reads one (a variable, a field, a flattened group).
+const SETTINGS_RECEIVERS: &[&str] = &[
+    "settings",
+    "args",
+    "consumer",
+    "retry",
+    "relay",
+    "retention",
+    "outbox",
+    "fast_path",
+    "redis",
+    "kafka",
+    "database",
+    "saga",
+    "service",
+];
+
+/// Whether `code` reads field `field`: `.field` not followed by more of a name, a call or an assignment;
+/// with `from`, only of a receiver so named (`settings.field`, `self.args.field`).
+fn reads(code: &str, field: &str, from: Option<&[&str]>) -> bool {
     let needle = format!(".{field}");
     code.match_indices(&needle).any(|(at, _)| {
+        if let Some(names) = from {
+            let receiver: String = code[..at]
+                .chars()
+                .rev()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            if !names.contains(&receiver.as_str()) {
+                return false;
+            }
+        }
         let rest = &code[at + needle.len()..];
         if rest
             .chars()
@@ -135,6 +166,54 @@ fn reads(code: &str, field: &str) -> bool {
         let rest = rest.trim_start();
         !rest.starts_with('=') || rest.starts_with("==")
     })
+}
+
+/// The names of the fields of `code`'s structs other than the settings groups (`…Args`, `RetryPolicy`): a
+/// setting whose field shares a name with one of them could be "read" by a read of that other struct's field.
+fn other_fields(code: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut inside: Option<String> = None;
+    for line in code.lines() {
+        if let Some(end) = &inside {
+            if line == end {
+                inside = None;
+            } else if let Some(name) = field_declared(line) {
+                names.insert(name.to_owned());
+            }
+            continue;
+        }
+        let trimmed = line.trim_start();
+        let Some(at) = trimmed.find("struct ") else {
+            continue;
+        };
+        let name: String = trimmed[at + 7..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let settings = name.ends_with("Args") || name == "RetryPolicy";
+        if trimmed[..at]
+            .split_whitespace()
+            .all(|w| w.starts_with("pub"))
+            && trimmed.trim_end().ends_with('{')
+            && !settings
+        {
+            let indent = &line[..line.len() - trimmed.len()];
+            inside = Some(format!("{indent}}}"));
+        }
+    }
+    names
+}
+
+/// The field a line of a struct's body declares (`pub(crate) name: Type,`), if it declares one.
+fn field_declared(line: &str) -> Option<&str> {
+    let line = line.trim_start();
+    let line = match line.strip_prefix("pub") {
+        Some(rest) if rest.starts_with('(') => rest.split_once(')')?.1.trim_start(),
+        Some(rest) if rest.starts_with(' ') => rest.trim_start(),
+        _ => line,
+    };
+    let (name, _) = line.split_once(':')?;
+    (!name.is_empty() && name.chars().all(|c| c.is_alphanumeric() || c == '_')).then_some(name)
 }
 
 /// The fields `command`'s settings are declared by (an id said apart, `relay_batch_size`, is the field
@@ -154,7 +233,10 @@ fn fields(command: &clap::Command) -> Vec<(String, String)> {
 /// nowhere (a forgotten use, which a default would have hidden) fails here, naming it. The settings are
 /// the fields of their groups, so a use is a read of the field (`.batch_size`): a service's own settings
 /// (`ConsumerArgs`, `RetryPolicy`, `ServiceArgs`'s) in `saga-consumer`, the relay's (its command's, which
-/// a service flattens too) in `outbox-relay` and `saga-runtime`.
+/// a service flattens too) in `outbox-relay` and `saga-runtime`. A setting whose field name another struct
+/// of that code also has (`revoke_timeout`, also the poll loop's `Dispatcher`'s) counts only a read from a
+/// settings group by its usual name (`settings.revoke_timeout`), or its group's accessor called: a read of the
+/// other struct's field does not pass for it.
 #[test]
 fn every_declared_setting_is_read_where_it_is_used() {
     use clap::Args;
@@ -174,8 +256,16 @@ fn every_declared_setting_is_read_where_it_is_used() {
     let relay_code = code(&["outbox-relay", "saga-runtime"]);
     let mut unread: Vec<String> = Vec::new();
     for (settings, code) in [(&own, &consumer_code), (&relays, &relay_code)] {
+        let others = other_fields(code);
         for (env, field) in settings {
-            if !reads(code, field) {
+            // A field another struct also has counts only when read from a settings group by its usual
+            // name (`settings.revoke_timeout`, not `self.dispatcher.revoke_timeout`).
+            // Or read by the group's accessor of the same name (`fn dlq_topic(&self)`), which is called.
+            let from = others.contains(field).then_some(SETTINGS_RECEIVERS);
+            let accessor = code.contains(&format!("fn {field}(&self)"))
+                && reads(code, field, Some(&["self"]))
+                && code.contains(&format!(".{field}()"));
+            if !reads(code, field, from) && !accessor {
                 unread.push(format!("{env} ({field})"));
             }
         }
@@ -187,13 +277,32 @@ fn every_declared_setting_is_read_where_it_is_used() {
         relays.len()
     );
     assert!(unread.is_empty(), "declared and read nowhere: {unread:?}");
+    let structs = "pub(crate) struct Dispatcher {\n    revoke_timeout: Duration,\n    pub(crate) lanes: u8,\n}\n\
+                   pub struct ConsumerArgs {\n    pub batch_size: usize,\n}\n";
+    assert_eq!(
+        other_fields(structs).into_iter().collect::<Vec<_>>(),
+        ["lanes", "revoke_timeout"]
+    );
     // What is not a use: a declaration, a write, a call of a method of the same name, a doc, a check, a test.
     let not_used = "pub batch_size: usize,\nself.args.batch_size = 1;\nb.batch_size(3);\n\
                     /// `x.batch_size`\n    fn problems(&self) -> bool {\n        self.batch_size > 0\n    }\n\
                     #[cfg(test)]\nmod tests {\n    fn t() { let _ = a.batch_size; }\n}\n";
-    assert!(!reads(&code_of(not_used), "batch_size"));
+    assert!(!reads(&code_of(not_used), "batch_size", None));
     assert!(reads(
         &code_of("if self.args.batch_size == 1 {}"),
-        "batch_size"
+        "batch_size",
+        None
+    ));
+    let dispatcher = code_of("let wait = self.dispatcher.revoke_timeout;");
+    assert!(reads(&dispatcher, "revoke_timeout", None));
+    assert!(!reads(
+        &dispatcher,
+        "revoke_timeout",
+        Some(SETTINGS_RECEIVERS)
+    ));
+    assert!(reads(
+        &code_of("let wait = settings.revoke_timeout;"),
+        "revoke_timeout",
+        Some(SETTINGS_RECEIVERS)
     ));
 }

@@ -34,118 +34,67 @@ use prometheus_client::metrics::gauge::Gauge;
 use redis::aio::MultiplexedConnection;
 use saga_core::{StepKey, TenantId};
 
-use saga_core::ConfigProblem;
+use saga_config::ConfigProblem;
 use saga_runtime::ops::Ops;
+
+use crate::settings::{FastPathArgs, RetentionArgs};
 
 /// How often a lost Redis is tried again, at most.
 pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Settings of the fast path. Its `Debug` shows the URL without its password.
-#[derive(Clone)]
-#[non_exhaustive]
-pub struct FastPathSettings {
-    /// The Redis URL (`REDIS_URL`).
-    pub url: String,
-    /// Prefix of every key (`REDIS_NAMESPACE`, default `saga:{system identifier}.{timeline}.{database}.{schema}`,
-    /// read from the pool; see [`default_namespace`]): services that share a Redis but not a database must
-    /// not share keys.
-    pub namespace: Option<String>,
-    /// How long an in-flight lock lives if its holder never releases it (`REDIS_LOCK_TTL_MS`, default
-    /// 30 s): the longest a killed process can keep a key's retries at 409. Longer than the slowest
-    /// request, or a slow request's key is opened to a second attempt (which PostgreSQL still refuses).
-    pub lock_ttl: Duration,
-    /// How long completed keys and responses stay in Redis (`REDIS_KEY_TTL_SECS`, default 1 hour). Never
-    /// longer than the PostgreSQL key retention (`SAGA_KEY_RETENTION_HOURS`), or Redis could answer for a
-    /// key PostgreSQL has forgotten.
-    pub key_ttl: Duration,
-    /// Longest a Redis call may take before it is answered "unknown" (`REDIS_TIMEOUT_MS`, default 50 ms),
-    /// and the longest a call waits for a connection another call is making.
-    pub timeout: Duration,
-}
-
-impl std::fmt::Debug for FastPathSettings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FastPathSettings")
-            .field("url", &saga_runtime::config::redact(&self.url))
-            .field("namespace", &self.namespace)
-            .field("lock_ttl", &self.lock_ttl)
-            .field("key_ttl", &self.key_ttl)
-            .field("timeout", &self.timeout)
-            .finish()
-    }
-}
-
-impl FastPathSettings {
-    /// Settings with the defaults (of [`FastPathArgs`](crate::settings::FastPathArgs), declared there) for
-    /// `url`.
+impl FastPathArgs {
+    /// The defaults (declared on the fields) for the Redis at `url`.
     pub fn new(url: impl Into<String>) -> Self {
-        let d = crate::settings::FastPathArgs::default();
-        Self {
-            url: url.into(),
-            namespace: None,
-            lock_ttl: Duration::from_millis(d.lock_ttl_ms),
-            key_ttl: Duration::from_secs(d.key_ttl_secs),
-            timeout: Duration::from_millis(d.timeout_ms),
-        }
+        let mut args = saga_runtime::settings::defaults::<Self>();
+        args.redis.redis_url = Some(url.into());
+        args
     }
 
-    /// The settings from the environment (see [`FastPathArgs`](crate::settings::FastPathArgs)), or `None`
-    /// when `REDIS_URL` is unset: the fast path is off.
-    pub fn from_env() -> Result<Option<Self>, ConfigProblem> {
-        Self::from_vars(|name| std::env::var(name).ok())
-    }
-
-    /// [`FastPathSettings::from_env`] over any source of variables.
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, ConfigProblem> {
-        let args: crate::settings::FastPathArgs = saga_runtime::settings::from_vars(&get)?;
-        let retention: crate::settings::RetentionArgs = saga_runtime::settings::from_vars(&get)?;
-        args.settings(&retention)
-    }
-}
-
-impl crate::settings::FastPathArgs {
-    /// The fast path's settings, or `None` when `REDIS_URL` is unset. Refuses a URL that is not Redis's,
-    /// and a key TTL longer than the key retention (Redis must not remember keys PostgreSQL forgot).
-    pub fn settings(
-        &self,
-        retention: &crate::settings::RetentionArgs,
-    ) -> Result<Option<FastPathSettings>, ConfigProblem> {
-        let Some(url) = self
-            .redis
+    /// The Redis URL, when one is set: the fast path is on.
+    pub fn url(&self) -> Option<&str> {
+        self.redis
             .redis_url
-            .clone()
+            .as_deref()
             .filter(|u| !u.trim().is_empty())
-        else {
-            return Ok(None);
+    }
+
+    /// The namespace set (`REDIS_NAMESPACE`), if any: otherwise [`default_namespace`].
+    pub fn namespace(&self) -> Option<&str> {
+        self.redis.namespace.as_deref().filter(|n| !n.is_empty())
+    }
+
+    /// Whether the fast path is on (`REDIS_URL` set), once checked: refuses a URL that is not Redis's, and
+    /// a key TTL longer than the key retention (Redis must not remember keys PostgreSQL forgot).
+    pub fn enabled(&self, retention: &RetentionArgs) -> Result<bool, ConfigProblem> {
+        let Some(url) = self.url() else {
+            return Ok(false);
         };
-        redis::Client::open(url.as_str()).map_err(|e| {
-            ConfigProblem::new(
-                "REDIS_URL",
-                format!("is not a Redis URL: {e}"),
-                "use redis://host:port/db",
-            )
-        })?;
-        let settings = FastPathSettings {
-            url,
-            namespace: self.redis.namespace.clone().filter(|n| !n.is_empty()),
-            lock_ttl: Duration::from_millis(self.lock_ttl_ms),
-            key_ttl: Duration::from_secs(self.key_ttl_secs),
-            timeout: Duration::from_millis(self.timeout_ms),
-        };
+        client(url)?;
         let retention = retention.key_retention()?;
-        if settings.key_ttl > retention {
+        if self.key_ttl > retention {
             return Err(ConfigProblem::new(
                 "REDIS_KEY_TTL_SECS",
                 format!(
                     "{} s is longer than the key retention ({} h)",
-                    settings.key_ttl.as_secs(),
+                    self.key_ttl.as_secs(),
                     retention.as_secs_f64() / 3600.0
                 ),
                 "lower it: Redis may not remember keys PostgreSQL has forgotten",
             ));
         }
-        Ok(Some(settings))
+        Ok(true)
     }
+}
+
+/// The client of the Redis at `url`, or the problem with `REDIS_URL`.
+fn client(url: &str) -> Result<redis::Client, ConfigProblem> {
+    redis::Client::open(url).map_err(|e| {
+        ConfigProblem::new(
+            "REDIS_URL",
+            format!("is not a Redis URL: {e}"),
+            "use redis://host:port/db",
+        )
+    })
 }
 
 /// Labels of the fast path's hit counter.
@@ -164,7 +113,7 @@ struct Metrics {
 
 struct Inner {
     client: redis::Client,
-    settings: FastPathSettings,
+    settings: FastPathArgs,
     namespace: String,
     connection: Mutex<Option<MultiplexedConnection>>,
     /// When the last connection attempt failed; none is made again before [`RECONNECT_INTERVAL`].
@@ -224,15 +173,9 @@ impl FastPath {
     /// A fast path for `settings`, with keys under the namespace from the settings or, when unset,
     /// [`default_namespace`] of `pool`. Redis need not be up: the connection is made on first use and again
     /// after every outage.
-    pub async fn new(
-        settings: FastPathSettings,
-        pool: &sqlx::PgPool,
-    ) -> Result<Self, ConfigProblem> {
-        match &settings.namespace {
-            Some(n) => {
-                let namespace = n.clone();
-                Self::with_namespace(settings, namespace)
-            }
+    pub async fn new(settings: FastPathArgs, pool: &sqlx::PgPool) -> Result<Self, ConfigProblem> {
+        match settings.namespace().map(str::to_owned) {
+            Some(namespace) => Self::with_namespace(settings, namespace),
             None => {
                 let namespace = default_namespace(pool).await?;
                 let fast = Self::with_namespace(settings, namespace.clone())?;
@@ -279,13 +222,14 @@ impl FastPath {
         self.0.retired.load(Ordering::Relaxed)
     }
 
-    /// The fast path the environment asks for (see [`FastPathSettings::from_env`]): `None` when
-    /// `REDIS_URL` is unset. Tries Redis once, so that an outage at start is logged and counted at once;
-    /// Redis being down is not an error.
+    /// The fast path the environment asks for ([`FastPathArgs`] and the key retention it is checked
+    /// against): `None` when `REDIS_URL` is unset. Tries Redis once, so that an outage at start is logged
+    /// and counted at once; Redis being down is not an error.
     pub async fn from_env(pool: &sqlx::PgPool) -> Result<Option<Self>, ConfigProblem> {
-        let Some(settings) = FastPathSettings::from_env()? else {
+        let settings = FastPathArgs::from_env()?;
+        if !settings.enabled(&RetentionArgs::from_env()?)? {
             return Ok(None);
-        };
+        }
         let fast = Self::new(settings, pool).await?;
         fast.connect().await;
         Ok(Some(fast))
@@ -298,19 +242,16 @@ impl FastPath {
         self.connection().await.is_some()
     }
 
-    /// A fast path with keys under `namespace`.
+    /// A fast path with keys under `namespace`; refuses settings without a Redis URL.
     pub fn with_namespace(
-        settings: FastPathSettings,
+        settings: FastPathArgs,
         namespace: impl Into<String>,
     ) -> Result<Self, ConfigProblem> {
         install_tls_provider();
-        let client = redis::Client::open(settings.url.as_str()).map_err(|e| {
-            ConfigProblem::new(
-                "REDIS_URL",
-                format!("is not a Redis URL: {e}"),
-                "use redis://host:port/db",
-            )
+        let url = settings.url().ok_or_else(|| {
+            ConfigProblem::new("REDIS_URL", "is not set", "set it to turn the fast path on")
         })?;
+        let client = client(url)?;
         Ok(Self(Arc::new(Inner {
             client,
             settings,
@@ -325,7 +266,7 @@ impl FastPath {
     }
 
     /// The settings.
-    pub fn settings(&self) -> &FastPathSettings {
+    pub fn settings(&self) -> &FastPathArgs {
         &self.0.settings
     }
 
@@ -336,8 +277,14 @@ impl FastPath {
 
     /// Deletes every key of the namespace (what a service must do after its database was restored to an
     /// earlier point: Redis may remember completions the restored database does not have). Returns how
-    /// many keys were deleted. Unlike the service's calls, an unreachable Redis is an error here.
-    pub async fn forget_namespace(&self) -> Result<u64, redis::RedisError> {
+    /// many keys were deleted. Unlike the service's calls, an unreachable Redis is an error here (Redis's
+    /// own, kept as the [`Cause`](crate::Cause)).
+    pub async fn forget_namespace(&self) -> Result<u64, crate::Cause> {
+        self.forget_all().await.map_err(crate::Cause::new)
+    }
+
+    /// [`FastPath::forget_namespace`], with Redis's error.
+    async fn forget_all(&self) -> Result<u64, redis::RedisError> {
         let mut conn = self.0.client.get_multiplexed_async_connection().await?;
         let pattern = format!("{}:*", glob_escape(&self.0.namespace));
         let mut cursor: u64 = 0;
@@ -458,7 +405,7 @@ impl FastPath {
         if !self.0.down_logged.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 error,
-                url = %self.0.settings.url,
+                url = %saga_runtime::config::redact(self.0.settings.url().unwrap_or_default()),
                 "Redis is unavailable: running on PostgreSQL alone until it answers again"
             );
         }
@@ -729,9 +676,9 @@ mod tests {
         let every = Duration::from_millis(50);
 
         let current = default_namespace(&db.pool).await.unwrap();
-        let kept = FastPath::with_namespace(FastPathSettings::new(&url), current.clone()).unwrap();
+        let kept = FastPath::with_namespace(FastPathArgs::new(&url), current.clone()).unwrap();
         kept.watch_namespace(db.pool.clone(), current, every);
-        let moved = FastPath::with_namespace(FastPathSettings::new(&url), "saga:1.1.x.y").unwrap();
+        let moved = FastPath::with_namespace(FastPathArgs::new(&url), "saga:1.1.x.y").unwrap();
         moved.watch_namespace(db.pool.clone(), "saga:1.1.x.y".to_owned(), every);
         assert!(moved.connect().await, "Redis answers at {url}");
 

@@ -5,7 +5,7 @@ use std::future::Future;
 
 use futures::future::BoxFuture;
 use outbox_relay::{Relay, RelayBuilder, RelayError};
-use saga_core::OutboxMode;
+use saga_config::OutboxMode;
 
 use crate::settings::ServiceArgs;
 use saga_runtime::config::ConfigProblem;
@@ -176,7 +176,7 @@ pub struct ServiceParts {
     create_topics: Option<(i32, i32)>,
     accept_key_expiry: bool,
     #[cfg(feature = "redis")]
-    fast_path: Option<crate::fast_path::FastPathSettings>,
+    fast_path: Option<crate::settings::FastPathArgs>,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,
 }
@@ -246,8 +246,8 @@ impl SagaServiceBuilder {
         self.parts.create_topics = args.create_topics.map(|p| (p, args.topic_replication));
         self.parts.accept_key_expiry = args.accept_key_expiry;
         #[cfg(feature = "redis")]
-        match args.fast_path.settings(&args.relay.retention) {
-            Ok(fast_path) => self.parts.fast_path = fast_path,
+        match args.fast_path.enabled(&args.relay.retention) {
+            Ok(on) => self.parts.fast_path = on.then(|| args.fast_path.clone()),
             Err(e) => self.problem(e),
         }
         self
@@ -455,7 +455,7 @@ pub struct SagaService {
     create_topics: Option<(i32, i32)>,
     accept_key_expiry: bool,
     #[cfg(feature = "redis")]
-    fast_path: Option<crate::fast_path::FastPathSettings>,
+    fast_path: Option<crate::settings::FastPathArgs>,
     outbox: crate::Outbox,
     migrators: Vec<Migrator>,
     tasks: Vec<(String, TaskFn)>,

@@ -28,7 +28,7 @@ use std::ops::RangeInclusive;
 use std::time::Duration;
 
 use clap::builder::RangedU64ValueParser;
-use saga_core::ConfigProblem;
+use saga_config::ConfigProblem;
 use saga_runtime::settings::value;
 
 pub use outbox_relay::{
@@ -269,16 +269,19 @@ pub struct FastPathArgs {
     /// Where, and the keys' namespace.
     #[command(flatten)]
     pub redis: RedisArgs,
-    /// Life of an HTTP in-flight lock whose holder died, in milliseconds.
-    #[arg(long = "redis-lock-ttl-ms", env = "REDIS_LOCK_TTL_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
-    pub lock_ttl_ms: u64,
+    /// Life of an HTTP in-flight lock whose holder died, in milliseconds: the longest a killed process
+    /// keeps a key's retries at 409. Longer than the slowest request, or a slow request's key is opened to
+    /// a second attempt (which PostgreSQL still refuses).
+    #[arg(long = "redis-lock-ttl-ms", env = "REDIS_LOCK_TTL_MS", default_value = "30000", value_parser = value::positive_millis)]
+    pub lock_ttl: Duration,
     /// Life of cached responses and completed keys, in seconds; refused if longer than
-    /// `SAGA_KEY_RETENTION_HOURS`.
-    #[arg(long = "redis-key-ttl-secs", env = "REDIS_KEY_TTL_SECS", default_value_t = 3_600, value_parser = clap::value_parser!(u64).range(1..))]
-    pub key_ttl_secs: u64,
-    /// A slower Redis call, in milliseconds, is answered from PostgreSQL.
-    #[arg(long = "redis-timeout-ms", env = "REDIS_TIMEOUT_MS", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
-    pub timeout_ms: u64,
+    /// `SAGA_KEY_RETENTION_HOURS` (Redis could answer for a key PostgreSQL has forgotten).
+    #[arg(long = "redis-key-ttl-secs", env = "REDIS_KEY_TTL_SECS", default_value = "3600", value_parser = value::positive_secs)]
+    pub key_ttl: Duration,
+    /// A slower Redis call, in milliseconds, is answered from PostgreSQL (also the longest a call waits for
+    /// a connection another call is making).
+    #[arg(long = "redis-timeout-ms", env = "REDIS_TIMEOUT_MS", default_value = "50", value_parser = value::positive_millis)]
+    pub timeout: Duration,
 }
 #[cfg(feature = "redis")]
 saga_runtime::settings_group!(FastPathArgs);

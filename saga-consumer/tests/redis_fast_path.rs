@@ -11,8 +11,9 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use http_body_util::BodyExt;
-use saga_consumer::fast_path::{FastPath, FastPathSettings, LockAnswer};
+use saga_consumer::fast_path::{FastPath, LockAnswer};
 use saga_consumer::http::{IdempotencyLayer, REPLAYED_HEADER};
+use saga_consumer::settings::{FastPathArgs, RetentionArgs};
 use saga_consumer::{
     IdempotencyKey, Message, SagaConsumer, SagaStep, StepContext, StepName, StepOutcome,
     StepResult, Subscription, TenantId,
@@ -40,7 +41,7 @@ fn namespace(test: &str) -> String {
 }
 
 fn fast_path(url: &str, namespace: &str, ops: &Ops) -> FastPath {
-    let mut settings = FastPathSettings::new(url);
+    let mut settings = FastPathArgs::new(url);
     settings.lock_ttl = Duration::from_millis(800);
     let fast = FastPath::with_namespace(settings, namespace).unwrap();
     fast.register(ops);
@@ -425,19 +426,25 @@ async fn settings_refuse_a_key_ttl_longer_than_the_key_retention() {
                 .map(|(_, v)| (*v).to_owned())
         }
     };
-    assert!(
-        FastPathSettings::from_vars(vars(&[])).unwrap().is_none(),
-        "off without REDIS_URL"
-    );
-    let problem = FastPathSettings::from_vars(vars(&[
+    let enabled = |pairs| {
+        let get = vars(pairs);
+        FastPathArgs::from_vars(get)
+            .unwrap()
+            .enabled(&RetentionArgs::from_vars(get).unwrap())
+    };
+    assert!(!enabled(&[]).unwrap(), "off without REDIS_URL");
+    assert!(enabled(&[("REDIS_URL", "redis://127.0.0.1:6379")]).unwrap());
+    let problem = enabled(&[
         ("REDIS_URL", "redis://127.0.0.1:6379"),
         ("REDIS_KEY_TTL_SECS", "18000"),
         ("SAGA_KEY_RETENTION_HOURS", "4"),
-    ]))
+    ])
     .unwrap_err();
     assert_eq!(problem.setting, "REDIS_KEY_TTL_SECS");
-    let problem = FastPathSettings::from_vars(vars(&[("REDIS_URL", "http://nope")])).unwrap_err();
+    let problem = enabled(&[("REDIS_URL", "http://nope")]).unwrap_err();
     assert_eq!(problem.setting, "REDIS_URL");
+    let zero = FastPathArgs::from_vars(vars(&[("REDIS_LOCK_TTL_MS", "0")])).unwrap_err();
+    assert_eq!(zero.setting, "REDIS_LOCK_TTL_MS", "{zero}");
 }
 
 /// Waits until the test group's committed offset of partition 0 of `topic` is `next`.
@@ -655,7 +662,7 @@ async fn namespace_two_clusters_with_the_same_database_and_schema_names_never_se
     .await
     .unwrap();
 
-    let settings = FastPathSettings::new(redis_url());
+    let settings = FastPathArgs::new(redis_url());
     let a = FastPath::new(settings.clone(), &here.pool).await.unwrap();
     let b = FastPath::new(settings, &there).await.unwrap();
     let names = format!(".{}.{}", here.database(), here.schema);

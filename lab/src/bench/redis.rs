@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::routing::post;
-use saga_consumer::fast_path::{FastPath, FastPathSettings};
+use saga_consumer::fast_path::FastPath;
 use saga_consumer::http::IdempotencyLayer;
+use saga_consumer::settings::FastPathArgs;
 use saga_core::StepName;
 use saga_runtime::kafka::KafkaConfig;
 use sqlx::PgPool;
@@ -213,7 +214,7 @@ pub async fn figures(
     progress: &Progress,
 ) -> anyhow::Result<Figures> {
     let namespace = format!("saga-bench:{}", uuid::Uuid::new_v4().simple());
-    let fast = |ns: &str| FastPath::with_namespace(FastPathSettings::new(redis_url), ns);
+    let fast = |ns: &str| FastPath::with_namespace(FastPathArgs::new(redis_url), ns);
     progress.note(&format!(
         "redis: {storm} concurrent requests on one key, then {replays} replays"
     ));

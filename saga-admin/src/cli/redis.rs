@@ -24,19 +24,16 @@ impl Cli {
             .ok_or_else(|| {
                 ConfigProblem::new("REDIS_URL", "is not set", "set it to redis://HOST:PORT/DB")
             })?;
-        let mut settings = saga_consumer::fast_path::FastPathSettings::new(url);
-        settings.namespace = namespace.clone().filter(|n| !n.is_empty());
-        let fast = match &settings.namespace {
-            Some(n) => saga_consumer::fast_path::FastPath::with_namespace(settings.clone(), n)?,
-            None => saga_consumer::fast_path::FastPath::new(settings, &pool).await?,
-        };
+        let mut settings = saga_consumer::settings::FastPathArgs::new(url);
+        settings.redis.namespace = namespace.clone();
+        let fast = saga_consumer::fast_path::FastPath::new(settings, &pool).await?;
         let action = Action::new("redis forget").on("namespace", fast.namespace());
         let work = async {
             fast.forget_namespace()
                 .await
                 .map_err(|e| AdminError::Redis {
                     doing: format!("deleting the keys of {}", fast.namespace()),
-                    source: saga_consumer::Cause::new(e),
+                    source: e,
                 })
         };
         let deleted =
