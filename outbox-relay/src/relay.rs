@@ -80,6 +80,9 @@ pub struct RelayBuilder {
     pool: Option<PgPool>,
     /// What the calls so far found wrong: `build` reports them all.
     problems: Vec<ConfigProblem>,
+    /// Whether the relay's own groups (`kafka`, or `relay`: the relay, its outbox and its database) did not
+    /// parse: their checks are not made, the other's are.
+    unparsed: Vec<&'static str>,
     ops: Option<Ops>,
     hooks: PublishHooks,
 }
@@ -105,22 +108,29 @@ impl RelayBuilder {
     /// the same groups as the `outbox-relay` binary's); later calls override them. A missing
     /// `KAFKA_BROKERS` or a variable that does not parse is reported by `build`, with every other problem.
     pub fn from_env(mut self) -> Self {
-        let read = || -> Result<_, ConfigProblem> {
-            Ok((
-                DatabaseArgs::from_env()?,
-                RelayArgs::from_env()?,
-                OutboxArgs::from_env()?,
-            ))
-        };
-        match read() {
-            Ok((database, relay, outbox)) => {
+        match (
+            DatabaseArgs::from_env(),
+            RelayArgs::from_env(),
+            OutboxArgs::from_env(),
+        ) {
+            (Ok(database), Ok(relay), Ok(outbox)) => {
                 self = self.args(&relay, &outbox, database.database_url.as_deref());
             }
-            Err(e) => self.problems.push(e),
+            (database, relay, outbox) => {
+                self.problems.extend(
+                    [database.err(), relay.err(), outbox.err()]
+                        .into_iter()
+                        .flatten(),
+                );
+                self.unparsed.push("relay");
+            }
         }
-        match KafkaArgs::from_env().and_then(|k| k.config()) {
+        match KafkaArgs::from_env().and_then(|k| k.config_or_unlisted()) {
             Ok(kafka) => self.kafka = Some(kafka),
-            Err(e) => self.problems.push(e),
+            Err(e) => {
+                self.problems.push(e);
+                self.unparsed.push("kafka");
+            }
         }
         self
     }
@@ -255,10 +265,11 @@ impl RelayBuilder {
     /// the mode's needs are `build`'s). A service that embeds the relay says them with its consumer's.
     #[doc(hidden)]
     pub fn problems(&self) -> Vec<ConfigProblem> {
-        if !self.problems.is_empty() {
-            return self.problems.clone();
+        let mut problems = self.problems.clone();
+        if self.unparsed.contains(&"relay") {
+            return problems;
         }
-        let mut problems = self.args.problems();
+        problems.extend(self.args.problems());
         if self.outbox.max_transaction_bytes == 0 {
             problems.push(ConfigProblem::new(
                 "SAGA_OUTBOX_MAX_TRANSACTION_BYTES",
@@ -272,13 +283,11 @@ impl RelayBuilder {
     /// Every problem of the settings given so far, each naming its variable, said at once.
     fn settings_problem(&self) -> Option<ConfigProblem> {
         let mut problems = self.problems();
-        if !self.problems.is_empty() {
-            return ConfigProblem::all(problems);
-        }
-        if self
-            .kafka
-            .as_ref()
-            .is_none_or(|k| k.brokers.trim().is_empty())
+        if !self.unparsed.contains(&"kafka")
+            && self
+                .kafka
+                .as_ref()
+                .is_none_or(|k| k.brokers.trim().is_empty())
         {
             problems.push(ConfigProblem::new(
                 "KAFKA_BROKERS",

@@ -147,6 +147,24 @@ impl KafkaArgs {
         self.security().apply(config)
     }
 
+    /// [`KafkaArgs::config`], or, when `KAFKA_BROKERS` is unset, the same configuration around an empty
+    /// broker list, for a builder's later call to give one (its security settings and `KAFKA_PROPERTY_*`
+    /// kept: never dropped because the list came from elsewhere).
+    pub fn config_or_unlisted(&self) -> Result<KafkaConfig, ConfigProblem> {
+        if self
+            .brokers
+            .as_deref()
+            .is_some_and(|b| !b.trim().is_empty())
+        {
+            return self.config();
+        }
+        let mut listed = self.clone();
+        listed.brokers = Some("unlisted".to_owned());
+        let mut config = listed.config()?;
+        config.brokers.clear();
+        Ok(config)
+    }
+
     /// The security settings alone, added to `config` (a configuration built from another broker list).
     pub fn secure(&self, config: KafkaConfig) -> Result<KafkaConfig, ConfigProblem> {
         self.security().apply(config)
@@ -439,6 +457,30 @@ mod tests {
             (name == "SAGA_KEY_RETENTION_HOURS").then(|| hours.to_owned())
         })
         .unwrap()
+    }
+
+    /// Without `KAFKA_BROKERS`, the security settings still make the configuration a builder completes.
+    #[test]
+    fn a_configuration_without_brokers_keeps_its_security_settings() {
+        let kafka = super::KafkaArgs::from_vars(|name| {
+            (name == "KAFKA_SECURITY_PROTOCOL").then(|| "ssl".to_owned())
+        })
+        .unwrap();
+        assert_eq!(kafka.config().unwrap_err().setting, "KAFKA_BROKERS");
+        let config = kafka.config_or_unlisted().unwrap();
+        assert_eq!(config.brokers, "");
+        assert!(
+            config
+                .properties
+                .iter()
+                .any(|(name, value)| name == "security.protocol" && value == "ssl"),
+            "{config:?}"
+        );
+        let listed = super::KafkaArgs::from_vars(|name| {
+            (name == "KAFKA_BROKERS").then(|| "b:9093".to_owned())
+        })
+        .unwrap();
+        assert_eq!(listed.config_or_unlisted().unwrap().brokers, "b:9093");
     }
 
     #[test]

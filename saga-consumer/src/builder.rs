@@ -40,6 +40,9 @@ pub struct SagaBuilder<P> {
     pub(crate) retention: RetentionArgs,
     /// What the calls so far found wrong (a variable that does not parse, say): `build` reports them all.
     pub(crate) problems: Vec<ConfigProblem>,
+    /// The settings groups that did not parse (`kafka`, `consumer`, `retention`): their own checks are not
+    /// made (what they would have given is not there), the other groups' are.
+    pub(crate) unparsed: Vec<&'static str>,
     pub(crate) pool: Option<PgPool>,
     pub(crate) steps: Vec<RegisteredStep>,
     pub(crate) ignored: Vec<(String, String)>,
@@ -109,6 +112,7 @@ impl<P> SagaBuilder<P> {
             kafka: None,
             retention: RetentionArgs::default(),
             problems: Vec::new(),
+            unparsed: Vec::new(),
             pool: None,
             steps: Vec::new(),
             ignored: Vec::new(),
@@ -129,16 +133,21 @@ impl<P> SagaBuilder<P> {
         self.problems.push(problem);
     }
 
+    /// Records that settings `groups` did not parse, and why.
+    pub(crate) fn unparsed(&mut self, groups: &[&'static str], problem: ConfigProblem) {
+        self.unparsed.extend(groups);
+        self.problem(problem);
+    }
+
     /// Takes the broker from its settings: its security settings that cannot work together are a problem
     /// now (never dropped: the client would reach the broker without them); a missing broker list is for
-    /// `build` to report.
+    /// `build` to report, unless a later call gives one ([`SagaBuilder::brokers`]), which keeps the security
+    /// settings and `KAFKA_PROPERTY_*` read here.
     pub(crate) fn take_kafka(&mut self, kafka: &KafkaArgs) {
-        if kafka.brokers.is_none() {
-            return;
-        }
-        match kafka.config() {
+        let config = kafka.config_or_unlisted();
+        match config {
             Ok(config) => self.kafka = Some(config),
-            Err(problem) => self.problem(problem),
+            Err(problem) => self.unparsed(&["kafka"], problem),
         }
     }
 
@@ -358,19 +367,17 @@ impl<P> SagaBuilder<P> {
         self
     }
 
-    /// Every problem of the settings given so far, each naming its variable. A problem a call recorded (a
-    /// group that did not parse, security settings that cannot work together) is said with the others
-    /// recorded, alone: the settings it would have given are not there, and saying them "not set" would be
-    /// wrong.
+    /// Every problem of the settings given so far, each naming its variable: those the calls recorded (a
+    /// group that did not parse, security settings that cannot work together), and the checks of every
+    /// group that parsed (the others' would say "not set" of what they would have given).
     pub(crate) fn settings_problems(&self) -> Vec<ConfigProblem> {
-        if !self.problems.is_empty() {
-            return self.problems.clone();
-        }
-        let mut problems = Vec::new();
-        if self
-            .kafka
-            .as_ref()
-            .is_none_or(|k| k.brokers.trim().is_empty())
+        let mut problems = self.problems.clone();
+        let parsed = |group: &str| !self.unparsed.contains(&group);
+        if parsed("kafka")
+            && self
+                .kafka
+                .as_ref()
+                .is_none_or(|k| k.brokers.trim().is_empty())
         {
             problems.push(ConfigProblem::new(
                 "KAFKA_BROKERS",
@@ -378,8 +385,12 @@ impl<P> SagaBuilder<P> {
                 "set it to the broker list (host:port, comma-separated)",
             ));
         }
-        problems.extend(self.args.problems());
-        if let Err(problem) = self.retention.key_retention() {
+        if parsed("consumer") {
+            problems.extend(self.args.problems());
+        }
+        if parsed("retention")
+            && let Err(problem) = self.retention.key_retention()
+        {
             problems.push(problem);
         }
         problems
@@ -410,11 +421,11 @@ impl SagaConsumerBuilder {
     pub fn from_env(mut self) -> Self {
         match KafkaArgs::from_env() {
             Ok(kafka) => self.take_kafka(&kafka),
-            Err(problem) => self.problem(problem),
+            Err(problem) => self.unparsed(&["kafka"], problem),
         }
         match ConsumerArgs::from_env() {
             Ok(args) => self.args = args,
-            Err(problem) => self.problem(problem),
+            Err(problem) => self.unparsed(&["consumer"], problem),
         }
         self
     }
@@ -425,5 +436,70 @@ impl SagaConsumerBuilder {
     pub fn with_outbox(mut self, outbox: crate::Outbox) -> Self {
         self.outbox = outbox;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The security settings of the environment stay when the broker list is given in code afterwards.
+    #[test]
+    fn brokers_given_in_code_keep_the_environments_security_settings() {
+        let kafka = KafkaArgs::from_vars(|name| {
+            (name == "KAFKA_SECURITY_PROTOCOL").then(|| "ssl".to_owned())
+        })
+        .unwrap();
+        let mut builder = SagaConsumerBuilder::new();
+        builder.take_kafka(&kafka);
+        let builder = builder.brokers("127.0.0.1:9093");
+        let config = builder.kafka.as_ref().unwrap();
+        assert_eq!(config.brokers, "127.0.0.1:9093");
+        assert!(
+            config
+                .properties
+                .iter()
+                .any(|(name, value)| name == "security.protocol" && value == "ssl"),
+            "{config:?}"
+        );
+        assert!(builder.problems.is_empty(), "{:?}", builder.problems);
+        assert!(
+            builder
+                .settings_problems()
+                .iter()
+                .all(|p| p.setting != "KAFKA_BROKERS")
+        );
+        // Without a broker list from anywhere, `build` says so.
+        let mut unset = SagaConsumerBuilder::new();
+        unset.take_kafka(&kafka);
+        assert!(
+            unset
+                .settings_problems()
+                .iter()
+                .any(|p| p.setting == "KAFKA_BROKERS")
+        );
+    }
+
+    /// A group that did not parse hides its own checks, not the other groups'.
+    #[test]
+    fn a_group_that_did_not_parse_hides_only_its_own_checks() {
+        let mut builder = SagaConsumerBuilder::new();
+        builder.unparsed(
+            &["kafka"],
+            ConfigProblem::new("KAFKA_SASL_MECHANISM", "\"x\" does not parse", "fix it"),
+        );
+        let builder = builder.batch_size(0);
+        let said: Vec<String> = builder
+            .settings_problems()
+            .into_iter()
+            .map(|p| p.setting)
+            .collect();
+        assert!(
+            said.contains(&"KAFKA_SASL_MECHANISM".to_owned()),
+            "{said:?}"
+        );
+        assert!(said.contains(&"SAGA_GROUP_ID".to_owned()), "{said:?}");
+        assert!(said.contains(&"SAGA_BATCH_SIZE".to_owned()), "{said:?}");
+        assert!(!said.contains(&"KAFKA_BROKERS".to_owned()), "{said:?}");
     }
 }

@@ -224,7 +224,7 @@ impl SagaServiceBuilder {
         match ServiceArgs::from_env() {
             Ok(args) => self.args(&args),
             Err(e) => {
-                self.problem(e);
+                self.unparsed(&["kafka", "consumer", "retention"], e);
                 self
             }
         }

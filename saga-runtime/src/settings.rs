@@ -9,9 +9,35 @@ use clap::{ArgAction, Args, Command, FromArgMatches};
 use crate::config::ConfigProblem;
 
 /// Parses the group `T` from the environment (its arguments' variables, else their defaults). A variable
-/// that does not parse is a [`ConfigProblem`] naming it.
+/// that does not parse, or is not UTF-8 (which the binaries refuse too), is a [`ConfigProblem`] naming it;
+/// every such variable is said.
 pub fn from_env<T: Args + FromArgMatches>() -> Result<T, ConfigProblem> {
-    from_vars(|name| std::env::var(name).ok())
+    from_os_vars(|name| std::env::var_os(name))
+}
+
+/// [`from_env`] over any source of variables as the environment holds them (not necessarily UTF-8).
+fn from_os_vars<T: Args + FromArgMatches>(
+    get: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Result<T, ConfigProblem> {
+    let command = T::augment_args(Command::new("settings"));
+    let mut problems: Vec<ConfigProblem> = command
+        .get_arguments()
+        .filter_map(|arg| arg.get_env())
+        .filter(|env| get(&env.to_string_lossy()).is_some_and(|v| v.to_str().is_none()))
+        .map(|env| {
+            ConfigProblem::new(
+                env.to_string_lossy(),
+                "is not UTF-8",
+                "set it to text (its value is not shown)",
+            )
+        })
+        .collect();
+    let parsed = from_vars(|name| get(name).and_then(|v| v.into_string().ok()));
+    problems.extend(parsed.as_ref().err().cloned());
+    match ConfigProblem::all(problems) {
+        Some(problem) => Err(problem),
+        None => parsed,
+    }
 }
 
 /// The group `T` with every default, whatever the environment holds.
@@ -26,6 +52,7 @@ pub fn from_vars<T: Args + FromArgMatches>(
     let command = T::augment_args(Command::new("settings").no_binary_name(true));
     let mut argv: Vec<String> = Vec::new();
     let mut longs: Vec<(String, String)> = Vec::new();
+    let mut problems = Vec::new();
     for arg in command.get_arguments() {
         let (Some(env), Some(long)) = (arg.get_env(), arg.get_long()) else {
             continue;
@@ -39,13 +66,11 @@ pub fn from_vars<T: Args + FromArgMatches>(
             ArgAction::SetTrue => match boolish(&value) {
                 Some(true) => argv.push(format!("--{long}")),
                 Some(false) => {}
-                None => {
-                    return Err(ConfigProblem::new(
-                        env,
-                        format!("{value:?} is not true or false"),
-                        "set it to true or false",
-                    ));
-                }
+                None => problems.push(ConfigProblem::new(
+                    env,
+                    format!("{value:?} is not true or false"),
+                    "set it to true or false",
+                )),
             },
             // One argument: a value that starts with `-` is still the value.
             _ => argv.push(format!("--{long}={value}")),
@@ -53,10 +78,49 @@ pub fn from_vars<T: Args + FromArgMatches>(
     }
     // The variables were turned into arguments: clap must not read them again.
     let command = command.mut_args(|a| a.env(None::<&str>));
-    command
-        .try_get_matches_from(&argv)
-        .and_then(|matches| T::from_arg_matches(&matches))
-        .map_err(|e| problem(&e, &longs, &get))
+    every_problem(&command, argv, problems, &longs, &get)
+}
+
+/// Parses `argv` with `command`, saying every variable that does not parse: clap stops at the first, so
+/// each one found is taken out and the rest parsed again.
+fn every_problem<T: FromArgMatches>(
+    command: &Command,
+    mut argv: Vec<String>,
+    mut problems: Vec<ConfigProblem>,
+    longs: &[(String, String)],
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<T, ConfigProblem> {
+    let parsed = loop {
+        let parsed = command
+            .clone()
+            .try_get_matches_from(&argv)
+            .and_then(|matches| T::from_arg_matches(&matches));
+        let error = match parsed {
+            Ok(group) => break Some(group),
+            Err(error) => error,
+        };
+        let (found, said) = problem(&error, longs, get);
+        problems.push(said);
+        let before = argv.len();
+        if let Some(long) = found {
+            argv.retain(|arg| {
+                arg != &format!("--{long}") && !arg.starts_with(&format!("--{long}="))
+            });
+        }
+        if argv.len() == before {
+            // Not one of the variables (a missing required one, say): nothing more to take out.
+            break None;
+        }
+    };
+    match (ConfigProblem::all(problems), parsed) {
+        (Some(problem), _) => Err(problem),
+        (None, Some(group)) => Ok(group),
+        (None, None) => Err(ConfigProblem::new(
+            "settings",
+            "do not parse",
+            "fix the settings",
+        )),
+    }
 }
 
 /// A flag's variable as the binaries read it: clap reads a flag's variable with its `BoolValueParser`, which
@@ -69,12 +133,12 @@ fn boolish(value: &str) -> Option<bool> {
     }
 }
 
-/// The variable clap's error is about, as a one-line problem.
+/// The variable clap's error is about (by its flag), as a one-line problem.
 fn problem(
     error: &clap::Error,
     longs: &[(String, String)],
     get: &impl Fn(&str) -> Option<String>,
-) -> ConfigProblem {
+) -> (Option<String>, ConfigProblem) {
     let invalid = error
         .get(clap::error::ContextKind::InvalidArg)
         .map(ToString::to_string)
@@ -92,23 +156,27 @@ fn problem(
         .trim_start_matches("error: ")
         .to_owned();
     match found {
-        Some((_, env)) => {
+        Some((long, env)) => {
             // clap's "invalid value 'x' for '--flag <X>': why": the flag is the variable here; the why stays.
             let what = reason.split(" for '").next().unwrap_or(&reason);
             let why = reason
                 .split_once("': ")
                 .map(|(_, why)| format!(": {why}"))
                 .unwrap_or_default();
-            ConfigProblem::new(
+            let said = ConfigProblem::new(
                 env.clone(),
                 format!(
                     "{:?} does not parse ({what}{why})",
                     get(env).unwrap_or_default()
                 ),
                 "fix its value",
-            )
+            );
+            (Some(long.clone()), said)
         }
-        None => ConfigProblem::new("settings", reason, "fix the settings"),
+        None => (
+            None,
+            ConfigProblem::new("settings", reason, "fix the settings"),
+        ),
     }
 }
 
@@ -328,6 +396,47 @@ mod tests {
                 .find(|(n, _)| *n == name)
                 .map(|(_, v)| (*v).to_owned())
         }
+    }
+
+    #[derive(Debug, Clone, clap::Args)]
+    struct Three {
+        /// One.
+        #[arg(long = "one", env = "X_ONE", default_value_t = 1)]
+        one: u32,
+        /// Two.
+        #[arg(long = "two", env = "X_TWO", default_value_t = 2)]
+        two: u32,
+        /// Flag.
+        #[arg(long = "flag", env = "X_FLAG")]
+        flag: bool,
+    }
+
+    #[test]
+    fn every_variable_that_does_not_parse_is_said_not_only_the_first() {
+        let bad = from_vars::<Three>(vars(&[
+            ("X_ONE", "many"),
+            ("X_TWO", "-3"),
+            ("X_FLAG", "perhaps"),
+        ]))
+        .unwrap_err();
+        assert_eq!(bad.setting, "X_FLAG, X_ONE, X_TWO", "{bad}");
+        assert!(
+            bad.to_string().contains("\"many\"") && bad.to_string().contains("\"-3\""),
+            "{bad}"
+        );
+        let one = from_vars::<Three>(vars(&[("X_TWO", "x"), ("X_ONE", "5")])).unwrap_err();
+        assert_eq!(one.setting, "X_TWO", "{one}");
+    }
+
+    #[test]
+    fn a_variable_that_is_not_utf8_is_refused_by_name_not_taken_as_unset() {
+        use std::os::unix::ffi::OsStringExt;
+        let bad = from_os_vars::<Three>(|name| {
+            (name == "X_ONE").then(|| std::ffi::OsString::from_vec(b"7\xa0".to_vec()))
+        })
+        .unwrap_err();
+        assert_eq!(bad.setting, "X_ONE", "{bad}");
+        assert!(bad.problem.contains("UTF-8"), "{bad}");
     }
 
     #[test]
