@@ -11,6 +11,7 @@ pub mod redis;
 pub mod relay;
 pub mod saga;
 pub mod scale;
+pub mod slow;
 pub mod tls;
 
 /// The outbox the benchmark's writers use now (the consumer's rounds, the ceilings, the HTTP layer's):
@@ -278,6 +279,9 @@ pub struct Report {
     pub consumer_tls: Option<tls::TlsFigures>,
     /// The operators' toolkit over a dead-letter topic of many letters (the `dlq-index` section).
     pub dlq_index: Option<dlq::DlqFigures>,
+    /// A slow two-phase step on one partition, one key at a time and keys in parallel, against the limit of
+    /// the work (the `slow-steps` section, on the mock cluster).
+    pub slow_steps: Option<slow::Figures>,
     /// The machine the figures were measured on.
     pub machine: Option<serde_json::Value>,
     /// The run's settings.
@@ -407,6 +411,9 @@ impl Report {
         println!("{}", "─".repeat(90));
         for (name, value, target, met) in rows {
             println!("{name:<40} {value:>20}  {target:<18} {met}");
+        }
+        if let Some(s) = &self.slow_steps {
+            s.print();
         }
         if let Some(d) = &self.dlq_index {
             println!(

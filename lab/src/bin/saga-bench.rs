@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use saga_consumer::OutboxMode;
 use saga_examples::service::ServiceArgs;
-use saga_lab::bench::{Progress, Report, broker, consumer, cpu, http, otel, relay, saga, scale};
+use saga_lab::bench::{
+    Progress, Report, broker, consumer, cpu, http, otel, relay, saga, scale, slow,
+};
 use saga_lab::harness::broker::Broker;
 use saga_runtime::kafka::{KafkaConfig, ensure_topics};
 use tracing_subscriber::layer::SubscriberExt;
@@ -121,7 +123,7 @@ struct Cli {
 }
 
 /// The sections of a run, in the order they run.
-const SECTIONS: [&str; 13] = [
+const SECTIONS: [&str; 14] = [
     "broker",
     "consumer",
     "consumer-mock",
@@ -134,15 +136,17 @@ const SECTIONS: [&str; 13] = [
     "otel",
     "saga",
     "saga-mock",
+    "slow-steps",
     "dlq-index",
 ];
 
 /// The sections that need no broker (the mock cluster stands in, or no Kafka at all).
-const BROKER_FREE: [&str; 7] = [
+const BROKER_FREE: [&str; 8] = [
     "consumer-mock",
     "consumer-tls",
     "relay-mock",
     "saga-mock",
+    "slow-steps",
     "http",
     "redis",
     "otel",
@@ -596,6 +600,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
 
+    checkpoint(&report, &cli.output)?;
+    if starts("slow-steps") {
+        report.slow_steps = Some(slow_steps(&args, &run, &mut schemas, &progress).await?);
+    }
+
     // Named only: it runs the `saga` binary, built apart.
     checkpoint(&report, &cli.output)?;
     if cli.only.iter().any(|o| o == "dlq-index")
@@ -702,6 +711,71 @@ async fn fresh_schema(
     schemas.push(name.to_owned());
     saga_consumer::migrate::migrate(&pool).await?;
     Ok(pool)
+}
+
+/// The `slow-steps` section on the mock cluster: the serial run, the parallel one, and the parallel one
+/// with 1% of keys failing, each on a topic, group and schema of its own (see [`slow`]).
+async fn slow_steps(
+    args: &ServiceArgs,
+    run: &str,
+    schemas: &mut Vec<String>,
+    progress: &Progress,
+) -> anyhow::Result<slow::Figures> {
+    let mock = Broker::mock()?;
+    let kafka = KafkaConfig::new(mock.brokers());
+    let parallel_messages = slow::KEYS * slow::PER_KEY;
+    let runs = [
+        ("serial", 1, slow::SERIAL_MESSAGES, false),
+        ("parallel", slow::KEY_CONCURRENCY, parallel_messages, false),
+        ("failing", slow::KEY_CONCURRENCY, parallel_messages, true),
+    ];
+    let mut figures = Vec::new();
+    let mut in_order = false;
+    for (label, keys_at_once, messages, failing) in runs {
+        let topic = format!("{run}.slow.{label}");
+        let topics = [
+            topic.clone(),
+            format!("{topic}.dlq"),
+            format!("{topic}.retry"),
+        ];
+        mock.create_topics(&topics, 1).await?;
+        progress.note(&format!(
+            "slow steps, {label}: producing {messages} messages"
+        ));
+        slow::produce(&kafka, &topic, messages).await?;
+        let name = format!("{}_slow_{label}", args.schema_prefix);
+        schemas.push(name.clone());
+        // Connections for every key at once around its call, and the consumer's own.
+        let pool = args.pool(&name, slow::KEY_CONCURRENCY as u32 + 8).await?;
+        saga_consumer::migrate::migrate(&pool).await?;
+        slow::create_table(&pool).await?;
+        let measured = slow::run(
+            &kafka,
+            &pool,
+            &topic,
+            keys_at_once,
+            messages,
+            failing,
+            progress,
+        )
+        .await?;
+        if failing {
+            in_order = slow::failing_keys_in_order(&pool).await?;
+        }
+        figures.push(measured);
+        pool.close().await;
+    }
+    let [serial, parallel, with_failures] = <[slow::Run; 3]>::try_from(figures)
+        .map_err(|_| anyhow::anyhow!("the slow-steps section measured fewer runs than it made"))?;
+    Ok(slow::Figures {
+        call_ms: slow::CALL.as_secs_f64() * 1000.0,
+        keys: slow::KEYS,
+        failures_vs_failure_free: with_failures.msgs_per_s / parallel.msgs_per_s,
+        failing_keys_in_order: in_order,
+        serial,
+        parallel,
+        with_failures,
+    })
 }
 
 /// The `consumer-tls` section: the consumer on the mock cluster with its database connections over TLS
