@@ -188,6 +188,21 @@ impl KafkaArgs {
     }
 }
 
+/// The longest linger librdkafka takes (`linger.ms`, `RELAY_LINGER_MS`).
+pub(crate) const MAX_LINGER: Duration = Duration::from_millis(900_000);
+
+fn linger(text: &str) -> Result<Duration, String> {
+    value::millis(text).and_then(|d| value::at_most(d, MAX_LINGER))
+}
+
+/// The longest `RELAY_PARK_AFTER_SECS`: the producer's delivery timeout it bounds is at most `i32::MAX`
+/// milliseconds.
+pub(crate) const MAX_PARK_AFTER: Duration = Duration::from_secs(2_147_483);
+
+fn park_after(text: &str) -> Result<Duration, String> {
+    value::positive_secs(text).and_then(|d| value::at_most(d, MAX_PARK_AFTER))
+}
+
 /// Where a service writes its outbox, read by its writers and by the relays of its schema.
 #[derive(Debug, Clone, clap::Args)]
 #[group(id = "saga_outbox")]
@@ -317,8 +332,8 @@ pub struct RelayArgs {
     #[arg(long = "relay-poll-interval-ms", env = "RELAY_POLL_INTERVAL_MS", default_value = "1000", value_parser = value::positive_millis)]
     pub poll_interval: Duration,
     /// librdkafka's linger in milliseconds: 0 sends at once (lowest latency); a few ms batch more on a fast
-    /// broker.
-    #[arg(long = "relay-linger-ms", env = "RELAY_LINGER_MS", default_value = "0", value_parser = value::millis)]
+    /// broker. At most 900,000 (librdkafka's limit).
+    #[arg(long = "relay-linger-ms", env = "RELAY_LINGER_MS", default_value = "0", value_parser = linger)]
     pub linger: Duration,
     /// Delete rows once published instead of marking them (then `saga trace` shows no publication).
     #[arg(long = "relay-delete-published", env = "RELAY_DELETE_PUBLISHED")]
@@ -329,8 +344,8 @@ pub struct RelayArgs {
     pub park_after_attempts: u32,
     /// WAL mode: how long, in seconds, an event that keeps failing (whatever the error) is tried again
     /// before it is parked with its key's later events, so that the slot moves on for the other keys (at
-    /// least 1: the producer's delivery timeout is bounded by it).
-    #[arg(long = "relay-park-after-secs", env = "RELAY_PARK_AFTER_SECS", default_value = "30", value_parser = value::positive_secs)]
+    /// least 1, at most 2,147,483: the producer's delivery timeout is bounded by it).
+    #[arg(long = "relay-park-after-secs", env = "RELAY_PARK_AFTER_SECS", default_value = "30", value_parser = park_after)]
     pub park_after_time: Duration,
     /// How often, in milliseconds, the table outbox's shards are shared out again between the relays of a
     /// schema (one that died is replaced within about this); also the longest a relay waits between two
@@ -404,6 +419,15 @@ impl RelayArgs {
             (
                 "RELAY_PARK_AFTER_SECS",
                 (self.park_after_time < Duration::from_secs(1)).then_some("must be at least 1 s"),
+            ),
+            (
+                "RELAY_PARK_AFTER_SECS",
+                (self.park_after_time > MAX_PARK_AFTER)
+                    .then_some("must be at most 2147483 s (the producer's delivery timeout)"),
+            ),
+            (
+                "RELAY_LINGER_MS",
+                (self.linger > MAX_LINGER).then_some("must be at most 900000 ms (librdkafka's)"),
             ),
             (
                 "RELAY_REBALANCE_INTERVAL_MS",

@@ -37,6 +37,8 @@ use saga_core::{StepKey, TenantId};
 use saga_config::ConfigProblem;
 use saga_runtime::ops::Ops;
 
+use saga_runtime::settings::value;
+
 use crate::settings::{FastPathArgs, RetentionArgs};
 
 /// How often a lost Redis is tried again, at most.
@@ -70,6 +72,19 @@ impl FastPathArgs {
             return Ok(false);
         };
         client(url)?;
+        // The declarations' rules again, for values set in code.
+        let checks = [
+            (
+                "REDIS_LOCK_TTL_MS",
+                value::positive(self.lock_ttl)
+                    .and_then(|d| value::at_most(d, crate::settings::MAX_REDIS_LOCK_TTL)),
+            ),
+            ("REDIS_KEY_TTL_SECS", value::positive(self.key_ttl)),
+            ("REDIS_TIMEOUT_MS", value::positive(self.timeout)),
+        ];
+        if let Some((var, Err(why))) = checks.into_iter().find(|(_, checked)| checked.is_err()) {
+            return Err(ConfigProblem::new(var, why, "fix its value"));
+        }
         let retention = retention.key_retention()?;
         if self.key_ttl > retention {
             return Err(ConfigProblem::new(

@@ -54,6 +54,29 @@ fn fetch_wait(text: &str) -> Result<Duration, String> {
     value::millis(text).and_then(|d| value::at_most(d, MAX_FETCH_WAIT))
 }
 
+/// The longest session timeout librdkafka takes (`session.timeout.ms`, `SAGA_SESSION_TIMEOUT_MS`).
+pub const MAX_SESSION_TIMEOUT: Duration = Duration::from_secs(3_600);
+
+fn session_timeout(text: &str) -> Result<Duration, String> {
+    value::positive_millis(text).and_then(|d| value::at_most(d, MAX_SESSION_TIMEOUT))
+}
+
+/// The longest life of the fast path's in-flight lock (`REDIS_LOCK_TTL_MS`): a day.
+#[cfg(feature = "redis")]
+pub const MAX_REDIS_LOCK_TTL: Duration = Duration::from_secs(24 * 3_600);
+
+#[cfg(feature = "redis")]
+fn redis_lock_ttl(text: &str) -> Result<Duration, String> {
+    value::positive_millis(text).and_then(|d| value::at_most(d, MAX_REDIS_LOCK_TTL))
+}
+
+/// The longest a key may be held before it counts as overdue (`SAGA_HOLD_ALERT_AFTER_SECS`): a year.
+pub const MAX_HOLD_ALERT_AFTER: Duration = Duration::from_secs(366 * 24 * 3_600);
+
+fn hold_alert_after(text: &str) -> Result<Duration, String> {
+    value::positive_secs(text).and_then(|d| value::at_most(d, MAX_HOLD_ALERT_AFTER))
+}
+
 /// The consumer's settings: its group, how it batches, retries, dead-letters and commits. The type the
 /// consumer takes ([`SagaBuilder::consumer_args`](crate::SagaBuilder::consumer_args)): each field is declared
 /// once, parsed into its type by its rule, and read where it is used.
@@ -61,8 +84,8 @@ fn fetch_wait(text: &str) -> Result<Duration, String> {
 #[group(id = "saga_consumer")]
 #[non_exhaustive]
 pub struct ConsumerArgs {
-    /// The consumer group (required).
-    #[arg(long = "group-id", env = "SAGA_GROUP_ID", value_parser = value::name)]
+    /// The consumer group (required; at most 249 bytes, no control characters).
+    #[arg(long = "group-id", env = "SAGA_GROUP_ID", value_parser = value::group)]
     pub group_id: Option<String>,
     /// Partitions processed at once.
     #[arg(long = "concurrency", env = "SAGA_CONCURRENCY", default_value_t = 4, value_parser = RangedU64ValueParser::<usize>::new().range(CONCURRENCY))]
@@ -78,12 +101,13 @@ pub struct ConsumerArgs {
     /// Retries of transient failures.
     #[command(flatten)]
     pub retry: RetryPolicy,
-    /// The dead-letter topic (default: `{group}.dlq`).
-    #[arg(long = "dlq-topic", env = "SAGA_DLQ_TOPIC", value_parser = value::name)]
+    /// The dead-letter topic (default: `{group}.dlq`); a Kafka topic name (letters, digits, `.`, `_`, `-`;
+    /// at most 249), which a group named otherwise must set.
+    #[arg(long = "dlq-topic", env = "SAGA_DLQ_TOPIC", value_parser = value::topic)]
     pub dlq_topic: Option<String>,
     /// Where `saga dlq replay` sends this group's dead letters (default: `{group}.retry`); the consumer
     /// reads it with its steps. It must exist, like the dead-letter topic (`SAGA_CREATE_TOPICS` makes both).
-    #[arg(long = "retry-topic", env = "SAGA_RETRY_TOPIC", value_parser = value::name)]
+    #[arg(long = "retry-topic", env = "SAGA_RETRY_TOPIC", value_parser = value::topic)]
     pub retry_topic: Option<String>,
     /// How often finished offsets are committed, in milliseconds (no effect on latency: the step key
     /// decides, offsets are bookkeeping).
@@ -104,8 +128,9 @@ pub struct ConsumerArgs {
     #[arg(long = "revoke-timeout-ms", env = "SAGA_REVOKE_TIMEOUT_MS", default_value = "10000", value_parser = value::millis)]
     pub revoke_timeout: Duration,
     /// librdkafka's `session.timeout.ms`, in milliseconds: how soon the group notices a dead member (the
-    /// broker bounds it, by its `group.min.session.timeout.ms` and `group.max.session.timeout.ms`).
-    #[arg(long = "session-timeout-ms", env = "SAGA_SESSION_TIMEOUT_MS", default_value = "10000", value_parser = value::positive_millis)]
+    /// broker bounds it, by its `group.min.session.timeout.ms` and `group.max.session.timeout.ms`); at most
+    /// 3,600,000 (librdkafka's limit).
+    #[arg(long = "session-timeout-ms", env = "SAGA_SESSION_TIMEOUT_MS", default_value = "10000", value_parser = session_timeout)]
     pub session_timeout: Duration,
     /// `range`, `roundrobin` or `cooperative-sticky` (the last has upstream problems with manual commits).
     #[arg(
@@ -132,8 +157,9 @@ pub struct ConsumerArgs {
     /// Most messages parked behind the group's held keys together; past it, the same.
     #[arg(long = "hold-max-parked", env = "SAGA_HOLD_MAX_PARKED", default_value_t = 100_000, value_parser = RangedU64ValueParser::<u32>::new().range(PARKED))]
     pub hold_max_parked: u32,
-    /// A key held longer than this, in seconds, counts in `saga_consumer_held_keys_overdue` (the alert).
-    #[arg(long = "hold-alert-after-secs", env = "SAGA_HOLD_ALERT_AFTER_SECS", default_value = "3600", value_parser = value::positive_secs)]
+    /// A key held longer than this, in seconds, counts in `saga_consumer_held_keys_overdue` (the alert); at
+    /// most a year.
+    #[arg(long = "hold-alert-after-secs", env = "SAGA_HOLD_ALERT_AFTER_SECS", default_value = "3600", value_parser = hold_alert_after)]
     pub hold_alert_after: Duration,
 }
 saga_runtime::settings_group!(ConsumerArgs);
@@ -156,13 +182,14 @@ impl ConsumerArgs {
     /// What is wrong with these settings, each naming its variable: the declarations' rules again (a value
     /// set in code was not parsed), the group that must be chosen, and the rules between two settings.
     pub fn problems(&self) -> Vec<ConfigProblem> {
-        let named = |t: &Option<String>| t.as_deref().map_or(Ok(()), |t| value::name(t).map(drop));
+        // A topic set, or the one named after the group: Kafka's rule either way.
+        let topic = |t: String| value::topic(&t).map(drop).map_err(|e| format!("{t:?} {e}"));
         let checks = [
             (
                 "SAGA_GROUP_ID",
                 match &self.group_id {
                     None => Err("is not set: the consumer group must be chosen".to_owned()),
-                    Some(g) => value::name(g).map(drop),
+                    Some(g) => value::group(g).map(drop),
                 },
             ),
             (
@@ -177,8 +204,8 @@ impl ConsumerArgs {
                 "SAGA_KEY_CONCURRENCY",
                 value::within(self.key_concurrency, &KEY_CONCURRENCY).map(drop),
             ),
-            ("SAGA_DLQ_TOPIC", named(&self.dlq_topic)),
-            ("SAGA_RETRY_TOPIC", named(&self.retry_topic)),
+            ("SAGA_DLQ_TOPIC", topic(self.dlq_topic())),
+            ("SAGA_RETRY_TOPIC", topic(self.retry_topic())),
             (
                 "SAGA_RETRY_TOPIC",
                 if self.retry_topic() == self.dlq_topic() {
@@ -201,7 +228,9 @@ impl ConsumerArgs {
             ),
             (
                 "SAGA_SESSION_TIMEOUT_MS",
-                value::positive(self.session_timeout).map(drop),
+                value::positive(self.session_timeout)
+                    .and_then(|d| value::at_most(d, MAX_SESSION_TIMEOUT))
+                    .map(drop),
             ),
             (
                 "SAGA_HOLD_MAX_PARKED_PER_KEY",
@@ -213,7 +242,9 @@ impl ConsumerArgs {
             ),
             (
                 "SAGA_HOLD_ALERT_AFTER_SECS",
-                value::positive(self.hold_alert_after).map(drop),
+                value::positive(self.hold_alert_after)
+                    .and_then(|d| value::at_most(d, MAX_HOLD_ALERT_AFTER))
+                    .map(drop),
             ),
         ];
         let mut problems: Vec<ConfigProblem> = checks
@@ -271,8 +302,8 @@ pub struct FastPathArgs {
     pub redis: RedisArgs,
     /// Life of an HTTP in-flight lock whose holder died, in milliseconds: the longest a killed process
     /// keeps a key's retries at 409. Longer than the slowest request, or a slow request's key is opened to
-    /// a second attempt (which PostgreSQL still refuses).
-    #[arg(long = "redis-lock-ttl-ms", env = "REDIS_LOCK_TTL_MS", default_value = "30000", value_parser = value::positive_millis)]
+    /// a second attempt (which PostgreSQL still refuses). At most a day.
+    #[arg(long = "redis-lock-ttl-ms", env = "REDIS_LOCK_TTL_MS", default_value = "30000", value_parser = redis_lock_ttl)]
     pub lock_ttl: Duration,
     /// Life of cached responses and completed keys, in seconds; refused if longer than
     /// `SAGA_KEY_RETENTION_HOURS` (Redis could answer for a key PostgreSQL has forgotten).

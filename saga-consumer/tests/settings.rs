@@ -331,3 +331,53 @@ async fn two_services_in_one_process_each_write_their_own_outbox() {
         stop(token, handle).await;
     }
 }
+
+/// What Kafka, librdkafka or the framework's tables would refuse later is refused at parse time, naming
+/// the variable: every such variable at once.
+#[test]
+fn values_kafka_would_refuse_later_are_refused_by_name_at_once() {
+    let refused = ServiceArgs::from_vars(vars(vec![
+        ("SAGA_SESSION_TIMEOUT_MS", "3600001".to_owned()),
+        ("SAGA_GROUP_ID", "g".repeat(3_000)),
+        ("SAGA_DLQ_TOPIC", "orders dlq".to_owned()),
+        ("SAGA_HOLD_ALERT_AFTER_SECS", "1000000000000".to_owned()),
+        ("RELAY_LINGER_MS", "900001".to_owned()),
+        ("RELAY_PARK_AFTER_SECS", "2147484".to_owned()),
+    ]))
+    .unwrap_err();
+    let said = refused.to_string();
+    for var in [
+        "SAGA_SESSION_TIMEOUT_MS",
+        "SAGA_GROUP_ID",
+        "SAGA_DLQ_TOPIC",
+        "SAGA_HOLD_ALERT_AFTER_SECS",
+        "RELAY_LINGER_MS",
+        "RELAY_PARK_AFTER_SECS",
+    ] {
+        assert!(refused.setting.contains(var), "{var}: {said}");
+    }
+    assert!(!said.contains('\n'), "{said}");
+    // A group whose name makes no topic name needs its topics named.
+    let args =
+        ServiceArgs::from_vars(vars(vec![("SAGA_GROUP_ID", "orders:eu".to_owned())])).unwrap();
+    let problems = args.consumer.problems();
+    assert!(
+        problems.iter().any(|p| p.setting == "SAGA_DLQ_TOPIC"),
+        "{problems:?}"
+    );
+    assert!(
+        problems.iter().any(|p| p.setting == "SAGA_RETRY_TOPIC"),
+        "{problems:?}"
+    );
+    let named = ServiceArgs::from_vars(vars(vec![
+        ("SAGA_GROUP_ID", "orders:eu".to_owned()),
+        ("SAGA_DLQ_TOPIC", "orders.eu.dlq".to_owned()),
+        ("SAGA_RETRY_TOPIC", "orders.eu.retry".to_owned()),
+    ]))
+    .unwrap();
+    assert!(
+        named.consumer.problems().is_empty(),
+        "{:?}",
+        named.consumer.problems()
+    );
+}

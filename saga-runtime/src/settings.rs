@@ -338,6 +338,47 @@ pub mod value {
         }
     }
 
+    /// The longest topic name Kafka accepts.
+    pub const MAX_TOPIC_LEN: usize = 249;
+
+    /// A Kafka topic name, by Kafka's own rule: 1 to 249 characters of `a-z A-Z 0-9 . _ -`, not `.` or
+    /// `..`.
+    pub fn topic(text: &str) -> Result<String, String> {
+        let legal = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+        if text.is_empty() || text == "." || text == ".." {
+            Err("is not a topic name".to_owned())
+        } else if text.len() > MAX_TOPIC_LEN {
+            Err(format!(
+                "is {} characters long: a topic name has at most {MAX_TOPIC_LEN}",
+                text.len()
+            ))
+        } else if let Some(c) = text.chars().find(|c| !legal(*c)) {
+            Err(format!(
+                "holds {c:?}: a topic name is letters, digits, '.', '_' and '-'"
+            ))
+        } else {
+            Ok(text.to_owned())
+        }
+    }
+
+    /// The longest consumer group name the framework takes (its tables key rows by it).
+    pub const MAX_GROUP_LEN: usize = 249;
+
+    /// A consumer group's name: not blank, at most [`MAX_GROUP_LEN`] bytes, no control characters.
+    pub fn group(text: &str) -> Result<String, String> {
+        let text = name(text)?;
+        if text.len() > MAX_GROUP_LEN {
+            Err(format!(
+                "is {} bytes long: at most {MAX_GROUP_LEN}",
+                text.len()
+            ))
+        } else if text.chars().any(char::is_control) {
+            Err("holds a control character".to_owned())
+        } else {
+            Ok(text)
+        }
+    }
+
     /// A fraction, 0 to 1.
     pub fn fraction(text: &str) -> Result<f64, String> {
         let f: f64 = text.parse().map_err(|e| format!("{e}"))?;
@@ -409,6 +450,20 @@ mod tests {
         /// Flag.
         #[arg(long = "flag", env = "X_FLAG")]
         flag: bool,
+    }
+
+    #[test]
+    fn topic_and_group_names_follow_kafkas_rule_and_the_tables_limit() {
+        for good in ["orders", "saga.orders-v2_eu", &"t".repeat(249)] {
+            assert_eq!(value::topic(good).as_deref(), Ok(good));
+        }
+        for bad in ["", ".", "..", "a b", "a:b", "a\0b", "é", &"t".repeat(250)] {
+            assert!(value::topic(bad).is_err(), "{bad:?}");
+        }
+        assert!(value::group("orders:eu/1").is_ok());
+        for bad in [" ", "a\0b", "a\nb", &"g".repeat(250)] {
+            assert!(value::group(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
