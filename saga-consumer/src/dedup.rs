@@ -98,6 +98,17 @@ pub(crate) enum BatchError {
     KeysExist,
 }
 
+/// The message at `index`, `what`, that the worker's decisions put in a batch of a transactional step: the
+/// framework's mistake, dead-lettered with the reason rather than a panic of the partition's worker.
+fn misrouted(index: usize, what: &str) -> BatchError {
+    BatchError::Item {
+        index,
+        failure: Failure::Handler(StepError::permanent(std::io::Error::other(format!(
+            "the framework ran {what} in a step's batch"
+        )))),
+    }
+}
+
 /// A batch run whose transaction may commit.
 #[derive(Debug)]
 pub(crate) struct BatchRun {
@@ -160,22 +171,25 @@ pub(crate) async fn run_batch(
     let mut seen: HashMap<(&TenantId, &StepKey), usize> = HashMap::with_capacity(deliveries.len());
     let slots: Vec<Slot> = deliveries
         .iter()
-        .map(|d| match &d.route {
-            Route::Step { .. } if d.known_done => Slot::KnownDone,
-            Route::Step {
-                step_key, tenant, ..
-            } => match seen.entry((tenant, step_key)) {
-                std::collections::hash_map::Entry::Occupied(_) => Slot::Repeat,
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    slot.insert(keys.len());
-                    keys.push((tenant.clone(), step_key.clone()));
-                    Slot::Key(keys.len() - 1)
-                }
-            },
-            Route::Ignored => Slot::Ignored,
-            Route::Poison(_) => unreachable!("poison messages are dead-lettered, not batched"),
+        .enumerate()
+        .map(|(index, d)| {
+            Ok(match &d.route {
+                Route::Step { .. } if d.known_done => Slot::KnownDone,
+                Route::Step {
+                    step_key, tenant, ..
+                } => match seen.entry((tenant, step_key)) {
+                    std::collections::hash_map::Entry::Occupied(_) => Slot::Repeat,
+                    std::collections::hash_map::Entry::Vacant(slot) => {
+                        slot.insert(keys.len());
+                        keys.push((tenant.clone(), step_key.clone()));
+                        Slot::Key(keys.len() - 1)
+                    }
+                },
+                Route::Ignored => Slot::Ignored,
+                Route::Poison(_) => return Err(misrouted(index, "a poison message")),
+            })
         })
-        .collect();
+        .collect::<Result<_, BatchError>>()?;
     let claiming = Instant::now();
     let claims = match tx
         .claim_keys(&keys, claim)
@@ -300,7 +314,7 @@ async fn handle_group(
             ..
         } = &deliveries[*index].route
         else {
-            unreachable!("a claimed key belongs to a step")
+            return Err(misrouted(*index, "a message routed to no step"));
         };
         step = Some(s);
         items.push(StepItem {
@@ -310,7 +324,10 @@ async fn handle_group(
             span: &deliveries[*index].span,
         });
     }
-    let step = step.expect("a group is never empty");
+    let Some(step) = step else {
+        // An empty group: nothing to run.
+        return Ok(());
+    };
     let started = Instant::now();
     let handled = service
         .call(StepRequest {

@@ -335,15 +335,14 @@ impl PendingStart {
 
     /// Waits for the record; `None` if it was cancelled first.
     pub(crate) async fn resolve(&mut self) -> Option<BatchStart> {
-        if let Self::Recording(task) = self {
+        let start = match self {
+            Self::Known(start) => return start.clone(),
             // A panic of the recording task is a framework bug: treat it as a cancellation, which leaves
             // the batch uncommitted for whoever processes the partition next.
-            *self = Self::Known(task.await.ok().flatten());
-        }
-        match self {
-            Self::Known(start) => start.clone(),
-            Self::Recording(_) => unreachable!("resolved above"),
-        }
+            Self::Recording(task) => task.await.ok().flatten(),
+        };
+        *self = Self::Known(start.clone());
+        start
     }
 
     /// The permit to commit (or dead-letter, or lease) for this batch, once the record is in and says

@@ -629,15 +629,15 @@ pub fn read_request(
     let refused = |(status, message): Refusal| (status.as_u16(), message);
     let (key, _, _) = read_headers(headers).map_err(refused)?;
     let read = read_body(Full::new(Bytes::copy_from_slice(body)), max_body);
-    // A body in memory is read at the first poll.
-    let mut read = std::pin::pin!(read);
-    let std::task::Poll::Ready(bytes) = read
-        .as_mut()
-        .poll(&mut Context::from_waker(std::task::Waker::noop()))
-    else {
-        unreachable!("a body in memory is ready at once")
-    };
-    let bytes = bytes.map_err(refused)?;
+    // A body in memory is read at the first poll; one that were not would be refused as unreadable.
+    let bytes = futures::FutureExt::now_or_never(read)
+        .unwrap_or_else(|| {
+            Err((
+                StatusCode::BAD_REQUEST,
+                "request body not readable at once".into(),
+            ))
+        })
+        .map_err(refused)?;
     let step = StepName::from_static("fuzzed");
     Ok((key.step_key(&step), fingerprint(method, uri, &bytes, None)))
 }

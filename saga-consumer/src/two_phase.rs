@@ -30,6 +30,14 @@ struct Connections {
     completing: Option<PoolConnection<Postgres>>,
 }
 
+/// A message the worker's decisions sent to a two-phase attempt though it is `what`: the framework's
+/// mistake, dead-lettered with the reason rather than a panic of the partition's worker.
+fn misrouted(what: &str) -> Failure {
+    Failure::Handler(StepError::permanent(std::io::Error::other(format!(
+        "the framework ran {what} as a two-phase step"
+    ))))
+}
+
 impl Executor {
     /// One attempt of a two-phase step: lease, external call, completing transaction. The connections it
     /// took are closed instead of given back if the database turned out unavailable.
@@ -70,10 +78,10 @@ impl Executor {
             tenant,
         } = &delivery.route
         else {
-            unreachable!("only step deliveries run two-phase")
+            return Err(misrouted("a message routed to no step"));
         };
         let StepMode::TwoPhase(two_phase) = &step.mode else {
-            unreachable!("only two-phase steps run two-phase")
+            return Err(misrouted("a transactional step"));
         };
         let store = |e: sqlx::Error| Failure::Store(StoreError::Database(e));
         let conn = held.lease.insert(self.pool.acquire().await.map_err(store)?);
@@ -139,7 +147,7 @@ impl Executor {
             ..
         } = &delivery.route
         else {
-            unreachable!("only step deliveries run two-phase")
+            return Err(misrouted("a message routed to no step"));
         };
         let mut tx = StepTx::begin(&self.outbox, sqlx::Connection::begin(&mut **conn))
             .await

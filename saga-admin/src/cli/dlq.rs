@@ -619,7 +619,12 @@ impl Cli {
                 crate::freshness::strict(operations::plan_discard(&kafka, &pool, &topics, group))
                     .await?
             }
-            (None, None) => unreachable!("clap requires --group or --undo"),
+            (None, None) => {
+                return Err(AdminError::bad_input(
+                    "name a failure group (--group) or an operation to undo (--undo)",
+                )
+                .into());
+            }
         };
         let options = ReplayOptions::default().by(actor.operator.clone());
         self.run_plan(&kafka, &pool, &plan, actor, dry_run, yes, &options)
