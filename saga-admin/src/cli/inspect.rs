@@ -7,7 +7,6 @@ use clap::Args;
 use saga_consumer::ConfigProblem;
 
 use super::Cli;
-use crate::duration;
 use crate::inspect::{self, InspectOptions};
 
 /// Serve the inspector page (`saga inspect`).
@@ -17,30 +16,13 @@ pub(super) struct InspectArgs {
     /// SAGA_ADMIN_TOKENS=name:token,…), or --insecure-no-token.
     #[arg(long, default_value = "127.0.0.1:8081")]
     listen: SocketAddr,
-    /// A name besides the listening address and localhost that requests may give as Host (the name a
-    /// proxy in front serves the page under); repeatable. Needs a token (or --insecure-no-token): the
-    /// page is served to others.
-    #[arg(long = "public-name")]
-    public_names: Vec<String>,
-    /// No replay buttons; every POST refused.
-    #[arg(long)]
-    read_only: bool,
-    /// Mark cookies Secure: the page is served over TLS by a proxy in front.
-    #[arg(long)]
-    secure_cookies: bool,
+    /// What the page shows, and who may drive it.
+    #[command(flatten)]
+    options: InspectOptions,
     /// Listen beyond localhost, or serve under a --public-name, without a token: anyone who reaches the
     /// page may replay dead letters.
     #[arg(long)]
     insecure_no_token: bool,
-    /// Dead-letter topics to show (default: the broker's topics ending in `.dlq`).
-    #[arg(long = "dlq-topic")]
-    dlq_topics: Vec<String>,
-    /// Consumer groups to show the lag of (default: those the schema records).
-    #[arg(long = "group")]
-    groups: Vec<String>,
-    /// Unfinished sagas unmoved for this long count as stuck.
-    #[arg(long, default_value = "5m")]
-    stuck_for: String,
     #[command(flatten)]
     tokens: TokenArgs,
 }
@@ -94,15 +76,11 @@ impl Cli {
     pub(super) async fn inspect(&self, args: &InspectArgs) -> anyhow::Result<()> {
         let InspectArgs {
             listen,
-            public_names,
-            read_only,
-            secure_cookies,
+            options,
             insecure_no_token,
-            dlq_topics,
-            groups,
-            stuck_for,
             tokens,
         } = args;
+        let public_names = &options.public_names;
         let tokens = inspector_tokens(tokens)?;
         // Served to others: listening beyond localhost, or named as a proxy in front serves it.
         let served_to_others = if !listen.ip().is_loopback() {
@@ -125,14 +103,8 @@ impl Cli {
                     )
                     .into());
         }
-        let mut options = InspectOptions::default();
-        options.dlq_topics.clone_from(dlq_topics);
-        options.groups.clone_from(groups);
-        options.stuck_for = duration::parse(stuck_for)?;
+        let mut options = options.clone();
         options.tokens = tokens;
-        options.public_names.clone_from(public_names);
-        options.read_only = *read_only;
-        options.secure_cookies = *secure_cookies;
         let (kafka, pool) = (self.kafka().await?, self.pool().await?);
         let listener = std::net::TcpListener::bind(listen)
             .with_context(|| format!("listening on {listen}"))?;

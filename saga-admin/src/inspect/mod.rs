@@ -40,39 +40,47 @@ use crate::error::AdminError;
 pub use security::NamedToken;
 use security::{Caller, Guard};
 
-/// What the inspector shows and who may drive it.
-#[derive(Debug, Clone)]
+/// What the inspector shows and who may drive it: the settings `saga inspect` flattens into its command
+/// line (each declared once, here), and what [`serve`] takes. The tokens come from the environment
+/// (`SAGA_ADMIN_TOKEN`, `SAGA_ADMIN_TOKENS`: kept off the command line), set by the command.
+#[derive(Debug, Clone, clap::Args)]
 #[non_exhaustive]
 pub struct InspectOptions {
-    /// Dead-letter topics to show (empty: the broker's topics ending in `.dlq`).
+    /// Dead-letter topics to show (default: the broker's topics ending in `.dlq`).
+    #[arg(long = "dlq-topic")]
     pub dlq_topics: Vec<String>,
-    /// Consumer groups to show the lag of (empty: those the schema records).
+    /// Consumer groups to show the lag of (default: those the schema records).
+    #[arg(long = "group")]
     pub groups: Vec<String>,
     /// Unfinished sagas unmoved for this long count as stuck.
+    #[arg(long = "stuck-for", default_value = "5m", value_parser = stuck_for)]
     pub stuck_for: Duration,
     /// The tokens, by name, one of which every request must present; none: no token asked (then the
     /// inspector must listen on localhost only, see the `saga inspect` command).
+    #[arg(skip)]
     pub tokens: Vec<NamedToken>,
-    /// Names besides the listening address and localhost that requests may give as `Host` (the name a
-    /// proxy in front serves it under), with or without a port.
+    /// A name besides the listening address and localhost that requests may give as Host (the name a
+    /// proxy in front serves the page under), with or without a port; repeatable. Needs a token (or
+    /// --insecure-no-token): the page is served to others.
+    #[arg(long = "public-name")]
     pub public_names: Vec<String>,
-    /// Shows no replay button and refuses every POST.
+    /// No replay buttons; every POST refused.
+    #[arg(long)]
     pub read_only: bool,
-    /// Marks cookies `Secure`: the inspector is served over TLS (by a proxy in front).
+    /// Mark cookies Secure: the page is served over TLS by a proxy in front.
+    #[arg(long)]
     pub secure_cookies: bool,
 }
 
+/// `--stuck-for`: a duration with its unit (`90s`, `15m`, `2h`).
+fn stuck_for(text: &str) -> Result<Duration, String> {
+    crate::duration::parse(text).map_err(|e| e.to_string())
+}
+
 impl Default for InspectOptions {
+    /// The declared defaults, no token.
     fn default() -> Self {
-        Self {
-            dlq_topics: Vec::new(),
-            groups: Vec::new(),
-            stuck_for: Duration::from_secs(300),
-            tokens: Vec::new(),
-            public_names: Vec::new(),
-            read_only: false,
-            secure_cookies: false,
-        }
+        saga_runtime::settings::defaults()
     }
 }
 
