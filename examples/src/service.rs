@@ -471,8 +471,8 @@ pub async fn run(
     saga.kafka.brokers = Some(args.brokers().to_owned());
     saga.consumer.group_id = Some(args.group(service));
     saga.consumer.dlq_topic = Some(args.dlq(service));
-    // A demo's pace where left at the framework's defaults (a value set by flag or variable stands): offsets
-    // committed often, a killed service's partitions taken over quickly.
+    // A demo's pace where left at the framework's defaults (a value other than the default, set by flag or
+    // variable, stands): offsets committed often, a killed service's partitions taken over quickly.
     let defaults = saga_consumer::settings::ConsumerArgs::default();
     if saga.consumer.commit_interval == defaults.commit_interval {
         saga.consumer.commit_interval = Duration::from_millis(250);

@@ -172,6 +172,7 @@ impl Source {
     fn crate_dir(name: &str) -> Option<&'static str> {
         Some(match name {
             "saga_core" => "saga-core/",
+            "saga_config" => "saga-config/",
             "saga_macros" => "saga-macros/",
             "saga_consumer" => "saga-consumer/",
             "saga_runtime" => "saga-runtime/",

@@ -430,6 +430,12 @@ impl RelayArgs {
                 (self.linger > MAX_LINGER).then_some("must be at most 900000 ms (librdkafka's)"),
             ),
             (
+                "RELAY_LINGER_MS",
+                (self.linger >= self.park_after_time).then_some(
+                    "must be shorter than RELAY_PARK_AFTER_SECS (the producer's delivery timeout)",
+                ),
+            ),
+            (
                 "RELAY_REBALANCE_INTERVAL_MS",
                 self.rebalance_interval
                     .is_zero()

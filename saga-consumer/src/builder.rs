@@ -140,12 +140,17 @@ impl<P> SagaBuilder<P> {
     }
 
     /// Takes the broker from its settings: its security settings that cannot work together are a problem
-    /// now (never dropped: the client would reach the broker without them); a missing broker list is for
-    /// `build` to report, unless a later call gives one ([`SagaBuilder::brokers`]), which keeps the security
-    /// settings and `KAFKA_PROPERTY_*` read here.
+    /// now (never dropped: the client would reach the broker without them). Without a broker list, a
+    /// configuration given earlier in code stays as it was; else the settings are kept around an empty
+    /// list, for a later call to give one ([`SagaBuilder::brokers`]) with the security settings and
+    /// `KAFKA_PROPERTY_*` read here, or for `build` to report it missing.
     pub(crate) fn take_kafka(&mut self, kafka: &KafkaArgs) {
-        let config = kafka.config_or_unlisted();
-        match config {
+        let listed = kafka
+            .brokers
+            .as_deref()
+            .is_some_and(|b| !b.trim().is_empty());
+        match kafka.config_or_unlisted() {
+            Ok(_) if !listed && self.kafka.is_some() => {}
             Ok(config) => self.kafka = Some(config),
             Err(problem) => self.unparsed(&["kafka"], problem),
         }
@@ -469,6 +474,10 @@ mod tests {
                 .iter()
                 .all(|p| p.setting != "KAFKA_BROKERS")
         );
+        // A configuration given in code before stays when the environment names no broker.
+        let mut given = SagaConsumerBuilder::new().kafka(KafkaConfig::new("given:9092"));
+        given.take_kafka(&kafka);
+        assert_eq!(given.kafka.as_ref().unwrap().brokers, "given:9092");
         // Without a broker list from anywhere, `build` says so.
         let mut unset = SagaConsumerBuilder::new();
         unset.take_kafka(&kafka);

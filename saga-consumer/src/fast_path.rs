@@ -82,8 +82,16 @@ impl FastPathArgs {
             ("REDIS_KEY_TTL_SECS", value::positive(self.key_ttl)),
             ("REDIS_TIMEOUT_MS", value::positive(self.timeout)),
         ];
-        if let Some((var, Err(why))) = checks.into_iter().find(|(_, checked)| checked.is_err()) {
-            return Err(ConfigProblem::new(var, why, "fix its value"));
+        let problems: Vec<ConfigProblem> = checks
+            .into_iter()
+            .filter_map(|(var, checked)| {
+                checked
+                    .err()
+                    .map(|why| ConfigProblem::new(var, why, "fix its value"))
+            })
+            .collect();
+        if let Some(problem) = ConfigProblem::all(problems) {
+            return Err(problem);
         }
         let retention = retention.key_retention()?;
         if self.key_ttl > retention {

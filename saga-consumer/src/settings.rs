@@ -54,8 +54,9 @@ fn fetch_wait(text: &str) -> Result<Duration, String> {
     value::millis(text).and_then(|d| value::at_most(d, MAX_FETCH_WAIT))
 }
 
-/// The longest session timeout librdkafka takes (`session.timeout.ms`, `SAGA_SESSION_TIMEOUT_MS`).
-pub const MAX_SESSION_TIMEOUT: Duration = Duration::from_secs(3_600);
+/// The longest session timeout (`SAGA_SESSION_TIMEOUT_MS`): librdkafka refuses one longer than
+/// `max.poll.interval.ms`, 300,000 unless a `KAFKA_PROPERTY_MAX_POLL_INTERVAL_MS` raises it.
+pub const MAX_SESSION_TIMEOUT: Duration = Duration::from_secs(300);
 
 fn session_timeout(text: &str) -> Result<Duration, String> {
     value::positive_millis(text).and_then(|d| value::at_most(d, MAX_SESSION_TIMEOUT))
@@ -105,8 +106,8 @@ pub struct ConsumerArgs {
     /// at most 249), which a group named otherwise must set.
     #[arg(long = "dlq-topic", env = "SAGA_DLQ_TOPIC", value_parser = value::topic)]
     pub dlq_topic: Option<String>,
-    /// Where `saga dlq replay` sends this group's dead letters (default: `{group}.retry`); the consumer
-    /// reads it with its steps. It must exist, like the dead-letter topic (`SAGA_CREATE_TOPICS` makes both).
+    /// Where `saga dlq replay` sends this group's dead letters (default: `{group}.retry`; a Kafka topic
+    /// name, which a group named otherwise must set); the consumer reads it with its steps. It must exist, like the dead-letter topic (`SAGA_CREATE_TOPICS` makes both).
     #[arg(long = "retry-topic", env = "SAGA_RETRY_TOPIC", value_parser = value::topic)]
     pub retry_topic: Option<String>,
     /// How often finished offsets are committed, in milliseconds (no effect on latency: the step key
@@ -129,7 +130,7 @@ pub struct ConsumerArgs {
     pub revoke_timeout: Duration,
     /// librdkafka's `session.timeout.ms`, in milliseconds: how soon the group notices a dead member (the
     /// broker bounds it, by its `group.min.session.timeout.ms` and `group.max.session.timeout.ms`); at most
-    /// 3,600,000 (librdkafka's limit).
+    /// 300,000 (librdkafka's `max.poll.interval.ms`, which it may not exceed).
     #[arg(long = "session-timeout-ms", env = "SAGA_SESSION_TIMEOUT_MS", default_value = "10000", value_parser = session_timeout)]
     pub session_timeout: Duration,
     /// `range`, `roundrobin` or `cooperative-sticky` (the last has upstream problems with manual commits).

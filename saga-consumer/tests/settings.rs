@@ -337,7 +337,7 @@ async fn two_services_in_one_process_each_write_their_own_outbox() {
 #[test]
 fn values_kafka_would_refuse_later_are_refused_by_name_at_once() {
     let refused = ServiceArgs::from_vars(vars(vec![
-        ("SAGA_SESSION_TIMEOUT_MS", "3600001".to_owned()),
+        ("SAGA_SESSION_TIMEOUT_MS", "300001".to_owned()),
         ("SAGA_GROUP_ID", "g".repeat(3_000)),
         ("SAGA_DLQ_TOPIC", "orders dlq".to_owned()),
         ("SAGA_HOLD_ALERT_AFTER_SECS", "1000000000000".to_owned()),

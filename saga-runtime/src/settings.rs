@@ -247,14 +247,14 @@ macro_rules! settings_group {
         impl $group {
             /// This group from the environment (its variables, else their defaults); a variable that does
             /// not parse is a [`ConfigProblem`](saga_config::ConfigProblem) naming it.
-            pub fn from_env() -> Result<Self, ::saga_config::ConfigProblem> {
+            pub fn from_env() -> Result<Self, $crate::config::ConfigProblem> {
                 $crate::settings::from_env()
             }
 
             /// This group from the variables `get` gives (else their defaults).
             pub fn from_vars(
                 get: impl Fn(&str) -> Option<String>,
-            ) -> Result<Self, ::saga_config::ConfigProblem> {
+            ) -> Result<Self, $crate::config::ConfigProblem> {
                 $crate::settings::from_vars(get)
             }
         }
@@ -307,12 +307,14 @@ pub mod value {
         }
     }
 
-    /// At most `max`.
+    /// At most `max` (said in seconds when it is a whole number of them).
     pub fn at_most(d: Duration, max: Duration) -> Result<Duration, String> {
-        if d > max {
-            Err(format!("must be at most {} ms", max.as_millis()))
-        } else {
+        if d <= max {
             Ok(d)
+        } else if max.subsec_nanos() == 0 && max.as_secs() > 0 {
+            Err(format!("must be at most {} s", max.as_secs()))
+        } else {
+            Err(format!("must be at most {} ms", max.as_millis()))
         }
     }
 
