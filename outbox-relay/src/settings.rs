@@ -431,7 +431,9 @@ impl RelayArgs {
             ),
             (
                 "RELAY_LINGER_MS",
-                (self.linger >= self.park_after_time).then_some(
+                // (A park bound under 1 s is refused above, on its own.)
+                (self.park_after_time >= Duration::from_secs(1) && self.linger >= self.park_after_time)
+                    .then_some(
                     "must be shorter than RELAY_PARK_AFTER_SECS (the producer's delivery timeout)",
                 ),
             ),
@@ -533,6 +535,25 @@ mod tests {
             assert!(!shown.contains(CANARY), "{shown}");
             assert!(shown.contains("svc:***@db.internal"), "{shown}");
         }
+    }
+
+    /// librdkafka refuses a linger not shorter than the delivery timeout the park bound sets.
+    #[test]
+    fn a_linger_not_shorter_than_the_park_bound_is_refused_naming_it() {
+        let pairs = [("RELAY_LINGER_MS", "2000"), ("RELAY_PARK_AFTER_SECS", "1")];
+        let get = |name: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        };
+        let args = super::RelayArgs::from_vars(get).unwrap();
+        let problems: Vec<String> = args.problems().into_iter().map(|p| p.setting).collect();
+        assert_eq!(problems, ["RELAY_LINGER_MS"]);
+        let ok =
+            super::RelayArgs::from_vars(|n: &str| (n == "RELAY_LINGER_MS").then(|| "5".to_owned()))
+                .unwrap();
+        assert!(ok.problems().is_empty());
     }
 
     #[test]
