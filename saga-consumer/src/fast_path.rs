@@ -82,15 +82,7 @@ impl FastPathArgs {
             ("REDIS_KEY_TTL_SECS", value::positive(self.key_ttl)),
             ("REDIS_TIMEOUT_MS", value::positive(self.timeout)),
         ];
-        let problems: Vec<ConfigProblem> = checks
-            .into_iter()
-            .filter_map(|(var, checked)| {
-                checked
-                    .err()
-                    .map(|why| ConfigProblem::new(var, why, "fix its value"))
-            })
-            .collect();
-        if let Some(problem) = ConfigProblem::all(problems) {
+        if let Some(problem) = ConfigProblem::all(saga_runtime::settings::failed(checks)) {
             return Err(problem);
         }
         let retention = retention.key_retention()?;

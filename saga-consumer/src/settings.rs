@@ -248,14 +248,7 @@ impl ConsumerArgs {
                     .map(drop),
             ),
         ];
-        let mut problems: Vec<ConfigProblem> = checks
-            .into_iter()
-            .filter_map(|(var, checked)| {
-                checked
-                    .err()
-                    .map(|why| ConfigProblem::new(var, why, "fix its value"))
-            })
-            .collect();
+        let mut problems = saga_runtime::settings::failed(checks);
         problems.extend(self.retry.problems());
         problems
     }

@@ -123,6 +123,21 @@ fn every_problem<T: FromArgMatches>(
     }
 }
 
+/// The problems of `checks`, each a variable and the rule its value was checked by (a value set in code
+/// goes through the rules its variable is parsed with): one per failed rule, naming the variable.
+pub fn failed<T>(
+    checks: impl IntoIterator<Item = (&'static str, Result<T, String>)>,
+) -> Vec<ConfigProblem> {
+    checks
+        .into_iter()
+        .filter_map(|(var, checked)| {
+            checked
+                .err()
+                .map(|why| ConfigProblem::new(var, why, "fix its value"))
+        })
+        .collect()
+}
+
 /// A flag's variable as the binaries read it: clap reads a flag's variable with its `BoolValueParser`, which
 /// takes `true` and `false` and nothing else (an empty value included).
 fn boolish(value: &str) -> Option<bool> {

@@ -148,19 +148,7 @@ pub async fn produce_keys(
     for n in 0..count {
         let key = format!("bench-{}", n % distinct.max(1));
         let payload = serde_json::to_vec(&Work { n })?;
-        let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: "idempotency-key",
-                value: Some(key.as_str()),
-            })
-            .insert(Header {
-                key: "ce_type",
-                value: Some("Work"),
-            })
-            .insert(Header {
-                key: "ce_id",
-                value: Some(key.as_str()),
-            });
+        let headers = work_headers(&key);
         let headers = match traceparent {
             Some(value) => headers.insert(Header {
                 key: "traceparent",
@@ -189,6 +177,23 @@ pub async fn produce_keys(
         delivery.await?.map_err(|(e, _)| e)?;
     }
     ensure_kept(kafka, topic).await
+}
+
+/// The headers of a [`Work`] message whose idempotency key (and event id) is `id`.
+pub fn work_headers(id: &str) -> OwnedHeaders {
+    OwnedHeaders::new()
+        .insert(Header {
+            key: "idempotency-key",
+            value: Some(id),
+        })
+        .insert(Header {
+            key: "ce_type",
+            value: Some("Work"),
+        })
+        .insert(Header {
+            key: "ce_id",
+            value: Some(id),
+        })
 }
 
 /// Fails when the broker no longer keeps the first messages of `topic` (a partition's low watermark is

@@ -13,7 +13,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use saga_consumer::{
     Message, SagaConsumer, StepContext, StepError, StepOutcome, StepResult, Topic, two_phase,
@@ -23,7 +22,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::bench::consumer::Work;
+use crate::bench::consumer::{Work, work_headers};
 use crate::bench::{Progress, rate};
 
 /// The outside call's latency.
@@ -136,19 +135,7 @@ pub async fn produce(kafka: &KafkaConfig, topic: &str, count: i64) -> anyhow::Re
         let key = format!("slow-{}", n % KEYS);
         let id = format!("slow-msg-{n}");
         let payload = serde_json::to_vec(&Work { n })?;
-        let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: "idempotency-key",
-                value: Some(id.as_str()),
-            })
-            .insert(Header {
-                key: "ce_type",
-                value: Some("Work"),
-            })
-            .insert(Header {
-                key: "ce_id",
-                value: Some(id.as_str()),
-            });
+        let headers = work_headers(&id);
         let record = FutureRecord::to(topic)
             .key(&key)
             .payload(&payload)
