@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::connection::WorkerConnection;
 use crate::delivery::Delivery;
 use crate::executor::Alone;
-use crate::guard::{BatchStart, PendingStart};
+use crate::guard::{BatchStart, CommitPermit, PendingStart};
 use crate::hold;
 use crate::key_lanes;
 use crate::metrics::observe_since;
@@ -53,14 +53,14 @@ pub(crate) fn recording(
 }
 
 /// What runs after a start recorded first.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Run {
     /// The batch, under the shared lock.
     Batch,
     /// The first message alone, isolated (the last run died in its range).
     Isolated,
-    /// The first message, dead-lettered alone.
-    Alone(Alone),
+    /// The first message, dead-lettered alone, with the permit its recorded start gave.
+    Alone(Alone, CommitPermit),
 }
 
 /// What runs for `start`, and how many messages it takes of a batch of `take`.
@@ -68,7 +68,13 @@ pub(crate) fn run_of(start: &BatchStart, take: usize) -> (Run, usize) {
     match start {
         BatchStart::Normal => (Run::Batch, take),
         BatchStart::Isolate => (Run::Isolated, 1),
-        BatchStart::DeadLetter(deaths) => (Run::Alone(Alone::CrashLoop(*deaths)), 1),
+        BatchStart::DeadLetter(deaths) => (
+            Run::Alone(
+                Alone::CrashLoop(*deaths),
+                CommitPermit::recorded_dead_letter(),
+            ),
+            1,
+        ),
     }
 }
 
@@ -290,7 +296,7 @@ impl CrashGate<'_> {
                     .await;
                 batch[0].isolated = true;
             }
-            Run::Alone(_) => {}
+            Run::Alone(..) => {}
         }
         if cancel.is_cancelled() {
             guard
@@ -299,11 +305,7 @@ impl CrashGate<'_> {
             return Flow::Stop;
         }
         let done = match run {
-            Run::Alone(why) => {
-                let mut recorded = PendingStart::known(start.clone());
-                let Some(permit) = recorded.alone_permit().await else {
-                    unreachable!("the record said: dead-letter")
-                };
+            Run::Alone(why, permit) => {
                 let released = connection.release();
                 let letter =
                     executor.dead_letter_alone(&mut batch[0], why, &permit, &released, cancel);
@@ -401,7 +403,10 @@ mod tests {
         assert_eq!(run_of(&BatchStart::Isolate, 7), (Run::Isolated, 1));
         assert_eq!(
             run_of(&BatchStart::DeadLetter(3), 7),
-            (Run::Alone(Alone::CrashLoop(3)), 1)
+            (
+                Run::Alone(Alone::CrashLoop(3), CommitPermit::recorded_dead_letter()),
+                1
+            )
         );
     }
 

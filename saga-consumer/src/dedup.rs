@@ -6,7 +6,7 @@
 //! fails, the caller rolls everything back: the batch then behaves as if it had never run, which is what
 //! keeps per-message semantics (see `executor`).
 //!
-//! The claim comes in two kinds ([`ClaimKind`]). Where the worker expects every key to be new, a plain
+//! The claim comes in two kinds ([`ClaimWay`]: [`AsNew`], [`Checked`]). Where the worker expects every key to be new, a plain
 //! `INSERT` claims them, at about half the cost in PostgreSQL of checking each row for a conflict; should
 //! one exist after all, the statement fails, the caller rolls back and runs the batch again with the
 //! checking claim, which it keeps using while its batches meet existing keys (redeliveries come in runs:
@@ -22,8 +22,8 @@ use saga_runtime::store::idempotency::{Claim, StoreError};
 use crate::delivery::{Delivery, Route};
 use crate::metrics::{ConsumerMetrics, StepOnly, observe_since};
 use crate::service::{StepItem, StepRequest, StepService};
-pub(crate) use crate::step_tx::ClaimKind;
-use crate::step_tx::{Claimed, KeyMayBeGone, Outcomes, StepTx};
+pub(crate) use crate::step_tx::{AsNew, Checked, ClaimKind, ClaimWay, KeysExist};
+use crate::step_tx::{KeyMayBeGone, Outcomes, StepTx};
 
 /// How one message of a committed batch ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,9 +93,6 @@ pub(crate) enum BatchError {
     Store(StoreError),
     /// The batch may not commit: its start was not recorded as normal (see `guard::PendingStart`).
     NotStarted,
-    /// The batch's keys were claimed as new ([`ClaimKind::New`]) and one existed: run the batch again with
-    /// [`ClaimKind::Checked`].
-    KeysExist,
 }
 
 /// The message at `index`, `what`, that the worker's decisions put in a batch of a transactional step: the
@@ -136,7 +133,7 @@ impl BatchError {
         match self {
             Self::Item { failure, .. } => failure.is_database_unavailable(),
             Self::Store(e) => e.is_connection_error(),
-            Self::Group | Self::NotStarted | Self::KeysExist => false,
+            Self::Group | Self::NotStarted => false,
         }
     }
 }
@@ -157,16 +154,16 @@ enum Slot {
     Repeat,
 }
 
-/// Claims the batch's keys (as `claim` says), runs the handlers of new ones through `service`, records
+/// Claims the batch's keys (as `C` says), runs the handlers of new ones through `service`, records
 /// outcomes and appends the emitted events, all in `tx` (of which the claim must be the first statement).
-/// Every delivery must be routed to a transactional step or ignored.
-pub(crate) async fn run_batch(
+/// Every delivery must be routed to a transactional step or ignored. `Ok(Err(rerun))`: the claim said the
+/// batch must run again, and nothing else ran.
+pub(crate) async fn run_batch<C: ClaimWay>(
     service: &dyn StepService,
     tx: &mut StepTx<'_>,
     deliveries: &[Delivery],
     metrics: &ConsumerMetrics,
-    claim: ClaimKind,
-) -> Result<BatchRun, BatchError> {
+) -> Result<Result<BatchRun, C::Rerun>, BatchError> {
     let mut keys: Vec<(TenantId, StepKey)> = Vec::with_capacity(deliveries.len());
     let mut seen: HashMap<(&TenantId, &StepKey), usize> = HashMap::with_capacity(deliveries.len());
     let slots: Vec<Slot> = deliveries
@@ -191,13 +188,9 @@ pub(crate) async fn run_batch(
         })
         .collect::<Result<_, BatchError>>()?;
     let claiming = Instant::now();
-    let claims = match tx
-        .claim_keys(&keys, claim)
-        .await
-        .map_err(BatchError::Store)?
-    {
-        Claimed::Keys(claims) => claims,
-        Claimed::KeysExist => return Err(BatchError::KeysExist),
+    let claims = match C::claim(tx, &keys).await.map_err(BatchError::Store)? {
+        Ok(claims) => claims,
+        Err(rerun) => return Ok(Err(rerun)),
     };
     observe_since(&metrics.phases.claim, claiming);
     let met_existing_keys = claims.iter().any(|c| !matches!(c, Claim::New));
@@ -263,13 +256,13 @@ pub(crate) async fn run_batch(
         .await
         .map_err(BatchError::Store)?;
     observe_since(&metrics.phases.record, recording);
-    Ok(BatchRun {
+    Ok(Ok(BatchRun {
         outcomes: results
             .into_iter()
             .map(|r| r.expect("every message of the batch has an outcome"))
             .collect(),
         met_existing_keys,
-    })
+    }))
 }
 
 /// A message whose new key (just claimed) may have been deleted by retention after its step ran fails for

@@ -19,7 +19,9 @@ use tokio_util::sync::CancellationToken;
 use crate::connection::{Released, WorkerConnection};
 pub(crate) use crate::db_retry::sleep_or_cancel;
 use crate::db_retry::{Budget, Stopper, Tried, with_budget};
-use crate::dedup::{self, BatchError, Failure, ItemOutcome};
+use crate::dedup::{
+    self, AsNew, BatchError, Checked, ClaimKind, ClaimWay, Failure, ItemOutcome, KeysExist,
+};
 use crate::delivery::Delivery;
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
 use crate::fast::{self, FastPath};
@@ -175,7 +177,6 @@ impl Executor {
             }
             // The batch may not commit (see `guard::PendingStart`): nothing of it did.
             Err(BatchError::NotStarted) => return None,
-            Err(BatchError::KeysExist) => unreachable!("transact runs such a batch again itself"),
         })
     }
 
@@ -510,35 +511,45 @@ impl Executor {
     }
 
     /// One transaction over `batch`: claim, handle, record, append, commit. Run a second time, claiming
-    /// with a check of each key, if the first claimed the keys as new and one existed.
+    /// with a check of each key ([`Checked`]), if the first claimed the keys as new ([`AsNew`]) and one
+    /// existed.
     async fn transact(
         &self,
         batch: &[Delivery],
         start: &mut PendingStart,
         connection: &mut WorkerConnection,
     ) -> Result<Vec<ItemOutcome>, BatchError> {
-        match self.transact_once(batch, start, connection).await {
-            Err(BatchError::KeysExist) => {
-                self.metrics.claims_rerun.inc();
-                self.transact_once(batch, start, connection).await
+        if connection.claim_kind() == ClaimKind::New {
+            match self
+                .transact_once::<AsNew>(batch, start, connection)
+                .await?
+            {
+                Ok(outcomes) => return Ok(outcomes),
+                Err(KeysExist) => {
+                    self.metrics.claims_rerun.inc();
+                }
             }
-            other => other,
         }
+        let checked = self
+            .transact_once::<Checked>(batch, start, connection)
+            .await?;
+        Ok(checked.unwrap_or_else(|never| match never {}))
     }
 
-    /// [`Self::transact`]'s transaction, claiming as `connection` says (see `dedup::ClaimKind`).
-    async fn transact_once(
+    /// [`Self::transact`]'s transaction, claiming as `C` says; `Ok(Err(rerun))`: it must run again (nothing
+    /// of it took effect).
+    async fn transact_once<C: ClaimWay>(
         &self,
         batch: &[Delivery],
         start: &mut PendingStart,
         connection: &mut WorkerConnection,
-    ) -> Result<Vec<ItemOutcome>, BatchError> {
+    ) -> Result<Result<Vec<ItemOutcome>, C::Rerun>, BatchError> {
         if batch.iter().all(Delivery::needs_no_claim) {
             if start.permit().await.is_none() {
                 return Err(BatchError::NotStarted);
             }
             // Nothing to claim or handle: no transaction.
-            return Ok(batch
+            return Ok(Ok(batch
                 .iter()
                 .map(|d| {
                     if d.known_done {
@@ -547,11 +558,10 @@ impl Executor {
                         ItemOutcome::Ignored
                     }
                 })
-                .collect());
+                .collect()));
         }
         let phases = &self.metrics.phases;
         let began = Instant::now();
-        let claim = connection.claim_kind();
         // An outbox that may not be written (its WAL slot lost): nothing commits, the batch waits intact.
         step_tx::writable(&self.outbox).map_err(BatchError::Store)?;
         let mut lent = connection.lend(&self.pool).await?;
@@ -559,18 +569,20 @@ impl Executor {
             .await
             .map_err(BatchError::Store)?;
         observe_since(&phases.begin, began);
-        let run = match dedup::run_batch(&*self.service, &mut tx, batch, &self.metrics, claim).await
-        {
-            Ok(run) => run,
-            Err(e) => {
+        let run = match dedup::run_batch::<C>(&*self.service, &mut tx, batch, &self.metrics).await {
+            Ok(Ok(run)) => run,
+            Ok(Err(rerun)) => {
+                // Nothing but the claim ran: the batch runs again at once, checking each key.
                 let rolled_back = tx.roll_back().await;
-                if matches!(e, BatchError::KeysExist) {
-                    // Nothing but the claim ran: the batch runs again at once, checking each key.
-                    lent.claimed(true);
-                    if let Some(settled) = rolled_back {
-                        lent.keep(settled);
-                    }
-                } else if e.is_database_unavailable() {
+                lent.claimed(true);
+                if let Some(settled) = rolled_back {
+                    lent.keep(settled);
+                }
+                return Ok(Err(rerun));
+            }
+            Err(e) => {
+                let _ = tx.roll_back().await;
+                if e.is_database_unavailable() {
                     lent.discard();
                 }
                 return Err(e);
@@ -596,7 +608,7 @@ impl Executor {
         self.metrics.batch_size.observe(batch.len() as f64);
         self.after_commit(batch);
         fast::after_commit(self.fast_path.as_ref(), batch, &run.outcomes);
-        Ok(run.outcomes)
+        Ok(Ok(run.outcomes))
     }
 
     /// Tells the commit hooks (fault injection) that `batch` committed.

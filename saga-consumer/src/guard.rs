@@ -281,9 +281,18 @@ impl CrashGuard {
 
 /// Proof that a batch's start is recorded and says "normal": what every effect of a partition worker
 /// (a commit, a dead letter, a lease) takes. Only [`PendingStart::permit`] makes one, so nothing takes
-/// effect before the crash-loop record allows it.
-#[derive(Debug)]
+/// effect before the crash-loop record allows it; a start recorded as "dead-letter" gives the permit for
+/// its first message's letter ([`CommitPermit::recorded_dead_letter`]).
+#[derive(Debug, PartialEq, Eq)]
 pub(crate) struct CommitPermit(());
+
+impl CommitPermit {
+    /// The permit a start recorded as [`BatchStart::DeadLetter`] gives: to dead-letter the batch's first
+    /// message alone (see `crash_gate::run_of`, which takes it from the record).
+    pub(crate) fn recorded_dead_letter() -> Self {
+        Self(())
+    }
+}
 
 /// A batch's start: known, or being recorded while the batch's transaction runs. Whatever commits for the
 /// batch waits for it first ([`PendingStart::resolve`]).
@@ -349,11 +358,5 @@ impl PendingStart {
     /// "normal"; `None` if it says otherwise or was cancelled.
     pub(crate) async fn permit(&mut self) -> Option<CommitPermit> {
         (self.resolve().await == Some(BatchStart::Normal)).then_some(CommitPermit(()))
-    }
-
-    /// The permit to dead-letter the batch's first message alone (a crash loop), once the record is in and
-    /// says so; `None` if it says otherwise or was cancelled.
-    pub(crate) async fn alone_permit(&mut self) -> Option<CommitPermit> {
-        matches!(self.resolve().await, Some(BatchStart::DeadLetter(_))).then_some(CommitPermit(()))
     }
 }

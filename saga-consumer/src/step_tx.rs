@@ -8,6 +8,8 @@
 //! ([`StepTx::record`]); COMMIT, for a worker only with its batch's `CommitPermit` (invariant 1), or a
 //! ROLLBACK that is awaited, so that a retry does not wait for the claimed keys.
 
+use std::convert::Infallible;
+
 use saga_core::{OutboxMessage, StepError, StepKey, StepOutcome, TenantId};
 use saga_runtime::store::idempotency::{
     self, Claim, Lease, LeaseClaim, NewClaims, StoreError, TryClaim,
@@ -24,23 +26,67 @@ pub(crate) fn writable(outbox: &Outbox) -> Result<(), StoreError> {
     outbox.check_writable().map_err(StoreError::from)
 }
 
-/// How a batch's keys are claimed.
+/// How a worker's next batch claims its keys (see `connection::WorkerConnection::claim_kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ClaimKind {
-    /// All keys are expected to be new: one plain `INSERT`; should one exist, the claim says
-    /// [`Claimed::KeysExist`] and the transaction must be rolled back and run again [`ClaimKind::Checked`].
+    /// All keys are expected to be new: [`AsNew`].
     New,
-    /// Each key is checked: new, duplicate or leased.
+    /// Each key is checked: [`Checked`].
     Checked,
 }
 
-/// What a batch's claim found.
+/// A batch's claim of its keys, as a type: whether it may find a key that exists and must run again is
+/// said by [`ClaimWay::Rerun`].
+pub(crate) trait ClaimWay {
+    /// What the claim answers instead of the keys' claims: [`KeysExist`] for [`AsNew`], nothing
+    /// ([`Infallible`]) for [`Checked`].
+    type Rerun: Send;
+
+    /// Claims `keys`: the first statement of the transaction.
+    fn claim<'t>(
+        tx: &'t mut StepTx<'_>,
+        keys: &'t [(TenantId, StepKey)],
+    ) -> impl Future<Output = Result<Result<Vec<Claim>, Self::Rerun>, StoreError>> + Send + 't;
+}
+
+/// All keys are expected to be new: one plain `INSERT`. Should one exist, the claim answers
+/// [`KeysExist`], and the transaction must be rolled back and run again [`Checked`].
+pub(crate) struct AsNew;
+
+/// Each key is checked: new, duplicate or leased.
+pub(crate) struct Checked;
+
+/// [`AsNew`] met an existing key: nothing else ran in the transaction.
 #[derive(Debug)]
-pub(crate) enum Claimed {
-    /// Each key's claim, in order.
-    Keys(Vec<Claim>),
-    /// [`ClaimKind::New`] met an existing key: nothing else ran in the transaction.
-    KeysExist,
+pub(crate) struct KeysExist;
+
+impl ClaimWay for AsNew {
+    type Rerun = KeysExist;
+
+    async fn claim(
+        tx: &mut StepTx<'_>,
+        keys: &[(TenantId, StepKey)],
+    ) -> Result<Result<Vec<Claim>, KeysExist>, StoreError> {
+        Ok(
+            match idempotency::claim_new_in_transaction(&mut tx.tx, keys).await? {
+                NewClaims::Claimed => Ok(vec![Claim::New; keys.len()]),
+                NewClaims::SomeExist => Err(KeysExist),
+            },
+        )
+    }
+}
+
+impl ClaimWay for Checked {
+    type Rerun = Infallible;
+
+    async fn claim(
+        tx: &mut StepTx<'_>,
+        keys: &[(TenantId, StepKey)],
+    ) -> Result<Result<Vec<Claim>, Infallible>, StoreError> {
+        Ok(Ok(
+            idempotency::claim_in_transaction(&mut tx.tx, keys).await?
+        ))
+    }
 }
 
 /// What a step records before its events.
@@ -70,25 +116,6 @@ impl<'c> StepTx<'c> {
             tx: begin.await?,
             outbox: outbox.clone(),
         })
-    }
-
-    /// Claims `keys` as `kind` says: the first statement of the transaction.
-    pub(crate) async fn claim_keys(
-        &mut self,
-        keys: &[(TenantId, StepKey)],
-        kind: ClaimKind,
-    ) -> Result<Claimed, StoreError> {
-        match kind {
-            ClaimKind::New => Ok(
-                match idempotency::claim_new_in_transaction(&mut self.tx, keys).await? {
-                    NewClaims::Claimed => Claimed::Keys(vec![Claim::New; keys.len()]),
-                    NewClaims::SomeExist => Claimed::KeysExist,
-                },
-            ),
-            ClaimKind::Checked => Ok(Claimed::Keys(
-                idempotency::claim_in_transaction(&mut self.tx, keys).await?,
-            )),
-        }
     }
 
     /// Locks a two-phase step's lease, fenced by its attempt number: `false` when another worker took it
