@@ -59,7 +59,7 @@ pub use hooks::{PublishAttempt, PublishHooks};
 pub use kafka_security::{SaslMechanism, Secret, SecurityProtocol};
 pub use parked::{ParkedEvent, discard_parked, parked_events, retry_parked};
 pub use relay::{Relay, RelayBuilder, RelayError, RelayProbe};
-pub use saga_config::{KafkaConfig, OutboxMode};
+pub use saga_config::{Cause, KafkaConfig, OutboxMode};
 pub use settings::{DatabaseArgs, KafkaArgs, OutboxArgs, RelayArgs, RetentionArgs, SchemaArgs};
 pub use slot_admin::{
     RetiredSlot, SlotError, SlotIncident, lost_step_keys, recover_slot, retire_slot, slot_incidents,

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use std::future::Future;
 use std::net::SocketAddr;
 
+use saga_config::Cause;
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::kafka::KafkaConfig;
 use saga_runtime::ops::{Ops, ReadyFlag};
@@ -33,19 +34,18 @@ pub enum RelayError {
     // configuration problem (exit code 2).
     #[error("{0}")]
     Config(#[from] ConfigProblem),
-    /// The Kafka producer could not be created.
+    /// The Kafka producer could not be created (the client's error kept as the cause).
     #[error("kafka: {0}")]
-    Kafka(String),
+    Kafka(#[source] Cause),
     /// The ops endpoint could not listen.
     #[error("ops endpoint: {0}")]
     Ops(#[from] std::io::Error),
 }
 
 impl RelayError {
-    /// The broker's error, said (crate-private: no rdkafka type in the public API).
-    #[allow(clippy::needless_pass_by_value)] // `map_err(Self::kafka)` hands the error over
+    /// The broker's error, kept as the cause (crate-private: no rdkafka type in the public API).
     pub(crate) fn kafka(e: rdkafka::error::KafkaError) -> Self {
-        Self::Kafka(e.to_string())
+        Self::Kafka(Cause::new(e))
     }
 }
 
@@ -218,6 +218,12 @@ impl RelayBuilder {
     pub fn retention(mut self, retention: RetentionArgs) -> Self {
         self.args.retention = retention;
         self
+    }
+
+    /// The retention given so far: what the relay will delete, and when (a service that embeds the relay
+    /// takes its finished keys' retention as the one its consumer checks messages against).
+    pub fn retention_given(&self) -> &RetentionArgs {
+        &self.args.retention
     }
 
     /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` (`RELAY_OPS_ADDR`).

@@ -414,10 +414,9 @@ pub async fn show(
         usize::MAX,
     )
     .await?;
-    records
-        .into_iter()
-        .next()
-        .ok_or_else(|| AdminError::Kafka(format!("{topic}/{partition}/{offset} could not be read")))
+    records.into_iter().next().ok_or_else(|| {
+        AdminError::kafka_said(format!("{topic}/{partition}/{offset} could not be read"))
+    })
 }
 
 /// The topics of the broker whose name ends in `.dlq` (the consumer's default dead-letter topics).
@@ -438,7 +437,7 @@ pub async fn discover_topics(kafka: &KafkaConfig) -> Result<Vec<String>, AdminEr
         Ok(topics)
     })
     .await
-    .map_err(|e| AdminError::Kafka(e.to_string()))?
+    .map_err(|e| AdminError::Kafka(saga_config::Cause::new(e)))?
 }
 
 /// How a replay runs.
@@ -988,7 +987,7 @@ async fn send(
         ],
     )
     .await
-    .map_err(|e| AdminError::Kafka(format!("replaying to {}: {e}", owner.retry_topic)))
+    .map_err(|e| AdminError::kafka_doing(format!("replaying to {}", owner.retry_topic), e))
 }
 
 /// One send of a replay, as `saga_dlq_replay_log` records it.
@@ -1128,7 +1127,7 @@ async fn read(
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while !until.is_empty() && bytes < max_bytes {
             if std::time::Instant::now() > deadline {
-                return Err(AdminError::Kafka(format!(
+                return Err(AdminError::kafka_said(format!(
                     "reading {topic} did not finish within 60 s"
                 )));
             }
@@ -1178,5 +1177,5 @@ async fn read(
         Ok(records)
     })
     .await
-    .map_err(|e| AdminError::Kafka(e.to_string()))?
+    .map_err(|e| AdminError::Kafka(saga_config::Cause::new(e)))?
 }

@@ -1,6 +1,6 @@
 //! The toolkit's errors.
 
-use saga_config::{BadInput, ConfigProblem};
+use saga_config::{BadInput, Cause, ConfigProblem};
 use saga_orchestrator::OrchestratorError;
 
 /// Why an admin operation failed. [`AdminError::Config`] and [`AdminError::BadInput`] are the caller's to
@@ -19,12 +19,13 @@ pub enum AdminError {
     /// The database failed.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
-    /// The broker failed.
+    /// The broker failed (the client's error kept as the cause), or did not answer as it must.
     #[error("kafka: {0}")]
-    Kafka(String),
-    /// The key store answered with something this version cannot read.
+    Kafka(#[source] Cause),
+    /// The key store failed, or answered with something this version cannot read (the store's error kept
+    /// as the cause).
     #[error("key store: {0}")]
-    Store(String),
+    Store(#[source] Cause),
     /// Migrations could not be applied (`what` says whose).
     #[error("applying {what}: {source}")]
     Migrations {
@@ -68,17 +69,42 @@ impl AdminError {
         Self::BadInput(BadInput::new(message))
     }
 
-    /// The broker's error, said (a crate-private conversion: no rdkafka type in the public API, not even
-    /// in a `From` implementation).
-    #[allow(clippy::needless_pass_by_value)] // `map_err(Self::kafka)` hands the error over
+    /// The broker's error, kept as the cause (a crate-private conversion: no rdkafka type in the public
+    /// API, not even in a `From` implementation).
     pub(crate) fn kafka(e: rdkafka::error::KafkaError) -> Self {
-        Self::Kafka(e.to_string())
+        Self::Kafka(Cause::new(e))
+    }
+
+    /// The broker's error `e` while `doing`, kept as the cause.
+    pub(crate) fn kafka_doing(
+        doing: String,
+        e: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Kafka(Cause::new(Doing {
+            doing,
+            source: Box::new(e),
+        }))
+    }
+
+    /// The broker did not answer as it must: `what` says how.
+    pub(crate) fn kafka_said(what: impl Into<String>) -> Self {
+        Self::Kafka(Cause::message(what))
     }
 
     /// Whether the caller can fix it (bad input or configuration), as opposed to a failure.
     pub fn is_caller_error(&self) -> bool {
         matches!(self, Self::Config(_) | Self::BadInput(_))
     }
+}
+
+/// What was being done when a part failed, and its error (the cause's message says both; its source is the
+/// part's error).
+#[derive(Debug, thiserror::Error)]
+#[error("{doing}: {source}")]
+struct Doing {
+    doing: String,
+    #[source]
+    source: Box<dyn std::error::Error + Send + Sync>,
 }
 
 impl From<ConfigProblem> for AdminError {
@@ -88,12 +114,11 @@ impl From<ConfigProblem> for AdminError {
 }
 
 impl AdminError {
-    /// The key store's error, said (crate-private: the store's type is not part of this API).
-    #[allow(clippy::needless_pass_by_value)] // `map_err(AdminError::store)` hands the error over
+    /// The key store's error, kept as the cause (crate-private: the store's type is not part of this API).
     pub(crate) fn store(e: saga_runtime::store::idempotency::StoreError) -> Self {
         match e {
             saga_runtime::store::idempotency::StoreError::Database(d) => Self::Database(d),
-            other => Self::Store(other.to_string()),
+            other => Self::Store(Cause::new(other)),
         }
     }
 }

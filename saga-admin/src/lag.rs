@@ -117,5 +117,5 @@ pub async fn lag(
             .collect())
     })
     .await
-    .map_err(|e| AdminError::Kafka(e.to_string()))?
+    .map_err(|e| AdminError::Kafka(saga_config::Cause::new(e)))?
 }

@@ -77,9 +77,9 @@ impl OperationKind {
             "replay" => Ok(Self::Replay),
             "discard" => Ok(Self::Discard),
             "undo-discard" => Ok(Self::UndoDiscard),
-            other => Err(AdminError::Store(format!(
+            other => Err(AdminError::Store(saga_config::Cause::message(format!(
                 "an operation of kind {other:?}, which this version does not know"
-            ))),
+            )))),
         }
     }
 

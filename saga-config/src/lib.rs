@@ -3,7 +3,8 @@
 //! The settings types every part of saga-exactly-once shares, kept out of `saga-core` so that the contract a
 //! step implementor depends on stays small: where the broker is ([`KafkaConfig`]), how the outbox is read
 //! ([`OutboxMode`]), and the one-line report of a setting that keeps a process from starting
-//! ([`ConfigProblem`]). `saga-consumer` and `outbox-relay` re-export them; a service names them from there.
+//! ([`ConfigProblem`]), and the [`Cause`] the boundary crates' errors keep of a part whose error type is not
+//! part of their API. `saga-consumer` and `outbox-relay` re-export them; a service names them from there.
 //!
 //! # Examples
 //!
@@ -20,6 +21,11 @@
 #![deny(missing_docs)]
 
 use std::fmt;
+
+mod cause;
+mod sampled_out;
+pub use cause::Cause;
+pub use sampled_out::SampledOut;
 
 /// Where the broker is, and extra librdkafka properties: the framework's own Kafka settings type, free of
 /// any client library's types. The consumer, the relay and the `saga` command take it. Its `Debug` shows

@@ -122,14 +122,4 @@ impl BrokerError {
     }
 }
 
-/// The cause of a failure, from a part whose error type is not part of this API.
-#[derive(Debug, thiserror::Error)]
-#[error(transparent)]
-pub struct Cause(Box<dyn std::error::Error + Send + Sync>);
-
-impl Cause {
-    /// `e`, kept as a cause.
-    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
-        Self(Box::new(e))
-    }
-}
+pub use saga_config::Cause;

@@ -90,22 +90,20 @@ pub enum OrchestratorError {
     /// The outbox may not be written now (in WAL mode, its slot is lost): the transition is tried again
     /// once it may.
     #[error("orchestrator: {0}")]
-    OutboxUnavailable(String),
+    OutboxUnavailable(#[source] saga_consumer::OutboxWriteError),
     /// The outbox refuses the transition's events for good (larger than it accepts).
     #[error("orchestrator: {0}")]
-    OutboxRefused(String),
+    OutboxRefused(#[source] saga_consumer::OutboxWriteError),
 }
 
 impl OrchestratorError {
     /// The orchestrator's error for what the outbox said.
-    pub(crate) fn of_outbox(e: saga_runtime::store::outbox::OutboxError) -> Self {
-        use saga_runtime::store::outbox::OutboxError;
+    pub(crate) fn of_outbox(e: saga_consumer::OutboxWriteError) -> Self {
+        use saga_consumer::OutboxWriteError;
         match e {
-            OutboxError::Database(e) => Self::Database(e),
-            OutboxError::TooLarge { .. } | OutboxError::Refused { .. } => {
-                Self::OutboxRefused(e.to_string())
-            }
-            other => Self::OutboxUnavailable(other.to_string()),
+            OutboxWriteError::Database(e) => Self::Database(e),
+            e @ OutboxWriteError::Refused(_) => Self::OutboxRefused(e),
+            other => Self::OutboxUnavailable(other),
         }
     }
 }

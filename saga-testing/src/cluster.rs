@@ -295,7 +295,7 @@ impl Cluster {
             let deadline = Instant::now() + Duration::from_secs(30);
             while member.assignment().map_err(kafka)?.count() < wanted {
                 if Instant::now() > deadline {
-                    return Err(KitError::Kafka(format!(
+                    return Err(crate::error::kafka_said(format!(
                         "rewinding {group_name}: its partitions were not assigned within 30 s"
                     )));
                 }
@@ -310,7 +310,7 @@ impl Cluster {
         .await?;
         let rewound = self.positions(group, topics).await?;
         if let Some(((topic, partition), p)) = rewound.iter().find(|(_, p)| p.committed != p.low) {
-            return Err(KitError::Kafka(format!(
+            return Err(crate::error::kafka_said(format!(
                 "rewinding {group}: {topic}/{partition} stayed at offset {}",
                 p.committed
             )));
@@ -341,7 +341,7 @@ fn mock_of(owner: &BaseProducer) -> Result<MockCluster<'_, DefaultProducerContex
     owner
         .client()
         .mock_cluster()
-        .ok_or_else(|| KitError::Kafka("the kit's client holds no mock cluster".to_owned()))
+        .ok_or_else(|| crate::error::kafka_said("the kit's client holds no mock cluster"))
 }
 
 /// A client configuration for the mock cluster at `brokers`.
@@ -372,5 +372,5 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, KitError> {
     tokio::task::spawn_blocking(work)
         .await
-        .map_err(|e| KitError::Kafka(format!("a request of the kit's did not finish: {e}")))?
+        .map_err(|e| KitError::Kafka(saga_consumer::Cause::new(e)))?
 }

@@ -15,9 +15,10 @@ pub enum KitError {
     /// A setting is wrong (`DATABASE_URL` does not parse, the server does not answer).
     #[error("{0}")]
     Config(#[from] saga_consumer::ConfigProblem),
-    /// The mock cluster or a client of it failed.
+    /// The mock cluster or a client of it failed (the client's error kept as the cause), or did not do
+    /// what the kit asked in time.
     #[error("the mock Kafka cluster: {0}")]
-    Kafka(String),
+    Kafka(#[source] saga_consumer::Cause),
     /// The test's own service setup failed, or the service could not be built or stopped with an error.
     #[error("the {service} service: {error}")]
     Service {
@@ -99,9 +100,13 @@ pub enum KitError {
 }
 
 /// A Kafka client's error, as the kit reports it (no rdkafka type in the kit's API).
-#[allow(clippy::needless_pass_by_value)] // `map_err(kafka)` hands the error over
 pub(crate) fn kafka(e: rdkafka::error::KafkaError) -> KitError {
-    KitError::Kafka(e.to_string())
+    KitError::Kafka(saga_consumer::Cause::new(e))
+}
+
+/// The mock cluster did not do what the kit asked: `what` says how.
+pub(crate) fn kafka_said(what: impl Into<String>) -> KitError {
+    KitError::Kafka(saga_consumer::Cause::message(what))
 }
 
 /// Says how many letters a test did not expect, what they were, and how a test says it does.

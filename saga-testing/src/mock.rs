@@ -21,8 +21,8 @@ pub(crate) fn join_at_once<C: ClientContext>(owner: &Client<C>) -> Result<(), Ki
     // cluster that handle made, or null when it made none, and only reads the handle.
     let cluster = unsafe { rd_kafka_handle_mock_cluster(owner.native_ptr()) };
     if cluster.is_null() {
-        return Err(KitError::Kafka(
-            "the kit's client holds no mock cluster".to_owned(),
+        return Err(crate::error::kafka_said(
+            "the kit's client holds no mock cluster",
         ));
     }
     // SAFETY: `cluster` is non-null and lives as long as `owner`, which outlives this call. The setter
