@@ -338,8 +338,7 @@ impl<P> SagaBuilder<P> {
     }
 
     /// Shares the ops state of the process (metrics and readiness) with the relay a service embeds.
-    #[doc(hidden)]
-    pub fn with_ops(mut self, ops: Ops) -> Self {
+    pub(crate) fn with_ops(mut self, ops: Ops) -> Self {
         self.ops = Some(ops);
         self
     }

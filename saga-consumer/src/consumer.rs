@@ -254,12 +254,6 @@ impl SagaConsumer {
         OpsHandle::new(self.ops.handle())
     }
 
-    /// The process's ops state, shared with the relay a service embeds.
-    #[doc(hidden)]
-    pub fn shared_ops(&self) -> Ops {
-        self.ops.clone()
-    }
-
     /// Runs until `shutdown` resolves (any future: a signal, a token's `cancelled()`), then stops
     /// gracefully: stops fetching, lets in-flight batches finish within the shutdown timeout, commits, and
     /// leaves the group. Must run on a multi-threaded tokio runtime.

@@ -327,10 +327,17 @@ impl FastPath {
         }
     }
 
-    /// Registers `saga_redis_available`, `saga_redis_errors` and `saga_redis_answered` on `ops` (the
-    /// framework's own wiring: a service registers its fast path itself).
-    #[doc(hidden)]
-    pub fn register(&self, ops: &Ops) {
+    /// Its own metrics (`saga_redis_available`, `saga_redis_errors`, `saga_redis_answered`), read from code:
+    /// a handle on them alone, live (a service's `/metrics` serves them with the rest).
+    pub fn metrics(&self) -> crate::OpsHandle {
+        let ops = Ops::new();
+        self.register(&ops);
+        crate::OpsHandle::new(ops.handle())
+    }
+
+    /// Registers `saga_redis_available`, `saga_redis_errors` and `saga_redis_answered` on `ops` (a
+    /// service registers its fast path itself).
+    pub(crate) fn register(&self, ops: &Ops) {
         let m = self.0.metrics.clone();
         ops.register(move |registry| {
             let r = registry.sub_registry_with_prefix("saga_redis");

@@ -112,7 +112,7 @@ pub use error::{BrokerError, Cause, ConfigError, ConsumerError};
 pub use hold::OrderPolicy;
 pub use hooks::{CommitInfo, Hooks};
 pub use ops::OpsHandle;
-pub use outbox::Outbox;
+pub use outbox::{Outbox, OutboxWriteError};
 pub use retry::RetryPolicy;
 pub use runner::{
     Extension, SagaService, SagaServiceBuilder, ServiceError, ServiceParts, TaskContext, TaskError,
@@ -125,23 +125,7 @@ pub use service::{
     StepService,
 };
 
-/// Tracing set-up for a service's `main`: log lines on stderr and, with the feature `otel`, the framework's
-/// spans exported over OTLP (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME`).
-///
-/// ```no_run
-/// # async fn run() {}
-/// # async fn main_() {
-/// let _tracing = saga_consumer::telemetry::init_tracing(); // flushes the last spans when dropped
-/// run().await;
-/// # }
-/// ```
-pub mod telemetry {
-    #[cfg(feature = "otel")]
-    pub use saga_runtime::telemetry::{OtelLayer, otel_layer};
-    pub use saga_runtime::telemetry::{TracingGuard, init_tracing};
-    #[cfg(feature = "otel")]
-    pub use saga_runtime::trace::{SampledOut, SampledOutFilter};
-}
+pub mod telemetry;
 
 /// What operators' tools do to a consumer group's tables: release its held keys, know when a pause takes
 /// effect, read and index its dead letters. The `saga` command and the test kit use it; its statements

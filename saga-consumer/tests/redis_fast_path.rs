@@ -11,6 +11,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use http_body_util::BodyExt;
+use saga_consumer::OpsHandle;
 use saga_consumer::fast_path::{FastPath, LockAnswer};
 use saga_consumer::http::{IdempotencyLayer, REPLAYED_HEADER};
 use saga_consumer::settings::{FastPathArgs, RetentionArgs};
@@ -18,7 +19,6 @@ use saga_consumer::{
     IdempotencyKey, Message, SagaConsumer, SagaStep, StepContext, StepName, StepOutcome,
     StepResult, Subscription, TenantId,
 };
-use saga_runtime::ops::Ops;
 use saga_test_support::{TestDb, TestKafka, wait_until};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
@@ -40,12 +40,10 @@ fn namespace(test: &str) -> String {
     )
 }
 
-fn fast_path(url: &str, namespace: &str, ops: &Ops) -> FastPath {
+fn fast_path(url: &str, namespace: &str) -> FastPath {
     let mut settings = FastPathArgs::new(url);
     settings.lock_ttl = Duration::from_millis(800);
-    let fast = FastPath::with_namespace(settings, namespace).unwrap();
-    fast.register(ops);
-    fast
+    FastPath::with_namespace(settings, namespace).unwrap()
 }
 
 async fn redis() -> redis::aio::MultiplexedConnection {
@@ -65,7 +63,7 @@ struct Fixture {
     pool: sqlx::PgPool,
     app: Router,
     calls: Arc<AtomicU32>,
-    ops: Ops,
+    ops: OpsHandle,
     namespace: String,
 }
 
@@ -75,9 +73,9 @@ impl Fixture {
         let db = TestDb::new(test).await;
         create_things_table(&db.pool).await;
         let pool = db.pool_of(connections).await;
-        let ops = Ops::new();
         let namespace = namespace(test);
-        let fast = fast_path(url, &namespace, &ops);
+        let fast = fast_path(url, &namespace);
+        let ops = fast.metrics();
         let state = AppState::default();
         let app = Router::new()
             .route(
@@ -125,7 +123,7 @@ impl Fixture {
     }
 
     fn metric(&self, name: &str, labels: &str) -> f64 {
-        self.ops.handle().sample(name, labels).unwrap_or(0.0)
+        self.ops.sample(name, labels).unwrap_or(0.0)
     }
 
     fn redis_key(&self, kind: &str, tenant: &str, key: &str) -> String {
@@ -173,8 +171,8 @@ async fn a_second_request_in_flight_gets_409_without_taking_a_connection() {
 async fn many_first_uses_at_once_share_the_first_connection() {
     // A fast path that has not connected yet, hit by a storm on one key: every request but the first
     // must get Redis's "held", none may fall through to PostgreSQL for want of a connection.
-    let ops = Ops::new();
-    let fast = fast_path(&redis_url(), &namespace("first-use"), &ops);
+    let fast = fast_path(&redis_url(), &namespace("first-use"));
+    let ops = fast.metrics();
     let tenant = saga_core::TenantId::new("acme").unwrap();
     let step_key = saga_core::StepKey::new("storm:create-thing").unwrap();
     let go = Arc::new(tokio::sync::Barrier::new(100));
@@ -201,7 +199,7 @@ async fn many_first_uses_at_once_share_the_first_connection() {
         ),
         (1, 99, 0)
     );
-    let metric = |name: &str| ops.handle().sample(name, "").unwrap_or(0.0);
+    let metric = |name: &str| ops.sample(name, "").unwrap_or(0.0);
     assert_eq!(metric("saga_redis_errors_total"), 0.0);
     assert_eq!(metric("saga_redis_available"), 1.0);
 }
@@ -527,23 +525,21 @@ async fn the_consumer_acknowledges_duplicates_redis_knows_without_a_transaction_
                 .await
         }
     };
-    let ops = Ops::new();
     let namespace = namespace("redis-consumer");
-    let fast = fast_path(&redis_url(), &namespace, &ops);
+    let fast = fast_path(&redis_url(), &namespace);
     let consumer = SagaConsumer::builder()
         .brokers(kafka.brokers.clone())
         .group_id(format!("{topic}-group"))
         .dlq_topic(format!("{topic}.dlq"))
         .pool(db.pool.clone())
         .commit_interval(Duration::from_millis(100))
-        .with_ops(ops.clone())
         .fast_path(Some(fast))
         .step(RecordHit {
             topic: topic.clone(),
         })
         .build()
         .unwrap();
-    let handle = ops.handle();
+    let handle = consumer.ops();
     let stop = CancellationToken::new();
     let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
     let sample = |name: &str, labels: &str| handle.sample(name, labels).unwrap_or(0.0);

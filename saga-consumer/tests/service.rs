@@ -150,7 +150,7 @@ async fn the_outbox_handed_out_follows_the_settings_made_after() {
         .build()
         .unwrap();
     assert_eq!(handed.mode(), saga_consumer::OutboxMode::Wal);
-    assert_eq!(handed.runtime().max_transaction_bytes(), 1_000);
+    assert_eq!(handed.max_transaction_bytes(), 1_000);
     assert!(
         !handed.is_writable(),
         "a WAL outbox is not writable until the service opens it"

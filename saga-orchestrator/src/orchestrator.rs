@@ -524,10 +524,10 @@ impl<D: SagaData> Orchestrator<D> {
     ) -> Result<(), OrchestratorError> {
         let table;
         let outbox = match &self.inner.outbox {
-            Some(outbox) => outbox.runtime(),
+            Some(outbox) => outbox,
             None => {
                 table = saga_consumer::Outbox::table();
-                table.runtime()
+                &table
             }
         };
         let data = serde_json::to_value(&decision.next.data).map_err(|e| {

@@ -396,7 +396,7 @@ pub(crate) async fn apply<D>(
     definition_version: i32,
     offset_ms: i64,
     lineage: &Lineage,
-    outbox: &saga_runtime::store::outbox::Outbox,
+    outbox: &saga_consumer::Outbox,
 ) -> Result<(), OrchestratorError> {
     let next = &decision.next;
     let deadline_ms = decision

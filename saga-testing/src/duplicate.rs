@@ -12,7 +12,6 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use saga_consumer::KafkaConfig;
-use tokio_util::sync::CancellationToken;
 
 use crate::KitError;
 use crate::error::kafka as kafka_error;
@@ -30,16 +29,17 @@ pub struct Duplicator {
 
 impl Duplicator {
     /// Starts copying every message of `topics` once, reading them as consumer group `group` (whose
-    /// committed offsets say what was copied), until `stop` is cancelled.
+    /// committed offsets say what was copied), until `stop` resolves (a token's `cancelled_owned()`, a
+    /// signal).
     ///
-    /// The consumer is left to the process's end rather than closed when `stop` is cancelled: closing waits
+    /// The consumer is left to the process's end rather than closed when `stop` resolves: closing waits
     /// for the broker to confirm the leave, which a broker restarted (or a mock cluster dropped) under it
     /// may never do.
     pub fn start(
         kafka: &KafkaConfig,
         group: &str,
         topics: &[&str],
-        stop: CancellationToken,
+        stop: impl Future<Output = ()> + Send + 'static,
     ) -> Result<Self, KitError> {
         let consumer: StreamConsumer = saga_runtime::kafka::client_config(kafka)
             .set("group.id", group)
@@ -63,9 +63,10 @@ impl Duplicator {
         let consumer: &'static StreamConsumer = Box::leak(Box::new(consumer));
         tokio::spawn(async move {
             let mut stream = consumer.stream();
+            let mut stop = std::pin::pin!(stop);
             loop {
                 let message = tokio::select! {
-                    () = stop.cancelled() => return,
+                    () = &mut stop => return,
                     m = stream.next() => m,
                 };
                 let Some(Ok(message)) = message else { continue };
@@ -99,7 +100,7 @@ impl Duplicator {
                             break;
                         }
                         tokio::select! {
-                            () = stop.cancelled() => return,
+                            () = &mut stop => return,
                             () = tokio::time::sleep(Duration::from_millis(100)) => {}
                         }
                     }

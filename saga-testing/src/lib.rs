@@ -638,7 +638,7 @@ impl SagaTest {
             &KafkaConfig::new(self.cluster.brokers()),
             &format!("{}.duplicator", self.name),
             topics,
-            stop.clone(),
+            stop.clone().cancelled_owned(),
         )?;
         self.duplicator = Some((duplicator, stop));
         Ok(())

@@ -738,7 +738,7 @@ impl CeilingBatch<'_> {
                     payload,
                 })
                 .collect();
-            super::outbox().runtime().append(&mut tx, &messages).await?;
+            super::outbox().append(&mut tx, &messages).await?;
         } else {
             let flat: Vec<&str> = rows
                 .headers

@@ -14,7 +14,6 @@ use hyper_util::rt::TokioIo;
 use saga_consumer::http::{IdempotencyLayer, IdempotentRequest};
 use saga_core::Lineage;
 use saga_core::{Event, IdempotencyKey, OutboxMessage, StepName, TenantId};
-use saga_runtime::store::outbox;
 use sqlx::{PgConnection, PgPool};
 
 use crate::bench::{Progress, percentile};
@@ -39,14 +38,13 @@ async fn write(conn: &mut PgConnection, lineage: &Lineage, body: &Body) -> Resul
     )
     .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
     super::outbox()
-        .runtime()
         .append(
             conn,
             &[OutboxMessage::from_event(event, lineage, "saga-bench")],
         )
         .await
         .map_err(|e| match e {
-            outbox::OutboxError::Database(e) => e,
+            saga_consumer::OutboxWriteError::Database(e) => e,
             other => sqlx::Error::Protocol(other.to_string()),
         })?;
     Ok(())

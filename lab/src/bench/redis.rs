@@ -57,12 +57,15 @@ async fn http_side(
 ) -> anyhow::Result<Side> {
     create_table(pool).await?;
     // Connected and counted as a service's fast path is from its start (`FastPath::from_env`).
-    let ops = saga_runtime::ops::Ops::new();
+    let ops = fast_path.as_ref().map(FastPath::metrics);
     if let Some(fast) = &fast_path {
-        fast.register(&ops);
         anyhow::ensure!(fast.connect().await, "Redis does not answer");
     }
-    let metric = |name: &str, labels: &str| ops.handle().sample(name, labels).unwrap_or(0.0);
+    let metric = |name: &str, labels: &str| {
+        ops.as_ref()
+            .and_then(|ops| ops.sample(name, labels))
+            .unwrap_or(0.0)
+    };
     let app = Router::new().route(
         "/orders",
         post(with_layer).layer(

@@ -327,7 +327,7 @@ impl Run {
             &self.args.kafka()?,
             &format!("{}.duplicator", self.args.topic_prefix),
             &self.args.topics().all(),
-            stop,
+            stop.cancelled_owned(),
         )?)
     }
 
