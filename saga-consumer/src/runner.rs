@@ -196,6 +196,9 @@ impl std::fmt::Debug for ServiceParts {
     }
 }
 
+/// Where settings are read from instead of the environment (`SagaServiceBuilder::read_settings`).
+type Vars<'a> = &'a dyn Fn(&str) -> Option<String>;
+
 impl SagaServiceBuilder {
     fn new() -> Self {
         // The defaults are the declarations'.
@@ -220,14 +223,46 @@ impl SagaServiceBuilder {
     /// ([`ServiceArgs`]: the broker, the consumer, the outbox, the embedded relay and its retention, the
     /// topics, the Redis fast path); later calls override them. A variable that does not parse, or a
     /// missing required one, is reported by `build`, naming it, with every other problem.
-    pub fn from_env(mut self) -> Self {
-        match ServiceArgs::from_env() {
-            Ok(args) => self.args(&args),
-            Err(e) => {
-                self.unparsed(&["kafka", "consumer", "retention"], e);
-                self
-            }
+    pub fn from_env(self) -> Self {
+        self.read_settings(None)
+    }
+
+    /// [`Self::from_env`]'s reading, of the variables `vars` gives (`None`: the environment). When
+    /// [`ServiceArgs`] does not parse (its problem names every variable that does not), the groups whose
+    /// checks `build` runs are read one by one, so that one group's bad variable does not hide another's
+    /// missing one (`KAFKA_BROKERS`, `SAGA_GROUP_ID`); a group that does not parse on its own is only
+    /// marked (its variables are in the problem already).
+    fn read_settings(mut self, vars: Option<Vars<'_>>) -> Self {
+        macro_rules! read {
+            ($group:ty) => {
+                match vars {
+                    Some(get) => <$group>::from_vars(get),
+                    None => <$group>::from_env(),
+                }
+            };
         }
+        let every_bad_variable = match read!(ServiceArgs) {
+            Ok(args) => return self.args(&args),
+            Err(problem) => problem,
+        };
+        self.problem(every_bad_variable);
+        match read!(outbox_relay::KafkaArgs) {
+            Ok(kafka) => self.take_kafka(&kafka),
+            Err(_) => self.unparsed.push("kafka"),
+        }
+        match read!(crate::settings::ConsumerArgs) {
+            Ok(args) => self.args = args,
+            Err(_) => self.unparsed.push("consumer"),
+        }
+        match read!(outbox_relay::RetentionArgs) {
+            Ok(retention) => {
+                self.parts.relay =
+                    std::mem::take(&mut self.parts.relay).retention(retention.clone());
+                self.retention = retention;
+            }
+            Err(_) => self.unparsed.push("retention"),
+        }
+        self
     }
 
     /// Takes every setting from `args` (a binary's command line that flattens [`ServiceArgs`], or
@@ -296,6 +331,10 @@ impl SagaServiceBuilder {
     /// Adjusts the embedded relay's settings (its broker and pool are the service's).
     pub fn relay(mut self, configure: impl FnOnce(RelayBuilder) -> RelayBuilder) -> Self {
         self.parts.relay = configure(std::mem::take(&mut self.parts.relay));
+        // One retention: the keys the embedded relay deletes are those the consumer checks messages against
+        // (a message older than the keys kept is refused, and the start-up check compares the topics'
+        // retention with it).
+        self.retention = self.parts.relay.retention_given().clone();
         self
     }
 
@@ -338,6 +377,13 @@ impl SagaServiceBuilder {
         let mut problems = self.settings_problems();
         if self.parts.embedded_relay {
             problems.extend(self.parts.relay.problems());
+        }
+        // Against the retention as it is now (a later `.relay(|r| r.retention(..))` may have changed it).
+        #[cfg(feature = "redis")]
+        if let Some(fast_path) = &self.parts.fast_path
+            && let Err(problem) = fast_path.enabled(&self.retention)
+        {
+            problems.push(problem);
         }
         if let Some(problem) = ConfigProblem::all(problems) {
             return Err(ConfigError::Problem(problem).into());
@@ -666,4 +712,55 @@ async fn supervise(
 /// A future that resolves on the first SIGTERM or Ctrl-C: pass it to `run`.
 pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
     saga_runtime::shutdown::wait_for_signal()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings_said(vars: Vars<'_>) -> Vec<String> {
+        SagaService::builder()
+            .read_settings(Some(vars))
+            .settings_problems()
+            .into_iter()
+            .map(|p| p.setting)
+            .collect()
+    }
+
+    /// A bad variable of one group does not hide what another group lacks: the broker list and the group
+    /// are said missing beside it.
+    #[test]
+    fn a_bad_variable_does_not_hide_a_missing_broker_list_or_group() {
+        let said = settings_said(&|name| (name == "SAGA_OUTBOX_MODE").then(|| "disk".to_owned()));
+        for setting in ["SAGA_OUTBOX_MODE", "KAFKA_BROKERS", "SAGA_GROUP_ID"] {
+            assert!(
+                said.iter().any(|s| s == setting),
+                "{setting} not in {said:?}"
+            );
+        }
+        // A bad variable of a checked group hides that group's checks only, and is said once.
+        let said = settings_said(&|name| (name == "SAGA_BATCH_SIZE").then(|| "many".to_owned()));
+        assert_eq!(
+            said.iter().filter(|s| *s == "SAGA_BATCH_SIZE").count(),
+            1,
+            "{said:?}"
+        );
+        assert!(said.iter().any(|s| s == "KAFKA_BROKERS"), "{said:?}");
+        assert!(!said.iter().any(|s| s == "SAGA_GROUP_ID"), "{said:?}");
+    }
+
+    /// The consumer checks messages against the key retention the embedded relay deletes by, also when
+    /// it is given to the relay alone.
+    #[test]
+    fn the_relays_key_retention_is_the_consumers() {
+        let hour = outbox_relay::RetentionArgs::from_vars(|name| {
+            (name == "SAGA_KEY_RETENTION_HOURS").then(|| "1".to_owned())
+        })
+        .expect("parses");
+        let builder = SagaService::builder().relay(|r| r.retention(hour));
+        assert_eq!(
+            builder.retention.key_retention().ok(),
+            Some(std::time::Duration::from_secs(3600))
+        );
+    }
 }
