@@ -753,14 +753,14 @@ mod tests {
     /// it is given to the relay alone.
     #[test]
     fn the_relays_key_retention_is_the_consumers() {
-        let hour = outbox_relay::RetentionArgs::from_vars(|name| {
-            (name == "SAGA_KEY_RETENTION_HOURS").then(|| "1".to_owned())
+        let days = outbox_relay::RetentionArgs::from_vars(|name| {
+            (name == "SAGA_KEY_RETENTION_HOURS").then(|| "48".to_owned())
         })
         .expect("parses");
-        let builder = SagaService::builder().relay(|r| r.retention(hour));
+        let builder = SagaService::builder().relay(|r| r.retention(days));
         assert_eq!(
             builder.retention.key_retention().ok(),
-            Some(std::time::Duration::from_secs(3600))
+            Some(std::time::Duration::from_secs(48 * 3600))
         );
     }
 }
