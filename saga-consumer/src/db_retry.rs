@@ -26,6 +26,7 @@ pub(crate) const UNAVAILABLE_BACKOFF: RetryPolicy = RetryPolicy {
     max_backoff: Duration::from_secs(10),
     multiplier: 2.0,
     jitter: 0.2,
+    delayed: false,
 };
 
 /// The fewest attempts of a statement that may pass again (a deadlock, a lock timeout), whatever the

@@ -37,6 +37,8 @@ pub(crate) enum ItemOutcome {
     DeadLettered,
     /// Its key is held: parked behind the key's queue (see `hold`).
     Parked,
+    /// It failed transiently and waits parked for its next attempt (delayed retries), holding its key.
+    Deferred,
 }
 
 impl ItemOutcome {
@@ -49,6 +51,7 @@ impl ItemOutcome {
             Self::Superseded => "superseded",
             Self::DeadLettered => "dead_lettered",
             Self::Parked => "parked",
+            Self::Deferred => "deferred",
         }
     }
 

@@ -26,7 +26,9 @@ use crate::delivery::Delivery;
 use crate::dlq::{DeadLetter, DeadLetterReason, DeadLetters};
 use crate::fast::{self, FastPath};
 use crate::guard::{CommitPermit, CrashGuard, PendingStart};
-use crate::hold::{Holds, OnDeadLetter, OrderPolicy, ParkDecision, Role};
+use crate::hold::{
+    DeferDecision, DelayedRetry, Holds, OnDeadLetter, OrderPolicy, ParkDecision, Role,
+};
 use crate::hooks::{CommitInfo, Hooks};
 use crate::letters;
 use crate::machine::{Action, Event, Fault, Wait};
@@ -111,6 +113,16 @@ impl Executor {
                 }
                 Action::Park { index } => {
                     self.on_park(&mut deliveries[index], start, connection, cancel)
+                        .await
+                }
+                Action::Defer {
+                    index,
+                    attempts,
+                    error,
+                } => {
+                    let delivery = &mut deliveries[index];
+                    delivery.attempts = attempts;
+                    self.on_defer(delivery, &error, start, connection, cancel)
                         .await
                 }
                 Action::Wait { index, wait } => {
@@ -266,6 +278,76 @@ impl Executor {
         })
     }
 
+    /// [`Action::Defer`]: `delivery`, failed transiently with `error`, parked to wait for its next attempt
+    /// (the retry policy's backoff, with its jitter), its key held meanwhile; retried where it stands when
+    /// it cannot wait parked (see `hold::decide_defer`) or the database refuses it for good (a key too large
+    /// for the held keys' index).
+    async fn on_defer(
+        &self,
+        delivery: &mut Delivery,
+        error: &str,
+        start: &mut PendingStart,
+        connection: &mut WorkerConnection,
+        cancel: &CancellationToken,
+    ) -> Option<Event> {
+        let released = connection.release();
+        let _permit = start.permit().await?;
+        // What a TEXT column takes: no NUL, and a bounded length.
+        let error: String = error.replace('\0', "").chars().take(2_000).collect();
+        let retry = DelayedRetry {
+            attempts: i32::try_from(delivery.attempts).unwrap_or(i32::MAX),
+            wait: self.retry.wait_after(delivery.attempts),
+            error: &error,
+        };
+        let parked: &Delivery = delivery;
+        let deferred = with_budget(
+            "parking it for its delayed retry",
+            &self.budget(),
+            cancel,
+            &released,
+            |mut conn| async move {
+                let deferred = self
+                    .holds
+                    .defer(
+                        &mut conn,
+                        &parked.raw,
+                        parked.original(),
+                        parked.step_name(),
+                        &parked.hold,
+                        &retry,
+                    )
+                    .await;
+                (conn, deferred)
+            },
+        )
+        .await;
+        Some(match deferred {
+            Tried::Done(DeferDecision::Refused) => Event::DeferRefused,
+            Tried::Done(_) => {
+                let step = delivery.step_name().unwrap_or_default().to_owned();
+                self.metrics.retries.get_or_create(&StepOnly { step }).inc();
+                tracing::warn!(
+                    parent: &delivery.span,
+                    attempt = delivery.attempts,
+                    error = %error,
+                    wait = ?retry.wait,
+                    "transient failure; parked for a delayed retry, its key held meanwhile"
+                );
+                self.finish(delivery, ItemOutcome::Deferred);
+                Event::Deferred
+            }
+            Tried::Refused(refused) => {
+                tracing::warn!(
+                    parent: &delivery.span,
+                    error = %refused,
+                    "the database refuses to park this message for its delayed retry; retried where it stands"
+                );
+                Event::DeferRefused
+            }
+            Tried::Cancelled => return None,
+        })
+    }
+
     /// [`Action::Wait`]: the wait before `delivery`'s next attempt.
     async fn on_wait(
         &self,
@@ -284,12 +366,6 @@ impl Executor {
             .then_some(Event::Waited)
     }
 
-    /// Whether a dead letter of `delivery` holds its key: its policy says so, or it is its key's head or
-    /// release (which fails again: the new head).
-    fn holds_key(&self, delivery: &Delivery) -> bool {
-        matches!(delivery.hold, Role::Release(_) | Role::Head(_)) || self.policy_holds(delivery)
-    }
-
     /// Whether `delivery`'s order policy holds its key behind a dead letter of it.
     pub(crate) fn policy_holds(&self, delivery: &Delivery) -> bool {
         self.holds
@@ -301,7 +377,10 @@ impl Executor {
     /// `Holds::active`), or a message came from the retry topic (a release or a replay is always read
     /// against its key).
     pub(crate) fn must_read_holds(&self, deliveries: &[Delivery]) -> bool {
-        self.holds.is_active() || deliveries.iter().any(|d| d.replayed_from.is_some())
+        // With delayed retries a key is held as its message fails: read at once, not when a census says so.
+        self.retry.delayed
+            || self.holds.is_active()
+            || deliveries.iter().any(|d| d.replayed_from.is_some())
     }
 
     /// The budget of the framework's own statements about a message (see `db_retry`).
@@ -656,9 +735,11 @@ impl Executor {
         else {
             return false;
         };
-        // Indexed before the offset may move, with what it does to its key's hold: the toolkit finds the
-        // letter without reading the topic, and a held key's later messages are parked.
-        let holds = self.holds_key(delivery);
+        // Indexed before the offset may move, with what it does to its key's hold (a head or a release that
+        // fails for good is the key's new head whatever the policy, but a delayed retry's spent message
+        // under a policy that holds nothing: see `hold::on_dead_letter`): the toolkit finds the letter
+        // without reading the topic, and a held key's later messages are parked.
+        let holds = self.policy_holds(delivery);
         if !self
             .index_dead_letter(&indexed, Some((&*delivery, holds)), released, cancel)
             .await

@@ -54,6 +54,20 @@ pub(crate) struct HoldLimits {
     pub alert_after: Duration,
 }
 
+/// A message's delayed retry: the attempts it made, how long until its next, and its last error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DelayedRetry<'a> {
+    pub attempts: i32,
+    pub wait: Duration,
+    pub error: &'a str,
+}
+
+impl DelayedRetry<'_> {
+    fn wait_ms(&self) -> i64 {
+        i64::try_from(self.wait.as_millis()).unwrap_or(i64::MAX)
+    }
+}
+
 /// A held key's state (`saga_held_keys.state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -90,6 +104,9 @@ pub enum HoldCause {
     DeadLetter,
     /// A paused step's message of the key.
     Paused,
+    /// A message of the key failed transiently and waits, parked at the key's head, for its next attempt
+    /// (delayed retries, `SAGA_RETRY_DELAYED`).
+    Retrying,
 }
 
 impl HoldCause {
@@ -98,12 +115,13 @@ impl HoldCause {
         match self {
             Self::DeadLetter => "dead-letter",
             Self::Paused => "paused",
+            Self::Retrying => "retrying",
         }
     }
 
     /// The cause named `text`; a name this version does not know is an error.
     pub fn parse(text: &str) -> Result<Self, UnknownHold> {
-        [Self::DeadLetter, Self::Paused]
+        [Self::DeadLetter, Self::Paused, Self::Retrying]
             .into_iter()
             .find(|c| c.as_str() == text)
             .ok_or_else(|| UnknownHold::new("cause", text))
@@ -133,6 +151,7 @@ const HELD: &str = HoldState::Held.as_str();
 const RELEASING: &str = HoldState::Releasing.as_str();
 const DEAD_LETTER: &str = HoldCause::DeadLetter.as_str();
 const PAUSED: &str = HoldCause::Paused.as_str();
+const RETRYING: &str = HoldCause::Retrying.as_str();
 
 /// What the store says of a held key, as the decisions need it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -148,6 +167,10 @@ pub(crate) struct HeldView {
     pub parked: i64,
     /// The parked message last sent for release.
     pub in_flight: Option<i64>,
+    /// Whether the first parked message is due (a delayed retry's time has come, or it has none).
+    pub first_due: bool,
+    /// The attempts the first parked message made (a delayed retry's; none for one parked behind a hold).
+    pub first_attempts: u32,
 }
 
 /// What a message says of itself (only a message on the group's retry topic can say anything).
@@ -201,6 +224,7 @@ pub(crate) fn classify(
             Some(v),
         ) if v.state == HoldState::Releasing
             && !paused
+            && v.in_flight == Some(*seq)
             && v.first
                 .as_ref()
                 .is_some_and(|(s, o, d)| s == seq && o == origin && d == digest) =>
@@ -273,6 +297,46 @@ pub(crate) fn decide_park(
     }
 }
 
+/// What a delayed retry of a message (its transient failure, attempts left) does.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum DeferDecision {
+    /// Its key is held now (cause `retrying`), with it parked at the head until it is due.
+    Create,
+    /// Its key was held meanwhile (from another partition or topic): it is parked behind the queue, due as
+    /// it says when its turn comes.
+    Append,
+    /// It is parked message `seq`, released and failed again: parked again, due later.
+    Reschedule(i64),
+    /// It cannot wait parked (the head of a held key, a copy out of turn, or a cap reached): it is retried
+    /// where it stands, as without delayed retries.
+    Refused,
+}
+
+/// Whether a message of role `role` that failed transiently, its key's view being `view` (read under the
+/// key's lock), waits parked for its next attempt, with `group_parked` messages parked in the group.
+pub(crate) fn decide_defer(
+    view: Option<&HeldView>,
+    role: &Role,
+    group_parked: i64,
+    limits: &HoldLimits,
+) -> DeferDecision {
+    match (role, view) {
+        (Role::Release(seq), Some(v))
+            if v.state == HoldState::Releasing
+                && v.in_flight == Some(*seq)
+                && v.first.as_ref().is_some_and(|(s, _, _)| s == seq) =>
+        {
+            DeferDecision::Reschedule(*seq)
+        }
+        (Role::Free, view) => match decide_park(view, true, group_parked, limits) {
+            ParkDecision::Append => DeferDecision::Append,
+            ParkDecision::Create => DeferDecision::Create,
+            ParkDecision::NotHeld | ParkDecision::Full(_) => DeferDecision::Refused,
+        },
+        _ => DeferDecision::Refused,
+    }
+}
+
 /// What a dead letter does to its key's hold.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum OnDeadLetter {
@@ -287,6 +351,10 @@ pub(crate) enum OnDeadLetter {
     /// another partition or topic): the message joins the key's queue, to run again in its turn. Its letter
     /// stays in the dead-letter topic for the record; replayed, it finds its step key done or parks.
     Queue,
+    /// Released message `seq` of a key held for its delayed retries, its attempts spent, under a policy that
+    /// does not hold keys: it leaves the queue (its letter is in the dead-letter topic), and the key's
+    /// release goes on with the next, or the key is let go.
+    Drop(i64),
 }
 
 /// What dead-lettering a message of role `role` does, its key's view being `view`, under a policy that
@@ -298,6 +366,15 @@ pub(crate) fn on_dead_letter(
     keyed: bool,
 ) -> OnDeadLetter {
     match (role, view) {
+        // The released message is a delayed retry (it made attempts), spent, under a policy that holds
+        // nothing: whatever holds its key, it leaves the queue.
+        (Role::Release(seq), Some(v))
+            if !holds
+                && v.first_attempts > 0
+                && v.first.as_ref().is_some_and(|(s, _, _)| s == seq) =>
+        {
+            OnDeadLetter::Drop(*seq)
+        }
         (Role::Release(seq), Some(_)) => OnDeadLetter::ReHead {
             drop_seq: Some(*seq),
         },
@@ -371,7 +448,7 @@ pub(crate) fn next_release(view: &HeldView, resend_due: bool, first_paused: bool
     }
     match &view.first {
         None => ReleaseStep::LetGo,
-        Some(_) if first_paused => ReleaseStep::Wait,
+        Some(_) if first_paused || !view.first_due => ReleaseStep::Wait,
         Some((seq, _, _)) if view.in_flight != Some(*seq) || resend_due => ReleaseStep::Send(*seq),
         Some(_) => ReleaseStep::Wait,
     }
@@ -480,10 +557,11 @@ pub(crate) fn digest(raw: &RawMessage) -> String {
     hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-const VIEW_COLUMNS: &str = "h.state, h.head_letter, h.head_origin_topic, h.head_origin_partition, \
-     h.head_origin_offset, h.parked, h.in_flight, f.seq, f.topic, f.\"partition\", f.\"offset\", f.digest";
-const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partition\", p.\"offset\", p.digest \
-     FROM saga_parked_messages p WHERE p.group_id = h.group_id AND p.key = h.key ORDER BY p.seq LIMIT 1) f \
+const VIEW_COLUMNS: &str = "h.state, h.cause, h.head_letter, h.head_origin_topic, h.head_origin_partition, \
+     h.head_origin_offset, h.parked, h.in_flight, f.seq, f.topic, f.\"partition\", f.\"offset\", f.digest, \
+     (f.due_at IS NULL OR f.due_at <= now()) AS first_due, f.attempts AS first_attempts";
+const FIRST_PARKED: &str = "LEFT JOIN LATERAL (SELECT p.seq, p.topic, p.\"partition\", p.\"offset\", p.digest, \
+     p.due_at, p.attempts FROM saga_parked_messages p WHERE p.group_id = h.group_id AND p.key = h.key ORDER BY p.seq LIMIT 1) f \
      ON true";
 
 /// Whether the first parked message of held key `h` (its [`FIRST_PARKED`] `f`) waits for a paused step.
@@ -536,6 +614,10 @@ fn view_of(row: &sqlx::postgres::PgRow) -> Result<HeldView, sqlx::Error> {
         first,
         parked: row.try_get("parked")?,
         in_flight: row.try_get("in_flight")?,
+        first_due: row.try_get::<Option<bool>, _>("first_due")?.unwrap_or(true),
+        first_attempts: row
+            .try_get::<Option<i32>, _>("first_attempts")?
+            .map_or(0, |a| u32::try_from(a).unwrap_or(0)),
     })
 }
 
@@ -719,28 +801,34 @@ impl Holds {
                 .bind(step)
                 .execute(&mut *tx)
                 .await?;
-                self.append(&mut tx, raw, original, step).await?;
+                self.append(&mut tx, raw, original, step, None).await?;
             }
-            ParkDecision::Append => self.append(&mut tx, raw, original, step).await?,
+            ParkDecision::Append => self.append(&mut tx, raw, original, step, None).await?,
             ParkDecision::NotHeld | ParkDecision::Full(_) => {}
         }
         tx.commit().await?;
         Ok(decision)
     }
 
+    /// Appends `raw` to its key's queue (nothing if it is parked already), with its delayed retry if it
+    /// waits for one.
     async fn append(
         &self,
         tx: &mut PgConnection,
         raw: &RawMessage,
         original: &Origin,
         step: Option<&str>,
+        retry: Option<&DelayedRetry<'_>>,
     ) -> Result<(), sqlx::Error> {
         let names: Vec<&str> = raw.headers.iter().map(|h| h.name.as_str()).collect();
         let values: Vec<Option<&[u8]>> = raw.headers.iter().map(|h| h.value.as_deref()).collect();
         let appended = sqlx::query(
             "INSERT INTO saga_parked_messages (group_id, key, topic, \"partition\", \"offset\", step, \
-                 message_key, payload, header_names, header_values, timestamp_ms, digest) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12 \
+                 message_key, payload, header_names, header_values, timestamp_ms, digest, attempts, due_at, \
+                 last_error) \
+             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+                 CASE WHEN $14::bigint IS NULL THEN NULL \
+                      ELSE now() + make_interval(secs => $14::bigint / 1000.0) END, $15 \
              WHERE NOT EXISTS (SELECT 1 FROM saga_parked_messages WHERE group_id = $1 AND key = $2 \
                  AND topic = $3 AND \"partition\" = $4 AND \"offset\" = $5)",
         )
@@ -756,6 +844,9 @@ impl Holds {
         .bind(values)
         .bind(raw.timestamp_ms)
         .bind(digest(raw))
+        .bind(retry.map_or(0, |r| r.attempts))
+        .bind(retry.map(|r| r.wait_ms()))
+        .bind(retry.map(|r| r.error))
         .execute(&mut *tx)
         .await?
         .rows_affected() as i64;
@@ -804,7 +895,8 @@ impl Holds {
         };
         match &decision {
             OnDeadLetter::Nothing => {}
-            OnDeadLetter::Queue => self.append(tx, raw, original, step).await?,
+            OnDeadLetter::Queue => self.append(tx, raw, original, step, None).await?,
+            OnDeadLetter::Drop(seq) => self.drop_released(tx, key, *seq).await?,
             OnDeadLetter::Hold => {
                 // No conflict is possible: the key's lock is held, and it was not held (`lock`).
                 head(
@@ -846,6 +938,108 @@ impl Holds {
                 .execute(&mut *tx)
                 .await?;
             }
+        }
+        Ok(decision)
+    }
+
+    /// [`OnDeadLetter::Drop`]: released message `seq` leaves its key's queue; the key is let go if nothing
+    /// else is parked, else its release goes on with the next.
+    async fn drop_released(
+        &self,
+        tx: &mut PgConnection,
+        key: &[u8],
+        seq: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "WITH dropped AS (DELETE FROM saga_parked_messages WHERE group_id = $1 AND key = $2 AND seq = $3 \
+                 RETURNING 1) \
+             UPDATE saga_held_keys SET parked = parked - (SELECT count(*) FROM dropped), \
+                 in_flight_at = CASE WHEN in_flight = $3 THEN NULL ELSE in_flight_at END, \
+                 in_flight = CASE WHEN in_flight = $3 THEN NULL ELSE in_flight END \
+             WHERE group_id = $1 AND key = $2",
+        )
+        .bind(&self.group)
+        .bind(key)
+        .bind(seq)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("DELETE FROM saga_held_keys WHERE group_id = $1 AND key = $2 AND parked <= 0")
+            .bind(&self.group)
+            .bind(key)
+            .execute(&mut *tx)
+            .await?;
+        self.kick.notify_one();
+        Ok(())
+    }
+
+    /// Parks `raw` (first consumed at `original`, routed to `step`, of role `role`), which failed
+    /// transiently, to wait for its next attempt (see [`decide_defer`]), in a transaction of its own: its
+    /// key is held (cause `retrying`) until it runs again and succeeds or is dead-lettered.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn defer(
+        &self,
+        conn: &mut PgConnection,
+        raw: &RawMessage,
+        original: &Origin,
+        step: Option<&str>,
+        role: &Role,
+        retry: &DelayedRetry<'_>,
+    ) -> Result<DeferDecision, sqlx::Error> {
+        let key = key_of(raw);
+        let mut tx = sqlx::Connection::begin(conn).await?;
+        let view = self.lock(&mut tx, key).await?;
+        let group_parked: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(parked), 0)::bigint FROM saga_held_keys WHERE group_id = $1",
+        )
+        .bind(&self.group)
+        .fetch_one(&mut *tx)
+        .await?;
+        let decision = decide_defer(view.as_ref(), role, group_parked, &self.limits);
+        match &decision {
+            DeferDecision::Create => {
+                // Its own redelivery (its offset not committed before a crash) is recognised by its origin.
+                sqlx::query(
+                    "INSERT INTO saga_held_keys (group_id, key, state, cause, head_origin_topic, \
+                         head_origin_partition, head_origin_offset) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                )
+                .bind(&self.group)
+                .bind(key)
+                .bind(RELEASING)
+                .bind(RETRYING)
+                .bind(&original.topic)
+                .bind(original.partition)
+                .bind(original.offset)
+                .execute(&mut *tx)
+                .await?;
+                self.append(&mut tx, raw, original, step, Some(retry))
+                    .await?;
+            }
+            DeferDecision::Append => {
+                self.append(&mut tx, raw, original, step, Some(retry))
+                    .await?
+            }
+            DeferDecision::Reschedule(seq) => {
+                sqlx::query(
+                    "WITH again AS (UPDATE saga_parked_messages SET attempts = $4, \
+                         due_at = now() + make_interval(secs => $5::bigint / 1000.0), last_error = $6 \
+                         WHERE group_id = $1 AND key = $2 AND seq = $3 RETURNING 1) \
+                     UPDATE saga_held_keys SET in_flight = NULL, in_flight_at = NULL \
+                     WHERE group_id = $1 AND key = $2 AND EXISTS (SELECT 1 FROM again)",
+                )
+                .bind(&self.group)
+                .bind(key)
+                .bind(seq)
+                .bind(retry.attempts)
+                .bind(retry.wait_ms())
+                .bind(retry.error)
+                .execute(&mut *tx)
+                .await?;
+            }
+            DeferDecision::Refused => {}
+        }
+        tx.commit().await?;
+        if decision != DeferDecision::Refused {
+            self.kick.notify_one();
         }
         Ok(decision)
     }
@@ -935,7 +1129,8 @@ impl Holds {
                      {FIRST_PAUSED} AS first_paused \
                  FROM saga_held_keys h {FIRST_PARKED} \
                  WHERE h.group_id = $1 AND h.state = '{RELEASING}' AND ($3::bytea IS NULL OR h.key = $3)) k \
-                 WHERE k.seq IS NULL OR (NOT k.first_paused AND (k.in_flight IS DISTINCT FROM k.seq OR k.resend_due)) \
+                 WHERE k.seq IS NULL OR (NOT k.first_paused AND k.first_due \
+                     AND (k.in_flight IS DISTINCT FROM k.seq OR k.resend_due)) \
                  ORDER BY k.held_at LIMIT 64"
             )))
             .bind(&self.group)
@@ -1027,13 +1222,21 @@ impl Holds {
     /// The group's holds, for the gauges: held keys, parked messages, the oldest hold's age, keys held
     /// longer than the alert threshold, paused steps.
     pub(crate) async fn census(&self, pool: &PgPool) -> Result<Census, sqlx::Error> {
-        let row = sqlx::query(
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT count(*)::bigint AS keys, coalesce(sum(parked), 0)::bigint AS parked, \
                  coalesce(extract(epoch FROM now() - min(held_at)), 0)::float8 AS oldest, \
                  (count(*) FILTER (WHERE held_at < now() - make_interval(secs => $2)))::bigint AS overdue, \
-                 (SELECT count(*) FROM saga_paused_steps WHERE group_id = $1)::bigint AS paused \
-             FROM saga_held_keys WHERE group_id = $1",
-        )
+                 (SELECT count(*) FROM saga_paused_steps WHERE group_id = $1)::bigint AS paused, \
+                 (SELECT count(DISTINCT p.key) FROM saga_parked_messages p WHERE p.group_id = $1 \
+                     AND p.attempts > 0 AND p.seq = (SELECT min(q.seq) FROM saga_parked_messages q \
+                         WHERE q.group_id = p.group_id AND q.key = p.key))::bigint AS retrying, \
+                 coalesce((SELECT extract(epoch FROM now() - min(p.due_at)) FROM saga_parked_messages p \
+                     JOIN saga_held_keys h USING (group_id, key) WHERE p.group_id = $1 AND p.due_at <= now() \
+                     AND h.state = '{RELEASING}' AND h.in_flight IS DISTINCT FROM p.seq \
+                     AND p.seq = (SELECT min(q.seq) FROM saga_parked_messages q \
+                         WHERE q.group_id = p.group_id AND q.key = p.key)), 0)::float8 AS retry_lag \
+             FROM saga_held_keys WHERE group_id = $1"
+        )))
         .bind(&self.group)
         .bind(self.limits.alert_after.as_secs_f64())
         .fetch_one(pool)
@@ -1044,6 +1247,8 @@ impl Holds {
             oldest_seconds: row.try_get("oldest")?,
             overdue: row.try_get("overdue")?,
             paused_steps: row.try_get("paused")?,
+            retrying: row.try_get("retrying")?,
+            retry_lag_seconds: row.try_get("retry_lag")?,
         })
     }
 }
@@ -1109,6 +1314,10 @@ pub(crate) struct Census {
     pub oldest_seconds: f64,
     pub overdue: i64,
     pub paused_steps: i64,
+    /// Keys whose first parked message is a delayed retry.
+    pub retrying: i64,
+    /// How long past its due time the most overdue delayed retry waits to be sent (0: none).
+    pub retry_lag_seconds: f64,
 }
 
 /// Why a release round failed.
@@ -1263,6 +1472,8 @@ mod tests {
             first: (parked > 0).then(|| (7, origin(3), digest(&raw(b"{}")))),
             parked,
             in_flight: None,
+            first_due: true,
+            first_attempts: 0,
         }
     }
 
@@ -1275,7 +1486,8 @@ mod tests {
     #[test]
     fn a_message_runs_parks_or_releases_as_its_key_is_held() {
         let held = view(HoldState::Held, 1);
-        let releasing = view(HoldState::Releasing, 1);
+        let mut releasing = view(HoldState::Releasing, 1);
+        releasing.in_flight = Some(7);
         assert_eq!(classify(None, &Mark::Plain, &origin(9), false), Role::Free);
         assert_eq!(classify(None, &Mark::Plain, &origin(9), true), Role::Park);
         assert_eq!(
@@ -1316,6 +1528,15 @@ mod tests {
             Role::Stale
         );
         assert_eq!(classify(None, &release, &origin(9), false), Role::Stale);
+        let not_sent = HeldView {
+            in_flight: None,
+            ..releasing.clone()
+        };
+        assert_eq!(
+            classify(Some(&not_sent), &release, &origin(9), false),
+            Role::Stale,
+            "a copy the releaser did not send for (a delayed retry parked again) does not run"
+        );
         let forged = Mark::Release {
             seq: 7,
             origin: origin(4),
@@ -1378,6 +1599,16 @@ mod tests {
         assert_eq!(next_release(&releasing, false, false), ReleaseStep::Wait);
         assert_eq!(next_release(&releasing, true, false), ReleaseStep::Send(7));
         assert_eq!(next_release(&releasing, false, true), ReleaseStep::Wait);
+        let not_due = HeldView {
+            in_flight: None,
+            first_due: false,
+            ..releasing.clone()
+        };
+        assert_eq!(
+            next_release(&not_due, true, false),
+            ReleaseStep::Wait,
+            "a delayed retry is sent when it is due, not before"
+        );
         assert_eq!(
             advance(Some(&releasing), &Role::Release(7)),
             Advance::Next(7)
@@ -1400,6 +1631,19 @@ mod tests {
     #[test]
     fn a_released_message_that_fails_for_good_is_the_new_head() {
         let releasing = view(HoldState::Releasing, 2);
+        let retrying = HeldView {
+            first_attempts: 2,
+            ..releasing.clone()
+        };
+        assert_eq!(
+            on_dead_letter(Some(&retrying), &Role::Release(7), false, true),
+            OnDeadLetter::Drop(7),
+            "a delayed retry spent, under a policy that holds nothing, leaves its queue"
+        );
+        assert_eq!(
+            on_dead_letter(Some(&retrying), &Role::Release(7), true, true),
+            OnDeadLetter::ReHead { drop_seq: Some(7) }
+        );
         assert_eq!(
             on_dead_letter(Some(&releasing), &Role::Release(7), false, true),
             OnDeadLetter::ReHead { drop_seq: Some(7) }
@@ -1421,6 +1665,46 @@ mod tests {
             on_dead_letter(Some(&releasing), &Role::Free, true, true),
             OnDeadLetter::Queue,
             "held behind another letter meanwhile: it joins the queue"
+        );
+    }
+
+    #[test]
+    fn a_transient_failure_waits_parked_where_its_key_can_hold_it() {
+        let free = decide_defer(None, &Role::Free, 0, &LIMITS);
+        assert_eq!(free, DeferDecision::Create, "its key is held for it");
+        let held = view(HoldState::Held, 1);
+        assert_eq!(
+            decide_defer(Some(&held), &Role::Free, 1, &LIMITS),
+            DeferDecision::Append,
+            "held meanwhile: behind the queue"
+        );
+        assert_eq!(
+            decide_defer(Some(&view(HoldState::Held, 2)), &Role::Free, 2, &LIMITS),
+            DeferDecision::Refused,
+            "a full queue: retried where it stands"
+        );
+        assert_eq!(
+            decide_defer(None, &Role::Free, 3, &LIMITS),
+            DeferDecision::Refused,
+            "the group's cap"
+        );
+        let mut releasing = view(HoldState::Releasing, 2);
+        releasing.in_flight = Some(7);
+        assert_eq!(
+            decide_defer(Some(&releasing), &Role::Release(7), 2, &LIMITS),
+            DeferDecision::Reschedule(7),
+            "a released message that fails again waits again, whatever the caps"
+        );
+        releasing.in_flight = None;
+        assert_eq!(
+            decide_defer(Some(&releasing), &Role::Release(7), 2, &LIMITS),
+            DeferDecision::Refused,
+            "a copy out of turn does not move the due time"
+        );
+        assert_eq!(
+            decide_defer(Some(&held), &Role::Head("letter".into()), 1, &LIMITS),
+            DeferDecision::Refused,
+            "a replayed head letter is retried where it stands"
         );
     }
 }

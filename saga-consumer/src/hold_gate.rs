@@ -8,7 +8,7 @@
 //! [`plan`] is the decision, without I/O (the hold model drives it); [`Executor::hold_gate`] performs it.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use saga_core::Origin;
 use sqlx::PgConnection;
@@ -61,16 +61,30 @@ pub(crate) struct GatePlan {
     /// as any other or park), and whether a dead letter of it holds its key (see
     /// [`BatchMachine::with_holds`]).
     pub machine_holds: Option<(Vec<Option<u64>>, Vec<bool>)>,
+    /// With delayed retries: whether each message, failing transiently, may wait parked (a keyed message
+    /// that runs as any other, or its key's release; see [`BatchMachine::with_defers`]).
+    pub defers: Option<Vec<bool>>,
 }
 
 /// Each message's part in its key's hold, as `found` (read for the batch; `None`: nothing was read, as
-/// nothing can be held) says; and, where some message can hold its key in the batch, the batch machine's
-/// keys.
-pub(crate) fn plan(facts: &[Facts<'_>], found: Option<&BatchHolds>) -> GatePlan {
+/// nothing can be held) says; and, where some message can hold its key in the batch (a dead letter, or a
+/// delayed retry when `delayed_retries`), the batch machine's keys.
+pub(crate) fn plan(
+    facts: &[Facts<'_>],
+    found: Option<&BatchHolds>,
+    delayed_retries: bool,
+) -> GatePlan {
+    // One release of a parked message per batch: a second copy of it (a resend, or a copy of an earlier
+    // turn) read from the same snapshot is stale, whatever the first does (a delayed retry parks it again,
+    // due later: the copy must not run before).
+    let mut releases: HashSet<(&[u8], i64)> = HashSet::new();
     let roles: Vec<Role> = facts
         .iter()
         .map(|f| match found {
-            Some(found) => role(f, found),
+            Some(found) => match role(f, found) {
+                Role::Release(seq) if !releases.insert((f.key, seq)) => Role::Stale,
+                role => role,
+            },
             None => Role::Free,
         })
         .collect();
@@ -79,25 +93,35 @@ pub(crate) fn plan(facts: &[Facts<'_>], found: Option<&BatchHolds>) -> GatePlan 
         .zip(&roles)
         .map(|(f, r)| matches!(r, Role::Release(_) | Role::Head(_)) || f.policy_holds)
         .collect();
-    let machine_holds =
-        (holds.iter().any(|h| *h) || roles.iter().any(|r| *r != Role::Free)).then(|| {
-            let mut ids: HashMap<&[u8], u64> = HashMap::new();
-            // Only a message that runs as any other (or parks) follows its key's hold within the batch: a
-            // head, a release or a stale copy has its own part, never parked behind a letter of the batch.
-            let keys = facts
-                .iter()
-                .zip(&roles)
-                .map(|(f, r)| {
-                    let next = ids.len() as u64;
-                    (f.keyed && matches!(r, Role::Free | Role::Park))
-                        .then(|| *ids.entry(f.key).or_insert(next))
-                })
-                .collect();
-            (keys, holds)
-        });
+    let defers: Option<Vec<bool>> = delayed_retries.then(|| {
+        facts
+            .iter()
+            .zip(&roles)
+            .map(|(f, r)| f.keyed && matches!(r, Role::Free | Role::Release(_)))
+            .collect()
+    });
+    let machine_holds = (holds.iter().any(|h| *h)
+        || roles.iter().any(|r| *r != Role::Free)
+        || defers.as_ref().is_some_and(|d| d.iter().any(|d| *d)))
+    .then(|| {
+        let mut ids: HashMap<&[u8], u64> = HashMap::new();
+        // Only a message that runs as any other (or parks) follows its key's hold within the batch: a
+        // head, a release or a stale copy has its own part, never parked behind a letter of the batch.
+        let keys = facts
+            .iter()
+            .zip(&roles)
+            .map(|(f, r)| {
+                let next = ids.len() as u64;
+                (f.keyed && matches!(r, Role::Free | Role::Park))
+                    .then(|| *ids.entry(f.key).or_insert(next))
+            })
+            .collect();
+        (keys, holds)
+    });
     GatePlan {
         roles,
         machine_holds,
+        defers,
     }
 }
 
@@ -134,11 +158,14 @@ impl Executor {
         let planned = self.apply_plan(deliveries, found.as_ref());
         let kinds = deliveries.iter().map(Delivery::kind).collect();
         let attempts = deliveries.iter().map(|d| d.attempts).collect();
-        let machine = BatchMachine::new(kinds, attempts, self.retry.max_attempts);
-        Some(match planned.machine_holds {
-            Some((keys, holds)) => machine.with_holds(keys, holds),
-            None => machine,
-        })
+        let mut machine = BatchMachine::new(kinds, attempts, self.retry.max_attempts);
+        if let Some((keys, holds)) = planned.machine_holds {
+            machine = machine.with_holds(keys, holds);
+        }
+        if let Some(defers) = planned.defers {
+            machine = machine.with_defers(defers);
+        }
+        Some(machine)
     }
 
     /// Gives each of `deliveries` its part as `found` says (see [`plan`]); the plan.
@@ -151,10 +178,17 @@ impl Executor {
             .iter()
             .map(|d| Facts::of(d, self.policy_holds(d)))
             .collect();
-        let planned = plan(&facts, found);
+        let planned = plan(&facts, found, self.retry.delayed);
         for (delivery, role) in deliveries.iter_mut().zip(planned.roles.iter().cloned()) {
             if delivery.store_refused.is_some() {
                 continue;
+            }
+            // A release goes on from the attempts its parked message made (a delayed retry's).
+            if let (Role::Release(_), Some(view)) = (
+                &role,
+                found.and_then(|f| f.views.get(hold::key_of(&delivery.raw))),
+            ) {
+                delivery.attempts = delivery.attempts.max(view.first_attempts);
             }
             delivery.hold = role;
             if delivery.hold == Role::Stale {
@@ -277,6 +311,8 @@ mod tests {
             first: None,
             parked: 0,
             in_flight: None,
+            first_due: true,
+            first_attempts: 0,
         }
     }
 
@@ -287,18 +323,26 @@ mod tests {
             facts(b"b", Mark::Plain, "s", false),
         ];
         assert_eq!(
-            plan(&batch, None),
+            plan(&batch, None, false),
             GatePlan {
                 roles: vec![Role::Free, Role::Free],
-                machine_holds: None
+                machine_holds: None,
+                defers: None,
             }
+        );
+        // With delayed retries, a keyed message's transient failure can hold its key within the batch.
+        let deferring = plan(&batch, None, true);
+        assert_eq!(deferring.defers, Some(vec![true, true]));
+        assert_eq!(
+            deferring.machine_holds,
+            Some((vec![Some(0), Some(1)], vec![false, false]))
         );
         let held_by_policy = [
             facts(b"a", Mark::Plain, "s", true),
             facts(b"a", Mark::Plain, "s", true),
         ];
         assert_eq!(
-            plan(&held_by_policy, None).machine_holds,
+            plan(&held_by_policy, None, false).machine_holds,
             Some((vec![Some(0), Some(0)], vec![true, true]))
         );
     }
@@ -315,7 +359,7 @@ mod tests {
             facts(b"c", Mark::Plain, "paused", false),
             facts(b"", Mark::Plain, "s", false),
         ];
-        let planned = plan(&batch, Some(&found));
+        let planned = plan(&batch, Some(&found), false);
         assert_eq!(
             planned.roles,
             [Role::Park, Role::Free, Role::Park, Role::Free]
@@ -330,8 +374,49 @@ mod tests {
         let mut found = BatchHolds::default();
         found.views.insert(b"a".to_vec(), held());
         let batch = [facts(b"a", Mark::Replay("letter-1".into()), "s", false)];
-        let planned = plan(&batch, Some(&found));
+        let planned = plan(&batch, Some(&found), false);
         assert_eq!(planned.roles, [Role::Head("letter-1".into())]);
         assert_eq!(planned.machine_holds, Some((vec![None], vec![true])));
+    }
+
+    #[test]
+    fn a_second_copy_of_a_release_in_one_batch_is_stale() {
+        let origin = Origin {
+            topic: "t".into(),
+            partition: 0,
+            offset: 3,
+        };
+        let parked = saga_core::RawMessage {
+            origin: origin.clone(),
+            key: Some(b"a".to_vec()),
+            payload: Some(b"{}".to_vec()),
+            headers: saga_core::Headers::new(),
+            timestamp_ms: None,
+        };
+        let release = Mark::Release {
+            seq: 7,
+            origin: origin.clone(),
+            digest: hold::digest(&parked),
+        };
+        let mut found = BatchHolds::default();
+        found.views.insert(
+            b"a".to_vec(),
+            HeldView {
+                state: HoldState::Releasing,
+                head_letter: None,
+                head_origin: None,
+                first: Some((7, origin, hold::digest(&parked))),
+                parked: 1,
+                in_flight: Some(7),
+                first_due: true,
+                first_attempts: 1,
+            },
+        );
+        let batch = [
+            facts(b"a", release.clone(), "s", false),
+            facts(b"a", release, "s", false),
+        ];
+        let planned = plan(&batch, Some(&found), true);
+        assert_eq!(planned.roles, [Role::Release(7), Role::Stale]);
     }
 }

@@ -131,6 +131,8 @@ impl Held {
                 .map(|(s, m)| (*s, origin(layout, *m), hold::digest(&raw(layout, *m)))),
             parked: self.parked.len() as i64,
             in_flight: self.in_flight,
+            first_due: true,
+            first_attempts: 0,
         }
     }
 }
@@ -296,6 +298,15 @@ impl State {
                 held.head = Some(letter);
                 held.in_flight = None;
             }
+            // A delayed retry's spent message leaves its queue (this world holds no key for retries).
+            OnDeadLetter::Drop(seq) => {
+                let held = self.held.as_mut().expect("a view was read");
+                held.parked.retain(|(s, _)| *s != seq);
+                held.in_flight = None;
+                if held.parked.is_empty() {
+                    self.held = None;
+                }
+            }
         }
     }
 
@@ -307,7 +318,7 @@ impl State {
         let facts: Vec<Facts<'_>> = (base..base + len)
             .map(|m| self.facts(m, Mark::Plain))
             .collect();
-        let plan = hold_gate::plan(&facts, Some(&self.found()));
+        let plan = hold_gate::plan(&facts, Some(&self.found()), false);
         // As a delivery's kind says: a parked message is held, a stale one (its head letter's message again)
         // known done, the others run in the step's transaction.
         let kinds = plan
@@ -654,7 +665,9 @@ impl Model for HoldModel {
             Step::RetryReads => {
                 let (m, mark) = s.retry[s.r_pos].clone();
                 let facts = [s.facts(m, mark)];
-                let role = hold_gate::plan(&facts, Some(&s.found())).roles.remove(0);
+                let role = hold_gate::plan(&facts, Some(&s.found()), false)
+                    .roles
+                    .remove(0);
                 s.r_worker = Worker::Classified(role);
             }
             Step::RetryActs => retry_acts(&mut s),

@@ -15,7 +15,9 @@
 //!   culprit is retried or dead-lettered; no message's budget is spent meanwhile.
 //! - An unavailable database is waited out, never counted against a message; a key leased by another
 //!   worker is waited for until the lease ends; a permanent failure dead-letters at once; a transient one
-//!   is retried with backoff until the retry budget is spent, then dead-lettered.
+//!   is retried with backoff until the retry budget is spent, then dead-lettered. With delayed retries, a
+//!   message that may wait parked ([`BatchMachine::with_defers`]) waits there instead ([`Action::Defer`]):
+//!   it is finished here, its key is held, and the batch goes on with the other keys.
 
 use std::time::Duration;
 
@@ -98,6 +100,14 @@ pub(crate) enum Action {
     /// Parks message `index` behind its held key's queue. Answered by [`Event::Parked`],
     /// [`Event::NotHeld`] or [`Event::ParkRefused`].
     Park { index: usize },
+    /// Parks message `index`, which failed transiently (`error`) after `attempts` counted attempts, to run
+    /// again after the retry policy's backoff for them, holding its key meanwhile. Answered by
+    /// [`Event::Deferred`] or [`Event::DeferRefused`].
+    Defer {
+        index: usize,
+        attempts: u32,
+        error: String,
+    },
     /// Every message of the batch is finished.
     Done,
 }
@@ -119,6 +129,10 @@ pub(crate) enum Event {
     Parked,
     /// Its key is no longer held: it runs as a message of `kind`.
     NotHeld { kind: Kind },
+    /// The message waits parked for its next attempt: it is finished here, and its key is held.
+    Deferred,
+    /// It cannot wait parked: it is retried where it stands, after the backoff.
+    DeferRefused,
     /// Its key's queue is full: it is dead-lettered with this reason.
     ParkRefused {
         /// Why it is dead-lettered: a cap ([`DeadLetterReason::HoldQueueFull`]) or a refused statement
@@ -152,6 +166,8 @@ pub(crate) struct BatchMachine {
     unavailable: u32,
     /// The message being retried alone, once its wait is over.
     retrying: Option<Retrying>,
+    /// A message whose delayed retry was refused: its backoff is waited next, then it is retried alone.
+    waiting: Option<(usize, Fault)>,
     /// A batch that failed for an unavailable database: waited for, then run again.
     again: Option<(usize, usize)>,
     /// Whether the wait for `again` is over.
@@ -162,6 +178,8 @@ pub(crate) struct BatchMachine {
     /// key's later messages of the batch are then parked (see `hold`).
     keys: Vec<Option<u64>>,
     holds: Vec<bool>,
+    /// Whether a message may wait parked for its next attempt (delayed retries).
+    defers: Vec<bool>,
     /// A message whose parking was refused: dead-lettered next, with the reason.
     refused: Option<(usize, DeadLetterReason, String)>,
 }
@@ -181,11 +199,13 @@ impl BatchMachine {
             single_until: 0,
             unavailable: 0,
             retrying: None,
+            waiting: None,
             again: None,
             again_waited: false,
             pending: None,
             keys: Vec::new(),
             holds: Vec::new(),
+            defers: Vec::new(),
             refused: None,
         }
     }
@@ -197,6 +217,15 @@ impl BatchMachine {
         debug_assert_eq!(holds.len(), self.kinds.len());
         self.keys = keys;
         self.holds = holds;
+        self
+    }
+
+    /// Whether each message, failing transiently with attempts left, waits parked for its next attempt
+    /// (delayed retries: a keyed message that is free or its key's release) rather than where it stands.
+    /// Its key's later messages in the batch are then parked behind it.
+    pub(crate) fn with_defers(mut self, defers: Vec<bool>) -> Self {
+        debug_assert_eq!(defers.len(), self.kinds.len());
+        self.defers = defers;
         self
     }
 
@@ -232,6 +261,11 @@ impl BatchMachine {
                 error,
                 attempts: self.attempts[index].max(1),
             };
+        }
+        if let Some((index, fault)) = self.waiting.take() {
+            let wait = Wait::Backoff(self.attempts[index]);
+            self.retrying = Some(Retrying { index, fault });
+            return Action::Wait { index, wait };
         }
         if let Some((start, end)) = self.again {
             if !self.again_waited {
@@ -315,6 +349,17 @@ impl BatchMachine {
             (Action::Park { index }, Event::ParkRefused { reason, error }) => {
                 self.refused = Some((index, reason, error));
             }
+            (Action::Defer { index, .. }, Event::Deferred) => {
+                self.finished = index + 1;
+                self.unavailable = 0;
+                self.retrying = None;
+                self.hold_key_after(index);
+            }
+            (Action::Defer { index, error, .. }, Event::DeferRefused) => {
+                // Retried where it stands: the wait first, then the message alone.
+                self.defers[index] = false;
+                self.waiting = Some((index, Fault::Transient(error)));
+            }
             (Action::Wait { .. }, Event::Waited) => {}
             (Action::Transact { start, end }, Event::ItemFailed { index, fault }) => {
                 debug_assert!(
@@ -377,6 +422,13 @@ impl BatchMachine {
                         format!("{attempts} attempts failed; last error: {e}"),
                     );
                 }
+                if self.defers.get(index) == Some(&true) {
+                    return Action::Defer {
+                        index,
+                        attempts,
+                        error: e.clone(),
+                    };
+                }
                 Wait::Backoff(attempts)
             }
         };
@@ -432,6 +484,7 @@ mod tests {
             Action::DeadLetter { .. } => Event::DeadLettered,
             Action::Wait { .. } => Event::Waited,
             Action::Park { .. } => Event::Parked,
+            Action::Defer { .. } => Event::Deferred,
             Action::Done => unreachable!("Done is not answered"),
         }
     }
@@ -449,6 +502,73 @@ mod tests {
             m.on(event);
             assert!(actions.len() < 100, "the machine does not end: {actions:?}");
         }
+    }
+
+    #[test]
+    fn a_transient_failure_waits_parked_and_its_keys_later_messages_park_behind_it() {
+        let mut m = BatchMachine::new(vec![T; 4], vec![0; 4], 3)
+            .with_holds(vec![Some(1), Some(2), Some(1), Some(2)], vec![false; 4])
+            .with_defers(vec![true; 4]);
+        let actions = drive(&mut m, |a| match a {
+            Action::Transact { start: 0, .. } => Event::ItemFailed {
+                index: 0,
+                fault: transient(1),
+            },
+            a => ok(a),
+        });
+        assert_eq!(
+            actions,
+            vec![
+                Action::Transact { start: 0, end: 4 },
+                Action::Defer {
+                    index: 0,
+                    attempts: 1,
+                    error: "failure 1".into()
+                },
+                // The other key runs; the deferred key's later message parks behind it.
+                Action::Transact { start: 1, end: 2 },
+                Action::Park { index: 2 },
+                Action::Transact { start: 3, end: 4 },
+            ]
+        );
+        assert_eq!(m.finished(), 4);
+    }
+
+    #[test]
+    fn a_refused_delayed_retry_is_retried_where_it_stands_and_the_last_attempt_dead_letters() {
+        let mut m = BatchMachine::new(vec![T], vec![1], 3)
+            .with_holds(vec![Some(1)], vec![false])
+            .with_defers(vec![true]);
+        let actions = drive(&mut m, |a| match a {
+            Action::Transact { .. } => Event::ItemFailed {
+                index: 0,
+                fault: transient(2),
+            },
+            Action::Defer { .. } => Event::DeferRefused,
+            a => ok(a),
+        });
+        assert_eq!(
+            actions,
+            vec![
+                Action::Transact { start: 0, end: 1 },
+                Action::Defer {
+                    index: 0,
+                    attempts: 2,
+                    error: "failure 2".into()
+                },
+                Action::Wait {
+                    index: 0,
+                    wait: Wait::Backoff(2)
+                },
+                Action::Transact { start: 0, end: 1 },
+                Action::DeadLetter {
+                    index: 0,
+                    reason: DeadLetterReason::RetriesExhausted,
+                    error: "3 attempts failed; last error: failure 2".into(),
+                    attempts: 3
+                },
+            ]
+        );
     }
 
     #[test]
@@ -916,8 +1036,10 @@ mod tests {
                     }
                     Event::Waited
                 }
-                Action::Park { .. } => {
-                    return Err(format!("{action:?}: no message of the scenario is held"));
+                Action::Park { .. } | Action::Defer { .. } => {
+                    return Err(format!(
+                        "{action:?}: no message of the scenario is held or deferred"
+                    ));
                 }
             };
             m.on(report(event));

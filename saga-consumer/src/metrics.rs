@@ -130,6 +130,10 @@ pub(crate) struct ConsumerMetrics {
     pub held_keys_overdue: Gauge,
     /// Steps an operator paused.
     pub paused_steps: Gauge,
+    /// Keys held for their delayed retries.
+    pub retrying_keys: Gauge,
+    /// Seconds the most overdue delayed retry waits past its due time to be sent.
+    pub retry_lag_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl Default for ConsumerMetrics {
@@ -156,6 +160,8 @@ impl Default for ConsumerMetrics {
             held_oldest_seconds: Gauge::default(),
             held_keys_overdue: Gauge::default(),
             paused_steps: Gauge::default(),
+            retrying_keys: Gauge::default(),
+            retry_lag_seconds: Gauge::default(),
         }
     }
 }
@@ -188,6 +194,16 @@ impl ConsumerMetrics {
             "paused_steps",
             "Steps an operator paused (saga steps pause)",
             self.paused_steps.clone(),
+        );
+        r.register(
+            "retrying_keys",
+            "Keys held while a message of them waits for its delayed retry (SAGA_RETRY_DELAYED)",
+            self.retrying_keys.clone(),
+        );
+        r.register(
+            "retry_lag_seconds",
+            "Seconds the most overdue delayed retry has waited past its due time to be sent again",
+            self.retry_lag_seconds.clone(),
         );
         r.register(
             "processed",
@@ -260,5 +276,7 @@ impl ConsumerMetrics {
         self.held_oldest_seconds.set(census.oldest_seconds);
         self.held_keys_overdue.set(census.overdue);
         self.paused_steps.set(census.paused_steps);
+        self.retrying_keys.set(census.retrying);
+        self.retry_lag_seconds.set(census.retry_lag_seconds);
     }
 }

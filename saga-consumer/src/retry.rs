@@ -38,6 +38,12 @@ pub struct RetryPolicy {
     /// do not retry in lockstep.
     #[arg(long = "retry-jitter", env = "SAGA_RETRY_JITTER", default_value = "0.2", value_parser = value::fraction)]
     pub jitter: f64,
+    /// Delayed retries: a keyed message that failed transiently is parked with the time of its next attempt
+    /// (kept in PostgreSQL) and holds its key until it runs again, instead of waiting where it stands; the
+    /// partition goes on with other keys, and the key's later messages (on any partition) wait behind it.
+    /// Every consumer of the group must run a version that knows them.
+    #[arg(long = "retry-delayed", env = "SAGA_RETRY_DELAYED", default_value_t = false, action = clap::ArgAction::Set)]
+    pub delayed: bool,
 }
 saga_runtime::settings_group!(RetryPolicy);
 
@@ -78,6 +84,13 @@ impl RetryPolicy {
     #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts;
+        self
+    }
+
+    /// Delayed retries on or off (`SAGA_RETRY_DELAYED`; see the field).
+    #[must_use]
+    pub fn delayed(mut self, on: bool) -> Self {
+        self.delayed = on;
         self
     }
 

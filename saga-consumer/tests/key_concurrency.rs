@@ -1,7 +1,8 @@
 //! Keys in parallel within a partition (`SAGA_KEY_CONCURRENCY`), against the real broker and PostgreSQL:
 //! messages of different keys run at once, each key's effects keep their order, the committed offset is
-//! the first unfinished message (never the highest finished), and a key held behind its dead letter parks
-//! its later messages while the other keys run.
+//! the first unfinished message (never the highest finished), a key held behind its dead letter parks
+//! its later messages while the other keys run, and a transient failure waits parked for its delayed retry
+//! (`SAGA_RETRY_DELAYED`) while the partition goes on.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -30,6 +31,9 @@ struct Call {
     /// Fail permanently.
     #[serde(default)]
     permanent: bool,
+    /// Fail transiently this many times first.
+    #[serde(default)]
+    transient: u32,
 }
 
 /// A slow step: counts the calls in flight, records each effect with the order it ran in.
@@ -39,6 +43,9 @@ struct SlowStep {
     in_flight: Arc<AtomicUsize>,
     most_in_flight: Arc<AtomicUsize>,
     gate: watch::Receiver<bool>,
+    /// Calls made, by `n`, and when each was made.
+    calls: Arc<std::sync::Mutex<HashMap<i64, u32>>>,
+    times: Arc<std::sync::Mutex<HashMap<i64, Vec<std::time::Instant>>>>,
 }
 
 impl SagaStep for SlowStep {
@@ -62,6 +69,24 @@ impl SagaStep for SlowStep {
         }
         tokio::time::sleep(Duration::from_millis(call.sleep_ms)).await;
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.times
+            .lock()
+            .unwrap()
+            .entry(call.n)
+            .or_default()
+            .push(std::time::Instant::now());
+        let made = {
+            let mut calls = self.calls.lock().unwrap();
+            let made = calls.entry(call.n).or_default();
+            *made += 1;
+            *made
+        };
+        if made <= call.transient {
+            return Err(StepError::transient(format!(
+                "call {} failed ({made})",
+                call.n
+            )));
+        }
         if call.permanent {
             return Err(StepError::permanent(format!(
                 "call {} cannot be made",
@@ -104,6 +129,8 @@ impl Fixture {
             in_flight: Arc::default(),
             most_in_flight: Arc::default(),
             gate,
+            calls: Arc::default(),
+            times: Arc::default(),
         };
         Self {
             db,
@@ -341,6 +368,161 @@ async fn a_held_key_parks_its_later_messages_while_the_other_keys_run_in_lanes()
         f.step.most_in_flight.load(Ordering::SeqCst) >= 2,
         "the good keys ran beside each other"
     );
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// Delayed retries, one key at a time: a key's transient failure does not hold the partition (the other
+/// keys run meanwhile), it waits parked with its due time and attempts (in PostgreSQL) holding its key, its
+/// key's later messages run after it, in order, and nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transient_failure_waits_parked_while_the_partition_goes_on_and_its_key_keeps_its_order()
+{
+    let f = Fixture::new("delayed-retry").await;
+    let producer = f.kafka.producer();
+    for n in 0..12 {
+        let key = if n % 4 == 0 {
+            "flaky".to_owned()
+        } else {
+            format!("good{}", n % 4)
+        };
+        let transient = if n == 0 { 2 } else { 0 };
+        f.call(
+            &producer,
+            &key,
+            &Call {
+                n,
+                transient,
+                ..Call::default()
+            },
+        )
+        .await;
+    }
+    let retry = RetryPolicy::default()
+        .max_attempts(5)
+        .backoff(Duration::from_secs(2), Duration::from_secs(2))
+        .delayed(true);
+    let (stop, handle) = run(f.consumer(1).retry(retry));
+    // Waiting: its parked row says when it runs again, and its key is held for it.
+    let (attempts, due_later): (i32, bool) = wait_until("the flaky call parked", WAIT, || async {
+        sqlx::query_as(
+            "SELECT p.attempts, p.due_at > now() FROM saga_parked_messages p \
+             JOIN saga_held_keys h USING (group_id, key) WHERE h.cause = 'retrying' AND p.\"offset\" = 0",
+        )
+        .fetch_optional(&f.db.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    assert_eq!(attempts, 1);
+    assert!(due_later, "its next attempt is due later");
+    f.wait_for_committed(12).await;
+    wait_until("the flaky key's effects", WAIT, || async {
+        (f.db.count("effects").await == 12).then_some(())
+    })
+    .await;
+    let effects = f.effects_by_key().await;
+    assert_eq!(
+        effects["flaky"],
+        vec![0, 4, 8],
+        "the flaky key's effects in order"
+    );
+    for k in 1..4 {
+        assert_eq!(effects[&format!("good{k}")], vec![k, k + 4, k + 8]);
+    }
+    let order: Vec<i64> = sqlx::query_scalar("SELECT n FROM effects ORDER BY seq")
+        .fetch_all(&f.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        order.iter().position(|n| *n == 0),
+        Some(9),
+        "every other key ran while the flaky call waited: {order:?}"
+    );
+    assert_eq!(
+        f.step.calls.lock().unwrap()[&0],
+        3,
+        "two failures, then the call"
+    );
+    // Each attempt waited for its due time: the backoff less its jitter (at most a fifth).
+    let times = f.step.times.lock().unwrap()[&0].clone();
+    for pair in times.windows(2) {
+        let waited = pair[1] - pair[0];
+        assert!(
+            waited >= Duration::from_millis(1_600),
+            "an attempt ran {waited:?} after the one before, before its due time"
+        );
+    }
+    wait_until("its key let go", WAIT, || async {
+        (f.db.count("saga_held_keys").await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(f.db.count("saga_parked_messages").await, 0);
+    let letters = f
+        .kafka
+        .read_all(
+            &format!("{}.dlq", f.topic),
+            0,
+            Duration::from_millis(500),
+            Duration::from_secs(2),
+        )
+        .await;
+    assert!(letters.is_empty(), "nothing dead-lettered");
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// A delayed retry whose attempts are spent is dead-lettered once, and under the default policy (skip and
+/// continue) its key is let go: its later message runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delayed_retry_spent_is_dead_lettered_once_and_its_key_let_go() {
+    let f = Fixture::new("delayed-retry-spent").await;
+    let producer = f.kafka.producer();
+    f.call(
+        &producer,
+        "spent",
+        &Call {
+            n: 0,
+            transient: u32::MAX,
+            ..Call::default()
+        },
+    )
+    .await;
+    f.call(
+        &producer,
+        "spent",
+        &Call {
+            n: 1,
+            ..Call::default()
+        },
+    )
+    .await;
+    let retry = RetryPolicy::default()
+        .max_attempts(3)
+        .backoff(Duration::from_millis(100), Duration::from_millis(100))
+        .delayed(true);
+    let (stop, handle) = run(f.consumer(1).retry(retry));
+    wait_until("the later message's effect", WAIT, || async {
+        (f.db.count("effects").await == 1).then_some(())
+    })
+    .await;
+    let letters = f
+        .kafka
+        .read_all(
+            &format!("{}.dlq", f.topic),
+            1,
+            Duration::from_millis(500),
+            WAIT,
+        )
+        .await;
+    assert_eq!(letters.len(), 1, "one dead letter");
+    assert_eq!(letters[0].header("dlq-reason"), Some("retries-exhausted"));
+    assert_eq!(f.step.calls.lock().unwrap()[&0], 3, "its three attempts");
+    assert_eq!(f.effects_by_key().await["spent"], vec![1]);
+    wait_until("its key let go", WAIT, || async {
+        (f.db.count("saga_held_keys").await == 0).then_some(())
+    })
+    .await;
     stop.cancel();
     handle.await.unwrap();
 }
