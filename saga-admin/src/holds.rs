@@ -32,7 +32,8 @@ pub struct HeldKey {
     /// `held` (nothing of it runs) or `releasing` (its parked messages run one at a time, in order);
     /// `unknown: …` for a state this version does not know (a newer consumer wrote it).
     pub state: String,
-    /// `dead-letter` (its head letter failed) or `paused` (its step is paused); `unknown: …` likewise.
+    /// `dead-letter` (its head letter failed), `paused` (its step is paused) or `retrying` (a message of it
+    /// waits for its delayed retry); `unknown: …` likewise.
     pub cause: String,
     /// The paused step, for `paused`.
     pub paused_step: Option<String>,
@@ -48,15 +49,40 @@ pub struct HeldKey {
     pub age_seconds: i64,
     /// Who released it, once releasing.
     pub released_by: Option<String>,
+    /// The attempts its first parked message made (a delayed retry's), if any.
+    pub retry_attempts: Option<i32>,
+    /// When its first parked message runs again (a delayed retry's due time), if it waits for one.
+    pub next_attempt_at: Option<DateTime<Utc>>,
 }
 
 impl HeldKey {
-    /// What holds it, in words: its head letter's reason, or its paused step.
+    /// What holds it, in words: its head letter's reason, or its paused step; and, when its first parked
+    /// message waits for its delayed retry, "retrying (2 attempts), next at …" (first, or after them).
     pub fn held_by(&self) -> String {
-        match (&self.head_reason, &self.paused_step) {
+        let cause = match (&self.head_reason, &self.paused_step) {
             (Some(reason), _) => format!("dead letter ({reason})"),
             (None, Some(step)) => format!("paused step {step}"),
             (None, None) => self.cause.clone(),
+        };
+        let Some(attempts) = self.retry_attempts else {
+            return cause;
+        };
+        let made = if attempts == 1 {
+            "1 attempt".to_owned()
+        } else {
+            format!("{attempts} attempts")
+        };
+        let retrying = match self.next_attempt_at {
+            Some(at) if at > Utc::now() => format!(
+                "retrying ({made}), next at {}",
+                at.format("%Y-%m-%d %H:%M:%S UTC")
+            ),
+            _ => format!("retrying ({made}), due now"),
+        };
+        if self.cause == HoldCause::Retrying.as_str() {
+            retrying
+        } else {
+            format!("{cause}; {retrying}")
         }
     }
 }
@@ -144,7 +170,15 @@ pub async fn one(pool: &PgPool, group: &str, key: &[u8]) -> Result<Option<HeldKe
 
 /// The columns [`held_key`] reads.
 const HELD_COLUMNS: &str = "group_id, key, state, cause, paused_step, head_topic, head_partition, head_offset, \
-     head_reason, parked, held_at, extract(epoch FROM now() - held_at)::bigint AS age, released_by";
+     head_reason, parked, held_at, extract(epoch FROM now() - held_at)::bigint AS age, released_by, \
+     (SELECT (to_jsonb(p) ->> 'attempts')::int FROM saga_parked_messages p \
+         WHERE p.group_id = saga_held_keys.group_id AND p.key = saga_held_keys.key ORDER BY p.seq LIMIT 1) \
+         AS retry_attempts, \
+     (SELECT (to_jsonb(p) ->> 'due_at')::timestamptz FROM saga_parked_messages p \
+         WHERE p.group_id = saga_held_keys.group_id AND p.key = saga_held_keys.key ORDER BY p.seq LIMIT 1) \
+         AS next_attempt_at";
+// (`to_jsonb(p) ->> …`: a schema whose consumers have not applied the delayed retries' migration yet has
+// no such columns, and reads as none.)
 
 /// A held key from a row of [`HELD_COLUMNS`].
 fn held_key(r: &sqlx::postgres::PgRow) -> Result<HeldKey, sqlx::Error> {
@@ -173,6 +207,10 @@ fn held_key(r: &sqlx::postgres::PgRow) -> Result<HeldKey, sqlx::Error> {
         held_at: r.try_get("held_at")?,
         age_seconds: r.try_get("age")?,
         released_by: r.try_get("released_by")?,
+        retry_attempts: r
+            .try_get::<Option<i32>, _>("retry_attempts")?
+            .filter(|a| *a > 0),
+        next_attempt_at: r.try_get("next_attempt_at")?,
     })
 }
 
@@ -497,5 +535,58 @@ pub async fn release_pinned(
             hex(key),
             printable(group, false)
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(cause: &str, head_reason: Option<&str>) -> HeldKey {
+        HeldKey {
+            group: "g".into(),
+            key: "k".into(),
+            key_hex: "6b".into(),
+            state: "releasing".into(),
+            cause: cause.into(),
+            paused_step: None,
+            head: None,
+            head_reason: head_reason.map(str::to_owned),
+            parked: 1,
+            held_at: Utc::now(),
+            age_seconds: 0,
+            released_by: None,
+            retry_attempts: None,
+            next_attempt_at: None,
+        }
+    }
+
+    #[test]
+    fn a_delayed_retry_says_its_attempts_and_when_it_runs_again() {
+        let mut key = held("retrying", None);
+        key.retry_attempts = Some(2);
+        key.next_attempt_at = Some(
+            DateTime::parse_from_rfc3339("2999-01-02T03:04:05Z")
+                .unwrap()
+                .with_timezone(&Utc),
+        );
+        assert_eq!(
+            key.held_by(),
+            "retrying (2 attempts), next at 2999-01-02 03:04:05 UTC"
+        );
+        key.retry_attempts = Some(1);
+        key.next_attempt_at = None;
+        assert_eq!(key.held_by(), "retrying (1 attempt), due now");
+        // Parked behind a dead letter, it says both.
+        let mut behind = held("dead-letter", Some("handler-failed"));
+        behind.retry_attempts = Some(1);
+        assert_eq!(
+            behind.held_by(),
+            "dead letter (handler-failed); retrying (1 attempt), due now"
+        );
+        assert_eq!(
+            held("dead-letter", Some("handler-failed")).held_by(),
+            "dead letter (handler-failed)"
+        );
     }
 }
