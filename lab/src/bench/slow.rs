@@ -3,7 +3,7 @@
 //! (`SAGA_KEY_CONCURRENCY=64`), each against the limit of the work: the keys at once ÷ the call's latency.
 //! Then the parallel run again with 1% of keys failing transiently three times (their first message's first
 //! three calls): the other keys' throughput against the failure-free run's, and whether every failing key's
-//! effects are in its messages' order.
+//! effects are in its messages' order. Both parallel runs retry with delayed retries (`SAGA_RETRY_DELAYED`).
 //!
 //! Each run reads a topic of its own in a consumer group and schema of its own; a message's Kafka key is its
 //! saga's key (`slow-{n % KEYS}`), its idempotency key its own (`slow-msg-{n}`), so a key's messages are
@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use rdkafka::producer::FutureRecord;
 use saga_consumer::{
-    Message, SagaConsumer, StepContext, StepError, StepOutcome, StepResult, Topic, two_phase,
+    Message, RetryPolicy, SagaConsumer, StepContext, StepError, StepOutcome, StepResult, Topic,
+    two_phase,
 };
 use saga_runtime::kafka::KafkaConfig;
 use serde::Serialize;
@@ -185,6 +186,9 @@ pub async fn run(
         .retry_topic(format!("{topic}.retry"))
         .pool(pool.clone())
         .key_concurrency(key_concurrency)
+        // Keys in parallel with delayed retries (both parallel runs, so that they compare alike): a failing
+        // key's backoff waits parked, not in its window.
+        .retry(RetryPolicy::default().delayed(key_concurrency > 1))
         .two_phase_step(step)
         .with_outbox(super::outbox())
         .build()?;
