@@ -6,11 +6,11 @@
 //! fails, the caller rolls everything back: the batch then behaves as if it had never run, which is what
 //! keeps per-message semantics (see `executor`).
 //!
-//! The claim comes in two kinds ([`ClaimWay`]: [`AsNew`], [`Checked`]). Where the worker expects every key to be new, a plain
-//! `INSERT` claims them, at about half the cost in PostgreSQL of checking each row for a conflict; should
-//! one exist after all, the statement fails, the caller rolls back and runs the batch again with the
-//! checking claim, which it keeps using while its batches meet existing keys (redeliveries come in runs:
-//! after a crash, a rebalance, a replay).
+//! The claim comes in two kinds ([`ClaimWay`]: [`AsNew`], [`Checked`]). Where the worker expects every
+//! key to be new, a plain `INSERT` claims them, at about half the cost in PostgreSQL of checking each row
+//! for a conflict; should one exist after all, the statement fails, the caller rolls back and runs the
+//! batch again with the checking claim, which it keeps using while its batches meet existing keys
+//! (redeliveries come in runs: after a crash, a rebalance, a replay).
 
 use std::collections::HashMap;
 use std::time::Instant;

@@ -288,7 +288,9 @@ pub(crate) struct CommitPermit(());
 
 impl CommitPermit {
     /// The permit a start recorded as [`BatchStart::DeadLetter`] gives: to dead-letter the batch's first
-    /// message alone (see `crash_gate::run_of`, which takes it from the record).
+    /// message alone. Only `crash_gate::run_of` calls it, for a start read from the record (the guard's
+    /// answer, or a redo the record said): a permit, like [`PendingStart::permit`]'s, stands for what the
+    /// record says.
     pub(crate) fn recorded_dead_letter() -> Self {
         Self(())
     }

@@ -74,7 +74,7 @@ impl Outbox {
     }
 }
 
-/// Why [`Outbox::append`] wrote nothing.
+/// Why a write of events to the outbox (the orchestrator's) wrote nothing.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OutboxWriteError {
