@@ -43,8 +43,17 @@ pub enum KitError {
     #[error("{0}")]
     Unsupported(String),
     /// An HTTP request to a service's routes could not be made or read.
-    #[error("HTTP: {0}")]
-    Http(String),
+    #[error("HTTP: {request}: {source}")]
+    Http {
+        /// The request (its method and path).
+        request: String,
+        /// Why.
+        #[source]
+        source: saga_consumer::Cause,
+    },
+    /// The kit could not start the runtime it drops the test's schemas on.
+    #[error("starting a runtime to drop the test's schemas: {0}")]
+    Runtime(#[source] std::io::Error),
     /// A message of the asked-for event type does not decode as the type.
     #[error("the message at {topic}/{partition}@{offset} does not decode as {wanted}: {error}")]
     Undecodable {
@@ -57,11 +66,12 @@ pub enum KitError {
         /// The Rust type asked for.
         wanted: &'static str,
         /// Why.
-        error: String,
+        #[source]
+        error: saga_consumer::Cause,
     },
     /// An event could not be encoded, or its key is not a valid idempotency key.
     #[error("the event to send: {0}")]
-    Event(String),
+    Event(#[source] saga_consumer::Cause),
     /// Reading a topic back did not reach its end in time.
     #[error("reading {topic} back: {detail}")]
     Read {

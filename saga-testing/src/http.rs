@@ -39,7 +39,10 @@ pub async fn send(
     headers: &[(&str, &str)],
     json: Option<&serde_json::Value>,
 ) -> Result<Answer, KitError> {
-    let bad = |e: &dyn std::fmt::Display| KitError::Http(format!("{method} {path}: {e}"));
+    let bad = |e: saga_consumer::Cause| KitError::Http {
+        request: format!("{method} {path}"),
+        source: e,
+    };
     let mut request = http::Request::builder().method(method).uri(path);
     for (name, value) in headers {
         request = request.header(*name, *value);
@@ -47,18 +50,27 @@ pub async fn send(
     let body = match json {
         Some(json) => {
             request = request.header(http::header::CONTENT_TYPE, "application/json");
-            Body::from(serde_json::to_vec(json).map_err(|e| bad(&e))?)
+            Body::from(serde_json::to_vec(json).map_err(|e| bad(saga_consumer::Cause::new(e)))?)
         }
         None => Body::empty(),
     };
-    let request = request.body(body).map_err(|e| bad(&e))?;
+    let request = request
+        .body(body)
+        .map_err(|e| bad(saga_consumer::Cause::new(e)))?;
     let mut app = app.clone();
     futures::future::poll_fn(|cx| Service::<http::Request<Body>>::poll_ready(&mut app, cx))
         .await
-        .map_err(|e| bad(&e))?;
-    let response = app.call(request).await.map_err(|e| bad(&e))?;
+        .map_err(|e| bad(saga_consumer::Cause::new(e)))?;
+    let response = app
+        .call(request)
+        .await
+        .map_err(|e| bad(saga_consumer::Cause::new(e)))?;
     let (parts, body) = response.into_parts();
-    let bytes = body.collect().await.map_err(|e| bad(&e))?.to_bytes();
+    let bytes = body
+        .collect()
+        .await
+        .map_err(|e| bad(saga_consumer::Cause::new(e)))?
+        .to_bytes();
     Ok(Answer {
         status: parts.status.as_u16(),
         headers: parts.headers,

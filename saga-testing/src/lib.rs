@@ -181,7 +181,7 @@ impl Drop for SagaTest {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .map_err(|e| KitError::Unsupported(e.to_string()))?;
+                .map_err(KitError::Runtime)?;
             runtime.block_on(drop_schemas(&url, &schemas))
         })
         .join();
@@ -381,7 +381,8 @@ impl SagaTest {
         key: &str,
         event: &E,
     ) -> Result<(i32, i64), KitError> {
-        let idempotency = IdempotencyKey::new(key).map_err(|e| KitError::Event(e.to_string()))?;
+        let idempotency =
+            IdempotencyKey::new(key).map_err(|e| KitError::Event(saga_consumer::Cause::new(e)))?;
         self.send_in(
             topic,
             key,
@@ -401,7 +402,7 @@ impl SagaTest {
         lineage: &Lineage,
     ) -> Result<(i32, i64), KitError> {
         let event = saga_consumer::Event::of(topic, key, event)
-            .map_err(|e| KitError::Event(e.to_string()))?;
+            .map_err(|e| KitError::Event(saga_consumer::Cause::new(e)))?;
         let message = OutboxMessage::from_event(event, lineage, &self.name);
         self.cluster
             .produce(

@@ -38,7 +38,7 @@ impl<E: SagaEvent> Events<E> {
                     partition: message.origin.partition,
                     offset: message.origin.offset,
                     wanted: std::any::type_name::<E>(),
-                    error: e.to_string(),
+                    error: saga_consumer::Cause::new(e),
                 })?;
             messages.push(decoded);
         }
