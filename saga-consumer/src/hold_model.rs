@@ -22,6 +22,15 @@
 //! the committed offsets; a head or release whose step committed but whose advance did not comes back and is
 //! found done); the releaser may once send a release and die before recording it (a second copy follows).
 //! The operator replays every dead letter, any time.
+//!
+//! With delayed retries ([`HoldModel::delayed_retries`]), other worlds: a message fails transiently (its
+//! first runs, as a script says) and waits parked for its next attempt ([`hold::decide_defer`], under the
+//! key's lock), its key held; time passes (a tick makes its due time come); the releaser sends it only when
+//! due; the retry worker runs it with its attempts, and a new failure parks it again or, its attempts
+//! spent, dead-letters it (dropped from its queue under the skip policy, the key's head under hold-key). On
+//! two partitions both first messages fail at once and race for the key. The checker also proves that a
+//! retry never runs before its due time, and finds it does when the release's classification ignores which
+//! copy the releaser sent last ([`HoldModel::ignore_in_flight`], the defect put back).
 
 use saga_core::Origin;
 use stateright::{Model, Property};
@@ -29,8 +38,8 @@ use stateright::{Model, Property};
 use crate::model::has_next;
 
 use crate::hold::{
-    self, Advance, BatchHolds, HeldView, HoldLimits, HoldState, Mark, OnDeadLetter, ParkDecision,
-    ReleaseStep, Role,
+    self, Advance, BatchHolds, DeferDecision, HeldView, HoldLimits, HoldState, Mark, OnDeadLetter,
+    ParkDecision, ReleaseStep, Role,
 };
 use crate::hold_gate::{self, Facts};
 use crate::machine::{Action, BatchMachine, Event, Fault, Kind};
@@ -52,6 +61,9 @@ const PAUSED_STEP: &str = "paused-step";
 /// The key's bytes.
 const KEY: &[u8] = b"k";
 
+/// Attempts before a transiently failing message is dead-lettered, in the delayed retries' worlds.
+const MAX_ATTEMPTS: u32 = 3;
+
 const LIMITS: HoldLimits = HoldLimits {
     per_key: 100,
     per_group: 100,
@@ -67,6 +79,10 @@ pub(crate) struct Held {
     /// The parked messages: (sequence number, message).
     parked: Vec<(i64, usize)>,
     in_flight: Option<i64>,
+    /// The parked messages waiting for their delayed retries: (sequence number, attempts made, due).
+    retries: Vec<(i64, u32, bool)>,
+    /// The message whose delayed retry holds the key (its plain redelivery is stale), if one does.
+    retrying: Option<usize>,
 }
 
 /// Where the messages are: how many of them each partition holds, in order (message `m` is the
@@ -124,16 +140,25 @@ impl Held {
         HeldView {
             state: self.state,
             head_letter: self.head.map(letter_id),
-            head_origin: self.head.map(|letter| origin(layout, letters[letter])),
+            head_origin: self
+                .head
+                .map(|letter| origin(layout, letters[letter]))
+                .or_else(|| self.retrying.map(|m| origin(layout, m))),
             first: self
                 .parked
                 .first()
                 .map(|(s, m)| (*s, origin(layout, *m), hold::digest(&raw(layout, *m)))),
             parked: self.parked.len() as i64,
             in_flight: self.in_flight,
-            first_due: true,
-            first_attempts: 0,
+            first_due: self.first_retry().is_none_or(|(_, _, due)| due),
+            first_attempts: self.first_retry().map_or(0, |(_, attempts, _)| attempts),
         }
+    }
+
+    /// The first parked message's delayed retry, if it waits for one.
+    fn first_retry(&self) -> Option<(i64, u32, bool)> {
+        let (seq, _) = self.parked.first()?;
+        self.retries.iter().find(|(s, _, _)| s == seq).copied()
     }
 }
 
@@ -189,6 +214,13 @@ pub(crate) struct State {
     replayed: Vec<bool>,
     /// First runs still to fail, per message.
     fails_left: [bool; MESSAGES],
+    /// Transient failures still to come, per message (delayed retries' worlds).
+    transient_left: [u8; MESSAGES],
+    /// Whether delayed retries are on, and whether the messages' policy holds keys.
+    delayed: bool,
+    policy_holds: bool,
+    /// Whether a delayed retry ran before its due time.
+    early: bool,
     crashes: u8,
     lost_records: u8,
 }
@@ -212,6 +244,8 @@ pub(crate) enum Step {
     ReleaseAndDie,
     Replay(usize),
     Resume,
+    /// Time passes: the first parked message's delayed retry is due.
+    Tick,
 }
 
 /// The model: whether the releaser is the put-back bug (everything released at once), and what a
@@ -220,6 +254,11 @@ pub(crate) enum Step {
 pub(crate) struct HoldModel {
     pub release_all_at_once: bool,
     pub key_lock: hold::KeyLock,
+    /// The delayed retries' worlds instead of the dead letters' and pauses'.
+    pub delayed_retries: bool,
+    /// The defect: a release classified as its key's first parked message whatever copy the releaser sent
+    /// last (`in_flight` not checked).
+    pub ignore_in_flight: bool,
 }
 
 impl Default for HoldModel {
@@ -227,6 +266,8 @@ impl Default for HoldModel {
         Self {
             release_all_at_once: false,
             key_lock: hold::KEY_LOCK,
+            delayed_retries: false,
+            ignore_in_flight: false,
         }
     }
 }
@@ -244,7 +285,7 @@ impl State {
             mark,
             origin: std::borrow::Cow::Owned(origin(self.layout, m)),
             step: Some(if m == PAUSABLE { PAUSED_STEP } else { "a-step" }),
-            policy_holds: true,
+            policy_holds: self.policy_holds,
         }
     }
 
@@ -267,7 +308,7 @@ impl State {
         let letter = self.letters.len();
         self.letters.push(m);
         self.replayed.push(false);
-        match hold::on_dead_letter(view, role, true, true) {
+        match hold::on_dead_letter(view, role, self.policy_holds, true) {
             OnDeadLetter::Nothing => {}
             OnDeadLetter::Queue => {
                 let seq = self.next_seq;
@@ -286,6 +327,8 @@ impl State {
                         head: Some(letter),
                         parked: Vec::new(),
                         in_flight: None,
+                        retries: Vec::new(),
+                        retrying: None,
                     });
                 }
             }
@@ -293,6 +336,7 @@ impl State {
                 let held = self.held.as_mut().expect("a view was read");
                 if let Some(seq) = drop_seq {
                     held.parked.retain(|(s, _)| *s != seq);
+                    held.retries.retain(|(s, _, _)| *s != seq);
                 }
                 held.state = HoldState::Held;
                 held.head = Some(letter);
@@ -302,7 +346,10 @@ impl State {
             OnDeadLetter::Drop(seq) => {
                 let held = self.held.as_mut().expect("a view was read");
                 held.parked.retain(|(s, _)| *s != seq);
-                held.in_flight = None;
+                held.retries.retain(|(s, _, _)| *s != seq);
+                if held.in_flight == Some(seq) {
+                    held.in_flight = None;
+                }
                 if held.parked.is_empty() {
                     self.held = None;
                 }
@@ -318,7 +365,7 @@ impl State {
         let facts: Vec<Facts<'_>> = (base..base + len)
             .map(|m| self.facts(m, Mark::Plain))
             .collect();
-        let plan = hold_gate::plan(&facts, Some(&self.found()), false);
+        let plan = hold_gate::plan(&facts, Some(&self.found()), self.delayed);
         // As a delivery's kind says: a parked message is held, a stale one (its head letter's message again)
         // known done, the others run in the step's transaction.
         let kinds = plan
@@ -330,9 +377,13 @@ impl State {
                 _ => Kind::Transactional,
             })
             .collect();
-        let mut machine = BatchMachine::new(kinds, vec![0; len], 1);
+        let max_attempts = if self.delayed { MAX_ATTEMPTS } else { 1 };
+        let mut machine = BatchMachine::new(kinds, vec![0; len], max_attempts);
         if let Some((keys, holds)) = plan.machine_holds {
             machine = machine.with_holds(keys, holds);
+        }
+        if let Some(defers) = plan.defers {
+            machine = machine.with_defers(defers);
         }
         self.partitions[p].batch = Some(PartitionBatch {
             base,
@@ -360,14 +411,20 @@ impl State {
                 // One transaction: the first message that fails rolls it back and is named; a stale one
                 // claims nothing and runs nothing.
                 let runs = |i: &usize| batch.roles[*i] != Role::Stale;
-                match (start..end)
-                    .filter(runs)
-                    .find(|i| self.fails_left[batch.base + i])
-                {
-                    Some(index) => Event::ItemFailed {
+                match (start..end).filter(runs).find(|i| {
+                    self.fails_left[batch.base + i] || self.transient_left[batch.base + i] > 0
+                }) {
+                    Some(index) if self.fails_left[batch.base + index] => Event::ItemFailed {
                         index,
                         fault: Fault::Permanent(format!("m{} fails", batch.base + index)),
                     },
+                    Some(index) => {
+                        self.transient_left[batch.base + index] -= 1;
+                        Event::ItemFailed {
+                            index,
+                            fault: Fault::Transient(format!("m{} fails", batch.base + index)),
+                        }
+                    }
                     None => {
                         for i in (start..end).filter(runs) {
                             let m = batch.base + i;
@@ -396,6 +453,16 @@ impl State {
                 }
                 ParkDecision::Full(_) => unreachable!("the caps are out of reach"),
             },
+            Action::Defer {
+                index, attempts, ..
+            } => {
+                let role = batch.roles[index].clone();
+                match self.defer(batch.base + index, &role, attempts) {
+                    DeferDecision::Refused => Event::DeferRefused,
+                    _ => Event::Deferred,
+                }
+            }
+            Action::Wait { .. } => Event::Waited,
             other => unreachable!("{other:?} has no part in this world"),
         };
         batch.machine.on(event);
@@ -449,10 +516,30 @@ impl State {
     /// letter, with what that does to the hold, in one transaction under the key's lock). Whether it
     /// committed a step (not a dead letter).
     fn run(&mut self, m: usize, role: &Role) -> bool {
+        if let (Role::Release(seq), Some(held)) = (role, &self.held)
+            && held.retries.iter().any(|(s, _, due)| s == seq && !due)
+        {
+            self.early = true;
+        }
         if self.fails_left[m] {
             let view = self.view();
             self.dead_letter(m, role, view.as_ref());
             return false;
+        }
+        if self.transient_left[m] > 0 {
+            // As the executor does: attempts from the parked message's, then parked again or, spent, a dead
+            // letter (or, where it may not wait parked, a retry in place: the next failure or its success).
+            self.transient_left[m] -= 1;
+            let view = self.view();
+            let attempts = view.as_ref().map_or(0, |v| v.first_attempts) + 1;
+            if attempts >= MAX_ATTEMPTS {
+                self.dead_letter(m, role, view.as_ref());
+                return false;
+            }
+            if self.defer(m, role, attempts) != DeferDecision::Refused {
+                return false;
+            }
+            return self.run(m, role);
         }
         if !self.done[m] {
             self.done[m] = true;
@@ -477,6 +564,8 @@ impl State {
                 head: None,
                 parked: vec![(seq, m)],
                 in_flight: None,
+                retries: Vec::new(),
+                retrying: None,
             });
             return decision;
         }
@@ -496,6 +585,42 @@ impl State {
         decision
     }
 
+    /// The delayed retry of message `m` (of role `role`, after `attempts`), under the key's lock.
+    fn defer(&mut self, m: usize, role: &Role, attempts: u32) -> DeferDecision {
+        let decision = hold::decide_defer(self.view().as_ref(), role, self.parked_total(), &LIMITS);
+        match decision {
+            DeferDecision::Create => {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                self.held = Some(Held {
+                    state: HoldState::Releasing,
+                    head: None,
+                    parked: vec![(seq, m)],
+                    in_flight: None,
+                    retries: vec![(seq, attempts, false)],
+                    retrying: Some(m),
+                });
+            }
+            DeferDecision::Append => {
+                let held = self.held.as_mut().expect("appended to a held key");
+                if !held.parked.iter().any(|(_, p)| *p == m) {
+                    let seq = self.next_seq;
+                    self.next_seq += 1;
+                    held.parked.push((seq, m));
+                    held.retries.push((seq, attempts, false));
+                }
+            }
+            DeferDecision::Reschedule(seq) => {
+                let held = self.held.as_mut().expect("a released message's key");
+                held.retries.retain(|(s, _, _)| *s != seq);
+                held.retries.push((seq, attempts, false));
+                held.in_flight = None;
+            }
+            DeferDecision::Refused => {}
+        }
+        decision
+    }
+
     fn advance(&mut self, role: &Role) {
         match hold::advance(self.view().as_ref(), role) {
             Advance::Nothing => {}
@@ -508,6 +633,7 @@ impl State {
             Advance::Next(seq) => {
                 let held = self.held.as_mut().expect("a view was read");
                 held.parked.retain(|(s, _)| *s != seq);
+                held.retries.retain(|(s, _, _)| *s != seq);
                 held.in_flight = None;
             }
             Advance::Last(_) => self.held = None,
@@ -559,7 +685,10 @@ impl HoldModel {
 
 /// Whether `batch`'s machine parks a message next (a transaction on the key).
 fn next_parks(batch: &PartitionBatch) -> bool {
-    matches!(batch.machine.clone().next(), Action::Park { .. })
+    matches!(
+        batch.machine.clone().next(),
+        Action::Park { .. } | Action::Defer { .. }
+    )
 }
 
 impl Model for HoldModel {
@@ -567,6 +696,9 @@ impl Model for HoldModel {
     type Action = Step;
 
     fn init_states(&self) -> Vec<State> {
+        if self.delayed_retries {
+            return delayed_worlds();
+        }
         // On one partition: the first message fails once; in a second world, the second too (a release
         // that fails becomes the new head); in a third, the second message's step starts paused; in a
         // fourth, both. On two partitions: both first messages fail at once.
@@ -594,6 +726,10 @@ impl Model for HoldModel {
             letters: Vec::new(),
             replayed: Vec::new(),
             fails_left,
+            transient_left: [0; MESSAGES],
+            delayed: false,
+            policy_holds: true,
+            early: false,
             // The two-partition world does not crash: the one-partition worlds cover crashes, and its
             // interleavings are the letters'.
             crashes: u8::from(layout.len(1) > 0),
@@ -645,6 +781,13 @@ impl Model for HoldModel {
                 actions.push(Step::Replay(letter));
             }
         }
+        if s.held
+            .as_ref()
+            .and_then(Held::first_retry)
+            .is_some_and(|(_, _, due)| !due)
+        {
+            actions.push(Step::Tick);
+        }
     }
 
     fn next_state(&self, last: &State, step: Step) -> Option<State> {
@@ -664,11 +807,27 @@ impl Model for HoldModel {
             }
             Step::RetryReads => {
                 let (m, mark) = s.retry[s.r_pos].clone();
+                let mut found = s.found();
+                // The defect: any copy of the first parked message passes for the one sent last.
+                if let (true, Mark::Release { seq, .. }, Some(view)) =
+                    (self.ignore_in_flight, &mark, found.views.get_mut(KEY))
+                {
+                    view.in_flight = Some(*seq);
+                }
                 let facts = [s.facts(m, mark)];
-                let role = hold_gate::plan(&facts, Some(&s.found()), false)
+                let role = hold_gate::plan(&facts, Some(&found), s.delayed)
                     .roles
                     .remove(0);
                 s.r_worker = Worker::Classified(role);
+            }
+            Step::Tick => {
+                let held = s.held.as_mut().expect("a held key");
+                let first = held.parked.first().map(|(seq, _)| *seq);
+                for retry in &mut held.retries {
+                    if Some(retry.0) == first {
+                        retry.2 = true;
+                    }
+                }
             }
             Step::RetryActs => retry_acts(&mut s),
             Step::RetryAdvances => {
@@ -761,20 +920,66 @@ impl Model for HoldModel {
                             && s.key_lock.is_none())
                 },
             ),
+            Property::always("a delayed retry runs only once due", |_, s: &State| {
+                !s.early
+            }),
             Property::sometimes("a message is parked", |_, s: &State| s.parked_total() > 0),
             Property::sometimes("a release's copy is sent twice", |_, s: &State| {
                 s.lost_records > 0
             }),
-            Property::sometimes(
-                "two dead letters of the key are in their transactions at once",
-                |_, s: &State| {
-                    s.partitions
-                        .iter()
-                        .all(|p| p.batch.as_ref().is_some_and(|b| b.letter.is_some()))
-                },
-            ),
+            if self.delayed_retries {
+                Property::sometimes(
+                    "two messages of the key wait for their delayed retries",
+                    |_, s: &State| s.held.as_ref().is_some_and(|h| h.retries.len() == 2),
+                )
+            } else {
+                Property::sometimes(
+                    "two dead letters of the key are in their transactions at once",
+                    |_, s: &State| {
+                        s.partitions
+                            .iter()
+                            .all(|p| p.batch.as_ref().is_some_and(|b| b.letter.is_some()))
+                    },
+                )
+            },
         ]
     }
+}
+
+/// The delayed retries' worlds: on one partition, the first message fails transiently twice (its third
+/// attempt succeeds; the skip policy), or three times (its attempts spent: under hold-key, its letter heads
+/// the key until the operator replays it); on two partitions, both first messages fail once at once.
+fn delayed_worlds() -> Vec<State> {
+    [
+        (Layout([3, 0]), [2, 0, 0, 0], false),
+        (Layout([3, 0]), [3, 0, 0, 0], true),
+        (Layout([2, 2]), [1, 0, 1, 0], false),
+    ]
+    .into_iter()
+    .map(|(layout, transient_left, policy_holds)| State {
+        layout,
+        partitions: Default::default(),
+        paused: false,
+        retry: Vec::new(),
+        r_pos: 0,
+        r_committed: 0,
+        r_worker: Worker::Idle,
+        held: None,
+        next_seq: 1,
+        key_lock: None,
+        effects: Vec::new(),
+        done: [false; MESSAGES],
+        letters: Vec::new(),
+        replayed: Vec::new(),
+        fails_left: [false; MESSAGES],
+        transient_left,
+        delayed: true,
+        policy_holds,
+        early: false,
+        crashes: u8::from(layout.len(1) > 0),
+        lost_records: 0,
+    })
+    .collect()
 }
 
 /// The retry worker performs what its message's role says.
@@ -845,6 +1050,26 @@ mod tests {
     #[test]
     fn held_keys_keep_the_order_run_nothing_twice_and_lose_nothing_in_every_interleaving() {
         check(HoldModel::default()).assert_properties();
+    }
+
+    #[test]
+    fn delayed_retries_keep_the_order_run_once_due_and_lose_nothing_in_every_interleaving() {
+        check(HoldModel {
+            delayed_retries: true,
+            ..HoldModel::default()
+        })
+        .assert_properties();
+    }
+
+    #[test]
+    fn a_release_classified_whatever_copy_was_sent_last_is_found_to_run_a_retry_early() {
+        let checker = check(HoldModel {
+            delayed_retries: true,
+            ignore_in_flight: true,
+            ..HoldModel::default()
+        });
+        let path = checker.assert_any_discovery("a delayed retry runs only once due");
+        println!("counterexample: {:?}", path.into_actions());
     }
 
     #[test]
