@@ -62,7 +62,7 @@ pub(crate) fn window(batch_size: usize, key_concurrency: usize) -> usize {
     if key_concurrency < 2 {
         batch_size
     } else {
-        batch_size.max(key_concurrency.saturating_mul(8))
+        batch_size.max(key_concurrency.saturating_mul(16))
     }
 }
 
@@ -229,7 +229,7 @@ mod tests {
         assert_eq!(take(mixed.iter().copied(), 20, 10, 32, 4), 20);
         assert_eq!(take(mixed.iter().copied(), 50, 10, 10, 1), 10);
         assert_eq!(window(100, 1), 100);
-        assert_eq!(window(100, 64), 512);
+        assert_eq!(window(100, 64), 1_024);
         assert_eq!(window(1_000, 4), 1_000);
     }
 
