@@ -19,15 +19,13 @@ use tokio_util::sync::CancellationToken;
 use crate::connection::Released;
 use crate::retry::RetryPolicy;
 
-/// Waits between attempts when the database is unreachable; these do not spend a message's retry budget.
-pub(crate) const UNAVAILABLE_BACKOFF: RetryPolicy = RetryPolicy {
-    max_attempts: u32::MAX,
-    initial_backoff: Duration::from_millis(200),
-    max_backoff: Duration::from_secs(10),
-    multiplier: 2.0,
-    jitter: 0.2,
-    delayed: false,
-};
+/// Waits between attempts when the database is unreachable; these do not spend a message's retry budget:
+/// from 200 ms to at most 10 s, growing and jittered as the declared defaults say.
+pub(crate) fn unavailable_backoff() -> RetryPolicy {
+    RetryPolicy::default()
+        .max_attempts(u32::MAX)
+        .backoff(Duration::from_millis(200), Duration::from_secs(10))
+}
 
 /// The fewest attempts of a statement that may pass again (a deadlock, a lock timeout), whatever the
 /// handlers' retry budget (which may be one: a step that must not be retried says nothing of the
@@ -150,7 +148,7 @@ where
             DbFault::Unavailable => {
                 unavailable = unavailable.saturating_add(1);
                 budget.unreachable.inc();
-                UNAVAILABLE_BACKOFF.wait_after(unavailable)
+                unavailable_backoff().wait_after(unavailable)
             }
             DbFault::Transient
                 if transient.saturating_add(1) < budget.retry.max_attempts.max(MIN_ATTEMPTS) =>

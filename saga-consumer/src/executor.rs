@@ -552,7 +552,7 @@ impl Executor {
             }
             Wait::Unavailable(times) => {
                 self.metrics.database_unreachable.inc();
-                let wait = crate::db_retry::UNAVAILABLE_BACKOFF.wait_after(times);
+                let wait = crate::db_retry::unavailable_backoff().wait_after(times);
                 tracing::warn!(parent: &delivery.span, error = %reason, ?wait, "database unavailable; waiting");
                 wait
             }
