@@ -167,6 +167,8 @@ pub(crate) struct HeldView {
     pub parked: i64,
     /// The parked message last sent for release.
     pub in_flight: Option<i64>,
+    /// Whether it is held for a delayed retry alone (cause `retrying`: no letter heads it, no step's pause).
+    pub retrying: bool,
     /// Whether the first parked message is due (a delayed retry's time has come, or it has none).
     pub first_due: bool,
     /// The attempts the first parked message made (a delayed retry's; none for one parked behind a hold).
@@ -366,11 +368,12 @@ pub(crate) fn on_dead_letter(
     keyed: bool,
 ) -> OnDeadLetter {
     match (role, view) {
-        // The released message is a delayed retry (it made attempts), spent, under a policy that holds
-        // nothing: whatever holds its key, it leaves the queue.
+        // Under a policy that holds nothing, a released message that fails for good leaves its queue when
+        // it is a delayed retry (it made attempts), or its key is held for delayed retries alone: a policy
+        // that holds nothing does not start holding a key because retries were delayed.
         (Role::Release(seq), Some(v))
             if !holds
-                && v.first_attempts > 0
+                && (v.first_attempts > 0 || v.retrying)
                 && v.first.as_ref().is_some_and(|(s, _, _)| s == seq) =>
         {
             OnDeadLetter::Drop(*seq)
@@ -419,7 +422,9 @@ pub(crate) fn advance(view: Option<&HeldView>, role: &Role) -> Advance {
             }
         }
         (Role::Release(seq), Some(v)) if v.first.as_ref().is_some_and(|(s, _, _)| s == seq) => {
-            if v.parked <= 1 {
+            // Only a key still releasing is let go with its last message: one a dead letter heads again
+            // meanwhile (a message of it dead-lettered under hold-key while this one ran) stays held.
+            if v.parked <= 1 && v.state == HoldState::Releasing {
                 Advance::Last(*seq)
             } else {
                 Advance::Next(*seq)
@@ -614,6 +619,7 @@ fn view_of(row: &sqlx::postgres::PgRow) -> Result<HeldView, sqlx::Error> {
         first,
         parked: row.try_get("parked")?,
         in_flight: row.try_get("in_flight")?,
+        retrying: row.try_get::<&str, _>("cause")? == RETRYING,
         first_due: row.try_get::<Option<bool>, _>("first_due")?.unwrap_or(true),
         first_attempts: row
             .try_get::<Option<i32>, _>("first_attempts")?
@@ -963,11 +969,15 @@ impl Holds {
         .bind(seq)
         .execute(&mut *tx)
         .await?;
-        sqlx::query("DELETE FROM saga_held_keys WHERE group_id = $1 AND key = $2 AND parked <= 0")
-            .bind(&self.group)
-            .bind(key)
-            .execute(&mut *tx)
-            .await?;
+        // A key a dead letter heads stays held with nothing parked (its replay lets it go).
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM saga_held_keys WHERE group_id = $1 AND key = $2 AND parked <= 0 \
+             AND state = '{RELEASING}'"
+        )))
+        .bind(&self.group)
+        .bind(key)
+        .execute(&mut *tx)
+        .await?;
         self.kick.notify_one();
         Ok(())
     }
@@ -1472,6 +1482,7 @@ mod tests {
             first: (parked > 0).then(|| (7, origin(3), digest(&raw(b"{}")))),
             parked,
             in_flight: None,
+            retrying: false,
             first_due: true,
             first_attempts: 0,
         }
@@ -1623,6 +1634,11 @@ mod tests {
             Advance::Last(7)
         );
         assert_eq!(
+            advance(Some(&view(HoldState::Held, 1)), &Role::Release(7)),
+            Advance::Next(7),
+            "a key a letter heads again meanwhile stays held when its last released message finishes"
+        );
+        assert_eq!(
             next_release(&view(HoldState::Releasing, 0), false, false),
             ReleaseStep::LetGo
         );
@@ -1643,6 +1659,16 @@ mod tests {
         assert_eq!(
             on_dead_letter(Some(&retrying), &Role::Release(7), true, true),
             OnDeadLetter::ReHead { drop_seq: Some(7) }
+        );
+        let behind_a_retry = HeldView {
+            retrying: true,
+            ..releasing.clone()
+        };
+        assert_eq!(
+            on_dead_letter(Some(&behind_a_retry), &Role::Release(7), false, true),
+            OnDeadLetter::Drop(7),
+            "a message parked behind a delayed retry, failing for good under a policy that holds nothing, \
+             does not start holding its key"
         );
         assert_eq!(
             on_dead_letter(Some(&releasing), &Role::Release(7), false, true),

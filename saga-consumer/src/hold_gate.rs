@@ -311,6 +311,7 @@ mod tests {
             first: None,
             parked: 0,
             in_flight: None,
+            retrying: false,
             first_due: true,
             first_attempts: 0,
         }
@@ -408,6 +409,7 @@ mod tests {
                 first: Some((7, origin, hold::digest(&parked))),
                 parked: 1,
                 in_flight: Some(7),
+                retrying: true,
                 first_due: true,
                 first_attempts: 1,
             },

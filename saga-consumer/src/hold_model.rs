@@ -150,6 +150,7 @@ impl Held {
                 .map(|(s, m)| (*s, origin(layout, *m), hold::digest(&raw(layout, *m)))),
             parked: self.parked.len() as i64,
             in_flight: self.in_flight,
+            retrying: self.retrying.is_some(),
             first_due: self.first_retry().is_none_or(|(_, _, due)| due),
             first_attempts: self.first_retry().map_or(0, |(_, attempts, _)| attempts),
         }
@@ -221,6 +222,8 @@ pub(crate) struct State {
     policy_holds: bool,
     /// Whether a delayed retry ran before its due time.
     early: bool,
+    /// Whether a released message left its queue by its dead letter (`OnDeadLetter::Drop`).
+    dropped: bool,
     crashes: u8,
     lost_records: u8,
 }
@@ -341,16 +344,19 @@ impl State {
                 held.state = HoldState::Held;
                 held.head = Some(letter);
                 held.in_flight = None;
+                // Held by a letter now, no longer for delayed retries alone.
+                held.retrying = None;
             }
-            // A delayed retry's spent message leaves its queue (this world holds no key for retries).
+            // A spent delayed retry (or a message behind one, under the skip policy) leaves its queue.
             OnDeadLetter::Drop(seq) => {
+                self.dropped = true;
                 let held = self.held.as_mut().expect("a view was read");
                 held.parked.retain(|(s, _)| *s != seq);
                 held.retries.retain(|(s, _, _)| *s != seq);
                 if held.in_flight == Some(seq) {
                     held.in_flight = None;
                 }
-                if held.parked.is_empty() {
+                if held.parked.is_empty() && held.state == HoldState::Releasing {
                     self.held = None;
                 }
             }
@@ -730,6 +736,7 @@ impl Model for HoldModel {
             delayed: false,
             policy_holds: true,
             early: false,
+            dropped: false,
             // The two-partition world does not crash: the one-partition worlds cover crashes, and its
             // interleavings are the letters'.
             crashes: u8::from(layout.len(1) > 0),
@@ -900,12 +907,15 @@ impl Model for HoldModel {
                         .iter()
                         .enumerate()
                         .all(|(i, m)| !s.effects[..i].contains(m));
+                    // Under the skip policy a dead-lettered message keeps no place (its replay runs it when
+                    // it comes): the others keep theirs.
+                    let kept = |m: &usize| s.policy_holds || !s.letters.contains(m);
                     once && (0..PARTITIONS).all(|p| {
                         let mine: Vec<usize> = s
                             .effects
                             .iter()
                             .copied()
-                            .filter(|m| s.layout.partition_of(*m) == p)
+                            .filter(|m| s.layout.partition_of(*m) == p && kept(m))
                             .collect();
                         mine.windows(2).all(|w| w[0] < w[1])
                     })
@@ -923,6 +933,10 @@ impl Model for HoldModel {
             Property::always("a delayed retry runs only once due", |_, s: &State| {
                 !s.early
             }),
+            Property::always(
+                "under the skip policy, no dead letter heads a key",
+                |_, s: &State| s.policy_holds || s.held.as_ref().is_none_or(|h| h.head.is_none()),
+            ),
             Property::sometimes("a message is parked", |_, s: &State| s.parked_total() > 0),
             Property::sometimes("a release's copy is sent twice", |_, s: &State| {
                 s.lost_records > 0
@@ -931,6 +945,14 @@ impl Model for HoldModel {
                 Property::sometimes(
                     "two messages of the key wait for their delayed retries",
                     |_, s: &State| s.held.as_ref().is_some_and(|h| h.retries.len() == 2),
+                )
+            } else {
+                Property::sometimes("a message is parked", |_, s: &State| s.parked_total() > 0)
+            },
+            if self.delayed_retries {
+                Property::sometimes(
+                    "a released message leaves its queue by its dead letter",
+                    |_, s: &State| s.dropped,
                 )
             } else {
                 Property::sometimes(
@@ -948,15 +970,25 @@ impl Model for HoldModel {
 
 /// The delayed retries' worlds: on one partition, the first message fails transiently twice (its third
 /// attempt succeeds; the skip policy), or three times (its attempts spent: under hold-key, its letter heads
-/// the key until the operator replays it); on two partitions, both first messages fail once at once.
+/// the key until the operator replays it; under skip, it leaves its queue), or once while the second, parked
+/// behind it, fails for good (under skip: it leaves the queue, the key is not held for it); on two
+/// partitions, both first messages fail once at once.
 fn delayed_worlds() -> Vec<State> {
+    const NONE: [bool; MESSAGES] = [false; MESSAGES];
     [
-        (Layout([3, 0]), [2, 0, 0, 0], false),
-        (Layout([3, 0]), [3, 0, 0, 0], true),
-        (Layout([2, 2]), [1, 0, 1, 0], false),
+        (Layout([3, 0]), [2, 0, 0, 0], NONE, false),
+        (Layout([3, 0]), [3, 0, 0, 0], NONE, true),
+        (Layout([3, 0]), [3, 0, 0, 0], NONE, false),
+        (
+            Layout([3, 0]),
+            [1, 0, 0, 0],
+            [false, true, false, false],
+            false,
+        ),
+        (Layout([2, 2]), [1, 0, 1, 0], NONE, false),
     ]
     .into_iter()
-    .map(|(layout, transient_left, policy_holds)| State {
+    .map(|(layout, transient_left, fails_left, policy_holds)| State {
         layout,
         partitions: Default::default(),
         paused: false,
@@ -971,11 +1003,12 @@ fn delayed_worlds() -> Vec<State> {
         done: [false; MESSAGES],
         letters: Vec::new(),
         replayed: Vec::new(),
-        fails_left: [false; MESSAGES],
+        fails_left,
         transient_left,
         delayed: true,
         policy_holds,
         early: false,
+        dropped: false,
         crashes: u8::from(layout.len(1) > 0),
         lost_records: 0,
     })
