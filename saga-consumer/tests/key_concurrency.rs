@@ -526,3 +526,67 @@ async fn a_delayed_retry_spent_is_dead_lettered_once_and_its_key_let_go() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// A delayed retry's due time and attempts are in PostgreSQL: a consumer stopped while the retry waits (its
+/// partition revoked) leaves it parked, and the next consumer of the group runs it when due, after which the
+/// key's later message runs, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delayed_retry_waits_through_a_restart_of_the_consumer() {
+    let f = Fixture::new("delayed-retry-restart").await;
+    let producer = f.kafka.producer();
+    for (n, transient) in [(0, 2), (1, 0)] {
+        f.call(
+            &producer,
+            "flaky",
+            &Call {
+                n,
+                transient,
+                ..Call::default()
+            },
+        )
+        .await;
+    }
+    let retry = || {
+        RetryPolicy::default()
+            .max_attempts(5)
+            .backoff(Duration::from_secs(3), Duration::from_secs(3))
+            .delayed(true)
+    };
+    let (stop, handle) = run(f.consumer(1).retry(retry()));
+    wait_until("the flaky call parked", WAIT, || async {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT attempts FROM saga_parked_messages WHERE \"offset\" = 0 AND due_at > now()",
+        )
+        .fetch_optional(&f.db.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    f.wait_for_committed(2).await;
+    stop.cancel();
+    handle.await.unwrap();
+    assert_eq!(f.db.count("effects").await, 0, "nothing ran yet");
+    assert_eq!(
+        f.db.count("saga_parked_messages").await,
+        2,
+        "it and the key's next wait"
+    );
+    // The next consumer of the group: what it finds in PostgreSQL is all it knows.
+    let (stop, handle) = run(f.consumer(1).retry(retry()));
+    wait_until("both effects", WAIT, || async {
+        (f.db.count("effects").await == 2).then_some(())
+    })
+    .await;
+    assert_eq!(f.effects_by_key().await["flaky"], vec![0, 1], "in order");
+    assert_eq!(
+        f.step.calls.lock().unwrap()[&0],
+        3,
+        "two failures, then the call"
+    );
+    wait_until("its key let go", WAIT, || async {
+        (f.db.count("saga_held_keys").await == 0).then_some(())
+    })
+    .await;
+    stop.cancel();
+    handle.await.unwrap();
+}
