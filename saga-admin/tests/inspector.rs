@@ -318,6 +318,32 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
         stop.clone().cancelled_owned(),
     ));
 
+    // A key of the group held for its delayed retry: a message that failed transiently twice, due in an hour.
+    let schema = saga.args.schema(Service::Order);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {schema}.saga_held_keys (group_id, key, state, cause, parked) \
+         VALUES ('payments', 'order-9'::bytea, 'releasing', 'retrying', 1)"
+    )))
+    .execute(&saga.db.pool)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {schema}.saga_parked_messages (group_id, key, topic, \"partition\", \"offset\", step, \
+             header_names, header_values, digest, attempts, due_at) \
+         VALUES ('payments', 'order-9'::bytea, $1, 0, 42, 'process-payment', '{{}}', '{{}}', 'd', 2, \
+             date_trunc('second', now()) + interval '1 hour')"
+    )))
+    .bind(&original)
+    .execute(&saga.db.pool)
+    .await
+    .unwrap();
+    let due: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT due_at FROM {schema}.saga_parked_messages WHERE key = 'order-9'::bytea"
+    )))
+    .fetch_one(&saga.db.pool)
+    .await
+    .unwrap();
+
     let browser = Browser::start().await;
 
     // The token once in the address: the page comes back without it, and a cookie keeps it.
@@ -350,6 +376,16 @@ async fn the_inspector_shows_a_saga_and_the_dead_letters_in_a_browser_and_replay
             saga.args.group(Service::Order)
         ))
         .await;
+    // The held key says its delayed retry: its attempts and when it runs again.
+    let retrying = browser.find("#held-keys tr[data-key=\"order-9\"]").await;
+    let said = browser.text(&retrying).await;
+    assert!(
+        said.contains(&format!(
+            "retrying (2 attempts), next at {}",
+            due.format("%Y-%m-%d %H:%M:%S UTC")
+        )),
+        "{said}"
+    );
     browser.screenshot("overview").await;
 
     // The saga's page: its id, its states in order.

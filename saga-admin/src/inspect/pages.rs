@@ -201,7 +201,8 @@ fn groups_table(groups: &[FailureGroup]) -> String {
     body
 }
 
-/// Held keys (their later messages parked behind a dead letter or a paused step) and paused steps.
+/// Held keys (their later messages parked behind a dead letter, a paused step or a delayed retry) and paused
+/// steps.
 fn held_table(held: &[crate::holds::HeldKey], paused: &[crate::holds::PausedStep]) -> String {
     let mut body = String::new();
     if held.is_empty() {
