@@ -276,6 +276,41 @@ impl Default for HoldModel {
 }
 
 impl State {
+    /// A world at its start: messages laid out as `layout`, their scripted failures, the policy; nothing
+    /// paused, delayed retries off. The two-partition worlds do not crash: the one-partition worlds cover
+    /// crashes, and the two-partition ones' interleavings are the keys'.
+    fn world(
+        layout: Layout,
+        fails_left: [bool; MESSAGES],
+        transient_left: [u8; MESSAGES],
+        policy_holds: bool,
+    ) -> Self {
+        Self {
+            layout,
+            partitions: Default::default(),
+            paused: false,
+            retry: Vec::new(),
+            r_pos: 0,
+            r_committed: 0,
+            r_worker: Worker::Idle,
+            held: None,
+            next_seq: 1,
+            key_lock: None,
+            effects: Vec::new(),
+            done: [false; MESSAGES],
+            letters: Vec::new(),
+            replayed: Vec::new(),
+            fails_left,
+            transient_left,
+            delayed: false,
+            policy_holds,
+            early: false,
+            dropped: false,
+            crashes: u8::from(layout.len(1) > 0),
+            lost_records: 0,
+        }
+    }
+
     fn paused(&self, m: usize) -> bool {
         self.paused && m == PAUSABLE
     }
@@ -716,31 +751,10 @@ impl Model for HoldModel {
             (Layout([2, 2]), [true, false, true, false], false),
         ]
         .into_iter()
-        .map(|(layout, fails_left, paused)| State {
-            layout,
-            partitions: Default::default(),
-            paused,
-            retry: Vec::new(),
-            r_pos: 0,
-            r_committed: 0,
-            r_worker: Worker::Idle,
-            held: None,
-            next_seq: 1,
-            key_lock: None,
-            effects: Vec::new(),
-            done: [false; MESSAGES],
-            letters: Vec::new(),
-            replayed: Vec::new(),
-            fails_left,
-            transient_left: [0; MESSAGES],
-            delayed: false,
-            policy_holds: true,
-            early: false,
-            dropped: false,
-            // The two-partition world does not crash: the one-partition worlds cover crashes, and its
-            // interleavings are the letters'.
-            crashes: u8::from(layout.len(1) > 0),
-            lost_records: 0,
+        .map(|(layout, fails_left, paused)| {
+            let mut world = State::world(layout, fails_left, [0; MESSAGES], true);
+            world.paused = paused;
+            world
         })
         .collect()
     }
@@ -988,29 +1002,10 @@ fn delayed_worlds() -> Vec<State> {
         (Layout([2, 2]), [1, 0, 1, 0], NONE, false),
     ]
     .into_iter()
-    .map(|(layout, transient_left, fails_left, policy_holds)| State {
-        layout,
-        partitions: Default::default(),
-        paused: false,
-        retry: Vec::new(),
-        r_pos: 0,
-        r_committed: 0,
-        r_worker: Worker::Idle,
-        held: None,
-        next_seq: 1,
-        key_lock: None,
-        effects: Vec::new(),
-        done: [false; MESSAGES],
-        letters: Vec::new(),
-        replayed: Vec::new(),
-        fails_left,
-        transient_left,
-        delayed: true,
-        policy_holds,
-        early: false,
-        dropped: false,
-        crashes: u8::from(layout.len(1) > 0),
-        lost_records: 0,
+    .map(|(layout, transient_left, fails_left, policy_holds)| {
+        let mut world = State::world(layout, fails_left, transient_left, policy_holds);
+        world.delayed = true;
+        world
     })
     .collect()
 }
