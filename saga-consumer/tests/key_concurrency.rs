@@ -198,6 +198,39 @@ impl Fixture {
         })
         .await;
     }
+
+    /// Waits until `count` effects are written.
+    async fn wait_for_effects(&self, count: i64) {
+        wait_until(&format!("{count} effects"), WAIT, || async {
+            (self.db.count("effects").await == count).then_some(())
+        })
+        .await;
+    }
+
+    /// Waits until no key is held.
+    async fn wait_for_no_held_key(&self) {
+        wait_until("every key let go", WAIT, || async {
+            (self.db.count("saga_held_keys").await == 0).then_some(())
+        })
+        .await;
+    }
+
+    /// The dead letters, once `expected` are there (waiting up to `timeout`) and none follows for half a
+    /// second.
+    async fn letters(
+        &self,
+        expected: usize,
+        timeout: Duration,
+    ) -> Vec<saga_test_support::ReadMessage> {
+        self.kafka
+            .read_all(
+                &format!("{}.dlq", self.topic),
+                expected,
+                Duration::from_millis(500),
+                timeout,
+            )
+            .await
+    }
 }
 
 fn run(builder: SagaConsumerBuilder) -> (CancellationToken, tokio::task::JoinHandle<()>) {
@@ -280,10 +313,7 @@ async fn the_committed_offset_is_the_first_unfinished_message_not_the_highest_fi
         .await;
     }
     let (stop, handle) = run(f.consumer(4));
-    wait_until("the nine quick keys' effects", WAIT, || async {
-        (f.db.count("effects").await == 9).then_some(())
-    })
-    .await;
+    f.wait_for_effects(9).await;
     // Ten commit intervals: a consumer committing the highest finished offset would have committed 10.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
@@ -354,15 +384,7 @@ async fn a_held_key_parks_its_later_messages_while_the_other_keys_run_in_lanes()
         vec![4, 8, 12],
         "the held key's later messages wait, in order"
     );
-    let letters = f
-        .kafka
-        .read_all(
-            &format!("{}.dlq", f.topic),
-            1,
-            Duration::from_millis(500),
-            WAIT,
-        )
-        .await;
+    let letters = f.letters(1, WAIT).await;
     assert_eq!(letters.len(), 1, "one dead letter: the failing call");
     assert!(
         f.step.most_in_flight.load(Ordering::SeqCst) >= 2,
@@ -417,10 +439,7 @@ async fn a_transient_failure_waits_parked_while_the_partition_goes_on_and_its_ke
     assert_eq!(attempts, 1);
     assert!(due_later, "its next attempt is due later");
     f.wait_for_committed(12).await;
-    wait_until("the flaky key's effects", WAIT, || async {
-        (f.db.count("effects").await == 12).then_some(())
-    })
-    .await;
+    f.wait_for_effects(12).await;
     let effects = f.effects_by_key().await;
     assert_eq!(
         effects["flaky"],
@@ -453,20 +472,9 @@ async fn a_transient_failure_waits_parked_while_the_partition_goes_on_and_its_ke
             "an attempt ran {waited:?} after the one before, before its due time"
         );
     }
-    wait_until("its key let go", WAIT, || async {
-        (f.db.count("saga_held_keys").await == 0).then_some(())
-    })
-    .await;
+    f.wait_for_no_held_key().await;
     assert_eq!(f.db.count("saga_parked_messages").await, 0);
-    let letters = f
-        .kafka
-        .read_all(
-            &format!("{}.dlq", f.topic),
-            0,
-            Duration::from_millis(500),
-            Duration::from_secs(2),
-        )
-        .await;
+    let letters = f.letters(0, Duration::from_secs(2)).await;
     assert!(letters.is_empty(), "nothing dead-lettered");
     stop.cancel();
     handle.await.unwrap();
@@ -502,27 +510,13 @@ async fn a_delayed_retry_spent_is_dead_lettered_once_and_its_key_let_go() {
         .backoff(Duration::from_millis(100), Duration::from_millis(100))
         .delayed(true);
     let (stop, handle) = run(f.consumer(1).retry(retry));
-    wait_until("the later message's effect", WAIT, || async {
-        (f.db.count("effects").await == 1).then_some(())
-    })
-    .await;
-    let letters = f
-        .kafka
-        .read_all(
-            &format!("{}.dlq", f.topic),
-            1,
-            Duration::from_millis(500),
-            WAIT,
-        )
-        .await;
+    f.wait_for_effects(1).await;
+    let letters = f.letters(1, WAIT).await;
     assert_eq!(letters.len(), 1, "one dead letter");
     assert_eq!(letters[0].header("dlq-reason"), Some("retries-exhausted"));
     assert_eq!(f.step.calls.lock().unwrap()[&0], 3, "its three attempts");
     assert_eq!(f.effects_by_key().await["spent"], vec![1]);
-    wait_until("its key let go", WAIT, || async {
-        (f.db.count("saga_held_keys").await == 0).then_some(())
-    })
-    .await;
+    f.wait_for_no_held_key().await;
     stop.cancel();
     handle.await.unwrap();
 }
@@ -573,20 +567,14 @@ async fn a_delayed_retry_waits_through_a_restart_of_the_consumer() {
     );
     // The next consumer of the group: what it finds in PostgreSQL is all it knows.
     let (stop, handle) = run(f.consumer(1).retry(retry()));
-    wait_until("both effects", WAIT, || async {
-        (f.db.count("effects").await == 2).then_some(())
-    })
-    .await;
+    f.wait_for_effects(2).await;
     assert_eq!(f.effects_by_key().await["flaky"], vec![0, 1], "in order");
     assert_eq!(
         f.step.calls.lock().unwrap()[&0],
         3,
         "two failures, then the call"
     );
-    wait_until("its key let go", WAIT, || async {
-        (f.db.count("saga_held_keys").await == 0).then_some(())
-    })
-    .await;
+    f.wait_for_no_held_key().await;
     stop.cancel();
     handle.await.unwrap();
 }
