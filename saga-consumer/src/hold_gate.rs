@@ -125,6 +125,15 @@ pub(crate) fn plan(
     }
 }
 
+/// The attempts a message of role `role` has made, `made` here: a release goes on from the attempts its
+/// parked message made (a delayed retry's), as its key's `view` says.
+pub(crate) fn attempts_of(role: &Role, view: Option<&hold::HeldView>, made: u32) -> u32 {
+    match (role, view) {
+        (Role::Release(_), Some(view)) => made.max(view.first_attempts),
+        _ => made,
+    }
+}
+
 /// One message's part, as `found` says.
 fn role(facts: &Facts<'_>, found: &BatchHolds) -> Role {
     // A keyless message is held by nothing but its own step's pause (it has no key to order by); a release
@@ -183,13 +192,8 @@ impl Executor {
             if delivery.store_refused.is_some() {
                 continue;
             }
-            // A release goes on from the attempts its parked message made (a delayed retry's).
-            if let (Role::Release(_), Some(view)) = (
-                &role,
-                found.and_then(|f| f.views.get(hold::key_of(&delivery.raw))),
-            ) {
-                delivery.attempts = delivery.attempts.max(view.first_attempts);
-            }
+            let view = found.and_then(|f| f.views.get(hold::key_of(&delivery.raw)));
+            delivery.attempts = attempts_of(&role, view, delivery.attempts);
             delivery.hold = role;
             if delivery.hold == Role::Stale {
                 tracing::info!(parent: &delivery.span, "a release of a held key's message that ran already (or out of turn), or its head letter's message again: skipped");

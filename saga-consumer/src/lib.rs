@@ -97,6 +97,8 @@ mod outbox;
 mod partition;
 mod poll;
 mod retry;
+#[cfg(test)]
+mod retry_lanes_model;
 mod runner;
 mod service;
 pub mod settings;

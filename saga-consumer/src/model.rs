@@ -590,12 +590,38 @@ where
     M::State: std::fmt::Debug + std::hash::Hash + Clone + Eq + Send + Sync,
     M::Action: std::fmt::Debug + Clone + PartialEq + Send + Sync,
 {
+    explore_until(model, depth, stateright::HasDiscoveries::All)
+}
+
+/// Explores `model` as [`explore`] does, until `property` is found to fail (a defect put back), or to the
+/// end: the one way a model's defect is shown found without exploring what lies past it.
+pub(crate) fn find<M>(model: &M, property: &'static str) -> impl stateright::Checker<M> + use<M>
+where
+    M: Model + std::fmt::Debug + Clone + Send + Sync + 'static,
+    M::State: std::fmt::Debug + std::hash::Hash + Clone + Eq + Send + Sync,
+    M::Action: std::fmt::Debug + Clone + PartialEq + Send + Sync,
+{
+    let property = std::collections::BTreeSet::from([property]);
+    explore_until(model, None, stateright::HasDiscoveries::AnyOf(property))
+}
+
+fn explore_until<M>(
+    model: &M,
+    depth: Option<usize>,
+    until: stateright::HasDiscoveries,
+) -> impl stateright::Checker<M> + use<M>
+where
+    M: Model + std::fmt::Debug + Clone + Send + Sync + 'static,
+    M::State: std::fmt::Debug + std::hash::Hash + Clone + Eq + Send + Sync,
+    M::Action: std::fmt::Debug + Clone + PartialEq + Send + Sync,
+{
     use stateright::Checker;
     let started = std::time::Instant::now();
     let mut builder = model
         .clone()
         .checker()
-        .threads(std::thread::available_parallelism().map_or(1, |n| n.get()));
+        .threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .finish_when(until);
     if let Some(depth) = depth {
         builder = builder.target_max_depth(depth);
     }

@@ -2,7 +2,8 @@
 //! messages of different keys run at once, each key's effects keep their order, the committed offset is
 //! the first unfinished message (never the highest finished), a key held behind its dead letter parks
 //! its later messages while the other keys run, and a transient failure waits parked for its delayed retry
-//! (`SAGA_RETRY_DELAYED`) while the partition goes on.
+//! (`SAGA_RETRY_DELAYED`) while the partition goes on, through a restart of the consumer and a rebalance of
+//! the group.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -577,4 +578,91 @@ async fn a_delayed_retry_waits_through_a_restart_of_the_consumer() {
     f.wait_for_no_held_key().await;
     stop.cancel();
     handle.await.unwrap();
+}
+
+/// A rebalance while a delayed retry waits: a second consumer joins the group and the first leaves while
+/// the retry's due time is ahead, and the key's next message arrives meanwhile. The group's remaining
+/// consumer runs the retry when due (its attempts and due time read from PostgreSQL), each attempt after
+/// its backoff; the key's effects keep their order, the other key ran while it waited, nothing is
+/// dead-lettered and the key is let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delayed_retry_waits_through_a_rebalance_of_the_group() {
+    let f = Fixture::new("delayed-retry-rebalance").await;
+    let producer = f.kafka.producer();
+    for (key, n, transient) in [("flaky", 0, 2), ("flaky", 1, 0), ("steady", 2, 0)] {
+        f.call(
+            &producer,
+            key,
+            &Call {
+                n,
+                transient,
+                ..Call::default()
+            },
+        )
+        .await;
+    }
+    let retry = || {
+        RetryPolicy::default()
+            .max_attempts(5)
+            .backoff(Duration::from_secs(4), Duration::from_secs(4))
+            .delayed(true)
+    };
+    let (stop_first, first) = run(f.consumer(4).retry(retry()));
+    wait_until("the flaky call parked", WAIT, || async {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT attempts FROM saga_parked_messages WHERE \"offset\" = 0 AND due_at > now()",
+        )
+        .fetch_optional(&f.db.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    f.wait_for_effects(1).await;
+    assert_eq!(
+        f.effects_by_key().await.get("flaky"),
+        None,
+        "the steady key ran while the flaky one waits"
+    );
+    // The group rebalances: a second consumer joins, the key's next message arrives, the first leaves.
+    let (stop_second, second) = run(f.consumer(4).retry(retry()));
+    f.call(
+        &producer,
+        "flaky",
+        &Call {
+            n: 3,
+            ..Call::default()
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop_first.cancel();
+    first.await.unwrap();
+    f.wait_for_effects(4).await;
+    let effects = f.effects_by_key().await;
+    assert_eq!(
+        effects["flaky"],
+        vec![0, 1, 3],
+        "the flaky key's effects in order"
+    );
+    assert_eq!(effects["steady"], vec![2]);
+    assert_eq!(
+        f.step.calls.lock().unwrap()[&0],
+        3,
+        "two failures, then the call"
+    );
+    // Each attempt waited for its due time through the rebalance: the backoff less its jitter.
+    let times = f.step.times.lock().unwrap()[&0].clone();
+    for pair in times.windows(2) {
+        let waited = pair[1] - pair[0];
+        assert!(
+            waited >= Duration::from_millis(3_200),
+            "an attempt ran {waited:?} after the one before, before its due time"
+        );
+    }
+    f.wait_for_no_held_key().await;
+    assert_eq!(f.db.count("saga_parked_messages").await, 0);
+    let letters = f.letters(0, Duration::from_secs(2)).await;
+    assert!(letters.is_empty(), "nothing dead-lettered");
+    stop_second.cancel();
+    second.await.unwrap();
 }
