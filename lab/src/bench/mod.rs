@@ -250,6 +250,9 @@ pub struct Report {
     pub saga_hops: Option<Vec<saga::Hop>>,
     /// Scale-out on the broker: the consumer in 1, 2 and 4 processes of one group.
     pub scale_consumers: Option<Vec<scale::ScaleStep>>,
+    /// The same with keys in parallel within each partition (`SAGA_KEY_CONCURRENCY` =
+    /// [`scale::KEY_CONCURRENCY`]).
+    pub scale_consumers_keys_in_parallel: Option<Vec<scale::ScaleStep>>,
     /// Scale-out on the broker: the relay as one and as two instances on one outbox backlog.
     pub scale_relays: Option<Vec<scale::ScaleStep>>,
     /// The Redis fast path against PostgreSQL alone.
@@ -462,6 +465,10 @@ impl Report {
         }
         for (what, steps) in [
             ("consumer processes", &self.scale_consumers),
+            (
+                "consumer processes, keys in parallel within each partition",
+                &self.scale_consumers_keys_in_parallel,
+            ),
             ("relay instances", &self.scale_relays),
         ] {
             if let Some(steps) = steps {

@@ -123,6 +123,7 @@ pub async fn figures(
             batch_size,
             group: format!("otel{i}"),
             concurrency,
+            key_concurrency: 1,
             tracing,
         };
         let per_s = worker

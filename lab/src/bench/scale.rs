@@ -1,5 +1,6 @@
-//! Scale-out: the framework's consumer in 1, 2 and 4 processes of one group, and the relay as one and as
-//! two instances on one outbox.
+//! Scale-out: the framework's consumer in 1, 2 and 4 processes of one group, one key of a partition at a
+//! time and with keys in parallel ([`KEY_CONCURRENCY`]), and the relay as one and as two instances on one
+//! outbox.
 
 use std::time::Duration;
 
@@ -8,6 +9,9 @@ use sqlx::PgPool;
 
 use crate::bench::otel::Tracing;
 use crate::bench::{Progress, consumer};
+
+/// The key concurrency of the scale-out runs with keys in parallel within a partition.
+pub const KEY_CONCURRENCY: usize = 16;
 
 /// The hidden `saga-bench` argument that makes a process one consumer of a measured run ([`Worker`]).
 pub const WORKER_ARG: &str = "--scale-worker";
@@ -26,31 +30,42 @@ pub struct Worker {
     pub group: String,
     /// Partitions worked on at once.
     pub concurrency: usize,
+    /// Keys of a partition run at once (`SAGA_KEY_CONCURRENCY`).
+    pub key_concurrency: usize,
     /// Whether and how the process traces with OpenTelemetry.
     pub tracing: Tracing,
 }
 
 impl Worker {
-    /// The value of [`WORKER_ARG`]: `topic|schema|batch size|group|concurrency|tracing`.
+    /// The value of [`WORKER_ARG`]: `topic|schema|batch size|group|concurrency|key concurrency|tracing`.
     pub fn arg(&self) -> String {
         format!(
-            "{}|{}|{}|{}|{}|{}",
+            "{}|{}|{}|{}|{}|{}|{}",
             self.topic,
             self.schema,
             self.batch_size,
             self.group,
             self.concurrency,
+            self.key_concurrency,
             self.tracing.as_str()
         )
     }
 
     /// Reads [`Worker::arg`] back.
     pub fn parse(arg: &str) -> anyhow::Result<Self> {
-        let [topic, schema, batch_size, group, concurrency, tracing] =
-            arg.split('|').collect::<Vec<_>>()[..]
+        let [
+            topic,
+            schema,
+            batch_size,
+            group,
+            concurrency,
+            key_concurrency,
+            tracing,
+        ] = arg.split('|').collect::<Vec<_>>()[..]
         else {
             anyhow::bail!(
-                "{WORKER_ARG}: expected topic|schema|batch size|group|concurrency|tracing, got {arg:?}"
+                "{WORKER_ARG}: expected topic|schema|batch size|group|concurrency|key concurrency|tracing, \
+                 got {arg:?}"
             );
         };
         Ok(Self {
@@ -59,6 +74,7 @@ impl Worker {
             batch_size: batch_size.parse()?,
             group: group.to_owned(),
             concurrency: concurrency.parse()?,
+            key_concurrency: key_concurrency.parse()?,
             tracing: Tracing::parse(tracing)?,
         })
     }
@@ -115,6 +131,7 @@ impl Worker {
             self.batch_size,
             self.concurrency,
         )
+        .key_concurrency(self.key_concurrency)
         .build()?;
         consumer.run(saga_consumer::shutdown_signal()).await?;
         Ok(())
@@ -132,8 +149,9 @@ pub struct ScaleStep {
     pub ratio: f64,
 }
 
-/// Throughput of `messages` messages over a fresh topic of `partitions` partitions, consumed by `n`
-/// processes in one group, for each `(n, schema, pool)` of `settings` (a fresh schema each).
+/// Throughput of `messages` messages (each of its own key) over a fresh topic of `partitions` partitions,
+/// consumed by `n` processes in one group running `key_concurrency` keys of a partition at once, for each
+/// `(n, schema, pool)` of `settings` (a fresh schema each).
 #[allow(clippy::too_many_arguments)]
 pub async fn consumers(
     kafka: &KafkaConfig,
@@ -143,11 +161,12 @@ pub async fn consumers(
     messages: i64,
     partitions: i32,
     batch_size: usize,
+    key_concurrency: usize,
     progress: &Progress,
 ) -> anyhow::Result<Vec<ScaleStep>> {
     let mut steps: Vec<ScaleStep> = Vec::new();
     for (n, schema, pool) in settings {
-        let topic = format!("{topic_prefix}.scale{n}");
+        let topic = format!("{topic_prefix}.scale{n}k{key_concurrency}");
         ensure_topics(
             kafka,
             &[
@@ -161,7 +180,7 @@ pub async fn consumers(
         )
         .await?;
         progress.note(&format!(
-            "scale-out: {n} consumer process(es): producing {messages} messages"
+            "scale-out: {n} consumer process(es), {key_concurrency} key(s) at once: producing {messages} messages"
         ));
         consumer::produce(kafka, &topic, messages, progress).await?;
         consumer::create_effects_table(&pool).await?;
@@ -171,6 +190,7 @@ pub async fn consumers(
             batch_size,
             group: "framework".to_owned(),
             concurrency: 4,
+            key_concurrency,
             tracing: Tracing::Off,
         };
         let per_s = worker
@@ -178,7 +198,7 @@ pub async fn consumers(
             .await?;
         let one = steps.first().map_or(per_s, |s| s.per_s);
         progress.note(&format!(
-            "scale-out: {n} consumer process(es): {per_s:.0} msg/s"
+            "scale-out: {n} consumer process(es), {key_concurrency} key(s) at once: {per_s:.0} msg/s"
         ));
         steps.push(ScaleStep {
             instances: n,

@@ -95,7 +95,7 @@ struct Cli {
     /// Messages per setting of the scale-out section.
     #[arg(long, default_value_t = 30_000)]
     scale_messages: i64,
-    /// Internal: run as one consumer process of a measured run (`topic|schema|batch size|group|concurrency|tracing`).
+    /// Internal: run as one consumer process of a measured run (`topic|schema|batch size|group|concurrency|key concurrency|tracing`).
     #[arg(long = "scale-worker", hide = true)]
     scale_worker: Option<String>,
     /// Redis, for the `redis` section.
@@ -231,6 +231,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "relay_rows": cli.relay_rows, "steady_rate": cli.steady_rate, "steady_secs": cli.steady_secs,
             "http_requests": cli.http_requests, "saga_orders": cli.saga_orders, "saga_rate": cli.saga_rate,
             "mock_saga_fetch_wait_ms": cli.mock_saga_fetch_wait_ms,
+            "scale_messages": cli.scale_messages, "scale_key_concurrency": scale::KEY_CONCURRENCY,
             "cores": std::thread::available_parallelism().map(std::num::NonZero::get).unwrap_or(1),
             "release_build": !cfg!(debug_assertions),
         }),
@@ -418,14 +419,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     checkpoint(&report, &cli.output)?;
     if starts("scale") {
-        let mut settings = Vec::new();
-        for n in [1, 2, 4] {
-            let name = schema(&format!("scale{n}"));
-            let pool = fresh_schema(&args, &name, &mut schemas).await?;
-            settings.push((n, name, pool));
-        }
-        report.scale_consumers = Some(
-            scale::consumers(
+        for key_concurrency in [1, scale::KEY_CONCURRENCY] {
+            let mut settings = Vec::new();
+            for n in [1, 2, 4] {
+                let name = schema(&format!("scale{n}k{key_concurrency}"));
+                let pool = fresh_schema(&args, &name, &mut schemas).await?;
+                settings.push((n, name, pool));
+            }
+            let steps = scale::consumers(
                 &kafka,
                 &cli.database_url,
                 &run,
@@ -433,10 +434,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 cli.scale_messages,
                 cli.partitions,
                 cli.batch_size,
+                key_concurrency,
                 &progress,
             )
-            .await?,
-        );
+            .await?;
+            if key_concurrency == 1 {
+                report.scale_consumers = Some(steps);
+            } else {
+                report.scale_consumers_keys_in_parallel = Some(steps);
+            }
+        }
         let topic = format!("{run}.relay");
         ensure_topics(&kafka, &[&topic], cli.partitions, 1).await?;
         let mut relays: Vec<scale::ScaleStep> = Vec::new();
