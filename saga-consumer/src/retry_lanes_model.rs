@@ -2,28 +2,35 @@
 //! with `stateright`: the two stages as they run together (`key_lanes`, and in each lane the hold gate and
 //! the batch machine, with `SAGA_RETRY_DELAYED` on).
 //!
-//! The world: one partition of three messages of two keys (`a b a`), two consumer processes of one group.
-//! The partition's owner takes a window and runs its key groups in lanes ([`key_lanes::groups`]), both at
-//! once; a lane's messages go through the hold gate's plan ([`hold_gate::plan`], the holds read when the
-//! lane starts) and the real [`BatchMachine`]. A transient failure waits parked for its delayed retry
+//! The world: two partitions of one group, each owned by one of two consumer processes: the topic's
+//! partition of three messages of two keys (`a b a`), and the group's retry topic's partition, which grows
+//! as the releaser sends. Each partition's owner takes a window of what it holds and runs the window's key
+//! groups in lanes ([`key_lanes::groups`]), both at once; a lane's messages go through the hold gate's plan
+//! ([`hold_gate::plan`], the holds read when the lane's batch starts; one release of a key per batch) and
+//! the real [`BatchMachine`], in batches of two; a release goes on from its parked message's attempts
+//! ([`hold_gate::attempts_of`]). A transient failure waits parked for its delayed retry
 //! ([`hold::decide_defer`]), its key held, and the key's later messages park behind it
 //! ([`hold::decide_park`]), in the lane or in a later window; the position reported is the window's
-//! low-water mark ([`Watermark`]). The group's retry topic has one partition, consumed by the second
-//! process in batches of two through the same plan and machine (a release goes on from its parked
-//! message's attempts, [`hold_gate::attempts_of`]; one release of a key per batch). The releaser
-//! ([`hold::next_release`]) sends a key's first parked message once due, and may once die before recording
-//! what it sent (a second copy follows); time passes key by key. A release that committed advances its key
-//! ([`hold::advance`]) in a transaction of its own; a retry whose attempts are spent is dead-lettered and
-//! leaves its queue ([`hold::on_dead_letter`], the skip policy). Either process may crash once, anywhere
-//! (its workers start again from their committed offsets), and the partition may move once to the other
-//! process (a rebalance: its lanes stop between messages, what they finished is reported and committed).
+//! low-water mark ([`Watermark`]). The releaser ([`hold::next_release`]) sends a key's first parked message
+//! once due (time passing and the releaser's look are one step: nothing else reads a due time), and may
+//! once die before recording what it sent (a second copy follows). A release that committed advances its
+//! key ([`hold::advance`]) in a transaction of its own; a retry whose attempts are spent is dead-lettered
+//! and leaves its queue ([`hold::on_dead_letter`], the skip policy). In each world ([`World`]) a process may crash while it works (its partitions start again from
+//! their committed offsets) and a partition may move, while its owner works, to the other process (a
+//! rebalance: its lanes stop between transactions, what they finished is reported and committed), as the
+//! world allows; a world may end without either. The worlds: both keys retrying through a rebalance, the
+//! same through a crash, and a spent retry with a release's second copy through a crash and a rebalance
+//! (each world on its own: together, their states outgrow what a test can explore).
 //!
 //! Each transaction on the store is one step (the key's lock serializes them; `hold_model` checks the
-//! lock's races). The checker proves: each step's effect at most once; each key's effects in offset order
-//! (a dead-lettered message's place excepted); the committed offset never past a message that is neither
-//! finished, parked nor dead-lettered; a delayed retry never run before it is due; and, with nothing left
-//! to do, every message took effect or was dead-lettered, the offset passed them all and no key is held.
-//! Putting back "commit the highest finished offset" ([`RetryLanesModel::highest_finished`]) is found.
+//! lock's races), and so is a dead letter with what it does to its key's hold (production sends the letter,
+//! then records it: a crash between sends it again). The checker proves: each step's effect at most once;
+//! each key's effects in offset order (under the skip policy a dead-lettered message keeps no place: run
+//! again by its redelivery or replay, it runs when it comes); each partition's committed offset never past
+//! a message that is neither finished, parked nor dead-lettered; a delayed retry never run before it is
+//! due; and, with nothing left to do, every message took effect or was dead-lettered, the offsets passed
+//! them all and no key is held. Putting back "commit the highest finished offset"
+//! ([`RetryLanesModel::highest_finished`]) is found.
 
 use saga_core::Origin;
 use stateright::{Model, Property};
@@ -49,8 +56,9 @@ const KEY_CONCURRENCY: usize = 2;
 const BATCH: usize = 2;
 /// Attempts before a transiently failing message is dead-lettered.
 const MAX_ATTEMPTS: u32 = 2;
-/// The process that consumes the retry topic's partition.
-const RETRY_PROCESS: usize = 1;
+/// The partitions: the topic's, and the group's retry topic's.
+const ORDERS: usize = 0;
+const RETRY: usize = 1;
 
 const LIMITS: HoldLimits = HoldLimits {
     per_key: 100,
@@ -112,6 +120,18 @@ impl Held {
         }
     }
 
+    /// The key once its first parked message's delayed retry is due.
+    fn due(&self) -> Self {
+        let mut due = self.clone();
+        let first = due.parked.first().map(|(seq, _)| *seq);
+        for retry in &mut due.retries {
+            if Some(retry.0) == first {
+                retry.2 = true;
+            }
+        }
+        due
+    }
+
     fn first_retry(&self) -> Option<(i64, u32, bool)> {
         let (seq, _) = self.parked.first()?;
         self.retries.iter().find(|(s, _, _)| s == seq).copied()
@@ -128,7 +148,7 @@ pub(crate) struct Chunk {
     advance: Option<(usize, usize)>,
 }
 
-/// A lane: its messages (window indices), how many of them finished, the chunk in progress.
+/// A lane: its messages (window indices), how many of them finished, the batch in progress.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Lane {
     messages: Vec<usize>,
@@ -152,24 +172,31 @@ pub(crate) struct Window {
     highest: usize,
 }
 
-/// A process's worker of the partition.
+/// A process's worker of a partition.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Worker {
-    /// The process is dead, not restarted yet.
-    Down,
     /// Between windows: the next offset it reads.
     Idle(usize),
     /// In a window.
     Running(Window),
 }
 
-/// A consumer process: its worker, the generation of the assignment it believes it holds, the position it
-/// reported for commit.
+/// A consumer process: whether it runs, and per partition its worker, the generation of the assignment it
+/// believes it holds and the position it reported for commit.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Consumer {
-    worker: Worker,
-    assigned: Option<u8>,
-    reported: Option<usize>,
+    up: bool,
+    workers: [Worker; 2],
+    assigned: [Option<u8>; 2],
+    reported: [Option<usize>; 2],
+}
+
+/// A partition of the group: its committed offset, its owner, the assignment's generation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Partition {
+    committed: usize,
+    owner: usize,
+    generation: u8,
 }
 
 /// The whole system.
@@ -186,68 +213,85 @@ pub(crate) struct State {
     next_seq: i64,
     /// Whether a delayed retry ran before it was due.
     early: bool,
-    /// The partition: its committed offset, its owner and the assignment's generation.
-    committed: usize,
-    owner: usize,
-    generation: u8,
+    partitions: [Partition; 2],
     consumers: [Consumer; 2],
-    /// The group's retry topic: what was sent to it, the next to consume, the committed offset, the batch
-    /// in progress.
+    /// The retry topic's partition: what was sent to it (a message and its mark).
     retry: Vec<(usize, Mark)>,
-    r_pos: usize,
-    r_committed: usize,
-    r_batch: Option<Chunk>,
     crashes: u8,
     revokes: u8,
     lost_records: u8,
+    /// Whether two keys' releases ran in lanes of one window of the retry topic.
+    released_in_lanes: bool,
 }
 
 /// A step of the system.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Step {
-    /// The consumer takes a window from its position to the partition's end.
-    Fetch(usize),
-    /// Lane `.1` of the consumer's window reads its holds and starts its chunk.
-    LaneReads(usize, usize),
-    /// Lane `.1`'s machine acts (one transaction).
-    LaneActs(usize, usize),
-    /// The consumer's window has no message left to run: it moves on.
-    EndWindow(usize),
-    /// The consumer commits the position it reported.
-    Commit(usize),
-    RetryReads,
-    RetryActs,
-    /// The released messages that committed advance their keys.
-    RetryAdvances,
-    CommitRetry,
+    /// Consumer `.0` takes a window of partition `.1`, from its position to the partition's end.
+    Fetch(usize, usize),
+    /// Lane `.2` of the window reads its batch's holds and starts the batch.
+    LaneReads(usize, usize, usize),
+    /// Lane `.2`'s machine acts (one transaction), or, a release committed, advances its key.
+    LaneActs(usize, usize, usize),
+    /// The window has no message left to run: the worker moves on.
+    EndWindow(usize, usize),
+    /// The consumer commits the position it reported for the partition.
+    Commit(usize, usize),
     /// The releaser sends key `.0`'s first parked message (or lets the key go).
     Release(usize),
     /// It sends it and dies before recording it.
     ReleaseAndDie(usize),
-    /// Time passes: key `.0`'s first parked message's delayed retry is due.
-    Tick(usize),
     Crash(usize),
     Restart(usize),
-    /// The partition moves to the other process.
-    Revoke,
+    /// Partition `.0` moves to the other process.
+    Revoke(usize),
 }
 
-/// The model, and optionally the old mistake.
-#[derive(Debug, Clone, Copy, Default)]
+/// A world: each message's transient failures, and what may befall it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct World {
+    /// Transient failures per message.
+    pub transient: [u8; MESSAGES],
+    /// Crashes of a process (either, while it works).
+    pub crashes: u8,
+    /// Rebalances (either partition, while its owner works).
+    pub revokes: u8,
+    /// Whether the releaser may once die after sending, before recording (a second copy follows).
+    pub lost_record: bool,
+}
+
+impl World {
+    /// Both keys' first messages fail once: two keys wait for their retries at once, and their releases
+    /// may share a window of the retry topic.
+    const TWO_KEYS_RETRYING: [u8; MESSAGES] = [1, 1, 0];
+    /// `a`'s first message fails twice: its attempts spent, it is dead-lettered and leaves its key's
+    /// queue; `a`'s second message, parked behind it, runs.
+    const SPENT: [u8; MESSAGES] = [2, 0, 0];
+}
+
+/// The model of one world, and optionally the old mistake.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct RetryLanesModel {
+    pub world: World,
     /// Report the highest finished message's position, not the first unfinished one's.
     pub highest_finished: bool,
 }
 
 impl State {
-    fn world(transient_left: [u8; MESSAGES]) -> Self {
-        let idle = |assigned| Consumer {
-            worker: Worker::Idle(0),
-            assigned,
-            reported: None,
+    fn world(world: World) -> Self {
+        let consumer = |owned: usize| Consumer {
+            up: true,
+            workers: [Worker::Idle(0), Worker::Idle(0)],
+            assigned: std::array::from_fn(|p| (p == owned).then_some(0)),
+            reported: [None, None],
+        };
+        let partition = |owner| Partition {
+            committed: 0,
+            owner,
+            generation: 0,
         };
         Self {
-            transient_left,
+            transient_left: world.transient,
             done: [false; MESSAGES],
             order: Vec::new(),
             effects: [0; MESSAGES],
@@ -255,37 +299,65 @@ impl State {
             held: [None, None],
             next_seq: 1,
             early: false,
-            committed: 0,
-            owner: 0,
-            generation: 0,
-            consumers: [idle(Some(0)), idle(None)],
+            partitions: [partition(0), partition(1)],
+            consumers: [consumer(ORDERS), consumer(RETRY)],
             retry: Vec::new(),
-            r_pos: 0,
-            r_committed: 0,
-            r_batch: None,
-            crashes: 1,
-            revokes: 1,
-            lost_records: 0,
+            crashes: world.crashes,
+            revokes: world.revokes,
+            lost_records: u8::from(!world.lost_record),
+            released_in_lanes: false,
         }
     }
 
-    fn owns(&self, c: usize) -> bool {
-        self.owner == c && self.consumers[c].assigned == Some(self.generation)
+    fn owns(&self, c: usize, p: usize) -> bool {
+        self.partitions[p].owner == c
+            && self.consumers[c].assigned[p] == Some(self.partitions[p].generation)
     }
 
-    fn up(&self, c: usize) -> bool {
-        self.consumers[c].worker != Worker::Down
+    /// Partition `p`'s messages so far, and their marks.
+    fn len(&self, p: usize) -> usize {
+        if p == ORDERS {
+            MESSAGES
+        } else {
+            self.retry.len()
+        }
     }
 
-    /// Gives the partition to `to` under a new generation, from the committed offset.
-    fn assign(&mut self, to: usize) {
-        self.generation += 1;
-        self.owner = to;
+    fn message(&self, p: usize, offset: usize) -> (usize, Mark) {
+        if p == ORDERS {
+            (offset, Mark::Plain)
+        } else {
+            self.retry[offset].clone()
+        }
+    }
+
+    /// Gives partition `p` to `to` under a new generation, from the committed offset.
+    fn assign(&mut self, p: usize, to: usize) {
+        let part = &mut self.partitions[p];
+        part.generation += 1;
+        part.owner = to;
+        let (generation, committed) = (part.generation, part.committed);
         let consumer = &mut self.consumers[to];
-        if consumer.worker != Worker::Down {
-            consumer.assigned = Some(self.generation);
-            consumer.reported = None;
-            consumer.worker = Worker::Idle(self.committed);
+        if consumer.up {
+            consumer.assigned[p] = Some(generation);
+            consumer.reported[p] = None;
+            consumer.workers[p] = Worker::Idle(committed);
+        }
+    }
+
+    /// Whether consumer `c` is at work: in a window, or with a position to commit.
+    fn busy(&self, c: usize) -> bool {
+        let consumer = &self.consumers[c];
+        consumer.up
+            && (0..2).any(|p| {
+                matches!(consumer.workers[p], Worker::Running(_)) || consumer.reported[p].is_some()
+            })
+    }
+
+    fn window(&mut self, c: usize, p: usize) -> &mut Window {
+        match &mut self.consumers[c].workers[p] {
+            Worker::Running(w) => w,
+            Worker::Idle(_) => unreachable!("a lane of a running window"),
         }
     }
 
@@ -535,7 +607,8 @@ impl State {
     /// The releaser's step for key `k`: sends its first parked message (recording it unless `die`), or
     /// lets the key go.
     fn release(&mut self, k: usize, die: bool) {
-        let held = self.held[k].as_ref().expect("a held key");
+        let due = self.held[k].as_ref().expect("a held key").due();
+        let held = self.held[k].insert(due).clone();
         match hold::next_release(&held.view(), die, false) {
             ReleaseStep::Send(seq) => {
                 let m = held
@@ -575,12 +648,10 @@ fn started(w: &Window) -> Vec<usize> {
 }
 
 impl RetryLanesModel {
-    /// Window indices `finished` of consumer `c`'s window are finished: the mark moves, and the position
-    /// is reported, as `key_lanes::run` does (or, with the mistake, the highest).
-    fn report(&self, s: &mut State, c: usize, finished: &[usize]) {
-        let Worker::Running(w) = &mut s.consumers[c].worker else {
-            return;
-        };
+    /// Window indices `finished` of consumer `c`'s window of partition `p` are finished: the mark moves,
+    /// and the position is reported, as `key_lanes::run` does (or, with the mistake, the highest).
+    fn report(&self, s: &mut State, c: usize, p: usize, finished: &[usize]) {
+        let w = s.window(c, p);
         for &index in finished {
             w.mark.finish(index);
             w.highest = w.highest.max(index + 1);
@@ -590,130 +661,141 @@ impl RetryLanesModel {
         } else {
             w.mark.prefix()
         };
+        let position = w.base + reported;
         if reported > 0 {
-            s.consumers[c].reported = Some(w.base + reported);
+            s.consumers[c].reported[p] = Some(position);
         }
     }
 
-    fn lane_reads(s: &mut State, c: usize, lane: usize) {
-        let Worker::Running(w) = &s.consumers[c].worker else {
-            unreachable!("a lane of a running window")
+    fn fetch(s: &mut State, c: usize, p: usize) {
+        let Worker::Idle(base) = s.consumers[c].workers[p] else {
+            unreachable!("a fetch between windows")
         };
-        let l = &w.lanes[lane];
-        let messages: Vec<usize> = l.messages[l.finished..]
-            .iter()
-            .take(BATCH)
-            .map(|index| w.base + index)
+        let keys: Vec<&[u8]> = (base..s.len(p))
+            .map(|offset| KEYS[s.message(p, offset).0])
             .collect();
-        let marks = vec![Mark::Plain; messages.len()];
-        let chunk = s.gate(messages, &marks);
-        let Worker::Running(w) = &mut s.consumers[c].worker else {
-            unreachable!()
-        };
-        w.lanes[lane].chunk = Some(chunk);
+        let lanes = key_lanes::groups(&keys)
+            .into_iter()
+            .map(|messages| Lane {
+                messages,
+                finished: 0,
+                chunk: None,
+            })
+            .collect();
+        s.consumers[c].workers[p] = Worker::Running(Window {
+            base,
+            lanes,
+            mark: Watermark::new(keys.len()),
+            highest: 0,
+        });
     }
 
-    fn lane_acts(&self, s: &mut State, c: usize, lane: usize) {
-        let Worker::Running(w) = &mut s.consumers[c].worker else {
-            unreachable!("a lane of a running window")
+    fn lane_reads(s: &mut State, c: usize, p: usize, lane: usize) {
+        let w = s.window(c, p).clone();
+        let l = &w.lanes[lane];
+        let (messages, marks): (Vec<usize>, Vec<Mark>) = l.messages[l.finished..]
+            .iter()
+            .take(BATCH)
+            .map(|index| s.message(p, w.base + index))
+            .unzip();
+        let chunk = s.gate(messages, &marks);
+        let releases = |l: &Lane| {
+            l.chunk
+                .as_ref()
+                .is_some_and(|c| c.roles.iter().any(|r| matches!(r, Role::Release(_))))
         };
-        let mut chunk = w.lanes[lane].chunk.take().expect("a chunk in progress");
-        let done = s.act(&mut chunk);
-        let Worker::Running(w) = &mut s.consumers[c].worker else {
-            unreachable!()
+        let w = s.window(c, p);
+        w.lanes[lane].chunk = Some(chunk);
+        if w.lanes.iter().filter(|l| releases(l)).count() == 2 {
+            s.released_in_lanes = true;
+        }
+    }
+
+    fn lane_acts(&self, s: &mut State, c: usize, p: usize, lane: usize) {
+        let mut chunk = s.window(c, p).lanes[lane]
+            .chunk
+            .take()
+            .expect("a batch in progress");
+        let done = if chunk.advance.is_some() {
+            s.advance(&mut chunk);
+            false
+        } else {
+            s.act(&mut chunk)
         };
-        let l = &mut w.lanes[lane];
+        let l = &mut s.window(c, p).lanes[lane];
         if !done {
             l.chunk = Some(chunk);
             return;
         }
-        let from = l.finished;
         l.finished += chunk.machine.finished();
         // A lane reports its messages when it ends, as `key_lanes::run` does.
         if l.ended() {
-            let finished = l.messages[..l.finished].to_vec();
-            debug_assert!(from <= finished.len());
-            self.report(s, c, &finished);
+            let finished = l.messages.clone();
+            self.report(s, c, p, &finished);
         }
     }
 
-    /// The partition moves from its owner: its lanes stop between transactions, what they finished is
+    /// Partition `p` moves from its owner: its lanes stop between transactions, what they finished is
     /// reported and committed.
-    fn revoke(&self, s: &mut State) {
+    fn revoke(&self, s: &mut State, p: usize) {
         s.revokes -= 1;
-        let from = s.owner;
-        if let Worker::Running(w) = &s.consumers[from].worker {
+        let from = s.partitions[p].owner;
+        if let Worker::Running(w) = &s.consumers[from].workers[p] {
             let finished: Vec<usize> = w
                 .lanes
                 .iter()
                 .flat_map(|l| {
-                    let n = l.finished + l.chunk.as_ref().map_or(0, |c| c.machine.finished());
-                    l.messages[..n].to_vec()
+                    // A release whose advance is not recorded yet is not finished.
+                    let batch = l.chunk.as_ref().map_or(0, |c| c.machine.finished());
+                    l.messages[..l.finished + batch].to_vec()
                 })
                 .collect();
-            self.report(s, from, &finished);
+            self.report(s, from, p, &finished);
         }
-        if s.up(from) {
-            if let Some(reported) = s.consumers[from].reported.take()
-                && s.owns(from)
-            {
-                s.committed = reported;
-            }
-            s.consumers[from].worker = Worker::Idle(s.committed);
+        if let Some(reported) = s.consumers[from].reported[p].take()
+            && s.owns(from, p)
+        {
+            s.partitions[p].committed = reported;
         }
-        s.consumers[from].assigned = None;
-        s.assign(1 - from);
+        let consumer = &mut s.consumers[from];
+        consumer.workers[p] = Worker::Idle(0);
+        consumer.assigned[p] = None;
+        s.assign(p, 1 - from);
     }
 
-    fn partition_actions(s: &State, actions: &mut Vec<Step>) {
-        for c in 0..2 {
-            let consumer = &s.consumers[c];
-            match &consumer.worker {
-                Worker::Down => actions.push(Step::Restart(c)),
-                Worker::Idle(position) => {
-                    if s.owns(c) && *position < MESSAGES {
-                        actions.push(Step::Fetch(c));
-                    }
-                }
-                Worker::Running(w) => {
-                    for lane in started(w) {
-                        actions.push(match w.lanes[lane].chunk {
-                            None => Step::LaneReads(c, lane),
-                            Some(_) => Step::LaneActs(c, lane),
-                        });
-                    }
-                    if w.lanes.iter().all(Lane::ended) {
-                        actions.push(Step::EndWindow(c));
-                    }
+    fn worker_actions(s: &State, c: usize, p: usize, actions: &mut Vec<Step>) {
+        let consumer = &s.consumers[c];
+        match &consumer.workers[p] {
+            Worker::Idle(position) => {
+                if s.owns(c, p) && *position < s.len(p) {
+                    actions.push(Step::Fetch(c, p));
                 }
             }
-            if consumer.reported.is_some_and(|r| r != s.committed) && consumer.assigned.is_some() {
-                actions.push(Step::Commit(c));
-            }
-            if s.crashes > 0 && s.up(c) {
-                actions.push(Step::Crash(c));
+            Worker::Running(w) => {
+                for lane in started(w) {
+                    actions.push(match w.lanes[lane].chunk {
+                        None => Step::LaneReads(c, p, lane),
+                        Some(_) => Step::LaneActs(c, p, lane),
+                    });
+                }
+                if w.lanes.iter().all(Lane::ended) {
+                    actions.push(Step::EndWindow(c, p));
+                }
             }
         }
-        if s.revokes > 0 {
-            actions.push(Step::Revoke);
+        if consumer.reported[p].is_some_and(|r| r != s.partitions[p].committed)
+            && consumer.assigned[p].is_some()
+        {
+            actions.push(Step::Commit(c, p));
         }
     }
 
-    fn retry_actions(s: &State, actions: &mut Vec<Step>) {
-        if s.up(RETRY_PROCESS) {
-            match &s.r_batch {
-                None if s.r_pos < s.retry.len() => actions.push(Step::RetryReads),
-                None => {}
-                Some(chunk) if chunk.advance.is_some() => actions.push(Step::RetryAdvances),
-                Some(_) => actions.push(Step::RetryActs),
-            }
-            if s.r_committed < s.r_pos {
-                actions.push(Step::CommitRetry);
-            }
-        }
+    fn releaser_actions(s: &State, actions: &mut Vec<Step>) {
         for (k, held) in s.held.iter().enumerate() {
             let Some(held) = held else { continue };
-            let view = held.view();
+            // The releaser acts once the time has come: time passing and its look are one step here
+            // (nothing but the releaser reads a retry's due time).
+            let view = held.due().view();
             if hold::next_release(&view, false, false) != ReleaseStep::Wait {
                 actions.push(Step::Release(k));
             }
@@ -721,9 +803,6 @@ impl RetryLanesModel {
                 && matches!(hold::next_release(&view, true, false), ReleaseStep::Send(_))
             {
                 actions.push(Step::ReleaseAndDie(k));
-            }
-            if held.first_retry().is_some_and(|(_, _, due)| !due) {
-                actions.push(Step::Tick(k));
             }
         }
     }
@@ -733,106 +812,73 @@ impl Model for RetryLanesModel {
     type State = State;
     type Action = Step;
 
-    /// The worlds: both first messages of the keys fail once (two keys wait for their retries at once,
-    /// their releases may share a batch), or the first message of `a` fails twice (its attempts spent: it is
-    /// dead-lettered and leaves its key's queue; `a`'s second message, parked behind it, runs).
     fn init_states(&self) -> Vec<State> {
-        vec![State::world([1, 1, 0]), State::world([2, 0, 0])]
+        vec![State::world(self.world)]
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Step>) {
-        Self::partition_actions(s, actions);
-        Self::retry_actions(s, actions);
+        for c in 0..2 {
+            if !s.consumers[c].up {
+                actions.push(Step::Restart(c));
+                continue;
+            }
+            for p in 0..2 {
+                Self::worker_actions(s, c, p, actions);
+            }
+            if s.crashes > 0 && s.busy(c) {
+                actions.push(Step::Crash(c));
+            }
+        }
+        for p in 0..2 {
+            let owner = s.partitions[p].owner;
+            if s.revokes > 0 && matches!(s.consumers[owner].workers[p], Worker::Running(_)) {
+                actions.push(Step::Revoke(p));
+            }
+        }
+        Self::releaser_actions(s, actions);
     }
 
     fn next_state(&self, last: &State, step: Step) -> Option<State> {
         let mut s = last.clone();
         match step {
-            Step::Fetch(c) => {
-                let Worker::Idle(base) = s.consumers[c].worker else {
-                    return None;
-                };
-                let lanes = key_lanes::groups(&KEYS[base..])
-                    .into_iter()
-                    .map(|messages| Lane {
-                        messages,
-                        finished: 0,
-                        chunk: None,
-                    })
-                    .collect();
-                s.consumers[c].worker = Worker::Running(Window {
-                    base,
-                    lanes,
-                    mark: Watermark::new(MESSAGES - base),
-                    highest: 0,
-                });
+            Step::Fetch(c, p) => Self::fetch(&mut s, c, p),
+            Step::LaneReads(c, p, lane) => Self::lane_reads(&mut s, c, p, lane),
+            Step::LaneActs(c, p, lane) => self.lane_acts(&mut s, c, p, lane),
+            Step::EndWindow(c, p) => {
+                let w = s.window(c, p);
+                let next = w.base + w.mark.prefix();
+                s.consumers[c].workers[p] = Worker::Idle(next);
             }
-            Step::LaneReads(c, lane) => Self::lane_reads(&mut s, c, lane),
-            Step::LaneActs(c, lane) => self.lane_acts(&mut s, c, lane),
-            Step::EndWindow(c) => {
-                let Worker::Running(w) = &s.consumers[c].worker else {
-                    return None;
-                };
-                s.consumers[c].worker = Worker::Idle(w.base + w.mark.prefix());
-            }
-            Step::Commit(c) => {
+            Step::Commit(c, p) => {
                 // A commit of an assignment the group moved on from is refused.
-                if s.owns(c) {
-                    s.committed = s.consumers[c].reported.expect("a reported position");
+                if s.owns(c, p) {
+                    s.partitions[p].committed =
+                        s.consumers[c].reported[p].expect("a reported position");
                 }
-                s.consumers[c].reported = None;
+                s.consumers[c].reported[p] = None;
             }
-            Step::RetryReads => {
-                let batch: Vec<(usize, Mark)> =
-                    s.retry[s.r_pos..].iter().take(BATCH).cloned().collect();
-                let (messages, marks): (Vec<usize>, Vec<Mark>) = batch.into_iter().unzip();
-                s.r_batch = Some(s.gate(messages, &marks));
-            }
-            Step::RetryActs => {
-                let mut chunk = s.r_batch.take().expect("a batch in progress");
-                if s.act(&mut chunk) {
-                    s.r_pos += chunk.messages.len();
-                } else {
-                    s.r_batch = Some(chunk);
-                }
-            }
-            Step::RetryAdvances => {
-                let mut chunk = s.r_batch.take().expect("a batch in progress");
-                s.advance(&mut chunk);
-                s.r_batch = Some(chunk);
-            }
-            Step::CommitRetry => s.r_committed = s.r_pos,
             Step::Release(k) => s.release(k, false),
             Step::ReleaseAndDie(k) => s.release(k, true),
-            Step::Tick(k) => {
-                let held = s.held[k].as_mut().expect("a held key");
-                let first = held.parked.first().map(|(seq, _)| *seq);
-                for retry in &mut held.retries {
-                    if Some(retry.0) == first {
-                        retry.2 = true;
-                    }
-                }
-            }
             Step::Crash(c) => {
                 s.crashes -= 1;
                 s.consumers[c] = Consumer {
-                    worker: Worker::Down,
-                    assigned: None,
-                    reported: None,
+                    up: false,
+                    workers: [Worker::Idle(0), Worker::Idle(0)],
+                    assigned: [None, None],
+                    reported: [None, None],
                 };
-                if c == RETRY_PROCESS {
-                    s.r_batch = None;
-                    s.r_pos = s.r_committed;
-                }
             }
             Step::Restart(c) => {
-                s.consumers[c].worker = Worker::Idle(s.committed);
-                if s.owner == c {
-                    // Rejoining, it gets the partition back under a new generation.
-                    s.assign(c);
+                s.consumers[c].up = true;
+                for p in 0..2 {
+                    s.consumers[c].workers[p] = Worker::Idle(s.partitions[p].committed);
+                    if s.partitions[p].owner == c {
+                        // Rejoining, it gets its partition back under a new generation.
+                        s.assign(p, c);
+                    }
                 }
             }
-            Step::Revoke => self.revoke(&mut s),
+            Step::Revoke(p) => self.revoke(&mut s, p),
         }
         Some(s)
     }
@@ -844,7 +890,12 @@ impl Model for RetryLanesModel {
             }),
             Property::always(
                 "the committed offset is never past an unfinished message",
-                |_, s: &State| (0..s.committed).all(|m| s.settled(m)),
+                |_, s: &State| {
+                    (0..s.partitions[ORDERS].committed).all(|m| s.settled(m))
+                        && s.retry[..s.partitions[RETRY].committed]
+                            .iter()
+                            .all(|(m, _)| s.settled(*m))
+                },
             ),
             Property::always(
                 "each key's effects happen in offset order",
@@ -864,11 +915,11 @@ impl Model for RetryLanesModel {
                 !s.early
             }),
             Property::always(
-                "with nothing left to do, every message took effect or was dead-lettered, the offset passed \
-                 them all and no key is held",
+                "with nothing left to do, every message took effect or was dead-lettered, the offsets \
+                 passed them all and no key is held",
                 |model: &Self, s: &State| {
                     has_next(model, s)
-                        || (s.committed == MESSAGES
+                        || ((0..2).all(|p| s.partitions[p].committed == s.len(p))
                             && (0..MESSAGES).all(|m| s.done[m] || s.letters.contains(&m))
                             && s.held.iter().all(Option::is_none))
                 },
@@ -886,28 +937,33 @@ impl Model for RetryLanesModel {
                 |_, s: &State| s.held[0].is_some() && s.done[1],
             ),
             Property::sometimes(
-                "two releases share a batch of the retry topic",
-                |_, s: &State| {
-                    s.r_batch.as_ref().is_some_and(|c| {
-                        c.roles
-                            .iter()
-                            .filter(|r| matches!(r, Role::Release(_)))
-                            .count()
-                            == 2
-                    })
-                },
+                "two keys' releases run in lanes of one window of the retry topic",
+                |_, s: &State| s.released_in_lanes,
             ),
             Property::sometimes(
-                "a release's second copy is read in its first's batch",
+                "a release's second copy is in its first's batch",
                 |_, s: &State| {
-                    s.r_batch
-                        .as_ref()
-                        .is_some_and(|c| c.messages.len() == 2 && c.messages[0] == c.messages[1])
+                    s.consumers.iter().any(|c| match &c.workers[RETRY] {
+                        Worker::Running(w) => w.lanes.iter().any(|l| {
+                            l.chunk.as_ref().is_some_and(|c| {
+                                c.messages.len() == 2 && c.messages[0] == c.messages[1]
+                            })
+                        }),
+                        Worker::Idle(_) => false,
+                    })
                 },
             ),
             Property::sometimes("a spent retry is dead-lettered", |_, s: &State| {
                 !s.letters.is_empty()
             }),
+            Property::sometimes(
+                "everything finished without a crash or a rebalance",
+                |model: &Self, s: &State| {
+                    s.crashes == model.world.crashes
+                        && s.revokes == model.world.revokes
+                        && !has_next(model, s)
+                },
+            ),
         ]
     }
 }
@@ -919,10 +975,86 @@ mod tests {
     use super::*;
     use crate::model::{explore, find};
 
+    /// What every world must keep.
+    const ALWAYS: [&str; 5] = [
+        "a step's effect happens at most once",
+        "the committed offset is never past an unfinished message",
+        "each key's effects happen in offset order",
+        "a delayed retry runs only once due",
+        "with nothing left to do, every message took effect or was dead-lettered, the offsets passed them \
+         all and no key is held",
+    ];
+
+    /// Explores `world` whole: nothing of [`ALWAYS`] fails, and each of `seen` happens in some run.
+    fn check(world: World, seen: &[&'static str]) {
+        let checker = explore(
+            &RetryLanesModel {
+                world,
+                highest_finished: false,
+            },
+            None,
+        );
+        for property in ALWAYS {
+            checker.assert_no_discovery(property);
+        }
+        for property in seen {
+            checker.assert_any_discovery(property);
+        }
+    }
+
     #[test]
-    fn keys_in_parallel_with_delayed_retries_keep_effects_once_in_key_order_and_commits_behind_unfinished_messages()
+    fn two_keys_retrying_in_parallel_through_a_rebalance_keep_effects_once_in_order_and_commits_behind()
      {
-        explore(&RetryLanesModel::default(), None).assert_properties();
+        check(
+            World {
+                transient: World::TWO_KEYS_RETRYING,
+                crashes: 0,
+                revokes: 1,
+                lost_record: false,
+            },
+            &[
+                "both keys wait for their delayed retries at once",
+                "a message waits parked behind its key's delayed retry",
+                "a window's later key ran while an earlier message waited for its retry",
+                "two keys' releases run in lanes of one window of the retry topic",
+                "everything finished without a crash or a rebalance",
+            ],
+        );
+    }
+
+    #[test]
+    fn two_keys_retrying_in_parallel_through_a_crash_keep_effects_once_in_order_and_commits_behind()
+    {
+        check(
+            World {
+                transient: World::TWO_KEYS_RETRYING,
+                crashes: 1,
+                revokes: 0,
+                lost_record: false,
+            },
+            &[
+                "both keys wait for their delayed retries at once",
+                "two keys' releases run in lanes of one window of the retry topic",
+            ],
+        );
+    }
+
+    #[test]
+    fn a_spent_retry_and_a_second_copy_through_a_crash_and_a_rebalance_keep_effects_once_in_order()
+    {
+        check(
+            World {
+                transient: World::SPENT,
+                crashes: 1,
+                revokes: 1,
+                lost_record: true,
+            },
+            &[
+                "a message waits parked behind its key's delayed retry",
+                "a release's second copy is in its first's batch",
+                "a spent retry is dead-lettered",
+            ],
+        );
     }
 
     #[test]
@@ -930,6 +1062,12 @@ mod tests {
         const PAST: &str = "the committed offset is never past an unfinished message";
         let checker = find(
             &RetryLanesModel {
+                world: World {
+                    transient: World::TWO_KEYS_RETRYING,
+                    crashes: 0,
+                    revokes: 1,
+                    lost_record: false,
+                },
                 highest_finished: true,
             },
             PAST,
