@@ -13,7 +13,7 @@
 //! ([`hold::decide_park`]), in the lane or in a later window; the position reported is the window's
 //! low-water mark ([`Watermark`]). The releaser ([`hold::next_release`]) sends a key's first parked message
 //! once due (time passing and the releaser's look are one step: nothing else reads a due time), and may
-//! once die before recording what it sent (a second copy follows). A release that committed advances its
+//! once send a copy it does not record (a resend after a minute without an answer: a second copy). A release that committed advances its
 //! key ([`hold::advance`]) in a transaction of its own; a retry whose attempts are spent is dead-lettered
 //! and leaves its queue ([`hold::on_dead_letter`], the skip policy). In each world ([`World`]) a process may crash while it works (its partitions start again from
 //! their committed offsets) and a partition may move, while its owner works, to the other process (a
@@ -54,8 +54,6 @@ const KEY_COUNT: usize = 2;
 const KEY_CONCURRENCY: usize = 2;
 /// Most messages of one transaction's batch (a lane's chunk, a batch of the retry topic).
 const BATCH: usize = 2;
-/// Attempts before a transiently failing message is dead-lettered.
-const MAX_ATTEMPTS: u32 = 2;
 /// The partitions: the topic's, and the group's retry topic's.
 const ORDERS: usize = 0;
 const RETRY: usize = 1;
@@ -222,6 +220,12 @@ pub(crate) struct State {
     lost_records: u8,
     /// Whether two keys' releases ran in lanes of one window of the retry topic.
     released_in_lanes: bool,
+    /// Whether a release failed again and waits parked, due later.
+    rescheduled: bool,
+    /// Messages in the order they were first settled for good: their effect or their dead letter.
+    first_settled: Vec<usize>,
+    /// Attempts before a transiently failing message is dead-lettered.
+    max_attempts: u32,
 }
 
 /// A step of the system.
@@ -239,7 +243,7 @@ pub(crate) enum Step {
     Commit(usize, usize),
     /// The releaser sends key `.0`'s first parked message (or lets the key go).
     Release(usize),
-    /// It sends it and dies before recording it.
+    /// It sends a copy it does not record (a resend after a minute without an answer).
     ReleaseAndDie(usize),
     Crash(usize),
     Restart(usize),
@@ -256,17 +260,21 @@ pub(crate) struct World {
     pub crashes: u8,
     /// Rebalances (either partition, while its owner works).
     pub revokes: u8,
-    /// Whether the releaser may once die after sending, before recording (a second copy follows).
+    /// Whether the releaser may once send a copy it does not record (a resend after a minute without an
+    /// answer): a second copy of a release.
     pub lost_record: bool,
+    /// Attempts before a transiently failing message is dead-lettered.
+    pub max_attempts: u32,
 }
 
 impl World {
     /// Both keys' first messages fail once: two keys wait for their retries at once, and their releases
     /// may share a window of the retry topic.
     const TWO_KEYS_RETRYING: [u8; MESSAGES] = [1, 1, 0];
-    /// `a`'s first message fails twice: its attempts spent, it is dead-lettered and leaves its key's
-    /// queue; `a`'s second message, parked behind it, runs.
-    const SPENT: [u8; MESSAGES] = [2, 0, 0];
+    /// `a`'s first message fails three times: its release fails again (parked again, due later), then
+    /// its attempts (three) are spent: it is dead-lettered and leaves its key's queue; `a`'s second
+    /// message, parked behind it, runs.
+    const SPENT: [u8; MESSAGES] = [3, 0, 0];
 }
 
 /// The model of one world, and optionally the old mistake.
@@ -306,6 +314,9 @@ impl State {
             revokes: world.revokes,
             lost_records: u8::from(!world.lost_record),
             released_in_lanes: false,
+            rescheduled: false,
+            first_settled: Vec::new(),
+            max_attempts: world.max_attempts,
         }
     }
 
@@ -420,7 +431,7 @@ impl State {
             .zip(&plan.roles)
             .map(|(&m, role)| hold_gate::attempts_of(role, found.views.get(KEYS[m]), 0))
             .collect();
-        let mut machine = BatchMachine::new(kinds, attempts, MAX_ATTEMPTS);
+        let mut machine = BatchMachine::new(kinds, attempts, self.max_attempts);
         if let Some((keys, holds)) = plan.machine_holds {
             machine = machine.with_holds(keys, holds);
         }
@@ -501,6 +512,9 @@ impl State {
                 self.done[m] = true;
                 self.effects[m] += 1;
                 self.order.push(m);
+                if !self.first_settled.contains(&m) {
+                    self.first_settled.push(m);
+                }
             }
         }
         if (start..end).any(|i| matches!(chunk.roles[i], Role::Release(_))) {
@@ -573,6 +587,7 @@ impl State {
                 }
             }
             DeferDecision::Reschedule(seq) => {
+                self.rescheduled = true;
                 let held = self.held[k].as_mut().expect("a released message's key");
                 held.retries.retain(|(s, _, _)| *s != seq);
                 held.retries.push((seq, attempts, false));
@@ -587,6 +602,9 @@ impl State {
     fn dead_letter(&mut self, m: usize, role: &Role) {
         let k = key_id(m);
         self.letters.push(m);
+        if !self.first_settled.contains(&m) {
+            self.first_settled.push(m);
+        }
         match hold::on_dead_letter(self.view(m).as_ref(), role, false, true) {
             OnDeadLetter::Nothing => {}
             OnDeadLetter::Drop(seq) => {
@@ -911,6 +929,33 @@ impl Model for RetryLanesModel {
                     })
                 },
             ),
+            Property::always(
+                "each key's messages are first settled (their effect or their dead letter) in offset order",
+                |_, s: &State| {
+                    (0..KEY_COUNT).all(|k| {
+                        let of_key: Vec<usize> = s
+                            .first_settled
+                            .iter()
+                            .copied()
+                            .filter(|m| key_id(*m) == k)
+                            .collect();
+                        of_key.windows(2).all(|pair| pair[0] < pair[1])
+                    })
+                },
+            ),
+            Property::always(
+                "a release in flight has a copy the retry partition has not committed past",
+                |_, s: &State| {
+                    let uncommitted = &s.retry[s.partitions[RETRY].committed..];
+                    s.held.iter().flatten().all(|h| {
+                        h.in_flight.is_none_or(|seq| {
+                            uncommitted.iter().any(
+                                |(_, mark)| matches!(mark, Mark::Release { seq: q, .. } if *q == seq),
+                            )
+                        })
+                    })
+                },
+            ),
             Property::always("a delayed retry runs only once due", |_, s: &State| {
                 !s.early
             }),
@@ -957,6 +1002,17 @@ impl Model for RetryLanesModel {
                 !s.letters.is_empty()
             }),
             Property::sometimes(
+                "a release failed again and waits parked, due later",
+                |_, s: &State| s.rescheduled,
+            ),
+            Property::sometimes(
+                "everything finished after a crash or a rebalance",
+                |model: &Self, s: &State| {
+                    (s.crashes < model.world.crashes || s.revokes < model.world.revokes)
+                        && !has_next(model, s)
+                },
+            ),
+            Property::sometimes(
                 "everything finished without a crash or a rebalance",
                 |model: &Self, s: &State| {
                     s.crashes == model.world.crashes
@@ -970,35 +1026,39 @@ impl Model for RetryLanesModel {
 
 #[cfg(test)]
 mod tests {
-    use stateright::Checker;
+    use stateright::{Checker, Expectation};
 
     use super::*;
     use crate::model::{explore, find};
 
-    /// What every world must keep.
-    const ALWAYS: [&str; 5] = [
-        "a step's effect happens at most once",
-        "the committed offset is never past an unfinished message",
-        "each key's effects happen in offset order",
-        "a delayed retry runs only once due",
-        "with nothing left to do, every message took effect or was dead-lettered, the offsets passed them \
-         all and no key is held",
-    ];
-
-    /// Explores `world` whole: nothing of [`ALWAYS`] fails, and each of `seen` happens in some run.
+    /// Explores `world` whole: no property the model says always holds fails, and each of `seen` happens
+    /// in some run.
     fn check(world: World, seen: &[&'static str]) {
-        let checker = explore(
-            &RetryLanesModel {
-                world,
-                highest_finished: false,
-            },
-            None,
-        );
-        for property in ALWAYS {
-            checker.assert_no_discovery(property);
+        let model = RetryLanesModel {
+            world,
+            highest_finished: false,
+        };
+        let checker = explore(&model, None);
+        for property in model.properties() {
+            if matches!(property.expectation, Expectation::Always) {
+                checker.assert_no_discovery(property.name);
+            }
         }
+        let names: Vec<&str> = model.properties().iter().map(|p| p.name).collect();
         for property in seen {
+            assert!(names.contains(property), "{property:?} is not a property");
             checker.assert_any_discovery(property);
+        }
+    }
+
+    /// Both keys' first messages fail once.
+    fn two_keys_retrying(crashes: u8, revokes: u8) -> World {
+        World {
+            transient: World::TWO_KEYS_RETRYING,
+            crashes,
+            revokes,
+            lost_record: false,
+            max_attempts: 2,
         }
     }
 
@@ -1006,18 +1066,14 @@ mod tests {
     fn two_keys_retrying_in_parallel_through_a_rebalance_keep_effects_once_in_order_and_commits_behind()
      {
         check(
-            World {
-                transient: World::TWO_KEYS_RETRYING,
-                crashes: 0,
-                revokes: 1,
-                lost_record: false,
-            },
+            two_keys_retrying(0, 1),
             &[
                 "both keys wait for their delayed retries at once",
                 "a message waits parked behind its key's delayed retry",
                 "a window's later key ran while an earlier message waited for its retry",
                 "two keys' releases run in lanes of one window of the retry topic",
                 "everything finished without a crash or a rebalance",
+                "everything finished after a crash or a rebalance",
             ],
         );
     }
@@ -1026,33 +1082,32 @@ mod tests {
     fn two_keys_retrying_in_parallel_through_a_crash_keep_effects_once_in_order_and_commits_behind()
     {
         check(
-            World {
-                transient: World::TWO_KEYS_RETRYING,
-                crashes: 1,
-                revokes: 0,
-                lost_record: false,
-            },
+            two_keys_retrying(1, 0),
             &[
                 "both keys wait for their delayed retries at once",
                 "two keys' releases run in lanes of one window of the retry topic",
+                "everything finished after a crash or a rebalance",
             ],
         );
     }
 
     #[test]
-    fn a_spent_retry_and_a_second_copy_through_a_crash_and_a_rebalance_keep_effects_once_in_order()
-    {
+    fn a_retry_failing_again_then_spent_with_a_second_copy_through_a_crash_and_a_rebalance_keeps_order()
+     {
         check(
             World {
                 transient: World::SPENT,
                 crashes: 1,
                 revokes: 1,
                 lost_record: true,
+                max_attempts: 3,
             },
             &[
                 "a message waits parked behind its key's delayed retry",
+                "a release failed again and waits parked, due later",
                 "a release's second copy is in its first's batch",
                 "a spent retry is dead-lettered",
+                "everything finished after a crash or a rebalance",
             ],
         );
     }
@@ -1062,12 +1117,7 @@ mod tests {
         const PAST: &str = "the committed offset is never past an unfinished message";
         let checker = find(
             &RetryLanesModel {
-                world: World {
-                    transient: World::TWO_KEYS_RETRYING,
-                    crashes: 0,
-                    revokes: 1,
-                    lost_record: false,
-                },
+                world: two_keys_retrying(0, 1),
                 highest_finished: true,
             },
             PAST,
