@@ -1071,6 +1071,9 @@ mod tests {
 
     use super::*;
 
+    /// The property the put-back reorders break.
+    const ORDER: &str = "per partition, effects happen in offset order, each once";
+
     fn check(model: HoldModel) -> impl Checker<HoldModel> {
         crate::model::explore(&model, None)
     }
@@ -1089,36 +1092,49 @@ mod tests {
         .assert_properties();
     }
 
+    /// Explores `model` until `property` fails (a defect put back).
+    fn find(model: HoldModel, property: &'static str) -> impl Checker<HoldModel> {
+        crate::model::find(&model, property)
+    }
+
     #[test]
     fn a_release_classified_whatever_copy_was_sent_last_is_found_to_run_a_retry_early() {
-        let checker = check(HoldModel {
-            delayed_retries: true,
-            ignore_in_flight: true,
-            ..HoldModel::default()
-        });
-        let path = checker.assert_any_discovery("a delayed retry runs only once due");
+        const EARLY: &str = "a delayed retry runs only once due";
+        let checker = find(
+            HoldModel {
+                delayed_retries: true,
+                ignore_in_flight: true,
+                ..HoldModel::default()
+            },
+            EARLY,
+        );
+        let path = checker.assert_any_discovery(EARLY);
         println!("counterexample: {:?}", path.into_actions());
     }
 
     #[test]
     fn releasing_a_queue_all_at_once_is_found_to_reorder() {
-        let checker = check(HoldModel {
-            release_all_at_once: true,
-            ..HoldModel::default()
-        });
-        let path = checker
-            .assert_any_discovery("per partition, effects happen in offset order, each once");
+        let checker = find(
+            HoldModel {
+                release_all_at_once: true,
+                ..HoldModel::default()
+            },
+            ORDER,
+        );
+        let path = checker.assert_any_discovery(ORDER);
         println!("counterexample: {:?}", path.into_actions());
     }
 
     #[test]
     fn a_key_locked_only_when_held_is_found_to_lose_a_letter_and_its_partitions_order() {
-        let checker = check(HoldModel {
-            key_lock: hold::KeyLock::RowOnly,
-            ..HoldModel::default()
-        });
-        let path = checker
-            .assert_any_discovery("per partition, effects happen in offset order, each once");
+        let checker = find(
+            HoldModel {
+                key_lock: hold::KeyLock::RowOnly,
+                ..HoldModel::default()
+            },
+            ORDER,
+        );
+        let path = checker.assert_any_discovery(ORDER);
         println!("counterexample: {:?}", path.into_actions());
     }
 }

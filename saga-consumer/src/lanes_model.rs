@@ -360,7 +360,7 @@ mod tests {
     use stateright::Checker;
 
     use super::*;
-    use crate::model::explore;
+    use crate::model::{explore, find};
 
     #[test]
     fn keys_in_parallel_keep_effects_once_in_key_order_and_commits_behind_unfinished_messages() {
@@ -369,14 +369,14 @@ mod tests {
 
     #[test]
     fn committing_past_the_highest_finished_message_is_found() {
-        let checker = explore(
+        const PAST: &str = "the committed offset is never past an unfinished message";
+        let checker = find(
             &LanesModel {
                 highest_finished: true,
             },
-            None,
+            PAST,
         );
-        let path = checker
-            .assert_any_discovery("the committed offset is never past an unfinished message");
+        let path = checker.assert_any_discovery(PAST);
         println!("counterexample: {:?}", path.into_actions());
     }
 }
