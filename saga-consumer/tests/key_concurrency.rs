@@ -208,6 +208,35 @@ impl Fixture {
         .await;
     }
 
+    /// Publishes calls `(key, n, transient failures)` in order.
+    async fn calls(
+        &self,
+        producer: &rdkafka::producer::FutureProducer,
+        calls: &[(&str, i64, u32)],
+    ) {
+        for &(key, n, transient) in calls {
+            let call = Call {
+                n,
+                transient,
+                ..Call::default()
+            };
+            self.call(producer, key, &call).await;
+        }
+    }
+
+    /// Waits until the message at offset 0 waits parked for its delayed retry, due later.
+    async fn wait_for_parked_retry(&self) {
+        wait_until("the flaky call parked", WAIT, || async {
+            sqlx::query_scalar::<_, i32>(
+                "SELECT attempts FROM saga_parked_messages WHERE \"offset\" = 0 AND due_at > now()",
+            )
+            .fetch_optional(&self.db.pool)
+            .await
+            .unwrap()
+        })
+        .await;
+    }
+
     /// Waits until no key is held.
     async fn wait_for_no_held_key(&self) {
         wait_until("every key let go", WAIT, || async {
@@ -529,18 +558,8 @@ async fn a_delayed_retry_spent_is_dead_lettered_once_and_its_key_let_go() {
 async fn a_delayed_retry_waits_through_a_restart_of_the_consumer() {
     let f = Fixture::new("delayed-retry-restart").await;
     let producer = f.kafka.producer();
-    for (n, transient) in [(0, 2), (1, 0)] {
-        f.call(
-            &producer,
-            "flaky",
-            &Call {
-                n,
-                transient,
-                ..Call::default()
-            },
-        )
+    f.calls(&producer, &[("flaky", 0, 2), ("flaky", 1, 0)])
         .await;
-    }
     let retry = || {
         RetryPolicy::default()
             .max_attempts(5)
@@ -548,15 +567,7 @@ async fn a_delayed_retry_waits_through_a_restart_of_the_consumer() {
             .delayed(true)
     };
     let (stop, handle) = run(f.consumer(1).retry(retry()));
-    wait_until("the flaky call parked", WAIT, || async {
-        sqlx::query_scalar::<_, i32>(
-            "SELECT attempts FROM saga_parked_messages WHERE \"offset\" = 0 AND due_at > now()",
-        )
-        .fetch_optional(&f.db.pool)
-        .await
-        .unwrap()
-    })
-    .await;
+    f.wait_for_parked_retry().await;
     f.wait_for_committed(2).await;
     stop.cancel();
     handle.await.unwrap();
@@ -589,18 +600,11 @@ async fn a_delayed_retry_waits_through_a_restart_of_the_consumer() {
 async fn a_delayed_retry_waits_through_a_rebalance_of_the_group() {
     let f = Fixture::new("delayed-retry-rebalance").await;
     let producer = f.kafka.producer();
-    for (key, n, transient) in [("flaky", 0, 2), ("flaky", 1, 0), ("steady", 2, 0)] {
-        f.call(
-            &producer,
-            key,
-            &Call {
-                n,
-                transient,
-                ..Call::default()
-            },
-        )
-        .await;
-    }
+    f.calls(
+        &producer,
+        &[("flaky", 0, 2), ("flaky", 1, 0), ("steady", 2, 0)],
+    )
+    .await;
     let retry = || {
         RetryPolicy::default()
             .max_attempts(5)
@@ -608,15 +612,7 @@ async fn a_delayed_retry_waits_through_a_rebalance_of_the_group() {
             .delayed(true)
     };
     let (stop_first, first) = run(f.consumer(4).retry(retry()));
-    wait_until("the flaky call parked", WAIT, || async {
-        sqlx::query_scalar::<_, i32>(
-            "SELECT attempts FROM saga_parked_messages WHERE \"offset\" = 0 AND due_at > now()",
-        )
-        .fetch_optional(&f.db.pool)
-        .await
-        .unwrap()
-    })
-    .await;
+    f.wait_for_parked_retry().await;
     f.wait_for_effects(1).await;
     assert_eq!(
         f.effects_by_key().await.get("flaky"),
@@ -625,15 +621,7 @@ async fn a_delayed_retry_waits_through_a_rebalance_of_the_group() {
     );
     // The group rebalances: a second consumer joins, the key's next message arrives, the first leaves.
     let (stop_second, second) = run(f.consumer(4).retry(retry()));
-    f.call(
-        &producer,
-        "flaky",
-        &Call {
-            n: 3,
-            ..Call::default()
-        },
-    )
-    .await;
+    f.calls(&producer, &[("flaky", 3, 0)]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop_first.cancel();
     first.await.unwrap();
