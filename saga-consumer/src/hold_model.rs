@@ -35,7 +35,7 @@
 use saga_core::Origin;
 use stateright::{Model, Property};
 
-use crate::model::has_next;
+use crate::model::{has_next, kind_of};
 
 use crate::hold::{
     self, Advance, BatchHolds, DeferDecision, HeldView, HoldLimits, HoldState, Mark, OnDeadLetter,
@@ -407,17 +407,7 @@ impl State {
             .map(|m| self.facts(m, Mark::Plain))
             .collect();
         let plan = hold_gate::plan(&facts, Some(&self.found()), self.delayed);
-        // As a delivery's kind says: a parked message is held, a stale one (its head letter's message again)
-        // known done, the others run in the step's transaction.
-        let kinds = plan
-            .roles
-            .iter()
-            .map(|r| match r {
-                Role::Park => Kind::Held,
-                Role::Stale => Kind::NoClaim,
-                _ => Kind::Transactional,
-            })
-            .collect();
+        let kinds = plan.roles.iter().map(kind_of).collect();
         let max_attempts = if self.delayed { MAX_ATTEMPTS } else { 1 };
         let mut machine = BatchMachine::new(kinds, vec![0; len], max_attempts);
         if let Some((keys, holds)) = plan.machine_holds {

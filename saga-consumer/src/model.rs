@@ -576,6 +576,17 @@ impl Model for ConsumerModel {
 
 /// Whether `model` can take a step from `s`: the "with nothing left to do" properties of the crate's
 /// models hold their end state to account only where it cannot.
+/// A message's kind in the batch machine as its hold role says, as a delivery's kind does (the models of
+/// held keys use it): a parked message is held, a stale one (a copy that ran, or its head letter's message
+/// again) known done, the others run in the step's transaction.
+pub(crate) fn kind_of(role: &crate::hold::Role) -> Kind {
+    match role {
+        crate::hold::Role::Park => Kind::Held,
+        crate::hold::Role::Stale => Kind::NoClaim,
+        _ => Kind::Transactional,
+    }
+}
+
 pub(crate) fn has_next<M: Model>(model: &M, s: &M::State) -> bool {
     let mut next = Vec::new();
     model.actions(s, &mut next);

@@ -42,7 +42,7 @@ use crate::hold::{
 use crate::hold_gate::{self, Facts};
 use crate::key_lanes::{self, Watermark};
 use crate::machine::{Action, BatchMachine, Event, Fault, Kind};
-use crate::model::has_next;
+use crate::model::{has_next, kind_of};
 
 /// The partition's messages' keys.
 const KEYS: [&[u8]; 3] = [b"a", b"b", b"a"];
@@ -417,15 +417,7 @@ impl State {
             }
         }
         let plan = hold_gate::plan(&facts, Some(&found), true);
-        let kinds = plan
-            .roles
-            .iter()
-            .map(|r| match r {
-                Role::Park => Kind::Held,
-                Role::Stale => Kind::NoClaim,
-                _ => Kind::Transactional,
-            })
-            .collect();
+        let kinds = plan.roles.iter().map(kind_of).collect();
         let attempts = messages
             .iter()
             .zip(&plan.roles)
@@ -653,6 +645,18 @@ impl State {
             ReleaseStep::Wait => unreachable!("the releaser acts only when it may"),
         }
     }
+}
+
+/// Whether each key's messages of `sequence` that `kept` keeps come in offset order.
+fn in_key_order(sequence: &[usize], kept: impl Fn(usize) -> bool) -> bool {
+    (0..KEY_COUNT).all(|k| {
+        let of_key: Vec<usize> = sequence
+            .iter()
+            .copied()
+            .filter(|m| key_id(*m) == k && kept(*m))
+            .collect();
+        of_key.windows(2).all(|pair| pair[0] < pair[1])
+    })
 }
 
 /// The lanes of `w` that may act: of those started (the first `KEY_CONCURRENCY`, and one more for each
@@ -917,31 +921,11 @@ impl Model for RetryLanesModel {
             ),
             Property::always(
                 "each key's effects happen in offset order",
-                |_, s: &State| {
-                    (0..KEY_COUNT).all(|k| {
-                        let of_key: Vec<usize> = s
-                            .order
-                            .iter()
-                            .copied()
-                            .filter(|m| key_id(*m) == k && !s.letters.contains(m))
-                            .collect();
-                        of_key.windows(2).all(|pair| pair[0] < pair[1])
-                    })
-                },
+                |_, s: &State| in_key_order(&s.order, |m| !s.letters.contains(&m)),
             ),
             Property::always(
                 "each key's messages are first settled (their effect or their dead letter) in offset order",
-                |_, s: &State| {
-                    (0..KEY_COUNT).all(|k| {
-                        let of_key: Vec<usize> = s
-                            .first_settled
-                            .iter()
-                            .copied()
-                            .filter(|m| key_id(*m) == k)
-                            .collect();
-                        of_key.windows(2).all(|pair| pair[0] < pair[1])
-                    })
-                },
+                |_, s: &State| in_key_order(&s.first_settled, |_| true),
             ),
             Property::always(
                 "a release in flight has a copy the retry partition has not committed past",
