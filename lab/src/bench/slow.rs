@@ -24,6 +24,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::bench::consumer::{Work, work_headers};
+use crate::bench::cpu::{CpuSample, CpuUse};
 use crate::bench::{Progress, rate};
 
 /// The outside call's latency.
@@ -54,6 +55,11 @@ pub struct Run {
     pub limit_msgs_per_s: f64,
     /// `msgs_per_s` ÷ the limit.
     pub vs_limit: f64,
+    /// What the run cost in CPU per message (every message of the run, from the consumer's start to the
+    /// last effect), where `/proc` tells.
+    pub cpu: Option<CpuUse>,
+    /// The rate these cores could sustain at that cost, all of them busy: cores × 10⁶ ÷ µs per message.
+    pub cpu_bound_msgs_per_s: Option<f64>,
 }
 
 /// The section's figures.
@@ -193,6 +199,7 @@ pub async fn run(
         .with_outbox(super::outbox())
         .build()?;
     let stop = CancellationToken::new();
+    let before = CpuSample::now();
     let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
     let done = super::wait_until_done(
         topic,
@@ -207,6 +214,7 @@ pub async fn run(
         },
     )
     .await;
+    let after = CpuSample::now();
     stop.cancel();
     running.await??;
     done?;
@@ -220,8 +228,11 @@ pub async fn run(
     .await?;
     let msgs_per_s = rate(count, seconds);
     let limit = key_concurrency as f64 / CALL.as_secs_f64();
+    let cpu = before.zip(after).map(|(b, a)| b.until(&a, messages));
+    let cpu_bound = cpu.map(|c| cpu_bound(&c));
     progress.note(&format!(
-        "{topic}: key concurrency {key_concurrency}: {msgs_per_s:.0} msg/s of a limit of {limit:.0}"
+        "{topic}: key concurrency {key_concurrency}: {msgs_per_s:.0} msg/s of a limit of {limit:.0}{}",
+        cpu.map(|c| format!("; {c}")).unwrap_or_default()
     ));
     Ok(Run {
         key_concurrency,
@@ -229,7 +240,17 @@ pub async fn run(
         msgs_per_s,
         limit_msgs_per_s: limit,
         vs_limit: msgs_per_s / limit,
+        cpu,
+        cpu_bound_msgs_per_s: cpu_bound,
     })
+}
+
+/// The rate the machine's cores could sustain at `cpu`'s cost per message, every core busy.
+fn cpu_bound(cpu: &CpuUse) -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    #[allow(clippy::cast_precision_loss)]
+    let cores = cores as f64;
+    cores * 1e6 / cpu.machine_us_per_msg.max(f64::EPSILON)
 }
 
 /// Whether every failing key's effects are its messages, each once, in their order.
@@ -258,12 +279,15 @@ impl Figures {
             ("keys in parallel, 1% failing (others)", &self.with_failures),
         ] {
             println!(
-                "slow step ({:.0} ms call), {name}: {:.0} msg/s, limit {:.0} ({:.2} of it; key concurrency {})",
+                "slow step ({:.0} ms call), {name}: {:.0} msg/s, limit {:.0} ({:.2} of it; key concurrency {}){}",
                 self.call_ms,
                 run.msgs_per_s,
                 run.limit_msgs_per_s,
                 run.vs_limit,
-                run.key_concurrency
+                run.key_concurrency,
+                run.cpu_bound_msgs_per_s
+                    .map(|b| format!("; these cores' bound at its CPU per message: {b:.0} msg/s"))
+                    .unwrap_or_default()
             );
         }
         println!(
