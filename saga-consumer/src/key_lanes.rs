@@ -56,21 +56,13 @@ pub(crate) fn take<'a>(
     }
 }
 
-/// Messages a window takes per key at once ([`window`]). Between two windows the partition runs below its
-/// key concurrency (the last lanes finish alone, then the next window's range is recorded): the more a
-/// window holds, the rarer that is (a slow step ran at 0.74 of the limit of its work with 16, 0.82 with 64,
-/// on two cores). The cost is what a crash leaves: the crash-loop gate runs the window's unfinished range
-/// one message at a time after a restart, so a larger window takes longer to recover (at 64 keys at once,
-/// up to 4,096 messages, the finished ones skipped as duplicates).
-pub(crate) const MESSAGES_PER_LANE: usize = 64;
-
-/// The messages a window takes at most with `key_concurrency` keys at once: [`MESSAGES_PER_LANE`] for each,
-/// so that the window's last, slowest keys and the start of the next leave the lanes little idle time.
+/// The messages a window takes at most with `key_concurrency` keys at once: enough for each lane to have
+/// several, so that the window's last, slowest keys leave the others little idle time.
 pub(crate) fn window(batch_size: usize, key_concurrency: usize) -> usize {
     if key_concurrency < 2 {
         batch_size
     } else {
-        batch_size.max(key_concurrency.saturating_mul(MESSAGES_PER_LANE))
+        batch_size.max(key_concurrency.saturating_mul(16))
     }
 }
 
@@ -237,9 +229,8 @@ mod tests {
         assert_eq!(take(mixed.iter().copied(), 20, 10, 32, 4), 20);
         assert_eq!(take(mixed.iter().copied(), 50, 10, 10, 1), 10);
         assert_eq!(window(100, 1), 100);
-        assert_eq!(window(100, 64), 4_096);
+        assert_eq!(window(100, 64), 1_024);
         assert_eq!(window(1_000, 4), 1_000);
-        assert_eq!(window(100, 4), 256);
     }
 
     #[test]
