@@ -55,8 +55,9 @@ pub struct Run {
     pub limit_msgs_per_s: f64,
     /// `msgs_per_s` ÷ the limit.
     pub vs_limit: f64,
-    /// What the run cost in CPU per message (every message of the run, from the consumer's start to the
-    /// last effect), where `/proc` tells.
+    /// What the run cost in CPU per message, where `/proc` tells: the whole machine's busy CPU from the first
+    /// look that found effects to the last effect's (a look every 250 ms), over the messages that took effect
+    /// in between (those of failing keys too).
     pub cpu: Option<CpuUse>,
     /// The rate these cores could sustain at that cost, all of them busy: cores × 10⁶ ÷ µs per message.
     pub cpu_bound_msgs_per_s: Option<f64>,
@@ -199,8 +200,11 @@ pub async fn run(
         .with_outbox(super::outbox())
         .build()?;
     let stop = CancellationToken::new();
-    let before = CpuSample::now();
     let running = tokio::spawn(consumer.run(stop.clone().cancelled_owned()));
+    // CPU is counted from the first look that finds effects, with how many it found: the consumer's start
+    // and its joining the group are not the work's.
+    let first_effects: Mutex<Option<(Option<CpuSample>, i64)>> = Mutex::new(None);
+    let first = &first_effects;
     let done = super::wait_until_done(
         topic,
         Duration::from_millis(250),
@@ -210,11 +214,19 @@ pub async fn run(
                 .fetch_one(pool)
                 .await?;
             progress.doing(&format!("{topic}: {n}/{messages} effects"));
+            let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
+            if first.is_none() && n > 0 {
+                *first = Some((CpuSample::now(), n));
+            }
             Ok(messages - n)
         },
     )
     .await;
     let after = CpuSample::now();
+    let (before, counted_from) = first_effects
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner)
+        .unwrap_or((None, messages));
     stop.cancel();
     running.await??;
     done?;
@@ -228,7 +240,10 @@ pub async fn run(
     .await?;
     let msgs_per_s = rate(count, seconds);
     let limit = key_concurrency as f64 / CALL.as_secs_f64();
-    let cpu = before.zip(after).map(|(b, a)| b.until(&a, messages));
+    let cpu = before
+        .zip(after)
+        .filter(|_| counted_from < messages)
+        .map(|(b, a)| b.until(&a, messages - counted_from));
     let cpu_bound = cpu.map(|c| cpu_bound(&c));
     progress.note(&format!(
         "{topic}: key concurrency {key_concurrency}: {msgs_per_s:.0} msg/s of a limit of {limit:.0}{}",
