@@ -88,6 +88,15 @@ impl CpuSample {
 }
 
 impl CpuUse {
+    /// The rate this machine's cores could sustain at this cost per message, every core busy: cores × 10⁶ ÷
+    /// µs per message.
+    pub fn bound_msgs_per_s(&self) -> f64 {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        #[allow(clippy::cast_precision_loss)]
+        let cores = cores as f64;
+        cores * 1e6 / self.machine_us_per_msg.max(f64::EPSILON)
+    }
+
     /// Several phases' use taken together, as if one phase (`None` for none).
     pub fn sum(phases: &[Self]) -> Option<Self> {
         let messages: i64 = phases.iter().map(|p| p.messages).sum();

@@ -244,7 +244,7 @@ pub async fn run(
         .zip(after)
         .filter(|_| counted_from < messages)
         .map(|(b, a)| b.until(&a, messages - counted_from));
-    let cpu_bound = cpu.map(|c| cpu_bound(&c));
+    let cpu_bound = cpu.map(|c| c.bound_msgs_per_s());
     progress.note(&format!(
         "{topic}: key concurrency {key_concurrency}: {msgs_per_s:.0} msg/s of a limit of {limit:.0}{}",
         cpu.map(|c| format!("; {c}")).unwrap_or_default()
@@ -258,14 +258,6 @@ pub async fn run(
         cpu,
         cpu_bound_msgs_per_s: cpu_bound,
     })
-}
-
-/// The rate the machine's cores could sustain at `cpu`'s cost per message, every core busy.
-fn cpu_bound(cpu: &CpuUse) -> f64 {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    #[allow(clippy::cast_precision_loss)]
-    let cores = cores as f64;
-    cores * 1e6 / cpu.machine_us_per_msg.max(f64::EPSILON)
 }
 
 /// Whether every failing key's effects are its messages, each once, in their order.
