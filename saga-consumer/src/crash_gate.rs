@@ -1,14 +1,18 @@
 //! The first stage a batch meets: the crash-loop gate. Before a batch takes effect, its offset range is
-//! recorded (`guard`); a batch that starts inside the previous, unfinished range means the last run died
-//! there, and that range goes one message at a time, each counted, until a message that keeps killing the
-//! process is dead-lettered. The happy path records beside the batch's transaction, whose commit waits for
-//! the record; other batches record first.
+//! recorded (`guard`); a batch that meets the previous, open range without following it means the last run
+//! died there, and that range goes one message at a time, each counted, until a message that keeps killing
+//! the process is dead-lettered. The happy path records beside the batch's transaction, whose commit waits
+//! for the record; other batches record first. Beside is the happy path only once the partition is known
+//! clear (the worker's last record said no suspect range is left): the transaction's handlers run before
+//! the record is read, so a suspect range's batch recorded beside would run a message that kills the
+//! process before learning that it was to go alone, its start uncounted, on every restart.
 //!
 //! The decisions are pure functions ([`recording`], [`run_of`], [`after_beside`], [`end_of`]); the
 //! [`CrashGate`] performs them, and hands each batch to the later stages (`Executor::process`: the hold
 //! gate, the batch machine, the step transaction).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
@@ -16,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::connection::WorkerConnection;
 use crate::delivery::Delivery;
 use crate::executor::Alone;
-use crate::guard::{BatchStart, CommitPermit, PendingStart};
+use crate::guard::{BatchStart, CommitPermit, PendingStart, Recorded};
 use crate::hold;
 use crate::key_lanes;
 use crate::metrics::observe_since;
@@ -35,17 +39,19 @@ pub(crate) enum Recording {
 }
 
 /// How a batch's start is recorded: with the fast path on, `fast_only` says every message needs no claim;
-/// beside the transaction where detection is on and every message is transactional or ignored, unless
-/// the batch is a window run `in_lanes` (several transactions: the range is recorded before any starts).
+/// beside the transaction where detection is on, the partition is known `clear` and every message is
+/// transactional or ignored, unless the batch is a window run `in_lanes` (several transactions: the range
+/// is recorded before any starts).
 pub(crate) fn recording(
     fast_only: bool,
     guard_enabled: bool,
+    clear: bool,
     all_transactional: bool,
     in_lanes: bool,
 ) -> Recording {
     if fast_only {
         Recording::Skip
-    } else if guard_enabled && all_transactional && !in_lanes {
+    } else if guard_enabled && clear && all_transactional && !in_lanes {
         Recording::Beside
     } else {
         Recording::First
@@ -138,12 +144,31 @@ pub(crate) enum Flow {
 
 /// The crash-loop gate of one partition's worker.
 pub(crate) struct CrashGate<'a> {
-    pub shared: &'a WorkerShared,
-    pub tp: &'a TopicPartition,
-    pub generation: u64,
+    shared: &'a WorkerShared,
+    tp: &'a TopicPartition,
+    generation: u64,
+    /// Whether the last record left the partition clear; not known (false) until the worker's first.
+    clear: AtomicBool,
 }
 
-impl CrashGate<'_> {
+impl<'a> CrashGate<'a> {
+    /// The gate of the worker of `tp` in its assignment's `generation`.
+    pub(crate) fn new(shared: &'a WorkerShared, tp: &'a TopicPartition, generation: u64) -> Self {
+        Self {
+            shared,
+            tp,
+            generation,
+            clear: AtomicBool::new(false),
+        }
+    }
+
+    /// Keeps what `recorded` says of the partition (not clear, if the record was cancelled).
+    fn learn(&self, recorded: Option<&Recorded>) -> Option<BatchStart> {
+        self.clear
+            .store(recorded.is_some_and(|r| r.clear), Ordering::Relaxed);
+        recorded.map(|r| r.start.clone())
+    }
+
     /// Runs the next batch, of up to `take` messages at the front of `backlog`, through the gate and the
     /// later stages; finished messages are reported and leave the backlog.
     pub(crate) async fn batch(
@@ -168,7 +193,8 @@ impl CrashGate<'_> {
             .all(Delivery::is_transactional_or_ignored);
         let lanes = in_lanes(self.shared, backlog.iter().take(take));
         let guard_enabled = executor.guard.is_enabled();
-        match recording(fast_only, guard_enabled, all_transactional, lanes) {
+        let clear = self.clear.load(Ordering::Relaxed);
+        match recording(fast_only, guard_enabled, clear, all_transactional, lanes) {
             Recording::Skip => {
                 let start = PendingStart::known(BatchStart::Normal);
                 self.process(backlog, take, start, connection, cancel).await
@@ -195,7 +221,7 @@ impl CrashGate<'_> {
                     )
                     .await;
                 observe_since(&executor.metrics.phases.guard, guarded);
-                match start {
+                match self.learn(start.as_ref()) {
                     Some(start) => {
                         self.recorded(start, backlog, take, connection, cancel)
                             .await
@@ -250,7 +276,8 @@ impl CrashGate<'_> {
             &backlog.make_contiguous()[..done],
         );
         backlog.drain(..done);
-        match after_beside(pending.resolve().await, done, take) {
+        let recorded = pending.recorded().await;
+        match after_beside(self.learn(recorded.as_ref()), done, take) {
             Beside::Next => Ok(Flow::Next),
             Beside::Abandon => {
                 guard
@@ -385,16 +412,23 @@ mod tests {
     #[test]
     fn a_batch_is_recorded_beside_its_transaction_only_when_detection_is_on_and_it_is_transactional()
      {
-        assert_eq!(recording(true, true, true, false), Recording::Skip);
-        assert_eq!(recording(false, true, true, false), Recording::Beside);
-        assert_eq!(recording(false, true, false, false), Recording::First);
-        assert_eq!(recording(false, false, true, false), Recording::First);
+        assert_eq!(recording(true, true, true, true, false), Recording::Skip);
+        assert_eq!(recording(false, true, true, true, false), Recording::Beside);
+        assert_eq!(recording(false, true, true, false, false), Recording::First);
+        assert_eq!(recording(false, false, true, true, false), Recording::First);
         assert_eq!(
-            recording(false, true, true, true),
+            recording(false, true, true, true, true),
             Recording::First,
             "a window in lanes runs several transactions: its range is recorded before any"
         );
-        assert_eq!(recording(true, true, true, true), Recording::Skip);
+        assert_eq!(recording(true, true, true, true, true), Recording::Skip);
+        assert_eq!(
+            recording(false, true, false, true, false),
+            Recording::First,
+            "a partition not known clear: its batch may be a suspect's, whose first message must not run \
+             before the record says so"
+        );
+        assert_eq!(recording(true, true, false, true, false), Recording::Skip);
     }
 
     #[test]

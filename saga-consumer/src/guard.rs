@@ -1,10 +1,11 @@
 //! Poison-pill detection across crashes. A message that kills the process (an abort, an out-of-memory kill)
 //! would otherwise be redelivered after the restart and kill it again, forever.
 //!
-//! Each batch's offset range is recorded before it runs (see the `saga_consumer_progress` migration). A
-//! batch that starts inside the previous, unfinished range means the last run died there: that range is then
-//! processed one message at a time, and a message whose isolated processing started more than `limit` times
-//! without finishing is dead-lettered.
+//! Each batch's offset range is recorded before it runs (see the `saga_consumer_progress` migrations). A
+//! batch that meets the previous, open range without following it (inside it, or wholly before it after a
+//! restart behind the committed offset) means the last run died there: from the batch that reaches it, that
+//! range is processed one message at a time, and a message whose isolated processing started more than
+//! `limit` times without finishing is dead-lettered. The record's decisions are `crash_record`'s.
 //!
 //! A death is charged to the isolated messages whose start is counted when it happens. So that it is charged
 //! to the one that caused it, an isolated message runs alone in the process and its start counts only
@@ -41,6 +42,17 @@ pub(crate) enum BatchStart {
     Isolate,
     /// The first message took the consumer down this many times: dead-letter it.
     DeadLetter(u32),
+}
+
+/// A batch's recorded start, and whether it left the partition clear: no suspect range, so that the next
+/// batch following this one starts normally and may be recorded beside its transaction (whose handlers run
+/// before the record is read).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Recorded {
+    /// What to do with the batch.
+    pub(crate) start: BatchStart,
+    /// Whether the partition is clear.
+    pub(crate) clear: bool,
 }
 
 /// Records batch starts and ends for one consumer group.
@@ -130,7 +142,7 @@ impl CrashGuard {
         last: i64,
         _released: &Released<'_>,
         cancel: &CancellationToken,
-    ) -> Option<BatchStart> {
+    ) -> Option<Recorded> {
         self.begin_retrying(topic, partition, first, last, cancel)
             .await
     }
@@ -145,7 +157,7 @@ impl CrashGuard {
         first: i64,
         last: i64,
         cancel: &CancellationToken,
-    ) -> Option<BatchStart> {
+    ) -> Option<Recorded> {
         let budget = Budget {
             pool: &self.pool,
             retry: &self.retry,
@@ -182,12 +194,15 @@ impl CrashGuard {
         partition: i32,
         first: i64,
         last: i64,
-    ) -> Result<BatchStart, sqlx::Error> {
+    ) -> Result<Recorded, sqlx::Error> {
         if self.limit == 0 {
-            return Ok(BatchStart::Normal);
+            return Ok(Recorded {
+                start: BatchStart::Normal,
+                clear: true,
+            });
         }
         let row = sqlx::query(
-            "SELECT isolate, deaths FROM saga_consumer_begin_batch($1, $2, $3, $4, $5)",
+            "SELECT isolate, deaths, clear FROM saga_consumer_begin_batch($1, $2, $3, $4, $5)",
         )
         .bind(&self.group)
         .bind(topic)
@@ -198,10 +213,14 @@ impl CrashGuard {
         .await?;
         let isolate: bool = row.try_get(0)?;
         let deaths = u32::try_from(row.try_get::<i32, _>(1)?).unwrap_or(0);
-        Ok(match (isolate, deaths) {
+        let start = match (isolate, deaths) {
             (false, _) => BatchStart::Normal,
             (true, d) if d >= self.limit => BatchStart::DeadLetter(d),
             (true, _) => BatchStart::Isolate,
+        };
+        Ok(Recorded {
+            start,
+            clear: row.try_get(2)?,
         })
     }
 
@@ -300,9 +319,9 @@ impl CommitPermit {
 /// batch waits for it first ([`PendingStart::resolve`]).
 pub(crate) enum PendingStart {
     /// Being recorded by a task of its own.
-    Recording(JoinHandle<Option<BatchStart>>),
+    Recording(JoinHandle<Option<Recorded>>),
     /// Recorded (`None`: cancelled before it was).
-    Known(Option<BatchStart>),
+    Known(Option<Recorded>),
 }
 
 impl PendingStart {
@@ -339,21 +358,29 @@ impl PendingStart {
         }))
     }
 
-    /// A start already known.
+    /// A start already known (whether the partition is clear is not).
     pub(crate) fn known(start: BatchStart) -> Self {
-        Self::Known(Some(start))
+        Self::Known(Some(Recorded {
+            start,
+            clear: false,
+        }))
     }
 
     /// Waits for the record; `None` if it was cancelled first.
     pub(crate) async fn resolve(&mut self) -> Option<BatchStart> {
-        let start = match self {
-            Self::Known(start) => return start.clone(),
+        self.recorded().await.map(|r| r.start)
+    }
+
+    /// Waits for the record, with whether it left the partition clear; `None` if it was cancelled first.
+    pub(crate) async fn recorded(&mut self) -> Option<Recorded> {
+        let recorded = match self {
+            Self::Known(recorded) => return recorded.clone(),
             // A panic of the recording task is a framework bug: treat it as a cancellation, which leaves
             // the batch uncommitted for whoever processes the partition next.
             Self::Recording(task) => task.await.ok().flatten(),
         };
-        *self = Self::Known(start.clone());
-        start
+        *self = Self::Known(recorded.clone());
+        recorded
     }
 
     /// The permit to commit (or dead-letter, or lease) for this batch, once the record is in and says

@@ -65,6 +65,8 @@ mod config;
 mod connection;
 mod consumer;
 mod crash_gate;
+#[cfg(test)]
+mod crash_record;
 mod db_retry;
 mod dedup;
 mod delivery;

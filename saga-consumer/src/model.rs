@@ -16,11 +16,15 @@
 
 use stateright::{Model, Property};
 
+use crate::crash_record::{self, Record, Suspect};
 use crate::dlq::DeadLetterReason;
 use crate::machine::{Action, BatchMachine, Event, Fault, Kind};
 
 /// Messages in the partition.
 pub(crate) const MESSAGES: usize = 3;
+/// Messages a batch takes at most: fewer than the partition holds, so that a restart behind the committed
+/// offset redelivers whole batches before the range its last run died in.
+const BATCH: usize = 2;
 /// Consumer processes in the group.
 const CONSUMERS: usize = 2;
 /// Counted attempts before a transiently failing message is dead-lettered.
@@ -33,6 +37,11 @@ pub(crate) const DEPTH: usize = 60;
 pub(crate) const EVICTION_DEPTH: usize = 24;
 /// Isolated starts without a finish after which a message is dead-lettered as `crash-loop`.
 const CRASH_LOOP_LIMIT: u8 = 2;
+/// The property that a message killing every process handling it is dead-lettered: before it is, it kills
+/// one process in a batch, then one per isolated start up to the limit. (Once it is, a death before its
+/// offset commits redelivers it, and its count starts again: bounded by those deaths, not checked here.)
+const KILLER_STOPPED: &str = "a message that kills the process is dead-lettered before it kills more \
+                              processes than the crash-loop limit and one";
 
 /// What handling a message does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -94,8 +103,10 @@ pub(crate) struct State {
     effects: [u8; MESSAGES],
     claims: [Option<usize>; MESSAGES],
     fails_left: [u8; MESSAGES],
-    record: Option<(usize, usize)>,
+    record: Option<Record>,
     deaths: [u8; MESSAGES],
+    /// How many processes each message's handler killed.
+    kills: [u8; MESSAGES],
     // The processes.
     consumers: [Consumer; CONSUMERS],
     // What may still go wrong.
@@ -150,6 +161,30 @@ pub(crate) struct ConsumerModel {
     /// How many times the group may evict a stalled owner: it loses the partition without its revoke
     /// callback having drained it, and finishes its batch as a zombie.
     pub evictions: u8,
+    /// The crash-loop record's old rule: a batch wholly before the recorded range replaced it, so a restart
+    /// behind the committed offset forgot the range its last run died in.
+    pub forget_a_rewound_range: bool,
+}
+
+/// `saga_consumer_begin_batch` before the rewind was kept: only a batch overlapping the recorded range
+/// made it suspect, and the suspect range reached down to the partition's start.
+fn begin_forgetting(prev: Option<Record>, first: i64, last: i64) -> (Record, bool) {
+    let mut until = prev.and_then(|p| p.suspect).map(|s| s.until);
+    if let Some(p) = prev.filter(|p| p.first <= last && first <= p.last) {
+        until = Some(until.unwrap_or(p.last).max(p.last));
+    }
+    let until = until.filter(|u| first <= *u);
+    let isolate = until.is_some();
+    let record = Record {
+        first,
+        last: if isolate { first } else { last },
+        suspect: until.map(|until| Suspect { from: None, until }),
+    };
+    (record, isolate)
+}
+
+fn offset(m: usize) -> i64 {
+    i64::try_from(m).expect("a model's offset")
 }
 
 fn all_scripts() -> Vec<[Script; MESSAGES]> {
@@ -259,6 +294,7 @@ impl Model for ConsumerModel {
                 fails_left: scripts.map(|s| u8::from(s == Script::FailsOnce)),
                 record: None,
                 deaths: [0; MESSAGES],
+                kills: [0; MESSAGES],
                 consumers: std::array::from_fn(|_| Consumer {
                     worker: Worker::Idle { position: 0 },
                     generation: None,
@@ -360,7 +396,16 @@ impl Model for ConsumerModel {
                 s.crashes -= 1;
                 s.kill(c);
             }
-            Step::Dies(c) => s.kill(c),
+            Step::Dies(c) => {
+                let claimed = s.batch(c).and_then(|b| b.claimed.clone());
+                let killer = claimed
+                    .unwrap_or_default()
+                    .into_iter()
+                    .find(|m| s.scripts[*m] == Script::Kills)
+                    .expect("a killing message");
+                s.kills[killer] += 1;
+                s.kill(c);
+            }
             Step::CommitOffset(c) => s.committed = s.finished_upto(c),
             Step::Fetch(c) => {
                 let Worker::Idle { mut position } = s.consumers[c].worker else {
@@ -371,9 +416,15 @@ impl Model for ConsumerModel {
                     s.consumers[c].generation = Some(s.generation);
                     position = s.committed;
                 }
-                let suspect = s
-                    .record
-                    .is_some_and(|(from, to)| (from..to).contains(&position));
+                let wanted = BATCH.min(MESSAGES - position);
+                let begin = if self.forget_a_rewound_range {
+                    begin_forgetting
+                } else {
+                    crash_record::begin
+                };
+                let (record, suspect) =
+                    begin(s.record, offset(position), offset(position + wanted - 1));
+                s.record = Some(record);
                 let (len, kinds, attempts) = if suspect {
                     // The last run died in this range: one message at a time, its start counted.
                     if s.deaths[position] >= CRASH_LOOP_LIMIT {
@@ -387,9 +438,7 @@ impl Model for ConsumerModel {
                         (1, vec![Kind::Transactional], vec![0])
                     }
                 } else {
-                    s.record = Some((position, MESSAGES));
-                    let len = MESSAGES - position;
-                    (len, vec![Kind::Transactional; len], vec![0; len])
+                    (wanted, vec![Kind::Transactional; wanted], vec![0; wanted])
                 };
                 s.consumers[c].worker = Worker::Batch(Box::new(Batch {
                     base: position,
@@ -408,11 +457,10 @@ impl Model for ConsumerModel {
                     s.consumers[c].worker = Worker::Idle {
                         position: base + len,
                     };
-                    for m in base..base + len {
-                        s.deaths[m] = 0;
-                    }
-                    if !isolated && s.record == Some((base, base + len)) {
-                        s.record = None;
+                    if isolated {
+                        // Its end: the suspect's count goes; a normal batch's range stays open.
+                        s.deaths[base] = 0;
+                        s.record = s.record.map(|r| crash_record::end(r, offset(base), true));
                     }
                 } else {
                     batch.pending = Some(action);
@@ -558,6 +606,9 @@ impl Model for ConsumerModel {
                             }))
                 },
             ),
+            Property::always(KILLER_STOPPED, |_, s: &State| {
+                (0..MESSAGES).all(|m| s.dead_lettered(m) || s.kills[m] <= CRASH_LOOP_LIMIT + 1)
+            }),
             Property::sometimes(
                 "a message's step committed while the offset is still before it",
                 |_, s: &State| (0..MESSAGES).any(|m| s.done[m] && s.committed <= m),
@@ -690,6 +741,7 @@ mod tests {
             "a step's effect happens at most once",
             "an offset is committed only after its message's transaction or dead letter",
             "a message is dead-lettered only for its own failure",
+            KILLER_STOPPED,
         ] {
             checker.assert_no_discovery(property);
         }
@@ -697,6 +749,19 @@ mod tests {
             "a message is dead-lettered as a crash loop only if it kills the process",
         );
         println!("known limit: {:?}", known.into_actions());
+    }
+
+    /// The crash-loop record's old rule: a restart behind the committed offset redelivers a batch before
+    /// the range its last run died in, which replaced the record: the killer is never isolated.
+    #[test]
+    fn forgetting_a_rewound_range_is_found() {
+        let model = ConsumerModel {
+            forget_a_rewound_range: true,
+            ..ConsumerModel::default()
+        };
+        let checker = find(&model, KILLER_STOPPED);
+        let path = checker.assert_any_discovery(KILLER_STOPPED);
+        println!("counterexample: {:?}", path.into_actions());
     }
 
     #[test]

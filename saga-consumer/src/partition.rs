@@ -72,11 +72,7 @@ async fn run(
     let mut backlog: VecDeque<Delivery> = VecDeque::new();
     // Kept only while the worker goes from one batch straight to the next.
     let mut connection = WorkerConnection::default();
-    let gate = CrashGate {
-        shared: &shared,
-        tp: &tp,
-        generation,
-    };
+    let gate = CrashGate::new(&shared, &tp, generation);
     loop {
         if !receive(
             &shared,

@@ -53,6 +53,9 @@ struct Ping {
     /// Store a result with a NUL in it (PostgreSQL's jsonb refuses it).
     #[serde(default)]
     nul_result: bool,
+    /// Kill the process handling it (a poison message), where the step may; elsewhere fail for good.
+    #[serde(default)]
+    abort: bool,
 }
 
 /// Records each handled ping in `effects` and emits a `Pong` to the outbox.
@@ -60,6 +63,8 @@ struct Ping {
 struct RecordPing {
     topic: String,
     failures: Arc<Mutex<HashMap<String, u32>>>,
+    /// Whether a ping that asks to kill the process does (only a child process's step may).
+    aborts: bool,
 }
 
 impl RecordPing {
@@ -67,6 +72,7 @@ impl RecordPing {
         Self {
             topic: topic.to_owned(),
             failures: Arc::default(),
+            aborts: false,
         }
     }
 }
@@ -88,6 +94,15 @@ impl SagaStep for RecordPing {
             tokio::time::sleep(Duration::from_millis(ping.sleep_ms)).await;
         }
         assert!(!ping.panic, "ping {} asked to panic", ping.n);
+        if ping.abort {
+            if self.aborts {
+                std::process::abort();
+            }
+            return Err(StepError::permanent(format!(
+                "ping {} would have killed the process",
+                ping.n
+            )));
+        }
         if ping.permanent {
             return Err(StepError::permanent(format!(
                 "ping {} is unprocessable{}",
@@ -841,6 +856,111 @@ async fn crash_on_partition_child_process() {
         .run(std::future::pending())
         .await
         .unwrap();
+}
+
+/// Runs in a child process: a consumer of one message a batch whose offsets are not committed while it
+/// lives (a minute's interval), and whose step lets a poison ping kill the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by crash_a_poison_behind_a_lagging_committed_offset_is_isolated_and_dead_lettered"]
+async fn crash_lagging_child_process() {
+    let (Ok(url), Ok(brokers), Ok(topic), Ok(group)) = (
+        std::env::var("CRASH_DATABASE_URL"),
+        std::env::var("CRASH_BROKERS"),
+        std::env::var("CRASH_TOPIC"),
+        std::env::var("CRASH_GROUP"),
+    ) else {
+        panic!("run by the crash test only");
+    };
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    SagaConsumer::builder()
+        .brokers(brokers)
+        .group_id(group)
+        .dlq_topic(format!("{topic}.dlq"))
+        .pool(pool)
+        .session_timeout(Duration::from_secs(6))
+        .batch_size(1)
+        .commit_interval(Duration::from_secs(60))
+        .crash_loop_limit(2)
+        .step(RecordPing {
+            aborts: true,
+            ..RecordPing::new(&topic)
+        })
+        .build()
+        .unwrap()
+        .run(std::future::pending())
+        .await
+        .unwrap();
+}
+
+/// A poison message that kills the process at once, behind messages whose offsets were not committed
+/// yet: each restart redelivers those first (duplicates, absorbed), and the range the last run died in
+/// must survive them, so that the poison is isolated and, after the crash-loop limit's deaths,
+/// dead-lettered. Before the record kept that range, the first redelivered batch replaced it and the
+/// poison killed every restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_a_poison_behind_a_lagging_committed_offset_is_isolated_and_dead_lettered() {
+    let f = Fixture::new("crash-lagging", 1).await;
+    for n in 1..=4 {
+        f.ping(
+            &format!("k-{n}"),
+            &Ping {
+                abort: n == 3,
+                ..ping(n)
+            },
+        )
+        .await;
+    }
+    // Three runs, each killed by the poison: the first as it met it in a batch, the next two isolating it
+    // (the crash-loop limit is two isolated deaths).
+    for run in 1..=3 {
+        let status = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "crash_lagging_child_process", "--ignored"])
+            .env("CRASH_DATABASE_URL", f.db.url())
+            .env("CRASH_BROKERS", &f.kafka.brokers)
+            .env("CRASH_TOPIC", &f.topic)
+            .env("CRASH_GROUP", &f.group)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .unwrap();
+        assert!(!status.success(), "run {run}: the poison killed the child");
+        assert!(
+            f.committed().await.is_empty(),
+            "run {run}: no offset was committed, so every restart redelivers from the start"
+        );
+        assert_eq!(
+            f.effects().await.len(),
+            2,
+            "run {run}: the two before the poison, once"
+        );
+    }
+    let starts: i32 = sqlx::query_scalar(
+        "SELECT starts FROM saga_consumer_suspects WHERE group_id = $1 AND \"offset\" = 2",
+    )
+    .bind(&f.group)
+    .fetch_one(&f.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(starts, 2, "the poison's two isolated starts, both killed");
+
+    let running = f.start(f.consumer(RecordPing::new(&f.topic)).crash_loop_limit(2));
+    f.wait_for_committed(BTreeMap::from([(0, 4)])).await;
+    let effects: Vec<i64> = f.effects().await.into_iter().map(|(_, n)| n).collect();
+    assert_eq!(
+        effects,
+        vec![1, 2, 4],
+        "every other message took effect, once"
+    );
+    let letters = f
+        .kafka
+        .read_all(&f.dlq, 1, Duration::from_millis(300), WAIT)
+        .await;
+    assert_eq!(letters.len(), 1, "the poison alone is dead-lettered");
+    let letter = &letters[0];
+    assert_eq!(letter.header(dlq_headers::REASON), Some("crash-loop"));
+    assert_eq!(letter.header(dlq_headers::ORIGINAL_OFFSET), Some("2"));
+    running.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -125,7 +125,8 @@ async fn a_database_of_the_single_0_1_0_set_upgrades_to_the_split_sets_and_keeps
             20_261_127_000_001,
             20_261_128_000_001,
             20_261_128_000_003,
-            20_261_129_000_001
+            20_261_129_000_001,
+            20_261_129_000_002
         ]
     );
     assert_eq!(
