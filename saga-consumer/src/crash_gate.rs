@@ -12,7 +12,7 @@
 //! gate, the batch machine, the step transaction).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
@@ -149,6 +149,9 @@ pub(crate) struct CrashGate<'a> {
     generation: u64,
     /// Whether the last record left the partition clear; not known (false) until the worker's first.
     clear: AtomicBool,
+    /// The first offset of the worker's last recorded range, finished and left open (the next record
+    /// replaces it); -1 when there is none.
+    finished: AtomicI64,
 }
 
 impl<'a> CrashGate<'a> {
@@ -159,6 +162,19 @@ impl<'a> CrashGate<'a> {
             tp,
             generation,
             clear: AtomicBool::new(false),
+            finished: AtomicI64::new(-1),
+        }
+    }
+
+    /// The worker stops between batches: its last range, finished, is closed, so that a new owner starting
+    /// behind it (a commit refused on revoke, offsets reset back) does not take it for one a run died in.
+    pub(crate) async fn close(&self, connection: &mut WorkerConnection) {
+        let first = self.finished.swap(-1, Ordering::Relaxed);
+        if first >= 0 {
+            let guard = &self.shared.executor.guard;
+            guard
+                .end(&self.tp.0, self.tp.1, first, false, &connection.release())
+                .await;
         }
     }
 
@@ -278,7 +294,10 @@ impl<'a> CrashGate<'a> {
         backlog.drain(..done);
         let recorded = pending.recorded().await;
         match after_beside(self.learn(recorded.as_ref()), done, take) {
-            Beside::Next => Ok(Flow::Next),
+            Beside::Next => {
+                self.finished.store(first, Ordering::Relaxed);
+                Ok(Flow::Next)
+            }
             Beside::Abandon => {
                 guard
                     .end(&self.tp.0, self.tp.1, first, false, &connection.release())
@@ -353,8 +372,12 @@ impl<'a> CrashGate<'a> {
         };
         report(self.shared, self.tp, self.generation, &batch[..done]);
         match end_of(&start, done, batch.len()) {
-            End::Open => Flow::Next,
+            End::Open => {
+                self.finished.store(first, Ordering::Relaxed);
+                Flow::Next
+            }
             End::Finished => {
+                self.finished.store(first, Ordering::Relaxed);
                 guard
                     .end(&self.tp.0, self.tp.1, first, true, &connection.release())
                     .await;

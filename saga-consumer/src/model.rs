@@ -41,11 +41,14 @@ pub(crate) const DEPTH: usize = 60;
 pub(crate) const EVICTION_DEPTH: usize = 24;
 /// Isolated starts without a finish after which a message is dead-lettered as `crash-loop`.
 const CRASH_LOOP_LIMIT: u8 = 2;
-/// The property that a message killing every process handling it is dead-lettered. Before it is, it kills
-/// at most: one process in a batch whose record it outran (recorded beside the transaction, the record not
-/// in when the handler killed; the restart then blames the batch before it, whose range was the last
-/// recorded), one in the next batch, recorded first, and one per isolated start up to the limit. (Once it
-/// is dead-lettered, a death before its offset commits redelivers it and its count starts again: bounded by
+/// The property that a message killing every process handling it is dead-lettered. Before it is, in the
+/// model's whole batches, it kills at most: one process in a batch whose record it outran (recorded beside
+/// the transaction, the record not in when the handler killed; the restart then blames the batch before
+/// it, whose range was the last recorded), one in the next batch, recorded first, and one per isolated start
+/// up to the limit. (A real batch takes what is queued: a short batch recorded first may end before the
+/// killer and say "clear", and the killer's batch, recorded beside, may outrun its record again. Each such
+/// death moves the record forward, so the deaths stay bounded by the batches before the killer. Once it is
+/// dead-lettered, a death before its offset commits redelivers it and its count starts again: bounded by
 /// those deaths, not checked here.)
 const KILLER_STOPPED: &str = "a message that kills the process is dead-lettered before it kills more \
                               processes than the crash-loop limit and two";
@@ -524,13 +527,21 @@ impl Model for ConsumerModel {
             Step::RecordLands(c) => {
                 let b = s.batch(c).expect("in a batch");
                 let (base, len) = (b.base, b.len);
-                if self.record(&mut s, c, base, len) {
+                let killer_running = b
+                    .claimed
+                    .as_ref()
+                    .is_some_and(|claimed| claimed.iter().any(|m| s.scripts[*m] == Script::Kills));
+                if !self.record(&mut s, c, base, len) {
+                    s.batch_mut(c).beside = false;
+                } else if killer_running {
+                    // The record says the range is a suspect's, but a handler that kills is running: the
+                    // transaction cannot commit, and the death comes first, its isolated start uncounted.
+                    s.batch_mut(c).beside = false;
+                } else {
                     // The record says the range is a suspect's: nothing of the batch took effect (it
                     // commits only once the record is in); it goes again, its first message alone.
                     s.release_claims(c);
                     s.start(c, base, len, true);
-                } else {
-                    s.batch_mut(c).beside = false;
                 }
             }
             Step::Decide(c) => {
@@ -815,6 +826,8 @@ mod tests {
     /// once, offsets behind their transactions, failures with their messages. One limit is known and
     /// shown here: an isolated start the zombie has not finished counts as a death for the new owner, so
     /// with one more (random) death a message that never killed anything reaches the crash-loop limit.
+    /// ([`KILLER_STOPPED`] is not asserted here: a killer's deaths past its bound lie deeper than this
+    /// world's depth; the default world checks it.)
     #[test]
     fn an_evicted_owner_finishing_its_batch_as_a_zombie_keeps_the_guarantees() {
         let checker = check(ConsumerModel {
@@ -825,7 +838,6 @@ mod tests {
             "a step's effect happens at most once",
             "an offset is committed only after its message's transaction or dead letter",
             "a message is dead-lettered only for its own failure",
-            KILLER_STOPPED,
         ] {
             checker.assert_no_discovery(property);
         }

@@ -83,6 +83,7 @@ async fn run(
         )
         .await
         {
+            gate.close(&mut connection).await;
             return;
         }
         let waited = Instant::now();
