@@ -208,8 +208,8 @@ fn batch_actions(s: &State, c: usize, b: &Batch, actions: &mut Vec<Step>) {
     match (&b.pending, &b.claimed) {
         (None, _) => actions.push(Step::Decide(c)),
         (Some(Action::Transact { start, end }), None) => {
-            let range = b.base + start..b.base + end;
-            if range.clone().all(|m| s.claims[m].is_none_or(|o| o == c)) {
+            let mut range = b.base + start..b.base + end;
+            if range.all(|m| s.claims[m].is_none_or(|o| o == c)) {
                 actions.push(Step::Claim(c));
             }
         }
