@@ -70,3 +70,18 @@ BEGIN
     RETURN QUERY SELECT v_isolate, v_deaths, v_until IS NULL;
 END
 $$;
+
+-- Closes the range first..=last of a worker that stops between batches, its batch finished, if the row is
+-- still that worker's clear record: nothing died in it, so a new owner starting behind it (a commit refused
+-- on revoke, offsets reset back) must not take it for a range a run died in. A row another worker wrote
+-- since (a suspect's isolated record, another range) is left alone, and no death count is touched.
+CREATE OR REPLACE FUNCTION saga_consumer_close_batch(
+    p_group TEXT, p_topic TEXT, p_partition INTEGER, p_first BIGINT, p_last BIGINT
+) RETURNS VOID LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    UPDATE saga_consumer_progress SET batch_end = batch_offset - 1, updated_at = now()
+    WHERE group_id = p_group AND topic = p_topic AND partition = p_partition
+      AND batch_offset = p_first AND batch_end = p_last AND suspect_until IS NULL;
+END
+$$;

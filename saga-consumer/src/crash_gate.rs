@@ -12,7 +12,8 @@
 //! gate, the batch machine, the step transaction).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
@@ -149,9 +150,8 @@ pub(crate) struct CrashGate<'a> {
     generation: u64,
     /// Whether the last record left the partition clear; not known (false) until the worker's first.
     clear: AtomicBool,
-    /// The first offset of the worker's last recorded range, finished and left open (the next record
-    /// replaces it); -1 when there is none.
-    finished: AtomicI64,
+    /// The worker's last recorded range, finished and left open (the next record replaces it).
+    finished: Mutex<Option<(i64, i64)>>,
 }
 
 impl<'a> CrashGate<'a> {
@@ -162,20 +162,26 @@ impl<'a> CrashGate<'a> {
             tp,
             generation,
             clear: AtomicBool::new(false),
-            finished: AtomicI64::new(-1),
+            finished: Mutex::new(None),
         }
     }
 
-    /// The worker stops between batches: its last range, finished, is closed, so that a new owner starting
-    /// behind it (a commit refused on revoke, offsets reset back) does not take it for one a run died in.
+    /// The worker stops: its last range, finished, is closed if the record is still that range (a batch
+    /// recorded since, abandoned or not, replaced it), so that a new owner starting behind it (a commit
+    /// refused on revoke, offsets reset back) does not take it for one a run died in.
     pub(crate) async fn close(&self, connection: &mut WorkerConnection) {
-        let first = self.finished.swap(-1, Ordering::Relaxed);
-        if first >= 0 {
+        let range = self.finished.lock().expect("not poisoned").take();
+        if let Some(range) = range {
             let guard = &self.shared.executor.guard;
             guard
-                .end(&self.tp.0, self.tp.1, first, false, &connection.release())
+                .close(&self.tp.0, self.tp.1, range, &connection.release())
                 .await;
         }
+    }
+
+    /// The range `first..=last`, recorded, finished and left open.
+    fn finished(&self, first: i64, last: i64) {
+        *self.finished.lock().expect("not poisoned") = Some((first, last));
     }
 
     /// Keeps what `recorded` says of the partition (not clear, if the record was cancelled).
@@ -295,7 +301,7 @@ impl<'a> CrashGate<'a> {
         let recorded = pending.recorded().await;
         match after_beside(self.learn(recorded.as_ref()), done, take) {
             Beside::Next => {
-                self.finished.store(first, Ordering::Relaxed);
+                self.finished(first, last);
                 Ok(Flow::Next)
             }
             Beside::Abandon => {
@@ -373,11 +379,11 @@ impl<'a> CrashGate<'a> {
         report(self.shared, self.tp, self.generation, &batch[..done]);
         match end_of(&start, done, batch.len()) {
             End::Open => {
-                self.finished.store(first, Ordering::Relaxed);
+                self.finished(first, last_offset(&batch));
                 Flow::Next
             }
             End::Finished => {
-                self.finished.store(first, Ordering::Relaxed);
+                self.finished(first, first);
                 guard
                     .end(&self.tp.0, self.tp.1, first, true, &connection.release())
                     .await;
@@ -418,6 +424,11 @@ impl<'a> CrashGate<'a> {
 /// Whether `batch` is a window that runs in lanes (see `key_lanes`).
 fn in_lanes<'a>(shared: &WorkerShared, batch: impl Iterator<Item = &'a Delivery>) -> bool {
     key_lanes::applies(shared.key_concurrency, batch.map(|d| hold::key_of(&d.raw)))
+}
+
+/// The last offset of `batch` (not empty).
+fn last_offset(batch: &[Delivery]) -> i64 {
+    batch.last().expect("a batch").raw.origin.offset
 }
 
 /// The first and last offsets of the batch of `take` at the front of `backlog`.

@@ -106,6 +106,20 @@ pub(crate) fn end(record: Record, first: i64, finished: bool) -> Record {
     }
 }
 
+/// A worker that stops between batches, its last range `first..=last` finished, closes it
+/// (`saga_consumer_close_batch`): only if the record is still that range and clear, so that a record another
+/// worker wrote since is left alone.
+pub(crate) fn close(record: Record, first: i64, last: i64) -> Record {
+    if record.first == first && record.last == last && record.clear() {
+        Record {
+            last: first - 1,
+            ..record
+        }
+    } else {
+        record
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,6 +199,22 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_closes_only_its_own_clear_range() {
+        assert_eq!(close(record(10, 19), 10, 19), record(10, 9));
+        assert_eq!(
+            close(record(10, 19), 10, 12),
+            record(10, 19),
+            "another range"
+        );
+        let isolated = begin(Some(record(10, 19)), 10, 19).0;
+        assert_eq!(
+            close(isolated, 10, 10),
+            isolated,
+            "a suspect's isolated record"
+        );
+    }
+
+    #[test]
     fn a_suspect_range_without_its_start_reaches_down_to_the_partitions_start() {
         let old = Record {
             suspect: Some(Suspect {
@@ -201,6 +231,7 @@ mod tests {
     enum Call {
         Begin(i64, i64),
         End(i64, bool),
+        Close(i64, i64),
     }
 
     fn calls() -> Vec<Call> {
@@ -209,6 +240,8 @@ mod tests {
             for last in first..(first + 3).min(7) {
                 calls.push(Call::Begin(first, last));
             }
+            calls.push(Call::Close(first, first));
+            calls.push(Call::Close(first, first + 1));
             calls.push(Call::End(first, false));
             calls.push(Call::End(first, true));
         }
@@ -295,57 +328,88 @@ mod tests {
         .unwrap();
     }
 
-    /// The migrations' `saga_consumer_begin_batch` and `saga_consumer_end_batch` decide as [`begin`] and
-    /// [`end`] do, call after call, over every history of two calls and five hundred of eight (each
-    /// history on a partition of its own).
+    /// Plays `history` from `start` on `partition`, checking the SQL's answers and row after each call.
+    async fn play(
+        conn: &mut sqlx::PgConnection,
+        partition: i32,
+        start: Option<Record>,
+        history: &[Call],
+    ) {
+        if let Some(start) = start {
+            put(conn, partition, start).await;
+        }
+        let mut expected = start;
+        for call in history {
+            let function = match *call {
+                Call::Begin(first, last) => {
+                    let (next, isolate) = begin(expected, first, last);
+                    let said: (bool, bool) = sqlx::query_as(
+                        "SELECT isolate, clear FROM saga_consumer_begin_batch('g', 't', $1, $2, $3)",
+                    )
+                    .bind(partition)
+                    .bind(first)
+                    .bind(last)
+                    .fetch_one(&mut *conn)
+                    .await
+                    .unwrap();
+                    let context = format!("{start:?} then {history:?}: at {call:?}");
+                    assert_eq!(said, (isolate, next.clear()), "{context}");
+                    expected = Some(next);
+                    None
+                }
+                Call::End(first, finished) => {
+                    expected = expected.map(|r| end(r, first, finished));
+                    Some((
+                        "SELECT saga_consumer_end_batch('g', 't', $1, $2, $3)",
+                        first,
+                        Ok(finished),
+                    ))
+                }
+                Call::Close(first, last) => {
+                    expected = expected.map(|r| close(r, first, last));
+                    Some((
+                        "SELECT saga_consumer_close_batch('g', 't', $1, $2, $3)",
+                        first,
+                        Err(last),
+                    ))
+                }
+            };
+            if let Some((sql, first, third)) = function {
+                let query = sqlx::query(sql).bind(partition).bind(first);
+                let query = match third {
+                    Ok(finished) => query.bind(finished),
+                    Err(last) => query.bind(last),
+                };
+                query.execute(&mut *conn).await.unwrap();
+            }
+            assert_eq!(
+                row(conn, partition).await,
+                expected,
+                "{start:?} then {history:?}: after {call:?}"
+            );
+        }
+    }
+
+    /// The migrations' `saga_consumer_begin_batch`, `saga_consumer_end_batch` and
+    /// `saga_consumer_close_batch` decide as [`begin`], [`end`] and [`close`] do, call after call, over
+    /// every history of two calls and five hundred of eight (each history on a partition of its own, eight
+    /// at once).
     #[tokio::test]
     async fn the_sql_functions_decide_as_the_record_does() {
+        use futures::StreamExt;
         let db =
             saga_test_support::TestDb::with("crash-record", &[crate::migrate::migrator()]).await;
-        let mut conn = db.pool.acquire().await.unwrap();
-        for (partition, (start, history)) in histories().into_iter().enumerate() {
-            let partition = i32::try_from(partition).unwrap();
-            if let Some(start) = start {
-                put(&mut conn, partition, start).await;
-            }
-            let mut expected = start;
-            for call in &history {
-                match *call {
-                    Call::Begin(first, last) => {
-                        let (next, isolate) = begin(expected, first, last);
-                        let said: (bool, bool) = sqlx::query_as(
-                            "SELECT isolate, clear FROM saga_consumer_begin_batch('g', 't', $1, $2, $3)",
-                        )
-                        .bind(partition)
-                        .bind(first)
-                        .bind(last)
-                        .fetch_one(&mut *conn)
-                        .await
-                        .unwrap();
-                        assert_eq!(
-                            said,
-                            (isolate, next.clear()),
-                            "{start:?} then {history:?}: at {call:?}"
-                        );
-                        expected = Some(next);
-                    }
-                    Call::End(first, finished) => {
-                        sqlx::query("SELECT saga_consumer_end_batch('g', 't', $1, $2, $3)")
-                            .bind(partition)
-                            .bind(first)
-                            .bind(finished)
-                            .execute(&mut *conn)
-                            .await
-                            .unwrap();
-                        expected = expected.map(|r| end(r, first, finished));
-                    }
+        let histories = histories();
+        let pool = &db.pool;
+        let per = histories.len().div_ceil(8);
+        futures::stream::iter(histories.chunks(per).enumerate())
+            .for_each_concurrent(None, |(chunk, histories)| async move {
+                let mut conn = pool.acquire().await.unwrap();
+                for (i, (start, history)) in histories.iter().enumerate() {
+                    let partition = i32::try_from(chunk * per + i).unwrap();
+                    play(&mut conn, partition, *start, history).await;
                 }
-                assert_eq!(
-                    row(&mut conn, partition).await,
-                    expected,
-                    "{start:?} then {history:?}: after {call:?}"
-                );
-            }
-        }
+            })
+            .await;
     }
 }

@@ -44,6 +44,9 @@ pub(crate) enum BatchStart {
     DeadLetter(u32),
 }
 
+/// How long a stopping worker waits to close its finished range (see [`CrashGuard::close`]).
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A batch's recorded start, and whether it left the partition clear: no suspect range, so that the next
 /// batch following this one starts normally and may be recorded beside its transaction (whose handlers run
 /// before the record is read).
@@ -283,6 +286,44 @@ impl CrashGuard {
 }
 
 impl CrashGuard {
+    /// Closes the range `first..=last` of `topic`/`partition`, its batch finished, if the record is still
+    /// that range and clear (`saga_consumer_close_batch`): its worker stops between batches. Waits at most
+    /// [`CLOSE_WAIT`]: a range left open costs a new owner behind it one message at a time over it, a
+    /// revoke waiting on an unavailable database costs the whole group.
+    pub(crate) async fn close(
+        &self,
+        topic: &str,
+        partition: i32,
+        (first, last): (i64, i64),
+        _released: &Released<'_>,
+    ) {
+        if self.limit == 0 {
+            return;
+        }
+        let closing = self.execute(
+            sqlx::query("SELECT saga_consumer_close_batch($1, $2, $3, $4, $5)")
+                .bind(&self.group)
+                .bind(topic)
+                .bind(partition)
+                .bind(first)
+                .bind(last),
+        );
+        match tokio::time::timeout(CLOSE_WAIT, closing).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, topic, partition, first, "could not close a finished batch's range");
+            }
+            Err(_) => {
+                tracing::warn!(
+                    topic,
+                    partition,
+                    first,
+                    "closing a finished batch's range took too long: left open"
+                );
+            }
+        }
+    }
+
     /// Runs `query` on a pooled connection, which is closed instead of given back if the database
     /// turned out unavailable (see `executor::discard_if_unavailable`).
     async fn execute(

@@ -92,6 +92,9 @@ pub(crate) struct Batch {
     /// Its record is being written beside it: its handlers run (and may kill the process) before the
     /// record is in; nothing of it commits or is dead-lettered until it is.
     beside: bool,
+    /// Its record, written beside it, said the range is a suspect's: its handlers go on (and may kill the
+    /// process), nothing of it takes effect, and it goes again with its first message alone.
+    refused: bool,
 }
 
 /// A consumer process and the assignment it believes it holds.
@@ -138,6 +141,8 @@ pub(crate) enum Step {
     Fetch(usize),
     /// The record written beside a consumer's batch is in.
     RecordLands(usize),
+    /// A batch whose record said its range is a suspect's goes again, its first message alone.
+    Redo(usize),
     /// A consumer asks its machine what to do next.
     Decide(usize),
     /// The transaction claims its messages' step keys.
@@ -222,8 +227,8 @@ fn batch_actions(s: &State, c: usize, b: &Batch, actions: &mut Vec<Step>) {
                     .copied()
                     .filter(|m| fault_of(s.scripts[*m], s.fails_left[*m], *m).is_some())
                     .collect();
-                // Its commit waits for its record.
-                if failing.is_empty() && !b.beside {
+                // Its commit waits for its record (and one refused never comes).
+                if failing.is_empty() && !b.beside && !b.refused {
                     actions.push(Step::Commit(c));
                 }
                 for m in &failing {
@@ -238,7 +243,7 @@ fn batch_actions(s: &State, c: usize, b: &Batch, actions: &mut Vec<Step>) {
             }
         }
         // A wait or a dead letter waits for its record too.
-        (Some(_), _) if !b.beside => actions.push(Step::Finish(c)),
+        (Some(_), _) if !b.beside && !b.refused => actions.push(Step::Finish(c)),
         (Some(_), _) => {}
     }
 }
@@ -363,6 +368,7 @@ impl State {
             pending: None,
             claimed: None,
             beside: false,
+            refused: false,
         }));
     }
 
@@ -431,6 +437,9 @@ impl Model for ConsumerModel {
                     if b.beside {
                         // Its record is being written beside it: it may land at any moment.
                         actions.push(Step::RecordLands(c));
+                    }
+                    if b.refused {
+                        actions.push(Step::Redo(c));
                     }
                     batch_actions(s, c, b, actions);
                 }
@@ -518,6 +527,7 @@ impl Model for ConsumerModel {
                         pending: None,
                         claimed: None,
                         beside: true,
+                        refused: false,
                     }));
                 } else {
                     let suspect = self.record(&mut s, c, position, wanted);
@@ -527,22 +537,18 @@ impl Model for ConsumerModel {
             Step::RecordLands(c) => {
                 let b = s.batch(c).expect("in a batch");
                 let (base, len) = (b.base, b.len);
-                let killer_running = b
-                    .claimed
-                    .as_ref()
-                    .is_some_and(|claimed| claimed.iter().any(|m| s.scripts[*m] == Script::Kills));
-                if !self.record(&mut s, c, base, len) {
-                    s.batch_mut(c).beside = false;
-                } else if killer_running {
-                    // The record says the range is a suspect's, but a handler that kills is running: the
-                    // transaction cannot commit, and the death comes first, its isolated start uncounted.
-                    s.batch_mut(c).beside = false;
-                } else {
-                    // The record says the range is a suspect's: nothing of the batch took effect (it
-                    // commits only once the record is in); it goes again, its first message alone.
-                    s.release_claims(c);
-                    s.start(c, base, len, true);
-                }
+                // A suspect's range: the handlers go on until the batch would commit (and a killer among
+                // them dies first, its isolated start uncounted); then it goes again (`Redo`).
+                let refused = self.record(&mut s, c, base, len);
+                let b = s.batch_mut(c);
+                b.beside = false;
+                b.refused = refused;
+            }
+            Step::Redo(c) => {
+                // Nothing of the batch took effect; its first message goes alone, its start counted.
+                let base = s.batch(c).expect("in a batch").base;
+                s.release_claims(c);
+                s.start(c, base, 1, true);
             }
             Step::Decide(c) => {
                 let batch = s.batch_mut(c);

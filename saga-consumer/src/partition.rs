@@ -93,7 +93,10 @@ async fn run(
             // never holds more connections than it has slots.
             Err(_) => match slot(&shared.permits, &cancel, &connection.release()).await {
                 Some(permit) => permit,
-                None => return,
+                None => {
+                    gate.close(&mut connection).await;
+                    return;
+                }
             },
         };
         observe_since(&shared.executor.metrics.phases.permit, waited);
@@ -109,6 +112,8 @@ async fn run(
             .await
             == Flow::Stop
         {
+            // Its last finished range, unless a batch recorded since replaced it.
+            gate.close(&mut connection).await;
             return;
         }
     }
