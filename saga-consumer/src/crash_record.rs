@@ -1,6 +1,6 @@
 //! The crash-loop record of one partition and its decisions, free of I/O: what
-//! `saga_consumer_begin_batch` and `saga_consumer_end_batch` (the consumer's migrations) do to the row of
-//! `saga_consumer_progress`. The SQL performs them in one statement beside the batch (this module is built
+//! `saga_consumer_begin_batch`, `saga_consumer_end_batch` and `saga_consumer_close_batch` (the consumer's
+//! migrations) do to the row of `saga_consumer_progress`. The SQL performs them in one statement beside the batch (this module is built
 //! for tests only); the model (`model.rs`) drives these functions, and a test below holds the SQL to them
 //! over every short history of calls and five hundred longer ones.
 //!
