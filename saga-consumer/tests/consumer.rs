@@ -794,10 +794,9 @@ async fn rebalance_with_a_member_joining_and_one_leaving_loses_and_doubles_nothi
     );
 }
 
-/// Runs in a child process: a consumer that aborts right after its first database commit.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "run by crash_after_the_db_commit_before_the_offset_commit_still_yields_one_effect"]
-async fn crash_child_process() {
+/// A child process's consumer as its parent test set it up (`CRASH_*`), and its topic: the broker, the
+/// group, the dead-letter topic and the database, no step yet.
+async fn child_consumer() -> (saga_consumer::SagaConsumerBuilder, String) {
     let (Ok(url), Ok(brokers), Ok(topic), Ok(group)) = (
         std::env::var("CRASH_DATABASE_URL"),
         std::env::var("CRASH_BROKERS"),
@@ -807,12 +806,38 @@ async fn crash_child_process() {
         panic!("run by the crash test only");
     };
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    SagaConsumer::builder()
+    let builder = SagaConsumer::builder()
         .brokers(brokers)
         .group_id(group)
         .dlq_topic(format!("{topic}.dlq"))
         .pool(pool)
-        .session_timeout(Duration::from_secs(6))
+        .session_timeout(Duration::from_secs(6));
+    (builder, topic)
+}
+
+/// Runs the ignored test `child` of this binary in a child process, against `f`'s database, broker, topic
+/// and group (and `extra` variables); how it ended.
+async fn run_child(f: &Fixture, child: &str, extra: &[(&str, &str)]) -> std::process::ExitStatus {
+    tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", child, "--ignored"])
+        .env("CRASH_DATABASE_URL", f.db.url())
+        .env("CRASH_BROKERS", &f.kafka.brokers)
+        .env("CRASH_TOPIC", &f.topic)
+        .env("CRASH_GROUP", &f.group)
+        .envs(extra.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .unwrap()
+}
+
+/// Runs in a child process: a consumer that aborts right after its first database commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by crash_after_the_db_commit_before_the_offset_commit_still_yields_one_effect"]
+async fn crash_child_process() {
+    let (builder, topic) = child_consumer().await;
+    builder
         .step(RecordPing::new(&topic))
         .hooks(Hooks::default().on_db_commit(|_| std::process::abort()))
         .build()
@@ -827,23 +852,12 @@ async fn crash_child_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run by crash_a_death_on_one_partition_is_not_charged_to_an_isolated_message_of_another"]
 async fn crash_on_partition_child_process() {
-    let (Ok(url), Ok(brokers), Ok(topic), Ok(group), Ok(partition)) = (
-        std::env::var("CRASH_DATABASE_URL"),
-        std::env::var("CRASH_BROKERS"),
-        std::env::var("CRASH_TOPIC"),
-        std::env::var("CRASH_GROUP"),
-        std::env::var("CRASH_PARTITION"),
-    ) else {
+    let Ok(partition) = std::env::var("CRASH_PARTITION") else {
         panic!("run by the crash test only");
     };
     let partition: i32 = partition.parse().unwrap();
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    SagaConsumer::builder()
-        .brokers(brokers)
-        .group_id(group)
-        .dlq_topic(format!("{topic}.dlq"))
-        .pool(pool)
-        .session_timeout(Duration::from_secs(6))
+    let (builder, topic) = child_consumer().await;
+    builder
         .step(RecordPing::new(&topic))
         .crash_loop_limit(2)
         .hooks(Hooks::default().on_db_commit(move |info| {
@@ -863,21 +877,8 @@ async fn crash_on_partition_child_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run by crash_a_poison_behind_a_lagging_committed_offset_is_isolated_and_dead_lettered"]
 async fn crash_lagging_child_process() {
-    let (Ok(url), Ok(brokers), Ok(topic), Ok(group)) = (
-        std::env::var("CRASH_DATABASE_URL"),
-        std::env::var("CRASH_BROKERS"),
-        std::env::var("CRASH_TOPIC"),
-        std::env::var("CRASH_GROUP"),
-    ) else {
-        panic!("run by the crash test only");
-    };
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    SagaConsumer::builder()
-        .brokers(brokers)
-        .group_id(group)
-        .dlq_topic(format!("{topic}.dlq"))
-        .pool(pool)
-        .session_timeout(Duration::from_secs(6))
+    let (builder, topic) = child_consumer().await;
+    builder
         .batch_size(1)
         .commit_interval(Duration::from_secs(60))
         .crash_loop_limit(2)
@@ -917,17 +918,7 @@ async fn crash_a_poison_behind_a_lagging_committed_offset_is_isolated_and_dead_l
     // Three runs, each killed by the poison: the first as it met it in a batch, the next two isolating it
     // (the crash-loop limit is two isolated deaths).
     for run in 1..=3 {
-        let status = tokio::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "crash_lagging_child_process", "--ignored"])
-            .env("CRASH_DATABASE_URL", f.db.url())
-            .env("CRASH_BROKERS", &f.kafka.brokers)
-            .env("CRASH_TOPIC", &f.topic)
-            .env("CRASH_GROUP", &f.group)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .await
-            .unwrap();
+        let status = run_child(&f, "crash_lagging_child_process", &[]).await;
         assert!(!status.success(), "run {run}: the poison killed the child");
         assert!(
             f.committed().await.is_empty(),
@@ -1042,18 +1033,12 @@ async fn crash_a_death_on_one_partition_is_not_charged_to_an_isolated_message_of
     .await
     .unwrap();
     for _ in 0..3 {
-        let status = tokio::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "crash_on_partition_child_process", "--ignored"])
-            .env("CRASH_DATABASE_URL", f.db.url())
-            .env("CRASH_BROKERS", &f.kafka.brokers)
-            .env("CRASH_TOPIC", &f.topic)
-            .env("CRASH_GROUP", &f.group)
-            .env("CRASH_PARTITION", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .await
-            .unwrap();
+        let status = run_child(
+            &f,
+            "crash_on_partition_child_process",
+            &[("CRASH_PARTITION", "1")],
+        )
+        .await;
         assert!(!status.success(), "the child died");
     }
     let running = f.start(f.consumer(RecordPing::new(&f.topic)).crash_loop_limit(2));
@@ -1094,17 +1079,7 @@ async fn crash_after_the_db_commit_before_the_offset_commit_still_yields_one_eff
     let f = Fixture::new("crash", 1).await;
     f.ping("order-9", &ping(9)).await;
 
-    let status = tokio::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "crash_child_process", "--ignored", "--nocapture"])
-        .env("CRASH_DATABASE_URL", f.db.url())
-        .env("CRASH_BROKERS", &f.kafka.brokers)
-        .env("CRASH_TOPIC", &f.topic)
-        .env("CRASH_GROUP", &f.group)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .await
-        .unwrap();
+    let status = run_child(&f, "crash_child_process", &[]).await;
     assert!(!status.success(), "the child aborted");
     assert_eq!(
         f.effects().await.len(),
