@@ -328,6 +328,39 @@ mod tests {
         .unwrap();
     }
 
+    /// Makes `call` on the SQL side, on `partition`: a begin's answer (isolate, clear).
+    async fn call_sql(
+        conn: &mut sqlx::PgConnection,
+        partition: i32,
+        call: Call,
+    ) -> Option<(bool, bool)> {
+        let statement = match call {
+            Call::Begin(first, last) => {
+                let said = sqlx::query_as(
+                    "SELECT isolate, clear FROM saga_consumer_begin_batch('g', 't', $1, $2, $3)",
+                )
+                .bind(partition)
+                .bind(first)
+                .bind(last);
+                return Some(said.fetch_one(conn).await.unwrap());
+            }
+            Call::End(first, finished) => {
+                sqlx::query("SELECT saga_consumer_end_batch('g', 't', $1, $2, $3)")
+                    .bind(partition)
+                    .bind(first)
+                    .bind(finished)
+            }
+            Call::Close(first, last) => {
+                sqlx::query("SELECT saga_consumer_close_batch('g', 't', $1, $2, $3)")
+                    .bind(partition)
+                    .bind(first)
+                    .bind(last)
+            }
+        };
+        statement.execute(conn).await.unwrap();
+        None
+    }
+
     /// Plays `history` from `start` on `partition`, checking the SQL's answers and row after each call.
     async fn play(
         conn: &mut sqlx::PgConnection,
@@ -339,49 +372,18 @@ mod tests {
             put(conn, partition, start).await;
         }
         let mut expected = start;
-        for call in history {
-            let function = match *call {
+        for &call in history {
+            let (next, answer) = match call {
                 Call::Begin(first, last) => {
                     let (next, isolate) = begin(expected, first, last);
-                    let said: (bool, bool) = sqlx::query_as(
-                        "SELECT isolate, clear FROM saga_consumer_begin_batch('g', 't', $1, $2, $3)",
-                    )
-                    .bind(partition)
-                    .bind(first)
-                    .bind(last)
-                    .fetch_one(&mut *conn)
-                    .await
-                    .unwrap();
-                    let context = format!("{start:?} then {history:?}: at {call:?}");
-                    assert_eq!(said, (isolate, next.clear()), "{context}");
-                    expected = Some(next);
-                    None
+                    (Some(next), Some((isolate, next.clear())))
                 }
-                Call::End(first, finished) => {
-                    expected = expected.map(|r| end(r, first, finished));
-                    Some((
-                        "SELECT saga_consumer_end_batch('g', 't', $1, $2, $3)",
-                        first,
-                        Ok(finished),
-                    ))
-                }
-                Call::Close(first, last) => {
-                    expected = expected.map(|r| close(r, first, last));
-                    Some((
-                        "SELECT saga_consumer_close_batch('g', 't', $1, $2, $3)",
-                        first,
-                        Err(last),
-                    ))
-                }
+                Call::End(first, finished) => (expected.map(|r| end(r, first, finished)), None),
+                Call::Close(first, last) => (expected.map(|r| close(r, first, last)), None),
             };
-            if let Some((sql, first, third)) = function {
-                let query = sqlx::query(sql).bind(partition).bind(first);
-                let query = match third {
-                    Ok(finished) => query.bind(finished),
-                    Err(last) => query.bind(last),
-                };
-                query.execute(&mut *conn).await.unwrap();
-            }
+            let said = call_sql(conn, partition, call).await;
+            assert_eq!(said, answer, "{start:?} then {history:?}: at {call:?}");
+            expected = next;
             assert_eq!(
                 row(conn, partition).await,
                 expected,

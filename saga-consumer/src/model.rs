@@ -857,13 +857,10 @@ mod tests {
     /// the range its last run died in, which replaced the record: the killer is never isolated.
     #[test]
     fn forgetting_a_rewound_range_is_found() {
-        let model = ConsumerModel {
+        assert_killer_loops(ConsumerModel {
             forget_a_rewound_range: true,
             ..ConsumerModel::default()
-        };
-        let checker = find(&model, KILLER_STOPPED);
-        let path = checker.assert_any_discovery(KILLER_STOPPED);
-        println!("counterexample: {:?}", path.into_actions());
+        });
     }
 
     /// The crash gate's old rule: a suspect range's batch recorded beside its transaction runs its first
@@ -871,12 +868,15 @@ mod tests {
     /// restart after restart.
     #[test]
     fn recording_beside_a_partition_not_known_clear_is_found() {
-        let model = ConsumerModel {
+        assert_killer_loops(ConsumerModel {
             beside_always: true,
             ..ConsumerModel::default()
-        };
-        let checker = find(&model, KILLER_STOPPED);
-        let path = checker.assert_any_discovery(KILLER_STOPPED);
+        });
+    }
+
+    /// The checker finds, in `model` (an old crash-loop rule put back), a killer that is not stopped.
+    fn assert_killer_loops(model: ConsumerModel) {
+        let path = find(&model, KILLER_STOPPED).assert_any_discovery(KILLER_STOPPED);
         println!("counterexample: {:?}", path.into_actions());
     }
 

@@ -83,8 +83,7 @@ async fn run(
         )
         .await
         {
-            gate.close(&mut connection).await;
-            return;
+            break;
         }
         let waited = Instant::now();
         let _permit = match shared.permits.clone().try_acquire_owned() {
@@ -93,10 +92,7 @@ async fn run(
             // never holds more connections than it has slots.
             Err(_) => match slot(&shared.permits, &cancel, &connection.release()).await {
                 Some(permit) => permit,
-                None => {
-                    gate.close(&mut connection).await;
-                    return;
-                }
+                None => break,
             },
         };
         observe_since(&shared.executor.metrics.phases.permit, waited);
@@ -112,11 +108,11 @@ async fn run(
             .await
             == Flow::Stop
         {
-            // Its last finished range, unless a batch recorded since replaced it.
-            gate.close(&mut connection).await;
-            return;
+            break;
         }
     }
+    // However the worker stops: its last finished range, unless a batch recorded since replaced it.
+    gate.close(&mut connection).await;
 }
 
 /// Fills `backlog` up to a batch from the partition's queue, waiting (with no connection kept) for a
