@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use chrono::Utc;
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
@@ -46,7 +47,8 @@ impl PaymentGateway {
         Self { pool, latency }
     }
 
-    /// Charges `amount_cents` to `card` for `order_id`, once per `idempotency_key`.
+    /// Charges `amount_cents` to `card` for `order_id`, once per `idempotency_key`. The ledger row keeps
+    /// how long the call took (`call_ms`), the outside call's own part of a saga's time.
     pub async fn charge(
         &self,
         idempotency_key: &str,
@@ -54,13 +56,14 @@ impl PaymentGateway {
         amount_cents: i64,
         card: &str,
     ) -> Result<ChargeResult, GatewayUnavailable> {
+        let called = Utc::now();
         tokio::time::sleep(self.latency).await;
         self.check_up().await?;
         let declined = card.ends_with("0002");
         let row = sqlx::query(
             "WITH inserted AS ( \
-                 INSERT INTO gateway_charges (idempotency_key, charge_id, order_id, amount_cents, declined) \
-                 VALUES ($1, $2, $3, $4, $5) \
+                 INSERT INTO gateway_charges (idempotency_key, charge_id, order_id, amount_cents, declined, call_ms) \
+                 VALUES ($1, $2, $3, $4, $5, extract(epoch FROM clock_timestamp() - $6) * 1000) \
                  ON CONFLICT (idempotency_key) DO NOTHING \
                  RETURNING charge_id, declined) \
              SELECT charge_id, declined FROM inserted \
@@ -73,6 +76,7 @@ impl PaymentGateway {
         .bind(order_id)
         .bind(amount_cents)
         .bind(declined)
+        .bind(called)
         .fetch_one(&self.pool)
         .await?;
         let charge_id: String = row.try_get(0)?;

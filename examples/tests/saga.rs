@@ -102,6 +102,18 @@ impl Saga {
         )
     }
 
+    /// The gateway's charges without a call time (`call_ms`, which saga-bench takes out of a saga's time).
+    async fn untimed_charges(&self) -> i64 {
+        let gateway = quote_ident(&self.args.gateway_schema());
+        let pool = self.test.pool("payment").unwrap().clone();
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {gateway}.gateway_charges WHERE call_ms IS NULL OR call_ms < 0"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    }
+
     async fn stop(self) {
         let gateway = quote_ident(&self.args.gateway_schema());
         let pool = self.test.pool("payment").unwrap().clone();
@@ -165,6 +177,11 @@ async fn check(saga: &Saga, paid: Uuid, declined: Uuid, unshippable: Uuid) {
     assert_eq!(saga.status(unshippable).await, "CANCELLED");
     // The ground truth: three charges (the declined one recorded as such), one refund.
     assert_eq!(saga.ledger().await, (3, 1));
+    assert_eq!(
+        saga.untimed_charges().await,
+        0,
+        "each charge keeps its call's time"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -579,9 +579,12 @@ impl Relay {
         shutdown: &CancellationToken,
     ) -> Result<Option<ReplicationEvent>, WalEnd> {
         let received = if !st.batch.is_empty() && !st.in_transaction {
-            match tokio::time::timeout(Duration::ZERO, client.recv()).await {
-                Ok(received) => received,
-                Err(_) => {
+            // What the stream holds already, without waiting: a zero timeout would wait for the timer's
+            // next tick (up to a millisecond) on every commit's way to the broker. A stream that ended is
+            // told by the next `recv`, after this batch is published.
+            match client.try_recv() {
+                Some(received) => received.map(Some),
+                None => {
                     self.settle(
                         publisher,
                         &mut st.batch,

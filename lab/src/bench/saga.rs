@@ -19,6 +19,11 @@ use saga_examples::service::{Service, ServiceArgs, quote_ident};
 pub struct SagaLatency {
     /// End to end, p50 and p99, ms.
     pub e2e_ms: (f64, f64),
+    /// The framework's part: each saga's end to end less its payment step's outside call (the simulated
+    /// gateway's own time, `gateway_charges.call_ms`), p50 and p99, ms.
+    pub framework_ms: (f64, f64),
+    /// The outside call alone, p50 and p99, ms.
+    pub call_ms: (f64, f64),
     /// Each hop.
     pub hops: Vec<Hop>,
 }
@@ -234,17 +239,34 @@ pub async fn latency(
             hop.hop, hop.relay_ms.0, hop.relay_ms.1, hop.delivery_ms.0, hop.delivery_ms.1, hop.step_ms.0, hop.step_ms.1
         ));
     }
+    let gateway = quote_ident(&args.gateway_schema());
+    // Each saga's end to end, and its payment step's outside call (the gateway's own time), by order.
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) \
-         FROM (SELECT extract(epoch FROM h.at - o.created_at) * 1000 AS ms \
-               FROM {order}.orders o JOIN {order}.order_history h ON h.order_id = o.order_id AND h.status = 'COMPLETED' \
-               WHERE o.created_at >= $1) AS l"
+        "WITH l AS ( \
+           SELECT extract(epoch FROM h.at - o.created_at) * 1000 AS ms, c.call_ms \
+           FROM {order}.orders o \
+           JOIN {order}.order_history h ON h.order_id = o.order_id AND h.status = 'COMPLETED' \
+           JOIN {gateway}.gateway_charges c ON c.order_id = o.order_id AND NOT c.declined \
+           WHERE o.created_at >= $1) \
+         SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), \
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY ms - call_ms), \
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY ms - call_ms), \
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY call_ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY call_ms) \
+         FROM l"
     )))
     .bind(from)
     .fetch_one(pool)
     .await?;
+    let pair = |i: usize| -> Result<(f64, f64), sqlx::Error> {
+        Ok((
+            row.try_get::<Option<f64>, _>(i)?.unwrap_or(f64::NAN),
+            row.try_get::<Option<f64>, _>(i + 1)?.unwrap_or(f64::NAN),
+        ))
+    };
     Ok(SagaLatency {
-        e2e_ms: (row.try_get(0)?, row.try_get(1)?),
+        e2e_ms: pair(0)?,
+        framework_ms: pair(2)?,
+        call_ms: pair(4)?,
         hops,
     })
 }

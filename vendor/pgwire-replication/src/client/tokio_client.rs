@@ -313,6 +313,15 @@ impl ReplicationClient {
         }
     }
 
+    /// The next replication event if one is already waiting, without waiting for one (vendored addition).
+    ///
+    /// - `Some(Ok(event))` => an event was waiting
+    /// - `Some(Err(e))`    => replication ended abnormally
+    /// - `None`            => nothing is waiting, or the stream ended: [`Self::recv`] says how
+    pub fn try_recv(&mut self) -> Option<Result<ReplicationEvent>> {
+        self.rx.try_recv().ok()
+    }
+
     /// Update the applied/durable LSN reported to the server.
     ///
     /// Semantics: call this only once you have durably persisted all events up to `lsn`.
