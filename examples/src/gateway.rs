@@ -2,9 +2,8 @@
 //! transactions. Like real gateways it deduplicates on the caller's idempotency key: charging twice with
 //! the same key returns the first charge. Cards ending in `0002` are declined.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use chrono::Utc;
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
@@ -48,7 +47,8 @@ impl PaymentGateway {
     }
 
     /// Charges `amount_cents` to `card` for `order_id`, once per `idempotency_key`. The ledger row keeps
-    /// how long the call took (`call_ms`), the outside call's own part of a saga's time.
+    /// how long the call took until its ledger row's statement (`call_ms`): the outside call's own part of a
+    /// saga's time.
     pub async fn charge(
         &self,
         idempotency_key: &str,
@@ -56,14 +56,14 @@ impl PaymentGateway {
         amount_cents: i64,
         card: &str,
     ) -> Result<ChargeResult, GatewayUnavailable> {
-        let called = Utc::now();
+        let called = Instant::now();
         tokio::time::sleep(self.latency).await;
         self.check_up().await?;
         let declined = card.ends_with("0002");
         let row = sqlx::query(
             "WITH inserted AS ( \
                  INSERT INTO gateway_charges (idempotency_key, charge_id, order_id, amount_cents, declined, call_ms) \
-                 VALUES ($1, $2, $3, $4, $5, extract(epoch FROM clock_timestamp() - $6) * 1000) \
+                 VALUES ($1, $2, $3, $4, $5, $6) \
                  ON CONFLICT (idempotency_key) DO NOTHING \
                  RETURNING charge_id, declined) \
              SELECT charge_id, declined FROM inserted \
@@ -76,7 +76,8 @@ impl PaymentGateway {
         .bind(order_id)
         .bind(amount_cents)
         .bind(declined)
-        .bind(called)
+        // The call's time up to its ledger row's statement, on this process's clock alone.
+        .bind(called.elapsed().as_secs_f64() * 1000.0)
         .fetch_one(&self.pool)
         .await?;
         let charge_id: String = row.try_get(0)?;

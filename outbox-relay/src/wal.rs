@@ -37,6 +37,7 @@ use pgwire_replication::{
 };
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::store::wal::{self, WalOutbox, fence};
+use tokio::sync::mpsc::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
 use crate::parked::{self, ToPark};
@@ -581,10 +582,11 @@ impl Relay {
         let received = if !st.batch.is_empty() && !st.in_transaction {
             // What the stream holds already, without waiting: a zero timeout would wait for the timer's
             // next tick (up to a millisecond) on every commit's way to the broker. A stream that ended is
-            // told by the next `recv`, after this batch is published.
+            // told by `recv` at once: its session's batch is not published (the slot gives it again).
             match client.try_recv() {
-                Some(received) => received.map(Some),
-                None => {
+                Ok(received) => received.map(Some),
+                Err(TryRecvError::Disconnected) => client.recv().await,
+                Err(TryRecvError::Empty) => {
                     self.settle(
                         publisher,
                         &mut st.batch,

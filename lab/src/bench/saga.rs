@@ -240,14 +240,16 @@ pub async fn latency(
         ));
     }
     let gateway = quote_ident(&args.gateway_schema());
-    // Each saga's end to end, and its payment step's outside call (the gateway's own time), by order.
+    // Each saga's end to end, and its payment step's outside calls (the gateway's own time), by order: the
+    // sagas whose every charge was timed.
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "WITH l AS ( \
            SELECT extract(epoch FROM h.at - o.created_at) * 1000 AS ms, c.call_ms \
            FROM {order}.orders o \
            JOIN {order}.order_history h ON h.order_id = o.order_id AND h.status = 'COMPLETED' \
-           JOIN {gateway}.gateway_charges c ON c.order_id = o.order_id AND NOT c.declined \
-           WHERE o.created_at >= $1) \
+           CROSS JOIN LATERAL (SELECT sum(call_ms) AS call_ms, count(*) - count(call_ms) AS untimed \
+                               FROM {gateway}.gateway_charges WHERE order_id = o.order_id) c \
+           WHERE o.created_at >= $1 AND c.untimed = 0 AND c.call_ms IS NOT NULL) \
          SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), \
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY ms - call_ms), \
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY ms - call_ms), \

@@ -571,6 +571,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     checkpoint(&report, &cli.output)?;
     if starts("saga") {
+        quiet_database(&cli.database_url, &mut schemas, &progress).await?;
         let broker = Broker::External(cli.brokers.clone());
         for mode in &cli.outbox_modes {
             let latency = saga_pass(&cli, &args, &broker, *mode, &mut schemas, &progress).await?;
@@ -587,6 +588,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     checkpoint(&report, &cli.output)?;
     if starts("saga-mock") {
+        quiet_database(&cli.database_url, &mut schemas, &progress).await?;
         // The same sagas on the mock cluster, whose delivery is its fetch wait: what the framework and
         // PostgreSQL take without the broker's time.
         let mock = Broker::mock()?;
@@ -906,6 +908,27 @@ fn mock_figures(report: &mut Report, mode: OutboxMode) -> &mut serde_json::Value
         figures["wal"] = serde_json::json!({});
     }
     &mut figures["wal"]
+}
+
+/// Before a latency section: drops the earlier sections' schemas (their tables would still be vacuumed
+/// meanwhile) and writes their dirty pages out now (`CHECKPOINT`), so that the latency measured is the
+/// section's own work, not the writes of the throughput sections before it finishing beside it.
+async fn quiet_database(
+    url: &str,
+    schemas: &mut Vec<String>,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    progress.doing("quieting the database: the earlier sections' schemas dropped, a checkpoint");
+    let admin = sqlx::PgPool::connect(url).await?;
+    for name in schemas.drain(..) {
+        saga_lab::harness::drop_schema(&admin, &name).await?;
+    }
+    // A role without the right to checkpoint measures without it: the figures stay, the run says so.
+    if let Err(e) = sqlx::query("CHECKPOINT").execute(&admin).await {
+        progress.note(&format!("no checkpoint before the latency section: {e}"));
+    }
+    admin.close().await;
+    Ok(())
 }
 
 /// One pass of the `saga` section: the example's services in outbox mode `mode` on `broker`, each mode on
