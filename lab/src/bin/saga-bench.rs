@@ -571,7 +571,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     checkpoint(&report, &cli.output)?;
     if starts("saga") {
-        quiet_database(&cli.database_url, &mut schemas, &progress).await?;
+        let quiet = quiet_database(&cli.database_url, &mut schemas, &progress).await?;
+        report.settings["saga_checkpointed"] = serde_json::json!(quiet);
         let broker = Broker::External(cli.brokers.clone());
         for mode in &cli.outbox_modes {
             let latency = saga_pass(&cli, &args, &broker, *mode, &mut schemas, &progress).await?;
@@ -588,7 +589,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     checkpoint(&report, &cli.output)?;
     if starts("saga-mock") {
-        quiet_database(&cli.database_url, &mut schemas, &progress).await?;
+        let quiet = quiet_database(&cli.database_url, &mut schemas, &progress).await?;
+        report.settings["saga_mock_checkpointed"] = serde_json::json!(quiet);
         // The same sagas on the mock cluster, whose delivery is its fetch wait: what the framework and
         // PostgreSQL take without the broker's time.
         let mock = Broker::mock()?;
@@ -911,24 +913,47 @@ fn mock_figures(report: &mut Report, mode: OutboxMode) -> &mut serde_json::Value
 }
 
 /// Before a latency section: drops the earlier sections' schemas (their tables would still be vacuumed
-/// meanwhile) and writes their dirty pages out now (`CHECKPOINT`), so that the latency measured is the
-/// section's own work, not the writes of the throughput sections before it finishing beside it.
+/// meanwhile; their buffers go with them) and has PostgreSQL write out the rest of its dirty pages now
+/// (`CHECKPOINT`), so that the section measures its own sagas, not the vacuum and the checkpoint the
+/// throughput sections' writes owe. Returns whether the checkpoint ran. A schema that cannot be dropped
+/// now is noted and left to the run's final cleanup.
 async fn quiet_database(
     url: &str,
     schemas: &mut Vec<String>,
     progress: &Progress,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<bool> {
     progress.doing("quieting the database: the earlier sections' schemas dropped, a checkpoint");
     let admin = sqlx::PgPool::connect(url).await?;
+    // A WAL pass's relay lets go of its slot as its connection closes: an active slot is not dropped.
+    for _ in 0..100 {
+        let active: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_replication_slots WHERE database = current_database() AND active",
+        )
+        .fetch_one(&admin)
+        .await?;
+        if active == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut kept = Vec::new();
     for name in schemas.drain(..) {
-        saga_lab::harness::drop_schema(&admin, &name).await?;
+        if let Err(e) = saga_lab::harness::drop_schema(&admin, &name).await {
+            progress.note(&format!("schema {name} left to the final cleanup: {e}"));
+            kept.push(name);
+        }
     }
-    // A role without the right to checkpoint measures without it: the figures stay, the run says so.
-    if let Err(e) = sqlx::query("CHECKPOINT").execute(&admin).await {
-        progress.note(&format!("no checkpoint before the latency section: {e}"));
-    }
+    *schemas = kept;
+    // A role without the right to checkpoint measures without it: the figures stay, the page says so.
+    let checkpointed = match sqlx::query("CHECKPOINT").execute(&admin).await {
+        Ok(_) => true,
+        Err(e) => {
+            progress.note(&format!("no checkpoint before the latency section: {e}"));
+            false
+        }
+    };
     admin.close().await;
-    Ok(())
+    Ok(checkpointed)
 }
 
 /// One pass of the `saga` section: the example's services in outbox mode `mode` on `broker`, each mode on
