@@ -32,12 +32,12 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use futures::FutureExt;
 use pgwire_replication::{
     Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig,
 };
 use saga_runtime::config::ConfigProblem;
 use saga_runtime::store::wal::{self, WalOutbox, fence};
-use tokio::sync::mpsc::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
 use crate::parked::{self, ToPark};
@@ -579,14 +579,14 @@ impl Relay {
         publisher: &mut Publisher,
         shutdown: &CancellationToken,
     ) -> Result<Option<ReplicationEvent>, WalEnd> {
-        let received = if !st.batch.is_empty() && !st.in_transaction {
-            // What the stream holds already, without waiting: a zero timeout would wait for the timer's
-            // next tick (up to a millisecond) on every commit's way to the broker. A stream that ended is
-            // told by `recv` at once: its session's batch is not published (the slot gives it again).
-            match client.try_recv() {
-                Ok(received) => received.map(Some),
-                Err(TryRecvError::Disconnected) => client.recv().await,
-                Err(TryRecvError::Empty) => {
+        // What the stream holds already, without waiting: a zero timeout would wait for the timer's next
+        // tick (up to a millisecond) on every commit's way to the broker. Asked only while the stream's
+        // worker runs: an ended stream goes to `recv` below, which says how it ended, and its session's
+        // batch is not published (the slot gives it to the next session).
+        let received = if !st.batch.is_empty() && !st.in_transaction && client.is_running() {
+            match client.recv().now_or_never() {
+                Some(received) => received,
+                None => {
                     self.settle(
                         publisher,
                         &mut st.batch,

@@ -313,17 +313,6 @@ impl ReplicationClient {
         }
     }
 
-    /// The next replication event if one is already waiting, without waiting for one (vendored addition).
-    ///
-    /// - `Ok(Ok(event))` / `Ok(Err(e))` => what [`Self::recv`] would have returned first
-    /// - `Err(TryRecvError::Empty)`        => nothing is waiting yet
-    /// - `Err(TryRecvError::Disconnected)` => the stream ended: [`Self::recv`] says how
-    pub fn try_recv(
-        &mut self,
-    ) -> std::result::Result<Result<ReplicationEvent>, tokio::sync::mpsc::error::TryRecvError> {
-        self.rx.try_recv()
-    }
-
     /// Update the applied/durable LSN reported to the server.
     ///
     /// Semantics: call this only once you have durably persisted all events up to `lsn`.
